@@ -1,0 +1,66 @@
+"""nbdist: a Jupyter notebook as the driver of a multi-GPU (or multi-CPU) PyTorch job.
+
+In a notebook::
+
+    %load_ext nbdist
+    %dist_start 4            # one engine per GPU (or 2 CPU ranks), process group ready
+
+    %%on_all_ranks
+    t = torch.ones(2) * rank
+    dist.all_reduce(t)
+    print(rank, t)
+
+From a script: :class:`DistSession`. On a rank: :func:`rank`, :func:`device`,
+:func:`print0`, :func:`rank_zero_first`, :func:`seed_all`.
+
+Rank-side names import with torch alone; the session, IPython and ipyparallel
+are imported only when used.
+"""
+
+from __future__ import annotations
+
+from .errors import ClusterNotRunning, NbdistError, PlacementError, RankError
+from .rank import device, local_rank, print0, rank, rank_zero_first, seed_all, world_size
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterNotRunning",
+    "DistSession",
+    "NbdistError",
+    "PlacementError",
+    "RankError",
+    "current_session",
+    "device",
+    "load_ipython_extension",
+    "local_rank",
+    "print0",
+    "rank",
+    "rank_zero_first",
+    "seed_all",
+    "unload_ipython_extension",
+    "world_size",
+]
+
+
+def __getattr__(name: str):
+    # The kernel-side API pulls in ipyparallel; ranks never need it.
+    if name in ("DistSession", "current_session"):
+        from . import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext nbdist``: register the magics."""
+    from .magics import register
+
+    register(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%unload_ext nbdist``: stop this kernel's cluster (the magics stay until restart)."""
+    from .session import _stop_live_sessions
+
+    _stop_live_sessions()

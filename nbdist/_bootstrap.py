@@ -1,0 +1,175 @@
+"""Engine-side steps of forming the process group; called by the session with ``apply``.
+
+Order (each a round trip from the kernel):
+1. :func:`describe` on every engine: pid, host, address, GPUs, cores, slot.
+2. :func:`open_rendezvous` on rank 0's engine: a listening socket on the
+   rendezvous address, port chosen by the OS (no race for a "free" port, and
+   it listens only where asked: loopback for a single machine).
+3. :func:`init_rank` on every engine at once: environment, threads, device,
+   ``init_process_group`` over a TCPStore that uses rank 0's socket, one
+   all_reduce to prove the group works, and the user namespace.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+__all__ = ["close_rendezvous", "describe", "init_rank", "open_rendezvous", "teardown"]
+
+_listener: socket.socket | None = None
+
+
+def describe(controller_host: str = "127.0.0.1") -> dict:
+    """Facts about this engine; touches neither torch nor CUDA."""
+    from .placement import visible_gpus
+
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "address": _address_towards(controller_host),
+        "gpus": len(visible_gpus()),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "slot": int(os.environ["NBDIST_SLOT"]) if "NBDIST_SLOT" in os.environ else None,
+    }
+
+
+def _address_towards(host: str) -> str:
+    """This host's address on the route to ``host`` (what other hosts can reach)."""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((host, 9))  # UDP connect sends nothing; it only picks a route
+        return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+    finally:
+        probe.close()
+
+
+def open_rendezvous(address: str) -> int:
+    """Listen on ``address`` with an OS-chosen port, kept open for the TCPStore."""
+    global _listener
+    close_rendezvous()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, 0))
+    listener.listen(128)
+    _listener = listener
+    return listener.getsockname()[1]
+
+
+def close_rendezvous() -> None:
+    global _listener
+    if _listener is not None:
+        _listener.close()
+        _listener = None
+
+
+def _loopback_ifname() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), "lo")
+
+
+def init_rank(spec: dict) -> dict:
+    """Join the process group as ``spec['rank']`` and fill the user namespace."""
+    env = {
+        "RANK": spec["rank"],
+        "LOCAL_RANK": spec["local_rank"],
+        "WORLD_SIZE": spec["world_size"],
+        "LOCAL_WORLD_SIZE": spec["local_world_size"],
+        "MASTER_ADDR": spec["master_addr"],
+        "MASTER_PORT": spec["master_port"],
+    }
+    os.environ.update({k: str(v) for k, v in env.items()})
+    if spec.get("loopback_only"):
+        # Keep gloo/NCCL's own sockets on loopback too; the user's setting wins.
+        ifname = _loopback_ifname()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    gpu = spec.get("gpu")
+    if gpu is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+
+    import torch
+    import torch.distributed as dist
+
+    # nbdist.rank (the module) is shadowed by nbdist.rank() (the function): import names.
+    from .rank import _state, device_for
+
+    torch.set_num_threads(spec["threads"])
+    cuda_initialized = gpu is not None and torch.cuda.is_initialized()
+    device = device_for(gpu, cuda_initialized=cuda_initialized)
+    if gpu is not None:
+        torch.cuda.set_device(torch.device(device))
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    timeout = datetime.timedelta(seconds=spec["timeout"])
+    is_master = spec["rank"] == 0
+    store = dist.TCPStore(
+        spec["master_addr"],
+        spec["master_port"],
+        spec["world_size"],
+        is_master,
+        timeout=timeout,
+        master_listen_fd=_listener.fileno() if is_master and _listener is not None else None,
+    )
+    init_kwargs = {}
+    if spec["backend"] == "nccl":
+        init_kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(
+        spec["backend"],
+        store=store,
+        rank=spec["rank"],
+        world_size=spec["world_size"],
+        **init_kwargs,
+    )
+    # One collective proves every rank can reach every other before we say "ready".
+    probe = torch.ones(1, device=device) * (spec["rank"] + 1)
+    dist.all_reduce(probe)
+    expected = spec["world_size"] * (spec["world_size"] + 1) / 2
+    if probe.item() != expected:
+        raise RuntimeError(f"all_reduce check gave {probe.item()}, expected {expected}")
+
+    _state.update(
+        rank=spec["rank"],
+        local_rank=spec["local_rank"],
+        world_size=spec["world_size"],
+        device=device,
+    )
+    _fill_namespace(spec, device)
+    return {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def _fill_namespace(spec: dict, device: str) -> None:
+    from IPython import get_ipython
+
+    import torch
+    import torch.distributed as dist
+
+    import nbdist
+
+    shell = get_ipython()
+    if shell is None:
+        return
+    shell.user_ns.update(
+        torch=torch,
+        dist=dist,
+        nbdist=nbdist,
+        rank=spec["rank"],
+        local_rank=spec["local_rank"],
+        world_size=spec["world_size"],
+        device=torch.device(device),
+    )
+
+
+def teardown() -> None:
+    """Leave the process group (before the engines stop)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    close_rendezvous()

@@ -1,0 +1,233 @@
+"""The engine zygote: import torch once, then fork one ipyparallel engine per rank.
+
+Run as ``python -m nbdist._zygote --slots JSON --parent-pid PID [...] -- ENGINE_ARGS``.
+
+Why: ``import torch`` costs 3-4 s of CPU per process. N engines importing it
+side by side on a small machine take longer than one import followed by N
+forks, which share the imported pages copy-on-write.
+
+Fork is only safe while this process has a single thread and CUDA is not
+initialised (a forked child cannot use a CUDA context made by its parent).
+Both are checked right before forking; if either fails, the engines are
+spawned as separate processes instead and the reason is written to the status
+file, which the session reports.
+
+Children die with the zygote (PR_SET_PDEATHSIG), and the zygote ends its
+children and itself when the kernel that started it disappears (its parent
+pid changes), so a killed kernel leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+__all__ = ["fork_unsafe_reason", "main"]
+
+_PR_SET_PDEATHSIG = 1
+# How long children get to exit after SIGTERM before SIGKILL.
+_TERM_GRACE_S = 3.0
+
+
+def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def fork_unsafe_reason() -> str | None:
+    """Why forking engines from this process would be unsafe, or None if it is safe."""
+    if not hasattr(os, "fork"):
+        return "this platform has no fork()"
+    if threading.active_count() > 1:
+        return f"{threading.active_count()} Python threads are running"
+    try:
+        native_threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        native_threads = 1
+    if native_threads > 1:
+        return f"{native_threads} native threads are running"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is already initialised in the zygote"
+    return None
+
+
+def _fork_engine(slot_env: dict[str, str], engine_argv: list[str], threads: int) -> int:
+    zygote = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    # Child. Anything raised here must not return into the zygote's loop.
+    code = 1
+    try:
+        _set_pdeathsig()
+        if os.getppid() != zygote:  # the zygote died before prctl took effect
+            os._exit(1)
+        _unblock_signals()
+        os.environ.update(slot_env)
+        import random
+
+        random.seed()  # forked children would otherwise share Python's RNG state
+        import torch
+
+        torch.set_num_threads(threads)
+        from ipyparallel.engine.app import IPEngine
+
+        IPEngine.launch_instance(argv=engine_argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _unblock_signals() -> None:
+    # The zygote blocks these while it forks; the mask is inherited by children.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def _spawned_child_setup() -> None:
+    _set_pdeathsig()
+    _unblock_signals()
+
+
+def _spawn_engine(slot_env: dict[str, str], engine_argv: list[str]) -> int:
+    env = dict(os.environ, **slot_env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ipyparallel.engine", *engine_argv],
+        env=env,
+        preexec_fn=_spawned_child_setup,  # noqa: PLW1509 - single-threaded or we would have forked
+    )
+    return proc.pid
+
+
+class _Children:
+    """The engines this zygote started, and how to end them."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = set(pids)
+        self.kill_at: float | None = None
+        self.exit_code = 0
+
+    def signal(self, sig: int) -> None:
+        for pid in list(self.pids):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                self.pids.discard(pid)
+
+    def terminate(self) -> None:
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + _TERM_GRACE_S
+        self.signal(signal.SIGTERM)
+
+    def reap(self) -> None:
+        while self.pids:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.pids.clear()
+                return
+            if pid == 0:
+                return
+            self.pids.discard(pid)
+            code = os.waitstatus_to_exitcode(status)
+            if code and not self.exit_code and self.kill_at is None:
+                self.exit_code = code if code > 0 else 128 - code
+
+
+def _watch_parent(parent_pid: int, children: _Children) -> None:
+    # Polling the parent pid costs nothing measurable and, unlike PDEATHSIG,
+    # does not depend on which thread of the kernel started us.
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            children.terminate()
+            return
+
+
+def _write_status(path: str | None, **fields) -> None:
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(fields, f)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        split = argv.index("--")
+        own, engine_argv = argv[:split], argv[split + 1 :]
+    else:
+        own, engine_argv = argv, []
+    parser = argparse.ArgumentParser(prog="python -m nbdist._zygote")
+    parser.add_argument("--slots", required=True, help="JSON list of per-engine environments")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--start-method", choices=("fork", "spawn"), default="fork")
+    parser.add_argument("--status-file", default=None)
+    opts = parser.parse_args(own)
+    slots = json.loads(opts.slots)
+
+    # Before torch is imported: its OpenMP pool reads this once.
+    os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+    # Signals arriving while we fork would be lost or hit half-built children.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    reason = "spawn requested" if opts.start_method == "spawn" else None
+    if reason is None:
+        import torch  # noqa: F401 - the point of the zygote: imported once, shared by forks
+        import torch.distributed  # noqa: F401
+        from ipyparallel.engine.app import IPEngine  # noqa: F401
+
+        reason = fork_unsafe_reason()
+    pids = []
+    for slot_env in slots:
+        if reason is None:
+            pids.append(_fork_engine(slot_env, engine_argv, opts.threads))
+        else:
+            pids.append(_spawn_engine(slot_env, engine_argv))
+    children = _Children(pids)
+    _write_status(
+        opts.status_file,
+        method="fork" if reason is None else "spawn",
+        reason=reason,
+        pids=pids,
+        zygote=os.getpid(),
+    )
+
+    signal.signal(signal.SIGTERM, lambda *_: children.terminate())
+    # SIGINT is the interrupt relay: forwarded, never fatal to the zygote.
+    signal.signal(signal.SIGINT, lambda *_: children.signal(signal.SIGINT))
+    _unblock_signals()
+    threading.Thread(
+        target=_watch_parent, args=(opts.parent_pid, children), daemon=True
+    ).start()
+
+    while children.pids:
+        children.reap()
+        if children.kill_at is not None and time.monotonic() > children.kill_at:
+            children.signal(signal.SIGKILL)
+        time.sleep(0.1)
+    return children.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

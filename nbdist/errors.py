@@ -1,0 +1,166 @@
+"""Exceptions raised by nbdist.
+
+:class:`RankError` reports what failed on the ranks: every rank's failure,
+with identical failures (same error, same traceback up to rank-specific noise)
+shown once for the group of ranks that hit them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .output import format_ranks
+
+__all__ = [
+    "ClusterNotRunning",
+    "NbdistError",
+    "PlacementError",
+    "RankError",
+    "RankFailure",
+]
+
+# Beyond this many distinct failures, further groups get one line each: a
+# wall of near-identical tracebacks hides the first one, which matters most.
+_MAX_FULL_GROUPS = 8
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+# Text that differs between ranks even when they failed the same way. Each
+# pattern is replaced before tracebacks are compared.
+_RANK_NOISE = (
+    # "[Engine 3]", "engine 3", "[rank 3]", "rank=3"
+    (re.compile(r"\b(engine|rank)(\s*[:#=]?\s*)\d+", re.IGNORECASE), r"\1\2#"),
+    # ipyparallel's "[3:execute]" engine prefix
+    (re.compile(r"\[\d+:(\w+)\]"), r"[#:\1]"),
+    # the per-process directory ipykernel compiles cells into
+    (re.compile(r"ipykernel_\d+"), "ipykernel_#"),
+    # "Cell In[12], line 3": execution counts drift when an engine restarts
+    (re.compile(r"\b(Cell|Input) In ?\[\d+\]"), r"\1 In[#]"),
+    # object addresses in reprs differ per process
+    (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x#"),
+)
+
+
+class NbdistError(Exception):
+    """Base class of nbdist's exceptions."""
+
+
+class ClusterNotRunning(NbdistError):
+    """An operation needs the cluster, and none is running."""
+
+    default_message = (
+        "no nbdist cluster is running: start one with %dist_start (or DistSession().start())"
+    )
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or self.default_message)
+
+
+class PlacementError(NbdistError, ValueError):
+    """A requested placement of ranks on devices is invalid."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank failed: the remote exception and its traceback text."""
+
+    rank: int
+    ename: str
+    evalue: str
+    traceback: str  # as rendered remotely; may contain ANSI colour codes
+
+
+def _normalised_traceback(text: str) -> str:
+    text = _ANSI_ESCAPE.sub("", text)
+    for pattern, replacement in _RANK_NOISE:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _failure_key(failure: RankFailure) -> tuple[str, str, str]:
+    return (failure.ename, failure.evalue, _normalised_traceback(failure.traceback))
+
+
+def _headline(failure: RankFailure) -> str:
+    return f"{failure.ename}: {failure.evalue}" if failure.evalue else failure.ename
+
+
+class RankError(NbdistError):
+    """One or more ranks raised; carries every rank's failure, grouped.
+
+    ``world_ranks`` (all ranks that ran) lets the summary say "2 of 4 ranks
+    failed"; ``note`` is an extra line for context (e.g. which ranks were
+    still running).
+    """
+
+    def __init__(
+        self,
+        failures: Sequence[RankFailure],
+        *,
+        world_ranks: Sequence[int] | None = None,
+        note: str = "",
+    ) -> None:
+        ordered = tuple(sorted(failures, key=lambda failure: failure.rank))
+        if not ordered:
+            raise ValueError("RankError needs at least one RankFailure")
+        # Passing the failures as the sole positional argument keeps the
+        # exception picklable (Exception reduces to cls(*args) + __dict__).
+        super().__init__(ordered)
+        self.failures: tuple[RankFailure, ...] = ordered
+        self.world_ranks: tuple[int, ...] | None = (
+            tuple(sorted(set(world_ranks))) if world_ranks is not None else None
+        )
+        self.note = note
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks that failed, sorted."""
+        return sorted({failure.rank for failure in self.failures})
+
+    def groups(self) -> list[tuple[list[int], RankFailure]]:
+        """Identical failures grouped as (ranks, representative failure).
+
+        Failures are identical when name, message and traceback match, the
+        traceback compared without colours and rank-specific noise (engine ids,
+        rank numbers, process ids, addresses). Groups are ordered by their
+        lowest rank, which also provides the representative failure.
+        """
+        groups: dict[tuple[str, str, str], tuple[list[int], RankFailure]] = {}
+        for failure in self.failures:
+            ranks, _ = groups.setdefault(_failure_key(failure), ([], failure))
+            if failure.rank not in ranks:
+                ranks.append(failure.rank)
+        return list(groups.values())
+
+    def __str__(self) -> str:
+        lines = [f"{format_ranks(ranks)}: {_headline(failure)}" for ranks, failure in self.groups()]
+        if self.note:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+    def _render_traceback_(self) -> list[str]:
+        """Render for IPython, in place of the (useless) local traceback."""
+        groups = self.groups()
+        lines: list[str] = []
+        for ranks, failure in groups[:_MAX_FULL_GROUPS]:
+            lines.append(f"[{format_ranks(ranks)}] {_headline(failure)}")
+            lines.extend(failure.traceback.splitlines())
+            lines.append("")
+        rest = groups[_MAX_FULL_GROUPS:]
+        if rest:
+            noun = "failure" if len(rest) == 1 else "failures"
+            lines.append(f"{len(rest)} more distinct {noun} (tracebacks omitted):")
+            lines.extend(f"[{format_ranks(ranks)}] {_headline(failure)}" for ranks, failure in rest)
+        lines.append(self._summary())
+        if self.note:
+            lines.append(self.note)
+        return lines
+
+    def _summary(self) -> str:
+        failed = len(self.ranks)
+        if self.world_ranks is not None:
+            total = len(self.world_ranks)
+            return f"{failed} of {total} {'rank' if total == 1 else 'ranks'} failed"
+        return f"{failed} {'rank' if failed == 1 else 'ranks'} failed"

@@ -1,0 +1,452 @@
+"""Merge the output of several ranks into one live, rank-labelled view.
+
+When a cell runs on several ranks, every rank's stdout/stderr arrives in
+arbitrary chunks (partial lines, many lines at once, ``\\r`` progress updates).
+:class:`OutputMerger` turns those chunks into whole lines, labels each with the
+rank that printed it and shows a line that every rank printed identically only
+once (``[ranks 0-3] loss 0.25``). It is pure logic driven by a polling loop: it
+owns no thread and never sleeps; time comes from an injectable clock.
+
+What the merger decides is handed to a *sink*, a duck-typed object with:
+
+``line(stream, label, text)``
+    A complete line of ``stream`` ("stdout" or "stderr").
+``progress(stream, label, text)``
+    The visible state of a ``\\r`` progress line (a tqdm bar) still being drawn.
+``display(label, data, metadata)``
+    A rich display (a mimebundle).
+``progress_done(stream, label)``, optional
+    The progress line last shown for ``label`` is finished; its final text
+    follows as an ordinary ``line``. Sinks that draw progress in place use it
+    to clear the live bar.
+
+:class:`ListSink` records events (tests, scripts), :class:`StreamSink` writes to
+``sys.stdout``/``sys.stderr`` and :class:`KernelSink` adds in-place progress
+bars and rich displays inside a Jupyter kernel. This module needs only the
+standard library; IPython is imported lazily by the sinks that need it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+__all__ = [
+    "STREAMS",
+    "KernelSink",
+    "ListSink",
+    "OutputMerger",
+    "Sink",
+    "StreamSink",
+    "default_sink",
+    "format_ranks",
+]
+
+STREAMS = ("stdout", "stderr")
+_DISPLAY = "display"
+_CHANNELS = (*STREAMS, _DISPLAY)
+
+# Erase the terminal line the cursor is on, so a live progress bar drawn with
+# "\r" is replaced by the next line instead of leaving its tail behind.
+_CLEAR_LINE = "\r\x1b[K"
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Describe a set of ranks compactly: ``[0, 2, 3, 5]`` -> ``"ranks 0,2-3,5"``.
+
+    Ranks are sorted and deduplicated; a single rank reads ``"rank 2"``.
+    """
+    unique = sorted(set(ranks))
+    if not unique:
+        raise ValueError("format_ranks needs at least one rank")
+    runs: list[tuple[int, int]] = []
+    start = prev = unique[0]
+    for rank in unique[1:]:
+        if rank != prev + 1:
+            runs.append((start, prev))
+            start = rank
+        prev = rank
+    runs.append((start, prev))
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(unique) == 1 else f"ranks {text}"
+
+
+class Sink(Protocol):
+    """What :class:`OutputMerger` writes to (``progress_done`` is optional)."""
+
+    def line(self, stream: str, label: str, text: str) -> None: ...
+
+    def progress(self, stream: str, label: str, text: str) -> None: ...
+
+    def display(self, label: str, data: dict, metadata: dict) -> None: ...
+
+
+def _visible_text(raw: str) -> str:
+    """The text a terminal would show for a line containing ``\\r``.
+
+    ``\\r`` returns the cursor to column 0 and later text overwrites the line,
+    so the last non-empty ``\\r`` segment is what stays visible (progress bars
+    pad their updates, so overwritten leftovers are not a concern). A trailing
+    ``\\r``, such as the CR of a CRLF ending, overwrites nothing.
+    """
+    return raw.rpartition("\r")[2]
+
+
+def _compact_tail(tail: str) -> str:
+    """Shrink an unterminated line to what still matters for its visible text.
+
+    A tqdm bar redraws the same line thousands of times without a newline;
+    keeping only the visible segment (plus the "\\r" markers that affect how
+    the next chunk combines with it) keeps memory flat.
+    """
+    if "\r" not in tail:
+        return tail
+    return "\r" + _visible_text(tail) + ("\r" if tail.endswith("\r") else "")
+
+
+def _rank_label(rank: int) -> str:
+    return format_ranks([rank])
+
+
+class _LineState:
+    """The unterminated line of one (rank, stream) and its progress display."""
+
+    __slots__ = ("tail", "progress_shown")
+
+    def __init__(self) -> None:
+        self.tail = ""
+        # Visible text last sent to sink.progress for the current line, or None
+        # when no progress was shown for it.
+        self.progress_shown: str | None = None
+
+
+class OutputMerger:
+    """Merge chunked per-rank output into labelled lines, grouping identical ones.
+
+    Lines wait (at most ``window`` seconds) until every rank has a line at the
+    same position of a stream; the heads are then grouped by identical text and
+    each group is emitted once, labelled with its ranks, groups in order of
+    their lowest rank. A line older than ``window`` is emitted without waiting
+    for ranks that have printed nothing, so a silent rank never stalls live
+    output. Lines of one rank's stream are never reordered.
+
+    Call :meth:`feed`/:meth:`feed_display` as output arrives, :meth:`poll`
+    periodically (every ~50 ms) and :meth:`close` once the cell has finished.
+    """
+
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        sink: Any,
+        *,
+        window: float = 0.15,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ranks = tuple(sorted(set(ranks)))
+        if not self._ranks:
+            raise ValueError("OutputMerger needs at least one rank")
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window!r}")
+        self._sink = sink
+        self._window = window
+        self._clock = clock
+        self._lines = {(rank, stream): _LineState() for rank in self._ranks for stream in STREAMS}
+        # channel -> rank -> queue of (time the item became complete, item)
+        self._queues: dict[str, dict[int, deque[tuple[float, Any]]]] = {
+            channel: {rank: deque() for rank in self._ranks} for channel in _CHANNELS
+        }
+        # (rank, stream) whose progress line changed since the last poll; only
+        # these are looked at, so polling costs nothing when no bar is running.
+        self._progress_pending: set[tuple[int, str]] = set()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks whose output is merged, sorted."""
+        return self._ranks
+
+    def feed(self, rank: int, stream: str, text: str) -> None:
+        """Take a raw chunk of ``rank``'s ``stream`` ("stdout" or "stderr")."""
+        state = self._line_state(rank, stream)
+        if not text:
+            return
+        now = self._clock()
+        *complete, tail = (state.tail + text).split("\n")
+        state.tail = _compact_tail(tail)
+        if complete:
+            queue = self._queues[stream][rank]
+            for raw in complete:
+                queue.append((now, _visible_text(raw)))
+            self._progress_pending.discard((rank, stream))
+            self._end_progress(rank, stream, state)
+        if "\r" in state.tail:
+            self._progress_pending.add((rank, stream))
+        self._drain(stream, now)
+
+    def feed_display(self, rank: int, data: dict, metadata: dict | None = None) -> None:
+        """Take a rich display (a mimebundle) published by ``rank``."""
+        self._check_rank(rank)
+        now = self._clock()
+        item = (data, metadata if metadata is not None else {})
+        self._queues[_DISPLAY][rank].append((now, item))
+        self._drain(_DISPLAY, now)
+
+    def poll(self) -> None:
+        """Emit what is due: progress updates and lines that waited long enough."""
+        now = self._clock()
+        self._show_progress()
+        for channel in _CHANNELS:
+            self._drain(channel, now)
+
+    def close(self) -> None:
+        """Flush everything still pending, unterminated last lines included.
+
+        Queued items are grouped position by position among the ranks that
+        still have some. The merger is empty afterwards and may be reused.
+        """
+        now = self._clock()
+        self._progress_pending.clear()
+        for (rank, stream), state in self._lines.items():
+            self._end_progress(rank, stream, state)
+            if not state.tail:
+                continue
+            text = _visible_text(state.tail)
+            # A bar erased with "\r   \r" (tqdm leave=False) leaves only blanks:
+            # nothing was meant to stay on screen.
+            if text and ("\r" not in state.tail or text.strip()):
+                self._queues[stream][rank].append((now, text))
+            state.tail = ""
+        for channel in _CHANNELS:
+            self._drain(channel, now, final=True)
+
+    # -- internals -------------------------------------------------------------
+
+    def _check_rank(self, rank: int) -> None:
+        if rank not in self._queues[_DISPLAY]:
+            raise ValueError(f"rank {rank!r} is not merged here ({format_ranks(self._ranks)})")
+
+    def _line_state(self, rank: int, stream: str) -> _LineState:
+        if stream not in STREAMS:
+            raise ValueError(f"stream must be 'stdout' or 'stderr', got {stream!r}")
+        self._check_rank(rank)
+        return self._lines[(rank, stream)]
+
+    def _show_progress(self) -> None:
+        for rank, stream in sorted(self._progress_pending):
+            state = self._lines[(rank, stream)]
+            text = _visible_text(state.tail)
+            if text != (state.progress_shown or ""):
+                self._sink.progress(stream, _rank_label(rank), text)
+                state.progress_shown = text
+        self._progress_pending.clear()
+
+    def _end_progress(self, rank: int, stream: str, state: _LineState) -> None:
+        if state.progress_shown is None:
+            return
+        state.progress_shown = None
+        progress_done = getattr(self._sink, "progress_done", None)
+        if progress_done is not None:
+            progress_done(stream, _rank_label(rank))
+
+    def _drain(self, channel: str, now: float, *, final: bool = False) -> None:
+        """Emit every group of ``channel`` that is ready (all of them if final)."""
+        queues = self._queues[channel]
+        while True:
+            if all(queues[rank] for rank in self._ranks):
+                ready = self._ranks
+            elif final:
+                ready = tuple(rank for rank in self._ranks if queues[rank])
+            else:
+                ready = tuple(
+                    rank
+                    for rank in self._ranks
+                    if queues[rank] and now - queues[rank][0][0] >= self._window
+                )
+            if not ready:
+                return
+            heads = [(rank, queues[rank].popleft()[1]) for rank in ready]
+            if channel == _DISPLAY:
+                for group, (data, metadata) in _group_displays(heads):
+                    self._sink.display(format_ranks(group), data, metadata)
+            else:
+                for group, text in _group_lines(heads):
+                    self._sink.line(channel, format_ranks(group), text)
+
+
+def _group_lines(heads: list[tuple[int, str]]) -> list[tuple[list[int], str]]:
+    """Group (rank, text) pairs by identical text; ``heads`` is in rank order."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in heads:
+        groups.setdefault(text, []).append(rank)
+    return [(ranks, text) for text, ranks in groups.items()]
+
+
+def _group_displays(heads: list[tuple[int, tuple[dict, dict]]]) -> list[tuple[list[int], Any]]:
+    """Group (rank, (data, metadata)) pairs by equal ``data``.
+
+    Mimebundles are unhashable dicts, hence the linear scan; the first (lowest)
+    rank's metadata represents its group.
+    """
+    groups: list[tuple[list[int], tuple[dict, dict]]] = []
+    for rank, item in heads:
+        for ranks, first in groups:
+            if first[0] == item[0]:
+                ranks.append(rank)
+                break
+        else:
+            groups.append(([rank], item))
+    return groups
+
+
+# -- sinks ---------------------------------------------------------------------
+
+
+class ListSink:
+    """Record the merger's events in :attr:`events` (for tests and scripts).
+
+    Events are ``("line", stream, label, text)``, ``("progress", stream, label,
+    text)``, ``("progress_done", stream, label)`` and ``("display", label,
+    data, metadata)``.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def line(self, stream: str, label: str, text: str) -> None:
+        self.events.append(("line", stream, label, text))
+
+    def progress(self, stream: str, label: str, text: str) -> None:
+        self.events.append(("progress", stream, label, text))
+
+    def progress_done(self, stream: str, label: str) -> None:
+        self.events.append(("progress_done", stream, label))
+
+    def display(self, label: str, data: dict, metadata: dict) -> None:
+        self.events.append(("display", label, data, metadata))
+
+
+def _std_stream(stream: str) -> Any:
+    if stream not in STREAMS:
+        raise ValueError(f"stream must be 'stdout' or 'stderr', got {stream!r}")
+    # Looked up on every write, not kept: IPython and pytest swap sys.stdout
+    # per cell / per test, and output must go to whichever is current.
+    return getattr(sys, stream)
+
+
+def _write(out: Any, text: str) -> None:
+    out.write(text)
+    flush = getattr(out, "flush", None)
+    if flush is not None:
+        flush()
+
+
+def _isatty(out: Any) -> bool:
+    try:
+        return bool(out.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class StreamSink:
+    """Write ``[label] text`` lines to ``sys.stdout`` / ``sys.stderr``.
+
+    Progress updates are drawn in place (``\\r``) on a terminal and dropped
+    otherwise, where only the final line is written. A display is written as
+    its ``text/plain`` form.
+    """
+
+    def __init__(self) -> None:
+        # Stream whose current terminal line holds a progress bar, to erase it
+        # before anything else is written there (both streams usually share
+        # one terminal, so one marker covers both).
+        self._bar_stream: str | None = None
+
+    def line(self, stream: str, label: str, text: str) -> None:
+        self._erase_bar()
+        _write(_std_stream(stream), f"[{label}] {text}\n")
+
+    def progress(self, stream: str, label: str, text: str) -> None:
+        out = _std_stream(stream)
+        if not _isatty(out):
+            return
+        if self._bar_stream != stream:
+            self._erase_bar()
+        _write(out, f"{_CLEAR_LINE}[{label}] {text}")
+        self._bar_stream = stream
+
+    def progress_done(self, stream: str, label: str) -> None:
+        # Nothing to do: the final line that follows erases the bar.
+        pass
+
+    def display(self, label: str, data: dict, metadata: dict) -> None:
+        text = data.get("text/plain")
+        if text is None:
+            text = f"<display: {', '.join(sorted(data))}>"
+        for line in text.splitlines() or [""]:
+            self.line("stdout", label, line)
+
+    def _erase_bar(self) -> None:
+        if self._bar_stream is not None:
+            stream, self._bar_stream = self._bar_stream, None
+            _write(_std_stream(stream), _CLEAR_LINE)
+
+
+class KernelSink(StreamSink):
+    """Sink for a Jupyter kernel: in-place progress bars and rich displays.
+
+    Lines are written like :class:`StreamSink`. Each (label, stream) progress
+    line gets one updatable display, so a tqdm bar stays one line per rank; it
+    is blanked when the bar's final line is written. Displays are republished
+    as they are, after a ``[label]`` line when there are several ranks.
+    """
+
+    def __init__(self, n_ranks: int = 1) -> None:
+        super().__init__()
+        self._n_ranks = n_ranks
+        self._bars: dict[tuple[str, str], Any] = {}
+
+    def progress(self, stream: str, label: str, text: str) -> None:
+        from IPython.display import display
+
+        data = {"text/plain": f"[{label}] {text}"}
+        handle = self._bars.get((label, stream))
+        if handle is None:
+            handle = display(data, raw=True, display_id=True)
+            if handle is not None:
+                self._bars[(label, stream)] = handle
+        else:
+            handle.update(data, raw=True)
+
+    def progress_done(self, stream: str, label: str) -> None:
+        handle = self._bars.pop((label, stream), None)
+        if handle is not None:
+            # The final text arrives as an ordinary (possibly grouped) line, so
+            # the live bar would only duplicate it.
+            handle.update({"text/plain": ""}, raw=True)
+
+    def display(self, label: str, data: dict, metadata: dict) -> None:
+        from IPython.display import publish_display_data
+
+        if self._n_ranks > 1:
+            _write(sys.stdout, f"[{label}]\n")
+        publish_display_data(data, metadata)
+
+
+def _in_ipython_kernel() -> bool:
+    # A kernel has necessarily imported IPython already; checking first avoids
+    # paying IPython's import time in plain scripts.
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def default_sink(n_ranks: int) -> StreamSink:
+    """:class:`KernelSink` inside an IPython kernel, else :class:`StreamSink`."""
+    if _in_ipython_kernel():
+        return KernelSink(n_ranks)
+    return StreamSink()

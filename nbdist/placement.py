@@ -1,0 +1,334 @@
+"""Where each rank runs: GPU assignment, backend choice, threads and rendezvous.
+
+Pure logic, checked in the kernel before any engine starts, so that a bad
+request fails fast with the numbers it saw and the fix, and nothing is left
+half-started. Everything here is unit-tested without engines.
+
+Example::
+
+    >>> p = plan_local(4, gpus_visible=[0, 1, 2, 3], cores=32)
+    >>> p.backend, [s.gpu for s in p.slots]
+    ('nccl', [0, 1, 2, 3])
+    >>> plan_local(None, gpus_visible=[], cores=2).world_size
+    2
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .errors import PlacementError
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_CPU_RANKS",
+    "EngineInfo",
+    "Placement",
+    "RankSlot",
+    "choose_backend",
+    "default_threads",
+    "parse_gpu_list",
+    "parse_ranks",
+    "plan_attached",
+    "plan_local",
+    "visible_gpus",
+    "gpus_from_mask",
+]
+
+BACKENDS = ("nccl", "gloo")
+# Without GPUs, two ranks show every distributed behaviour (collectives, ranks
+# that disagree) while staying cheap on a small machine.
+DEFAULT_CPU_RANKS = 2
+# NCCL refuses two ranks on one GPU unless this is set (NCCL >= 2.30, experimental).
+_SHARED_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """One rank: its number, the host it runs on and the device it owns."""
+
+    rank: int
+    local_rank: int
+    host: str
+    gpu: int | None  # physical GPU index on its host (CUDA_VISIBLE_DEVICES value), None on CPU
+    local_world_size: int
+
+    @property
+    def device(self) -> str:
+        # Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES=<gpu>), so it is cuda:0.
+        return "cpu" if self.gpu is None else "cuda:0"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A validated layout of ranks over hosts and devices."""
+
+    slots: tuple[RankSlot, ...]
+    backend: str
+    threads: dict[str, int]  # torch threads per rank, by host
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return any(s.gpu is not None for s in self.slots)
+
+    def threads_for(self, slot: RankSlot) -> int:
+        return self.threads[slot.host]
+
+    def describe_devices(self) -> str:
+        """Short text for the start summary, e.g. 'cpu' or 'GPUs 0,1,2,3'."""
+        if not self.uses_gpus:
+            return "cpu"
+        return "GPUs " + ",".join(str(s.gpu) for s in self.slots)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an already-running engine reports about itself (attach mode)."""
+
+    engine_id: int
+    host: str
+    address: str  # an address of that host the other hosts can reach
+    gpus: int  # GPUs visible to that engine
+
+
+def default_threads(cores: int, ranks_on_host: int) -> int:
+    """Torch threads per rank: share the host's cores, at least one each.
+
+    Oversubscribing (each rank keeping torch's default thread count) made
+    4-rank CPU training about 4x slower on a 2-core machine.
+    """
+    return max(1, cores // max(1, ranks_on_host))
+
+
+def choose_backend(requested: str | None, *, uses_gpus: bool) -> str:
+    """NCCL on GPUs, gloo on CPU; an explicit request is checked against the devices."""
+    if requested is None:
+        return "nccl" if uses_gpus else "gloo"
+    backend = requested.lower()
+    if backend not in BACKENDS:
+        raise PlacementError(
+            f"unknown backend {requested!r}: use one of {', '.join(BACKENDS)} "
+            "(nccl on GPUs, gloo on CPU)"
+        )
+    if backend == "nccl" and not uses_gpus:
+        raise PlacementError(
+            "backend 'nccl' needs GPUs, but the ranks run on CPU: use --backend gloo "
+            "(or drop --cpu if GPUs are visible)"
+        )
+    return backend
+
+
+def parse_gpu_list(text: str) -> list[int]:
+    """'0,1,3' -> [0, 1, 3]; rejects anything else with the value in the message."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or any(not p.isdigit() for p in parts):
+        raise PlacementError(
+            f"--gpus {text!r} is not a list of GPU indices: write it like --gpus 0,1,2"
+        )
+    gpus = [int(p) for p in parts]
+    if len(set(gpus)) != len(gpus):
+        raise PlacementError(f"--gpus {text!r} names a GPU twice: list each GPU once")
+    return gpus
+
+
+_RANGE = re.compile(r"^(\d+)\s*-\s*(\d+)$")
+
+
+def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list[int]:
+    """Rank selection: '0,2', '0-3', '1', [0, 2] or None (all ranks)."""
+    if text is None:
+        return list(range(world_size))
+    if isinstance(text, int):
+        items: list[int] = [text]
+    elif isinstance(text, str):
+        items = []
+        for part in text.split(","):
+            part = part.strip()
+            match = _RANGE.match(part)
+            if match:
+                lo, hi = int(match.group(1)), int(match.group(2))
+                if lo > hi:
+                    raise PlacementError(
+                        f"rank range {part!r} runs backwards: write it low-high, e.g. {hi}-{lo}"
+                    )
+                items.extend(range(lo, hi + 1))
+            elif part.isdigit():
+                items.append(int(part))
+            else:
+                raise PlacementError(
+                    f"ranks {text!r} not understood: write them like 0,2 or 0-3 "
+                    f"(ranks run 0..{world_size - 1})"
+                )
+    else:
+        items = [int(r) for r in text]
+    bad = [r for r in items if not 0 <= r < world_size]
+    if bad:
+        raise PlacementError(
+            f"rank {bad[0]} does not exist: this cluster has ranks 0..{world_size - 1}"
+        )
+    if not items:
+        raise PlacementError("no ranks selected: name at least one, e.g. --ranks 0")
+    return sorted(set(items))
+
+
+def _check_count(n: int | None) -> None:
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise PlacementError(f"number of ranks must be a whole number >= 1, got {n!r}")
+
+
+def _check_threads(threads: int | None) -> None:
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise PlacementError(f"--threads must be a whole number >= 1, got {threads!r}")
+
+
+def plan_local(
+    n: int | None,
+    *,
+    gpus_visible: Sequence[int],
+    cores: int,
+    backend: str | None = None,
+    cpu: bool = False,
+    gpus: Sequence[int] | None = None,
+    threads: int | None = None,
+    host: str = "localhost",
+    allow_shared_gpus: bool | None = None,
+) -> Placement:
+    """Ranks on this machine: one per GPU, or ``n`` CPU ranks.
+
+    ``gpus_visible`` are the GPU indices this process can use (see
+    :func:`visible_gpus`); ``gpus`` restricts to a subset (``--gpus``).
+    """
+    _check_count(n)
+    _check_threads(threads)
+    if allow_shared_gpus is None:
+        allow_shared_gpus = os.environ.get(_SHARED_GPU_ENV) == "1"
+    if cpu and gpus:
+        raise PlacementError("--cpu and --gpus contradict each other: pass one of them")
+    use_gpus = not cpu and bool(gpus or gpus_visible)
+    if gpus:
+        missing = [g for g in gpus if g not in gpus_visible]
+        if missing:
+            seen = ",".join(map(str, gpus_visible)) or "none"
+            raise PlacementError(
+                f"GPU {missing[0]} is not visible (visible GPUs: {seen}): "
+                "choose from those, or check CUDA_VISIBLE_DEVICES"
+            )
+    if use_gpus:
+        pool = list(gpus) if gpus else list(gpus_visible)
+        count = len(pool) if n is None else n
+        if count > len(pool) and not allow_shared_gpus:
+            raise PlacementError(
+                f"{count} ranks but only {len(pool)} GPU(s) ({','.join(map(str, pool))}): "
+                f"start at most {len(pool)} ranks, add --cpu to run on CPU, or set "
+                f"{_SHARED_GPU_ENV}=1 to share GPUs (NCCL >= 2.30)"
+            )
+        assigned: list[int | None] = [pool[i % len(pool)] for i in range(count)]
+    else:
+        count = DEFAULT_CPU_RANKS if n is None else n
+        assigned = [None] * count
+    chosen = choose_backend(backend, uses_gpus=use_gpus)
+    slots = tuple(
+        RankSlot(rank=i, local_rank=i, host=host, gpu=g, local_world_size=count)
+        for i, g in enumerate(assigned)
+    )
+    return Placement(
+        slots=slots,
+        backend=chosen,
+        threads={host: threads or default_threads(cores, count)},
+    )
+
+
+def plan_attached(
+    engines: Sequence[EngineInfo],
+    *,
+    cores: dict[str, int],
+    backend: str | None = None,
+    cpu: bool = False,
+    threads: int | None = None,
+) -> tuple[Placement, dict[int, RankSlot]]:
+    """Ranks over engines that are already running, possibly on several hosts.
+
+    Ranks are numbered host by host (hosts in order of their lowest engine id,
+    engines within a host by id), whatever order they registered in, so that
+    LOCAL_RANK is contiguous per host. Returns the placement and engine id -> slot.
+    """
+    _check_threads(threads)
+    if not engines:
+        raise PlacementError("the cluster has no engines: start engines first, then attach")
+    by_host: dict[str, list[EngineInfo]] = {}
+    for info in sorted(engines, key=lambda e: e.engine_id):
+        by_host.setdefault(info.host, []).append(info)
+    use_gpus = not cpu and all(e.gpus > 0 for e in engines)
+    slots: list[RankSlot] = []
+    by_engine: dict[int, RankSlot] = {}
+    for host, infos in by_host.items():
+        if use_gpus and len(infos) > infos[0].gpus and os.environ.get(_SHARED_GPU_ENV) != "1":
+            raise PlacementError(
+                f"host {host} has {len(infos)} engines but {infos[0].gpus} GPU(s): "
+                f"start one engine per GPU there, or attach with --cpu"
+            )
+        for local_rank, info in enumerate(infos):
+            gpu = local_rank % infos[0].gpus if use_gpus else None
+            slot = RankSlot(len(slots), local_rank, host, gpu, len(infos))
+            slots.append(slot)
+            by_engine[info.engine_id] = slot
+    chosen = choose_backend(backend, uses_gpus=use_gpus)
+    per_host = {
+        host: threads or default_threads(cores.get(host, 1), len(infos))
+        for host, infos in by_host.items()
+    }
+    return Placement(slots=tuple(slots), backend=chosen, threads=per_host), by_engine
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:
+    """Physical GPU indices this process may hand to ranks, without initialising CUDA here.
+
+    CUDA must not be initialised in the process that forks the ranks, so this
+    asks torch only when the caller already imported it, and otherwise asks
+    ``nvidia-smi``. CUDA_VISIBLE_DEVICES, when set, restricts the list; each
+    rank later gets ``CUDA_VISIBLE_DEVICES=<its index>``.
+    """
+    env = os.environ if environ is None else environ
+    count, already_masked = _gpu_count()
+    return gpus_from_mask(env.get("CUDA_VISIBLE_DEVICES"), count, already_masked=already_masked)
+
+
+def gpus_from_mask(mask: str | None, count: int, *, already_masked: bool) -> list[int]:
+    """Apply a CUDA_VISIBLE_DEVICES value to a GPU count (pure; unit-tested).
+
+    ``already_masked``: the count came from torch, which applied the mask itself.
+    UUID-style masks are not supported for per-rank assignment; they give no GPUs.
+    """
+    if mask is None:
+        return list(range(count))
+    allowed = [p.strip() for p in mask.split(",") if p.strip()]
+    if any(not p.isdigit() for p in allowed):
+        return []
+    indices = [int(p) for p in allowed]
+    if already_masked:
+        return indices[:count]
+    return [i for i in indices if i < count]
+
+
+def _gpu_count() -> tuple[int, bool]:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.cuda.device_count(), True
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0, False
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0, False
+    return sum(1 for line in out.splitlines() if line.startswith("GPU ")), False

@@ -1,0 +1,134 @@
+"""Helpers for code running on a rank: who am I, which device, print once.
+
+They work inside ``%%on_all_ranks`` cells and in scripts under ``torchrun``
+(they fall back to the RANK/LOCAL_RANK/WORLD_SIZE environment variables), and
+import with torch alone.
+
+Example::
+
+    import nbdist
+    nbdist.seed_all(0)                    # seed + rank on every rank
+    with nbdist.rank_zero_first():
+        data = load_or_download()         # rank 0 fills the cache, then the others read it
+    nbdist.print0("world size", nbdist.world_size())
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import random
+from contextlib import contextmanager
+
+__all__ = [
+    "device",
+    "device_for",
+    "local_rank",
+    "print0",
+    "rank",
+    "rank_zero_first",
+    "seed_all",
+    "world_size",
+]
+
+# Filled in by nbdist when it forms the process group on an engine.
+_state: dict = {}
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a distributed job)."""
+    if "rank" in _state:
+        return _state["rank"]
+    return _env_int("RANK", 0)
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks of its host."""
+    if "local_rank" in _state:
+        return _state["local_rank"]
+    return _env_int("LOCAL_RANK", 0)
+
+
+def world_size() -> int:
+    """Number of ranks in the job (1 outside a distributed job)."""
+    if "world_size" in _state:
+        return _state["world_size"]
+    return _env_int("WORLD_SIZE", 1)
+
+
+def device_for(gpu: int | None, *, cuda_initialized: bool) -> str:
+    """The torch device a rank should use (the one place that decides it).
+
+    nbdist gives each GPU rank ``CUDA_VISIBLE_DEVICES=<its GPU>`` before CUDA
+    starts, so the rank sees one device, ``cuda:0``. If CUDA was initialised
+    before that could take effect (attaching to engines that already used
+    CUDA), the mask is ignored by CUDA and the physical index is used instead.
+    """
+    if gpu is None:
+        return "cpu"
+    return f"cuda:{gpu}" if cuda_initialized else "cuda:0"
+
+
+def device():
+    """This rank's ``torch.device`` (``cpu`` on CPU ranks)."""
+    import torch
+
+    if "device" in _state:
+        return torch.device(_state["device"])
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def print0(*args, **kwargs) -> None:
+    """``print`` on rank 0 only."""
+    if rank() == 0:
+        builtins.print(*args, **kwargs)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+@contextmanager
+def rank_zero_first():
+    """Rank 0 runs the block first, then every other rank (e.g. a one-time download).
+
+    Every rank must enter it: it synchronises with two barriers.
+    """
+    if rank() != 0:
+        _barrier()
+    try:
+        yield
+    finally:
+        if rank() == 0:
+            _barrier()
+
+
+def seed_all(seed: int) -> int:
+    """Seed Python, NumPy and torch with ``seed + rank``; returns the seed used.
+
+    Different seeds per rank give different dropout masks and data shuffles;
+    seed model initialisation separately (or broadcast parameters, as DDP does)
+    when all ranks must start from the same weights.
+    """
+    import torch
+
+    value = int(seed) + rank()
+    random.seed(value)
+    torch.manual_seed(value)
+    try:
+        import numpy as np
+
+        np.random.seed(value % 2**32)
+    except ImportError:
+        pass
+    return value

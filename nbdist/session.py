@@ -1,0 +1,366 @@
+"""DistSession: a set of ranks with a ready process group, usable from a script or a notebook.
+
+Example::
+
+    from nbdist import DistSession
+
+    with DistSession(2) as s:                       # 2 CPU ranks (gloo) on a machine without GPUs
+        s.run("t = torch.ones(1) * rank; dist.all_reduce(t); print(t)")
+        print(s.pull("t"))                          # [tensor([1.]), tensor([1.])]
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from . import cluster as _cluster
+from .errors import ClusterNotRunning, NbdistError, PlacementError
+from .placement import EngineInfo, Placement, parse_ranks, plan_attached, plan_local, visible_gpus
+from .runner import RankRun, submit
+
+__all__ = ["DistSession", "RankInfo", "current_session"]
+
+_current: weakref.ReferenceType | None = None
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    engine_id: int
+    pid: int
+    host: str
+    device: str
+
+
+def current_session() -> DistSession:
+    """The session started last in this process that is still running."""
+    session = _current() if _current is not None else None
+    if session is None or not session.running:
+        raise ClusterNotRunning(
+            "no nbdist cluster is running: start one with %dist_start (or DistSession().start())"
+        )
+    return session
+
+
+class DistSession:
+    """Ranks as ipyparallel engines with ``torch.distributed`` initialised on them.
+
+    Parameters mirror ``%dist_start``: ``n`` ranks (default: one per visible
+    GPU, or 2 CPU ranks), ``backend`` ('nccl'/'gloo', default by device),
+    ``cpu`` to ignore GPUs, ``gpus`` (indices) to choose GPUs, ``threads``
+    torch threads per rank (default: cores shared among the ranks),
+    ``timeout`` seconds to wait for the ranks to be ready, ``launcher``/
+    ``profile`` passed to ipyparallel, ``attach`` a cluster file of a running
+    cluster, ``ip`` the controller address (loopback by default),
+    ``start_method`` 'fork' (engines forked after importing torch) or 'spawn'.
+    The placement is validated here, before anything starts.
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        backend: str | None = None,
+        cpu: bool = False,
+        gpus: Sequence[int] | None = None,
+        threads: int | None = None,
+        timeout: float = 120.0,
+        launcher: str | None = None,
+        profile: str | None = None,
+        attach: str | None = None,
+        ip: str = "127.0.0.1",
+        start_method: str = "fork",
+        group_timeout: float = 1800.0,
+    ):
+        if timeout is None or timeout <= 0:
+            raise PlacementError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if start_method not in ("fork", "spawn"):
+            raise PlacementError(f"start_method {start_method!r}: use 'fork' or 'spawn'")
+        if attach and (launcher or profile):
+            raise PlacementError("--attach uses a running cluster: leave out --launcher/--profile")
+        self.options = dict(
+            n=n, backend=backend, cpu=cpu, gpus=list(gpus) if gpus else None, threads=threads,
+            timeout=float(timeout), launcher=launcher, profile=profile, attach=attach, ip=ip,
+            start_method=start_method, group_timeout=float(group_timeout),
+        )  # fmt: skip
+        self.placement: Placement | None = None
+        if not attach:
+            self.placement = plan_local(
+                n,
+                gpus_visible=[] if cpu else visible_gpus(),
+                cores=os.cpu_count() or 1,
+                backend=backend,
+                cpu=cpu,
+                gpus=gpus,
+                threads=threads,
+            )
+        self._handle: _cluster.ClusterHandle | None = None
+        self._ranks: list[RankInfo] = []
+        self.startup_seconds: float | None = None
+
+    # -- lifecycle --------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._handle is not None
+
+    @property
+    def world_size(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        return list(self._ranks)
+
+    @property
+    def backend(self) -> str | None:
+        return self.placement.backend if self.placement else None
+
+    @property
+    def client(self):
+        self._require_running()
+        return self._handle.client
+
+    def start(self) -> DistSession:
+        """Start (or attach to) the engines and form the process group; returns self."""
+        global _current
+        if self.running:
+            raise NbdistError(
+                f"this session already runs {self.world_size} ranks: stop() or restart() it first"
+            )
+        t0 = time.perf_counter()
+        opts = self.options
+        if opts["attach"]:
+            handle = _cluster.attach(opts["attach"], timeout=opts["timeout"])
+        else:
+            placement = self.placement
+            slot_envs = [
+                {"NBDIST_SLOT": str(s.local_rank), "LOCAL_RANK": str(s.local_rank)}
+                | ({"CUDA_VISIBLE_DEVICES": str(s.gpu)} if s.gpu is not None else {})
+                for s in placement.slots
+            ]
+            handle = _cluster.start_local(
+                n=placement.world_size,
+                slot_environments=slot_envs,
+                threads=placement.threads_for(placement.slots[0]),
+                timeout=opts["timeout"],
+                launcher=opts["launcher"],
+                profile=opts["profile"],
+                ip=opts["ip"],
+                start_method=opts["start_method"],
+            )
+        self._handle = handle
+        try:
+            self._form_group()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.perf_counter() - t0
+        _current = weakref.ref(self)
+        _live.add(self)
+        return self
+
+    def _form_group(self) -> None:
+        from . import _bootstrap
+
+        handle, opts = self._handle, self.options
+        client = handle.client
+        engine_ids = sorted(client.ids)
+        controller_host = opts["ip"] if handle.owned else _controller_host(client)
+        infos = dict(
+            zip(engine_ids, client[engine_ids].apply_sync(_bootstrap.describe, controller_host))
+        )
+        if handle.owned and all(info["slot"] is not None for info in infos.values()):
+            by_slot = {info["slot"]: eid for eid, info in infos.items()}
+            engine_of = {slot.rank: by_slot[slot.local_rank] for slot in self.placement.slots}
+            slots = {engine_of[s.rank]: s for s in self.placement.slots}
+        else:
+            placement, slots = plan_attached(
+                [EngineInfo(e, i["host"], i["address"], i["gpus"]) for e, i in infos.items()],
+                cores={i["host"]: i["cores"] for i in infos.values()},
+                backend=opts["backend"],
+                cpu=opts["cpu"],
+                threads=opts["threads"],
+            )
+            self.placement = placement
+        rank0_engine = next(e for e, s in slots.items() if s.rank == 0)
+        master_addr = infos[rank0_engine]["address"]
+        loopback_only = master_addr.startswith("127.")
+        port = client[[rank0_engine]].apply_sync(_bootstrap.open_rendezvous, master_addr)[0]
+        pending = {}
+        for eid, slot in slots.items():
+            spec = dict(
+                rank=slot.rank, local_rank=slot.local_rank, world_size=len(slots),
+                local_world_size=slot.local_world_size, master_addr=master_addr,
+                master_port=port, backend=self.placement.backend, gpu=slot.gpu,
+                threads=self.placement.threads_for(slot), timeout=opts["group_timeout"],
+                loopback_only=loopback_only,
+            )  # fmt: skip
+            pending[eid] = client[[eid]].apply_async(_bootstrap.init_rank, spec)
+        ranks = []
+        deadline = time.monotonic() + opts["timeout"]
+        for eid, ar in pending.items():
+            run = RankRun(ar, [slots[eid].rank], interrupt=self.interrupt, sink=None)
+            run._timeout = max(0.1, deadline - time.monotonic())
+            result = run.wait()[0]
+            slot = slots[eid]
+            ranks.append(
+                RankInfo(
+                    slot.rank, slot.local_rank, eid, infos[eid]["pid"], infos[eid]["host"],
+                    result["device"],
+                )
+            )
+        self._ranks = sorted(ranks, key=lambda r: r.rank)
+
+    def stop(self) -> list[int]:
+        """Stop the ranks nbdist started (detach from an attached cluster); idempotent.
+
+        Returns the PIDs that had to be force-killed (normally none).
+        """
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return []
+        _live.discard(self)
+        if handle.client is not None and not handle.owned and self._ranks:
+            from . import _bootstrap
+
+            try:  # leave the group so the attached engines can be reused
+                client = handle.client
+                client[[r.engine_id for r in self._ranks]].apply_async(_bootstrap.teardown).get(5)
+            except Exception:
+                pass
+        self._ranks = []
+        return _cluster.stop(handle)
+
+    def restart(self) -> DistSession:
+        """Fresh engines, the group formed again, same number of ranks."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> DistSession:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _require_running(self) -> None:
+        if not self.running:
+            raise ClusterNotRunning(
+                "this session is not running: call start() (or %dist_start) first"
+            )
+
+    # -- running code -----------------------------------------------------
+    def _select(self, ranks) -> list[RankInfo]:
+        self._require_running()
+        chosen = parse_ranks(ranks, self.world_size)
+        return [self._ranks[r] for r in chosen]
+
+    def run(
+        self,
+        code: str,
+        ranks=None,
+        *,
+        block: bool = True,
+        timeout: float | None = None,
+        sink=None,
+    ):
+        """Run ``code`` on the ranks (all by default) in their persistent namespaces.
+
+        Output streams live, labelled by rank. Blocking: returns the per-rank
+        results and raises :class:`~nbdist.errors.RankError` if any rank raised.
+        ``block=False`` returns a :class:`~nbdist.runner.RankRun`; call ``.wait()``.
+        """
+        chosen = self._select(ranks)
+        run = submit(
+            self._handle.client,
+            [r.engine_id for r in chosen],
+            [r.rank for r in chosen],
+            code,
+            interrupt=self.interrupt,
+            sink=sink,
+            timeout=timeout,
+        )
+        return run.wait() if block else run
+
+    def apply(self, fn: Callable, *args, ranks=None, **kwargs) -> list:
+        """Call ``fn(*args, **kwargs)`` on the ranks; returns results in rank order."""
+        chosen = self._select(ranks)
+        ar = self._handle.client[[r.engine_id for r in chosen]].apply_async(fn, *args, **kwargs)
+        return RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait()
+
+    def push(self, mapping: Mapping[str, object], ranks=None) -> None:
+        """Copy names from here into the ranks' namespaces."""
+        chosen = self._select(ranks)
+        ar = self._handle.client[[r.engine_id for r in chosen]].push(dict(mapping), block=False)
+        RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait()
+
+    def pull(self, name: str, rank: int | None = None):
+        """A name's value from one rank, or a list of values by rank when ``rank`` is None."""
+        chosen = self._select(rank)
+        ar = self._handle.client[[r.engine_id for r in chosen]].pull(name, block=False)
+        values = RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait()
+        return values[0] if rank is not None else values
+
+    def interrupt(self, ranks=None) -> None:
+        """Send SIGINT to the ranks: running code raises KeyboardInterrupt there."""
+        chosen = self._select(ranks)
+        if self._handle.owned:
+            for info in chosen:
+                try:
+                    os.kill(info.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+        else:
+            self._handle.client.send_signal(
+                signal.SIGINT, targets=[r.engine_id for r in chosen], block=False
+            )
+
+    # -- reporting --------------------------------------------------------
+    def status(self) -> list[dict]:
+        """One row per rank: rank, engine, host, pid, device, backend, state, memory."""
+        from .status import rank_status
+
+        self._require_running()
+        return rank_status(self._handle, self._ranks, self.backend)
+
+    def summary(self) -> str:
+        """One line: ranks, backend, devices, start-up seconds."""
+        self._require_running()
+        devices = sorted({r.device for r in self._ranks})
+        hosts = sorted({r.host for r in self._ranks})
+        where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
+        note = f"; {self._handle.start_note}" if self._handle.start_note else ""
+        return (
+            f"nbdist: {self.world_size} ranks ready{where} · backend {self.backend} · "
+            f"device {', '.join(devices)} · {self.startup_seconds:.1f} s{note}"
+        )
+
+    def __repr__(self) -> str:
+        if not self.running:
+            return "<DistSession: not running>"
+        return f"<DistSession: {self.world_size} ranks, {self.backend}>"
+
+
+def _controller_host(client) -> str:
+    url = getattr(client, "_config", {}).get("interface", "") or ""
+    host = url.rpartition("//")[2] or "127.0.0.1"
+    return host if host not in ("*", "0.0.0.0") else "127.0.0.1"
+
+
+@atexit.register
+def _stop_live_sessions() -> None:
+    # Kernel shutdown or restart: stop every session's processes before exit.
+    for session in list(_live):
+        try:
+            session.stop()
+        except Exception:
+            pass

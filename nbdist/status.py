@@ -1,0 +1,75 @@
+"""The rows of ``%dist_status``: what each rank is doing, read without disturbing it.
+
+Everything comes from the controller (queue state, heartbeats) and from the
+operating system (memory by PID for local ranks): asking a busy rank itself
+would wait behind the cell it is running.
+"""
+
+from __future__ import annotations
+
+__all__ = ["format_status", "rank_status"]
+
+
+def _rss_mib(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return None
+
+
+def rank_status(handle, ranks, backend: str | None) -> list[dict]:
+    client = handle.client
+    alive_ids = set(client.ids)
+    try:
+        queues = client.queue_status(targets=[r.engine_id for r in ranks if r.engine_id in alive_ids])
+    except Exception:  # controller gone: every rank shows as dead below
+        queues, alive_ids = {}, set()
+    rows = []
+    for info in ranks:
+        queue = queues.get(info.engine_id, {})
+        if info.engine_id not in alive_ids:
+            state = "dead"
+        elif queue.get("queue", 0) or queue.get("tasks", 0):
+            state = "busy"
+        else:
+            state = "idle"
+        memory = _rss_mib(info.pid) if handle.owned else None
+        if handle.owned and memory is None:
+            state = "dead"
+        rows.append(
+            dict(
+                rank=info.rank,
+                engine=info.engine_id,
+                host=info.host,
+                pid=info.pid,
+                device=info.device,
+                backend=backend,
+                state=state,
+                memory_mib=None if memory is None else round(memory, 1),
+            )
+        )
+    return rows
+
+
+def format_status(rows: list[dict]) -> str:
+    """A fixed-width text table of :func:`rank_status` rows."""
+    headers = ["rank", "engine", "host", "pid", "device", "backend", "state", "memory"]
+    table = [
+        [
+            str(r["rank"]),
+            str(r["engine"]),
+            r["host"],
+            str(r["pid"]),
+            r["device"],
+            str(r["backend"]),
+            r["state"],
+            "?" if r["memory_mib"] is None else f"{r['memory_mib']:.0f} MiB",
+        ]
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
+    return "\n".join(line.rstrip() for line in lines)
