@@ -56,6 +56,16 @@ class ClusterHandle:
         return sets[0] if sets else None
 
 
+def _quiet_log():
+    """ipyparallel logs each start/stop at INFO; nbdist prints its own one-line summary."""
+    import logging
+
+    log = logging.getLogger("nbdist.cluster")
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.WARNING)
+    return log
+
+
 def _base_config(controller_ip: str):
     from traitlets.config import Config
 
@@ -112,6 +122,7 @@ def start_local(
         engine_timeout=int(max(1, timeout)),
         shutdown_atexit=True,
         config=config,
+        log=_quiet_log(),
         **kwargs,
     )
     handle = ClusterHandle(
@@ -122,7 +133,10 @@ def start_local(
         remove_profile_dir=remove,
     )
     try:
-        handle.client = cluster.start_and_connect_sync(n=n)
+        cluster.start_cluster_sync(n=n)
+        handle.client = cluster.connect_client_sync()
+        # Not start_and_connect: in a notebook it draws a progress bar of its own.
+        handle.client.wait_for_engines(n, timeout=timeout, interactive=False, block=True)
     except BaseException as exc:
         _record_pids(handle)
         stop(handle)

@@ -92,7 +92,7 @@ def _visible_text(raw: str) -> str:
     pad their updates, so overwritten leftovers are not a concern). A trailing
     ``\\r``, such as the CR of a CRLF ending, overwrites nothing.
     """
-    return raw.rpartition("\r")[2]
+    return raw.rstrip("\r").rpartition("\r")[2]
 
 
 def _compact_tail(tail: str) -> str:

@@ -248,6 +248,15 @@ def test_progress_is_reported_at_most_once_per_poll():
     assert sink.events == [("progress", "stderr", "rank 0", "step 99")]
 
 
+def test_unchanged_progress_redraw_is_not_reported_again():
+    merger, sink, _ = make_merger([0])
+    merger.feed(0, "stderr", "\r 50%")
+    merger.poll()
+    merger.feed(0, "stderr", "\r 50%")
+    merger.poll()
+    assert sink.events == [("progress", "stderr", "rank 0", " 50%")]
+
+
 def test_trailing_carriage_return_keeps_the_text_visible():
     merger, sink, _ = make_merger([0])
     merger.feed(0, "stderr", "50%...\r")
@@ -295,7 +304,9 @@ def test_real_tqdm_bar_gives_progress_and_one_final_line_per_rank():
 
     for rank in (0, 1):
         bar_format = "{desc}{n}/{total}"
-        for _ in tqdm(range(3), file=RankFile(rank), mininterval=0, desc=f"r{rank} ", bar_format=bar_format):
+        for _ in tqdm(
+            range(3), file=RankFile(rank), mininterval=0, desc=f"r{rank} ", bar_format=bar_format
+        ):
             pass
     assert lines(sink, "stderr") == [("rank 0", "r0 3/3"), ("rank 1", "r1 3/3")]
     progress = [e for e in sink.events if e[0] == "progress"]
@@ -420,7 +431,10 @@ def test_stream_sink_writes_labelled_lines_to_their_stream(capsys):
     sink.display("rank 2", {"text/plain": "two\nlines", "image/png": "AAAA"}, {})
     sink.display("rank 3", {"image/png": "AAAA"}, {})
     captured = capsys.readouterr()
-    assert captured.out == "[ranks 0-3] hello\n[rank 2] two\n[rank 2] lines\n[rank 3] <display: image/png>\n"
+    assert (
+        captured.out
+        == "[ranks 0-3] hello\n[rank 2] two\n[rank 2] lines\n[rank 3] <display: image/png>\n"
+    )
     assert captured.err == "[rank 1] oops\n"
 
 
@@ -457,7 +471,9 @@ def test_stream_sink_draws_progress_in_place_on_a_tty(monkeypatch):
     sink.progress("stderr", "rank 0", " 90%")
     sink.progress_done("stderr", "rank 0")
     sink.line("stderr", "rank 0", "100%")
-    assert terminal.getvalue() == "\r\x1b[K[rank 0]  10%\r\x1b[K[rank 0]  90%\r\x1b[K[rank 0] 100%\n"
+    assert (
+        terminal.getvalue() == "\r\x1b[K[rank 0]  10%\r\x1b[K[rank 0]  90%\r\x1b[K[rank 0] 100%\n"
+    )
 
 
 # -- KernelSink / default_sink ---------------------------------------------------------------
@@ -502,7 +518,9 @@ def test_kernel_sink_republishes_displays(monkeypatch, capsys, n_ranks, expected
     ipython_display = pytest.importorskip("IPython.display")
     published = []
     monkeypatch.setattr(
-        ipython_display, "publish_display_data", lambda data, metadata=None: published.append((data, metadata))
+        ipython_display,
+        "publish_display_data",
+        lambda data, metadata=None: published.append((data, metadata)),
     )
     KernelSink(n_ranks=n_ranks).display("ranks 0-1", {"image/png": "AAAA"}, {"w": 1})
     assert capsys.readouterr().out == expected_out

@@ -1,0 +1,263 @@
+"""IPython magics: a thin layer over :class:`nbdist.DistSession`.
+
+Each magic parses its flags, makes one API call and shows the result; a
+script can do the same with the session object (``nbdist.current_session()``).
+Bad input raises IPython's ``UsageError`` naming the value and the fix, and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .errors import PlacementError
+from .placement import parse_gpu_list
+
+__all__ = ["DistMagics", "register"]
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(
+            f"--timeout {text!r} is not a number of seconds, e.g. --timeout 60"
+        ) from None
+    if value <= 0:
+        raise UsageError(f"--timeout {text!r} must be more than 0 seconds")
+    return value
+
+
+def _parse(magic, line: str):
+    try:
+        return parse_argstring(magic, line)
+    except UsageError:
+        raise
+    except SystemExit as exc:  # argparse's own exit on bad input
+        raise UsageError(f"could not parse {line!r}: see the magic's help (?)") from exc
+
+
+@magics_class
+class DistMagics(Magics):
+    """%dist_start, %%on_all_ranks, %%on_rank, %dist_status, %dist_stop, ..."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.session = None
+        self.last_run = None
+
+    # -- helpers ----------------------------------------------------------
+    def _running(self):
+        if self.session is None or not self.session.running:
+            raise UsageError(
+                "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
+            )
+        return self.session
+
+    # -- start / stop -----------------------------------------------------
+    @magic_arguments()
+    @argument("n", nargs="?", default=None, help="ranks (default: one per GPU, or 2 without GPUs)")
+    @argument("--backend", default=None, help="nccl or gloo (default: nccl on GPUs, gloo on CPU)")
+    @argument("--cpu", action="store_true", help="run on CPU even if GPUs are visible")
+    @argument("--gpus", default=None, help="GPU indices to use, e.g. 0,1")
+    @argument("--threads", default=None, help="torch threads per rank (default: cores / ranks)")
+    @argument("--timeout", default="120", help="seconds to wait for the ranks (default 120)")
+    @argument("--launcher", default=None, help="ipyparallel engine launcher: mpi, ssh, slurm, ...")
+    @argument("--profile", default=None, help="ipyparallel profile name (for its launcher config)")
+    @argument("--attach", default=None, help="cluster file of a running ipyparallel cluster")
+    @argument("--ip", default="127.0.0.1", help="controller address (default loopback only)")
+    @argument("--spawn", action="store_true", help="start engines as separate processes, no fork")
+    @line_magic
+    def dist_start(self, line=""):
+        """Start N ranks with torch.distributed ready on each; returns when all are ready.
+
+        Examples::
+
+            %dist_start              # one rank per GPU, or 2 CPU ranks without GPUs
+            %dist_start 4 --cpu      # 4 CPU ranks (gloo), threads shared among them
+            %dist_start --gpus 0,2   # two ranks on GPUs 0 and 2 (NCCL)
+            %dist_start --attach ~/.ipython/profile_default/security/cluster-abc.json
+
+        Every rank's namespace starts with torch, dist, nbdist, rank, local_rank,
+        world_size and device. Stop with %dist_stop.
+        """
+        args = _parse(self.dist_start, line)
+        if self.session is not None and self.session.running:
+            raise UsageError(
+                f"a cluster of {self.session.world_size} ranks is already running: "
+                "%dist_stop or %dist_restart first"
+            )
+        n = None
+        if args.n is not None:
+            if not args.n.isdigit() or int(args.n) < 1:
+                raise UsageError(f"number of ranks {args.n!r}: give a whole number >= 1, e.g. 4")
+            n = int(args.n)
+        threads = None
+        if args.threads is not None:
+            if not args.threads.isdigit() or int(args.threads) < 1:
+                raise UsageError(f"--threads {args.threads!r}: give a whole number >= 1")
+            threads = int(args.threads)
+        from .session import DistSession
+
+        try:
+            gpus = parse_gpu_list(args.gpus) if args.gpus is not None else None
+            session = DistSession(
+                n,
+                backend=args.backend,
+                cpu=args.cpu,
+                gpus=gpus,
+                threads=threads,
+                timeout=_positive_float(args.timeout),
+                launcher=args.launcher,
+                profile=args.profile,
+                attach=args.attach,
+                ip=args.ip,
+                start_method="spawn" if args.spawn else "fork",
+            )
+        except PlacementError as exc:
+            raise UsageError(str(exc)) from None
+        session.start()
+        self.session = session
+        print(session.summary())
+
+    @line_magic
+    def dist_stop(self, line=""):
+        """Stop the ranks (and the controller) nbdist started; nothing is left running.
+
+        Example::
+
+            %dist_stop
+        """
+        if line.strip():
+            raise UsageError(f"%dist_stop takes no arguments, got {line.strip()!r}")
+        if self.session is None or not self.session.running:
+            print("nbdist: no cluster running")
+            return
+        n = self.session.world_size
+        self.session.stop()
+        print(f"nbdist: stopped {n} ranks")
+
+    @line_magic
+    def dist_restart(self, line=""):
+        """Fresh engines, the process group formed again, same number of ranks.
+
+        Rank namespaces start empty again (except the standard names). Example::
+
+            %dist_restart
+        """
+        if line.strip():
+            raise UsageError(f"%dist_restart takes no arguments, got {line.strip()!r}")
+        self._running().restart()
+        print(self.session.summary())
+
+    @line_magic
+    def dist_status(self, line=""):
+        """A table of ranks: rank, engine, host, pid, device, backend, state, memory.
+
+        Example::
+
+            %dist_status
+        """
+        from .status import format_status
+
+        print(format_status(self._running().status()))
+
+    # -- running code -----------------------------------------------------
+    @magic_arguments()
+    @argument("--ranks", default=None, help="ranks to run on: 0,2 or 0-3 (default: all)")
+    @argument("--noblock", action="store_true", help="return at once; .wait() on the result")
+    @argument("--timeout", default=None, help="interrupt the ranks after this many seconds")
+    @cell_magic
+    def on_all_ranks(self, line, cell):
+        """Run the cell on every rank (or --ranks); state persists between cells.
+
+        Output streams live, labelled by rank; lines every rank printed alike are
+        shown once. If any rank raises, the cell fails with tracebacks grouped by
+        rank. Interrupting the kernel interrupts every rank. No time limit unless
+        --timeout is given. Examples::
+
+            %%on_all_ranks
+            t = torch.ones(2) * rank
+            dist.all_reduce(t)
+            print(rank, t)
+
+            %%on_all_ranks --ranks 0,1 --timeout 60
+            print(rank)
+        """
+        args = _parse(self.on_all_ranks, line)
+        return self._run_cell(cell, args.ranks, args.noblock, args.timeout)
+
+    @magic_arguments()
+    @argument("rank", help="the rank to run on")
+    @argument("--noblock", action="store_true", help="return at once; .wait() on the result")
+    @argument("--timeout", default=None, help="interrupt the rank after this many seconds")
+    @cell_magic
+    def on_rank(self, line, cell):
+        """Run the cell on one rank. Example::
+
+        %%on_rank 0
+        print(model)
+        """
+        args = _parse(self.on_rank, line)
+        return self._run_cell(cell, args.rank, args.noblock, args.timeout)
+
+    def _run_cell(self, cell, ranks, noblock, timeout):
+        session = self._running()
+        timeout_s = _positive_float(timeout) if timeout is not None else None
+        try:
+            selected = session._select(ranks)
+        except PlacementError as exc:
+            raise UsageError(str(exc)) from None
+        run = session.run(cell, [r.rank for r in selected], block=False, timeout=timeout_s)
+        if noblock:
+            self.last_run = run
+            return run
+        run.wait()
+        return None
+
+    # -- moving values ----------------------------------------------------
+    @line_magic
+    def dist_push(self, line=""):
+        """Copy variables from the notebook to every rank. Example::
+
+        lr = 0.1
+        %dist_push lr
+        """
+        names = line.split()
+        if not names:
+            raise UsageError("%dist_push needs variable names, e.g. %dist_push lr batch_size")
+        missing = [n for n in names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"%dist_push: {missing[0]!r} is not defined in the notebook")
+        self._running().push({n: self.shell.user_ns[n] for n in names})
+
+    @magic_arguments()
+    @argument("name", help="variable name on the ranks")
+    @argument("--rank", default=None, help="one rank's value (default: a list by rank)")
+    @line_magic
+    def dist_pull(self, line=""):
+        """A variable's value from the ranks: a list by rank, or one rank's. Examples::
+
+        losses = %dist_pull loss
+        w0 = %dist_pull weight --rank 0
+        """
+        args = _parse(self.dist_pull, line)
+        session = self._running()
+        rank = None
+        if args.rank is not None:
+            if not args.rank.isdigit():
+                raise UsageError(f"--rank {args.rank!r}: give a rank number, e.g. --rank 0")
+            rank = int(args.rank)
+            if rank >= session.world_size:
+                raise UsageError(
+                    f"rank {rank} does not exist: this cluster has ranks 0..{session.world_size - 1}"
+                )
+        return session.pull(args.name, rank=rank)
+
+
+def register(ipython) -> DistMagics:
+    magics = DistMagics(ipython)
+    ipython.register_magics(magics)
+    return magics

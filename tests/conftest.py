@@ -1,0 +1,63 @@
+"""Shared test set-up: isolated IPython/Jupyter dirs, and a check that no process outlives the run.
+
+The check is by PID: every process this test run started (children of the
+pytest process, recursively) must be gone at the end; nbdist must never leave
+an engine, nanny, zygote or controller behind.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import psutil
+import pytest
+
+_ISOLATED = tempfile.mkdtemp(prefix="nbdist-tests-")
+for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_CONFIG_DIR"):
+    os.environ[_var] = os.path.join(_ISOLATED, _var.lower())
+    os.makedirs(os.environ[_var], exist_ok=True)
+# Keep each rank at one thread so several test sessions on a small machine do not thrash.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _descendants() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def wait_gone(pids, timeout: float = 15.0) -> list[int]:
+    """PIDs among ``pids`` still alive after ``timeout`` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        if alive:
+            time.sleep(0.1)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_processes():
+    before = {p.pid for p in _descendants()}
+    yield
+    leftovers = [p for p in _descendants() if p.pid not in before]
+    alive = wait_gone([p.pid for p in leftovers], timeout=15)
+    if alive:
+        names = []
+        for pid in alive:
+            try:
+                names.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+            except psutil.Error:
+                pass
+        pytest.fail("processes started by the tests outlived them:\n" + "\n".join(names))

@@ -1,0 +1,180 @@
+"""Unit tests for nbdist.errors."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from nbdist.errors import (
+    ClusterNotRunning,
+    NbdistError,
+    PlacementError,
+    RankError,
+    RankFailure,
+)
+
+RED, RESET = "\x1b[0;31m", "\x1b[0m"
+
+
+def zero_division(rank: int, engine_id: int) -> RankFailure:
+    """A ZeroDivisionError as ipyparallel reports it, with this rank's noise."""
+    traceback = (
+        f"[{engine_id}:execute]\n"
+        f"{RED}---------------------------------------------------------------------------{RESET}\n"
+        f"{RED}ZeroDivisionError{RESET}  Traceback (most recent call last)  [Engine {engine_id}]\n"
+        f"Cell {RED}In[7], line 2{RESET}\n"
+        f"      1 print('[rank {rank}] dividing')\n"
+        f"----> 2 1 / 0\n"
+        f"{RED}ZeroDivisionError{RESET}: division by zero"
+    )
+    return RankFailure(rank, "ZeroDivisionError", "division by zero", traceback)
+
+
+def value_error(rank: int, message: str = "bad shape") -> RankFailure:
+    return RankFailure(rank, "ValueError", message, f"Traceback\n  check()\nValueError: {message}")
+
+
+def test_identical_failures_are_grouped_despite_engine_ids_and_colours():
+    failures = [zero_division(rank, engine_id=rank + 10) for rank in (3, 0, 2, 1)]
+    error = RankError(failures, world_ranks=range(4))
+    groups = error.groups()
+    assert len(groups) == 1
+    ranks, representative = groups[0]
+    assert ranks == [0, 1, 2, 3]
+    assert representative == zero_division(0, engine_id=10)
+
+
+def test_noise_normalisation_covers_engine_rank_pid_and_address_forms():
+    def failure(rank, pid, address):
+        traceback = (
+            f"engine {rank}: File /tmp/ipykernel_{pid}/3141.py\n"
+            f"[rank {rank}] <Model object at {address}>\nRuntimeError: boom"
+        )
+        return RankFailure(rank, "RuntimeError", "boom", traceback)
+
+    error = RankError([failure(0, 4100, "0x7f00aa11bb22"), failure(1, 4200, "0x7f00cc33dd44")])
+    assert [ranks for ranks, _ in error.groups()] == [[0, 1]]
+
+
+def test_colour_codes_do_not_split_groups():
+    coloured = zero_division(0, engine_id=0)
+    plain = RankFailure(
+        1, coloured.ename, coloured.evalue, coloured.traceback.replace(RED, "").replace(RESET, "")
+    )
+    assert RankError([coloured, plain]).groups() == [([0, 1], coloured)]
+
+
+def test_distinct_failures_stay_separate_and_are_ordered_by_lowest_rank():
+    failures = [
+        zero_division(1, 11),
+        value_error(2),
+        zero_division(3, 13),
+        value_error(0, "other message"),
+        RankFailure(
+            4, "ValueError", "bad shape", "Traceback\n  different_call()\nValueError: bad shape"
+        ),
+    ]
+    error = RankError(failures)
+    assert [(ranks, f.ename, f.evalue) for ranks, f in error.groups()] == [
+        ([0], "ValueError", "other message"),
+        ([1, 3], "ZeroDivisionError", "division by zero"),
+        ([2], "ValueError", "bad shape"),
+        ([4], "ValueError", "bad shape"),
+    ]
+
+
+def test_str_is_one_line_per_group_plus_note():
+    failures = [zero_division(r, r) for r in (0, 1, 3)] + [value_error(2)]
+    error = RankError(failures, world_ranks=[0, 1, 2, 3], note="rank 4 was still running")
+    assert str(error) == (
+        "ranks 0-1,3: ZeroDivisionError: division by zero\n"
+        "rank 2: ValueError: bad shape\n"
+        "rank 4 was still running"
+    )
+
+
+def test_str_without_message_or_note():
+    error = RankError([RankFailure(0, "KeyboardInterrupt", "", "")])
+    assert str(error) == "rank 0: KeyboardInterrupt"
+
+
+def test_render_traceback_shows_each_group_once_with_colours():
+    failures = [zero_division(r, r + 20) for r in (0, 1)] + [value_error(3)]
+    error = RankError(failures, world_ranks=range(4), note="see logs")
+    assert error._render_traceback_() == [
+        "[ranks 0-1] ZeroDivisionError: division by zero",
+        *zero_division(0, 20).traceback.splitlines(),
+        "",
+        "[rank 3] ValueError: bad shape",
+        "Traceback",
+        "  check()",
+        "ValueError: bad shape",
+        "",
+        "3 of 4 ranks failed",
+        "see logs",
+    ]
+    assert RED in "\n".join(error._render_traceback_())
+
+
+def test_summary_without_world_ranks():
+    assert RankError([value_error(2)])._render_traceback_()[-1] == "1 rank failed"
+    assert RankError([value_error(1), value_error(2)])._render_traceback_()[-1] == "2 ranks failed"
+    assert (
+        RankError([value_error(0)], world_ranks=[0])._render_traceback_()[-1]
+        == "1 of 1 rank failed"
+    )
+
+
+def test_more_than_eight_groups_are_summarised():
+    failures = [value_error(rank, f"problem {rank}") for rank in range(11)]
+    rendered = RankError(failures, world_ranks=range(12))._render_traceback_()
+    full = []
+    for rank in range(8):
+        full += [
+            f"[rank {rank}] ValueError: problem {rank}",
+            "Traceback",
+            "  check()",
+            f"ValueError: problem {rank}",
+            "",
+        ]
+    assert rendered == [
+        *full,
+        "3 more distinct failures (tracebacks omitted):",
+        "[rank 8] ValueError: problem 8",
+        "[rank 9] ValueError: problem 9",
+        "[rank 10] ValueError: problem 10",
+        "11 of 12 ranks failed",
+    ]
+
+
+def test_failures_are_sorted_and_ranks_property():
+    error = RankError([value_error(5), zero_division(1, 1), value_error(3)])
+    assert [f.rank for f in error.failures] == [1, 3, 5]
+    assert isinstance(error.failures, tuple)
+    assert error.ranks == [1, 3, 5]
+
+
+def test_rank_error_needs_a_failure():
+    with pytest.raises(ValueError):
+        RankError([])
+
+
+def test_rank_error_survives_pickling():
+    error = RankError([value_error(1)], world_ranks=[0, 1], note="n")
+    clone = pickle.loads(pickle.dumps(error))
+    assert clone.failures == error.failures
+    assert clone.world_ranks == (0, 1)
+    assert str(clone) == str(error)
+
+
+def test_exception_hierarchy_and_messages():
+    assert issubclass(RankError, NbdistError)
+    assert issubclass(ClusterNotRunning, NbdistError)
+    assert issubclass(PlacementError, NbdistError)
+    assert issubclass(PlacementError, ValueError)
+    assert str(ClusterNotRunning()) == (
+        "no nbdist cluster is running: start one with %dist_start (or DistSession().start())"
+    )
+    assert str(ClusterNotRunning("custom")) == "custom"
+    assert str(PlacementError("2 ranks on 1 GPU")) == "2 ranks on 1 GPU"
