@@ -30,7 +30,9 @@ def describe(controller_host: str = "127.0.0.1") -> dict:
         "host": socket.gethostname(),
         "address": _address_towards(controller_host),
         "gpus": len(visible_gpus()),
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "slot": int(os.environ["NBDIST_SLOT"]) if "NBDIST_SLOT" in os.environ else None,
     }
 
@@ -145,10 +147,9 @@ def init_rank(spec: dict) -> dict:
 
 
 def _fill_namespace(spec: dict, device: str) -> None:
-    from IPython import get_ipython
-
     import torch
     import torch.distributed as dist
+    from IPython import get_ipython
 
     import nbdist
 

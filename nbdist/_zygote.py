@@ -217,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGINT is the interrupt relay: forwarded, never fatal to the zygote.
     signal.signal(signal.SIGINT, lambda *_: children.signal(signal.SIGINT))
     _unblock_signals()
-    threading.Thread(
-        target=_watch_parent, args=(opts.parent_pid, children), daemon=True
-    ).start()
+    threading.Thread(target=_watch_parent, args=(opts.parent_pid, children), daemon=True).start()
 
     while children.pids:
         children.reap()

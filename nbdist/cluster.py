@@ -214,7 +214,9 @@ def attach(path: str, *, timeout: float) -> ClusterHandle:
         with open(path) as f:
             content = json.load(f)
     except (OSError, ValueError) as exc:
-        raise NbdistError(f"--attach {path!r} is not a readable JSON connection file: {exc}") from exc
+        raise NbdistError(
+            f"--attach {path!r} is not a readable JSON connection file: {exc}"
+        ) from exc
     if "cluster" in content:
         cluster = ipp.Cluster.from_file(path)
         client = cluster.connect_client_sync()

@@ -131,7 +131,7 @@ def choose_backend(requested: str | None, *, uses_gpus: bool) -> str:
 def parse_gpu_list(text: str) -> list[int]:
     """'0,1,3' -> [0, 1, 3]; rejects anything else with the value in the message."""
     parts = [p.strip() for p in str(text).split(",")]
-    if not parts or any(not p.isdigit() for p in parts):
+    if not parts or any(not _NUMBER.match(p) for p in parts):
         raise PlacementError(
             f"--gpus {text!r} is not a list of GPU indices: write it like --gpus 0,1,2"
         )
@@ -141,13 +141,18 @@ def parse_gpu_list(text: str) -> list[int]:
     return gpus
 
 
-_RANGE = re.compile(r"^(\d+)\s*-\s*(\d+)$")
+_RANGE = re.compile(r"^([0-9]+)\s*-\s*([0-9]+)$")
+_NUMBER = re.compile(r"^[0-9]+$")  # ASCII only: str.isdigit() accepts '²', which int() rejects
 
 
 def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list[int]:
     """Rank selection: '0,2', '0-3', '1', [0, 2] or None (all ranks)."""
     if text is None:
         return list(range(world_size))
+    if isinstance(text, bool) or (
+        not isinstance(text, (int, str)) and any(not _is_int(r) for r in text)
+    ):
+        raise PlacementError(f"ranks {text!r}: give whole rank numbers, e.g. [0, 2] or '0-3'")
     if isinstance(text, int):
         items: list[int] = [text]
     elif isinstance(text, str):
@@ -162,7 +167,7 @@ def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list
                         f"rank range {part!r} runs backwards: write it low-high, e.g. {hi}-{lo}"
                     )
                 items.extend(range(lo, hi + 1))
-            elif part.isdigit():
+            elif _NUMBER.match(part):
                 items.append(int(part))
             else:
                 raise PlacementError(
@@ -181,13 +186,17 @@ def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list
     return sorted(set(items))
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_count(n: int | None) -> None:
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise PlacementError(f"number of ranks must be a whole number >= 1, got {n!r}")
 
 
 def _check_threads(threads: int | None) -> None:
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
+    if threads is not None and (not _is_int(threads) or threads < 1):
         raise PlacementError(f"--threads must be a whole number >= 1, got {threads!r}")
 
 
@@ -307,17 +316,18 @@ def gpus_from_mask(mask: str | None, count: int, *, already_masked: bool) -> lis
     """Apply a CUDA_VISIBLE_DEVICES value to a GPU count (pure; unit-tested).
 
     ``already_masked``: the count came from torch, which applied the mask itself.
-    UUID-style masks are not supported for per-rank assignment; they give no GPUs.
+    UUID-style entries are not supported for per-rank assignment; the list ends there.
     """
     if mask is None:
         return list(range(count))
-    allowed = [p.strip() for p in mask.split(",") if p.strip()]
-    if any(not p.isdigit() for p in allowed):
-        return []
-    indices = [int(p) for p in allowed]
-    if already_masked:
-        return indices[:count]
-    return [i for i in indices if i < count]
+    indices: list[int] = []
+    for part in mask.split(","):
+        part = part.strip()
+        # Like CUDA, the list ends at the first entry it cannot use (UUIDs included).
+        if not _NUMBER.match(part) or (not already_masked and int(part) >= count):
+            break
+        indices.append(int(part))
+    return indices[:count] if already_masked else indices
 
 
 def _gpu_count() -> tuple[int, bool]:

@@ -213,7 +213,11 @@ class DistSession:
             slot = slots[eid]
             ranks.append(
                 RankInfo(
-                    slot.rank, slot.local_rank, eid, infos[eid]["pid"], infos[eid]["host"],
+                    slot.rank,
+                    slot.local_rank,
+                    eid,
+                    infos[eid]["pid"],
+                    infos[eid]["host"],
                     result["device"],
                 )
             )

@@ -23,7 +23,9 @@ def rank_status(handle, ranks, backend: str | None) -> list[dict]:
     client = handle.client
     alive_ids = set(client.ids)
     try:
-        queues = client.queue_status(targets=[r.engine_id for r in ranks if r.engine_id in alive_ids])
+        queues = client.queue_status(
+            targets=[r.engine_id for r in ranks if r.engine_id in alive_ids]
+        )
     except Exception:  # controller gone: every rank shows as dead below
         queues, alive_ids = {}, set()
     rows = []
