@@ -1,0 +1,159 @@
+"""Start, stop, attach and cleanup with real processes: nothing is left behind, nothing listens beyond loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import nbdist
+from nbdist.output import ListSink
+from tests.conftest import wait_gone
+
+
+def _all_pids(session) -> set[int]:
+    return set(session._handle.pids) | {r.pid for r in session.ranks}
+
+
+def test_four_ranks_start_reduce_and_stop_without_leftovers():
+    s = nbdist.DistSession(4, timeout=120).start()
+    try:
+        assert s.world_size == 4
+        assert s.summary().startswith("nbdist: 4 ranks ready · backend gloo · device cpu")
+        sink = ListSink()
+        s.run("t = torch.tensor([float(rank)]); dist.all_reduce(t); print(t.item())", sink=sink)
+        assert [e[1:] for e in sink.events if e[0] == "line"] == [("stdout", "ranks 0-3", "6.0")]
+        # Threads per rank share the machine's cores (at least one each).
+        expected = max(1, (os.cpu_count() or 1) // 4)
+        s.run("threads = torch.get_num_threads()")
+        assert s.pull("threads") == [expected] * 4
+        pids = _all_pids(s)
+        # controller + its schedulers, zygote, 4 engines
+        assert len(pids) >= 6
+        listening = [
+            c
+            for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+        ]
+        assert listening, "expected the controller and rank 0's store to listen"
+        beyond_loopback = [c for c in listening if not c.laddr.ip.startswith("127.")]
+        assert beyond_loopback == [], f"sockets listening beyond loopback: {beyond_loopback}"
+        security = os.path.join(s._handle.profile_dir, "security")
+        for name in os.listdir(security):
+            mode = stat.S_IMODE(os.stat(os.path.join(security, name)).st_mode)
+            assert mode == 0o600, f"{name} has mode {oct(mode)}"
+    finally:
+        killed = s.stop()
+    assert killed == [], f"had to SIGKILL {killed}"
+    assert wait_gone(pids, timeout=10) == []
+    assert not s.running
+
+
+def test_a_killed_driver_leaves_no_process(tmp_path):
+    """The kernel dies with SIGKILL: controller, zygote and engines end by themselves."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, sys, time
+            import nbdist
+            s = nbdist.DistSession(2, timeout=120).start()
+            pids = sorted(set(s._handle.pids) | {r.pid for r in s.ranks})
+            print(json.dumps(pids), flush=True)
+            time.sleep(600)
+            """
+        )
+    )
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(driver.stdout.readline())
+        assert len(pids) >= 4
+        assert all(psutil.pid_exists(p) for p in pids)
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    assert wait_gone(pids, timeout=15) == []
+
+
+@pytest.fixture
+def external_cluster(tmp_path):
+    """An ipcontroller and two ipengines started by hand, as on other hosts."""
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    common = [f"--profile-dir={profile}", "--cluster-id=ext"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1",
+             "--HeartMonitor.period=100", *common],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+    ]  # fmt: skip
+    client_file = profile / "security" / "ipcontroller-ext-client.json"
+    deadline = time.monotonic() + 60
+    while not client_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for _ in range(2):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "ipyparallel.engine", *common],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+    try:
+        yield client_file, procs
+    finally:
+        pids = []
+        for proc in procs:
+            try:
+                pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.Error:
+                pass
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pid in wait_gone(pids, timeout=15):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_attach_forms_the_group_and_leaves_the_engines_running(external_cluster):
+    client_file, procs = external_cluster
+    deadline = time.monotonic() + 60
+    import ipyparallel as ipp
+
+    probe = ipp.Client(str(client_file))
+    while len(probe.ids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    probe.close()
+    s = nbdist.DistSession(attach=str(client_file), timeout=60).start()
+    try:
+        assert s.world_size == 2
+        assert {r.host for r in s.ranks} == {s.ranks[0].host}
+        s.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t)")
+        assert [t.item() for t in s.pull("t")] == [3.0, 3.0]
+        s.run(
+            "import os; env = (os.environ['MASTER_ADDR'], os.environ['RANK'], os.environ['WORLD_SIZE'])"
+        )
+        assert s.pull("env") == [("127.0.0.1", "0", "2"), ("127.0.0.1", "1", "2")]
+        # Interrupt through ipyparallel's signal relay (engines started elsewhere).
+        run = s.run("import time; time.sleep(60)", block=False, sink=ListSink())
+        time.sleep(1)
+        s.interrupt()
+        with pytest.raises(nbdist.RankError, match="KeyboardInterrupt"):
+            run.wait()
+    finally:
+        s.stop()
+    # nbdist did not start these processes, so it must not have stopped them.
+    assert all(p.poll() is None for p in procs)

@@ -1,0 +1,212 @@
+"""DistSession against real engines and a real gloo process group (2 CPU ranks)."""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+
+import pytest
+import torch
+
+import nbdist
+from nbdist.errors import NbdistError, RankError
+from nbdist.output import ListSink
+
+
+@pytest.fixture(scope="module")
+def session():
+    s = nbdist.DistSession(2, timeout=120)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def lines(sink: ListSink) -> list[tuple[str, str, str]]:
+    return [e[1:] for e in sink.events if e[0] == "line"]
+
+
+def test_all_reduce_runs_on_every_rank(session):
+    sink = ListSink()
+    session.run("t = torch.ones(2) * rank\ndist.all_reduce(t)\nprint(rank, t)", sink=sink)
+    assert lines(sink) == [
+        ("stdout", "rank 0", "0 tensor([1., 1.])"),
+        ("stdout", "rank 1", "1 tensor([1., 1.])"),
+    ]
+    assert [t.tolist() for t in session.pull("t")] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_namespace_starts_with_the_rank_names(session):
+    session.run(
+        "names = sorted(n for n in ('torch','dist','nbdist','rank','local_rank','world_size','device') if n in globals())"
+    )
+    assert (
+        session.pull("names")
+        == [sorted(["torch", "dist", "nbdist", "rank", "local_rank", "world_size", "device"])] * 2
+    )
+    session.run(
+        "info = (rank, local_rank, world_size, str(device), nbdist.rank(), nbdist.world_size())"
+    )
+    assert session.pull("info") == [(0, 0, 2, "cpu", 0, 2), (1, 1, 2, "cpu", 1, 2)]
+
+
+def test_state_persists_between_cells(session):
+    session.run("counter = rank * 10")
+    session.run("counter += 1")
+    assert session.pull("counter") == [1, 11]
+    assert session.pull("counter", rank=1) == 11
+
+
+def test_identical_output_is_shown_once(session):
+    sink = ListSink()
+    session.run("print('same on every rank')\nprint('rank says', rank)", sink=sink)
+    assert lines(sink) == [
+        ("stdout", "ranks 0-1", "same on every rank"),
+        ("stdout", "rank 0", "rank says 0"),
+        ("stdout", "rank 1", "rank says 1"),
+    ]
+
+
+def test_stderr_and_selected_ranks(session):
+    sink = ListSink()
+    session.run("import sys; print('warn', rank, file=sys.stderr)", ranks="1", sink=sink)
+    assert lines(sink) == [("stderr", "rank 1", "warn 1")]
+
+
+def test_an_error_on_one_rank_fails_the_run_and_names_it(session):
+    with pytest.raises(RankError) as info:
+        session.run("x = 1 / (rank - 1)", sink=ListSink())
+    err = info.value
+    assert err.ranks == [1]
+    assert "rank 1: ZeroDivisionError" in str(err)
+    # The other rank's work happened.
+    assert session.pull("x", rank=0) == -1.0
+
+
+def test_identical_errors_are_grouped(session):
+    with pytest.raises(RankError) as info:
+        session.run("raise ValueError('bad batch')", sink=ListSink())
+    assert str(info.value).splitlines()[0] == "ranks 0-1: ValueError: bad batch"
+    assert len(info.value.groups()) == 1
+
+
+def test_push_and_apply(session):
+    session.push({"lr": 0.5})
+    assert session.pull("lr") == [0.5, 0.5]
+    # Functions from importable modules run by reference on the ranks.
+    assert session.apply(operator.add, 2, 3) == [5, 5]
+    assert session.apply(divmod, 7, 2, ranks=[1]) == [(3, 1)]
+
+
+def test_pull_of_a_missing_name_is_a_rank_error(session):
+    with pytest.raises(RankError, match="NameError"):
+        session.pull("no_such_variable_here")
+
+
+def test_bad_rank_selection_is_refused(session):
+    with pytest.raises(nbdist.PlacementError, match="rank 5 does not exist"):
+        session.run("pass", ranks="5")
+
+
+def test_interrupt_reaches_every_rank_and_next_run_works(session):
+    run = session.run(
+        "import time\nprint('sleeping', flush=True)\ntime.sleep(60)", block=False, sink=ListSink()
+    )
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    session.interrupt()
+    with pytest.raises(RankError) as info:
+        run.wait()
+    assert time.monotonic() - t0 < 30
+    assert info.value.ranks == [0, 1]
+    assert all(f.ename == "KeyboardInterrupt" for f in info.value.failures)
+    session.run("after = rank + 100")
+    assert session.pull("after") == [100, 101]
+
+
+def test_keyboard_interrupt_in_the_waiting_thread_is_relayed(session):
+    """Ctrl-C in the kernel arrives as KeyboardInterrupt in the waiting loop."""
+    import _thread
+
+    timer = threading.Timer(1.5, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        session.run("import time\ntime.sleep(60)", sink=ListSink())
+    timer.cancel()
+    assert time.monotonic() - t0 < 30
+    session.run("ok = 1")
+    assert session.pull("ok") == [1, 1]
+
+
+def test_cell_timeout_interrupts(session):
+    with pytest.raises(NbdistError, match="--timeout"):
+        session.run("import time\ntime.sleep(60)", timeout=1.0, sink=ListSink())
+    session.run("still = 2")
+    assert session.pull("still") == [2, 2]
+
+
+def test_rank_helpers_on_ranks(session):
+    sink = ListSink()
+    session.run(
+        "nbdist.print0('only once')\n"
+        "s = nbdist.seed_all(7)\n"
+        "with nbdist.rank_zero_first():\n"
+        "    order = time.monotonic() if 'time' in globals() else 0\n",
+        sink=sink,
+    )
+    assert lines(sink) == [("stdout", "rank 0", "only once")]
+    assert session.pull("s") == [7, 8]
+
+
+def test_ddp_matches_single_process_on_the_full_batch(session):
+    """Two DDP ranks on half-batches give the parameters of one process on the whole batch."""
+    code = """
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+ddp = DDP(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1)
+X, Y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+for _ in range(3):
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(ddp(X[rank::2]), Y[rank::2])
+    loss.backward()
+    opt.step()
+weights = [p.detach().clone() for p in model.parameters()]
+"""
+    session.run(code)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    for _ in range(3):
+        opt.zero_grad()
+        # Mean of the two ranks' mean losses == the mean over the interleaved full batch.
+        loss = (
+            torch.nn.functional.mse_loss(model(X[0::2]), Y[0::2])
+            + torch.nn.functional.mse_loss(model(X[1::2]), Y[1::2])
+        ) / 2
+        loss.backward()
+        opt.step()
+    for weights in session.pull("weights"):
+        for got, want in zip(weights, model.parameters()):
+            torch.testing.assert_close(got, want.detach())
+
+
+def test_status_rows(session):
+    rows = session.status()
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert {r["state"] for r in rows} == {"idle"}
+    assert all(r["backend"] == "gloo" and r["device"] == "cpu" for r in rows)
+    assert all(r["memory_mib"] > 10 for r in rows)
+
+
+def test_starting_a_running_session_is_refused(session):
+    with pytest.raises(NbdistError, match="already runs 2 ranks"):
+        session.start()
