@@ -63,6 +63,11 @@ def open_rendezvous(address: str) -> int:
     return listener.getsockname()[1]
 
 
+def _forget_listener() -> None:
+    global _listener
+    _listener = None
+
+
 def close_rendezvous() -> None:
     global _listener
     if _listener is not None:
@@ -111,13 +116,19 @@ def init_rank(spec: dict) -> dict:
         dist.destroy_process_group()
     timeout = datetime.timedelta(seconds=spec["timeout"])
     is_master = spec["rank"] == 0
+    listen_fd = None
+    if is_master and _listener is not None:
+        # The store takes the socket over and closes it with the group; detach
+        # so Python never closes that fd number again (it may be reused by then).
+        listen_fd = _listener.detach()
+        _forget_listener()
     store = dist.TCPStore(
         spec["master_addr"],
         spec["master_port"],
         spec["world_size"],
         is_master,
         timeout=timeout,
-        master_listen_fd=_listener.fileno() if is_master and _listener is not None else None,
+        master_listen_fd=listen_fd,
     )
     init_kwargs = {}
     if spec["backend"] == "nccl":
@@ -143,7 +154,9 @@ def init_rank(spec: dict) -> dict:
         device=device,
     )
     _fill_namespace(spec, device)
-    return {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    # Plain str: torch.__version__ is a TorchVersion, and unpickling it would
+    # import torch (seconds) in a kernel that may never need it.
+    return {"device": device, "torch": str(torch.__version__), "threads": torch.get_num_threads()}
 
 
 def _fill_namespace(spec: dict, device: str) -> None:
