@@ -429,6 +429,11 @@ class KernelSink(StreamSink):
     def display(self, label: str, data: dict, metadata: dict) -> None:
         from IPython.display import publish_display_data
 
+        text = data.get("text/plain")
+        if set(data) == {"text/plain"} and isinstance(text, str) and "\n" not in text:
+            # A plain value (a cell's last expression): one labelled line reads best.
+            _write(sys.stdout, f"[{label}] {text}\n")
+            return
         if self._n_ranks > 1:
             _write(sys.stdout, f"[{label}]\n")
         publish_display_data(data, metadata)

@@ -1,0 +1,21 @@
+# Sourced by scripts/quickstart.sh and scripts/test.sh: make .venv with nbdist installed.
+# torch==2.13.0 goes first: on machines that carry its CPU wheel locally this avoids
+# pulling a multi-GB CUDA build; elsewhere pip fetches that version normally.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${NBDIST_VENV:-$ROOT/.venv}"
+PY="$VENV/bin/python"
+STAMP="$VENV/.nbdist-installed"
+if [[ ! -x "$PY" ]]; then
+  echo "== creating $VENV"
+  python3 -m venv "$VENV"
+fi
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_env.sh" | sha256sum | cut -c1-16)"
+if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
+  echo "== installing torch==2.13.0 and nbdist[test] into $VENV"
+  "$PY" -m pip install --quiet --upgrade pip
+  "$PY" -m pip install --quiet "torch==2.13.0"
+  "$PY" -m pip install --quiet -e "$ROOT[test]"
+  echo "$want" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,143 @@
+"""nbdist inside a real Jupyter kernel: failing ranks, interrupts, and nothing left after the kernel goes.
+
+Kernels are started from the ``python3`` kernel spec with jupyter_client, as a
+notebook server would; see ``conftest.py`` for the :class:`Kernel` wrapper.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.conftest import wait_gone
+
+_LABELLED = re.compile(r"^\[ranks? ([\d,\-]+)\] ?(.*)$")
+
+
+def _expand(ranks: str) -> set[int]:
+    out: set[int] = set()
+    for part in ranks.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def ranks_printed(stdout: str, text: str) -> set[int]:
+    """The ranks whose labelled output has the line ``text`` ("[ranks 0-1] x" or "[rank 0] x")."""
+    ranks: set[int] = set()
+    for line in stdout.splitlines():
+        match = _LABELLED.match(line)
+        if match and match.group(2) == text:
+            ranks |= _expand(match.group(1))
+    return ranks
+
+
+def _stdout(outputs: list[dict]) -> str:
+    return "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+
+
+def test_ranks_printed_reads_both_label_forms():
+    assert ranks_printed("[ranks 0-1] started\n", "started") == {0, 1}
+    assert ranks_printed("[rank 1] started\n[rank 0] started\n", "started") == {0, 1}
+    assert ranks_printed("[ranks 0,2-3] x\n[rank 1] y\n", "x") == {0, 2, 3}
+
+
+def test_kernel_runs_the_venv_python(dist_kernel):
+    out = dist_kernel.ok("import sys, nbdist; print(sys.executable); print(nbdist.__file__)").stdout
+    executable, module = out.splitlines()
+    assert executable == sys.executable
+    import nbdist
+
+    assert module == nbdist.__file__
+
+
+def test_failing_rank_fails_the_cell(dist_kernel):
+    result = dist_kernel.execute("%%on_all_ranks\n1/(rank-1)")
+    assert result.status == "error"
+    assert result.reply["ename"] == "RankError"
+    assert result.reply["evalue"] == "rank 1: ZeroDivisionError: division by zero"
+    # The error output, as the notebook shows it: rank 1's traceback, a summary line.
+    assert len(result.errors) == 1
+    text = result.error_text()
+    assert "[rank 1] ZeroDivisionError: division by zero" in text
+    assert "----> 1 1/(rank-1)" in text  # the rank's own traceback, not the kernel's
+    assert "1 of 2 ranks failed" in text
+    assert "rank 0" not in text  # rank 0 did not fail
+    # Rank 0 succeeded: its value (1/(0-1)) is still shown, labelled.
+    shown = [m["content"]["data"]["text/plain"] for m in result.outputs if "data" in m["content"]]
+    assert shown == ["-1.0"]
+    assert "[rank 0]" in result.stdout
+    # The ranks are fine afterwards.
+    after = dist_kernel.ok("%%on_all_ranks\nprint('ok', rank)").stdout
+    assert "[rank 0] ok 0" in after and "[rank 1] ok 1" in after
+
+
+def test_interrupt_stops_every_rank_and_the_next_cell_works(dist_kernel):
+    kernel = dist_kernel
+    msg_id = kernel.submit(
+        "%%on_all_ranks\nimport time\nprint('started', flush=True)\ntime.sleep(120)"
+    )
+    outputs, idle = kernel.collect(
+        msg_id, timeout=120, until=lambda outs: ranks_printed(_stdout(outs), "started") == {0, 1}
+    )
+    assert not idle, f"the cell ended before it was interrupted: {_stdout(outputs)!r}"
+
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    more, idle = kernel.collect(msg_id, timeout=60)
+    reply = kernel.reply(msg_id, timeout=30)
+    seconds = time.monotonic() - t0
+    assert seconds < 30, f"the interrupted cell took {seconds:.1f} s to end"
+
+    # nbdist relays the interrupt to the ranks and re-raises KeyboardInterrupt in the kernel.
+    assert reply["status"] == "error"
+    assert reply["ename"] == "KeyboardInterrupt"
+    errors = [m["content"] for m in more if m["msg_type"] == "error"]
+    assert [e["ename"] for e in errors] == ["KeyboardInterrupt"]
+
+    # The ranks stopped sleeping: the next cell runs at once (not after the 120 s sleep).
+    result = kernel.ok("%%on_all_ranks\nprint(rank + 100)", timeout=60)
+    assert "[rank 0] 100" in result.stdout
+    assert "[rank 1] 101" in result.stdout
+    assert result.seconds < 30, f"the next cell took {result.seconds:.1f} s"
+
+
+def _kill_kernel(kernel) -> None:
+    pid = kernel.pid
+    assert pid in {p.pid for p in psutil.Process().children()}  # our kernel, nothing else
+    os.kill(pid, signal.SIGKILL)
+    assert wait_gone([pid], timeout=15) == []
+
+
+@pytest.mark.parametrize("how", ["shutdown", "restart", "sigkill"])
+def test_kernel_shutdown_leaves_no_process(kernel_factory, how):
+    kernel = kernel_factory()
+    kernel.start_dist(2)
+    pids = kernel.nbdist_pids()
+    # controller (+ its schedulers), zygote, 2 engines: all alive now
+    assert len(pids) >= 4
+    assert wait_gone(pids, timeout=0) == pids
+
+    t0 = time.monotonic()
+    if how == "shutdown":
+        kernel.kc.stop_channels()
+        kernel.km.shutdown_kernel(now=False)
+    elif how == "restart":
+        kernel.km.restart_kernel(now=False)
+    else:
+        _kill_kernel(kernel)
+    left = wait_gone(pids, timeout=15)
+    seconds = time.monotonic() - t0
+    assert left == [], f"still running {seconds:.1f} s after {how}: {left}"
+
+    if how == "restart":
+        # The restarted kernel works (and has no cluster until %dist_start).
+        kernel.kc.wait_for_ready(timeout=120)
+        out = kernel.ok("%load_ext nbdist\n%dist_stop").stdout
+        assert out.strip() == "nbdist: no cluster running"
