@@ -28,6 +28,24 @@ class CellTimeout(NbdistError, TimeoutError):
     """A cell ran past its ``--timeout``; the ranks were interrupted."""
 
 
+def _stream_delta(old: str, new: str) -> str:
+    """What to feed the merger so that it sees ``new`` after having seen ``old``.
+
+    ipyparallel collapses carriage returns in the text it accumulates (a
+    progress bar's trailing line is rewritten, not appended to), so ``new``
+    does not always extend ``old``. Complete lines never change; a rewritten
+    last line is fed as a ``\\r`` update of the line in progress.
+    """
+    if new is old:
+        return ""
+    if new.startswith(old):
+        return new[len(old) :]
+    stable = old.rfind("\n") + 1
+    if new.startswith(old[:stable]):
+        return "\r" + new[stable:]
+    return "\r" + new
+
+
 class RankRun:
     """Code submitted to some ranks; :meth:`wait` streams output and returns per-rank results."""
 
@@ -47,7 +65,7 @@ class RankRun:
         self._timeout = timeout
         self._started = time.monotonic()
         self._wake = threading.Event()
-        self._consumed = [{"stdout": 0, "stderr": 0, "outputs": 0} for _ in self.ranks]
+        self._consumed = [{"stdout": "", "stderr": "", "outputs": 0} for _ in self.ranks]
         self._merger: OutputMerger | None = None
         self._finished = False
         self._results: list | None = None
@@ -72,10 +90,11 @@ class RankRun:
         for i, (rank, md) in enumerate(zip(self.ranks, self._ar._metadata)):
             seen = self._consumed[i]
             for stream in ("stdout", "stderr"):
-                text = md[stream]
-                if len(text) > seen[stream]:
-                    merger.feed(rank, stream, text[seen[stream] :])
-                    seen[stream] = len(text)
+                text = md[stream] or ""
+                delta = _stream_delta(seen[stream], text)
+                if delta:
+                    merger.feed(rank, stream, delta)
+                seen[stream] = text
             outputs = md["outputs"]
             while seen["outputs"] < len(outputs):
                 out = outputs[seen["outputs"]]

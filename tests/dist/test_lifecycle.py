@@ -157,3 +157,36 @@ def test_attach_forms_the_group_and_leaves_the_engines_running(external_cluster)
         s.stop()
     # nbdist did not start these processes, so it must not have stopped them.
     assert all(p.poll() is None for p in procs)
+
+
+def test_spawn_start_method_and_a_dead_rank_in_status():
+    """Engines as separate processes (the fork fallback), then a rank killed from outside."""
+    s = nbdist.DistSession(2, start_method="spawn", timeout=120).start()
+    try:
+        assert "engines spawned separately (spawn requested)" in s.summary()
+        s.run("t = torch.ones(1); dist.all_reduce(t)")
+        assert [t.item() for t in s.pull("t")] == [2.0, 2.0]
+        pids = _all_pids(s)
+        victim = s.ranks[1].pid
+        os.kill(victim, signal.SIGKILL)
+        assert wait_gone([victim], timeout=10) == []
+        states = {row["rank"]: row["state"] for row in s.status()}
+        assert states == {0: "idle", 1: "dead"}
+    finally:
+        s.stop()
+    assert wait_gone(pids, timeout=10) == []
+
+
+def test_ipyparallel_launcher_pass_through():
+    """--launcher hands engine start-up to ipyparallel; ranks are still numbered and grouped."""
+    s = nbdist.DistSession(2, launcher="local", timeout=120).start()
+    try:
+        assert s.world_size == 2
+        s.run("import os; env = (os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'])")
+        assert s.pull("env") == [("0", "0", "2"), ("1", "1", "2")]
+        s.run("t = torch.ones(1) * 5; dist.all_reduce(t)")
+        assert s.pull("t", rank=1).item() == 10.0
+        pids = _all_pids(s)
+    finally:
+        s.stop()
+    assert wait_gone(pids, timeout=15) == []

@@ -210,3 +210,22 @@ def test_status_rows(session):
 def test_starting_a_running_session_is_refused(session):
     with pytest.raises(NbdistError, match="already runs 2 ranks"):
         session.start()
+
+
+def test_rich_display_and_progress_bars_from_ranks(session):
+    sink = ListSink()
+    session.run(
+        "from IPython.display import display, HTML\n"
+        "display(HTML('<b>hi</b>'))\n"
+        "import sys\n"
+        "for i in range(3):\n"
+        "    sys.stderr.write(f'\\rstep {i}/3'); sys.stderr.flush()\n"
+        "sys.stderr.write('\\rdone 3/3\\n');\n",  # ';': no cell value
+        sink=sink,
+    )
+    displays = [e for e in sink.events if e[0] == "display"]
+    assert len(displays) == 1  # identical on both ranks: shown once
+    assert displays[0][1] == "ranks 0-1"
+    assert displays[0][2]["text/html"] == "<b>hi</b>"
+    # The \r progress line ends as one final line, not one line per update.
+    assert lines(sink) == [("stderr", "ranks 0-1", "done 3/3")]
