@@ -18,6 +18,7 @@ __all__ = [
     "NbdistError",
     "PlacementError",
     "RankError",
+    "RanksInterrupted",
     "RankFailure",
 ]
 
@@ -164,3 +165,33 @@ class RankError(NbdistError):
             total = len(self.world_ranks)
             return f"{failed} of {total} {'rank' if total == 1 else 'ranks'} failed"
         return f"{failed} {'rank' if failed == 1 else 'ranks'} failed"
+
+
+class RanksInterrupted(KeyboardInterrupt):
+    """The cell was interrupted (Ctrl-C or a kernel interrupt) and SIGINT relayed to its ranks.
+
+    A KeyboardInterrupt, so ``except KeyboardInterrupt`` still catches it. It
+    renders where each rank stopped (their tracebacks, grouped) instead of the
+    kernel's own uninteresting wait loop, and names ranks that did not stop.
+    """
+
+    def __init__(self, stopped: RankError | None = None, still_running: Sequence[int] = ()):
+        super().__init__(stopped, tuple(still_running))
+        self.stopped = stopped
+        self.still_running = tuple(still_running)
+
+    def __str__(self) -> str:
+        if self.still_running:
+            return (
+                f"{format_ranks(self.still_running)} did not stop after the interrupt "
+                "(blocked in a collective or in native code?); interrupt again, or %dist_restart"
+            )
+        return "interrupted; every rank stopped"
+
+    def _render_traceback_(self) -> list[str]:
+        lines = ["KeyboardInterrupt: the cell was interrupted on every rank"]
+        if self.stopped is not None:
+            lines += ["", *self.stopped._render_traceback_()[:-1]]
+        if self.still_running:
+            lines.append(str(self))
+        return lines

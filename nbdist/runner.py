@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from .errors import NbdistError, RankError, RankFailure
+from .errors import NbdistError, RankError, RankFailure, RanksInterrupted
 from .output import OutputMerger, default_sink
 
 __all__ = ["CellTimeout", "RankRun", "submit"]
@@ -141,7 +141,7 @@ class RankRun:
         except KeyboardInterrupt:
             self._interrupt(self.ranks)
             self._settle()
-            raise
+            raise self._interrupted() from None
         if not completed:
             self._interrupt(self.ranks)
             self._settle()
@@ -166,6 +166,16 @@ class RankRun:
         else:
             self._drain()
             self._merger.close()
+
+    def _interrupted(self) -> RanksInterrupted:
+        if not self._finished:
+            done = [r for r, f in zip(self.ranks, self._ar._children) if f.done()]
+            return RanksInterrupted(None, [r for r in self.ranks if r not in done])
+        try:
+            self._result_or_raise()
+        except RankError as stopped:
+            return RanksInterrupted(stopped)
+        return RanksInterrupted(None)
 
     def _result_or_raise(self) -> list:
         if self._results is None:
