@@ -20,6 +20,8 @@ are imported only when used.
 from __future__ import annotations
 
 from .errors import ClusterNotRunning, NbdistError, PlacementError, RankError
+from .metrics.log import log
+from .metrics.store import runs
 from .rank import device, local_rank, print0, rank, rank_zero_first, seed_all, world_size
 
 __version__ = "0.1.0"
@@ -34,9 +36,11 @@ __all__ = [
     "device",
     "load_ipython_extension",
     "local_rank",
+    "log",
     "print0",
     "rank",
     "rank_zero_first",
+    "runs",
     "seed_all",
     "unload_ipython_extension",
     "world_size",

@@ -154,6 +154,8 @@ def init_rank(spec: dict) -> dict:
         device=device,
     )
     _fill_namespace(spec, device)
+    if spec.get("metrics_url"):
+        _connect_metrics(spec["metrics_url"], spec["rank"])
     # Plain str: torch.__version__ is a TorchVersion, and unpickling it would
     # import torch (seconds) in a kernel that may never need it.
     return {"device": device, "torch": str(torch.__version__), "threads": torch.get_num_threads()}
@@ -180,10 +182,26 @@ def _fill_namespace(spec: dict, device: str) -> None:
     )
 
 
+def _connect_metrics(url: str, rank: int) -> None:
+    from IPython import get_ipython
+
+    from .metrics.log import configure
+
+    shell = get_ipython()
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None:
+        return
+    # The engine's session key is the cluster key the kernel's collector checks.
+    configure(url, kernel.session.key, rank)
+
+
 def teardown() -> None:
     """Leave the process group (before the engines stop)."""
     import torch.distributed as dist
 
+    from .metrics.log import shutdown
+
+    shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
     close_rendezvous()

@@ -79,6 +79,7 @@ class DistSession:
         ip: str = "127.0.0.1",
         start_method: str = "fork",
         group_timeout: float = 1800.0,
+        history: str | bool | None = None,
     ):
         if timeout is None or timeout <= 0:
             raise PlacementError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -102,6 +103,8 @@ class DistSession:
                 gpus=gpus,
                 threads=threads,
             )
+        self.history = history
+        self._metrics = None  # nbdist.metrics.hub.MetricsHub, made at the first start
         self._handle: _cluster.ClusterHandle | None = None
         self._ranks: list[RankInfo] = []
         self.startup_seconds: float | None = None
@@ -158,6 +161,18 @@ class DistSession:
             )
         self._handle = handle
         try:
+            if self._metrics is None:
+                from .metrics.hub import MetricsHub
+
+                self._metrics = MetricsHub.open(
+                    handle.client.session.key,
+                    world_size=self.placement.world_size
+                    if self.placement
+                    else len(handle.client.ids),
+                    backend=self.placement.backend if self.placement else "",
+                    history=self.history,
+                    ip="127.0.0.1" if handle.owned else _metrics_ip(handle.client),
+                )
             self._form_group()
         except BaseException:
             self.stop()
@@ -201,7 +216,7 @@ class DistSession:
                 local_world_size=slot.local_world_size, master_addr=master_addr,
                 master_port=port, backend=self.placement.backend, gpu=slot.gpu,
                 threads=self.placement.threads_for(slot), timeout=opts["group_timeout"],
-                loopback_only=loopback_only,
+                loopback_only=loopback_only, metrics_url=self._metrics.url,
             )  # fmt: skip
             pending[eid] = client[[eid]].apply_async(_bootstrap.init_rank, spec)
         ranks = []
@@ -223,11 +238,25 @@ class DistSession:
             )
         self._ranks = sorted(ranks, key=lambda r: r.rank)
 
+    @property
+    def metrics(self):
+        """This session's run (:class:`nbdist.metrics.run.Run`): every point ``nbdist.log`` sent."""
+        if self._metrics is None:
+            raise ClusterNotRunning("no metrics yet: start the session first")
+        return self._metrics.run
+
     def stop(self) -> list[int]:
         """Stop the ranks nbdist started (detach from an attached cluster); idempotent.
 
-        Returns the PIDs that had to be force-killed (normally none).
+        Returns the PIDs that had to be force-killed (normally none). The run's
+        metrics stay readable (``session.metrics``, ``nbdist.runs()``).
         """
+        killed = self._stop_ranks()
+        if self._metrics is not None:
+            self._metrics.close()
+        return killed
+
+    def _stop_ranks(self) -> list[int]:
         handle, self._handle = self._handle, None
         if handle is None:
             return []
@@ -244,8 +273,8 @@ class DistSession:
         return _cluster.stop(handle)
 
     def restart(self) -> DistSession:
-        """Fresh engines, the group formed again, same number of ranks."""
-        self.stop()
+        """Fresh engines, the group formed again, same number of ranks; the run continues."""
+        self._stop_ranks()
         return self.start()
 
     def __enter__(self) -> DistSession:
@@ -293,7 +322,12 @@ class DistSession:
             sink=sink,
             timeout=timeout,
         )
-        return run.wait() if block else run
+        if not block:
+            return run
+        try:
+            return run.wait()
+        finally:
+            self._metrics.settle(run)
 
     def apply(self, fn: Callable, *args, ranks=None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on the ranks; returns results in rank order."""
@@ -352,6 +386,13 @@ class DistSession:
         if not self.running:
             return "<DistSession: not running>"
         return f"<DistSession: {self.world_size} ranks, {self.backend}>"
+
+
+def _metrics_ip(client) -> str:
+    """Where the metrics collector listens for attached ranks: the controller's side."""
+    from ._bootstrap import _address_towards
+
+    return _address_towards(_controller_host(client))
 
 
 def _controller_host(client) -> str:

@@ -1,0 +1,107 @@
+"""The kernel side of ``nbdist.log``: receive every rank's points, keep them, store them.
+
+One PULL socket per session, bound to loopback unless the ranks are on other
+hosts. A thread receives, checks each message's signature (the cluster key)
+before decoding it, adds the points to the in-memory :class:`Run` (which
+dashboards watch) and appends them to the run history.
+
+End-of-cell markers let the session wait, after a cell, until every rank's
+points of that cell have arrived: a rank sends its marker after its points on
+the same socket, and messages from one sender arrive in order.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from .run import Run
+from .store import RunStore
+from .wire import decode
+
+__all__ = ["Collector"]
+
+
+class Collector:
+    """Receives metrics for one run; ``url`` is what ranks connect to."""
+
+    def __init__(self, key: bytes, run: Run, store: RunStore | None, *, ip: str = "127.0.0.1"):
+        import zmq
+
+        self.key = key
+        self.run = run
+        self.store = store
+        self.rejected = 0  # messages with a bad signature or shape
+        self.store_errors = 0
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        port = self._socket.bind_to_random_port(f"tcp://{ip}")
+        self.url = f"tcp://{ip}:{port}"
+        self._cells: dict[int, int] = {}  # rank -> last cell marker seen
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="nbdist-collector", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            while True:
+                try:
+                    frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        message = decode(self.key, frames)
+        rank = message.get("rank") if message else None
+        if not isinstance(rank, int):
+            self.rejected += 1
+            return
+        kind = message.get("k")
+        if kind == "points":
+            points = [
+                (
+                    int(step),
+                    float(when),
+                    {k: (math.nan if v is None else float(v)) for k, v in vals.items()},
+                )
+                for step, when, vals in message.get("points", [])
+            ]
+            self.run.add(rank, points)
+            if self.store is not None:
+                try:
+                    self.store.append(self.run.id, rank, points)
+                except Exception:  # a full disk must not stop live metrics
+                    self.store_errors += 1
+        elif kind == "cell":
+            with self._cond:
+                self._cells[rank] = max(self._cells.get(rank, -1), int(message.get("cell", -1)))
+                self._cond.notify_all()
+        else:
+            self.rejected += 1
+
+    def wait_for_cells(self, cells: dict[int, int], timeout: float = 2.0) -> bool:
+        """Wait until each rank's marker for its cell number arrived; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(self._cells.get(rank, -1) < cell for rank, cell in cells.items()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=2)
+        self._socket.close()
+        self._context.term()

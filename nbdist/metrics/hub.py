@@ -1,0 +1,64 @@
+"""A session's metrics: its run, the collector feeding it, and the history it is written to."""
+
+from __future__ import annotations
+
+import warnings
+
+from .collector import Collector
+from .run import Run
+from .store import RunStore
+
+__all__ = ["MetricsHub"]
+
+# After a cell, how long to wait for the ranks' last points before moving on.
+_SETTLE_TIMEOUT_S = 2.0
+
+
+class MetricsHub:
+    def __init__(self, run: Run, collector: Collector, store: RunStore | None):
+        self.run = run
+        self.collector = collector
+        self.store = store
+        self.closed = False
+
+    @classmethod
+    def open(
+        cls, key: bytes, *, world_size: int, backend: str, history, ip: str = "127.0.0.1"
+    ) -> MetricsHub:
+        """``history``: a path, None for the default location, or False for memory only."""
+        store = None
+        if history is not False:
+            try:
+                store = RunStore(history if isinstance(history, str) else None)
+            except Exception as exc:  # an unwritable history must not stop training
+                warnings.warn(f"nbdist: run history disabled ({exc})", stacklevel=3)
+        if store is not None:
+            run = store.new_run(world_size=world_size, backend=backend)
+        else:
+            run = Run(0, world_size=world_size, backend=backend)
+        return cls(run, Collector(key, run, store, ip=ip), store)
+
+    @property
+    def url(self) -> str:
+        return self.collector.url
+
+    def settle(self, rank_run) -> bool:
+        """After a cell: wait until every rank's points of that cell have arrived."""
+        results = rank_run._results or []
+        cells = {
+            rank: result.execution_count
+            for rank, result in zip(rank_run.ranks, results)
+            if getattr(result, "execution_count", None) is not None
+        }
+        if not cells:
+            return True
+        return self.collector.wait_for_cells(cells, timeout=_SETTLE_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.collector.stop()
+        if self.store is not None:
+            self.store.end_run(self.run.id)
+            self.store.close()

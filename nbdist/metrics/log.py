@@ -1,0 +1,233 @@
+"""``nbdist.log`` on a rank: cheap to call, never blocks training, never raises into it.
+
+Each call appends one point to a local buffer (values may be Python numbers
+or 0-d tensors). A background thread flushes the buffer at most 20 times a
+second, and IPython's ``post_run_cell`` flushes it at the end of every cell
+with an end-of-cell marker, so the kernel knows when it has every point of a
+cell. Tensor values are converted at flush time, in one batch per device:
+turning a CUDA tensor into a number is a device sync, so doing it per call
+would stall the training loop.
+
+Without a kernel listening (a plain script, or before ``%dist_start``),
+``log`` keeps nothing and costs a dictionary build.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+
+__all__ = ["configure", "flush", "log", "shutdown"]
+
+_FLUSH_INTERVAL_S = 0.05  # <= 20 flushes a second
+
+
+class _Channel:
+    def __init__(self, url: str, key: bytes, rank: int):
+        import zmq
+
+        self.rank = rank
+        self.key = key
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PUSH)
+        # PUSH queues (does not drop) while connecting and up to the HWM; the
+        # HWM is high so a slow kernel delays points instead of losing them.
+        self.socket.setsockopt(zmq.SNDHWM, 1_000_000)
+        self.socket.setsockopt(zmq.LINGER, 2000)
+        self.socket.connect(url)
+        self.lock = threading.Lock()
+        self.pending: list[tuple[int, float, dict]] = []
+        self.unsent: list[list[bytes]] = []
+        self.total = 0
+        self.step = -1
+        self.last_call: float | None = None
+        self.dropped = 0
+        self.wake = threading.Event()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="nbdist-log-flush", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            self.wake.wait(_FLUSH_INTERVAL_S)
+            self.wake.clear()
+            try:
+                self.flush()
+            except Exception:  # a broken flush must not kill the thread or the rank
+                self.dropped += 1
+
+    def flush(self, marker: dict | None = None) -> None:
+        import zmq
+
+        from .wire import encode
+
+        with self.lock:
+            batch, self.pending = self.pending, []
+            if batch:
+                points = _to_numbers(batch)
+                self.total += len(points)
+                if os.environ.get("NBDIST_LOG_MEMORY", "1") != "0" and points:
+                    points[-1][2]["memory_mib"] = _memory_mib()
+                self.unsent.append(
+                    encode(self.key, {"k": "points", "rank": self.rank, "points": points})
+                )
+            if marker is not None:
+                marker = dict(marker, k="cell", rank=self.rank, total=self.total)
+                self.unsent.append(encode(self.key, marker))
+            while self.unsent:
+                try:
+                    self.socket.send_multipart(self.unsent[0], flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    return  # kept; the next flush retries
+                self.unsent.pop(0)
+
+    def close(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=2)
+        try:
+            self.flush()
+        finally:
+            self.socket.close()
+            self.context.term()
+
+
+_channel: _Channel | None = None
+
+
+def configure(url: str, key: bytes, rank: int) -> None:
+    """Send this rank's points to the collector at ``url`` (called by nbdist)."""
+    global _channel
+    shutdown()
+    _channel = _Channel(url, key, rank)
+    _install_cell_hook()
+
+
+def shutdown() -> None:
+    global _channel
+    channel, _channel = _channel, None
+    if channel is not None:
+        channel.close()
+
+
+def flush(marker: dict | None = None) -> None:
+    channel = _channel
+    if channel is not None:
+        channel.flush(marker)
+
+
+def log(step: int | None = None, **scalars) -> None:
+    """Record metrics for this rank: ``nbdist.log(step=i, loss=loss, samples=len(x))``.
+
+    Values: Python numbers or 0-d tensors (converted later, in batches).
+    ``samples`` / ``tokens`` give throughput; the time between calls gives
+    ``step_time``. ``step`` defaults to one more than the previous call's.
+    Never raises: a bad value is skipped.
+    """
+    channel = _channel
+    if channel is None:
+        return
+    try:
+        now = time.time()
+        with channel.lock:
+            channel.step = channel.step + 1 if step is None else int(step)
+            values = dict(scalars)
+            if channel.last_call is not None:
+                dt = now - channel.last_call
+                values["step_time"] = dt
+                for key in ("samples", "tokens"):
+                    if key in values and dt > 0:
+                        values[f"{key}_per_s"] = (key, dt)  # resolved at flush (tensor-safe)
+            channel.last_call = now
+            channel.pending.append((channel.step, now, values))
+    except Exception:
+        channel.dropped += 1
+
+
+def _to_numbers(batch: list[tuple[int, float, dict]]) -> list[list]:
+    """Points with every value a float; tensors converted in one batch per device."""
+    tensors = {}
+    for _, _, values in batch:
+        for key, value in values.items():
+            if not isinstance(value, (int, float, tuple)) and hasattr(value, "detach"):
+                tensors.setdefault(str(value.device), []).append((values, key, value))
+    if tensors:
+        import torch
+
+        for items in tensors.values():
+            try:
+                stacked = torch.stack([v.detach().reshape(()).float() for _, _, v in items])
+                numbers = stacked.cpu().tolist()  # one device sync for the whole batch
+            except Exception:
+                numbers = [math.nan] * len(items)
+            for (values, key, _), number in zip(items, numbers):
+                values[key] = number
+    out = []
+    for step, when, values in batch:
+        clean = {}
+        for key, value in values.items():
+            if isinstance(value, tuple):  # ("samples", dt) -> samples / dt
+                source, dt = value
+                value = _as_float(values.get(source)) / dt
+            number = _as_float(value)
+            if number is not None:
+                # NaN is not JSON: sent as null, read back as NaN by the kernel.
+                clean[key] = None if math.isnan(number) else number
+        out.append([step, when, clean])
+    return out
+
+
+def _as_float(value) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _memory_mib() -> float:
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.max_memory_allocated() / 2**20
+    except Exception:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return math.nan
+
+
+_hook_installed = False
+
+
+def _install_cell_hook() -> None:
+    global _hook_installed
+    if _hook_installed:
+        return
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    shell.events.register("post_run_cell", _end_of_cell)
+    _hook_installed = True
+
+
+def _end_of_cell(result) -> None:
+    # The marker carries the cell's execution count, which the kernel also reads
+    # from the execute reply: once it arrives, every point of that cell has.
+    try:
+        flush({"cell": result.execution_count})
+    except Exception:
+        pass

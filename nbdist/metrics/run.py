@@ -1,0 +1,181 @@
+"""One run's metrics in memory: every logged point, per rank, in arrival order.
+
+A run is what one ``%dist_start`` (one :class:`~nbdist.DistSession` start)
+trains: steps continue across cells, so a run spans cells rather than being
+one per cell. The collector thread adds points; dashboards and
+``to_pandas()`` read them. Points also go to the run history on disk
+(:mod:`nbdist.metrics.store`), so a finished run can be read back after the
+kernel restarts (:func:`nbdist.metrics.store.load_run`).
+
+Keys with a meaning, computed on the rank when the point is logged:
+``step_time`` (seconds since the rank's previous ``log`` call),
+``samples_per_s`` / ``tokens_per_s`` (from ``samples`` / ``tokens`` and
+``step_time``) and ``memory_mib`` (CUDA peak allocated on a GPU, process RSS on
+CPU; sampled once per flush, so only on some points).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["DERIVED_KEYS", "Run", "RankSeries"]
+
+DERIVED_KEYS = ("step_time", "samples_per_s", "tokens_per_s", "memory_mib")
+
+
+@dataclass
+class RankSeries:
+    """Columns of one rank's points: ``steps[i]``/``times[i]`` and each key's values."""
+
+    steps: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    # key -> (indices into steps/times, values); sparse, a key need not be on every point
+    values: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+
+    def add(self, step: int, when: float, scalars: dict[str, float]) -> None:
+        index = len(self.steps)
+        self.steps.append(step)
+        self.times.append(when)
+        for key, value in scalars.items():
+            idx, vals = self.values.setdefault(key, ([], []))
+            idx.append(index)
+            vals.append(value)
+
+
+class Run:
+    """Every point of one run, per rank; thread-safe to add to and read from."""
+
+    def __init__(
+        self,
+        run_id: int,
+        *,
+        world_size: int,
+        backend: str = "",
+        started: float | None = None,
+        label: str = "",
+        ended: float | None = None,
+    ):
+        self.id = run_id
+        self.world_size = world_size
+        self.backend = backend
+        self.started = time.time() if started is None else started
+        self.ended = ended
+        self.label = label
+        self._ranks: dict[int, RankSeries] = {}
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[Run], None]] = []
+        self.version = 0  # bumped on every add; readers compare it to skip idle refreshes
+
+    def __repr__(self) -> str:
+        return f"<Run {self.id}: {self.world_size} ranks, {self.count()} points>"
+
+    # -- writing (collector thread) ----------------------------------------
+    def add(self, rank: int, points: Iterable[tuple[int, float, dict[str, float]]]) -> int:
+        """Append ``(step, time, scalars)`` points of ``rank``; returns how many."""
+        n = 0
+        with self._lock:
+            series = self._ranks.setdefault(rank, RankSeries())
+            for step, when, scalars in points:
+                series.add(step, when, scalars)
+                n += 1
+            self.version += 1
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(self)
+        return n
+
+    def subscribe(self, listener: Callable[[Run], None]) -> Callable[[], None]:
+        """Call ``listener(run)`` after each add (from the adding thread); returns unsubscribe."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    # -- reading --------------------------------------------------------------
+    @property
+    def ranks(self) -> list[int]:
+        with self._lock:
+            return sorted(self._ranks)
+
+    def count(self, rank: int | None = None) -> int:
+        """Points logged (by one rank, or by all)."""
+        with self._lock:
+            if rank is not None:
+                series = self._ranks.get(rank)
+                return len(series.steps) if series else 0
+            return sum(len(s.steps) for s in self._ranks.values())
+
+    def keys(self) -> list[str]:
+        """Metric names seen on any rank, user keys first (in order of appearance)."""
+        seen: dict[str, None] = {}
+        with self._lock:
+            for series in self._ranks.values():
+                seen.update(dict.fromkeys(series.values))
+        user = [k for k in seen if k not in DERIVED_KEYS]
+        return user + [k for k in DERIVED_KEYS if k in seen]
+
+    def series(self, key: str, rank: int) -> tuple[list[int], list[float]]:
+        """(steps, values) of ``key`` on ``rank``; copies, safe to keep."""
+        with self._lock:
+            series = self._ranks.get(rank)
+            if series is None or key not in series.values:
+                return [], []
+            idx, vals = series.values[key]
+            return [series.steps[i] for i in idx], list(vals)
+
+    def timeline(self, key: str, rank: int) -> tuple[list[float], list[float]]:
+        """(times, values) of ``key`` on ``rank``."""
+        with self._lock:
+            series = self._ranks.get(rank)
+            if series is None or key not in series.values:
+                return [], []
+            idx, vals = series.values[key]
+            return [series.times[i] for i in idx], list(vals)
+
+    def last(self, rank: int) -> dict[str, float]:
+        """The rank's latest ``step``, ``time`` and latest value of every key."""
+        with self._lock:
+            series = self._ranks.get(rank)
+            if series is None or not series.steps:
+                return {}
+            out: dict[str, float] = {"step": series.steps[-1], "time": series.times[-1]}
+            for key, (_, vals) in series.values.items():
+                out[key] = vals[-1]
+            return out
+
+    def rows(self) -> list[dict]:
+        """One dict per point: rank, step, time and its values (rank, then arrival order)."""
+        with self._lock:
+            out = []
+            for rank in sorted(self._ranks):
+                series = self._ranks[rank]
+                per_point: list[dict] = [
+                    {"rank": rank, "step": s, "time": t} for s, t in zip(series.steps, series.times)
+                ]
+                for key, (idx, vals) in series.values.items():
+                    for i, v in zip(idx, vals):
+                        per_point[i][key] = v
+                out.extend(per_point)
+            return out
+
+    def to_pandas(self):
+        """A DataFrame with one row per (rank, step): ``rank``, ``step``, ``time`` and a column per metric.
+
+        Several points logged with the same step on a rank are merged (last value wins).
+        """
+        import pandas as pd
+
+        frame = pd.DataFrame(self.rows(), columns=None)
+        if frame.empty:
+            return pd.DataFrame(columns=["rank", "step", "time", *self.keys()])
+        frame = frame.groupby(["rank", "step"], as_index=False, sort=True).last()
+        ordered = ["rank", "step", "time", *[k for k in self.keys() if k in frame.columns]]
+        return frame[ordered].reset_index(drop=True)

@@ -1,0 +1,185 @@
+"""The run history: every logged point, in SQLite, readable after the kernel is gone.
+
+Location: ``$NBDIST_HISTORY`` if set, else ``<jupyter data dir>/nbdist/history.sqlite``
+(``jupyter --data-dir`` shows it; typically ``~/.local/share/jupyter``).
+One run per session start. WAL mode lets a dashboard or the JupyterLab
+sidebar read while the kernel writes.
+
+Example::
+
+    import nbdist
+    run = nbdist.runs()[-1]          # the latest run, also after a kernel restart
+    df = run.to_pandas()             # one row per (rank, step), a column per metric
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+
+from .run import Run
+
+__all__ = ["RunRecord", "RunStore", "history_path", "load_run", "runs"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    started REAL NOT NULL,
+    ended REAL,
+    world_size INTEGER NOT NULL,
+    backend TEXT NOT NULL DEFAULT '',
+    label TEXT NOT NULL DEFAULT '',
+    host TEXT NOT NULL DEFAULT '',
+    pid INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS points (
+    run INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    seq INTEGER NOT NULL,     -- arrival order of the point on its rank
+    step INTEGER NOT NULL,
+    time REAL NOT NULL,
+    key TEXT NOT NULL,
+    value REAL
+);
+CREATE INDEX IF NOT EXISTS points_by_run ON points (run, rank, seq);
+"""
+
+
+def history_path() -> str:
+    """Where the run history lives (see the module docstring)."""
+    explicit = os.environ.get("NBDIST_HISTORY")
+    if explicit:
+        return explicit
+    from jupyter_core.paths import jupyter_data_dir
+
+    return os.path.join(jupyter_data_dir(), "nbdist", "history.sqlite")
+
+
+def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
+    if readonly:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        conn = sqlite3.connect(path, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at checkpoints, fast
+        conn.executescript(_SCHEMA)
+    return conn
+
+
+class RunStore:
+    """Writer of one kernel's runs (the collector thread appends, the session opens/closes)."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or history_path()
+        self._conn = _connect(self.path)
+        self._lock = threading.Lock()
+        self._seq: dict[tuple[int, int], int] = {}
+
+    def new_run(self, *, world_size: int, backend: str = "", label: str = "") -> Run:
+        started = time.time()
+        with self._lock, self._conn:
+            cur = self._conn.execute(
+                "INSERT INTO runs (started, world_size, backend, label, host, pid) VALUES (?,?,?,?,?,?)",
+                (started, world_size, backend, label, socket.gethostname(), os.getpid()),
+            )
+        return Run(
+            cur.lastrowid, world_size=world_size, backend=backend, started=started, label=label
+        )
+
+    def append(self, run_id: int, rank: int, points: list) -> None:
+        """Store ``[step, time, {key: value}]`` points of one rank."""
+        seq = self._seq.get((run_id, rank), 0)
+        rows = []
+        for step, when, values in points:
+            for key, value in values.items():
+                rows.append((run_id, rank, seq, step, when, key, value))
+            seq += 1
+        self._seq[(run_id, rank)] = seq
+        with self._lock, self._conn:
+            self._conn.executemany("INSERT INTO points VALUES (?,?,?,?,?,?,?)", rows)
+
+    def end_run(self, run_id: int) -> None:
+        with self._lock, self._conn:
+            self._conn.execute("UPDATE runs SET ended=? WHERE id=?", (time.time(), run_id))
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A run in the history; :meth:`load` reads its points."""
+
+    id: int
+    started: float
+    ended: float | None
+    world_size: int
+    backend: str
+    label: str
+    host: str
+    points: int
+    path: str
+
+    def load(self) -> Run:
+        return load_run(self.id, path=self.path)
+
+    def to_pandas(self):
+        """One row per (rank, step): rank, step, time and a column per metric."""
+        return self.load().to_pandas()
+
+
+def runs(path: str | None = None) -> list[RunRecord]:
+    """Every run in the history, oldest first (an empty list if there is none yet)."""
+    path = path or history_path()
+    if not os.path.exists(path):
+        return []
+    conn = _connect(path, readonly=True)
+    try:
+        rows = conn.execute(
+            "SELECT r.id, r.started, r.ended, r.world_size, r.backend, r.label, r.host,"
+            " (SELECT COUNT(DISTINCT rank || ':' || seq) FROM points p WHERE p.run = r.id)"
+            " FROM runs r ORDER BY r.id"
+        ).fetchall()
+    finally:
+        conn.close()
+    return [RunRecord(*row, path=path) for row in rows]
+
+
+def load_run(run_id: int, *, path: str | None = None) -> Run:
+    """A finished (or running) run read back from the history."""
+    path = path or history_path()
+    conn = _connect(path, readonly=True)
+    try:
+        meta = conn.execute(
+            "SELECT started, ended, world_size, backend, label FROM runs WHERE id=?", (run_id,)
+        ).fetchone()
+        if meta is None:
+            raise KeyError(f"run {run_id} is not in the history at {path}: see nbdist.runs()")
+        rows = conn.execute(
+            "SELECT rank, seq, step, time, key, value FROM points WHERE run=? ORDER BY rank, seq",
+            (run_id,),
+        ).fetchall()
+    finally:
+        conn.close()
+    started, ended, world_size, backend, label = meta
+    run = Run(
+        run_id, world_size=world_size, backend=backend, started=started, ended=ended, label=label
+    )
+    by_rank: dict[int, list] = {}
+    last: tuple[int, int] | None = None
+    for rank, seq, step, when, key, value in rows:
+        points = by_rank.setdefault(rank, [])
+        if (rank, seq) != last:
+            points.append((step, when, {}))
+            last = (rank, seq)
+        points[-1][2][key] = math.nan if value is None else value
+    for rank, points in by_rank.items():
+        run.add(rank, points)
+    return run

@@ -1,0 +1,88 @@
+"""nbdist.log through real engines into the kernel's collector and the run history."""
+
+from __future__ import annotations
+
+import pytest
+
+import nbdist
+from nbdist.metrics import wire
+from nbdist.output import ListSink
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    history = str(tmp_path_factory.mktemp("history") / "runs.sqlite")
+    s = nbdist.DistSession(2, timeout=120, history=history)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_every_point_arrives_per_rank(session):
+    before = [session.metrics.count(r) for r in (0, 1)]
+    # Fast logging (no sleeps): thousands of points between flushes, none may be lost.
+    session.run(
+        "for i in range(3000):\n"
+        "    nbdist.log(step=i, loss=torch.tensor(1.0 / (i + 1)), lr=0.1)\n",
+        sink=ListSink(),
+    )
+    after = [session.metrics.count(r) for r in (0, 1)]
+    assert [a - b for a, b in zip(after, before)] == [3000, 3000]
+    steps, losses = session.metrics.series("loss", 1)
+    assert steps[-3000:] == list(range(3000))
+    assert losses[-1] == pytest.approx(1 / 3000)
+
+
+def test_throughput_and_step_time_are_derived(session):
+    session.run(
+        "import time\n"
+        "for i in range(6):\n"
+        "    time.sleep(0.02)\n"
+        "    nbdist.log(step=100 + i, samples=32, tokens=64)\n",
+        sink=ListSink(),
+    )
+    last = session.metrics.last(0)
+    assert last["step"] == 105
+    assert last["step_time"] >= 0.02
+    # samples/s is samples over the time since the previous log call, exactly.
+    assert last["samples_per_s"] * last["step_time"] == pytest.approx(32)
+    assert last["tokens_per_s"] == pytest.approx(2 * last["samples_per_s"])
+    assert last["memory_mib"] > 10  # the rank's RSS, sampled at the flush
+
+
+def test_history_has_the_points_after_the_run(session):
+    record = [r for r in nbdist.runs(session.history) if r.id == session.metrics.id][0]
+    frame = record.to_pandas()
+    assert set(frame["rank"]) == {0, 1}
+    assert len(frame) == len(session.metrics.to_pandas())
+
+
+def test_forged_metrics_are_rejected(session):
+    import zmq
+
+    collector = session._metrics.collector
+    assert collector.url.startswith("tcp://127.0.0.1:")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(collector.url)
+    rejected = collector.rejected
+    count = session.metrics.count(0)
+    sock.send_multipart(wire.encode(b"not-the-cluster-key", {"k": "points", "rank": 0, "points": [[9, 1.0, {"loss": 0}]]}))
+    sock.send_multipart([b"garbage"])
+    import time
+
+    deadline = time.monotonic() + 10
+    while collector.rejected < rejected + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock.close(0)
+    ctx.term()
+    assert collector.rejected == rejected + 2
+    assert session.metrics.count(0) == count
+
+
+def test_log_never_raises_into_the_training_loop(session):
+    session.run("nbdist.log(loss='not a number', bad=object(), good=1.0)\nok = True", sink=ListSink())
+    assert session.pull("ok") == [True, True]
+    assert session.metrics.last(0)["good"] == 1.0

@@ -1,0 +1,81 @@
+"""The run history (SQLite) and the signed wire format, without engines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from nbdist.metrics import wire
+from nbdist.metrics.run import Run
+from nbdist.metrics.store import RunStore, load_run, runs
+
+
+def test_signed_messages_round_trip_and_forgeries_are_dropped():
+    key = b"cluster-key"
+    frames = wire.encode(key, {"k": "points", "rank": 1, "points": [[0, 1.5, {"loss": 2.0}]]})
+    assert wire.decode(key, frames) == {
+        "k": "points",
+        "rank": 1,
+        "points": [[0, 1.5, {"loss": 2.0}]],
+    }
+    assert wire.decode(b"other-key", frames) is None
+    tampered = [frames[0], frames[1].replace(b"2.0", b"9.0")]
+    assert wire.decode(key, tampered) is None
+    assert wire.decode(key, [frames[1]]) is None
+    # A correctly signed payload that is not JSON is still refused (never unpickled).
+    import hashlib
+    import hmac
+
+    junk = b"\x80\x04K\x01."  # a pickle
+    assert (
+        wire.decode(key, [hmac.new(key, junk, hashlib.sha256).hexdigest().encode(), junk]) is None
+    )
+
+
+def test_history_keeps_every_point_and_reads_back(tmp_path):
+    path = str(tmp_path / "h.sqlite")
+    store = RunStore(path)
+    run = store.new_run(world_size=2, backend="gloo", label="demo")
+    points0 = [(i, 100.0 + i, {"loss": 1.0 / (i + 1), "samples": 8.0}) for i in range(50)]
+    points1 = [(i, 100.5 + i, {"loss": 2.0 / (i + 1)}) for i in range(50)]
+    points1[3][2]["grad_norm"] = math.nan
+    for rank, pts in ((0, points0), (1, points1)):
+        run.add(rank, pts)
+        store.append(run.id, rank, pts)
+    store.end_run(run.id)
+    store.close()
+
+    [record] = runs(path)
+    assert (record.world_size, record.backend, record.label, record.points) == (
+        2,
+        "gloo",
+        "demo",
+        100,
+    )
+    assert record.ended is not None
+    loaded = load_run(run.id, path=path)
+    assert loaded.count(0) == 50 and loaded.count(1) == 50
+    assert loaded.series("loss", 1) == run.series("loss", 1)
+    assert math.isnan(loaded.last(1)["grad_norm"])  # NaN survives the round trip
+    frame = record.to_pandas()
+    assert list(frame.columns[:3]) == ["rank", "step", "time"]
+    assert len(frame) == 100
+    assert frame[(frame["rank"] == 0) & (frame["step"] == 4)]["loss"].item() == pytest.approx(0.2)
+
+
+def test_runs_on_a_missing_history_is_empty(tmp_path):
+    assert runs(str(tmp_path / "none.sqlite")) == []
+    with pytest.raises(KeyError, match="nbdist.runs"):
+        RunStore(str(tmp_path / "h.sqlite"))  # creates the file
+        load_run(42, path=str(tmp_path / "h.sqlite"))
+
+
+def test_run_to_pandas_one_row_per_rank_and_step():
+    run = Run(1, world_size=2)
+    run.add(0, [(0, 1.0, {"loss": 3.0}), (0, 1.1, {"memory_mib": 5.0}), (1, 2.0, {"loss": 2.0})])
+    run.add(1, [(0, 1.0, {"loss": 4.0})])
+    frame = run.to_pandas()
+    assert frame[["rank", "step"]].values.tolist() == [[0, 0], [0, 1], [1, 0]]
+    row = frame.iloc[0]
+    assert row["loss"] == 3.0 and row["memory_mib"] == 5.0  # merged by (rank, step)
