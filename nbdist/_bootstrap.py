@@ -16,7 +16,14 @@ import datetime
 import os
 import socket
 
-__all__ = ["close_rendezvous", "describe", "init_rank", "open_rendezvous", "teardown"]
+__all__ = [
+    "close_rendezvous",
+    "describe",
+    "init_rank",
+    "narrow_cuda_mask",
+    "open_rendezvous",
+    "teardown",
+]
 
 _listener: socket.socket | None = None
 
@@ -80,6 +87,21 @@ def _loopback_ifname() -> str:
     return next((n for n in names if n.startswith("lo")), "lo")
 
 
+def narrow_cuda_mask(mask: str | None, gpu: int) -> str | None:
+    """The CUDA_VISIBLE_DEVICES a rank should have, or None to leave it alone.
+
+    Forked ranks already have exactly their GPU. An engine started elsewhere
+    (attach) that sees several GPUs gets the one at position ``gpu`` of its
+    mask; one that sees all GPUs (no mask) gets ``gpu`` itself.
+    """
+    if mask is None:
+        return str(gpu)
+    entries = [e.strip() for e in mask.split(",") if e.strip()]
+    if len(entries) > 1 and gpu < len(entries):
+        return entries[gpu]
+    return None
+
+
 def init_rank(spec: dict) -> dict:
     """Join the process group as ``spec['rank']`` and fill the user namespace."""
     env = {
@@ -97,8 +119,10 @@ def init_rank(spec: dict) -> dict:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
     gpu = spec.get("gpu")
-    if gpu is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    if gpu is not None:
+        mask = narrow_cuda_mask(os.environ.get("CUDA_VISIBLE_DEVICES"), gpu)
+        if mask is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = mask
 
     import torch
     import torch.distributed as dist

@@ -175,3 +175,19 @@ def test_rank_zero_first_lets_exceptions_through():
     with pytest.raises(RuntimeError, match="download failed"):
         with rank_zero_first():
             raise RuntimeError("download failed")
+
+
+@pytest.mark.parametrize(
+    "mask, gpu, expected",
+    [
+        (None, 3, "3"),  # engine sees every GPU: take ours
+        ("5", 5, None),  # forked rank: already exactly its GPU
+        ("0", 0, None),  # per-engine binding by a scheduler: keep it
+        ("2,3", 1, "3"),  # attached engine seeing a job's GPUs: position in the mask
+        ("GPU-aa,GPU-bb", 0, "GPU-aa"),
+    ],
+)
+def test_cuda_mask_for_a_rank(mask, gpu, expected):
+    from nbdist._bootstrap import narrow_cuda_mask
+
+    assert narrow_cuda_mask(mask, gpu) == expected
