@@ -164,6 +164,55 @@ class DistMagics(Magics):
 
         print(format_status(self._running().status()))
 
+    @magic_arguments()
+    @argument(
+        "run",
+        nargs="?",
+        default=None,
+        help="a run id from nbdist.runs() (default: this session's run)",
+    )
+    @line_magic
+    def dist_dashboard(self, line=""):
+        """Show a run's dashboard: live plots of every logged series per rank, throughput, a rank table.
+
+        Without an argument: the current session's run (it also appears by itself
+        under a cell whose ranks call nbdist.log). With a run id: that run from the
+        history, also after a kernel restart. Outside a notebook: a text summary.
+        Examples::
+
+            %dist_dashboard
+            %dist_dashboard 12
+        """
+        from .metrics.store import load_run, runs
+
+        args = _parse(self.dist_dashboard, line)
+        hub = getattr(self.session, "_metrics", None)
+        if args.run is None:
+            if hub is not None:
+                hub.show_dashboard(auto=False)
+                return
+            history = runs()
+            if not history:
+                raise UsageError(
+                    "no runs yet: %dist_start, then log with nbdist.log(...) on the ranks"
+                )
+            run = history[-1].load()
+        else:
+            if not args.run.isdigit():
+                raise UsageError(
+                    f"run {args.run!r}: give a run id, e.g. %dist_dashboard 3 (see nbdist.runs())"
+                )
+            if hub is not None and hub.run.id == int(args.run):
+                hub.show_dashboard(auto=False)
+                return
+            try:
+                run = load_run(int(args.run))
+            except KeyError as exc:
+                raise UsageError(str(exc.args[0])) from None
+        from .dashboard import show
+
+        show(run)
+
     # -- running code -----------------------------------------------------
     @magic_arguments()
     @argument("--ranks", default=None, help="ranks to run on: 0,2 or 0-3 (default: all)")

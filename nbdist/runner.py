@@ -57,8 +57,10 @@ class RankRun:
         interrupt: Callable[[Sequence[int]], None],
         sink=None,
         timeout: float | None = None,
+        watch: Callable[[], None] | None = None,
     ):
         self._ar = async_result
+        self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
         self.ranks = list(ranks)
         self._interrupt = interrupt
         self._sink = sink
@@ -118,6 +120,8 @@ class RankRun:
             finished = self._ar.ready()
             self._drain()
             self._merger.poll()
+            if self._watch is not None:
+                self._watch()
             if finished:
                 return True
             if deadline is not None and time.monotonic() > deadline:
@@ -204,8 +208,9 @@ def submit(
     interrupt: Callable[[Sequence[int]], None],
     sink=None,
     timeout: float | None = None,
+    watch: Callable[[], None] | None = None,
 ) -> RankRun:
     """Send ``code`` to the engines of ``ranks`` (same order) without waiting."""
     view = client[list(engine_ids)]  # a list, even for one rank: per-rank results stay lists
     ar = view.execute(code, silent=False, block=False)
-    return RankRun(ar, ranks, interrupt=interrupt, sink=sink, timeout=timeout)
+    return RankRun(ar, ranks, interrupt=interrupt, sink=sink, timeout=timeout, watch=watch)

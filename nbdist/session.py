@@ -173,6 +173,7 @@ class DistSession:
                     history=self.history,
                     ip="127.0.0.1" if handle.owned else _metrics_ip(handle.client),
                 )
+                self._metrics.states = self._rank_states
             self._form_group()
         except BaseException:
             self.stop()
@@ -321,6 +322,7 @@ class DistSession:
             interrupt=self.interrupt,
             sink=sink,
             timeout=timeout,
+            watch=self._metrics.cell_watcher(),
         )
         if not block:
             return run
@@ -369,6 +371,11 @@ class DistSession:
 
         self._require_running()
         return rank_status(self._handle, self._ranks, self.backend)
+
+    def _rank_states(self) -> dict[int, str]:
+        if not self.running:
+            return {}
+        return {row["rank"]: row["state"] for row in self.status()}
 
     def summary(self) -> str:
         """One line: ranks, backend, devices, start-up seconds."""

@@ -122,23 +122,27 @@ class Run:
         user = [k for k in seen if k not in DERIVED_KEYS]
         return user + [k for k in DERIVED_KEYS if k in seen]
 
-    def series(self, key: str, rank: int) -> tuple[list[int], list[float]]:
-        """(steps, values) of ``key`` on ``rank``; copies, safe to keep."""
-        with self._lock:
-            series = self._ranks.get(rank)
-            if series is None or key not in series.values:
-                return [], []
-            idx, vals = series.values[key]
-            return [series.steps[i] for i in idx], list(vals)
+    def series(self, key: str, rank: int, start: int = 0) -> tuple[list[int], list[float]]:
+        """(steps, values) of ``key`` on ``rank``, from that key's ``start``-th point; copies.
 
-    def timeline(self, key: str, rank: int) -> tuple[list[float], list[float]]:
-        """(times, values) of ``key`` on ``rank``."""
+        ``start`` lets a reader that already has the first points fetch only new
+        ones (a live dashboard would otherwise copy the whole series each update).
+        """
         with self._lock:
             series = self._ranks.get(rank)
             if series is None or key not in series.values:
                 return [], []
             idx, vals = series.values[key]
-            return [series.times[i] for i in idx], list(vals)
+            return [series.steps[i] for i in idx[start:]], vals[start:]
+
+    def timeline(self, key: str, rank: int, start: int = 0) -> tuple[list[float], list[float]]:
+        """(times, values) of ``key`` on ``rank``, from that key's ``start``-th point."""
+        with self._lock:
+            series = self._ranks.get(rank)
+            if series is None or key not in series.values:
+                return [], []
+            idx, vals = series.values[key]
+            return [series.times[i] for i in idx[start:]], vals[start:]
 
     def last(self, rank: int) -> dict[str, float]:
         """The rank's latest ``step``, ``time`` and latest value of every key."""

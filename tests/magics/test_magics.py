@@ -177,3 +177,19 @@ def test_help_texts_have_examples(shell):
     for name in ("on_all_ranks", "on_rank"):
         assert "Example" in shell.find_cell_magic(name).__doc__, name
     assert "--backend" in shell.find_line_magic("dist_start").__doc__
+
+
+def test_dashboard_outside_a_notebook_is_a_text_summary(started, capsys):
+    run(
+        started,
+        "%%on_all_ranks\nfor i in range(30):\n    nbdist.log(step=i, loss=0.5 + rank, samples=4)",
+    )
+    capsys.readouterr()  # a terminal shell shows no dashboard by itself
+    started.run_line_magic("dist_dashboard", "")
+    out = capsys.readouterr().out
+    assert "loss" in out
+    assert len([line for line in out.splitlines() if line.lstrip().startswith(("0 ", "1 "))]) >= 2
+    with pytest.raises(UsageError, match="run 'x'"):
+        started.run_line_magic("dist_dashboard", "x")
+    with pytest.raises(UsageError, match="is not in the history"):
+        started.run_line_magic("dist_dashboard", "987654")

@@ -1,0 +1,294 @@
+"""The live dashboard widget: plots per logged metric (a trace per rank and their mean),
+throughput per rank and in total, and the per-rank table with states and stragglers.
+
+:class:`LiveDashboard` adds to :class:`~.model.DashboardModel` an anywidget
+(``widget.js``) and a refresh thread: woken by :meth:`Run.subscribe`, at most
+``max_hz`` times a second (and at most ~20 % of a core), it sends each delta as
+a custom message and the table as the synced ``_table`` trait.
+
+Example::
+
+    dash = LiveDashboard(run, states=lambda: {0: "idle", 1: "dead"})
+    display(dash.start())      # the widget; dash.close() stops the updates
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from .model import DEFAULT_BUDGET, DashboardModel
+from .text import summary_text
+
+__all__ = ["LiveDashboard", "close_all", "show"]
+
+_log = logging.getLogger("nbdist.dashboard")
+_LIVE: set[LiveDashboard] = set()
+_WIDGET_CLASS = None
+
+
+class LiveDashboard(DashboardModel):
+    """Plots and table of one :class:`~nbdist.metrics.run.Run`, updated while it grows.
+
+    ``states`` is called by :meth:`refresh_states` (``show`` does so after
+    every cell), never on the refresh thread: a session's status talks to the
+    ipyparallel client, which is not thread-safe.
+    """
+
+    def __init__(
+        self,
+        run,
+        *,
+        states: Callable[[], Mapping[int, str]] | None = None,
+        budget: int = DEFAULT_BUDGET,
+        max_hz: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(run, states=states, budget=budget, clock=clock)
+        self.interval = 1.0 / max_hz
+        self.widget = None
+        self.last_cost = 0.0  # CPU seconds of the latest refresh
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+        self._shell = None
+
+    def __repr__(self) -> str:
+        live = "live" if self._thread is not None and not self._stop.is_set() else "not live"
+        return f"<LiveDashboard of run {self.run.id}: {self._nranks} ranks, {live}>"
+
+    def refresh_states(self) -> None:
+        """Call the ``states`` callable now (on this thread); the next refresh shows the result."""
+        super().refresh_states()
+        self._wake.set()
+
+    def start(self, *, refresh_thread: bool = True):
+        """Make the widget (once), send it the snapshot and start the refresh thread; returns the widget.
+
+        Without the thread, :meth:`refresh` sends updates when called.
+        """
+        with self._lock:
+            if self.widget is None:
+                self.widget = _widget_class()(
+                    _uid=uuid.uuid4().hex,
+                    _plotly_version=_plotly_version(),
+                    _table=self._table,
+                    text=lambda: summary_text(self.run, self._states),
+                    on_close=self.close,
+                )
+                self.widget.on_msg(self._on_message)
+                self.widget.send(self.snapshot())
+        if refresh_thread and self._thread is None:
+            # The thread's first pass takes in the history (a second for 8 ranks x 100k points),
+            # so showing the widget does not wait for it.
+            self._wake.set()
+            self._unsubscribe = self.run.subscribe(lambda run: self._wake.set())
+            self._thread = threading.Thread(
+                target=self._loop, name=f"nbdist-dashboard-{self.run.id}", daemon=True
+            )
+            _LIVE.add(self)
+            self._thread.start()
+        return self.widget
+
+    def refresh(self) -> None:
+        """One update now: send the new points and the table if they changed."""
+        with self._lock:  # one lock for poll and send: messages leave in seq order
+            delta, table = self.poll()
+            widget = self.widget
+            if widget is None:
+                return
+            if delta is not None:
+                widget.send(delta)
+            if table is not None:
+                widget._table = table
+
+    def _on_message(self, widget, content, buffers) -> None:
+        if isinstance(content, dict) and content.get("t") == "hello":  # a new view after a reload
+            with self._lock:
+                widget.send(self.snapshot())
+
+    def _loop(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            self._wake.wait(1.0)  # a new point, or the tick that turns "running" into "idle"
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            began, cpu = time.monotonic(), time.thread_time()
+            try:
+                self.refresh()
+            except Exception:
+                failures += 1
+                if failures == 1:
+                    _log.exception("nbdist dashboard: refresh failed (further failures not logged)")
+            self.last_cost = time.thread_time() - cpu
+            over = self.run.ended is not None and self.run.version == self._version
+            if over and all(row.state != "running" for row in self.rows):
+                return  # the run is over and shown in full, its ranks shown idle or dead
+            # At most max_hz, and at most ~20 % of a core however big the run is.
+            pause = max(self.interval, 4 * self.last_cost) - (time.monotonic() - began)
+            self._stop.wait(max(pause, 0.0))
+
+    def watch_cells(self, shell) -> None:
+        """Refresh the states after every cell of ``shell`` (an IPython shell), on its thread."""
+        self._shell = shell
+        shell.events.register("post_run_cell", self._after_cell)
+
+    def _after_cell(self, result=None) -> None:
+        self.refresh_states()
+
+    def is_live(self) -> bool:
+        """Still refreshing (not frozen, closed, or finished with its run)."""
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def freeze(self) -> None:
+        """Stop updating but keep the widget and its views, as last drawn."""
+        self.refresh_states()
+        try:
+            self.refresh()  # last points first, so the frozen view is complete
+        except Exception:
+            _log.exception("nbdist dashboard: final refresh failed")
+        self._stop_updating()
+
+    def close(self) -> None:
+        """Stop updating; close the widget (its views disappear)."""
+        self._stop_updating()
+        widget, self.widget = self.widget, None
+        if widget is not None:
+            widget._nbdist_on_close = None
+            widget.close()
+
+    def _stop_updating(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._shell is not None:
+            try:
+                self._shell.events.unregister("post_run_cell", self._after_cell)
+            except ValueError:
+                pass
+            self._shell = None
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=2.0)
+        _LIVE.discard(self)
+
+
+def _plotly_version() -> str:
+    try:
+        return importlib.metadata.version("plotly")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def _widget_class():
+    # anywidget / ipywidgets / traitlets are imported here, when a widget is first made.
+    global _WIDGET_CLASS
+    if _WIDGET_CLASS is None:
+        import anywidget
+        import traitlets
+
+        here = Path(__file__).parent
+
+        class DashboardWidget(anywidget.AnyWidget):
+            """The nbdist dashboard in the browser (see widget.js); plotly.js is not in its state."""
+
+            _esm = (here / "widget.js").read_text(encoding="utf-8")
+            _css = (here / "widget.css").read_text(encoding="utf-8")
+            _uid = traitlets.Unicode("").tag(sync=True)
+            _plotly_version = traitlets.Unicode("").tag(sync=True)
+            _table = traitlets.Dict().tag(sync=True)
+
+            def __init__(self, *, text=None, on_close=None, **kwargs):
+                self._nbdist_text = text
+                self._nbdist_on_close = on_close
+                super().__init__(**kwargs)
+
+            def _repr_mimebundle_(self, **kwargs):
+                bundle = super()._repr_mimebundle_(**kwargs)
+                if bundle is not None and self._nbdist_text is not None:
+                    data, metadata = bundle
+                    # Where no widget renders (nbconvert, a plain viewer) the summary shows instead.
+                    data = {**data, "text/plain": self._nbdist_text()}
+                    bundle = (data, metadata)
+                return bundle
+
+            def close(self):
+                on_close, self._nbdist_on_close = self._nbdist_on_close, None
+                if on_close is not None:
+                    on_close()
+                super().close()
+
+        _WIDGET_CLASS = DashboardWidget
+    return _WIDGET_CLASS
+
+
+def close_all() -> None:
+    """Close every live dashboard of this process (stops their refresh threads)."""
+    for dash in list(_LIVE):
+        dash.close()
+
+
+def show(
+    run,
+    *,
+    session=None,
+    states: Callable[[], Mapping[int, str]] | None = None,
+    budget: int = DEFAULT_BUDGET,
+    max_hz: float = 5.0,
+) -> LiveDashboard | None:
+    """Show ``run``'s dashboard: the live widget in a Jupyter kernel, else print the text summary.
+
+    ``session`` (a :class:`~nbdist.DistSession`) supplies the rank states
+    (``"dead"``) unless ``states`` is given; they are read now and after every
+    cell. Returns the :class:`LiveDashboard` (``.close()`` stops it), or None
+    where the text summary was printed.
+
+    Example::
+
+        dash = nbdist.dashboard.show(session.metrics, session=session)
+    """
+    if states is None and session is not None:
+        states = _session_states(session)
+    shell = _kernel_shell()
+    if shell is None:
+        print(summary_text(run, states))
+        return None
+    try:
+        import anywidget  # noqa: F401
+    except ImportError:
+        print(summary_text(run, states))
+        print("(pip install anywidget for the live dashboard)")
+        return None
+    from IPython.display import display
+
+    dash = LiveDashboard(run, states=states, budget=budget, max_hz=max_hz)
+    display(dash.start())
+    dash.watch_cells(shell)
+    return dash
+
+
+def _session_states(session) -> Callable[[], dict[int, str]]:
+    def states() -> dict[int, str]:
+        return {row["rank"]: row["state"] for row in session.status()}
+
+    return states
+
+
+def _kernel_shell():
+    # The IPython shell when running in a Jupyter kernel; None in a script or terminal IPython.
+    if "IPython" not in sys.modules:
+        return None
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell if shell is not None and getattr(shell, "kernel", None) is not None else None

@@ -1,0 +1,262 @@
+"""The per-rank table (step, loss, throughput, step time, memory, last seen, state) and stragglers.
+
+Shared by the live widget and the text summary; pure Python, no widgets.
+
+States: ``dead`` when the ``states`` callable says so (the session knows which
+engines died), else ``running`` when the rank logged a point in the last
+``IDLE_AFTER_S`` seconds, else ``idle``.
+
+A rank is a straggler when its recent median step time is more than
+``ratio`` (1.3) times the median of the other ranks' recent medians, or when it
+is more than ``max_lag`` steps behind: behind is measured at the same moment
+(the highest step any rank had logged by the time of this rank's last point),
+so points that are merely still in flight (ranks flush every 50 ms) do not count.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ..metrics.run import DERIVED_KEYS
+
+__all__ = [
+    "IDLE_AFTER_S",
+    "RankRow",
+    "find_stragglers",
+    "plotted_keys",
+    "rank_rows",
+    "step_lags",
+    "throughput_key",
+]
+
+IDLE_AFTER_S = 2.0
+RECENT = 20  # step times per rank that make its "recent median"
+HISTORY = 512  # (time, step) points per rank kept for the lag check
+COUNTERS = ("samples", "tokens")  # logged to make throughput; plotted as samples_per_s/tokens_per_s
+
+
+@dataclass
+class RankRow:
+    """One rank's line of the table; ``None`` where the rank has not logged that value."""
+
+    rank: int
+    step: int | None = None
+    loss: float | None = None  # the first user key's latest value (``RankRow.loss_key`` names it)
+    rate: float | None = None  # samples/s or tokens/s
+    step_time: float | None = None  # recent median, seconds
+    memory_mib: float | None = None
+    seen: float | None = None  # time.time() of the latest point
+    state: str = "idle"
+    straggler: str = ""  # why it is flagged, "" when it is not
+
+    def cells(self, now: float) -> list[str]:
+        """The row as text cells: rank, step, loss, rate, step time, memory, last seen, state, flag."""
+        return [
+            str(self.rank),
+            "–" if self.step is None else str(self.step),
+            fmt_value(self.loss),
+            fmt_rate(self.rate),
+            fmt_seconds(self.step_time),
+            fmt_mib(self.memory_mib),
+            fmt_ago(None if self.seen is None else now - self.seen),
+            self.state,
+            f"⚠ straggler ({self.straggler})" if self.straggler else "",
+        ]
+
+
+def plotted_keys(keys: Sequence[str]) -> list[str]:
+    """User keys that get a loss-like plot vs step (not the derived ones, not samples/tokens)."""
+    return [k for k in keys if k not in DERIVED_KEYS and k not in COUNTERS]
+
+
+def throughput_key(keys: Sequence[str]) -> str | None:
+    """``tokens_per_s`` when logged, else ``samples_per_s``, else None."""
+    for key in ("tokens_per_s", "samples_per_s"):
+        if key in keys:
+            return key
+    return None
+
+
+def headers(keys: Sequence[str]) -> list[str]:
+    """Column titles matching :meth:`RankRow.cells` for a run with these keys."""
+    user = plotted_keys(keys)
+    rate = throughput_key(keys)
+    return [
+        "rank",
+        "step",
+        user[0] if user else "loss",
+        rate.replace("_per_s", "/s") if rate else "samples/s",
+        "step time",
+        "memory",
+        "last seen",
+        "state",
+        "",
+    ]
+
+
+def step_lags(history: Mapping[int, Sequence[tuple[float, int]]]) -> dict[int, int]:
+    """Steps each rank is behind, compared at the time of its latest point.
+
+    ``history``: rank -> recent ``(time, step)`` points in arrival order. For
+    rank r with latest point ``(t, s)``: the highest step any rank had logged at
+    or before ``t``, minus ``s``. Ranks whose history does not reach back to
+    ``t`` only count with what they had logged by then.
+    """
+    lags: dict[int, int] = {}
+    for rank, points in history.items():
+        if not points:
+            continue
+        t, s = points[-1]
+        lead = s
+        for other, theirs in history.items():
+            if other == rank:
+                continue
+            i = bisect.bisect_right(theirs, (t, math.inf))  # their last point at or before t
+            if i:
+                lead = max(lead, theirs[i - 1][1])
+        lags[rank] = lead - s
+    return lags
+
+
+def find_stragglers(
+    step_times: Mapping[int, Sequence[float]],
+    lags: Mapping[int, int],
+    *,
+    ratio: float = 1.3,
+    max_lag: int = 5,
+) -> dict[int, str]:
+    """rank -> reason, for ranks that are slow (median step time) or behind (steps).
+
+    ``step_times``: rank -> its recent step times; ``lags``: rank -> steps behind
+    (:func:`step_lags`). Needs two ranks with step times to compare speeds.
+    """
+    medians = {r: statistics.median(v) for r, v in step_times.items() if len(v) >= 3}
+    flagged: dict[int, str] = {}
+    if len(medians) >= 2:
+        for rank, mine in medians.items():
+            others = statistics.median(m for r, m in medians.items() if r != rank)
+            if others > 0 and mine > ratio * others:
+                flagged[rank] = f"{mine / others:.1f}× step time"
+    for rank, lag in lags.items():
+        if lag > max_lag and rank not in flagged:
+            flagged[rank] = f"{lag} steps behind"
+    return flagged
+
+
+def build_rows(
+    run,
+    recent_step_times: Mapping[int, Sequence[float]],
+    history: Mapping[int, Sequence[tuple[float, int]]],
+    states: Mapping[int, str] | None = None,
+    *,
+    now: float | None = None,
+    ratio: float = 1.3,
+    max_lag: int = 5,
+) -> list[RankRow]:
+    """Rows for every rank of ``run`` (0..world_size-1 and any other that logged)."""
+    now = time.time() if now is None else now
+    states = states or {}
+    keys = run.keys()
+    user = plotted_keys(keys)
+    rate_key = throughput_key(keys)
+    flagged = find_stragglers(recent_step_times, step_lags(history), ratio=ratio, max_lag=max_lag)
+    rows = []
+    ranks = sorted(set(range(run.world_size)) | set(run.ranks) | set(states))
+    for rank in ranks:
+        last = run.last(rank)
+        row = RankRow(rank=rank)
+        if last:
+            row.step = int(last["step"])
+            row.seen = last["time"]
+            row.loss = last.get(user[0]) if user else None
+            row.rate = last.get(rate_key) if rate_key else None
+            row.memory_mib = last.get("memory_mib")
+            recent = recent_step_times.get(rank)
+            row.step_time = statistics.median(recent) if recent else last.get("step_time")
+            row.state = "running" if now - row.seen < IDLE_AFTER_S else "idle"
+        if states.get(rank) == "dead":
+            row.state = "dead"
+        elif rank in flagged:
+            row.straggler = flagged[rank]
+        rows.append(row)
+    return rows
+
+
+def rank_rows(
+    run,
+    states: Mapping[int, str] | Callable[[], Mapping[int, str]] | None = None,
+    *,
+    now: float | None = None,
+    ratio: float = 1.3,
+    max_lag: int = 5,
+) -> list[RankRow]:
+    """The table of ``run`` read from scratch (the live dashboard keeps these inputs incrementally)."""
+    if callable(states):
+        states = call_states(states)
+    step_times: dict[int, list[float]] = {}
+    history: dict[int, list[tuple[float, int]]] = {}
+    clock = "step_time" if "step_time" in run.keys() else (run.keys() or [None])[0]
+    for rank in run.ranks:
+        _, values = run.series("step_time", rank)
+        if values:
+            step_times[rank] = values[-RECENT:]
+        if clock is not None:
+            steps, _ = run.series(clock, rank)
+            times, _ = run.timeline(clock, rank)
+            history[rank] = list(zip(times[-HISTORY:], steps[-HISTORY:]))
+    return build_rows(run, step_times, history, states, now=now, ratio=ratio, max_lag=max_lag)
+
+
+def call_states(states: Callable[[], Mapping[int, str]] | None) -> dict[int, str]:
+    """``states()``, or {} when it fails (a stopped session must not break the table)."""
+    if states is None:
+        return {}
+    try:
+        return {int(r): str(s) for r, s in dict(states()).items()}
+    except Exception:
+        return {}
+
+
+# -- formatting -------------------------------------------------------------------------
+
+
+def fmt_value(v: float | None) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return f"{v:.4g}"
+
+
+def fmt_rate(v: float | None) -> str:
+    if v is None or not math.isfinite(v):
+        return "–" if v is None else str(v)
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def fmt_seconds(v: float | None) -> str:
+    if v is None or not math.isfinite(v):
+        return "–" if v is None else str(v)
+    return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def fmt_mib(v: float | None) -> str:
+    if v is None or not math.isfinite(v):
+        return "–"
+    return f"{v / 1024:.2f} GiB" if v >= 1024 else f"{v:.0f} MiB"
+
+
+def fmt_ago(v: float | None) -> str:
+    if v is None:
+        return "–"
+    v = max(v, 0.0)
+    if v < 60:
+        return f"{v:.1f} s ago"
+    if v < 3600:
+        return f"{int(v // 60)}m{int(v % 60):02d}s ago"
+    return f"{int(v // 3600)}h{int(v % 3600 // 60):02d}m ago"

@@ -1,0 +1,90 @@
+"""The dashboard as plain text: for terminals, scripts and notebooks viewed without widgets.
+
+Example::
+
+    >>> print(summary_text(run))                                        # doctest: +SKIP
+    run 3 · 4 ranks · gloo · 4,000 points
+    rank  step    loss  samples/s  step time   memory  last seen  state
+       0   999  0.1031      6,400   100.0 ms  512 MiB  0.3 s ago  running
+       ...
+    series          last      mean       min       max
+    loss          0.1024    0.3421   0.09876     2.301
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+from .table import fmt_value, headers, rank_rows
+
+__all__ = ["summary_text"]
+
+
+def summary_text(
+    run,
+    states: Mapping[int, str] | Callable[[], Mapping[int, str]] | None = None,
+    *,
+    now: float | None = None,
+) -> str:
+    """A fixed-width table per rank, then one line per series: last / mean / min / max.
+
+    ``last`` is the mean over ranks of each rank's latest value; mean, min and
+    max are over every point of every rank (NaN and inf left out).
+    ``states``: {rank: state} or a callable returning it (``"dead"`` is shown).
+    """
+    now = time.time() if now is None else now
+    keys = run.keys()
+    lines = [_title(run)]
+    rows = rank_rows(run, states, now=now)
+    table = [headers(keys)] + [row.cells(now) for row in rows]
+    lines += _columns(table, left=(7, 8))
+    if keys:
+        series = [["series", "last", "mean", "min", "max"]]
+        for key in keys:
+            series.append([key, *(fmt_value(v) for v in _stats(run, key))])
+        lines.append("")
+        lines += _columns(series, left=(0,))
+    return "\n".join(lines)
+
+
+def _title(run) -> str:
+    parts = [f"run {run.id}", f"{run.world_size} ranks"]
+    if run.backend:
+        parts.append(run.backend)
+    if run.label:
+        parts.append(run.label)
+    count = run.count()
+    parts.append(f"{count:,} points" if count else "no points yet")
+    return " · ".join(parts)
+
+
+def _stats(run, key: str) -> tuple[float | None, ...]:
+    import numpy as np
+
+    lasts: list[float] = []
+    chunks = []
+    for rank in run.ranks:
+        _, values = run.series(key, rank)
+        y = np.asarray(values, dtype=np.float64)  # None (not carried by the wire) -> NaN
+        y = y[np.isfinite(y)]
+        if y.size:
+            lasts.append(float(y[-1]))
+            chunks.append(y)
+    if not chunks:
+        return (None, None, None, None)
+    every = np.concatenate(chunks)
+    return (sum(lasts) / len(lasts), float(every.mean()), float(every.min()), float(every.max()))
+
+
+def _columns(table: list[list[str]], left: tuple[int, ...]) -> list[str]:
+    # Text columns (given by index) align left, numbers right; trailing blanks trimmed.
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    out = []
+    for row in table:
+        cells = [
+            cell.ljust(w) if i in left else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        ]
+        out.append("  ".join(cells).rstrip())
+    return out
