@@ -107,3 +107,27 @@ def test_failing_rank_fails_the_notebook(tmp_path):
     assert errors[0].evalue == "rank 1: ValueError: boom on rank 1"
     assert "survived 0" in " ".join(_text_outputs(nb))  # rank 0 finished and printed
     assert nb.cells[3].get("outputs", []) == []  # execution stopped at the failing cell
+
+
+def test_saved_quickstart_with_its_dashboard_stays_small(tmp_path):
+    """The executed notebook keeps the dashboard's widget state, but not plotly.js: < 2 MB."""
+    nb = nbformat.read(str(QUICKSTART), as_version=4)
+    NotebookClient(
+        nb,
+        timeout=300,
+        kernel_name="python3",
+        store_widget_state=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+    ).execute()
+    out = tmp_path / "executed.ipynb"
+    nbformat.write(nb, str(out))
+    widget_outputs = [
+        o
+        for cell in nb.cells
+        for o in cell.get("outputs", [])
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
+    assert len(widget_outputs) == 1  # the training cell's dashboard
+    assert "widgets" in nb.metadata  # its state was saved with the notebook
+    print(f"executed quick start with its dashboard: {out.stat().st_size} bytes")
+    assert out.stat().st_size < 2 * 2**20, out.stat().st_size
