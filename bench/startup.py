@@ -1,0 +1,330 @@
+"""Start-to-ready of ``DistSession(n).start()`` against two floors measured in the same run.
+
+nbdist: ``DistSession(n).start()`` returns once the engines registered, torch is
+imported on them, the process group is formed and one all_reduce went through.
+Timed from before the constructor to the return of ``start()``; then ``stop()``.
+
+Floors (same OMP_NUM_THREADS as the ranks get):
+(a) n parallel ``python -c "import torch, torch.distributed"``: wall time until all
+    exit (with ``os._exit(0)`` right after the import);
+(b) one process that imports torch + torch.distributed and forks n children that
+    exit at once: wall time until it has reaped them (it prints a CLOCK_MONOTONIC
+    timestamp then). Also reported: until that process has exited normally,
+    "b+exit", for comparison with figures that included it; and "b+engine":
+    the same process also importing ipyparallel's engine before forking (what
+    any fork-after-import launcher of ipyparallel engines must import).
+A normal exit of a process that imported torch spends ~0.8 s here in interpreter
+teardown, which a rank that stays up never pays; the floors leave it out.
+
+Reference row: the same with ``start_method="spawn"`` (separate engine processes).
+Every repetition measures all variants back to back (interleaved), and each figure
+is the median over repetitions, so a busy machine slows all of them alike.
+
+Usage: python bench/startup.py [--n 2 4] [--reps 3] [--no-spawn] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    CpuMeter,
+    assert_no_children,
+    load,
+    machine,
+    median,
+    print_summary,
+    private_history,
+    ratio,
+    threads_per_rank,
+)
+
+GOAL_VS_FORK_FLOOR = 1.2
+
+# os._exit: a process that imported torch spends ~0.8 s (2 cores) in interpreter
+# teardown on a normal exit, which the ranks never pay; the floor leaves it out.
+_IMPORT = "import os, torch, torch.distributed; os._exit(0)"
+_FORK_FLOOR = """
+import os, sys, time
+import torch, torch.distributed
+n, engine_stack = int(sys.argv[1]), sys.argv[2] == "1"
+if engine_stack:
+    from ipyparallel.engine.app import IPEngine
+pids = []
+for _ in range(n):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    pids.append(pid)
+for pid in pids:
+    os.waitpid(pid, 0)
+print(time.monotonic(), flush=True)  # all reaped: the floor ends here
+if engine_stack:
+    os._exit(0)
+"""
+
+
+def _env(n: int) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads_per_rank(n)))
+
+
+def floor_parallel_imports(n: int) -> float:
+    env = _env(n)
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", _IMPORT], env=env) for _ in range(n)]
+    codes = [p.wait() for p in procs]
+    elapsed = time.perf_counter() - t0
+    if any(codes):
+        raise RuntimeError(f"floor (a): import failed with exit codes {codes}")
+    return elapsed
+
+
+def floor_import_then_fork(n: int, engine_stack: bool = False) -> tuple[float, float]:
+    """(until the children are reaped, until the process has also exited normally).
+
+    ``engine_stack``: also import ipyparallel's engine (IPython, ipykernel, zmq)
+    before forking, as nbdist's zygote must; that process then skips its teardown.
+    """
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORK_FLOOR, str(n), "1" if engine_stack else "0"],
+        env=_env(n),
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    exited = time.monotonic() - t0
+    # CLOCK_MONOTONIC is system-wide on Linux: the child's timestamp compares with ours.
+    reaped = float(proc.stdout.split()[-1]) - t0
+    return reaped, exited
+
+
+class _PhaseTimer:
+    """Wraps nbdist's two start-up phases (read-only: nbdist itself is not changed)."""
+
+    def __init__(self):
+        from nbdist import cluster, session
+
+        self.phases: dict[str, float] = {}
+        self._cluster, self._session = cluster, session
+        self._start_local = cluster.start_local
+        self._form_group = session.DistSession._form_group
+        timer = self
+
+        def start_local(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return timer._start_local(*args, **kwargs)
+            finally:
+                timer.phases["engines_registered_s"] = time.perf_counter() - t0
+
+        def form_group(self_):
+            t0 = time.perf_counter()
+            try:
+                return timer._form_group(self_)
+            finally:
+                timer.phases["group_formed_s"] = time.perf_counter() - t0
+
+        cluster.start_local = start_local
+        session.DistSession._form_group = form_group
+
+    def restore(self):
+        self._cluster.start_local = self._start_local
+        self._session.DistSession._form_group = self._form_group
+
+
+def nbdist_start_stop(n: int, start_method: str, phases: _PhaseTimer) -> dict:
+    from nbdist import DistSession
+
+    phases.phases.clear()
+    t0 = time.perf_counter()
+    session = DistSession(n, cpu=True, start_method=start_method)
+    try:
+        session.start()
+        ready = time.perf_counter() - t0
+        ranks = session.ranks
+        method = session._handle.start_method if session._handle else "?"
+        note = session._handle.start_note if session._handle else ""
+        if len(ranks) != n:
+            raise RuntimeError(f"expected {n} ranks, got {ranks}")
+    finally:
+        t1 = time.perf_counter()
+        killed = session.stop()
+        stop = time.perf_counter() - t1
+    return dict(
+        ready_s=ready,
+        stop_s=stop,
+        method=method,
+        note=note,
+        killed=killed,
+        startup_seconds=session.startup_seconds,
+        **phases.phases,
+    )
+
+
+def _main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=None, help="ranks (default: 2 4)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3)")
+    parser.add_argument("--no-spawn", action="store_true", help="skip the spawn reference row")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: n=2, 1 repetition, no spawn row"
+    )
+    args = parser.parse_args(argv)
+    ns = args.n or ([2] if args.quick else [2, 4])
+    reps = args.reps or (1 if args.quick else 3)
+    spawn = not (args.no_spawn or args.quick)
+
+    info = machine()
+    meter = CpuMeter()
+    print(f"startup: n={ns}, {reps} repetitions, {info}", flush=True)
+
+    # Kernel-side imports happen once per kernel (at the first %dist_start); measured
+    # here once and kept out of the start-to-ready figures.
+    t0 = time.perf_counter()
+    import ipyparallel  # noqa: F401
+
+    import nbdist.session  # noqa: F401
+
+    kernel_import_s = time.perf_counter() - t0
+    print(
+        f"kernel-side import of nbdist.session + ipyparallel: {kernel_import_s:.2f} s", flush=True
+    )
+
+    # Warm the page cache so the first measured variant is not penalised.
+    subprocess.run([sys.executable, "-c", _IMPORT], env=_env(2), check=True)
+
+    phases = _PhaseTimer()
+    rows = []
+    leftovers: list[int] = []
+    try:
+        for n in ns:
+            samples: dict[str, list] = {
+                "a": [],
+                "b": [],
+                "b_exit": [],
+                "b_engine": [],
+                "fork": [],
+                "spawn": [],
+            }
+            for rep in range(reps):
+                samples["a"].append(floor_parallel_imports(n))
+                reaped, exited = floor_import_then_fork(n)
+                samples["b"].append(reaped)
+                samples["b_exit"].append(exited)
+                samples["b_engine"].append(floor_import_then_fork(n, engine_stack=True)[0])
+                samples["fork"].append(nbdist_start_stop(n, "fork", phases))
+                if spawn:
+                    samples["spawn"].append(nbdist_start_stop(n, "spawn", phases))
+                line = (
+                    f"  n={n} rep {rep + 1}/{reps}: floor(a) {samples['a'][-1]:.2f} s, "
+                    f"floor(b) {samples['b'][-1]:.2f} s (b+exit {samples['b_exit'][-1]:.2f} s, "
+                    f"b+engine imports {samples['b_engine'][-1]:.2f} s), "
+                    "nbdist fork "
+                    f"{samples['fork'][-1]['ready_s']:.2f} s "
+                    f"(stop {samples['fork'][-1]['stop_s']:.2f} s)"
+                )
+                if spawn:
+                    line += (
+                        f", spawn {samples['spawn'][-1]['ready_s']:.2f} s "
+                        f"(stop {samples['spawn'][-1]['stop_s']:.2f} s)"
+                    )
+                print(line + f", load {load()}", flush=True)
+            a, b = median(samples["a"]), median(samples["b"])
+            b_exit = median(samples["b_exit"])
+            b_engine = median(samples["b_engine"])
+            for variant in ("fork", "spawn"):
+                runs = samples[variant]
+                if not runs:
+                    continue
+                ready = median([r["ready_s"] for r in runs])
+                row = dict(
+                    n=n,
+                    start_method=variant,
+                    effective_method=runs[-1]["method"],
+                    floor_a_s=round(a, 3),
+                    floor_b_s=round(b, 3),
+                    floor_b_exit_s=round(b_exit, 3),
+                    floor_b_engine_s=round(b_engine, 3),
+                    ready_s=round(ready, 3),
+                    ratio_a=round(ratio(ready, a), 3),
+                    ratio_b=round(ratio(ready, b), 3),
+                    ratio_b_exit=round(ratio(ready, b_exit), 3),
+                    ratio_b_engine=round(ratio(ready, b_engine), 3),
+                    stop_s=round(median([r["stop_s"] for r in runs]), 3),
+                    engines_registered_s=round(
+                        median([r.get("engines_registered_s", float("nan")) for r in runs]), 3
+                    ),
+                    group_formed_s=round(
+                        median([r.get("group_formed_s", float("nan")) for r in runs]), 3
+                    ),
+                    killed_at_stop=sorted({p for r in runs for p in r["killed"]}),
+                    samples_ready_s=[round(r["ready_s"], 3) for r in runs],
+                    samples_floor_a_s=[round(x, 3) for x in samples["a"]],
+                    samples_floor_b_s=[round(x, 3) for x in samples["b"]],
+                )
+                if runs[-1]["note"]:
+                    row["note"] = runs[-1]["note"]
+                rows.append(row)
+    finally:
+        phases.restore()
+        leftovers = assert_no_children()
+        cpu = meter.read()
+
+    print()
+    print(
+        f"{'n':>2} {'method':<6} {'floor a':>8} {'floor b':>8} {'b+exit':>8} {'b+eng':>8} "
+        f"{'nbdist':>8} {'x a':>6} {'x b':>6} {'x b+ex':>6} {'x b+en':>6} {'stop':>6} "
+        f"{'engines':>8} {'group':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['n']:>2} {r['start_method']:<6} {r['floor_a_s']:>7.2f}s {r['floor_b_s']:>7.2f}s "
+            f"{r['floor_b_exit_s']:>7.2f}s {r['floor_b_engine_s']:>7.2f}s {r['ready_s']:>7.2f}s "
+            f"{r['ratio_a']:>5.2f}x {r['ratio_b']:>5.2f}x {r['ratio_b_exit']:>5.2f}x "
+            f"{r['ratio_b_engine']:>5.2f}x {r['stop_s']:>5.2f}s "
+            f"{r['engines_registered_s']:>7.2f}s {r['group_formed_s']:>5.2f}s"
+        )
+    fork_rows = [r for r in rows if r["start_method"] == "fork"]
+    ok = all(r["ratio_b"] <= GOAL_VS_FORK_FLOOR for r in fork_rows)
+    print(
+        f"goal: nbdist (fork) <= {GOAL_VS_FORK_FLOOR}x floor (b): "
+        + ("met" if ok else "MISSED")
+        + (f"; processes left behind: {leftovers}" if leftovers else "")
+    )
+    print(
+        f"cpu during the run: this benchmark {cpu['own_cpu_s']} CPU-s, other processes "
+        f"{cpu.get('other_cpu_s', '?')} CPU-s (avg {cpu.get('other_cores', '?')} cores) "
+        f"over {cpu['wall_s']} s; load average now {load()}"
+    )
+    print_summary(
+        dict(
+            bench="startup",
+            quick=args.quick,
+            reps=reps,
+            machine=info,
+            load_end=load(),
+            cpu=cpu,
+            kernel_import_s=round(kernel_import_s, 3),
+            goal_ratio_b=GOAL_VS_FORK_FLOOR,
+            goal_met=ok,
+            leftover_pids=leftovers,
+            rows=rows,
+        )
+    )
+    return 0
+
+
+def main(argv=None) -> int:
+    with private_history():
+        return _main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
