@@ -36,6 +36,28 @@ _PR_SET_PDEATHSIG = 1
 _TERM_GRACE_S = 3.0
 
 
+# What every engine imports while it starts (ipykernel's debugger stack alone is
+# ~150 modules): imported once here, shared by the forks instead of paid per rank.
+# None of them starts a thread at import; fork_unsafe_reason() checks anyway.
+_ENGINE_MODULES = (
+    "ipykernel.debugger",
+    "sqlite3",
+    "IPython.extensions.storemagic",
+    "nbdist._bootstrap",
+    "nbdist.metrics.log",
+)
+
+
+def _preimport(names) -> None:
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # an optional speed-up: the engine imports what it needs anyway
+            pass
+
+
 def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent exits (Linux)."""
     if not sys.platform.startswith("linux"):
@@ -187,8 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(own)
     slots = json.loads(opts.slots)
 
-    # Before torch is imported: its OpenMP pool reads this once.
-    os.environ.setdefault("OMP_NUM_THREADS", str(opts.threads))
+    # With more than one OpenMP thread, importing torch starts a native thread,
+    # and a process with threads must not fork. So the zygote imports torch
+    # single-threaded; each engine gets its thread count after the fork.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    engine_env = {"OMP_NUM_THREADS": str(opts.threads)}
     # Signals arriving while we fork would be lost or hit half-built children.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     reason = "spawn requested" if opts.start_method == "spawn" else None
@@ -197,13 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed  # noqa: F401
         from ipyparallel.engine.app import IPEngine  # noqa: F401
 
+        _preimport(_ENGINE_MODULES)
         reason = fork_unsafe_reason()
     pids = []
     for slot_env in slots:
         if reason is None:
-            pids.append(_fork_engine(slot_env, engine_argv, opts.threads))
+            pids.append(_fork_engine({**engine_env, **slot_env}, engine_argv, opts.threads))
         else:
-            pids.append(_spawn_engine(slot_env, engine_argv))
+            pids.append(_spawn_engine({**engine_env, **slot_env}, engine_argv))
     children = _Children(pids)
     _write_status(
         opts.status_file,
@@ -228,4 +254,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A normal exit after importing torch spends ~0.8 s tearing the interpreter
+    # down; the zygote holds nothing that needs it, and stop() waits for it.
+    os._exit(code)

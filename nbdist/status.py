@@ -14,7 +14,10 @@ def _rss_mib(pid: int) -> float | None:
     import psutil
 
     try:
-        return psutil.Process(pid).memory_info().rss / 2**20
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its parent
+            return None
+        return proc.memory_info().rss / 2**20
     except psutil.Error:
         return None
 

@@ -50,13 +50,22 @@ class _Channel:
         self.thread.start()
 
     def _run(self) -> None:
+        # Sleeps until a point is logged (an idle rank costs nothing), then
+        # flushes at most every _FLUSH_INTERVAL_S while points keep coming.
+        last = 0.0
         while not self.stopped:
-            self.wake.wait(_FLUSH_INTERVAL_S)
+            self.wake.wait()
+            pause = last + _FLUSH_INTERVAL_S - time.monotonic()
+            if pause > 0 and not self.stopped:
+                time.sleep(pause)
             self.wake.clear()
+            last = time.monotonic()
             try:
                 self.flush()
             except Exception:  # a broken flush must not kill the thread or the rank
                 self.dropped += 1
+            if self.unsent:
+                self.wake.set()  # the kernel was slow to take them: retry next interval
 
     def flush(self, marker: dict | None = None) -> None:
         import zmq
@@ -142,6 +151,8 @@ def log(step: int | None = None, **scalars) -> None:
                         values[f"{key}_per_s"] = (key, dt)  # resolved at flush (tensor-safe)
             channel.last_call = now
             channel.pending.append((channel.step, now, values))
+            if len(channel.pending) == 1:
+                channel.wake.set()  # the flush thread sleeps until there is something to send
     except Exception:
         channel.dropped += 1
 

@@ -190,3 +190,15 @@ def test_ipyparallel_launcher_pass_through():
     finally:
         s.stop()
     assert wait_gone(pids, timeout=15) == []
+
+
+def test_several_threads_per_rank_still_fork():
+    """torch starts a native thread at import when OpenMP may use several: the zygote avoids it."""
+    s = nbdist.DistSession(2, threads=2, timeout=120, history=False).start()
+    try:
+        assert "spawned" not in s.summary()
+        assert s._handle.start_method == "fork"
+        s.run("import os; info = (torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
+        assert s.pull("info") == [(2, "2"), (2, "2")]
+    finally:
+        s.stop()
