@@ -22,6 +22,9 @@ from .wire import decode
 
 __all__ = ["Collector"]
 
+# Under a steady stream, the history is committed at least this often.
+_COMMIT_EVERY_S = 0.25
+
 
 class Collector:
     """Receives metrics for one run; ``url`` is what ranks connect to."""
@@ -53,12 +56,24 @@ class Collector:
         while not self._stopping.is_set():
             if not poller.poll(100):
                 continue
+            committed = time.monotonic()
             while True:
                 try:
                     frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 self._handle(frames)
+                if time.monotonic() - committed > _COMMIT_EVERY_S:
+                    self._commit()
+                    committed = time.monotonic()
+            self._commit()
+
+    def _commit(self) -> None:
+        if self.store is not None:
+            try:
+                self.store.commit()
+            except Exception:
+                self.store_errors += 1
 
     def _handle(self, frames: list[bytes]) -> None:
         message = decode(self.key, frames)
@@ -68,18 +83,17 @@ class Collector:
             return
         kind = message.get("k")
         if kind == "points":
-            points = [
-                (
-                    int(step),
-                    float(when),
-                    {k: (math.nan if v is None else float(v)) for k, v in vals.items()},
-                )
-                for step, when, vals in message.get("points", [])
-            ]
+            # Signed by our own ranks, so trusted to be [int, float, {str: float|None}];
+            # only JSON's null (a NaN on the rank) needs turning back into NaN.
+            points = message.get("points", [])
+            for point in points:
+                values = point[2]
+                if None in values.values():
+                    point[2] = {k: (math.nan if v is None else v) for k, v in values.items()}
             self.run.add(rank, points)
             if self.store is not None:
-                try:
-                    self.store.append(self.run.id, rank, points)
+                try:  # stored as it arrived (verified JSON): one row per batch, no re-encoding
+                    self.store.append(self.run.id, rank, frames[1].decode(), len(points))
                 except Exception:  # a full disk must not stop live metrics
                     self.store_errors += 1
         elif kind == "cell":

@@ -75,12 +75,21 @@ class Run:
     # -- writing (collector thread) ----------------------------------------
     def add(self, rank: int, points: Iterable[tuple[int, float, dict[str, float]]]) -> int:
         """Append ``(step, time, scalars)`` points of ``rank``; returns how many."""
-        n = 0
         with self._lock:
             series = self._ranks.setdefault(rank, RankSeries())
-            for step, when, scalars in points:
-                series.add(step, when, scalars)
-                n += 1
+            steps, times, columns = series.steps, series.times, series.values
+            start = len(steps)
+            # The collector's hot path (every point of every rank): kept inline.
+            for index, (step, when, scalars) in enumerate(points, start):
+                steps.append(step)
+                times.append(when)
+                for key, value in scalars.items():
+                    column = columns.get(key)
+                    if column is None:
+                        column = columns[key] = ([], [])
+                    column[0].append(index)
+                    column[1].append(value)
+            n = len(steps) - start
             self.version += 1
             listeners = list(self._listeners)
         for listener in listeners:
