@@ -25,6 +25,7 @@ __all__ = [
     "machine",
     "median",
     "p90",
+    "print_goal_and_cpu",
     "print_summary",
     "ratio",
     "threads_per_rank",
@@ -73,6 +74,20 @@ def machine() -> dict:
         "cuda": torch.cuda.is_available(),
         "load": load(),
     }
+
+
+def print_goal_and_cpu(goal: str, ok: bool, leftovers, cpu: dict) -> None:
+    """The two closing lines every benchmark prints before its JSON summary."""
+    print(
+        f"goal: {goal}: "
+        + ("met" if ok else "MISSED")
+        + (f"; processes left behind: {leftovers}" if leftovers else "")
+    )
+    print(
+        f"cpu during the run: this benchmark {cpu['own_cpu_s']} CPU-s, other processes "
+        f"{cpu.get('other_cpu_s', '?')} CPU-s (avg {cpu.get('other_cores', '?')} cores) "
+        f"over {cpu['wall_s']} s; load average now {load()}"
+    )
 
 
 def print_summary(summary: dict) -> None:

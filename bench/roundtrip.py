@@ -44,6 +44,7 @@ from _common import (  # noqa: E402
     machine,
     median,
     p90,
+    print_goal_and_cpu,
     print_summary,
     private_history,
     ratio,
@@ -163,16 +164,7 @@ def _main(argv=None) -> int:
                 f"{r['ratio']:>5.2f}x"
             )
     ok = all(row[p]["ratio"] <= GOAL for row in rows for p in ("run", "magic"))
-    print(
-        f"goal: session.run and %%on_all_ranks <= {GOAL}x raw execute: "
-        + ("met" if ok else "MISSED")
-        + (f"; processes left behind: {leftovers}" if leftovers else "")
-    )
-    print(
-        f"cpu during the run: this benchmark {cpu['own_cpu_s']} CPU-s, other processes "
-        f"{cpu.get('other_cpu_s', '?')} CPU-s (avg {cpu.get('other_cores', '?')} cores) "
-        f"over {cpu['wall_s']} s; load average now {load()}"
-    )
+    print_goal_and_cpu(f"session.run and %%on_all_ranks <= {GOAL}x raw execute", ok, leftovers, cpu)
     print_summary(
         dict(
             bench="roundtrip",

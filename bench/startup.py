@@ -39,6 +39,7 @@ from _common import (  # noqa: E402
     load,
     machine,
     median,
+    print_goal_and_cpu,
     print_summary,
     private_history,
     ratio,
@@ -293,16 +294,7 @@ def _main(argv=None) -> int:
         )
     fork_rows = [r for r in rows if r["start_method"] == "fork"]
     ok = all(r["ratio_b"] <= GOAL_VS_FORK_FLOOR for r in fork_rows)
-    print(
-        f"goal: nbdist (fork) <= {GOAL_VS_FORK_FLOOR}x floor (b): "
-        + ("met" if ok else "MISSED")
-        + (f"; processes left behind: {leftovers}" if leftovers else "")
-    )
-    print(
-        f"cpu during the run: this benchmark {cpu['own_cpu_s']} CPU-s, other processes "
-        f"{cpu.get('other_cpu_s', '?')} CPU-s (avg {cpu.get('other_cores', '?')} cores) "
-        f"over {cpu['wall_s']} s; load average now {load()}"
-    )
+    print_goal_and_cpu(f"nbdist (fork) <= {GOAL_VS_FORK_FLOOR}x floor (b)", ok, leftovers, cpu)
     print_summary(
         dict(
             bench="startup",

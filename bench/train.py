@@ -49,6 +49,7 @@ from _common import (  # noqa: E402
     load,
     machine,
     median,
+    print_goal_and_cpu,
     print_summary,
     private_history,
     ratio,
@@ -366,17 +367,10 @@ def _main(argv=None) -> int:
             "  (A/A control: the noise floor of this run)"
         )
     print(
-        f"goal: nbdist >= {GOAL}x torchrun steps/s: "
-        + ("met" if r >= GOAL else "MISSED")
-        + f"; final losses {{job: (loss, steps)}} {losses} (all equal: {same_loss}); "
-        + f"threads per rank: {thread_counts}"
-        + (f"; processes left behind: {leftovers}" if leftovers else "")
+        f"final losses {{job: (loss, steps)}} {losses} (all equal: {same_loss}); "
+        f"threads per rank: {thread_counts}"
     )
-    print(
-        f"cpu during the run: this benchmark {cpu['own_cpu_s']} CPU-s, other processes "
-        f"{cpu.get('other_cpu_s', '?')} CPU-s (avg {cpu.get('other_cores', '?')} cores) "
-        f"over {cpu['wall_s']} s; load average now {load()}"
-    )
+    print_goal_and_cpu(f"nbdist >= {GOAL}x torchrun steps/s", r >= GOAL, leftovers, cpu)
     print_summary(
         dict(
             bench="train",
