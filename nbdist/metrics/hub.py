@@ -55,7 +55,9 @@ class MetricsHub:
         }
         if not cells:
             return True
-        return self.collector.wait_for_cells(cells, timeout=_SETTLE_TIMEOUT_S)
+        arrived = self.collector.wait_for_cells(cells, timeout=_SETTLE_TIMEOUT_S)
+        self.collector.commit()  # the cell's points are in the history when it returns
+        return arrived
 
     def cell_watcher(self):
         """A callable for the cell's waiting loop: shows the dashboard once this cell logs.
