@@ -593,3 +593,26 @@ def test_refresh_thread_ends_once_an_ended_run_is_shown_in_full(comm_log):
         assert [row.state for row in dash.rows] == ["idle", "idle"]
     finally:
         dash.close()
+
+
+def test_eight_ranks_by_100k_steps_stay_within_the_point_budget():
+    """What keeps a long run responsive: the browser never holds more than the budget per
+    trace, however long the history, and an update carries only what was added."""
+    now = [T0 + 20_000.0]
+    run = Run(1, world_size=8, started=T0)
+    _fill(run, range(8), range(100_000))
+    dash = LiveDashboard(run, clock=lambda: now[0], budget=2000)
+    dash.poll()
+    snapshot = dash.snapshot()
+    lengths = [len(trace[0]) for panel in snapshot["panels"] for trace in panel["data"]]
+    assert lengths and max(lengths) <= 2000
+    assert len(json.dumps(snapshot, allow_nan=False)) < 2_000_000
+    # Spikes survive decimation: each rank's largest loss (step 0) is still plotted.
+    loss = dash.figure_data()["loss"]
+    for rank in range(8):
+        assert max(loss[f"rank {rank}"][1]) == _loss(rank, 0)
+    _fill(run, range(8), range(100_000, 100_010))
+    delta, _ = dash.poll()
+    added = sum(len(xs) for _, _, xs, _ in delta.get("extend", []))
+    assert 0 < added <= 10 * (8 + 1) * 2  # ten steps: per rank, the mean, two panels
+    dash.close()
