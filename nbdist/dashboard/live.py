@@ -143,6 +143,14 @@ class LiveDashboard(DashboardModel):
 
     def _after_cell(self, result=None) -> None:
         self.refresh_states()
+        handle = getattr(self, "display_handle", None)
+        if handle is not None and self.widget is not None and not self._stop.is_set():
+            # Re-publish the same widget so the saved text/plain (what nbconvert and
+            # other viewers without widgets show) is the summary as of this cell's end.
+            try:
+                handle.update(self.widget)
+            except Exception:
+                _log.exception("nbdist dashboard: could not update the text summary")
 
     def is_live(self) -> bool:
         """Still refreshing (not frozen, closed, or finished with its run)."""
@@ -272,7 +280,7 @@ def show(
     from IPython.display import display
 
     dash = LiveDashboard(run, states=states, budget=budget, max_hz=max_hz)
-    display(dash.start())
+    dash.display_handle = display(dash.start(), display_id=True)
     dash.watch_cells(shell)
     return dash
 
