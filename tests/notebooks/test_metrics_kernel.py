@@ -67,7 +67,6 @@ def test_dashboard_appears_under_the_logging_cell_and_history_survives_restart(k
 
 def test_a_notebook_without_widgets_shows_the_final_summary(tmp_path):
     """nbconvert-style viewers read text/plain: it is the summary as of the cell's end."""
-    import nbformat
     from nbclient import NotebookClient
     from nbformat.v4 import new_code_cell, new_notebook
 
@@ -75,12 +74,23 @@ def test_a_notebook_without_widgets_shows_the_final_summary(tmp_path):
         cells=[
             new_code_cell("%load_ext nbdist\n%dist_start 2"),
             # Slow enough that the dashboard is shown (first points) long before the end.
-            new_code_cell(LOG_CELL.replace("for i in range(200):", "import time\nfor i in range(200):\n    time.sleep(0.01)")),
+            new_code_cell(
+                LOG_CELL.replace(
+                    "for i in range(200):",
+                    "import time\nfor i in range(200):\n    time.sleep(0.01)",
+                )
+            ),
             new_code_cell("%dist_stop"),
         ]
     )
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     [widget] = [o for o in nb.cells[1].outputs if WIDGET in o.get("data", {})]
     text = widget["data"]["text/plain"]
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]
