@@ -137,21 +137,20 @@ class Run:
         ``start`` lets a reader that already has the first points fetch only new
         ones (a live dashboard would otherwise copy the whole series each update).
         """
-        with self._lock:
-            series = self._ranks.get(rank)
-            if series is None or key not in series.values:
-                return [], []
-            idx, vals = series.values[key]
-            return [series.steps[i] for i in idx[start:]], vals[start:]
+        return self._column(key, rank, start, by_time=False)
 
     def timeline(self, key: str, rank: int, start: int = 0) -> tuple[list[float], list[float]]:
         """(times, values) of ``key`` on ``rank``, from that key's ``start``-th point."""
+        return self._column(key, rank, start, by_time=True)
+
+    def _column(self, key: str, rank: int, start: int, *, by_time: bool) -> tuple[list, list]:
         with self._lock:
             series = self._ranks.get(rank)
             if series is None or key not in series.values:
                 return [], []
             idx, vals = series.values[key]
-            return [series.times[i] for i in idx[start:]], vals[start:]
+            axis = series.times if by_time else series.steps
+            return [axis[i] for i in idx[start:]], vals[start:]
 
     def last(self, rank: int) -> dict[str, float]:
         """The rank's latest ``step``, ``time`` and latest value of every key."""
