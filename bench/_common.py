@@ -28,6 +28,7 @@ __all__ = [
     "print_goal_and_cpu",
     "print_summary",
     "ratio",
+    "run_benchmark",
     "threads_per_rank",
 ]
 
@@ -186,3 +187,10 @@ def private_history():
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_benchmark(main_fn) -> None:
+    """Run a benchmark's main with a private run history, then exit with its status."""
+    with private_history():
+        code = main_fn()
+    sys.exit(code or 0)

@@ -46,8 +46,8 @@ from _common import (  # noqa: E402
     p90,
     print_goal_and_cpu,
     print_summary,
-    private_history,
     ratio,
+    run_benchmark,
 )
 
 GOAL = 1.2
@@ -182,10 +182,5 @@ def _main(argv=None) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    with private_history():
-        return _main(argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    run_benchmark(_main)

@@ -51,8 +51,8 @@ from _common import (  # noqa: E402
     median,
     print_goal_and_cpu,
     print_summary,
-    private_history,
     ratio,
+    run_benchmark,
     threads_per_rank,
 )
 
@@ -401,10 +401,5 @@ def _main(argv=None) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    with private_history():
-        return _main(argv)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    run_benchmark(_main)
