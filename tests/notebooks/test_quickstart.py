@@ -66,8 +66,7 @@ def test_quickstart_runs(tmp_path):
     assert any(line.startswith("[rank 0] identical on all 2 ranks") for line in lines)
     assert any(line.startswith("rank  engine  host  pid") for line in lines)  # %dist_status
     assert lines[-1] == "nbdist: stopped 2 ranks"
-    # Generous bound on a shared 2-core machine; it takes ~15 s alone.
-    assert seconds < 200, f"the quick start took {seconds:.0f} s"
+    print(f"quick start executed in {seconds:.1f} s")  # shown with -s; timings belong in bench/
 
 
 def test_failing_rank_fails_the_notebook(tmp_path):
