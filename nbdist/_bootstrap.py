@@ -118,6 +118,12 @@ def init_rank(spec: dict) -> dict:
         ifname = _loopback_ifname()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
         os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
+    else:
+        # Several hosts: the interface holding this rank's address towards rank 0
+        # (the backends' own guess can pick an unreachable one); the user's wins.
+        from .netif import choose_socket_ifname
+
+        choose_socket_ifname(spec["master_addr"])
     gpu = spec.get("gpu")
     if gpu is not None:
         mask = narrow_cuda_mask(os.environ.get("CUDA_VISIBLE_DEVICES"), gpu)

@@ -72,6 +72,20 @@ class Placement:
     slots: tuple[RankSlot, ...]
     backend: str
     threads: dict[str, int]  # torch threads per rank, by host
+    # Rank 0's address as the other hosts reach it (MASTER_ADDR); loopback on one machine.
+    master_addr: str = "127.0.0.1"
+
+    @property
+    def hosts(self) -> list[str]:
+        """Hosts in rank order, each once."""
+        return list(dict.fromkeys(s.host for s in self.slots))
+
+    def gpus_per_host(self) -> dict[str, list[int | None]]:
+        """The devices given out on each host, in local-rank order."""
+        out: dict[str, list[int | None]] = {}
+        for slot in self.slots:
+            out.setdefault(slot.host, []).append(slot.gpu)
+        return out
 
     @property
     def world_size(self) -> int:
@@ -269,18 +283,33 @@ def plan_attached(
 
     Ranks are numbered host by host (hosts in order of their lowest engine id,
     engines within a host by id), whatever order they registered in, so that
-    LOCAL_RANK is contiguous per host. Returns the placement and engine id -> slot.
+    LOCAL_RANK is contiguous per host and LOCAL_WORLD_SIZE is the host's
+    engine count. A host is a (hostname, address) pair: two machines (or
+    network namespaces, or containers) may share a hostname, and they are
+    then labelled ``name@address``. GPUs are handed out per host, by local
+    rank; MASTER_ADDR is rank 0's host address. Returns the placement and
+    engine id -> slot.
+
+    Example::
+
+        >>> engines = [EngineInfo(0, "a", "10.0.0.1", 0), EngineInfo(1, "b", "10.0.0.2", 0),
+        ...            EngineInfo(2, "a", "10.0.0.1", 0)]
+        >>> p, by_engine = plan_attached(engines, cores={"a": 4, "b": 4})
+        >>> [(s.host, s.local_rank) for s in p.slots], p.master_addr
+        ([('a', 0), ('a', 1), ('b', 0)], '10.0.0.1')
     """
     _check_threads(threads)
     if not engines:
         raise PlacementError("the cluster has no engines: start engines first, then attach")
-    by_host: dict[str, list[EngineInfo]] = {}
+    by_host: dict[tuple[str, str], list[EngineInfo]] = {}
     for info in sorted(engines, key=lambda e: e.engine_id):
-        by_host.setdefault(info.host, []).append(info)
+        by_host.setdefault((info.host, info.address), []).append(info)
+    labels = _host_labels(list(by_host))
     use_gpus = not cpu and all(e.gpus > 0 for e in engines)
     slots: list[RankSlot] = []
     by_engine: dict[int, RankSlot] = {}
-    for host, infos in by_host.items():
+    for key, infos in by_host.items():
+        host = labels[key]
         if use_gpus and len(infos) > infos[0].gpus and os.environ.get(_SHARED_GPU_ENV) != "1":
             raise PlacementError(
                 f"host {host} has {len(infos)} engines but {infos[0].gpus} GPU(s): "
@@ -292,11 +321,24 @@ def plan_attached(
             slots.append(slot)
             by_engine[info.engine_id] = slot
     chosen = choose_backend(backend, uses_gpus=use_gpus)
+    # Cores are reported per hostname; hosts sharing a name report the same machine's count.
     per_host = {
-        host: threads or default_threads(cores.get(host, 1), len(infos))
-        for host, infos in by_host.items()
+        labels[key]: threads or default_threads(cores.get(key[0], 1), len(infos))
+        for key, infos in by_host.items()
     }
-    return Placement(slots=tuple(slots), backend=chosen, threads=per_host), by_engine
+    master_addr = next(iter(by_host))[1]
+    placement = Placement(
+        slots=tuple(slots), backend=chosen, threads=per_host, master_addr=master_addr
+    )
+    return placement, by_engine
+
+
+def _host_labels(keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """'name' per host, or 'name@address' where several hosts share a name."""
+    names: dict[str, int] = {}
+    for name, _ in keys:
+        names[name] = names.get(name, 0) + 1
+    return {(name, addr): name if names[name] == 1 else f"{name}@{addr}" for name, addr in keys}
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:

@@ -171,7 +171,10 @@ class DistSession:
                     else len(handle.client.ids),
                     backend=self.placement.backend if self.placement else "",
                     history=self.history,
-                    ip="127.0.0.1" if handle.owned else _metrics_ip(handle.client),
+                    # Beyond loopback only where the ranks are: --ip, or an attached cluster.
+                    ip="127.0.0.1"
+                    if handle.owned and opts["ip"].startswith("127.")
+                    else _metrics_ip(handle.client),
                 )
                 self._metrics.states = self._rank_states
             self._form_group()
@@ -233,7 +236,8 @@ class DistSession:
                     slot.local_rank,
                     eid,
                     infos[eid]["pid"],
-                    infos[eid]["host"],
+                    # plan_local says "localhost"; attached hosts keep their placement label
+                    infos[eid]["host"] if slot.host == "localhost" else slot.host,
                     result["device"],
                 )
             )
