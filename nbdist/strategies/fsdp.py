@@ -1,0 +1,111 @@
+"""Fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``).
+
+Like DDP, every rank trains on its own batch; unlike DDP, each rank stores
+only ``1/world_size`` of every parameter, gradient and optimizer state. A
+block's full weights are all-gathered just before its forward (and backward)
+and freed right after; gradients are reduce-scattered. Use it when the model
+plus Adam's state does not fit one device; pass ``offload=True`` on GPUs to
+keep the shards in CPU memory between uses (slower, much less GPU memory).
+
+Example (on every rank)::
+
+    from nbdist.strategies.fsdp import apply_fsdp, param_bytes
+    model = apply_fsdp(Net().to(device), blocks=Block)    # each Block, then the root
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)   # create it after sharding
+    ...  # the usual loop
+    local, full = param_bytes(model)                      # local ~ full / world_size
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["apply_fsdp", "full_state_dict", "param_bytes"]
+
+
+def _blocks(model: nn.Module, blocks) -> list[nn.Module]:
+    if blocks is None:
+        return []
+    if isinstance(blocks, type) or (
+        isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)
+    ):
+        return [m for m in model.modules() if isinstance(m, blocks) and m is not model]
+    if isinstance(blocks, nn.Module):
+        return [blocks]
+    found = list(blocks) if isinstance(blocks, Iterable) else None
+    if found is None or not all(isinstance(b, nn.Module) for b in found):
+        raise TypeError(
+            f"blocks must be a module class (blocks=Block), a tuple of classes, or a list of "
+            f"submodules; got {blocks!r}"
+        )
+    return found
+
+
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    blocks=None,
+    mesh=None,
+    offload: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` with ``fully_shard``: each of ``blocks`` first, then the whole model.
+
+    ``blocks`` (a class such as ``Block``, or a list of submodules) sets the
+    unit of all-gather: one block's full weights live at a time. ``mesh``
+    defaults to all ranks on this rank's device. ``offload=True`` keeps shards
+    on the CPU (``CPUOffloadPolicy``; GPU ranks only). ``param_dtype`` /
+    ``reduce_dtype`` (e.g. ``torch.bfloat16`` / ``torch.float32``) set mixed
+    precision. Returns ``model`` (now an ``FSDPModule``), changed in place;
+    build the optimizer afterwards.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from ..rank import device
+    from .tensor_parallel import device_mesh
+
+    if offload and device().type == "cpu":
+        # torch says only "Cannot access accelerator device when none is available".
+        raise ValueError(
+            "apply_fsdp(offload=True) needs GPU ranks: CPU offload moves the shards from GPU "
+            "memory to CPU memory, and on CPU ranks they already are in CPU memory. "
+            "Use offload=False here."
+        )
+    if mesh is None:
+        mesh = device_mesh()
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if param_dtype is not None or reduce_dtype is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype
+        )
+    # Inner blocks first: the root then only owns what no block took (embeddings, head).
+    for block in _blocks(model, blocks):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def param_bytes(model: nn.Module) -> tuple[int, int]:
+    """``(local, full)``: parameter bytes this rank stores, and of the unsharded model."""
+    local = full = 0
+    for p in model.parameters():
+        shard = p.to_local() if hasattr(p, "to_local") else p
+        local += shard.numel() * shard.element_size()
+        full += p.numel() * p.element_size()  # a DTensor's numel is the global one
+    return local, full
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer, unsharded, on the CPU (a collective: call it on all ranks)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        out[name] = full.detach().cpu()
+    return out

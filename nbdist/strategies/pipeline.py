@@ -1,0 +1,149 @@
+"""Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches flowing through.
+
+Rank 0 holds the first layers (stage 0), rank 1 the next ones, and so on;
+only activations (forward) and their gradients (backward) cross between
+ranks. A batch is cut into ``n_microbatches`` so that stage 1 can work on
+micro-batch 1 while stage 0 starts micro-batch 2. Stages still idle at the
+start and the end of each step (the *bubble*): with ``p`` stages and ``m``
+micro-batches the idle share is ``(p - 1) / (m + p - 1)``. GPipe runs every
+forward, then every backward (activations of all ``m`` micro-batches live at
+once); 1F1B alternates one forward and one backward after a warm-up, so at
+most ``p`` micro-batches' activations are alive, for the same bubble. Use it
+when the model does not fit one device and links between devices are slow
+(only activations travel, once per layer boundary).
+
+Example (on every rank; ``model`` is an ``nn.Sequential``)::
+
+    from nbdist.strategies.pipeline import pipeline_schedule
+    stage, schedule = pipeline_schedule(model, n_microbatches=8, loss_fn=F.mse_loss)
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+    losses = []
+    if stage.is_first:
+        schedule.step(x)                          # feeds the micro-batches in
+    else:
+        schedule.step(target=y, losses=losses)    # last stage: one loss per micro-batch
+    opt.step()
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch import nn
+
+__all__ = ["SCHEDULES", "bubble_fraction", "pipeline_schedule", "split_sequential", "time_stage"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def split_sequential(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
+    """Cut ``model`` into ``n_stages`` consecutive parts with about equal parameter counts.
+
+    Layers are not copied: the parts share them with ``model``.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"split_sequential needs an nn.Sequential (layers in execution order), got "
+            f"{type(model).__name__}; write the model as nn.Sequential(...) or split it by hand"
+        )
+    layers = list(model)
+    if not 1 <= n_stages <= len(layers):
+        raise ValueError(
+            f"cannot split {len(layers)} layers into {n_stages} stages: use 1..{len(layers)} stages"
+        )
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    total = sum(sizes) or 1
+    parts: list[list[nn.Module]] = []
+    i, seen = 0, 0
+    for stage in range(n_stages):
+        part: list[nn.Module] = []
+        later = n_stages - stage - 1
+        # Leave at least one layer for each later stage; the last stage takes the rest.
+        while i < len(layers) - later:
+            part.append(layers[i])
+            seen += sizes[i]
+            i += 1
+            if later and seen >= total * (stage + 1) / n_stages:
+                break
+        parts.append(part)
+    return [nn.Sequential(*p) for p in parts]
+
+
+def pipeline_schedule(
+    model: nn.Sequential,
+    *,
+    n_microbatches: int,
+    loss_fn,
+    schedule: str = "1f1b",
+    device=None,
+):
+    """This rank's ``PipelineStage`` (its part of ``model``) and the schedule that runs it.
+
+    ``model`` is split over all ranks (:func:`split_sequential`); this rank
+    keeps part ``rank`` and moves it to ``device`` (default: this rank's).
+    ``schedule`` is ``"gpipe"`` or ``"1f1b"``. Gradients are those of the mean
+    of the micro-batch losses (= the full-batch loss for a mean loss).
+    """
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from ..rank import device as rank_device
+
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if n_microbatches < 1:
+        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "pipeline_schedule needs a torch.distributed process group: call it on the ranks "
+            "(in a %%on_all_ranks cell after %dist_start)"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if schedule == "1f1b" and n_microbatches < world:
+        raise ValueError(
+            f"1F1B needs at least as many micro-batches as stages: n_microbatches={n_microbatches} "
+            f"< {world} stages; use n_microbatches >= {world}"
+        )
+    device = torch.device(device) if device is not None else rank_device()
+    part = split_sequential(model, world)[rank].to(device)
+    stage = PipelineStage(part, rank, world, device)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return stage, cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+
+
+def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
+    """The idle share of a GPipe/1F1B step with equal stages: ``(p - 1) / (m + p - 1)``."""
+    return (n_stages - 1) / (n_microbatches + n_stages - 1)
+
+
+def time_stage(
+    module: nn.Module, example: torch.Tensor, *, repeats: int = 5
+) -> tuple[float, float]:
+    """Median seconds of one forward and one backward of ``module`` on ``example``, alone.
+
+    No communication is involved: this is the compute a stage must do per
+    micro-batch, the yardstick for the bubble in a measured pipeline step.
+    """
+    fwd, bwd = [], []
+    for _ in range(repeats + 1):  # the first run warms up allocators and kernels
+        x = example.detach().requires_grad_(example.is_floating_point())
+        _sync(x.device)
+        t0 = time.perf_counter()
+        out = module(x)
+        _sync(x.device)
+        t1 = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        _sync(x.device)
+        t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    module.zero_grad(set_to_none=True)
+    return statistics.median(fwd[1:]), statistics.median(bwd[1:])
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA kernels run asynchronously: without a sync the clock measures the launch only.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,109 @@
+"""Tensor parallelism (Megatron-style) with DTensor: split each layer's weights over the ranks.
+
+An MLP ``down(act(up(x)))`` is cut so that no rank ever holds a full weight:
+``up`` is split by output features (column-parallel: each rank computes a
+slice of the hidden activations), ``down`` by input features (row-parallel:
+each rank multiplies its slice and one all-reduce sums the partial outputs).
+One all-reduce per MLP in the forward pass, one in the backward. Use it when a
+single layer is too big for one device, inside a node with fast links.
+
+Example (on every rank)::
+
+    from nbdist.strategies.tensor_parallel import apply_tp, device_mesh
+    mesh = device_mesh()                                  # 1-D mesh over all ranks
+    mlp = apply_tp(MLP().to(device), mesh, colwise=["up"], rowwise=["down"])
+    out = mlp(x)                                          # same x on every rank, same out
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["apply_tp", "device_mesh", "local_param_bytes"]
+
+
+def device_mesh(shape: tuple[int, ...] | int | None = None, names: tuple[str, ...] | None = None):
+    """A ``DeviceMesh`` over the ranks on this rank's device type (``cuda`` or ``cpu``).
+
+    ``shape`` defaults to ``(world_size,)``; e.g. ``device_mesh((2, 4), ("dp", "tp"))``
+    on 8 ranks. The product of ``shape`` must equal the world size.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..rank import device
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "device_mesh needs a torch.distributed process group: call it on the ranks "
+            "(in a %%on_all_ranks cell after %dist_start)"
+        )
+    world = dist.get_world_size()
+    if shape is None:
+        shape = (world,)
+    elif isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    product = 1
+    for s in shape:
+        product *= s
+    if product != world:
+        dims = " * ".join(str(s) for s in shape)
+        raise ValueError(
+            f"mesh shape {dims} = {product} != world size {world}: choose a shape whose "
+            f"product is {world}"
+        )
+    if names is not None and len(names) != len(shape):
+        raise ValueError(f"mesh names {names!r} must have one name per dimension of {shape}")
+    return init_device_mesh(device().type, shape, mesh_dim_names=names)
+
+
+def apply_tp(
+    model: nn.Module,
+    mesh,
+    *,
+    colwise: Iterable[str] = (),
+    rowwise: Iterable[str] = (),
+) -> nn.Module:
+    """Shard ``model``'s ``nn.Linear`` submodules named in ``colwise``/``rowwise`` over ``mesh``.
+
+    Names are those of ``model.named_modules()`` (``"up"``, ``"blocks.0.fc1"``).
+    Pair them as Megatron does: a column-parallel layer followed by a
+    row-parallel one, with only element-wise work in between. Inputs and
+    outputs of the model stay ordinary (replicated) tensors. Returns ``model``,
+    changed in place.
+    """
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    colwise, rowwise = list(colwise), list(rowwise)
+    if not colwise and not rowwise:
+        raise ValueError("apply_tp: name at least one layer, e.g. colwise=['up'], rowwise=['down']")
+    modules = dict(model.named_modules())
+    for name in colwise + rowwise:
+        if name not in modules:
+            raise ValueError(
+                f"apply_tp: no submodule named {name!r}; the model has "
+                f"{sorted(n for n in modules if n)[:20]}"
+            )
+        if not isinstance(modules[name], nn.Linear):
+            raise TypeError(
+                f"apply_tp: {name!r} is a {type(modules[name]).__name__}, not nn.Linear"
+            )
+    plan = {name: ColwiseParallel() for name in colwise}
+    plan.update({name: RowwiseParallel() for name in rowwise})
+    return parallelize_module(model, mesh, plan)
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank really stores (the local shard of each DTensor)."""
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total
