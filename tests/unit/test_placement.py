@@ -431,3 +431,55 @@ def test_parse_gpu_list_rejects_duplicates():
 )
 def test_gpus_from_mask(mask, count, already_masked, expected):
     assert gpus_from_mask(mask, count, already_masked=already_masked) == expected
+
+
+# --------------------------------------------------------------------------- several hosts
+
+
+def test_hosts_sharing_a_hostname_are_told_apart_by_address():
+    # Containers or network namespaces often share a hostname: the address separates them.
+    engines = [
+        EngineInfo(0, "node", "10.0.0.2", 0),
+        EngineInfo(1, "node", "10.0.0.3", 0),
+        EngineInfo(2, "node", "10.0.0.2", 0),
+        EngineInfo(3, "node", "10.0.0.3", 0),
+    ]
+    placement, by_engine = plan_attached(engines, cores={"node": 4})
+    assert placement.hosts == ["node@10.0.0.2", "node@10.0.0.3"]
+    assert [(by_engine[e].rank, by_engine[e].local_rank) for e in range(4)] == [
+        (0, 0),
+        (2, 0),
+        (1, 1),
+        (3, 1),
+    ]
+    assert {s.local_world_size for s in placement.slots} == {2}
+    # Cores come per hostname; each host splits them among its own ranks.
+    assert placement.threads == {"node@10.0.0.2": 2, "node@10.0.0.3": 2}
+
+
+def test_master_addr_is_rank_zeros_host_address():
+    engines = [EngineInfo(4, "b", "10.0.0.9", 0), EngineInfo(7, "a", "10.0.0.5", 0)]
+    placement, by_engine = plan_attached(engines, cores={})
+    assert by_engine[4].rank == 0
+    assert placement.master_addr == "10.0.0.9"
+    # Distinct hostnames keep their plain names.
+    assert placement.hosts == ["b", "a"]
+
+
+def test_local_placement_rendezvous_stays_on_loopback():
+    assert plan_local(2, gpus_visible=[], cores=2).master_addr == "127.0.0.1"
+
+
+def test_gpus_are_assigned_per_host_by_local_rank():
+    engines = _engines((0, "A"), (1, "B"), (2, "A"), (3, "B"), (4, "A"), gpus=4)
+    placement, _ = plan_attached(engines, cores={})
+    assert placement.gpus_per_host() == {"A": [0, 1, 2], "B": [0, 1]}
+    assert [s.local_world_size for s in placement.slots] == [3, 3, 3, 2, 2]
+
+
+def test_one_host_without_gpus_puts_every_host_on_cpu():
+    # Mixed GPU and CPU hosts cannot share NCCL: everything falls back to gloo on CPU.
+    engines = [EngineInfo(0, "gpu", "10.0.0.1", 2), EngineInfo(1, "cpu", "10.0.0.2", 0)]
+    placement, _ = plan_attached(engines, cores={})
+    assert placement.backend == "gloo"
+    assert placement.gpus_per_host() == {"gpu": [None], "cpu": [None]}
