@@ -80,7 +80,9 @@ class AllReduceCounter:
         self.bytes = 0
 
     @staticmethod
-    def _hook(state: AllReduceCounter, bucket) -> torch.futures.Future:
+    # No annotations: DDP checks a hook's return annotation, which `from __future__ import
+    # annotations` would turn into a string.
+    def _hook(state, bucket):
         buffer = bucket.buffer()
         state.calls += 1
         state.bytes += buffer.numel() * buffer.element_size()

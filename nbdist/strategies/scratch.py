@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as _c10d
 
 __all__ = [
     "all_reduce_via_rank0",
@@ -134,10 +135,11 @@ def ring_all_reduce(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
 
     def exchange(send_chunk: torch.Tensor) -> None:
         # Post both sides at once: a blocking send before the matching recv could deadlock.
+        # P2POp accepts only c10d's own isend/irecv, not wrappers installed on `dist`.
         reqs = dist.batch_isend_irecv(
             [
-                dist.P2POp(dist.isend, send_chunk, right, group),
-                dist.P2POp(dist.irecv, incoming, left, group),
+                dist.P2POp(_c10d.isend, send_chunk, right, group),
+                dist.P2POp(_c10d.irecv, incoming, left, group),
             ]
         )
         for req in reqs:
