@@ -19,6 +19,7 @@ are imported only when used.
 
 from __future__ import annotations
 
+from . import checkpoint
 from .errors import ClusterNotRunning, NbdistError, PlacementError, RankError
 from .metrics.log import log
 from .metrics.store import runs
@@ -32,6 +33,7 @@ __all__ = [
     "NbdistError",
     "PlacementError",
     "RankError",
+    "checkpoint",
     "current_session",
     "device",
     "load_ipython_extension",

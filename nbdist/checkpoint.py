@@ -1,0 +1,302 @@
+"""Sharded checkpoints of a model and its optimizer, on ``torch.distributed.checkpoint``.
+
+Every rank calls :func:`save` (and :func:`load`) together, like a collective:
+each rank writes only its own shards (an FSDP2 ``fully_shard`` model's DTensor
+shards; a DDP model's replicated weights once, not once per rank), so a
+checkpoint costs each rank its share of the bytes. The state dicts come from
+``torch.distributed.checkpoint.state_dict.get_state_dict``, which unwraps DDP
+(no ``module.`` prefix) and keys optimizer state by parameter name: a
+checkpoint saved under DDP loads into FSDP2, into another world size, or into
+a plain model in one process (no process group), e.g. for evaluation.
+
+Layout of a checkpoint directory::
+
+    step_20/
+      __0_0.distcp  __1_0.distcp ...   tensors, one file per writing rank
+      .metadata                         torch.distributed.checkpoint's index
+      nbdist.json                       {"step": 20, "extra": {...}} written last
+
+``nbdist.json`` is written by rank 0 only after every rank finished writing,
+so a save interrupted by a dead rank leaves a directory without it, which
+:func:`load` refuses and :func:`latest` skips. Plain ``extra`` values
+(numbers, strings, lists, dicts) go to that JSON file; objects with
+``state_dict()`` (an LR scheduler, a GradScaler) and tensors go with the shards.
+
+Example (in ``%%on_all_ranks`` cells)::
+
+    ckpt = nbdist.checkpoint
+    for step in range(start, 100):
+        loss = train_step()
+        nbdist.log(step=step, loss=loss)
+        if step % 10 == 9:
+            ckpt.save(f"ckpt/step_{step + 1}", model=model, optimizer=opt, step=step + 1)
+
+    # after %dist_restart: rebuild model and optimizer, then
+    info = ckpt.load(ckpt.latest("ckpt"), model=model, optimizer=opt)
+    start = info["step"]
+
+Checkpoints hold pickled metadata (torch's format): load only checkpoints you
+or your job wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+__all__ = ["CheckpointError", "latest", "load", "save"]
+
+_INFO = "nbdist.json"
+_STEP_DIR = re.compile(r"(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read as asked; the message says why and the fix."""
+
+
+def _path(path) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise CheckpointError(
+            f"checkpoint path {path!r}: give a directory path, e.g. 'ckpt/step_100'"
+        )
+    return os.path.abspath(os.fspath(path))
+
+
+def _grouped() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _dist():
+    """(rank, world_size, barrier) of the default group, or of one process without one."""
+    import torch.distributed as dist
+
+    if _grouped():
+        return dist.get_rank(), dist.get_world_size(), dist.barrier
+    return 0, 1, lambda: None
+
+
+def _dcp(fn, state: dict, path: str) -> None:
+    """``dcp.save``/``dcp.load``; without a process group, one process, said quietly."""
+    import warnings
+
+    with warnings.catch_warnings():
+        if not _grouped():
+            # Loading a checkpoint in one process (evaluation, the kernel) is intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        fn(state, checkpoint_id=path)
+
+
+def _stateful(value) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def _split_extra(extra: dict) -> tuple[dict, dict, dict]:
+    """(JSON values, stateful objects, tensors) of the extra keyword arguments."""
+    import torch
+
+    plain, stateful, tensors = {}, {}, {}
+    for name, value in extra.items():
+        if _stateful(value):
+            stateful[name] = value
+        elif isinstance(value, torch.Tensor):
+            tensors[name] = value
+        else:
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                raise CheckpointError(
+                    f"extra value {name}={type(value).__name__}: give a number, string, list or "
+                    "dict, a tensor, or an object with state_dict()/load_state_dict()"
+                ) from None
+            plain[name] = value
+    return plain, stateful, tensors
+
+
+def _model_state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if model is None:
+        if optimizer is not None:
+            raise CheckpointError(
+                "optimizer= needs model= too: optimizer state is keyed by the model's "
+                "parameter names"
+            )
+        return {}
+    # get_state_dict creates the optimizer's lazy state (e.g. Adam's moments) when it
+    # has not stepped yet, so a fresh optimizer has the keys a saved one has.
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optim_sd
+    return state
+
+
+def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) -> str:
+    """Write a sharded checkpoint to the directory ``path``; every rank must call it.
+
+    ``model`` (plain, DDP or FSDP2), ``optimizer``, ``step`` and any ``extra``
+    keyword values (JSON-able values, tensors, objects with ``state_dict()``).
+    Returns the absolute path. Example::
+
+        nbdist.checkpoint.save(f"ckpt/step_{step}", model=model, optimizer=opt, step=step,
+                               scheduler=sched, best_loss=0.31)
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = _path(path)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise CheckpointError(f"step={step!r}: give a whole number >= 0, or leave it out")
+    plain, stateful, tensors = _split_extra(extra)
+    state = _model_state(model, optimizer)
+    if not state and not stateful and not tensors and step is None and not plain:
+        raise CheckpointError("nothing to save: pass model=, optimizer=, step= or extra values")
+    state.update({f"extra.{name}": obj.state_dict() for name, obj in stateful.items()})
+    if tensors:
+        state["tensors"] = tensors
+    rank, world_size, barrier = _dist()
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        # Overwriting: the old marker goes first, so a save cut short is never
+        # mistaken for a complete one.
+        try:
+            os.remove(os.path.join(path, _INFO))
+        except FileNotFoundError:
+            pass
+    barrier()
+    _dcp(dcp.save, state, path)
+    if rank == 0:
+        info = {
+            "step": step,
+            "extra": plain,
+            "stateful": sorted(stateful),
+            "tensors": sorted(tensors),
+            "model": model is not None,
+            "optimizer": optimizer is not None,
+            "world_size": world_size,
+        }
+        tmp = os.path.join(path, f".{_INFO}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, os.path.join(path, _INFO))
+    # Nobody returns before the checkpoint is complete: a rank killed right after
+    # save() must not leave the others believing in a checkpoint without marker.
+    barrier()
+    return path
+
+
+def _read_info(path: str) -> dict:
+    info_file = os.path.join(path, _INFO)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist: check the path, or save first")
+    if not os.path.exists(info_file):
+        raise CheckpointError(
+            f"checkpoint {path!r} is incomplete (no {_INFO}: its save did not finish, e.g. a rank "
+            "died): load an earlier one, e.g. nbdist.checkpoint.latest(<its parent directory>)"
+        )
+    with open(info_file) as f:
+        return json.load(f)
+
+
+def load(path, *, model=None, optimizer=None, **extra) -> dict:
+    """Read the checkpoint at ``path`` into ``model``/``optimizer``/``extra`` objects; every rank calls it.
+
+    Restores in place (the model and optimizer must be built, and wrapped in
+    DDP/FSDP2, as for training). Returns ``{"step": ..., **plain extra values}``.
+    Tensors saved as extra values are in the result too. Example::
+
+        info = nbdist.checkpoint.load("ckpt/step_20", model=model, optimizer=opt, scheduler=sched)
+        start = info["step"]
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = _path(path)
+    info = _read_info(path)
+    if optimizer is not None and not info.get("optimizer"):
+        raise CheckpointError(
+            f"checkpoint {path!r} has no optimizer state: load without optimizer=, "
+            "or save with optimizer= next time"
+        )
+    if model is not None and not info.get("model"):
+        raise CheckpointError(f"checkpoint {path!r} has no model state: load without model=")
+    missing = [name for name in extra if name not in info.get("stateful", [])]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path!r} has no state for {missing[0]!r} (it has: "
+            f"{', '.join(info.get('stateful', [])) or 'none'}): save it with "
+            f"{missing[0]}=... or leave it out here"
+        )
+    bad = [name for name, obj in extra.items() if not _stateful(obj)]
+    if bad:
+        raise CheckpointError(
+            f"{bad[0]}= must be an object with state_dict()/load_state_dict() to load into"
+        )
+    state = _model_state(model, optimizer)
+    state.update({f"extra.{name}": obj.state_dict() for name, obj in extra.items()})
+    saved_tensors = info.get("tensors", [])
+    if saved_tensors:
+        state["tensors"] = _tensor_templates(path, saved_tensors)
+    if state:
+        _dcp(dcp.load, state, path)
+    if model is not None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            model,
+            optimizer if optimizer is not None else [],
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optimizer", {}),
+        )
+    for name, obj in extra.items():
+        obj.load_state_dict(state[f"extra.{name}"])
+    result = {"step": info.get("step"), **info.get("extra", {})}
+    result.update(state.get("tensors", {}))
+    return result
+
+
+def _tensor_templates(path: str, names: list[str]) -> dict:
+    """Empty tensors shaped as the saved ones, for dcp.load to fill."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    out = {}
+    for name in names:
+        meta = metadata[f"tensors.{name}"]
+        out[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    return out
+
+
+def latest(directory) -> str | None:
+    """The newest complete checkpoint under ``directory`` (highest step), or None.
+
+    Looks at the subdirectories that have a finished ``nbdist.json``; a
+    checkpoint whose save was cut short is skipped. Example::
+
+        path = nbdist.checkpoint.latest("ckpt")   # e.g. '/home/me/ckpt/step_20'
+    """
+    directory = _path(directory)
+    if not os.path.isdir(directory):
+        return None
+    best: tuple[int, float, str] | None = None
+    for name in os.listdir(directory):
+        candidate = os.path.join(directory, name)
+        info_file = os.path.join(candidate, _INFO)
+        if not os.path.isfile(info_file):
+            continue
+        try:
+            with open(info_file) as f:
+                step = json.load(f).get("step")
+        except (OSError, ValueError):
+            continue
+        if not isinstance(step, int):
+            match = _STEP_DIR.search(name)
+            step = int(match.group(1)) if match else -1
+        key = (step, os.path.getmtime(info_file), candidate)
+        if best is None or key > best:
+            best = key
+    return best[2] if best else None

@@ -1,0 +1,1 @@
+"""Faults, restarts, bad input and security: nbdist keeps working and loses nothing."""
