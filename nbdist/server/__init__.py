@@ -1,4 +1,7 @@
-"""nbdist's jupyter_server extension: serves plotly.js to the dashboard widget.
+"""nbdist's jupyter_server extension: plotly.js for the dashboard widget, REST for the sidebar.
+
+The JupyterLab sidebar's REST API (clusters, rank states, live metrics,
+interrupt/restart/stop, past runs) is in :mod:`nbdist.server.handlers`.
 
 ``GET {base_url}nbdist/static/plotly.min.js`` (logged-in users only) returns the
 ``plotly.min.js`` of the installed plotly package, cached by the browser for a
@@ -39,11 +42,17 @@ def plotly_js_dir() -> str | None:
 def _load_jupyter_server_extension(serverapp) -> None:
     from jupyter_server.utils import url_path_join
 
+    from .handlers import handlers
+    from .live import LiveView
+
+    web_app = serverapp.web_app
+    # One view per server: it remembers how far it read each run's history.
+    web_app.settings["nbdist_live_view"] = LiveView()
+    web_app.add_handlers(".*$", handlers(web_app.settings["base_url"]))
     folder = plotly_js_dir()
     if folder is None:
         serverapp.log.warning("nbdist: plotly is not installed; dashboards will show tables only")
         return
-    web_app = serverapp.web_app
     route = url_path_join(web_app.settings["base_url"], STATIC_ROUTE)
     web_app.add_handlers(".*$", [(route, _handler_class(), {"path": folder})])
     serverapp.log.info("nbdist: serving plotly.js at %s", route)

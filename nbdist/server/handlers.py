@@ -1,0 +1,234 @@
+"""REST handlers of nbdist's Jupyter server extension (every one requires a logged-in user).
+
+Routes, under the server's base URL::
+
+    GET  nbdist/api/clusters                      live clusters, their ranks and recent metrics
+    POST nbdist/api/clusters/<id>/interrupt       SIGINT to the cluster's engine PIDs
+    POST nbdist/api/clusters/<id>/restart         restart the ranks, through the cluster's kernel
+    POST nbdist/api/clusters/<id>/stop            stop the cluster, through the cluster's kernel
+    GET  nbdist/api/runs                          runs in the history
+    GET  nbdist/api/runs/<run id>                 one run's series, decimated for a chart
+
+The front end polls ``clusters`` about once a second while the sidebar is
+visible and backs off when it is hidden (the dask-labextension/ipyparallel
+pattern) rather than holding a websocket: each poll is one small read of the
+registry and the history, it goes through the server's ordinary token/cookie
+authentication and XSRF checks, survives proxies (JupyterHub) and server
+restarts without reconnection logic, and costs nothing when nobody looks.
+
+Example (with the server's token)::
+
+    curl -H "Authorization: token $TOKEN" http://127.0.0.1:8888/nbdist/api/clusters
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+
+import psutil
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from tornado import web
+
+from ..metrics import store
+from .live import LiveView
+
+__all__ = ["ACTIONS", "API_PREFIX", "ROUTES", "handlers"]
+
+API_PREFIX = "nbdist/api"
+ACTIONS = ("interrupt", "restart", "stop")
+_KERNEL_REPLY_TIMEOUT_S = 600.0  # a restart may wait behind a running cell, then start ranks
+RUN_CHART_POINTS = 2000
+
+
+class _Base(APIHandler):
+    auth_resource = "nbdist"
+
+    @property
+    def view(self) -> LiveView:
+        return self.settings["nbdist_live_view"]
+
+    def write_json(self, payload, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(payload, allow_nan=False))
+
+
+class ClustersHandler(_Base):
+    @web.authenticated
+    @authorized
+    def get(self) -> None:
+        self.write_json({"clusters": self.view.clusters()})
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    try:
+        return any(parent.pid == ancestor for parent in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False
+
+
+class ClusterActionHandler(_Base):
+    @web.authenticated
+    @authorized
+    async def post(self, cluster_id: str, action: str) -> None:
+        entry = self.view.entry(cluster_id)
+        if entry is None:
+            raise web.HTTPError(
+                404, f"no running nbdist cluster {cluster_id!r}: refresh the list of clusters"
+            )
+        if action == "interrupt":
+            self.write_json(await self._interrupt(entry))
+        else:
+            self.write_json(self._through_kernel(entry, action), status=202)
+
+    async def _interrupt(self, entry: dict) -> dict:
+        if not entry.get("owned"):
+            # Attached engines may live on other hosts: the kernel forwards SIGINT to them.
+            kernel = self._kernel(entry, "interrupt")
+            await _maybe_await(kernel.interrupt_kernel())
+            return {"action": "interrupt", "via": "kernel", "pids": []}
+        sent = []
+        for info in entry["ranks"]:
+            pid = info["pid"]
+            # Only PIDs the cluster's own kernel started (its descendants): a PID reused by
+            # another process since the entry was written is left alone.
+            if not _descends_from(pid, entry["kernel_pid"]):
+                continue
+            try:
+                os.kill(pid, signal.SIGINT)
+                sent.append(pid)
+            except ProcessLookupError:
+                pass
+        return {"action": "interrupt", "via": "pid", "pids": sent}
+
+    def _kernel(self, entry: dict, action: str):
+        kernel_id = entry.get("kernel_id")
+        try:
+            return self.kernel_manager.get_kernel(kernel_id)
+        except KeyError:
+            raise web.HTTPError(
+                409,
+                f"cannot {action} cluster {entry['id']!r}: its kernel ({kernel_id}) is not a kernel "
+                "of this Jupyter server; use %dist_restart / %dist_stop in the notebook that started it",
+            ) from None
+
+    def _through_kernel(self, entry: dict, action: str) -> dict:
+        # The kernel owns the session (its engines, metrics, history run): it restarts or
+        # stops it itself, after the cell it may be running. Nothing is killed from here.
+        kernel = self._kernel(entry, action)
+        code = f"__import__('nbdist.registry').registry.act({entry['id']!r}, {action!r})"
+        from jupyter_client.session import Session
+
+        # A session of its own: a client sharing the kernel manager's session would connect
+        # with the same socket identity as other clients and steal their replies.
+        session = Session(key=kernel.session.key, signature_scheme=kernel.session.signature_scheme)
+        client = kernel.client(session=session)
+        client.start_channels()
+        msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
+        task = asyncio.ensure_future(_close_after_reply(client, msg_id, self.log))
+        self.settings.setdefault("nbdist_tasks", set()).add(task)
+        task.add_done_callback(self.settings["nbdist_tasks"].discard)
+        return {"action": action, "via": "kernel", "kernel_id": entry.get("kernel_id")}
+
+
+async def _maybe_await(value):
+    if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+        return await value
+    return value
+
+
+async def _close_after_reply(client, msg_id: str, log) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _KERNEL_REPLY_TIMEOUT_S
+    try:
+        while loop.time() < deadline:
+            try:
+                msg = await _maybe_await(client.get_shell_msg(timeout=1))
+            except Exception:  # queue.Empty (no reply yet)
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                content = msg.get("content", {})
+                if content.get("status") != "ok":
+                    log.warning("nbdist: kernel action failed: %s", content.get("evalue"))
+                return
+    finally:
+        client.stop_channels()
+
+
+def _history_paths(view: LiveView) -> list[str]:
+    paths = [store.history_path()]
+    for entry in view.entries():
+        if entry.get("history") and entry["history"] not in paths:
+            paths.append(entry["history"])
+    return paths
+
+
+class RunsHandler(_Base):
+    @web.authenticated
+    @authorized
+    def get(self) -> None:
+        out = []
+        for path in _history_paths(self.view):
+            for record in store.runs(path):
+                out.append(
+                    dict(
+                        id=record.id, started=record.started, ended=record.ended,
+                        world_size=record.world_size, backend=record.backend,
+                        label=record.label, host=record.host, points=record.points,
+                    )
+                )  # fmt: skip
+        self.write_json({"runs": out})
+
+
+class RunHandler(_Base):
+    @web.authenticated
+    @authorized
+    def get(self, run_id: str) -> None:
+        from ..dashboard.decimate import decimate
+
+        for path in _history_paths(self.view):
+            try:
+                run = store.load_run(int(run_id), path=path)
+                break
+            except KeyError:
+                continue
+        else:
+            raise web.HTTPError(404, f"run {run_id} is not in the history: see GET nbdist/api/runs")
+        series = {}
+        for key in run.keys():
+            per_rank = {}
+            for rank in run.ranks:
+                steps, values = run.series(key, rank)
+                if steps:
+                    xs, ys = decimate(steps, values, budget=RUN_CHART_POINTS)
+                    per_rank[str(rank)] = [
+                        [int(x), float(y)]
+                        for x, y in zip(xs, ys)
+                        if y == y and abs(y) != float("inf")
+                    ]
+            series[key] = per_rank
+        self.write_json(
+            dict(
+                id=run.id, started=run.started, ended=run.ended, world_size=run.world_size,
+                backend=run.backend, keys=run.keys(), series=series,
+            )
+        )  # fmt: skip
+
+
+ROUTES = [
+    (r"clusters", ClustersHandler),
+    (r"clusters/([\w.-]+)/(" + "|".join(ACTIONS) + ")", ClusterActionHandler),
+    (r"runs", RunsHandler),
+    (r"runs/(\d+)", RunHandler),
+]
+
+
+def handlers(base_url: str) -> list[tuple[str, type]]:
+    """(pattern, handler class) pairs for ``web_app.add_handlers``."""
+    from jupyter_server.utils import url_path_join
+
+    return [(url_path_join(base_url, API_PREFIX, pattern), cls) for pattern, cls in ROUTES]

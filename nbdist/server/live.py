@@ -1,0 +1,235 @@
+"""What the sidebar shows, computed in the Jupyter server: clusters, rank states, live metrics.
+
+Everything is read without disturbing the ranks or the kernel:
+
+- the clusters and their PIDs from the registry (:mod:`nbdist.registry`);
+- step, loss, samples/s, memory and the recent points of each rank from the
+  run history (SQLite in WAL mode, opened read-only), incrementally: each poll
+  reads only the batches stored since the previous one (by ``rowid``), so a
+  poll costs the same after a million steps as after ten;
+- dead/busy/idle from the operating system, by PID (local ranks only): a rank
+  whose process is gone (or a zombie) is dead; one that used more than a tenth
+  of a core since the previous poll, or logged in the last few seconds, is
+  busy. Asking the controller instead would need a client connection per
+  server and would queue behind the cell a busy rank is running.
+
+Example::
+
+    from nbdist.server.live import LiveView
+
+    view = LiveView()
+    for cluster in view.clusters():          # what GET /nbdist/api/clusters returns
+        print(cluster["id"], [r["step"] for r in cluster["ranks"]])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sqlite3
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import psutil
+
+from .. import registry
+
+__all__ = ["CHART_POINTS", "LiveView", "RankLive", "RunReader"]
+
+CHART_POINTS = 300  # recent points per rank and series kept for the sidebar's small charts
+_BUSY_CPU_FRACTION = 0.1
+_BUSY_RECENT_S = 3.0
+
+
+def _number(value) -> float | None:
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class RankLive:
+    """The latest of one rank, and its recent loss and throughput points."""
+
+    step: int | None = None
+    time: float | None = None
+    points: int = 0
+    last: dict[str, float] = field(default_factory=dict)
+    loss: deque = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
+    throughput: deque = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
+
+
+class RunReader:
+    """Follows one run of one history file, reading only what was stored since the last call."""
+
+    def __init__(self, path: str, run_id: int):
+        self.path = path
+        self.run_id = run_id
+        self.rowid = 0
+        self.ranks: dict[int, RankLive] = {}
+
+    def update(self) -> None:
+        if not os.path.exists(self.path):
+            return
+        conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=1.0)
+        try:
+            rows = conn.execute(
+                "SELECT rowid, rank, points FROM batches WHERE run=? AND rowid>? ORDER BY rowid",
+                (self.run_id, self.rowid),
+            ).fetchall()
+        except sqlite3.Error:
+            return  # not created yet, or locked for a moment: next poll
+        finally:
+            conn.close()
+        for rowid, rank, text in rows:
+            self.rowid = rowid
+            try:
+                batch = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(batch, dict):
+                batch = batch.get("points", [])
+            live = self.ranks.setdefault(rank, RankLive())
+            for step, when, values in batch:
+                live.points += 1
+                live.step, live.time = step, when
+                for key, value in values.items():
+                    number = _number(value)
+                    if number is not None:
+                        live.last[key] = number
+                loss = _number(values.get("loss"))
+                if loss is not None:
+                    live.loss.append((step, loss))
+                rate = _number(values.get("samples_per_s", values.get("tokens_per_s")))
+                if rate is not None:
+                    live.throughput.append((step, rate))
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        times = psutil.Process(pid).cpu_times()
+        return times.user + times.system
+    except psutil.Error:
+        return None
+
+
+def _local_process(pid: int | None) -> psutil.Process | None:
+    if not pid:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc
+    except psutil.Error:
+        return None
+
+
+class LiveView:
+    """The server's view of every registered cluster; keep one per server (it caches readers)."""
+
+    def __init__(self, registry_dir: str | None = None):
+        self.registry_dir = registry_dir
+        self._readers: dict[tuple[str, int], RunReader] = {}
+        self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (monotonic, cpu seconds)
+        self._hostnames = {socket.gethostname(), "localhost", "127.0.0.1"}
+
+    def entries(self) -> list[dict]:
+        return registry.clusters(self.registry_dir)
+
+    def entry(self, cluster_id: str) -> dict | None:
+        return next((e for e in self.entries() if e["id"] == cluster_id), None)
+
+    def reader(self, entry: dict) -> RunReader | None:
+        if not entry.get("history") or entry.get("run_id") is None:
+            return None
+        key = (entry["history"], int(entry["run_id"]))
+        reader = self._readers.get(key)
+        if reader is None:
+            reader = self._readers[key] = RunReader(*key)
+        reader.update()
+        return reader
+
+    def is_local(self, entry: dict) -> bool:
+        return bool(entry.get("owned"))
+
+    def _busy_by_cpu(self, pid: int) -> bool:
+        now, cpu = time.monotonic(), _cpu_seconds(pid)
+        previous = self._cpu.get(pid)
+        if cpu is None:
+            return False
+        self._cpu[pid] = (now, cpu)
+        if previous is None or now <= previous[0]:
+            return False
+        return (cpu - previous[1]) / (now - previous[0]) > _BUSY_CPU_FRACTION
+
+    def rank_rows(self, entry: dict) -> list[dict]:
+        reader = self.reader(entry)
+        local = self.is_local(entry)
+        now = time.time()
+        rows = []
+        for info in entry.get("ranks", []):
+            live = reader.ranks.get(info["rank"]) if reader else None
+            proc = _local_process(info.get("pid")) if local else None
+            last_seen = live.time if live else None
+            recent = last_seen is not None and now - last_seen < _BUSY_RECENT_S
+            if local and proc is None:
+                state = "dead"
+            elif (local and self._busy_by_cpu(info["pid"])) or recent:
+                state = "busy"
+            else:
+                state = "idle"
+            memory = live.last.get("memory_mib") if live else None
+            if memory is None and proc is not None:
+                try:
+                    memory = proc.memory_info().rss / 2**20
+                except psutil.Error:
+                    memory = None
+            last = live.last if live else {}
+            rows.append(
+                {
+                    "rank": info["rank"],
+                    "host": info.get("host"),
+                    "pid": info.get("pid"),
+                    "device": info.get("device"),
+                    "state": state,
+                    "step": live.step if live else None,
+                    "points": live.points if live else 0,
+                    "loss": last.get("loss"),
+                    "samples_per_s": last.get("samples_per_s", last.get("tokens_per_s")),
+                    "memory_mib": None if memory is None else round(memory, 1),
+                    "last_seen": last_seen,
+                    "loss_series": [list(p) for p in live.loss] if live else [],
+                    "throughput_series": [list(p) for p in live.throughput] if live else [],
+                }
+            )
+        return rows
+
+    def clusters(self) -> list[dict]:
+        """Every live cluster with its ranks' rows (see :meth:`rank_rows`)."""
+        out = []
+        for entry in self.entries():
+            ranks = self.rank_rows(entry)
+            rates = [r["samples_per_s"] for r in ranks if r["samples_per_s"] is not None]
+            steps = [r["step"] for r in ranks if r["step"] is not None]
+            out.append(
+                {
+                    "id": entry["id"],
+                    "kernel_id": entry.get("kernel_id"),
+                    "backend": entry.get("backend"),
+                    "world_size": entry.get("world_size"),
+                    "run_id": entry.get("run_id"),
+                    "owned": bool(entry.get("owned")),
+                    "started": entry.get("started"),
+                    "ranks": ranks,
+                    "step": max(steps) if steps else None,
+                    "samples_per_s": sum(rates) if rates else None,
+                    "dead": [r["rank"] for r in ranks if r["state"] == "dead"],
+                }
+            )
+        return out

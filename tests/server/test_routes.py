@@ -1,0 +1,232 @@
+"""nbdist's REST API in a real jupyter_server: every route needs a login, and answers truly.
+
+Real components: the server (pytest-jupyter), real ranks (DistSession, gloo),
+a real kernel started through the server for the restart/stop actions, and
+the real run history (SQLite).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from nbdist import DistSession, RankError
+from nbdist.metrics.store import RunStore
+from tests.conftest import wait_gone
+
+# One request per route nbdist registers; the test below fails if a route is missing here.
+SAMPLE_PATHS = {
+    "nbdist/api/clusters": "GET",
+    "nbdist/api/clusters/cluster-1-0/interrupt": "POST",
+    "nbdist/api/clusters/cluster-1-0/restart": "POST",
+    "nbdist/api/clusters/cluster-1-0/stop": "POST",
+    "nbdist/api/runs": "GET",
+    "nbdist/api/runs/1": "GET",
+    "nbdist/static/plotly.min.js": "GET",
+}
+
+
+def _nbdist_patterns(web_app) -> list[str]:
+    patterns = []
+    stack = list(web_app.default_router.rules) + list(web_app.wildcard_router.rules)
+    while stack:
+        rule = stack.pop()
+        target = rule.target
+        if hasattr(target, "rules"):
+            stack.extend(target.rules)
+            continue
+        regex = getattr(rule.matcher, "regex", None)
+        if regex is not None and "nbdist" in regex.pattern:
+            patterns.append(regex.pattern)
+    return patterns
+
+
+async def _json(jp_fetch, *parts, method="GET", body=None):
+    kwargs = {"method": method}
+    if method == "POST":
+        kwargs["body"] = json.dumps(body or {})
+    response = await jp_fetch(*parts, **kwargs)
+    return response.code, json.loads(response.body)
+
+
+async def _clusters(jp_fetch) -> list[dict]:
+    return (await _json(jp_fetch, "nbdist", "api", "clusters"))[1]["clusters"]
+
+
+async def test_every_nbdist_route_requires_login(jp_fetch, jp_web_app, jp_base_url):
+    import re
+
+    patterns = _nbdist_patterns(jp_web_app)
+    for pattern in patterns:
+        assert any(re.fullmatch(pattern.rstrip("$"), jp_base_url + p) for p in SAMPLE_PATHS), (
+            f"route {pattern} has no sample request here: add one, so its login check is tested"
+        )
+    for path in SAMPLE_PATHS:  # and no sample is left over from a route that went away
+        assert any(re.fullmatch(pt.rstrip("$"), jp_base_url + path) for pt in patterns), path
+    for path, method in SAMPLE_PATHS.items():
+        # A matching XSRF cookie/header pair: a POST then fails only for want of a login,
+        # so a handler without @web.authenticated would answer (200/202/404) and fail here.
+        headers = {"Authorization": "", "Cookie": "_xsrf=abc", "X-XSRFToken": "abc"}
+        body = b"{}" if method == "POST" else None
+        with pytest.raises(HTTPClientError) as err:
+            await jp_fetch(
+                *path.split("/"), method=method, body=body, headers=headers, follow_redirects=False
+            )
+        code = err.value.code
+        location = err.value.response.headers.get("Location", "") if code == 302 else ""
+        # API routes answer 403; the static file (a browser URL) redirects to the login page.
+        assert code == 403 or "/login" in location, f"{method} {path}: {code} without login"
+    # With the token, the same routes answer.
+    code, body = await _json(jp_fetch, "nbdist", "api", "clusters")
+    assert code == 200 and body == {"clusters": []}
+
+
+async def test_runs_list_and_chart_series(jp_fetch, history):
+    store = RunStore(history)
+    run = store.new_run(world_size=2, backend="gloo")
+    for rank in (0, 1):
+        store.append(
+            run.id,
+            rank,
+            [
+                [s, 1000.0 + s, {"loss": 2.0 - s / 10, "samples_per_s": 50.0 + rank}]
+                for s in range(10)
+            ],
+        )
+    store.commit()
+    store.end_run(run.id)
+    store.close()
+
+    code, body = await _json(jp_fetch, "nbdist", "api", "runs")
+    assert code == 200
+    [record] = [r for r in body["runs"] if r["id"] == run.id]
+    assert record["points"] == 20 and record["world_size"] == 2 and record["backend"] == "gloo"
+
+    code, chart = await _json(jp_fetch, "nbdist", "api", "runs", str(run.id))
+    assert chart["keys"][:1] == ["loss"]
+    assert chart["series"]["loss"]["1"][-1] == [9, pytest.approx(1.1)]
+    assert chart["series"]["samples_per_s"]["0"][0] == [0, 50.0]
+    with pytest.raises(HTTPClientError) as err:
+        await jp_fetch("nbdist", "api", "runs", "9999")
+    assert err.value.code == 404
+
+
+async def test_live_cluster_metrics_interrupt_and_dead_rank(jp_fetch, history):
+    session = DistSession(2, timeout=120)
+    await asyncio.to_thread(session.start)
+    try:
+        pids = [r.pid for r in session.ranks]
+        await asyncio.to_thread(
+            session.run,
+            "for i in range(6):\n    nbdist.log(step=i, loss=1.0 / (i + 1), samples=8)",
+        )
+        [cluster] = await _clusters(jp_fetch)
+        assert cluster["world_size"] == 2 and cluster["backend"] == "gloo"
+        assert cluster["kernel_id"] is None  # started from a script, not a kernel
+        assert [r["pid"] for r in cluster["ranks"]] == pids
+        for row in cluster["ranks"]:
+            assert row["step"] == 5 and row["loss"] == pytest.approx(1 / 6)
+            assert row["samples_per_s"] > 0 and row["state"] in ("busy", "idle")
+            assert [p[0] for p in row["loss_series"]] == list(range(6))
+            assert row["memory_mib"] > 0
+        assert cluster["step"] == 5 and cluster["dead"] == []
+
+        # Interrupt from the sidebar: SIGINT to the engine PIDs stops a running cell.
+        run = session.run("import time\nfor _ in range(600):\n    time.sleep(0.1)", block=False)
+        await asyncio.sleep(1.0)
+        code, reply = await _json(
+            jp_fetch, "nbdist", "api", "clusters", cluster["id"], "interrupt", method="POST"
+        )
+        assert code == 200 and sorted(reply["pids"]) == sorted(pids)
+        with pytest.raises(RankError) as err:
+            await asyncio.to_thread(run.wait)
+        assert {f.ename for f in err.value.failures} == {"KeyboardInterrupt"}
+        assert await asyncio.to_thread(session.pull, "rank") == [0, 1]  # ranks still usable
+
+        # A rank killed outright shows as dead.
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_gone([pids[1]]) == []
+        [cluster] = await _clusters(jp_fetch)
+        assert [r["state"] for r in cluster["ranks"]][1] == "dead"
+        assert cluster["dead"] == [1]
+    finally:
+        await asyncio.to_thread(session.stop)
+    assert await _clusters(jp_fetch) == []  # stop() removed its entry
+    assert wait_gone(pids) == []
+
+
+async def test_restart_and_stop_go_through_the_kernel(jp_fetch, jp_serverapp, history):
+    code, kernel = await _json(jp_fetch, "api", "kernels", method="POST", body={"name": "python3"})
+    kernel_id = kernel["id"]
+    client = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
+    client.start_channels()
+    try:
+        reply = await client.execute_interactive("%load_ext nbdist\n%dist_start 2", timeout=180)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        [cluster] = await _clusters(jp_fetch)
+        assert cluster["kernel_id"] == kernel_id
+        old_pids = [r["pid"] for r in cluster["ranks"]]
+
+        code, body = await _json(
+            jp_fetch, "nbdist", "api", "clusters", cluster["id"], "restart", method="POST"
+        )
+        assert code == 202 and body["via"] == "kernel"
+        restarted = await _wait_for(jp_fetch, lambda cs: cs and cs[0]["id"] != cluster["id"])
+        new_pids = [r["pid"] for r in restarted[0]["ranks"]]
+        assert len(new_pids) == 2 and not set(new_pids) & set(old_pids)
+        assert wait_gone(old_pids) == []
+        reply = await client.execute_interactive(
+            "%%on_all_ranks\nt = torch.ones(1); dist.all_reduce(t); assert t.item() == 2",
+            timeout=60,
+        )
+        assert reply["content"]["status"] == "ok", reply["content"]
+
+        code, body = await _json(
+            jp_fetch, "nbdist", "api", "clusters", restarted[0]["id"], "stop", method="POST"
+        )
+        assert code == 202
+        assert await _wait_for(jp_fetch, lambda cs: cs == []) == []
+        assert wait_gone(new_pids) == []
+        with pytest.raises(HTTPClientError) as err:  # it is gone: a clear 404
+            await jp_fetch(
+                "nbdist", "api", "clusters", restarted[0]["id"], "stop", method="POST", body=b"{}"
+            )
+        assert err.value.code == 404
+    finally:
+        client.stop_channels()
+        kernel_pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.pid
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+        assert wait_gone([kernel_pid]) == []
+
+
+async def _wait_for(jp_fetch, predicate, timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        clusters = await _clusters(jp_fetch)
+        if predicate(clusters):
+            return clusters
+        if time.monotonic() > deadline:
+            raise AssertionError(f"clusters did not change as expected in {timeout} s: {clusters}")
+        await asyncio.sleep(0.3)
+
+
+def test_registry_skips_entries_of_dead_kernels(tmp_path):
+    from nbdist import registry
+
+    folder = tmp_path / "reg"
+    folder.mkdir()
+    dead = psutil.Popen(["true"])
+    dead.wait()
+    for name, pid in (("cluster-1-0.json", dead.pid), ("cluster-2-0.json", os.getpid())):
+        (folder / name).write_text(
+            json.dumps({"format": registry.FORMAT, "kernel_pid": pid, "ranks": [], "started": 1})
+        )
+    assert [e["id"] for e in registry.clusters(str(folder))] == ["cluster-2-0"]
+    assert not (folder / "cluster-1-0.json").exists()
