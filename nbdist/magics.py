@@ -218,6 +218,7 @@ class DistMagics(Magics):
     @argument("--ranks", default=None, help="ranks to run on: 0,2 or 0-3 (default: all)")
     @argument("--noblock", action="store_true", help="return at once; .wait() on the result")
     @argument("--timeout", default=None, help="interrupt the ranks after this many seconds")
+    @argument("--no-export", action="store_true", help="leave this cell out of %%dist_export")
     @cell_magic
     def on_all_ranks(self, line, cell):
         """Run the cell on every rank (or --ranks); state persists between cells.
@@ -234,9 +235,45 @@ class DistMagics(Magics):
 
             %%on_all_ranks --ranks 0,1 --timeout 60
             print(rank)
+
+        Cells run on every rank are recorded for %dist_export, unless run with
+        --no-export or marked with the comment ``# nbdist: no-export``.
         """
         args = _parse(self.on_all_ranks, line)
-        return self._run_cell(cell, args.ranks, args.noblock, args.timeout)
+        result = self._run_cell(cell, args.ranks, args.noblock, args.timeout)
+        if args.ranks is None and not args.no_export:
+            # Reached only if no rank raised: failed cells are not exported.
+            self.session.record_cell(cell)
+        return result
+
+    @magic_arguments()
+    @argument("path", help="the script to write, e.g. train.py")
+    @argument("--backend", default=None, help="nccl or gloo in the script (default: by device)")
+    @line_magic
+    def dist_export(self, line=""):
+        """Write this session's %%on_all_ranks cells, in order, as a torchrun script.
+
+        The script gives the cells rank, local_rank, world_size, device, torch,
+        dist and nbdist as the ranks had them; nbdist.log writes to the run
+        history. Cells marked ``# nbdist: no-export`` (or run with --no-export),
+        --ranks cells and failed cells are left out. Example::
+
+            %dist_export train.py
+            !torchrun --nproc_per_node 2 train.py
+        """
+        from .errors import NbdistError
+
+        args = _parse(self.dist_export, line)
+        if self.session is None:
+            raise UsageError("nothing to export: %dist_start, then run %%on_all_ranks cells")
+        try:
+            path = self.session.export(args.path, backend=args.backend)
+        except NbdistError as exc:
+            raise UsageError(str(exc)) from None
+        from .export import exportable_cells
+
+        count = len(exportable_cells(self.session.cells))
+        print(f"nbdist: wrote {path} ({count} cells); run it with torchrun --nproc_per_node N")
 
     @magic_arguments()
     @argument("rank", help="the rank to run on")

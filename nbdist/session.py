@@ -108,6 +108,8 @@ class DistSession:
         self._handle: _cluster.ClusterHandle | None = None
         self._ranks: list[RankInfo] = []
         self.startup_seconds: float | None = None
+        # Code run on every rank since the group formed, in order: what %dist_export writes.
+        self.cells: list[str] = []
 
     # -- lifecycle --------------------------------------------------------
     @property
@@ -242,6 +244,7 @@ class DistSession:
                 )
             )
         self._ranks = sorted(ranks, key=lambda r: r.rank)
+        self.cells = []  # fresh namespaces: earlier cells no longer describe them
 
     @property
     def metrics(self):
@@ -334,6 +337,17 @@ class DistSession:
             return run.wait()
         finally:
             self._metrics.settle(run)
+
+    def record_cell(self, code: str) -> None:
+        """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""
+        self.cells.append(code)
+
+    def export(self, path: str, **options) -> str:
+        """Write the recorded cells as a ``torchrun`` script; see :func:`nbdist.export.export_script`."""
+        from .export import export_script
+
+        options.setdefault("ranks", max(1, self.world_size))
+        return export_script(self.cells, path, **options)
 
     def apply(self, fn: Callable, *args, ranks=None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on the ranks; returns results in rank order."""

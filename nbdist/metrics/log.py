@@ -9,7 +9,9 @@ turning a CUDA tensor into a number is a device sync, so doing it per call
 would stall the training loop.
 
 Without a kernel listening (a plain script, or before ``%dist_start``),
-``log`` keeps nothing and costs a dictionary build.
+``log`` keeps nothing and costs a dictionary build. A script exported by
+``%dist_export`` calls :func:`nbdist.standalone.init`, which makes rank 0
+the collector: points then go to the run history as in the notebook.
 """
 
 from __future__ import annotations

@@ -1,0 +1,165 @@
+"""The rank side of an exported script: what ``%dist_start`` gives a cell, under ``torchrun``.
+
+A script written by ``%dist_export`` starts with :func:`init`, which forms the
+process group from the launcher's environment and returns the names every
+``%%on_all_ranks`` cell could use (``rank``, ``local_rank``, ``world_size``,
+``device``). ``nbdist.log`` keeps working: rank 0 collects every rank's points
+into the run history (``nbdist.runs()`` reads them afterwards), over the same
+signed channel the notebook uses, listening on loopback unless the ranks span
+several hosts (then on rank 0's address towards MASTER_ADDR, where they are).
+
+Launchers understood: ``torchrun`` (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR...),
+``srun`` (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS; MASTER_ADDR/MASTER_PORT
+must be exported by the batch script) and a plain ``python script.py`` (one rank).
+
+Example::
+
+    import torch, torch.distributed as dist, nbdist
+    from nbdist.standalone import init, finish
+
+    rank, local_rank, world_size, device = init()
+    nbdist.log(step=0, loss=1.0)
+    finish()   # also runs at exit
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import sys
+
+__all__ = ["finish", "init", "launcher_environment"]
+
+_state: dict = {}
+# How long rank 0 waits at the end for the other ranks' last points.
+_FINAL_WAIT_S = 10.0
+
+
+def launcher_environment(environ: dict[str, str]) -> dict[str, str]:
+    """RANK/LOCAL_RANK/WORLD_SIZE/LOCAL_WORLD_SIZE/MASTER_* from torchrun's or srun's variables.
+
+    Pure (unit-tested): returns the torchrun-style variables to use.
+
+    >>> launcher_environment({"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4",
+    ...     "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "node1"})["LOCAL_WORLD_SIZE"]
+    '2'
+    """
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if "RANK" in environ:
+        out = {k: environ[k] for k in keys if k in environ}
+        out.setdefault("LOCAL_RANK", "0")
+        out.setdefault("WORLD_SIZE", "1")
+        out.setdefault("LOCAL_WORLD_SIZE", out["WORLD_SIZE"])
+        return out
+    if "SLURM_PROCID" in environ:
+        if not environ.get("MASTER_ADDR"):
+            raise RuntimeError(
+                "running under srun without MASTER_ADDR: export it in the batch script, e.g. "
+                "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)"
+            )
+        per_node = environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        return {
+            "RANK": environ["SLURM_PROCID"],
+            "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+            "WORLD_SIZE": environ.get("SLURM_NTASKS", "1"),
+            "LOCAL_WORLD_SIZE": per_node or environ.get("SLURM_NTASKS", "1"),
+            "MASTER_ADDR": environ["MASTER_ADDR"],
+            "MASTER_PORT": environ.get("MASTER_PORT", "29500"),
+        }
+    return {}
+
+
+def init(backend: str | None = None, *, history: str | bool | None = None):
+    """Form the process group and set up ``nbdist.log``; returns rank, local_rank, world_size, device.
+
+    ``backend``: 'nccl'/'gloo' (default: nccl with GPUs, gloo without).
+    ``history``: a run history path, None for the default, False to keep no points.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .netif import choose_socket_ifname
+    from .placement import choose_backend
+    from .rank import _state as rank_state
+
+    env = launcher_environment(dict(os.environ))
+    os.environ.update(env)
+    rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    use_gpus = torch.cuda.is_available()
+    chosen = choose_backend(backend, uses_gpus=use_gpus)
+    device = "cpu"
+    if chosen == "nccl":
+        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(torch.device(device))
+    if not dist.is_initialized():
+        kwargs = {"device_id": torch.device(device)} if chosen == "nccl" else {}
+        if env:
+            if _several_hosts(env):
+                choose_socket_ifname(env.get("MASTER_ADDR", "127.0.0.1"))
+            dist.init_process_group(chosen, **kwargs)
+        else:  # plain `python script.py`: a group of one, nothing listens
+            dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    rank_state.update(rank=rank, local_rank=local_rank, world_size=world, device=device)
+    _state.update(rank=rank, world_size=world)
+    if history is not False:
+        _open_metrics(rank, world, chosen, env, history)
+    atexit.register(finish)
+    return rank, local_rank, world, torch.device(device)
+
+
+def _open_metrics(rank: int, world: int, backend: str, env: dict, history) -> None:
+    import torch.distributed as dist
+
+    from .metrics.log import configure
+    from .netif import address_towards
+
+    found = [None]
+    if rank == 0:
+        from .metrics.collector import Collector
+        from .metrics.store import RunStore
+
+        # Loopback unless ranks run on other hosts: then rank 0's address towards them.
+        ip = address_towards(env["MASTER_ADDR"]) if _several_hosts(env) else "127.0.0.1"
+        store = RunStore(history if isinstance(history, str) else None)
+        label = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script"
+        run = store.new_run(world_size=world, backend=backend, label=label)
+        key = secrets.token_bytes(32)
+        collector = Collector(key, run, store, ip=ip)
+        _state.update(collector=collector, store=store, run=run)
+        found = [(collector.url, key)]
+    if world > 1:
+        dist.broadcast_object_list(found, src=0)
+    url, key = found[0]
+    configure(url, key, rank)
+
+
+def _several_hosts(env: dict[str, str]) -> bool:
+    return int(env.get("LOCAL_WORLD_SIZE", 1)) < int(env.get("WORLD_SIZE", 1))
+
+
+def finish() -> None:
+    """Send the last points, close the run (rank 0) and leave the group; idempotent."""
+    if _state.get("finished") or "rank" not in _state:
+        return
+    _state["finished"] = True
+    from .metrics.log import flush, shutdown
+
+    try:
+        flush({"cell": 1})  # the end marker: rank 0 waits for every rank's
+        shutdown()
+    finally:
+        collector = _state.pop("collector", None)
+        if collector is not None:
+            collector.wait_for_cells(
+                {r: 1 for r in range(_state["world_size"])}, timeout=_FINAL_WAIT_S
+            )
+            collector.stop()
+            store, run = _state.pop("store"), _state.pop("run")
+            store.end_run(run.id)
+            store.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,125 @@
+"""%dist_export: the cells of an interactive run, as a script, give the same model under torchrun.
+
+A real IPython shell runs cells on 2 CPU ranks (one of them interactive-only,
+one failing, one on rank 0 only), exports them, and torchrun runs the script
+with 2 processes: the final parameters match the interactive run's exactly,
+and the script's nbdist.log points land in the run history.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from IPython.core.interactiveshell import InteractiveShell
+
+import nbdist
+
+SETUP = """
+import os
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+"""
+INSPECT = """# nbdist: no-export
+print(model)
+"""
+TRAIN = """
+g = torch.Generator().manual_seed(1000 + rank)
+for step in range(8):
+    x = torch.randn(32, 8, generator=g)
+    loss = (model(x) - x[:, :1] * x[:, 1:2]).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    nbdist.log(step=step, loss=loss, samples=len(x))
+"""
+FAILING = """
+if rank == 1:
+    raise ValueError("only in the notebook")
+"""
+SAVE = """
+final = [p.detach().clone() for p in model.parameters()]
+if rank == 0 and os.environ.get("EXPORT_OUT"):
+    torch.save(final, os.environ["EXPORT_OUT"])
+"""
+
+
+@pytest.fixture
+def shell():
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext nbdist")
+    yield sh
+    sh.run_cell("%dist_stop")
+
+
+def _cell(shell, text, flags=""):
+    return shell.run_cell(f"%%on_all_ranks {flags}\n{text}")
+
+
+def test_exported_cells_train_the_same_model_under_torchrun(shell, tmp_path):
+    assert shell.run_cell("%dist_start 2").success
+    assert _cell(shell, SETUP).success
+    assert _cell(shell, INSPECT).success
+    assert _cell(shell, TRAIN).success
+    assert not _cell(shell, FAILING).success  # failed: not exported
+    assert _cell(shell, "seen = True", "--no-export").success
+    assert _cell(shell, "only_rank0 = 1", "--ranks 0").success
+    assert _cell(shell, SAVE).success
+    interactive = shell.run_line_magic("dist_pull", "final --rank 0")
+    script = tmp_path / "train.py"
+    assert shell.run_cell(f"%dist_export {script}").success
+    assert shell.run_cell("%dist_stop").success
+
+    text = script.read_text()
+    assert text.count("# --- cell ") == 3
+    for code in (SETUP, TRAIN, SAVE):
+        assert code.strip() in text
+    for left_out in ("print(model)", "only in the notebook", "seen = True", "only_rank0"):
+        assert left_out not in text
+
+    out = tmp_path / "final.pt"
+    history = tmp_path / "history.sqlite"
+    env = dict(os.environ, EXPORT_OUT=str(out), NBDIST_HISTORY=str(history), OMP_NUM_THREADS="1")
+    # --standalone: a one-node rendezvous on a free port (torchrun's own, not nbdist's)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", str(script)]  # fmt: skip
+    proc = subprocess.Popen(
+        command, env=env, cwd=tmp_path, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:  # torchrun and its two workers: the group we started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    scripted = torch.load(out)
+    assert len(scripted) == len(interactive) == 4
+    for a, b in zip(interactive, scripted):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+    # nbdist.log under torchrun: both ranks' points are in the run history.
+    record = nbdist.runs(str(history))[-1]
+    assert (record.world_size, record.label, record.ended is not None) == (2, "train.py", True)
+    frame = record.to_pandas()
+    assert sorted(frame["rank"].unique()) == [0, 1]
+    assert frame.groupby("rank")["step"].max().tolist() == [7, 7]
+    assert frame["loss"].notna().all()
+
+
+def test_export_refuses_magics_and_names_the_fix(shell, tmp_path):
+    assert shell.run_cell("%dist_start 2").success
+    assert _cell(shell, "x = 1").success
+    assert _cell(shell, "%time y = 2").success
+    result = shell.run_cell(f"%dist_export {tmp_path / 'out.py'}")
+    assert not result.success
+    message = str(result.error_in_exec)
+    assert "cell 2" in message and "%time y = 2" in message and "# nbdist: no-export" in message
+    assert not (tmp_path / "out.py").exists()
