@@ -1,0 +1,148 @@
+"""LARS/LAMB against the papers' update rules, the LR scaling/warmup rules, state sizes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from nbdist.strategies.large_batch import global_batch, scaled_lr, warmup_factor, warmup_schedule
+from nbdist.strategies.optimizers import LAMB, LARS, exclude_bias_and_norm, state_bytes
+
+
+def _grads(shape, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(steps)]
+
+
+def _run(opt_cls, w0, grads, **kw):
+    w = nn.Parameter(w0.clone())
+    opt = opt_cls([w], **kw)
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    return w.detach()
+
+
+def test_lars_follows_algorithm_1():
+    w0 = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grads = _grads((5, 3), 3)
+    lr, m, wd, eta = 0.5, 0.9, 1e-2, 0.02
+    # The paper's rule, written out independently.
+    w, v = w0.clone(), torch.zeros_like(w0)
+    for g in grads:
+        local = eta * w.norm() / (g.norm() + wd * w.norm())
+        v = m * v + lr * local * (g + wd * w)
+        w = w - v
+    got = _run(LARS, w0, grads, lr=lr, momentum=m, weight_decay=wd, eta=eta)
+    torch.testing.assert_close(got, w)
+    # Without the trust ratio it is SGD with momentum (torch's, dampening 0).
+    plain = _run(LARS, w0, grads, lr=lr, momentum=m, weight_decay=wd, trust_ratio=False)
+    sgd = _run(torch.optim.SGD, w0, grads, lr=lr, momentum=m, weight_decay=wd)
+    torch.testing.assert_close(plain, sgd)
+
+
+def test_lamb_follows_algorithm_2():
+    w0 = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    grads = _grads((4, 6), 4, seed=3)
+    lr, (b1, b2), eps, wd = 0.01, (0.9, 0.99), 1e-6, 0.1
+    w, m, v = w0.clone(), torch.zeros_like(w0), torch.zeros_like(w0)
+    for t, g in enumerate(grads, start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        r = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+        u = r + wd * w
+        w = w - lr * (w.norm() / u.norm()) * u
+    got = _run(LAMB, w0, grads, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    torch.testing.assert_close(got, w)
+    # Without the trust ratio it is AdamW.
+    plain = _run(
+        LAMB, w0, grads, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, trust_ratio=False
+    )
+    adamw = _run(torch.optim.AdamW, w0, grads, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    torch.testing.assert_close(plain, adamw)
+
+
+def test_trust_ratio_makes_the_step_relative_to_the_weights():
+    # Scaling a layer's weights by 100 scales its LAMB step by 100: layers move by
+    # the same fraction of their size, whatever their scale.
+    grads = _grads((8,), 1, seed=4)
+    small = torch.full((8,), 0.01, dtype=torch.float64)
+    step_small = small - _run(LAMB, small, grads, lr=0.1)
+    step_large = 100 * small - _run(LAMB, 100 * small, grads, lr=0.1)
+    torch.testing.assert_close(step_large, 100 * step_small)
+
+
+def test_zero_weights_still_move():
+    # A zero-initialised layer has ||w|| = 0: the ratio falls back to 1 instead of freezing it.
+    grads = _grads((3,), 1)
+    assert not torch.equal(_run(LAMB, torch.zeros(3, dtype=torch.float64), grads), torch.zeros(3))
+    assert not torch.equal(_run(LARS, torch.zeros(3, dtype=torch.float64), grads), torch.zeros(3))
+
+
+def test_bad_hyperparameters_name_the_value():
+    p = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="eta=0"):
+        LARS(p, eta=0)
+    with pytest.raises(ValueError, match=r"betas=\(0.9, 1.0\)"):
+        LAMB(p, betas=(0.9, 1.0))
+
+
+def test_exclude_bias_and_norm_groups():
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    groups = exclude_bias_and_norm(model, weight_decay=0.1)
+    assert [len(g["params"]) for g in groups] == [1, 3]
+    opt = LARS(groups, lr=0.1)
+    assert [g["trust_ratio"] for g in opt.param_groups] == [True, False]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_state_bytes_adafactor_is_far_smaller_than_adam():
+    model = nn.Linear(256, 128, bias=False)
+    model(torch.randn(4, 256)).sum().backward()
+    adam = torch.optim.Adam(model.parameters())
+    factor = torch.optim.Adafactor(model.parameters())
+    assert state_bytes(adam) == 0  # state is created lazily, at the first step
+    adam.step()
+    factor.step()
+    params = 256 * 128 * 4
+    assert state_bytes(adam) == 2 * params + 4  # exp_avg, exp_avg_sq, step (float32 scalar)
+    # Adafactor: one row and one column of second moments (+ a step counter).
+    assert state_bytes(factor) < (256 + 128) * 4 + 16
+
+
+def test_scaled_lr_rules():
+    assert scaled_lr(0.1, 1024) == pytest.approx(0.4)
+    assert scaled_lr(1e-3, 1024, rule="sqrt") == pytest.approx(2e-3)
+    with pytest.raises(ValueError, match="'cubic'"):
+        scaled_lr(0.1, 512, rule="cubic")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        scaled_lr(0.1, 0)
+    assert global_batch(64) == 64  # no process group: one rank
+    assert global_batch(64, accumulation_steps=4) == 256
+
+
+def test_warmup_then_cosine():
+    f = [warmup_factor(s, warmup_steps=4) for s in range(6)]
+    assert f == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    assert warmup_factor(0, warmup_steps=10, start=0.1) == pytest.approx(0.1)
+    cos = [warmup_factor(s, warmup_steps=2, total_steps=6) for s in range(2, 7)]
+    assert cos == pytest.approx(
+        [1.0, 0.5 + 0.5 * math.cos(math.pi / 4), 0.5, 0.5 - 0.5 * math.cos(math.pi / 4), 0.0]
+    )
+    with pytest.raises(ValueError, match=r"total_steps \(5\)"):
+        warmup_factor(0, warmup_steps=5, total_steps=5)
+
+
+def test_warmup_schedule_drives_the_optimizer():
+    p = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.8)
+    sched = warmup_schedule(opt, warmup_steps=4, start=0.0)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 0.8])
