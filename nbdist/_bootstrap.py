@@ -22,6 +22,7 @@ __all__ = [
     "init_rank",
     "narrow_cuda_mask",
     "open_rendezvous",
+    "rejoin",
     "teardown",
 ]
 
@@ -131,7 +132,6 @@ def init_rank(spec: dict) -> dict:
             os.environ["CUDA_VISIBLE_DEVICES"] = mask
 
     import torch
-    import torch.distributed as dist
 
     # nbdist.rank (the module) is shadowed by nbdist.rank() (the function): import names.
     from .rank import _state, device_for
@@ -142,8 +142,32 @@ def init_rank(spec: dict) -> dict:
     if gpu is not None:
         torch.cuda.set_device(torch.device(device))
 
+    _join_group(spec, device)
+
+    _state.update(
+        rank=spec["rank"],
+        local_rank=spec["local_rank"],
+        world_size=spec["world_size"],
+        device=device,
+    )
+    _fill_namespace(spec, device)
+    if spec.get("metrics_url"):
+        _connect_metrics(spec["metrics_url"], spec["rank"])
+    # Plain str: torch.__version__ is a TorchVersion, and unpickling it would
+    # import torch (seconds) in a kernel that may never need it.
+    return {"device": device, "torch": str(torch.__version__), "threads": torch.get_num_threads()}
+
+
+def _join_group(spec: dict, device: str) -> None:
+    """Form the process group (a fresh TCPStore on rank 0's socket), then prove it works."""
+    import torch
+    import torch.distributed as dist
+
+    from . import _rank_control, collectives
+
     if dist.is_initialized():
-        dist.destroy_process_group()
+        _leave_group()
+    before = _rank_control.socket_snapshot()
     timeout = datetime.timedelta(seconds=spec["timeout"])
     is_master = spec["rank"] == 0
     listen_fd = None
@@ -177,18 +201,37 @@ def init_rank(spec: dict) -> dict:
     if probe.item() != expected:
         raise RuntimeError(f"all_reduce check gave {probe.item()}, expected {expected}")
 
-    _state.update(
-        rank=spec["rank"],
-        local_rank=spec["local_rank"],
-        world_size=spec["world_size"],
-        device=device,
-    )
-    _fill_namespace(spec, device)
-    if spec.get("metrics_url"):
-        _connect_metrics(spec["metrics_url"], spec["rank"])
-    # Plain str: torch.__version__ is a TorchVersion, and unpickling it would
-    # import torch (seconds) in a kernel that may never need it.
-    return {"device": device, "torch": str(torch.__version__), "threads": torch.get_num_threads()}
+    # The sockets the group opened (store, gloo pairs): what release() shuts down.
+    _rank_control.remember_group_sockets(_rank_control.socket_snapshot() - before)
+    collectives.reset()
+    collectives.install()
+    _rank_control.install()
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group()
+    except Exception:  # a released (broken) group may refuse a clean exit; it is gone anyway
+        dist.distributed_c10d._world.pg_map.clear()
+        dist.distributed_c10d._update_default_pg(None)
+
+
+def rejoin(spec: dict) -> dict:
+    """Form the group again on a rank whose process survived (after a release).
+
+    Only the group changes: the namespace, models and tensors stay. Objects
+    bound to the old group (a ``DistributedDataParallel`` wrapper) must be
+    made again. Returns this rank's last collective before the group was formed again.
+    """
+    from . import collectives
+    from .rank import _state
+
+    before = collectives.last()
+    os.environ["MASTER_PORT"] = str(spec["master_port"])
+    _join_group(spec, _state.get("device", "cpu"))
+    return {"before": before}
 
 
 def _fill_namespace(spec: dict, device: str) -> None:

@@ -10,6 +10,7 @@ callbacks and the loop interleave.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -17,11 +18,27 @@ from collections.abc import Callable, Sequence
 from .errors import NbdistError, RankError, RankFailure, RanksInterrupted
 from .output import OutputMerger, default_sink
 
-__all__ = ["CellTimeout", "RankRun", "submit"]
+__all__ = ["CellTimeout", "RankRun", "output_limit", "submit"]
 
 # How long interrupted ranks get to unwind before the cell gives up on them.
 _INTERRUPT_GRACE_S = 10.0
 _POLL_S = 0.05
+# Characters shown per rank and stream in one cell: beyond it a notebook (and
+# the saved .ipynb) becomes unusable, so the rest is counted, not shown.
+_DEFAULT_OUTPUT_LIMIT = 1 << 20
+
+
+def output_limit() -> int:
+    """Characters of one rank's stdout (or stderr) shown per cell; ``NBDIST_OUTPUT_LIMIT``, 0 = all."""
+    value = os.environ.get("NBDIST_OUTPUT_LIMIT", "")
+    try:
+        return int(value) if value.strip() else _DEFAULT_OUTPUT_LIMIT
+    except ValueError:
+        return _DEFAULT_OUTPUT_LIMIT
+
+
+def _mib(chars: int) -> str:
+    return f"{chars / 2**20:.1f} MiB"
 
 
 class CellTimeout(NbdistError, TimeoutError):
@@ -58,9 +75,13 @@ class RankRun:
         sink=None,
         timeout: float | None = None,
         watch: Callable[[], None] | None = None,
+        guard=None,
     ):
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
+        # nbdist.faults.CellGuard: releases the ranks when one fails, dies or hangs.
+        self._guard = guard
+        self.where_report = ""  # what the ranks were doing when --timeout expired
         self.ranks = list(ranks)
         self._interrupt = interrupt
         self._sink = sink
@@ -68,6 +89,9 @@ class RankRun:
         self._started = time.monotonic()
         self._wake = threading.Event()
         self._consumed = [{"stdout": "", "stderr": "", "outputs": 0} for _ in self.ranks]
+        self._limit = output_limit()
+        self._shown = {}  # (rank, stream) -> characters fed to the merger
+        self.truncated: dict[tuple[int, str], int] = {}  # (rank, stream) -> characters not shown
         self._merger: OutputMerger | None = None
         self._finished = False
         self._results: list | None = None
@@ -85,6 +109,23 @@ class RankRun:
     def done(self) -> bool:
         return self._ar.ready()
 
+    def _child_states(self) -> dict[int, str]:
+        """{rank: 'running' | 'ok' | 'error'} from each rank's own reply."""
+        states = {}
+        for rank, child in zip(self.ranks, self._ar._children):
+            if not child.done():
+                states[rank] = "running"
+            elif child.exception() is not None or isinstance(child.result(), BaseException):
+                states[rank] = "error"
+            else:
+                states[rank] = "ok"
+        return states
+
+    def _all_done(self) -> bool:
+        if self._ar.ready():
+            return True
+        return self._guard is not None and self._guard.finished(self)
+
     # -- output -----------------------------------------------------------
     def _drain(self) -> None:
         merger = self._merger
@@ -95,7 +136,7 @@ class RankRun:
                 text = md[stream] or ""
                 delta = _stream_delta(seen[stream], text)
                 if delta:
-                    merger.feed(rank, stream, delta)
+                    self._feed_limited(rank, stream, delta)
                 seen[stream] = text
             outputs = md["outputs"]
             while seen["outputs"] < len(outputs):
@@ -103,21 +144,49 @@ class RankRun:
                 merger.feed_display(rank, out.get("data", {}), out.get("metadata", {}))
                 seen["outputs"] += 1
 
+    def _feed_limited(self, rank: int, stream: str, delta: str) -> None:
+        key = (rank, stream)
+        if key in self.truncated:
+            self.truncated[key] += len(delta)
+            return
+        shown = self._shown.get(key, 0)
+        if self._limit and shown + len(delta) > self._limit:
+            room = max(0, self._limit - shown)
+            cut = delta.rfind("\n", 0, room) + 1 or room  # end on a whole line when possible
+            part = delta[:cut]
+            self.truncated[key] = len(delta) - len(part)
+            note = (
+                f"nbdist: {stream} truncated after {_mib(self._limit)} in this cell; the rest "
+                "is not shown (write large output to a file; NBDIST_OUTPUT_LIMIT=0 shows all)"
+            )
+            self._merger.feed(
+                rank, stream, part + ("" if part.endswith("\n") else "\n") + note + "\n"
+            )
+            return
+        self._shown[key] = shown + len(delta)
+        self._merger.feed(rank, stream, delta)
+
     def _finish_output(self) -> None:
         # The result can arrive before the last output message; wait briefly for it.
-        self._ar.wait_for_output(timeout=5)
+        # A dead rank's output never completes: do not wait for it.
+        dead = self._guard is not None and self._guard.dead()
+        self._ar.wait_for_output(timeout=0.5 if dead else 5)
         self._drain()
         for rank, md in zip(self.ranks, self._ar._metadata):
             result = md.get("execute_result")
             if result:
                 self._merger.feed_display(rank, result.get("data", {}), result.get("metadata", {}))
+        for (rank, stream), dropped in sorted(self.truncated.items()):
+            self._merger.feed(rank, stream, f"nbdist: {_mib(dropped)} of {stream} not shown\n")
         self._merger.close()
 
     # -- waiting ----------------------------------------------------------
     def _loop(self, deadline: float | None) -> bool:
         """Stream until done; False if the deadline passed first."""
         while True:
-            finished = self._ar.ready()
+            if self._guard is not None:
+                self._guard.poll(self)
+            finished = self._all_done()
             self._drain()
             self._merger.poll()
             if self._watch is not None:
@@ -143,20 +212,34 @@ class RankRun:
         try:
             completed = self._loop(deadline)
         except KeyboardInterrupt:
-            self._interrupt(self.ranks)
-            self._settle()
+            self._stop_ranks()
             raise self._interrupted() from None
         if not completed:
-            self._interrupt(self.ranks)
-            self._settle()
+            if self._guard is not None:
+                # Before anything is interrupted: where every rank is, and in which collective.
+                self.where_report = self._guard.where_report()
+            self._stop_ranks()
+            where = f"\nwhere the ranks were:\n{self.where_report}" if self.where_report else ""
+            note = self._guard.note() if self._guard is not None else ""
             raise CellTimeout(
                 f"the cell ran longer than --timeout {self._timeout:g} s on "
                 f"{len(self.ranks)} rank(s) and was interrupted; raise --timeout or leave it "
-                "out (no limit by default)"
+                f"out (no limit by default){where}" + (f"\n{note}" if note else "")
             )
         self._finished = True
         self._finish_output()
+        if self._guard is not None:
+            self._guard.recover(self)
         return self._result_or_raise()
+
+    def _stop_ranks(self) -> None:
+        """SIGINT to the ranks; release those that do not stop; form the group again."""
+        self._interrupt(self.ranks)
+        if self._guard is not None:
+            self._guard.interrupted()
+        self._settle()
+        if self._guard is not None and self._finished:
+            self._guard.recover(self, interrupted=True)
 
     def _settle(self) -> None:
         """After an interrupt: let ranks unwind, show what they printed, stop waiting."""
@@ -164,7 +247,7 @@ class RankRun:
             self._loop(time.monotonic() + _INTERRUPT_GRACE_S)
         except KeyboardInterrupt:
             pass  # a second Ctrl-C: stop waiting now
-        self._finished = self._ar.ready()
+        self._finished = self._all_done()
         if self._finished:
             self._finish_output()
         else:
@@ -173,8 +256,8 @@ class RankRun:
 
     def _interrupted(self) -> RanksInterrupted:
         if not self._finished:
-            done = [r for r, f in zip(self.ranks, self._ar._children) if f.done()]
-            return RanksInterrupted(None, [r for r in self.ranks if r not in done])
+            running = [r for r, s in self._child_states().items() if s == "running"]
+            return RanksInterrupted(None, running)
         try:
             self._result_or_raise()
         except RankError as stopped:
@@ -183,8 +266,17 @@ class RankRun:
 
     def _result_or_raise(self) -> list:
         if self._results is None:
-            self._results = self._ar.get(return_exceptions=True)
+            if self._ar.ready():
+                self._results = self._ar.get(return_exceptions=True)
+            else:  # a dead rank's reply may never come: each live rank's own
+                self._results = [_child_result(child) for child in self._ar._children]
+        dead = self._guard.dead() if self._guard is not None else {}
         failures = [
+            RankFailure(rank=rank, ename="RankDied", evalue=cause, traceback="")
+            for rank, cause in sorted(dead.items())
+            if rank in self.ranks
+        ]
+        failures += [
             RankFailure(
                 rank=rank,
                 ename=getattr(res, "ename", None) or type(res).__name__,
@@ -192,11 +284,25 @@ class RankRun:
                 traceback=getattr(res, "traceback", None) or "",
             )
             for rank, res in zip(self.ranks, self._results)
-            if isinstance(res, BaseException)
+            if isinstance(res, BaseException) and rank not in dead
         ]
+        released = self._guard.released_from if self._guard is not None else {}
+        genuine = [f for f in failures if f.rank not in released]
+        if genuine:
+            # A released rank's error ("Connection closed by peer") is the release
+            # itself; the note names those ranks, the failures are the cause.
+            failures = genuine
         if failures:
-            raise RankError(failures, world_ranks=self.ranks)
+            note = self._guard.note() if self._guard is not None else ""
+            raise RankError(failures, world_ranks=self.ranks, note=note)
         return list(self._results)
+
+
+def _child_result(child):
+    if not child.done():
+        return None
+    exc = child.exception()
+    return exc if exc is not None else child.result()
 
 
 def submit(
@@ -209,8 +315,11 @@ def submit(
     sink=None,
     timeout: float | None = None,
     watch: Callable[[], None] | None = None,
+    guard=None,
 ) -> RankRun:
     """Send ``code`` to the engines of ``ranks`` (same order) without waiting."""
     view = client[list(engine_ids)]  # a list, even for one rank: per-rank results stay lists
     ar = view.execute(code, silent=False, block=False)
-    return RankRun(ar, ranks, interrupt=interrupt, sink=sink, timeout=timeout, watch=watch)
+    return RankRun(
+        ar, ranks, interrupt=interrupt, sink=sink, timeout=timeout, watch=watch, guard=guard
+    )

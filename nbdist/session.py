@@ -108,6 +108,9 @@ class DistSession:
         self._handle: _cluster.ClusterHandle | None = None
         self._ranks: list[RankInfo] = []
         self.startup_seconds: float | None = None
+        self._monitor = None  # nbdist.faults.RankMonitor: notices ranks dying
+        self._group_released = False  # ranks were released: form the group again
+        self._rendezvous_addr: str | None = None
         # Code run on every rank since the group formed, in order: what %dist_export writes.
         self.cells: list[str] = []
 
@@ -180,12 +183,16 @@ class DistSession:
                 )
                 self._metrics.states = self._rank_states
             self._form_group()
+            self._watch_ranks()
         except BaseException:
             self.stop()
             raise
         self.startup_seconds = time.perf_counter() - t0
         _current = weakref.ref(self)
         _live.add(self)
+        from . import registry  # the JupyterLab sidebar lists running clusters
+
+        registry.register(self)
         return self
 
     def _form_group(self) -> None:
@@ -213,6 +220,7 @@ class DistSession:
             self.placement = placement
         rank0_engine = next(e for e, s in slots.items() if s.rank == 0)
         master_addr = infos[rank0_engine]["address"]
+        self._rendezvous_addr = master_addr
         loopback_only = master_addr.startswith("127.")
         port = client[[rank0_engine]].apply_sync(_bootstrap.open_rendezvous, master_addr)[0]
         pending = {}
@@ -269,6 +277,13 @@ class DistSession:
         if handle is None:
             return []
         _live.discard(self)
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
+        self._group_released = False
+        from . import registry
+
+        registry.unregister(self)
         if handle.client is not None and not handle.owned and self._ranks:
             from . import _bootstrap
 
@@ -320,7 +335,12 @@ class DistSession:
         results and raises :class:`~nbdist.errors.RankError` if any rank raised.
         ``block=False`` returns a :class:`~nbdist.runner.RankRun`; call ``.wait()``.
         """
+        from .faults import CellGuard
+
         chosen = self._select(ranks)
+        self._require_whole()
+        if self._group_released:  # an earlier attempt to form the group again failed
+            self._reform_group()
         run = submit(
             self._handle.client,
             [r.engine_id for r in chosen],
@@ -330,6 +350,7 @@ class DistSession:
             sink=sink,
             timeout=timeout,
             watch=self._metrics.cell_watcher(),
+            guard=CellGuard(self, chosen),
         )
         if not block:
             return run
@@ -348,6 +369,51 @@ class DistSession:
 
         options.setdefault("ranks", max(1, self.world_size))
         return export_script(self.cells, path, **options)
+
+    # -- faults -----------------------------------------------------------
+    def _watch_ranks(self) -> None:
+        from .faults import RankMonitor
+
+        if self._handle.owned:
+            self._monitor = RankMonitor(self._ranks)
+
+    def _dead_ranks(self, among=None) -> dict[int, str]:
+        """{rank: how it died} for ranks whose process ended (or engine vanished)."""
+        if self._handle is None:
+            return {}
+        dead = dict(self._monitor.dead) if self._monitor is not None else {}
+        alive_ids = set(self._handle.client.ids)
+        for info in self._ranks:
+            if info.engine_id not in alive_ids and info.rank not in dead:
+                dead[info.rank] = "its engine stopped answering the controller's heartbeat"
+        return {r: c for r, c in dead.items() if among is None or r in among}
+
+    def _require_whole(self) -> None:
+        dead = self._dead_ranks()
+        if dead:
+            which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
+            raise NbdistError(f"{which}. %dist_restart (or restart()) brings every rank back")
+
+    def _reform_group(self) -> None:
+        """Form the process group again on the same processes (after ranks were released)."""
+        from .faults import reform_group
+
+        reform_group(self)
+
+    def where(self, ranks=None) -> list:
+        """Where each rank is, without stopping it: its Python stack and last collective.
+
+        Returns :class:`nbdist.where.RankWhere` objects; ``nbdist.where.format_where``
+        turns them into the ``%dist_where`` report.
+        """
+        from .where import RankWhere, ask
+
+        chosen = self._select(ranks)
+        dead = self._dead_ranks()
+        found = {w.rank: w for w in ask(self.client, [r for r in chosen if r.rank not in dead])}
+        for rank, cause in dead.items():
+            found[rank] = RankWhere(rank, answered=False, note=f"dead: {cause}")
+        return [found[r.rank] for r in chosen if r.rank in found]
 
     def apply(self, fn: Callable, *args, ranks=None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on the ranks; returns results in rank order."""

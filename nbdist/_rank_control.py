@@ -1,0 +1,178 @@
+"""Rank side of hang diagnosis and release: answered while the rank is busy.
+
+A rank blocked in a collective cannot run a cell, and SIGINT does not land
+while it waits in native code (gloo measured: 58.8 s, the group's timeout).
+So nbdist answers two requests on the engine's *control* channel, which
+ipykernel serves on its own thread (the one that also serves
+``signal_request``), HMAC-signed like every ipyparallel message:
+
+``where``
+    this rank's Python stack (main thread, from the cell's frame down) and
+    the last collective it entered (:mod:`nbdist.collectives`).
+``release``
+    break this rank out of the collective it waits in. NCCL: abort the
+    communicators (``_abort_process_group``). gloo has no abort (its
+    ``abort()`` is a no-op in torch 2.13), so nbdist shuts down the group's
+    own TCP sockets, remembered when the group formed: the blocked wait
+    then fails at once with "Connection closed". The process, its
+    variables and its models stay; the group must be formed again
+    (:func:`nbdist._bootstrap.rejoin`).
+
+Blocking waits release the GIL, so the control thread runs while the main
+thread waits. A rank stuck in native code that holds the GIL does not answer;
+the kernel side reports that instead of waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import traceback
+
+__all__ = ["group_sockets", "install", "release", "remember_group_sockets", "where"]
+
+REQUEST = "nbdist_request"
+REPLY = "nbdist_reply"
+
+# (fd, inode) of the sockets the process group opened; inode-checked before use
+# so that a reused fd number is never touched.
+_group_sockets: set[tuple[int, str]] = set()
+_released = False
+
+
+def _socket_fds() -> set[tuple[int, str]]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.add((int(name), target))
+    return found
+
+
+def socket_snapshot() -> set[tuple[int, str]]:
+    """The sockets open now; diff two snapshots to find what a step opened."""
+    return _socket_fds() if os.path.isdir("/proc/self/fd") else set()
+
+
+def remember_group_sockets(opened: set[tuple[int, str]]) -> None:
+    """Record the sockets the group opened (rendezvous store and gloo pairs)."""
+    global _released
+    _group_sockets.clear()
+    _group_sockets.update(opened)
+    _released = False
+
+
+def group_sockets() -> set[tuple[int, str]]:
+    return set(_group_sockets)
+
+
+def released() -> bool:
+    """True once :func:`release` ran since the group formed: it must be formed again."""
+    return _released
+
+
+def release() -> dict:
+    """Make every collective this rank waits in fail now; returns what was done."""
+    global _released
+    import torch.distributed as dist
+
+    _released = True
+    if not dist.is_initialized():
+        return {"action": "none", "detail": "no process group"}
+    backend = dist.get_backend()
+    if backend == "nccl":
+        # NCCL has a real abort; it also ends the communicators' watchdog waits.
+        dist.distributed_c10d._abort_process_group()
+        return {"action": "abort", "detail": "nccl communicators aborted"}
+    current = _socket_fds()
+    closed = 0
+    for entry in _group_sockets & current:
+        try:
+            # A dup shares the open file description: shutdown() on it wakes
+            # gloo's blocked reads with EOF; closing only the dup leaves gloo's
+            # own fd valid (no fd number is freed under gloo's feet).
+            dup = socket.socket(fileno=os.dup(entry[0]))
+        except OSError:
+            continue
+        try:
+            # Listening sockets stay: gloo's listener thread aborts the whole
+            # process when accept() fails.
+            if not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                dup.shutdown(socket.SHUT_RDWR)
+                closed += 1
+        except OSError:
+            pass
+        finally:
+            dup.close()
+    return {"action": "shutdown", "detail": f"{closed} group sockets shut down"}
+
+
+def _cell_frames(frame) -> list:
+    """The main thread's frames from the user's cell down (innermost last)."""
+    stack = traceback.extract_stack(frame)
+    start = None
+    for i, entry in enumerate(stack):
+        if entry.name == "run_code" and "interactiveshell" in entry.filename:
+            start = i + 1
+    if start is None:
+        for i, entry in enumerate(stack):  # apply requests: ipyparallel's do_apply
+            if entry.name == "do_apply":
+                start = i + 1
+    frames = [] if start is None else stack[start:]
+    # nbdist's own wrapper around each collective is noise in a user's stack.
+    return [f for f in frames if not f.filename.endswith(os.path.join("nbdist", "collectives.py"))]
+
+
+def where() -> dict:
+    """This rank's main-thread stack (from the cell down) and last collective."""
+    from . import collectives
+    from .rank import _state
+
+    main = threading.main_thread()
+    frame = sys._current_frames().get(main.ident)
+    frames = _cell_frames(frame) if frame is not None else []
+    return {
+        "rank": _state.get("rank"),
+        "pid": os.getpid(),
+        "busy": bool(frames),
+        "stack": [
+            {"file": f.filename, "line": f.lineno, "name": f.name, "code": (f.line or "").strip()}
+            for f in frames
+        ],
+        "collective": collectives.last(),
+        "released": _released,
+    }
+
+
+def _handle(kernel, stream, idents, parent) -> None:
+    content = parent.get("content", {})
+    action = content.get("action")
+    try:
+        if action == "where":
+            reply = {"status": "ok", "where": where()}
+        elif action == "release":
+            reply = {"status": "ok", "release": release()}
+        else:
+            reply = {"status": "error", "ename": "ValueError", "evalue": f"unknown {action!r}"}
+    except Exception as exc:  # the reply must go out whatever happened
+        reply = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc)}
+    kernel.session.send(stream, REPLY, content=reply, parent=parent, ident=idents)
+
+
+def install() -> bool:
+    """Serve nbdist's control requests on this engine (idempotent); False outside an engine."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    kernel = getattr(shell, "kernel", None)
+    if kernel is None or not hasattr(kernel, "control_handlers"):
+        return False
+    kernel.control_handlers[REQUEST] = lambda stream, idents, parent: _handle(
+        kernel, stream, idents, parent
+    )
+    return True

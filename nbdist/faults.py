@@ -1,0 +1,318 @@
+"""Kernel side of faults: ranks that die, fail or hang while others wait in a collective.
+
+Two pieces, used by :class:`~nbdist.session.DistSession` and the cell runner:
+
+:class:`RankMonitor`
+    one thread per session that waits on a ``pidfd`` per local rank: the
+    kernel learns that a rank died the moment it exits (not after missed
+    heartbeats), and reads how it died (``/proc/<pid>/stat``'s exit status,
+    readable until the engine's parent reaps it). Ranks of an attached
+    cluster are watched through the controller (an engine that stops
+    beating is unregistered after ~1 s).
+:class:`CellGuard`
+    consulted by the cell's waiting loop. When a rank failed and the others
+    are still running after a short grace, or when a rank died, or when an
+    interrupted rank does not stop, it *releases* the ranks: every live rank
+    breaks out of its collective (see :mod:`nbdist._rank_control`) and
+    ranks still computing get SIGINT. After the cell the group is formed
+    again on the surviving processes (their variables and models stay).
+
+Example (what a notebook user sees)::
+
+    %%on_all_ranks
+    if rank == 1:
+        raise ValueError("bad batch")
+    dist.all_reduce(t)          # rank 0 would wait here for 30 minutes
+    # -> RankError: rank 1: ValueError: bad batch
+    #    rank 0: released from all_reduce #3 (rank 1 failed); the process group was formed again
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+
+__all__ = ["CellGuard", "RankMonitor", "death_cause", "reform_group"]
+
+# After one rank failed, how long the others may finish by themselves before
+# they are released: long enough for ranks that were about to return, far
+# shorter than the 5 s a user waits before suspecting a hang.
+FAILURE_GRACE_S = 0.5
+# After an interrupt, how long ranks get to stop on SIGINT alone.
+INTERRUPT_GRACE_S = 0.5
+
+
+def death_cause(status: int | None) -> str:
+    """Words for a ``waitpid`` status (None: not known)."""
+    if status is None:
+        return "exited (exit status not available)"
+    sig = status & 0x7F
+    if sig:
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        if sig == signal.SIGKILL:
+            return (
+                f"killed by {name} (signal {sig}): kill -9, or the kernel's out-of-memory "
+                "killer (dmesg names it)" + _oom_hint()
+            )
+        if sig == signal.SIGSEGV:
+            return f"crashed: segmentation fault ({name}, signal {sig}) in native code"
+        return f"killed by {name} (signal {sig})"
+    return f"exited with code {(status >> 8) & 0xFF}"
+
+
+def _oom_kills() -> int | None:
+    try:
+        with open("/sys/fs/cgroup/memory.events") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+_OOM_AT_IMPORT = _oom_kills()
+
+
+def _oom_hint() -> str:
+    now = _oom_kills()
+    if now is not None and _OOM_AT_IMPORT is not None and now > _OOM_AT_IMPORT:
+        return "; this machine's memory cgroup recorded an out-of-memory kill"
+    return ""
+
+
+def _exit_status(pid: int) -> int | None:
+    """The exit status of a zombie (field 52 of /proc/<pid>/stat, Linux >= 3.5)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rpartition(")")[2].split()
+    # fields[0] is field 3 (state); exit_code is field 52.
+    if len(fields) < 50 or fields[0] != "Z":
+        return None
+    return int(fields[49])
+
+
+class RankMonitor:
+    """Notices local ranks dying, at once, and records how (``dead``: {rank: cause})."""
+
+    def __init__(self, ranks, on_death=None) -> None:
+        self.dead: dict[int, str] = {}
+        self._on_death = on_death
+        self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
+        for info in ranks:
+            try:
+                fd = os.pidfd_open(info.pid)
+            except (OSError, AttributeError):  # gone already, or no pidfd (old kernel)
+                continue
+            self._fds[fd] = (info.rank, info.pid)
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._watch, name="nbdist-rank-monitor", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        for fd in self._fds:
+            poller.register(fd, select.POLLIN)
+        poller.register(self._stop_r, select.POLLIN)
+        while self._fds:
+            for fd, _ in poller.poll():
+                if fd == self._stop_r:
+                    return
+                rank, pid = self._fds.pop(fd)
+                poller.unregister(fd)
+                # Read before the engine's parent reaps it (it polls every 0.1 s).
+                self.dead[rank] = f"pid {pid} {death_cause(_exit_status(pid))}"
+                os.close(fd)
+                if self._on_death is not None:
+                    self._on_death(rank)
+
+    def stop(self) -> None:
+        try:
+            os.write(self._stop_w, b"x")
+        except OSError:
+            pass
+        self._thread.join(timeout=2)
+        for fd in [*self._fds, self._stop_r, self._stop_w]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+
+class CellGuard:
+    """Watches one cell's ranks: releases the others when one fails, hangs or dies."""
+
+    def __init__(self, session, ranks) -> None:
+        self.session = session
+        self.ranks = list(ranks)  # RankInfo of the cell's ranks, in run order
+        self.released_from: dict[int, str] = {}  # rank -> what it was released from
+        self.release_reason = ""
+        self.released = False
+        self._first_failure: float | None = None
+        self._interrupted_at: float | None = None
+        self.reformed = ""  # what happened to the group after a release
+
+    # -- what the waiting loop calls ----------------------------------------
+    def dead(self) -> dict[int, str]:
+        """{rank: cause} of this cell's ranks that died."""
+        return self.session._dead_ranks({r.rank for r in self.ranks})
+
+    def poll(self, run) -> None:
+        """Each pass of the waiting loop: release the ranks if the cell cannot finish."""
+        if self.released:
+            return
+        dead = self.dead()
+        if dead:
+            which = ", ".join(f"rank {r}" for r in sorted(dead))
+            self.release(run, f"{which} died")
+            return
+        states = run._child_states()
+        failed = [r for r, s in states.items() if s == "error"]
+        running = [r for r, s in states.items() if s == "running"]
+        now = time.monotonic()
+        if self._interrupted_at is not None:
+            # Interrupted ranks fail with KeyboardInterrupt: that is no cause to name.
+            if running and now - self._interrupted_at >= INTERRUPT_GRACE_S:
+                self.release(run, "the cell was interrupted")
+        elif failed and running:
+            if self._first_failure is None:
+                self._first_failure = now
+            elif now - self._first_failure >= FAILURE_GRACE_S:
+                which = ", ".join(f"rank {r}" for r in failed)
+                self.release(run, f"{which} failed")
+
+    def interrupted(self) -> None:
+        """SIGINT went to the ranks; release them if it does not land soon."""
+        if self._interrupted_at is None:
+            self._interrupted_at = time.monotonic()
+
+    def finished(self, run) -> bool:
+        """Every rank returned, or died (a dead rank's reply may never come)."""
+        dead = self.dead()
+        return all(
+            state != "running" or rank in dead for rank, state in run._child_states().items()
+        )
+
+    def release(self, run, reason: str) -> None:
+        """Break every live rank out of its collective; SIGINT the ranks still computing."""
+        from .where import ask, control_request
+
+        session = self.session
+        self.released = True
+        self.release_reason = reason
+        dead = session._dead_ranks()
+        live = [r for r in session.ranks if r.rank not in dead]
+        running = set(r for r, s in run._child_states().items() if s == "running") - set(dead)
+        client = session.client
+        found = {
+            w.rank: w for w in ask(client, [r for r in live if r.rank in running], timeout=1.0)
+        }
+        control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
+        session._group_released = True
+        computing = []
+        for rank in sorted(running):
+            w = found.get(rank)
+            c = w.collective if w is not None else None
+            if c is not None and c["inside"]:
+                self.released_from[rank] = f"{c['op']} #{c['seq']}"
+            else:
+                computing.append(rank)
+                self.released_from[rank] = "its running code (interrupted)"
+        if computing:
+            session.interrupt(computing)
+
+    def where_report(self) -> str:
+        """The ranks' stacks and last collectives (for a cell past its ``--timeout``)."""
+        from .where import ask, format_where
+
+        live = [r for r in self.ranks if r.rank not in self.dead()]
+        try:
+            return format_where(ask(self.session.client, live))
+        except Exception as exc:  # a diagnosis must never hide the timeout itself
+            return f"(could not ask the ranks: {exc})"
+
+    def recover(self, run, *, interrupted: bool = False) -> None:
+        """After the cell: form the group again if it was released or left inconsistent."""
+        from .where import ask, control_request
+
+        session = self.session
+        if session._dead_ranks():
+            return  # a full group needs every rank: %dist_restart
+        if interrupted and not self.released:
+            # Ranks that stopped at different collectives (one returned from #7,
+            # another never entered it) would pair the wrong calls from now on.
+            found = ask(session.client, session.ranks, timeout=2.0)
+            seqs = {w.collective["seq"] if w.collective else 0 for w in found}
+            stuck = any(w.collective and w.collective["inside"] for w in found)
+            if len(seqs) > 1 or stuck or not all(w.answered for w in found):
+                control_request(
+                    session.client, [r.engine_id for r in session.ranks], "release", 2.0
+                )
+                session._group_released = True
+                self.released = True
+                self.release_reason = "the ranks stopped at different collectives"
+        if session._group_released:
+            try:
+                session._reform_group()
+                self.reformed = "the process group was formed again; variables and models are kept"
+            except Exception as exc:
+                self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
+
+    def note(self) -> str:
+        """The line added to the cell's error: which ranks were released, what happens next."""
+        if not self.released:
+            return ""
+        parts = [f"rank {r} from {what}" for r, what in sorted(self.released_from.items())]
+        head = self.release_reason + (
+            f"; the others were released: {', '.join(parts)}" if parts else ""
+        )
+        if self.session._dead_ranks():
+            return head + ". %dist_restart brings the full set of ranks back."
+        return head + (
+            f". {self.reformed[0].upper()}{self.reformed[1:]}." if self.reformed else "."
+        )
+
+
+def reform_group(session) -> None:
+    """Form the session's process group again on the same processes (a new rendezvous).
+
+    Only the group changes on the ranks: namespaces, models and tensors stay.
+    """
+    from . import _bootstrap
+    from .runner import RankRun
+
+    session._group_released = True
+    client, opts = session.client, session.options
+    rank0 = session.ranks[0]
+    rendezvous = client[[rank0.engine_id]].apply_async(
+        _bootstrap.open_rendezvous, session._rendezvous_addr
+    )
+    port = RankRun(rendezvous, [0], interrupt=session.interrupt).wait()[0]
+    base = dict(
+        world_size=session.world_size, master_addr=session._rendezvous_addr, master_port=port,
+        backend=session.backend, timeout=opts["group_timeout"],
+    )  # fmt: skip
+    ar = client[[r.engine_id for r in session.ranks]].apply_async(_rejoin_as_rank, base)
+    run = RankRun(ar, [r.rank for r in session.ranks], interrupt=session.interrupt)
+    run._timeout = opts["timeout"]
+    run.wait()
+    session._group_released = False
+
+
+def _rejoin_as_rank(base: dict) -> dict:
+    # Runs on each rank: its rank number comes from its own state.
+    from nbdist._bootstrap import rejoin
+    from nbdist.rank import _state
+
+    return rejoin({**base, "rank": _state["rank"]})

@@ -1,0 +1,126 @@
+"""Where is each rank? Stacks and last collectives, read from busy ranks without stopping them.
+
+:func:`ask` sends a request on each engine's control channel (served by the
+rank's control thread, see :mod:`nbdist._rank_control`), so it works while a
+cell runs or hangs. :func:`diagnose` compares the ranks' last collectives and
+names the ones the others wait for. ``%dist_where`` and a cell's ``--timeout``
+show :func:`format_where`'s report.
+
+Example::
+
+    s = nbdist.current_session()
+    print(nbdist.where.format_where(s.where()))
+    # rank 0: inside all_reduce #118 for 12.0 s
+    #   File "<cell>", line 4, in <module>: dist.all_reduce(t)
+    # rank 1: never entered all_reduce #118 (last: all_reduce #117, returned 12.1 s ago)
+    #   File "<cell>", line 3, in <module>: time.sleep(60)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["RankWhere", "ask", "diagnose", "format_where"]
+
+# How long an unanswered rank is waited for: a rank that holds the GIL in native code never answers.
+_ANSWER_TIMEOUT_S = 3.0
+
+
+@dataclass
+class RankWhere:
+    """What one rank is doing: its stack (innermost last) and last collective."""
+
+    rank: int
+    answered: bool
+    busy: bool = False
+    stack: list[dict] = field(default_factory=list)
+    collective: dict | None = None
+    note: str = ""
+
+
+def control_request(client, engine_ids: Sequence[int], action: str, timeout: float) -> list:
+    """Send nbdist's control ``action`` to the engines; replies (or None) in the same order."""
+    from ._rank_control import REQUEST
+
+    futures = [
+        client._send_control_request(
+            targets=[eid], msg_type=REQUEST, content={"action": action}, block=False
+        )
+        for eid in engine_ids
+    ]
+    deadline = time.monotonic() + timeout
+    replies = []
+    for future in futures:
+        try:
+            msgs = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception:  # no answer in time, or the engine is gone
+            replies.append(None)
+            continue
+        msg = msgs[0] if isinstance(msgs, list) else msgs
+        content = msg["content"]
+        replies.append(content if content.get("status") == "ok" else None)
+    return replies
+
+
+def ask(client, ranks: Sequence, *, timeout: float = _ANSWER_TIMEOUT_S) -> list[RankWhere]:
+    """Each rank's :class:`RankWhere` (``ranks``: RankInfo objects); nothing is interrupted."""
+    replies = control_request(client, [r.engine_id for r in ranks], "where", timeout)
+    found = []
+    for info, reply in zip(ranks, replies):
+        if reply is None:
+            found.append(
+                RankWhere(
+                    info.rank,
+                    answered=False,
+                    note=f"no answer within {timeout:g} s (dead, or native code holding the GIL)",
+                )
+            )
+            continue
+        w = reply["where"]
+        found.append(
+            RankWhere(info.rank, True, busy=w["busy"], stack=w["stack"], collective=w["collective"])
+        )
+    return found
+
+
+def diagnose(found: Sequence[RankWhere]) -> dict[int, str]:
+    """One line per rank: inside which collective, or which one it never entered.
+
+    The collective the ranks wait in is the highest sequence number any rank is
+    inside; a rank whose last collective is older "never entered" it.
+    """
+    waiting = [w.collective for w in found if w.collective and w.collective["inside"]]
+    target = max(waiting, key=lambda c: c["seq"]) if waiting else None
+    lines = {}
+    for w in found:
+        c = w.collective
+        if not w.answered:
+            lines[w.rank] = w.note
+        elif c is not None and c["inside"]:
+            lines[w.rank] = f"inside {c['op']} #{c['seq']} for {c['seconds']:.1f} s"
+        elif target is not None and (c is None or c["seq"] < target["seq"]):
+            last = "none yet" if c is None else _done(c)
+            lines[w.rank] = f"never entered {target['op']} #{target['seq']} (last: {last})"
+        elif c is not None:
+            lines[w.rank] = f"last collective {_done(c)}" + ("" if w.busy else "; idle")
+        else:
+            lines[w.rank] = "no collective since the group formed" + ("" if w.busy else "; idle")
+    return lines
+
+
+def _done(c: dict) -> str:
+    return f"{c['op']} #{c['seq']}, returned {c['seconds']:.1f} s ago"
+
+
+def format_where(found: Sequence[RankWhere], *, frames: int = 6) -> str:
+    """The report: per rank, its diagnosis and the innermost ``frames`` of its stack."""
+    lines = diagnose(found)
+    out = []
+    for w in found:
+        out.append(f"rank {w.rank}: {lines[w.rank]}")
+        for f in w.stack[-frames:]:
+            code = f": {f['code']}" if f["code"] else ""
+            out.append(f'  File "{f["file"]}", line {f["line"]}, in {f["name"]}{code}')
+    return "\n".join(out)

@@ -1,0 +1,168 @@
+"""A rank fails, hangs or is interrupted while the others wait in a collective (2 real gloo ranks).
+
+The group's own timeout is set to 60 s here: without nbdist releasing the
+ranks, these cells would end with a gloo timeout after a minute (30 minutes
+with torch's default) and the assertions on the release below would fail.
+"""
+
+from __future__ import annotations
+
+import _thread
+import re
+import threading
+
+import pytest
+
+import nbdist
+from nbdist.errors import RankError, RanksInterrupted
+from nbdist.output import ListSink
+from nbdist.runner import CellTimeout
+from nbdist.where import diagnose
+
+
+@pytest.fixture(scope="module")
+def session():
+    s = nbdist.DistSession(2, timeout=120, group_timeout=60, history=False)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]", "", text)
+
+
+def _reduce_works(session) -> None:
+    session.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t)", sink=ListSink())
+    assert [t.item() for t in session.pull("t")] == [3.0, 3.0]
+
+
+def test_a_failing_rank_releases_the_other_and_state_survives(session):
+    session.run(
+        "kept = rank * 10\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 2)\n"
+        "w_before = model.weight.detach().clone()",
+        sink=ListSink(),
+    )
+    pids = [r.pid for r in session.ranks]
+    with pytest.raises(RankError) as info:
+        session.run(
+            "t = torch.ones(1)\n"
+            "if rank == 1:\n"
+            "    raise ValueError('bad batch on rank 1')\n"
+            "dist.all_reduce(t)\n",
+            sink=ListSink(),
+        )
+    err = info.value
+    # The failing rank and its traceback; the released rank is named, not blamed.
+    assert err.ranks == [1]
+    assert err.failures[0].ename == "ValueError"
+    assert "raise ValueError('bad batch on rank 1')" in _plain(err.failures[0].traceback)
+    assert "rank 1 failed; the others were released: rank 0 from all_reduce #1" in str(err)
+    assert "formed again; variables and models are kept" in str(err)
+    # Same processes, same state, and the group works without a restart.
+    assert [r.pid for r in session.ranks] == pids
+    assert session.pull("kept") == [0, 10]
+    session.run("same = bool((model.weight == w_before).all())", sink=ListSink())
+    assert session.pull("same") == [True, True]
+    _reduce_works(session)
+
+
+def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
+    with pytest.raises(RankError) as info:
+        session.run(
+            "import time\n"
+            "if rank == 0:\n"
+            "    raise RuntimeError('rank 0 gives up')\n"
+            "time.sleep(120)\n"
+            "dist.all_reduce(torch.ones(1))\n",
+            sink=ListSink(),
+        )
+    assert info.value.ranks == [0]
+    assert "rank 1 from its running code (interrupted)" in str(info.value)
+    _reduce_works(session)
+
+
+def test_interrupt_while_blocked_in_a_collective(session):
+    # Rank 0 waits in all_reduce for rank 1, which sleeps: SIGINT alone would not
+    # reach rank 0 before the group's timeout.
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(RanksInterrupted) as info:
+            session.run(
+                "import time\nif rank == 1:\n    time.sleep(120)\ndist.all_reduce(torch.ones(1))",
+                sink=ListSink(),
+            )
+    finally:
+        timer.cancel()
+    assert info.value.still_running == ()
+    assert str(info.value) == "interrupted; every rank stopped"
+    _reduce_works(session)
+
+
+def test_ranks_stopped_at_different_collectives_get_a_fresh_group(session):
+    # Rank 0 posts a send (its collective count moves on) and both then sleep:
+    # SIGINT stops both in Python, at different collective counts.
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(RanksInterrupted):
+            session.run(
+                "import time\nif rank == 0:\n    dist.broadcast(torch.ones(1), 0, async_op=True)\ntime.sleep(120)",
+                sink=ListSink(),
+            )
+    finally:
+        timer.cancel()
+    session.run("from nbdist import collectives\nlast = collectives.last()", sink=ListSink())
+    assert session.pull("last") == [None, None]  # counting restarted with a new group
+    _reduce_works(session)
+
+
+def test_where_shows_who_never_entered_the_collective_without_stopping_anything(session):
+    run = session.run(
+        "import time\n"
+        "dist.barrier()\n"
+        "if rank == 1:\n"
+        "    time.sleep(120)  # rank 1 is late\n"
+        "dist.all_reduce(torch.ones(1))\n",
+        block=False,
+        sink=ListSink(),
+    )
+    try:
+        found = []
+        for _ in range(200):  # until rank 0 is inside its all_reduce
+            found = session.where()
+            c = found[0].collective
+            if c and c["inside"] and c["op"] == "all_reduce":
+                break
+        seq = found[0].collective["seq"]
+        lines = diagnose(found)
+        assert lines[0].startswith(f"inside all_reduce #{seq} for ")
+        assert lines[1].startswith(f"never entered all_reduce #{seq} (last: barrier #{seq - 1},")
+        assert any("time.sleep(120)" in f["code"] for f in found[1].stack)
+        assert any("dist.all_reduce" in f["code"] for f in found[0].stack)
+        assert not run.done()  # asking stopped nothing
+    finally:
+        session.interrupt([1])
+        with pytest.raises(RankError):
+            run.wait()
+    _reduce_works(session)
+
+
+def test_timeout_reports_where_each_rank_was(session):
+    with pytest.raises(CellTimeout) as info:
+        session.run(
+            "import time\ndist.barrier()\nif rank == 0:\n    time.sleep(120)\n"
+            "dist.all_reduce(torch.ones(1))",
+            timeout=2,
+            sink=ListSink(),
+        )
+    text = str(info.value)
+    seq = int(re.search(r"rank 1: inside all_reduce #(\d+) for ", text).group(1))
+    assert f"rank 0: never entered all_reduce #{seq} (last: barrier #{seq - 1}," in text
+    assert "time.sleep(120)" in text
+    assert "the cell was interrupted; the others were released: " in text
+    assert f"rank 1 from all_reduce #{seq}. The process group was formed again" in text
+    _reduce_works(session)
