@@ -1,0 +1,273 @@
+"""``%dist_start N --launcher slurm|ssh|mpi``: the options users need, as ipyparallel launcher config.
+
+nbdist does not manage clusters itself: ipyparallel's launchers start the
+engines (an ``sbatch`` job, ``ssh`` to each host, ``mpiexec``) and its
+controller stays here, in the notebook's machine. This module turns the few
+options a user gives (partition, time, account, hosts, ...) into that
+launcher's traitlets configuration, checked before anything starts. Pure
+logic: tested on the configuration (and the batch script ipyparallel writes
+from it) without Slurm.
+
+Engines on other hosts must reach the controller, so these launchers need
+``--ip``: an address of this machine on the cluster's network. Loopback is
+refused with that fix; nothing listens beyond loopback unless asked.
+
+Example::
+
+    >>> plan = plan_launch("slurm", 16, ip="10.1.0.5", partition="gpu", time="01:00:00",
+    ...                    gpus_per_node=8)
+    >>> plan.engine_launcher, plan.n
+    ('slurm', 16)
+    >>> print(plan.config["SlurmEngineSetLauncher"]["batch_template"])  # doctest: +ELLIPSIS
+    #!/bin/sh
+    ...
+    #SBATCH --partition=gpu
+    ...
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .errors import PlacementError
+
+__all__ = ["LAUNCHERS", "LaunchPlan", "parse_hosts", "parse_launch_options", "plan_launch"]
+
+# The launchers nbdist documents and checks; others pass through to ipyparallel unchecked.
+LAUNCHERS = ("slurm", "ssh", "mpi")
+_SLURM_TIME = re.compile(
+    r"^(\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+|\d+-\d+:\d{2}|\d+-\d+:\d{2}:\d{2})$"
+)
+_SAFE = re.compile(r"^[A-Za-z0-9_.,:@=+/\-]+$")
+_OPTIONS = {
+    "slurm": ("partition", "time", "account", "qos", "nodes", "gpus_per_node", "cpus_per_task",
+              "sbatch"),
+    "ssh": ("hosts", "python", "ssh_args"),
+    "mpi": ("hosts", "mpi_args", "mpi_cmd"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What to hand ipyparallel: the engine launcher's name, ``n``, and config by class."""
+
+    engine_launcher: str
+    n: int
+    config: dict = field(default_factory=dict)  # {"SlurmEngineSetLauncher": {"queue": ...}}
+
+    def traitlets_config(self):
+        """The config as a ``traitlets.config.Config`` (merge it into the cluster's)."""
+        from traitlets.config import Config
+
+        return Config({cls: dict(values) for cls, values in self.config.items()})
+
+
+def parse_hosts(text: str | Mapping[str, int]) -> dict[str, int]:
+    """'node1:4,node2:4' (or {'node1': 4}) -> {'node1': 4, 'node2': 4}; a bare host means 1."""
+    if isinstance(text, Mapping):
+        items = [(str(h), c) for h, c in text.items()]
+    else:
+        items = []
+        for part in str(text).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            host, _, count = part.rpartition(":") if ":" in part else (part, "", "1")
+            if not host or not count.isdigit():
+                raise PlacementError(
+                    f"hosts {text!r}: write them like node1:4,node2:4 (host:ranks), got {part!r}"
+                )
+            items.append((host, int(count)))
+    hosts: dict[str, int] = {}
+    for host, count in items:
+        if not _SAFE.match(host) or not isinstance(count, int) or count < 1:
+            raise PlacementError(
+                f"hosts: {host!r} with {count!r} ranks is not usable: give a host name "
+                "(or user@host) and a whole number of ranks >= 1, e.g. node1:4"
+            )
+        hosts[host] = hosts.get(host, 0) + count
+    if not hosts:
+        raise PlacementError(f"hosts {text!r} names no host: write them like node1:4,node2:4")
+    return hosts
+
+
+def parse_launch_options(items: list[str] | None) -> dict[str, str]:
+    """['partition=gpu', 'time=1:00:00'] (from repeated --launch-opt) -> a dict."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise PlacementError(
+                f"launcher option {item!r}: write it as KEY=VALUE, e.g. partition=gpu"
+            )
+        out[key.strip().replace("-", "_")] = value.strip()
+    return out
+
+
+def _check_ip(launcher: str, ip: str) -> None:
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        raise PlacementError(
+            f"--ip {ip!r} is not an IP address: give this machine's address on the cluster "
+            "network, e.g. --ip 10.1.0.5"
+        ) from None
+    if address.is_loopback:
+        raise PlacementError(
+            f"--launcher {launcher} starts engines on other hosts, which cannot reach a "
+            f"controller on {ip}: pass --ip with this machine's address on the cluster "
+            "network (e.g. --ip 10.1.0.5; `hostname -I` lists them)"
+        )
+
+
+def _word(name: str, value) -> str:
+    text = str(value)
+    if not _SAFE.match(text):
+        raise PlacementError(
+            f"{name} {text!r} has characters a batch script would misread: use letters, "
+            "digits and . , : - _ / = + @ only"
+        )
+    return text
+
+
+def _count(name: str, value) -> int:
+    text = str(value)
+    if not text.isdigit() or int(text) < 1:
+        raise PlacementError(f"{name} {text!r}: give a whole number >= 1")
+    return int(text)
+
+
+def _slurm(n: int, opts: dict) -> dict:
+    lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+             "#SBATCH --ntasks={n}"]  # fmt: skip
+    if opts.get("partition"):
+        lines.append(f"#SBATCH --partition={_word('partition', opts['partition'])}")
+    if opts.get("account"):
+        lines.append(f"#SBATCH --account={_word('account', opts['account'])}")
+    if opts.get("qos"):
+        lines.append(f"#SBATCH --qos={_word('qos', opts['qos'])}")
+    if opts.get("time"):
+        if not _SLURM_TIME.match(str(opts["time"])):
+            raise PlacementError(
+                f"time {opts['time']!r} is not a Slurm time limit: use minutes, HH:MM:SS or "
+                "D-HH:MM:SS, e.g. time=01:00:00"
+            )
+        lines.append(f"#SBATCH --time={opts['time']}")
+    per_node = opts.get("gpus_per_node")
+    nodes = opts.get("nodes")
+    if per_node is not None:
+        per_node = _count("gpus_per_node", per_node)
+        if n % per_node:
+            raise PlacementError(
+                f"{n} ranks do not fill nodes of {per_node} GPUs: start a multiple of "
+                f"{per_node} ranks (one per GPU), e.g. {per_node * max(1, n // per_node)}"
+            )
+        nodes = nodes if nodes is not None else n // per_node
+        # One engine per GPU, each seeing all of its node's GPUs: nbdist narrows
+        # CUDA_VISIBLE_DEVICES to the rank's own (by local rank) when it attaches.
+        lines += [f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --gpus-per-node={per_node}"]
+    if nodes is not None:
+        nodes = _count("nodes", nodes)
+        if nodes > n:
+            raise PlacementError(f"nodes={nodes} is more than the {n} ranks: ask for <= {n} nodes")
+        lines.append(f"#SBATCH --nodes={nodes}")
+    if opts.get("cpus_per_task"):
+        lines.append(f"#SBATCH --cpus-per-task={_count('cpus_per_task', opts['cpus_per_task'])}")
+    for extra in shlex.split(str(opts.get("sbatch") or "")):
+        if not extra.startswith("--"):
+            raise PlacementError(f"sbatch option {extra!r}: give long options, e.g. --mem=64G")
+        lines.append(f"#SBATCH {_word('sbatch option', extra)}")
+    lines.append("srun {program_and_args}")
+    return {"SlurmEngineSetLauncher": {"batch_template": "\n".join(lines) + "\n"}}
+
+
+def _ssh(n: int | None, opts: dict) -> tuple[int, dict]:
+    if not opts.get("hosts"):
+        raise PlacementError(
+            "--launcher ssh needs the hosts and ranks on each: e.g. hosts=node1:4,node2:4"
+        )
+    hosts = parse_hosts(opts["hosts"])
+    total = sum(hosts.values())
+    if n is not None and n != total:
+        raise PlacementError(
+            f"{n} ranks but the hosts list {total} ({opts['hosts']}): make them agree, "
+            f"or leave out the number of ranks"
+        )
+    config = {"engines": hosts}
+    if opts.get("python"):
+        config["remote_python"] = _word("python", opts["python"])
+    if opts.get("ssh_args"):
+        config["ssh_args"] = shlex.split(str(opts["ssh_args"]))
+    return total, {"SSHEngineSetLauncher": config}
+
+
+def _mpi(n: int | None, opts: dict) -> tuple[int, dict]:
+    config: dict = {}
+    args: list[str] = []
+    if opts.get("hosts"):
+        hosts = parse_hosts(opts["hosts"])
+        total = sum(hosts.values())
+        if n is not None and n != total:
+            raise PlacementError(
+                f"{n} ranks but the hosts list {total} ({opts['hosts']}): make them agree"
+            )
+        n = total
+        args += ["--host", ",".join(f"{h}:{c}" for h, c in hosts.items())]
+    if n is None:
+        raise PlacementError("--launcher mpi needs the number of ranks, e.g. %dist_start 8")
+    if opts.get("mpi_args"):
+        args += shlex.split(str(opts["mpi_args"]))
+    if args:
+        config["mpi_args"] = args
+    if opts.get("mpi_cmd"):
+        config["mpi_cmd"] = shlex.split(str(opts["mpi_cmd"]))
+    return n, {"MPIEngineSetLauncher": config}
+
+
+def plan_launch(launcher: str, n: int | None, *, ip: str, **options) -> LaunchPlan:
+    """Check ``options`` for ``launcher`` and build its configuration (see the module docstring).
+
+    slurm: partition, time, account, qos, nodes, gpus_per_node, cpus_per_task,
+    sbatch (extra long options). ssh: hosts ('node1:4,node2:4'), python (the
+    remote interpreter), ssh_args. mpi: hosts, mpi_args, mpi_cmd.
+    """
+    name = str(launcher).lower()
+    opts = {k.replace("-", "_"): v for k, v in options.items() if v not in (None, "")}
+    if name not in LAUNCHERS:
+        if opts:
+            raise PlacementError(
+                f"launcher {launcher!r} takes no nbdist options ({', '.join(sorted(opts))}): "
+                f"configure it in an ipyparallel profile (--profile), or use one of "
+                f"{', '.join(LAUNCHERS)}"
+            )
+        if n is None:
+            raise PlacementError(f"--launcher {launcher} needs the number of ranks, e.g. 8")
+        return LaunchPlan(str(launcher), n, {})
+    unknown = sorted(set(opts) - set(_OPTIONS[name]))
+    if unknown:
+        raise PlacementError(
+            f"--launcher {name} has no option {unknown[0]!r}: its options are "
+            f"{', '.join(_OPTIONS[name])}"
+        )
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise PlacementError(f"number of ranks must be a whole number >= 1, got {n!r}")
+    if name == "slurm":
+        if n is None:
+            raise PlacementError(
+                "--launcher slurm needs the number of ranks, e.g. %dist_start 16 --launcher slurm"
+            )
+        _check_ip(name, ip)
+        return LaunchPlan(name, n, _slurm(n, opts))
+    if name == "ssh":
+        _check_ip(name, ip)
+        total, config = _ssh(n, opts)
+        return LaunchPlan(name, total, config)
+    # mpi: on this machine only (mpiexec without hosts) loopback is fine.
+    if opts.get("hosts") or opts.get("mpi_args"):
+        _check_ip(name, ip)
+    total, config = _mpi(n, opts)
+    return LaunchPlan(name, total, config)

@@ -1,0 +1,163 @@
+"""Unit tests for nbdist.launch_options: launcher options -> ipyparallel launcher configuration.
+
+No Slurm or remote hosts here: the configuration is handed to ipyparallel's
+real launcher classes, and the batch script / command line they build is checked.
+"""
+
+from __future__ import annotations
+
+import pytest
+from ipyparallel.cluster.launcher import (
+    MPIEngineSetLauncher,
+    SlurmEngineSetLauncher,
+    SSHEngineSetLauncher,
+)
+
+from nbdist.errors import PlacementError
+from nbdist.launch_options import parse_hosts, parse_launch_options, plan_launch
+
+IP = "10.1.0.5"
+
+
+def _sbatch(plan, tmp_path) -> str:
+    launcher = SlurmEngineSetLauncher(
+        work_dir=str(tmp_path), config=plan.traitlets_config(),
+        profile_dir=str(tmp_path), cluster_id="c1",
+    )  # fmt: skip
+    launcher.write_batch_script(plan.n)
+    return (tmp_path / launcher.batch_file_name).read_text()
+
+
+def test_slurm_batch_script_carries_every_option(tmp_path):
+    plan = plan_launch(
+        "slurm", 16, ip=IP, partition="gpu", time="02:30:00", account="proj-7", qos="high",
+        gpus_per_node=8, cpus_per_task=12, sbatch="--mem=200G --exclusive",
+    )  # fmt: skip
+    assert plan.engine_launcher == "slurm"
+    script = _sbatch(plan, tmp_path)
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/sh"
+    for line in [
+        "#SBATCH --ntasks=16",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=02:30:00",
+        "#SBATCH --account=proj-7",
+        "#SBATCH --qos=high",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=12",
+        "#SBATCH --mem=200G",
+        "#SBATCH --exclusive",
+        "#SBATCH --job-name=ipengine-c1",
+        "#SBATCH --export=ALL",
+    ]:
+        assert line in lines
+    # Each option once (ipyparallel does not add its own copies), and srun starts the engines.
+    assert script.count("--partition") == 1 and script.count("--time") == 1
+    assert lines[-1].startswith("srun ") and "ipyparallel.engine" in lines[-1]
+
+
+def test_slurm_minimal_script(tmp_path):
+    script = _sbatch(plan_launch("slurm", 4, ip=IP), tmp_path)
+    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert sbatch == [
+        "#SBATCH --export=ALL",
+        "#SBATCH --job-name=ipengine-c1",
+        "#SBATCH --ntasks=4",
+    ]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"time": "1 hour"}, "time '1 hour' is not a Slurm time limit"),
+        ({"gpus_per_node": 3}, "10 ranks do not fill nodes of 3 GPUs"),
+        ({"nodes": 11}, "nodes=11 is more than the 10 ranks"),
+        ({"nodes": "two"}, "nodes 'two'"),
+        ({"partition": "gpu\n#SBATCH --x"}, "characters a batch script would misread"),
+        ({"partition": "{evil}"}, "characters a batch script would misread"),
+        ({"sbatch": "-N 2"}, "give long options"),
+        ({"hosts": "a:2"}, "has no option 'hosts'"),
+    ],
+)
+def test_bad_slurm_options_name_the_value_and_the_fix(options, message):
+    with pytest.raises(PlacementError, match=message.replace("(", r"\(")):
+        plan_launch("slurm", 10, ip=IP, **options)
+
+
+def test_slurm_needs_a_rank_count():
+    with pytest.raises(PlacementError, match="needs the number of ranks"):
+        plan_launch("slurm", None, ip=IP)
+
+
+@pytest.mark.parametrize("launcher, options", [("slurm", {}), ("ssh", {"hosts": "a:2"})])
+def test_engines_elsewhere_need_an_address_beyond_loopback(launcher, options):
+    with pytest.raises(PlacementError, match="pass --ip with this machine's address"):
+        plan_launch(launcher, 2, ip="127.0.0.1", **options)
+    with pytest.raises(PlacementError, match="not an IP address"):
+        plan_launch(launcher, 2, ip="my-laptop", **options)
+
+
+def test_ssh_engines_per_host_reach_the_launcher():
+    plan = plan_launch(
+        "ssh", None, ip=IP, hosts="node1:4, alice@node2:2", python="/opt/py/bin/python"
+    )
+    assert plan.n == 6
+    launcher = SSHEngineSetLauncher(
+        config=plan.traitlets_config(), profile_dir="/tmp", cluster_id="c"
+    )
+    assert launcher.engines == {"node1": 4, "alice@node2": 2}
+    assert launcher.remote_python == "/opt/py/bin/python"
+
+
+def test_ssh_count_must_match_the_hosts():
+    with pytest.raises(PlacementError, match="8 ranks but the hosts list 6"):
+        plan_launch("ssh", 8, ip=IP, hosts="node1:4,node2:2")
+    with pytest.raises(PlacementError, match="needs the hosts"):
+        plan_launch("ssh", 4, ip=IP)
+
+
+def test_mpi_hosts_become_mpiexec_arguments():
+    plan = plan_launch("mpi", None, ip=IP, hosts="a:2,b:2", mpi_args="--bind-to none")
+    launcher = MPIEngineSetLauncher(
+        config=plan.traitlets_config(), profile_dir="/tmp", cluster_id="c"
+    )
+    launcher.n = plan.n
+    args = launcher.find_args()
+    assert args[:3] == ["mpiexec", "-n", "4"]
+    assert args[3:7] == ["--host", "a:2,b:2", "--bind-to", "none"]
+
+
+def test_mpi_on_this_machine_may_stay_on_loopback():
+    plan = plan_launch("mpi", 2, ip="127.0.0.1")
+    assert (plan.n, plan.config) == (2, {"MPIEngineSetLauncher": {}})
+
+
+def test_other_launchers_pass_through_without_options():
+    assert plan_launch("pbs", 4, ip="127.0.0.1").engine_launcher == "pbs"
+    with pytest.raises(PlacementError, match="takes no nbdist options"):
+        plan_launch("pbs", 4, ip=IP, partition="x")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("a:2,b:3", {"a": 2, "b": 3}), ("a", {"a": 1}), ("a:1,a:1", {"a": 2}), ({"x": 4}, {"x": 4})],
+)
+def test_parse_hosts(text, expected):
+    assert parse_hosts(text) == expected
+
+
+@pytest.mark.parametrize("text", ["a:x", ":3", "a:0", ""])
+def test_parse_hosts_refuses_bad_entries(text):
+    with pytest.raises(PlacementError, match="node1:4"):
+        parse_hosts(text)
+
+
+def test_parse_launch_options():
+    assert parse_launch_options(["partition=gpu", "gpus-per-node=8"]) == {
+        "partition": "gpu",
+        "gpus_per_node": "8",
+    }
+    with pytest.raises(PlacementError, match="KEY=VALUE"):
+        parse_launch_options(["partition"])
