@@ -1,0 +1,154 @@
+/**
+ * The nbdist server extension's REST API, and one shared poller of the live clusters.
+ *
+ * Why polling rather than a websocket: each poll is one small read of the
+ * cluster registry and the run history on the server; it goes through the
+ * server's usual authentication and XSRF checks, works unchanged behind
+ * JupyterHub and other proxies, needs no reconnection logic across server
+ * restarts, and costs nothing while nobody looks. The poll runs every second
+ * while JupyterLab is visible and stands by while the browser tab is hidden
+ * (the dask-labextension / ipyparallel pattern); after errors it backs off.
+ */
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
+import { Poll } from '@lumino/polling';
+import { ISignal, Signal } from '@lumino/signaling';
+
+export interface IRankRow {
+  rank: number;
+  host: string | null;
+  pid: number | null;
+  device: string | null;
+  state: 'busy' | 'idle' | 'dead';
+  step: number | null;
+  points: number;
+  loss: number | null;
+  samples_per_s: number | null;
+  memory_mib: number | null;
+  last_seen: number | null;
+  loss_series: [number, number][];
+  throughput_series: [number, number][];
+}
+
+export interface ICluster {
+  id: string;
+  kernel_id: string | null;
+  backend: string | null;
+  world_size: number;
+  run_id: number | null;
+  owned: boolean;
+  started: number | null;
+  ranks: IRankRow[];
+  step: number | null;
+  samples_per_s: number | null;
+  dead: number[];
+}
+
+export interface IRunRecord {
+  id: number;
+  started: number;
+  ended: number | null;
+  world_size: number;
+  backend: string;
+  label: string;
+  host: string;
+  points: number;
+}
+
+export interface IRunSeries {
+  id: number;
+  started: number;
+  ended: number | null;
+  world_size: number;
+  backend: string;
+  keys: string[];
+  series: { [key: string]: { [rank: string]: [number, number][] } };
+}
+
+export type Action = 'interrupt' | 'restart' | 'stop';
+
+/** A request to ``{baseUrl}nbdist/api/{path}``; rejects with the server's message. */
+export async function requestAPI<T>(path: string, init: RequestInit = {}): Promise<T> {
+  const settings = ServerConnection.makeSettings();
+  const url = URLExt.join(settings.baseUrl, 'nbdist', 'api', path);
+  const response = await ServerConnection.makeRequest(url, init, settings);
+  const text = await response.text();
+  let data: any = null;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    data = text;
+  }
+  if (!response.ok) {
+    const message = (data && data.message) || response.statusText;
+    throw new ServerConnection.ResponseError(response, message);
+  }
+  return data as T;
+}
+
+export function act(clusterId: string, action: Action): Promise<any> {
+  return requestAPI(`clusters/${encodeURIComponent(clusterId)}/${action}`, {
+    method: 'POST',
+    body: '{}'
+  });
+}
+
+/** The live clusters, polled once for every view that shows them. */
+export class ClusterModel {
+  constructor() {
+    this._poll = new Poll({
+      auto: true,
+      factory: () => this._refresh(),
+      frequency: { interval: 1000, backoff: true, max: 30 * 1000 },
+      name: 'nbdist:clusters',
+      standby: 'when-hidden'
+    });
+  }
+
+  get clusters(): ICluster[] {
+    return this._clusters;
+  }
+
+  /** The message of the last failed poll, or '' when the last poll worked. */
+  get error(): string {
+    return this._error;
+  }
+
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  forKernel(kernelId: string | null | undefined): ICluster | null {
+    if (!kernelId) {
+      return null;
+    }
+    return this._clusters.find(c => c.kernel_id === kernelId) ?? null;
+  }
+
+  /** Poll now (after an action), instead of at the next tick. */
+  refresh(): Promise<void> {
+    return this._poll.refresh();
+  }
+
+  dispose(): void {
+    this._poll.dispose();
+  }
+
+  private async _refresh(): Promise<void> {
+    try {
+      const reply = await requestAPI<{ clusters: ICluster[] }>('clusters');
+      this._clusters = reply.clusters;
+      this._error = '';
+    } catch (err) {
+      this._error = String((err as Error).message || err);
+      this._changed.emit();
+      throw err; // the poll backs off
+    }
+    this._changed.emit();
+  }
+
+  private _clusters: ICluster[] = [];
+  private _error = '';
+  private _changed = new Signal<this, void>(this);
+  private _poll: Poll;
+}
