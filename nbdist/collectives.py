@@ -51,13 +51,14 @@ TRACKED_OPS = (
 
 
 class _Record:
-    __slots__ = ("op", "seq", "entered", "exited")
+    __slots__ = ("op", "seq", "entered", "exited", "raised")
 
     def __init__(self, op: str, seq: int, entered: float) -> None:
         self.op = op
         self.seq = seq
         self.entered = entered
         self.exited: float | None = None
+        self.raised = False
 
 
 _seq = 0
@@ -72,6 +73,9 @@ def _tracked(op: str, fn):
         record = _last = _Record(op, _seq, time.monotonic())
         try:
             return fn(*args, **kwargs)
+        except BaseException:
+            record.raised = True  # e.g. a peer died or the group was released
+            raise
         finally:
             # For async_op=True this is when the call returned, not when the
             # work completed: the wait is where such a rank would block.
@@ -102,7 +106,8 @@ def last() -> dict | None:
     """The last collective this rank entered, or None if none since the group formed.
 
     ``inside`` is True while the call has not returned; ``seconds`` is how long
-    it has been inside, or how long ago it returned.
+    it has been inside, or how long ago it returned; ``raised`` if it ended
+    with an exception.
     """
     record = _last
     if record is None:
@@ -113,5 +118,6 @@ def last() -> dict | None:
         "op": record.op,
         "seq": record.seq,
         "inside": exited is None,
+        "raised": record.raised,
         "seconds": now - (record.entered if exited is None else exited),
     }

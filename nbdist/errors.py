@@ -175,10 +175,19 @@ class RanksInterrupted(KeyboardInterrupt):
     kernel's own uninteresting wait loop, and names ranks that did not stop.
     """
 
-    def __init__(self, stopped: RankError | None = None, still_running: Sequence[int] = ()):
+    def __init__(
+        self,
+        stopped: RankError | None = None,
+        still_running: Sequence[int] = (),
+        *,
+        where: str = "",
+        note: str = "",
+    ):
         super().__init__(stopped, tuple(still_running))
         self.stopped = stopped
         self.still_running = tuple(still_running)
+        self.where = where  # the ranks' stacks when a rank was waiting in a collective
+        self.note = note  # which ranks were released from a collective, and the group's fate
 
     def __str__(self) -> str:
         if self.still_running:
@@ -192,6 +201,10 @@ class RanksInterrupted(KeyboardInterrupt):
         lines = ["KeyboardInterrupt: the cell was interrupted on every rank"]
         if self.stopped is not None:
             lines += ["", *self.stopped._render_traceback_()[:-1]]
+        if self.where:
+            lines += ["", "where the ranks were when interrupted:", *self.where.splitlines()]
+        if self.note:
+            lines.append(self.note)
         if self.still_running:
             lines.append(str(self))
         return lines

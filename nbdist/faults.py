@@ -43,6 +43,8 @@ __all__ = ["CellGuard", "RankMonitor", "death_cause", "reform_group"]
 FAILURE_GRACE_S = 0.5
 # After an interrupt, how long ranks get to stop on SIGINT alone.
 INTERRUPT_GRACE_S = 0.5
+# Once released, how long a rank outside any collective may take to finish by itself.
+UNWIND_GRACE_S = 0.3
 
 
 def death_cause(status: int | None) -> str:
@@ -220,27 +222,46 @@ class CellGuard:
         }
         control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
         session._group_released = True
-        computing = []
+        computing = {}
         for rank in sorted(running):
             w = found.get(rank)
             c = w.collective if w is not None else None
-            if c is not None and c["inside"]:
+            if c is not None and (c["inside"] or c.get("raised")):
+                # Inside, or already failing out of it (gloo noticed a dead peer):
+                # the release ends it; SIGINT would only cut its traceback short.
                 self.released_from[rank] = f"{c['op']} #{c['seq']}"
             else:
-                computing.append(rank)
-                self.released_from[rank] = "its running code (interrupted)"
+                computing[rank] = c
+        # A rank may be unwinding already (gloo noticed a dead peer itself):
+        # give it a moment before interrupting code that is about to end anyway.
+        deadline = time.monotonic() + UNWIND_GRACE_S
+        while computing and time.monotonic() < deadline:
+            states = run._child_states()
+            for rank in [r for r in computing if states.get(r) != "running"]:
+                c = computing.pop(rank)
+                self.released_from[rank] = f"{c['op']} #{c['seq']}" if c else "its running code"
+            time.sleep(0.02)
+        for rank in computing:
+            self.released_from[rank] = "its running code (interrupted)"
         if computing:
-            session.interrupt(computing)
+            session.interrupt(sorted(computing))
 
-    def where_report(self) -> str:
-        """The ranks' stacks and last collectives (for a cell past its ``--timeout``)."""
+    def where_report(self, *, only_if_waiting: bool = False) -> str:
+        """The ranks' stacks and last collectives (a cell past its ``--timeout``, or interrupted).
+
+        ``only_if_waiting``: "" unless some rank waits in a collective or does not answer.
+        """
         from .where import ask, format_where
 
         live = [r for r in self.ranks if r.rank not in self.dead()]
         try:
-            return format_where(ask(self.session.client, live))
+            found = ask(self.session.client, live, timeout=1.0)
         except Exception as exc:  # a diagnosis must never hide the timeout itself
             return f"(could not ask the ranks: {exc})"
+        waiting = any(not w.answered or (w.collective or {}).get("inside") for w in found)
+        if only_if_waiting and not waiting:
+            return ""
+        return format_where(found)
 
     def recover(self, run, *, interrupted: bool = False) -> None:
         """After the cell: form the group again if it was released or left inconsistent."""

@@ -212,6 +212,9 @@ class RankRun:
         try:
             completed = self._loop(deadline)
         except KeyboardInterrupt:
+            if self._guard is not None:
+                # A rank waiting in a collective explains a hang: keep where they were.
+                self.where_report = self._guard.where_report(only_if_waiting=True)
             self._stop_ranks()
             raise self._interrupted() from None
         if not completed:
@@ -255,14 +258,18 @@ class RankRun:
             self._merger.close()
 
     def _interrupted(self) -> RanksInterrupted:
+        context = dict(
+            where=self.where_report, note=self._guard.note() if self._guard is not None else ""
+        )
         if not self._finished:
             running = [r for r, s in self._child_states().items() if s == "running"]
-            return RanksInterrupted(None, running)
+            return RanksInterrupted(None, running, **context)
         try:
             self._result_or_raise()
         except RankError as stopped:
-            return RanksInterrupted(stopped)
-        return RanksInterrupted(None)
+            stopped.note = ""  # said once, below the tracebacks
+            return RanksInterrupted(stopped, **context)
+        return RanksInterrupted(None, **context)
 
     def _result_or_raise(self) -> list:
         if self._results is None:

@@ -22,7 +22,9 @@ def _rss_mib(pid: int) -> float | None:
         return None
 
 
-def rank_status(handle, ranks, backend: str | None) -> list[dict]:
+def rank_status(handle, ranks, backend: str | None, dead: dict | None = None) -> list[dict]:
+    """One dict per rank; ``dead``: {rank: how it died}, as the session noticed it."""
+    dead = dead or {}
     client = handle.client
     alive_ids = set(client.ids)
     try:
@@ -41,7 +43,7 @@ def rank_status(handle, ranks, backend: str | None) -> list[dict]:
         else:
             state = "idle"
         memory = _rss_mib(info.pid) if handle.owned else None
-        if handle.owned and memory is None:
+        if (handle.owned and memory is None) or info.rank in dead:
             state = "dead"
         rows.append(
             dict(
@@ -53,6 +55,7 @@ def rank_status(handle, ranks, backend: str | None) -> list[dict]:
                 backend=backend,
                 state=state,
                 memory_mib=None if memory is None else round(memory, 1),
+                died=dead.get(info.rank),
             )
         )
     return rows
@@ -77,4 +80,9 @@ def format_status(rows: list[dict]) -> str:
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
+    dead = [r for r in rows if r["state"] == "dead"]
+    for r in dead:
+        lines.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
+    if dead:
+        lines.append("%dist_restart brings every rank back")
     return "\n".join(line.rstrip() for line in lines)

@@ -111,7 +111,8 @@ def diagnose(found: Sequence[RankWhere]) -> dict[int, str]:
 
 
 def _done(c: dict) -> str:
-    return f"{c['op']} #{c['seq']}, returned {c['seconds']:.1f} s ago"
+    how = "raised" if c.get("raised") else "returned"
+    return f"{c['op']} #{c['seq']}, {how} {c['seconds']:.1f} s ago"
 
 
 def format_where(found: Sequence[RankWhere], *, frames: int = 6) -> str:

@@ -1,0 +1,72 @@
+"""A rank dies in the middle of a cell: SIGKILL (also what the out-of-memory killer sends), a segfault."""
+
+from __future__ import annotations
+
+import pytest
+
+import nbdist
+from nbdist.dashboard.table import rank_rows
+from nbdist.errors import NbdistError, RankError
+from nbdist.output import ListSink
+from nbdist.status import format_status
+
+
+@pytest.fixture(scope="module")
+def session():
+    s = nbdist.DistSession(2, timeout=120, group_timeout=60, history=False)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _reduce_works(session) -> None:
+    session.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t)", sink=ListSink())
+    assert [t.item() for t in session.pull("t")] == [3.0, 3.0]
+
+
+def test_a_killed_rank_fails_the_cell_releases_the_other_and_restart_brings_it_back(session):
+    session.run("nbdist.log(step=0, loss=1.0)", sink=ListSink())
+    victim = session.ranks[1].pid
+    with pytest.raises(RankError) as info:
+        session.run(
+            "import os, signal, time\n"
+            "if rank == 1:\n"
+            "    time.sleep(0.3)\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "dist.all_reduce(torch.ones(1))\n",
+            sink=ListSink(),
+        )
+    err = info.value
+    assert err.ranks == [1]
+    assert err.failures[0].ename == "RankDied"
+    assert f"pid {victim} killed by SIGKILL (signal 9)" in err.failures[0].evalue
+    assert "rank 1 died; the others were released: rank 0 from all_reduce #1" in str(err)
+    assert "%dist_restart brings the full set of ranks back" in str(err)
+
+    rows = session.status()
+    assert [row["state"] for row in rows] == ["idle", "dead"]
+    assert "rank 1 died: pid" in format_status(rows)
+    # The dashboard's table reads the same states.
+    assert [row.state for row in rank_rows(session.metrics, session._rank_states)][1] == "dead"
+    # The survivor is idle, not blocked; the next cell says what to do.
+    with pytest.raises(NbdistError, match=r"rank 1 died: .*%dist_restart"):
+        session.run("print(rank)", sink=ListSink())
+
+    session.restart()
+    assert [row["state"] for row in session.status()] == ["idle", "idle"]
+    assert session.ranks[1].pid != victim
+    _reduce_works(session)
+
+
+def test_a_segfault_is_named(session):
+    with pytest.raises(RankError) as info:
+        session.run(
+            "import ctypes\nif rank == 0:\n    ctypes.string_at(0)\ndist.barrier()\n",
+            sink=ListSink(),
+        )
+    failure = info.value.failures[0]
+    assert (failure.rank, failure.ename) == (0, "RankDied")
+    assert "segmentation fault (SIGSEGV, signal 11)" in failure.evalue
+    assert [row["state"] for row in session.status()] == ["dead", "idle"]
