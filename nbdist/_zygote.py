@@ -250,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         if children.kill_at is not None and time.monotonic() > children.kill_at:
             children.signal(signal.SIGKILL)
         time.sleep(0.1)
-    return children.exit_code
+    # Asked to stop (%dist_stop, %dist_restart): a success, even if a rank had died
+    # before; otherwise ipyparallel logs the engines' whole output as a warning in
+    # the notebook, on top of nbdist's own report of the dead rank.
+    return 0 if children.kill_at is not None else children.exit_code
 
 
 if __name__ == "__main__":

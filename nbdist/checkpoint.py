@@ -8,6 +8,10 @@ checkpoint costs each rank its share of the bytes. The state dicts come from
 (no ``module.`` prefix) and keys optimizer state by parameter name: a
 checkpoint saved under DDP loads into FSDP2, into another world size, or into
 a plain model in one process (no process group), e.g. for evaluation.
+Before writing, :func:`save` sends the points the rank logged with
+``nbdist.log`` so far: a rank that dies after the checkpoint leaves no hole in
+the run's history (training resumes from the checkpoint and logs the later
+steps again; reading the run keeps the latest value of each step).
 
 Layout of a checkpoint directory::
 
@@ -158,6 +162,12 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
     state.update({f"extra.{name}": obj.state_dict() for name, obj in stateful.items()})
     if tensors:
         state["tensors"] = tensors
+    # Points logged up to here leave the rank now, not at the next timed flush: if
+    # the rank dies after this checkpoint, training resumes from it and re-logs
+    # only later steps, so earlier points still buffered would be a hole in the run.
+    from .metrics.log import flush
+
+    flush()
     rank, world_size, barrier = _dist()
     if rank == 0:
         os.makedirs(path, exist_ok=True)

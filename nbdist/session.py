@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from . import cluster as _cluster
 from .errors import ClusterNotRunning, NbdistError, PlacementError
+from .launch_options import LAUNCHERS, plan_launch
 from .placement import EngineInfo, Placement, parse_ranks, plan_attached, plan_local, visible_gpus
 from .runner import RankRun, submit
 
@@ -60,7 +61,9 @@ class DistSession:
     ``timeout`` seconds to wait for the ranks to be ready, ``launcher``/
     ``profile`` passed to ipyparallel, ``attach`` a cluster file of a running
     cluster, ``ip`` the controller address (loopback by default),
-    ``start_method`` 'fork' (engines forked after importing torch) or 'spawn'.
+    ``start_method`` 'fork' (engines forked after importing torch) or 'spawn',
+    ``launch_options`` for ``launcher`` 'slurm', 'ssh' or 'mpi' (partition,
+    time, account, hosts...: :func:`nbdist.launch_options.plan_launch`).
     The placement is validated here, before anything starts.
     """
 
@@ -80,6 +83,7 @@ class DistSession:
         start_method: str = "fork",
         group_timeout: float = 1800.0,
         history: str | bool | None = None,
+        launch_options: Mapping[str, object] | None = None,
     ):
         if timeout is None or timeout <= 0:
             raise PlacementError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -93,7 +97,14 @@ class DistSession:
             start_method=start_method, group_timeout=float(group_timeout),
         )  # fmt: skip
         self.placement: Placement | None = None
-        if not attach:
+        # --launcher slurm|ssh|mpi options, checked before anything starts.
+        self.launch = None
+        if not attach and (launch_options or str(launcher).lower() in LAUNCHERS):
+            self.launch = plan_launch(launcher, n, ip=ip, **dict(launch_options or {}))
+            # Engines start on other hosts, whose GPUs this machine cannot see: a
+            # provisional CPU layout of n ranks until they report (plan_attached).
+            self.placement = plan_local(self.launch.n, gpus_visible=[], cores=1, cpu=True)
+        elif not attach:
             self.placement = plan_local(
                 n,
                 gpus_visible=[] if cpu else visible_gpus(),
@@ -159,7 +170,8 @@ class DistSession:
                 slot_environments=slot_envs,
                 threads=placement.threads_for(placement.slots[0]),
                 timeout=opts["timeout"],
-                launcher=opts["launcher"],
+                launcher=self.launch.engine_launcher if self.launch else opts["launcher"],
+                launcher_config=self.launch.config if self.launch else None,
                 profile=opts["profile"],
                 ip=opts["ip"],
                 start_method=opts["start_method"],
@@ -182,6 +194,9 @@ class DistSession:
                     else _metrics_ip(handle.client),
                 )
                 self._metrics.states = self._rank_states
+            else:
+                # restart(): a new cluster, a new key, and the ranks sign their metrics with it.
+                self._metrics.collector.key = handle.client.session.key
             self._form_group()
             self._watch_ranks()
         except BaseException:
@@ -454,7 +469,7 @@ class DistSession:
         from .status import rank_status
 
         self._require_running()
-        return rank_status(self._handle, self._ranks, self.backend)
+        return rank_status(self._handle, self._ranks, self.backend, self._dead_ranks())
 
     def _rank_states(self) -> dict[int, str]:
         if not self.running:
