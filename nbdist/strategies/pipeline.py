@@ -27,13 +27,12 @@ Example (on every rank; ``model`` is an ``nn.Sequential``)::
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 from torch import nn
 
-__all__ = ["SCHEDULES", "bubble_fraction", "pipeline_schedule", "split_sequential", "time_stage"]
+__all__ = ["SCHEDULES", "StageTimer", "bubble_fraction", "pipeline_schedule", "split_sequential"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -61,12 +60,14 @@ def split_sequential(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]
         part: list[nn.Module] = []
         later = n_stages - stage - 1
         # Leave at least one layer for each later stage; the last stage takes the rest.
+        target = total * (stage + 1) / n_stages
         while i < len(layers) - later:
+            # Stop where the running total lands closest to this stage's share.
+            if part and later and abs(seen + sizes[i] - target) > abs(seen - target):
+                break
             part.append(layers[i])
             seen += sizes[i]
             i += 1
-            if later and seen >= total * (stage + 1) / n_stages:
-                break
         parts.append(part)
     return [nn.Sequential(*p) for p in parts]
 
@@ -118,29 +119,53 @@ def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
     return (n_stages - 1) / (n_microbatches + n_stages - 1)
 
 
-def time_stage(
-    module: nn.Module, example: torch.Tensor, *, repeats: int = 5
-) -> tuple[float, float]:
-    """Median seconds of one forward and one backward of ``module`` on ``example``, alone.
+class StageTimer:
+    """Seconds this rank's stage computes inside a schedule: its forward and backward chunks.
 
-    No communication is involved: this is the compute a stage must do per
-    micro-batch, the yardstick for the bubble in a measured pipeline step.
+    It wraps the stage's ``forward_one_chunk``/``backward_one_chunk`` (the
+    schedules call them once per micro-batch, between the receives and sends),
+    so the time waiting for neighbours is left out: a step's idle share is
+    ``1 - timer.busy / step_seconds``.
+
+    Example::
+
+        timer = StageTimer(stage)
+        schedule.step(x)                      # or step(target=y, losses=...)
+        timer.forward / timer.forwards        # seconds per micro-batch forward
+        timer.reset()
     """
-    fwd, bwd = [], []
-    for _ in range(repeats + 1):  # the first run warms up allocators and kernels
-        x = example.detach().requires_grad_(example.is_floating_point())
-        _sync(x.device)
-        t0 = time.perf_counter()
-        out = module(x)
-        _sync(x.device)
-        t1 = time.perf_counter()
-        out.backward(torch.ones_like(out))
-        _sync(x.device)
-        t2 = time.perf_counter()
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
-    module.zero_grad(set_to_none=True)
-    return statistics.median(fwd[1:]), statistics.median(bwd[1:])
+
+    def __init__(self, stage) -> None:
+        self.reset()
+        self._wrap(stage, "forward_one_chunk", "forward")
+        self._wrap(stage, "backward_one_chunk", "backward")
+
+    def reset(self) -> None:
+        """Start counting from zero (e.g. at the start of each step)."""
+        self.forward = self.backward = 0.0
+        self.forwards = self.backwards = 0
+
+    @property
+    def busy(self) -> float:
+        """Seconds of forward and backward compute since the last :meth:`reset`."""
+        return self.forward + self.backward
+
+    def _wrap(self, stage, method: str, kind: str) -> None:
+        original = getattr(stage, method)
+        device = stage.device
+
+        def timed(*args, **kwargs):
+            _sync(device)
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _sync(device)
+                setattr(self, kind, getattr(self, kind) + time.perf_counter() - t0)
+                setattr(self, kind + "s", getattr(self, kind + "s") + 1)
+
+        # On the instance only: other stages and the class stay untouched.
+        setattr(stage, method, timed)
 
 
 def _sync(device: torch.device) -> None:
