@@ -88,13 +88,22 @@ def start_local(
     profile: str | None = None,
     ip: str = "127.0.0.1",
     start_method: str = "fork",
+    launcher_config: dict | None = None,
 ) -> ClusterHandle:
-    """Start a controller and ``n`` engines on this machine (or through ``launcher``)."""
+    """Start a controller and ``n`` engines on this machine (or through ``launcher``).
+
+    ``launcher_config``: traitlets config by class for ``launcher`` (see
+    :mod:`nbdist.launch_options`), e.g. ``{"SlurmEngineSetLauncher": {...}}``.
+    """
     import ipyparallel as ipp
 
     from .launcher import ZygoteEngineSetLauncher
 
     config = _base_config(ip)
+    if launcher_config:
+        from traitlets.config import Config
+
+        config.merge(Config(launcher_config))
     kwargs = {}
     if profile:
         kwargs["profile"] = profile
@@ -117,7 +126,10 @@ def start_local(
         controller_ip=ip,
         controller_args=[f"--HeartMonitor.period={_HEARTBEAT_MS}"],
         delay=0,
-        send_engines_connection_env=False,
+        # Engines on other hosts (a batch job) cannot read this machine's private
+        # profile dir: they get the connection info in their environment (the
+        # SSH launcher copies the connection file over SSH instead).
+        send_engines_connection_env=launcher not in (None, "ssh"),
         engine_launcher_class=engine_launcher_class,
         engine_timeout=int(max(1, timeout)),
         shutdown_atexit=True,

@@ -235,6 +235,11 @@ def plan_launch(launcher: str, n: int | None, *, ip: str, **options) -> LaunchPl
     sbatch (extra long options). ssh: hosts ('node1:4,node2:4'), python (the
     remote interpreter), ssh_args. mpi: hosts, mpi_args, mpi_cmd.
     """
+    if launcher is None:
+        raise PlacementError(
+            f"launcher options ({', '.join(sorted(options))}) need a launcher: add "
+            f"--launcher {' or '.join(LAUNCHERS)}"
+        )
     name = str(launcher).lower()
     opts = {k.replace("-", "_"): v for k, v in options.items() if v not in (None, "")}
     if name not in LAUNCHERS:

@@ -13,6 +13,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .errors import PlacementError
+from .launch_options import parse_launch_options
 from .placement import parse_gpu_list
 
 __all__ = ["DistMagics", "register"]
@@ -69,6 +70,17 @@ class DistMagics(Magics):
     @argument("--attach", default=None, help="cluster file of a running ipyparallel cluster")
     @argument("--ip", default="127.0.0.1", help="controller address (default loopback only)")
     @argument("--spawn", action="store_true", help="start engines as separate processes, no fork")
+    @argument("--partition", default=None, help="--launcher slurm: the partition (queue)")
+    @argument("--time", default=None, help="--launcher slurm: time limit, e.g. 01:00:00")
+    @argument("--account", default=None, help="--launcher slurm: the account to charge")
+    @argument("--hosts", default=None, help="--launcher ssh/mpi: hosts and ranks, node1:4,node2:4")
+    @argument(
+        "--launch-opt",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="another launcher option (repeatable), e.g. gpus_per_node=8 (see docs/multihost.md)",
+    )
     @line_magic
     def dist_start(self, line=""):
         """Start N ranks with torch.distributed ready on each; returns when all are ready.
@@ -79,6 +91,9 @@ class DistMagics(Magics):
             %dist_start 4 --cpu      # 4 CPU ranks (gloo), threads shared among them
             %dist_start --gpus 0,2   # two ranks on GPUs 0 and 2 (NCCL)
             %dist_start --attach ~/.ipython/profile_default/security/cluster-abc.json
+            %dist_start 16 --launcher slurm --ip 10.1.0.5 --partition gpu --time 01:00:00 \
+                --launch-opt gpus_per_node=8
+            %dist_start --launcher ssh --ip 10.1.0.5 --hosts node1:4,node2:4
 
         Every rank's namespace starts with torch, dist, nbdist, rank, local_rank,
         world_size and device. Stop with %dist_stop.
@@ -103,6 +118,10 @@ class DistMagics(Magics):
 
         try:
             gpus = parse_gpu_list(args.gpus) if args.gpus is not None else None
+            launch_options = parse_launch_options(args.launch_opt)
+            for name in ("partition", "time", "account", "hosts"):
+                if getattr(args, name) is not None:
+                    launch_options[name] = getattr(args, name)
             session = DistSession(
                 n,
                 backend=args.backend,
@@ -115,6 +134,7 @@ class DistMagics(Magics):
                 attach=args.attach,
                 ip=args.ip,
                 start_method="spawn" if args.spawn else "fork",
+                launch_options=launch_options or None,
             )
         except PlacementError as exc:
             raise UsageError(str(exc)) from None

@@ -1,0 +1,50 @@
+"""%dist_start --launcher slurm|ssh|mpi: options checked in a real shell before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import nbdist
+
+
+@pytest.fixture
+def shell():
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext nbdist")
+    return sh
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("16 --launcher slurm", "pass --ip with this machine's address"),
+        ("16 --launcher slurm --ip 10.1.0.5 --time soon", "time 'soon' is not a Slurm time limit"),
+        ("--launcher slurm --ip 10.1.0.5", "needs the number of ranks"),
+        ("--launcher ssh --ip 10.1.0.5", "needs the hosts"),
+        ("3 --launcher ssh --ip 10.1.0.5 --hosts a:2,b:2", "3 ranks but the hosts list 4"),
+        ("4 --partition gpu", "need a launcher"),
+        ("4 --launcher slurm --ip 10.1.0.5 --launch-opt gpus_per_node", "KEY=VALUE"),
+        ("4 --launcher slurm --ip 10.1.0.5 --launch-opt colour=red", "no option 'colour'"),
+    ],
+)
+def test_bad_launcher_options_are_usage_errors_and_start_nothing(shell, line, message):
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("dist_start", line)
+    assert shell.magics_manager.registry["DistMagics"].session is None
+
+
+def test_session_keeps_the_launch_plan_and_a_provisional_layout():
+    s = nbdist.DistSession(
+        16,
+        launcher="slurm",
+        ip="10.1.0.5",
+        launch_options={"partition": "gpu", "time": "01:00:00", "gpus_per_node": "8"},
+    )
+    assert not s.running
+    assert s.launch.engine_launcher == "slurm"
+    template = s.launch.config["SlurmEngineSetLauncher"]["batch_template"]
+    assert "#SBATCH --partition=gpu" in template and "#SBATCH --nodes=2" in template
+    # The login node's GPUs say nothing about the compute nodes': decided when engines report.
+    assert s.placement.world_size == 16 and not s.placement.uses_gpus
