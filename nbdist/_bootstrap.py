@@ -152,7 +152,7 @@ def init_rank(spec: dict) -> dict:
     )
     _fill_namespace(spec, device)
     if spec.get("metrics_url"):
-        _connect_metrics(spec["metrics_url"], spec["rank"])
+        _connect_metrics(spec["metrics_url"], spec["rank"], spec.get("metrics_key"))
     # Plain str: torch.__version__ is a TorchVersion, and unpickling it would
     # import torch (seconds) in a kernel that may never need it.
     return {"device": device, "torch": str(torch.__version__), "threads": torch.get_num_threads()}
@@ -255,7 +255,7 @@ def _fill_namespace(spec: dict, device: str) -> None:
     )
 
 
-def _connect_metrics(url: str, rank: int) -> None:
+def _connect_metrics(url: str, rank: int, key: bytes | None = None) -> None:
     from IPython import get_ipython
 
     from .metrics.log import configure
@@ -265,7 +265,8 @@ def _connect_metrics(url: str, rank: int) -> None:
     if kernel is None:
         return
     # The engine's session key is the cluster key the kernel's collector checks.
-    configure(url, kernel.session.key, rank)
+    # (CurveZMQ: no cluster key; the kernel sent one of its own over the encrypted channel.)
+    configure(url, key or kernel.session.key, rank)
 
 
 def teardown() -> None:

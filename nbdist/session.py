@@ -182,7 +182,7 @@ class DistSession:
                 from .metrics.hub import MetricsHub
 
                 self._metrics = MetricsHub.open(
-                    handle.client.session.key,
+                    _metrics_key(handle.client),
                     world_size=self.placement.world_size
                     if self.placement
                     else len(handle.client.ids),
@@ -196,7 +196,7 @@ class DistSession:
                 self._metrics.states = self._rank_states
             else:
                 # restart(): a new cluster, a new key, and the ranks sign their metrics with it.
-                self._metrics.collector.key = handle.client.session.key
+                self._metrics.collector.key = _metrics_key(handle.client)
             self._form_group()
             self._watch_ranks()
         except BaseException:
@@ -246,6 +246,9 @@ class DistSession:
                 master_port=port, backend=self.placement.backend, gpu=slot.gpu,
                 threads=self.placement.threads_for(slot), timeout=opts["group_timeout"],
                 loopback_only=loopback_only, metrics_url=self._metrics.url,
+                # Under CurveZMQ the cluster key is empty and this channel encrypted:
+                # the ranks get the metrics key here (never over an unencrypted channel).
+                metrics_key=None if client.session.key else self._metrics.collector.key,
             )  # fmt: skip
             pending[eid] = client[[eid]].apply_async(_bootstrap.init_rank, spec)
         ranks = []
@@ -492,6 +495,14 @@ class DistSession:
         if not self.running:
             return "<DistSession: not running>"
         return f"<DistSession: {self.world_size} ranks, {self.backend}>"
+
+
+def _metrics_key(client) -> bytes:
+    """The key metrics are signed with: the cluster key, or a random one where the
+    cluster has none (ipyparallel drops its HMAC key when CurveZMQ encrypts)."""
+    import secrets
+
+    return client.session.key or secrets.token_bytes(32)
 
 
 def _metrics_ip(client) -> str:

@@ -3,7 +3,8 @@
 The controller listens on the bridge address only; two engines run inside each
 namespace and register in the order A, B, A, B. ``%dist_start --attach`` must
 number ranks host by host, choose the interface gloo uses on every rank, train
-DDP over the bridge, and receive every rank's metrics on the bridge address.
+DDP over the bridge, and receive every rank's metrics on the bridge address. The controller
+encrypts with CurveZMQ, as docs/multihost.md recommends beyond one machine.
 Skipped (with the reason shown) where network namespaces cannot be made.
 """
 
@@ -56,7 +57,7 @@ def two_hosts(tmp_path_factory):
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "ipyparallel.controller", f"--ip={hosts.bridge_address}",
-                 "--HeartMonitor.period=100", *common],
+                 "--HeartMonitor.period=100", "--IPController.enable_curve=True", *common],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
             )
         )  # fmt: skip
@@ -117,6 +118,21 @@ iface_addresses = nbdist.netif.local_interfaces()[env["GLOO_SOCKET_IFNAME"]]
 """
 
 
+def _send_forged(url: str) -> None:
+    import zmq
+
+    from nbdist.metrics.wire import encode
+
+    context = zmq.Context()
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(url)
+    points = [[99, time.time(), {"loss": -1.0}]]
+    sock.send_multipart(encode(b"", {"k": "points", "rank": 0, "points": points}))
+    sock.close()
+    context.term()
+
+
 def test_four_ranks_over_two_namespaces_train_ddp_and_log(two_hosts):
     hosts, client_file, procs = two_hosts
     shell = InteractiveShell.instance()
@@ -154,6 +170,14 @@ def test_four_ranks_over_two_namespaces_train_ddp_and_log(two_hosts):
 
         # Metrics crossed the bridge: the collector listens on the bridge address only.
         assert session._metrics.url.startswith(f"tcp://{hosts.bridge_address}:")
+        # CurveZMQ encrypts the cluster's traffic and drops its HMAC key: metrics are
+        # then signed with a random key, so a message signed with the empty key is refused.
+        assert session.client.session.key == b""
+        _send_forged(session._metrics.url)
+        deadline = time.monotonic() + 10
+        while session._metrics.collector.rejected == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert session._metrics.collector.rejected == 1
         frame = session.metrics.to_pandas()
         assert sorted(frame["rank"].unique()) == [0, 1, 2, 3]
         assert frame.groupby("rank")["step"].max().tolist() == [4, 4, 4, 4]
