@@ -185,6 +185,33 @@ class DistMagics(Magics):
         print(format_status(self._running().status()))
 
     @magic_arguments()
+    @argument("--ranks", default=None, help="ranks to ask: 0,2 or 0-3 (default: all)")
+    @line_magic
+    def dist_where(self, line=""):
+        """Where each rank is, without stopping anything: its Python stack and last collective.
+
+        Ranks answer on their control channel, so this works while they run or
+        hang (after a --noblock cell, or from a subshell console while a cell
+        hangs). A rank waiting in a collective that another rank never entered
+        is named. Example::
+
+            %dist_where
+            # rank 0: inside all_reduce #118 for 42.0 s
+            #   File "/tmp/ipykernel_123/456.py", line 9, in <module>: dist.all_reduce(t)
+            # rank 1: never entered all_reduce #118 (last: all_reduce #117, returned 42.1 s ago)
+            #   File "/tmp/ipykernel_124/456.py", line 7, in <module>: time.sleep(60)
+        """
+        from .where import format_where
+
+        args = _parse(self.dist_where, line)
+        session = self._running()
+        try:
+            found = session.where(args.ranks)
+        except PlacementError as exc:
+            raise UsageError(str(exc)) from None
+        print(format_where(found))
+
+    @magic_arguments()
     @argument(
         "run",
         nargs="?",

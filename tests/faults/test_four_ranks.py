@@ -1,0 +1,31 @@
+"""4 ranks, where not every rank talks to the failing one (gloo's ring all_reduce)."""
+
+from __future__ import annotations
+
+import pytest
+
+import nbdist
+from nbdist.errors import RankError
+from nbdist.output import ListSink
+
+
+def test_one_of_four_fails_and_all_three_others_are_released():
+    s = nbdist.DistSession(4, timeout=120, group_timeout=60, history=False).start()
+    try:
+        s.run("kept = rank", sink=ListSink())
+        with pytest.raises(RankError) as info:
+            s.run(
+                "t = torch.ones(1000)\n"
+                "if rank == 2:\n"
+                "    raise ValueError('rank 2 broke')\n"
+                "dist.all_reduce(t)\n",
+                sink=ListSink(),
+            )
+        err = info.value
+        assert err.ranks == [2]
+        released = "; the others were released: rank 0 from all_reduce #1, rank 1 from all_reduce #1, rank 3 from all_reduce #1"
+        assert f"rank 2 failed{released}." in str(err)
+        s.run("t = torch.ones(1) * kept\ndist.all_reduce(t)", sink=ListSink())
+        assert [t.item() for t in s.pull("t")] == [6.0] * 4
+    finally:
+        s.stop()

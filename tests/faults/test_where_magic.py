@@ -1,0 +1,68 @@
+"""%dist_where and %%on_all_ranks --timeout in a real IPython shell (2 real ranks)."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from nbdist.errors import RankError
+from nbdist.runner import CellTimeout
+
+
+@pytest.fixture(scope="module")
+def shell():
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext nbdist")
+    result = sh.run_cell("%dist_start 2 --timeout 120")
+    assert result.success, result.error_in_exec
+    yield sh
+    sh.run_line_magic("dist_stop", "")
+
+
+def test_dist_where_names_the_rank_that_never_entered(shell, capsys):
+    result = shell.run_cell(
+        "%%on_all_ranks --noblock\nimport time\nif rank == 1:\n    time.sleep(60)\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    run = result.result
+    try:
+        text = ""
+        for _ in range(200):  # until rank 0 waits in its all_reduce
+            capsys.readouterr()
+            shell.run_line_magic("dist_where", "")
+            text = capsys.readouterr().out
+            if "rank 0: inside all_reduce" in text:
+                break
+        assert "rank 0: inside all_reduce #1 for " in text
+        assert "rank 1: never entered all_reduce #1 (last: none yet)" in text
+        assert "time.sleep(60)" in text
+        assert not run.done()  # nothing was stopped
+        shell.run_line_magic("dist_where", "--ranks 1")
+        only = capsys.readouterr().out
+        assert only.startswith("rank 1: ") and "rank 0" not in only
+    finally:
+        shell.magics_manager.registry["DistMagics"].session.interrupt([1])
+        with pytest.raises(RankError):
+            run.wait()
+
+
+def test_dist_where_bad_input(shell):
+    with pytest.raises(UsageError, match="rank 7 does not exist: this cluster has ranks 0..1"):
+        shell.run_line_magic("dist_where", "--ranks 7")
+
+
+def test_timeout_shows_where_and_the_next_cell_works(shell, capsys):
+    result = shell.run_cell(
+        "%%on_all_ranks --timeout 2\nimport time\nif rank == 0:\n    time.sleep(60)\n"
+        "dist.all_reduce(torch.ones(1))\n"
+    )
+    assert isinstance(result.error_in_exec, CellTimeout)
+    text = str(result.error_in_exec)
+    assert "where the ranks were:" in text
+    assert "rank 0: never entered all_reduce #" in text
+    assert "rank 1: inside all_reduce #" in text
+    capsys.readouterr()
+    result = shell.run_cell("%%on_all_ranks\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t)")
+    assert result.success, result.error_in_exec
+    assert "[ranks 0-1] tensor([2.])" in capsys.readouterr().out
