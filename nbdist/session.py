@@ -270,6 +270,8 @@ class DistSession:
                 )
             )
         self._ranks = sorted(ranks, key=lambda r: r.rank)
+        if len({r.host for r in self._ranks}) > 1:  # the dashboard names each rank's host
+            self._metrics.run.hosts = {r.rank: r.host for r in self._ranks}
         self.cells = []  # fresh namespaces: earlier cells no longer describe them
 
     @property

@@ -53,11 +53,12 @@ class RankRow:
     seen: float | None = None  # time.time() of the latest point
     state: str = "idle"
     straggler: str = ""  # why it is flagged, "" when it is not
+    host: str = ""  # shown next to the rank when the ranks span several hosts
 
     def cells(self, now: float) -> list[str]:
         """The row as text cells: rank, step, loss, rate, step time, memory, last seen, state, flag."""
         return [
-            str(self.rank),
+            f"{self.rank} · {self.host}" if self.host else str(self.rank),
             "–" if self.step is None else str(self.step),
             fmt_value(self.loss),
             fmt_rate(self.rate),
@@ -169,7 +170,7 @@ def build_rows(
     ranks = sorted(set(range(run.world_size)) | set(run.ranks) | set(states))
     for rank in ranks:
         last = run.last(rank)
-        row = RankRow(rank=rank)
+        row = RankRow(rank=rank, host=getattr(run, "hosts", {}).get(rank, ""))
         if last:
             row.step = int(last["step"])
             row.seen = last["time"]

@@ -64,6 +64,8 @@ class Run:
         self.started = time.time() if started is None else started
         self.ended = ended
         self.label = label
+        # rank -> host, set by the session when the ranks span several hosts (the table shows it)
+        self.hosts: dict[int, str] = {}
         self._ranks: dict[int, RankSeries] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Run], None]] = []

@@ -20,6 +20,8 @@ import psutil
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
+from nbdist.dashboard.table import rank_rows
+from nbdist.dashboard.text import summary_text
 from tests.conftest import wait_gone
 from tests.multihost.netns import Hosts, namespaces_unavailable
 
@@ -182,6 +184,10 @@ def test_four_ranks_over_two_namespaces_train_ddp_and_log(two_hosts):
         assert sorted(frame["rank"].unique()) == [0, 1, 2, 3]
         assert frame.groupby("rank")["step"].max().tolist() == [4, 4, 4, 4]
         assert frame["loss"].notna().all()
+        # The dashboard's rank table (widget and text summary) names each rank's host.
+        rows = [row.cells(time.time())[0] for row in rank_rows(session.metrics)]
+        assert rows == [f"0 · {host_a}", f"1 · {host_a}", f"2 · {host_b}", f"3 · {host_b}"]
+        assert f"2 · {host_b}" in summary_text(session.metrics)
         status = {row["rank"]: row["host"] for row in session.status()}
         assert status == {0: host_a, 1: host_a, 2: host_b, 3: host_b}
     finally:
