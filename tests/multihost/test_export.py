@@ -74,6 +74,13 @@ def test_exported_cells_train_the_same_model_under_torchrun(shell, tmp_path):
     interactive = shell.run_line_magic("dist_pull", "final --rank 0")
     script = tmp_path / "train.py"
     assert shell.run_cell(f"%dist_export {script}").success
+    # A cell with IPython syntax cannot go into a script: the export says which line, and how.
+    assert _cell(shell, "%time y = 2").success
+    refused = shell.run_cell(f"%dist_export {tmp_path / 'refused.py'}")
+    assert not refused.success
+    message = str(refused.error_in_exec)
+    assert "cell 4" in message and "%time y = 2" in message and "# nbdist: no-export" in message
+    assert not (tmp_path / "refused.py").exists()
     assert shell.run_cell("%dist_stop").success
 
     text = script.read_text()
@@ -112,14 +119,3 @@ def test_exported_cells_train_the_same_model_under_torchrun(shell, tmp_path):
     assert sorted(frame["rank"].unique()) == [0, 1]
     assert frame.groupby("rank")["step"].max().tolist() == [7, 7]
     assert frame["loss"].notna().all()
-
-
-def test_export_refuses_magics_and_names_the_fix(shell, tmp_path):
-    assert shell.run_cell("%dist_start 2").success
-    assert _cell(shell, "x = 1").success
-    assert _cell(shell, "%time y = 2").success
-    result = shell.run_cell(f"%dist_export {tmp_path / 'out.py'}")
-    assert not result.success
-    message = str(result.error_in_exec)
-    assert "cell 2" in message and "%time y = 2" in message and "# nbdist: no-export" in message
-    assert not (tmp_path / "out.py").exists()
