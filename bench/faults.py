@@ -16,7 +16,8 @@ On one session of N CPU ranks (gloo), each case repeated ``--reps`` times:
 - output:    one rank writes 10 MB to stdout and 10 MB to stderr; the cell's
              time with the default 1 MiB limit per stream and without limit.
 - tracking:  cost of nbdist's bookkeeping around a collective: 2,000
-             ``all_reduce`` of one float, tracked vs torch's own function.
+             ``all_reduce`` of one float, tracked vs torch's own function, and
+             the wrapper alone around a no-op (best of 3 x 200,000 calls).
 
 Without nbdist's release, fail/kill/interrupt would wait for the group's
 timeout (torch's default: 30 minutes; 58.8 s measured with a 60 s timeout).
@@ -157,9 +158,22 @@ def _tracking(s) -> dict:
         sink=ListSink(),
     )
     cost = s.pull("cost", rank=0)
+    # The bookkeeping alone, around a function that does nothing (here, not on a rank).
+    import timeit
+
+    from nbdist import collectives
+
+    def noop(x):
+        return x
+
+    tracked = collectives._tracked("all_reduce", noop)
+    n = 200_000
+    bare = min(timeit.repeat(lambda: noop(1), number=n, repeat=3)) / n
+    wrapped = min(timeit.repeat(lambda: tracked(1), number=n, repeat=3)) / n
     return {
         "tracked_us": round(cost["tracked"] * 1e6, 1),
         "torch_us": round(cost["torch"] * 1e6, 1),
+        "bookkeeping_us": round((wrapped - bare) * 1e6, 2),
     }
 
 
@@ -235,7 +249,7 @@ def _measure_cases(s, reps: int, summary: dict) -> None:
     summary.update(_tracking(s))
     print(
         f"all_reduce of one float: tracked {summary['tracked_us']} µs, "
-        f"torch {summary['torch_us']} µs",
+        f"torch {summary['torch_us']} µs; bookkeeping alone {summary['bookkeeping_us']} µs",
         flush=True,
     )
 
