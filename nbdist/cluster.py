@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -29,7 +30,7 @@ import psutil
 
 from .errors import NbdistError
 
-__all__ = ["ClusterHandle", "attach", "start_local", "stop"]
+__all__ = ["ClusterHandle", "attach", "check_start_options", "start_local", "stop"]
 
 _counter = itertools.count()
 # Where a heartbeat of 100 ms stays reliable under full CPU load (30 ms missed beats).
@@ -54,6 +55,98 @@ class ClusterHandle:
             return None
         sets = list(self.cluster.engines.values())
         return sets[0] if sets else None
+
+
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
+
+
+def check_start_options(*, ip: str = "127.0.0.1", launcher=None, profile=None, attach=None) -> None:
+    """Refuse options that could only fail after processes started (PlacementError, with the fix).
+
+    Checked before anything starts, so a typo costs nothing: an ``ip`` that is
+    not an address (or a hostname that resolves), an unknown ``launcher``, a
+    ``profile`` that does not exist (ipyparallel would create it), an ``attach``
+    file that is not there. Example::
+
+        check_start_options(ip="127.0.0.1")   # fine
+        check_start_options(ip="10.0.0.300")  # PlacementError: --ip '10.0.0.300' is not an IP ...
+    """
+    from .errors import PlacementError
+
+    if not isinstance(ip, str) or not _valid_address(ip):
+        raise PlacementError(
+            f"--ip {ip!r} is not an IP address or a host name of this machine: give e.g. "
+            "127.0.0.1 (the default, this machine only) or this host's address on the network "
+            "the ranks share"
+        )
+    if launcher is not None and not isinstance(launcher, type):
+        _check_launcher(str(launcher))
+    if profile is not None:
+        from IPython.core.profiledir import ProfileDir, ProfileDirError
+        from IPython.paths import get_ipython_dir
+
+        try:
+            ProfileDir.find_profile_dir_by_name(get_ipython_dir(), str(profile))
+        except ProfileDirError:
+            raise PlacementError(
+                f"--profile {profile!r}: no such IPython profile in {get_ipython_dir()}; create "
+                f"it with `ipython profile create --parallel {profile}`, or leave --profile out"
+            ) from None
+    if attach is not None and not os.path.isfile(os.path.expanduser(str(attach))):
+        raise PlacementError(
+            f"--attach {attach!r}: no such file. Pass the cluster file (cluster-*.json) or the "
+            "client connection file (ipcontroller-client.json) of a running ipyparallel cluster"
+        )
+
+
+def _valid_address(ip: str) -> bool:
+    """An IP address or host name that this machine can bind (the controller listens there)."""
+    import ipaddress
+    import socket
+
+    try:
+        addresses = [str(ipaddress.ip_address(ip))]
+    except ValueError:
+        if len(ip) > 253 or not _HOSTNAME.fullmatch(ip):
+            return False
+        try:
+            infos = socket.getaddrinfo(ip, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return False
+        addresses = [info[4][0] for info in infos]
+    # An address of another machine ("1.2.3" resolves, as 1.2.0.3) would only fail
+    # after the processes started; a bind tells now.
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((address, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _check_launcher(name: str) -> None:
+    from ipyparallel.cluster.launcher import find_launcher_class
+
+    from .errors import PlacementError
+
+    try:
+        if "." in name:  # a class by import path, as ipyparallel accepts
+            from traitlets.utils.importstring import import_item
+
+            import_item(name)
+        else:
+            find_launcher_class(name, "engine")
+    except (KeyError, ImportError, ValueError, AttributeError):
+        from importlib.metadata import entry_points
+
+        known = sorted({ep.name for ep in entry_points(group="ipyparallel.engine_launchers")})
+        raise PlacementError(
+            f"--launcher {name!r} is not an ipyparallel engine launcher: use one of "
+            f"{', '.join(known)} (or a launcher class as module.Class)"
+        ) from None
 
 
 def _quiet_log():

@@ -26,9 +26,14 @@ def _positive_float(text: str) -> float:
         raise UsageError(
             f"--timeout {text!r} is not a number of seconds, e.g. --timeout 60"
         ) from None
-    if value <= 0:
-        raise UsageError(f"--timeout {text!r} must be more than 0 seconds")
+    if not value > 0 or value == float("inf"):  # also NaN
+        raise UsageError(f"--timeout {text!r} must be more than 0 seconds (and finite)")
     return value
+
+
+def _whole(text: str) -> bool:
+    """ASCII digits only: str.isdigit() also accepts '²' and '٣', which int() may refuse."""
+    return text.isascii() and text.isdigit()
 
 
 def _parse(magic, line: str):
@@ -38,6 +43,8 @@ def _parse(magic, line: str):
         raise
     except SystemExit as exc:  # argparse's own exit on bad input
         raise UsageError(f"could not parse {line!r}: see the magic's help (?)") from exc
+    except ValueError as exc:  # the line's quotes do not close
+        raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
 
 
 @magics_class
@@ -106,17 +113,21 @@ class DistMagics(Magics):
             )
         n = None
         if args.n is not None:
-            if not args.n.isdigit() or int(args.n) < 1:
+            if not _whole(args.n) or int(args.n) < 1:
                 raise UsageError(f"number of ranks {args.n!r}: give a whole number >= 1, e.g. 4")
             n = int(args.n)
         threads = None
         if args.threads is not None:
-            if not args.threads.isdigit() or int(args.threads) < 1:
+            if not _whole(args.threads) or int(args.threads) < 1:
                 raise UsageError(f"--threads {args.threads!r}: give a whole number >= 1")
             threads = int(args.threads)
+        from .cluster import check_start_options
         from .session import DistSession
 
         try:
+            check_start_options(
+                ip=args.ip, launcher=args.launcher, profile=args.profile, attach=args.attach
+            )
             gpus = parse_gpu_list(args.gpus) if args.gpus is not None else None
             launch_options = parse_launch_options(args.launch_opt)
             for name in ("partition", "time", "account", "hosts"):
@@ -182,6 +193,8 @@ class DistMagics(Magics):
         """
         from .status import format_status
 
+        if line.strip():
+            raise UsageError(f"%dist_status takes no arguments, got {line.strip()!r}")
         print(format_status(self._running().status()))
 
     @magic_arguments()
@@ -245,7 +258,7 @@ class DistMagics(Magics):
                 )
             run = history[-1].load()
         else:
-            if not args.run.isdigit():
+            if not _whole(args.run):
                 raise UsageError(
                     f"run {args.run!r}: give a run id, e.g. %dist_dashboard 3 (see nbdist.runs())"
                 )
@@ -334,6 +347,8 @@ class DistMagics(Magics):
         print(model)
         """
         args = _parse(self.on_rank, line)
+        if not _whole(args.rank):
+            raise UsageError(f"rank {args.rank!r}: give one rank number, e.g. %%on_rank 0")
         return self._run_cell(cell, args.rank, args.noblock, args.timeout)
 
     def _run_cell(self, cell, ranks, noblock, timeout):
@@ -377,10 +392,14 @@ class DistMagics(Magics):
         w0 = %dist_pull weight --rank 0
         """
         args = _parse(self.dist_pull, line)
+        if not args.name.isidentifier():
+            raise UsageError(
+                f"%dist_pull {args.name!r}: give a variable name, e.g. %dist_pull loss"
+            )
         session = self._running()
         rank = None
         if args.rank is not None:
-            if not args.rank.isdigit():
+            if not _whole(args.rank):
                 raise UsageError(f"--rank {args.rank!r}: give a rank number, e.g. --rank 0")
             rank = int(args.rank)
             if rank >= session.world_size:

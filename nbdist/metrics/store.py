@@ -167,6 +167,9 @@ def runs(path: str | None = None) -> list[RunRecord]:
 def load_run(run_id: int, *, path: str | None = None) -> Run:
     """A finished (or running) run read back from the history."""
     path = path or history_path()
+    # SQLite integers are 64-bit; and no history file yet means no run in it.
+    if not (isinstance(run_id, int) and 0 <= run_id < 2**63) or not os.path.exists(path):
+        raise KeyError(f"run {run_id} is not in the history at {path}: see nbdist.runs()")
     conn = _connect(path, readonly=True)
     try:
         meta = conn.execute(
