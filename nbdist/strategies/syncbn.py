@@ -67,7 +67,7 @@ def _global_stats(x: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor, f
         ]
     )
     dist.all_reduce(packed, group=group)
-    count = float(packed[-1])
+    count = float(packed[-1])  # a device sync on GPU; the count is needed on the host anyway
     if count < 1:
         raise ValueError("SyncBatchNorm got an empty batch on every rank")
     mean = packed[:channels] / count
