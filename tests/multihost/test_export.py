@@ -119,3 +119,26 @@ def test_exported_cells_train_the_same_model_under_torchrun(shell, tmp_path):
     assert sorted(frame["rank"].unique()) == [0, 1]
     assert frame.groupby("rank")["step"].max().tolist() == [7, 7]
     assert frame["loss"].notna().all()
+
+
+def test_an_exported_script_runs_as_one_plain_python_process(tmp_path):
+    """Without torchrun: a group of one, nothing listening beyond loopback, metrics still kept."""
+    from nbdist.export import export_script
+
+    script = export_script(
+        ["t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)",
+         "for i in range(3):\n    nbdist.log(step=i, loss=float(t.item()) / (i + 1))",
+         "print('result', rank, world_size, device, t.item())"],
+        str(tmp_path / "one.py"),
+    )  # fmt: skip
+    history = tmp_path / "history.sqlite"
+    env = dict(os.environ, NBDIST_HISTORY=str(history))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "SLURM_PROCID"):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "result 0 1 cpu 1.0" in done.stdout
+    frame = nbdist.runs(str(history))[-1].to_pandas()
+    assert frame["loss"].tolist() == [1.0, 0.5, 1.0 / 3]

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import psutil
 import pytest
@@ -26,6 +27,8 @@ from tests.conftest import wait_gone
 from tests.multihost.netns import Hosts, namespaces_unavailable
 
 _WHY_NOT = namespaces_unavailable()
+if _WHY_NOT is not None:  # shown in the warnings summary too, not only with -rs
+    warnings.warn(f"multi-host test skipped: {_WHY_NOT}", pytest.PytestWarning, stacklevel=1)
 pytestmark = pytest.mark.skipif(
     _WHY_NOT is not None, reason=f"multi-host test needs network namespaces: {_WHY_NOT}"
 )
