@@ -1,0 +1,86 @@
+"""The kernel goes (shut down, restarted, SIGKILLed): every process nbdist started is gone within 10 s.
+
+Checked by PID on every process below the kernel, found independently of
+nbdist (psutil), while the ranks are idle, running a cell, or blocked in a
+collective. The 10 s count from the moment the kernel process ended. What
+makes it hold: nbdist's shutdown hook stops the cluster; and when the kernel is
+killed outright, the controller (``nbdist._guard``) and the engine zygote
+(``nbdist._zygote``) notice their parent is gone and end themselves and the
+engines, which also die with the zygote (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.notebooks.test_kernel import ranks_printed
+from tests.reliability.conftest import DeathClock, survivors
+
+GRACE_S = 10.0
+
+# Rank 0 waits in an all_reduce that rank 1 never joins (it sleeps): blocked in a collective.
+BLOCKED = (
+    "%%on_all_ranks\nimport time\nprint('started', flush=True)\n"
+    "if rank == 0:\n    dist.all_reduce(torch.ones(1))\nelse:\n    time.sleep(600)"
+)
+BUSY = "%%on_all_ranks\nimport time\nprint('started', flush=True)\ntime.sleep(600)"
+
+
+def _stdout(outputs) -> str:
+    return "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+
+
+def _start_cell(kernel, code: str) -> None:
+    msg_id = kernel.submit(code)
+    outputs, idle = kernel.collect(
+        msg_id, timeout=120, until=lambda outs: ranks_printed(_stdout(outs), "started") == {0, 1}
+    )
+    assert not idle, f"the cell ended early: {_stdout(outputs)!r}"
+
+
+@pytest.mark.parametrize(
+    "how, ranks",
+    # Idle ranks after a SIGKILL are in tests/notebooks/test_kernel.py; these are the hard cases.
+    [("shutdown", "idle"), ("restart", "busy"), ("sigkill", "blocked")],
+)
+def test_every_process_nbdist_started_is_gone_within_10_s(kernels, how, ranks):
+    kernel = kernels()
+    kernel.start_dist(2)
+    pids = kernel.descendants()
+    own = kernel.nbdist_pids()
+    # nbdist's own list is true (controller, its schedulers, zygote, 2 engines) and
+    # the kernel started nothing else nbdist does not know of.
+    assert set(own) <= set(pids) and len(own) >= 4, (own, pids)
+    assert set(pids) == set(own), f"processes below the kernel nbdist does not track: {pids}"
+    if ranks != "idle":
+        _start_cell(kernel, BLOCKED if ranks == "blocked" else BUSY)
+
+    clock = DeathClock(kernel.pid)
+    if how == "shutdown":
+        kernel.kc.stop_channels()
+        kernel.km.shutdown_kernel(now=False)
+    elif how == "restart":
+        kernel.km.restart_kernel(now=False)
+    else:
+        os.kill(kernel.pid, signal.SIGKILL)
+    ended = clock.wait()
+    left = survivors(pids, until=ended + GRACE_S)
+    assert left == [], (
+        f"{len(left)} processes still running {GRACE_S:g} s after the kernel {how} "
+        f"(ranks {ranks}):\n" + "\n".join(left)
+    )
+    gone_after = time.monotonic() - ended
+    print(
+        f"{how} with ranks {ranks}: every nbdist process gone {gone_after:.1f} s after the kernel"
+    )
+
+    if how == "restart":
+        # The new kernel works, and has no cluster until %dist_start.
+        kernel.kc.wait_for_ready(timeout=120)
+        assert kernel.ok("%load_ext nbdist\n%dist_stop").stdout.strip() == (
+            "nbdist: no cluster running"
+        )
