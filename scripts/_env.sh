@@ -12,6 +12,13 @@ if [[ ! -x "$PY" ]]; then
 fi
 want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/_env.sh" | sha256sum | cut -c1-16)"
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
+  if ! command -v node >/dev/null; then
+    # Building nbdist's JupyterLab extension (labextension/) needs node; jlpm comes with jupyterlab.
+    echo "== installing Debian nodejs (needed to build the JupyterLab extension)"
+    SUDO=""; [[ "$(id -u)" != 0 ]] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs
+  fi
   echo "== installing torch==2.13.0 and nbdist[test] into $VENV"
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet "torch==2.13.0"

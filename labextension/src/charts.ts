@@ -34,7 +34,7 @@ export interface ILineChartOptions {
   className: string;
 }
 
-/** Format a number compactly: 3100 -> "3.1k", 0.01234 -> "0.0123". */
+/** Format a number compactly: 3100 -> "3.1k", 12 -> "12", 0.01234 -> "0.0123". */
 export function compact(value: number | null | undefined): string {
   if (value === null || value === undefined || !isFinite(value)) {
     return '–';
@@ -43,10 +43,10 @@ export function compact(value: number | null | undefined): string {
   if (abs >= 1e6) {
     return (value / 1e6).toFixed(1) + 'M';
   }
-  if (abs >= 1e4) {
+  if (abs >= 1e3) {
     return (value / 1e3).toFixed(1) + 'k';
   }
-  if (abs >= 100) {
+  if (Number.isInteger(value) || abs >= 100) {
     return value.toFixed(0);
   }
   if (abs >= 1) {
@@ -58,8 +58,9 @@ export function compact(value: number | null | undefined): string {
 /**
  * Draw ``series`` (rank -> [x, y] points) into a new SVG element.
  *
- * Each polyline carries ``data-rank`` and ``data-points`` (how many points it
- * drew), which is also what the end-to-end test reads to see a chart advance.
+ * Each polyline carries ``data-rank``, ``data-points`` (how many points it
+ * drew) and ``data-last-x`` (its newest x), which is also what the end-to-end
+ * test reads to see a chart advance.
  */
 export function lineChart(
   series: Map<number, [number, number][]>,
@@ -143,6 +144,7 @@ export function lineChart(
     line.setAttribute('stroke-width', '1.5');
     line.setAttribute('data-rank', String(rank));
     line.setAttribute('data-points', String(points.length));
+    line.setAttribute('data-last-x', points.length ? String(points[points.length - 1][0]) : '');
     const tip = document.createElementNS(SVG, 'title');
     tip.textContent = `rank ${rank}`;
     line.appendChild(tip);

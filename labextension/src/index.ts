@@ -76,7 +76,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
           widget.title.closable = true;
           app.shell.add(widget, 'main');
         }
-        app.shell.activateById(panel.isAttached && labShell ? panel.id : 'nbdist-main-panel');
+        app.shell.activateById('nbdist-main-panel');
       }
     });
     palette?.addItem({ command: 'nbdist:open-panel', category: 'nbdist' });

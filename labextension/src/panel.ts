@@ -75,7 +75,7 @@ export class ClusterPanel extends Widget {
   ) {
     super();
     this.id = 'nbdist-sidebar';
-    this.addClass('nbdist-panel');
+    this.addClass('nbdist-sidebar');
     this.title.caption = 'nbdist: clusters, ranks and live metrics';
     const heading = document.createElement('h2');
     heading.textContent = 'nbdist clusters';
@@ -147,6 +147,12 @@ export class ClusterPanel extends Widget {
         this._sections.delete(id);
       }
     }
+    // A new run (a cluster started or restarted) belongs in "Past runs" too.
+    const runs = clusters.map(c => String(c.run_id)).join(',');
+    if (runs !== this._runIds) {
+      this._runIds = runs;
+      void this._loadRuns();
+    }
   }
 
   private _section(cluster: ICluster): HTMLElement {
@@ -178,9 +184,12 @@ export class ClusterPanel extends Widget {
       header.appendChild(th);
     }
     table.createTBody();
+    const wrap = document.createElement('div');
+    wrap.className = 'nbdist-ranks-wrap'; // a narrow sidebar scrolls the table sideways
+    wrap.appendChild(table);
     const charts = document.createElement('div');
     charts.className = 'nbdist-charts';
-    section.append(head, message, table, charts);
+    section.append(head, message, wrap, charts);
     return section;
   }
 
@@ -283,6 +292,7 @@ export class ClusterPanel extends Widget {
   }
 
   private _sections = new Map<string, HTMLElement>();
+  private _runIds = '';
   private _status: HTMLElement;
   private _list: HTMLElement;
   private _runs: HTMLElement;

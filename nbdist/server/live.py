@@ -42,6 +42,7 @@ __all__ = ["CHART_POINTS", "LiveView", "RankLive", "RunReader"]
 CHART_POINTS = 300  # recent points per rank and series kept for the sidebar's small charts
 _BUSY_CPU_FRACTION = 0.1
 _BUSY_RECENT_S = 3.0
+_RECENT_RATE_S = 5.0
 
 
 def _number(value) -> float | None:
@@ -213,9 +214,17 @@ class LiveView:
     def clusters(self) -> list[dict]:
         """Every live cluster with its ranks' rows (see :meth:`rank_rows`)."""
         out = []
+        now = time.time()
         for entry in self.entries():
             ranks = self.rank_rows(entry)
-            rates = [r["samples_per_s"] for r in ranks if r["samples_per_s"] is not None]
+            # Throughput now: only ranks that logged lately (an idle rank's last rate is stale).
+            rates = [
+                r["samples_per_s"]
+                for r in ranks
+                if r["samples_per_s"] is not None
+                and r["last_seen"] is not None
+                and now - r["last_seen"] < _RECENT_RATE_S
+            ]
             steps = [r["step"] for r in ranks if r["step"] is not None]
             out.append(
                 {

@@ -1,0 +1,197 @@
+"""The JupyterLab sidebar in a real browser: JupyterLab + headless Chromium + 2 CPU ranks.
+
+The notebook loads nbdist, starts 2 ranks (gloo) and runs a long logging
+cell. While it runs, the test checks in the page that:
+
+- the nbdist sidebar lists the cluster with 2 ranks whose step advances, and
+  its loss chart gains points (``polyline[data-points]``);
+- the status bar shows "nbdist · 2 ranks · gloo · step N · ... samples/s";
+- Interrupt in the sidebar (after its confirmation dialog) stops the running
+  cell: it ends with KeyboardInterrupt on the ranks, the ranks stay up;
+- the run opens from "Past runs" as a main-area chart with one line per rank;
+- no uncaught page error and no console error about nbdist.
+
+The extension under test is the one built into ``nbdist/labextension`` (the
+package build puts it there); screenshots go to ``artifacts/ui/``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILT = ROOT / "nbdist" / "labextension"
+
+LOG_CELL = """%%on_all_ranks
+import time
+for i in range(3000):
+    nbdist.log(step=i, loss=1.0 / (1.0 + 0.01 * i) + 0.1 * rank, samples=32)
+    time.sleep(0.03)
+print("finished " + "all steps")"""
+
+
+def _notebook(cells: list[str]) -> dict:
+    return {
+        "cells": [
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "id": f"cell-{i}",
+                "metadata": {},
+                "outputs": [],
+                "source": source,
+            }
+            for i, source in enumerate(cells)
+        ],
+        "metadata": {
+            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+
+
+def _poll(fn, timeout: float, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def _use_built_extension(data_dir: Path) -> str:
+    """Make the lab server load the extension built from this checkout.
+
+    A link in the server's (isolated) data dir wins over an installed copy in
+    ``sys.prefix``, so the test always sees the current build.
+    """
+    if (BUILT / "package.json").exists():
+        link = data_dir / "labextensions" / "nbdist"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(BUILT, target_is_directory=True)
+        return f"built at {BUILT}"
+    installed = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "nbdist"
+    if (installed / "package.json").exists():
+        return f"installed at {installed}"
+    pytest.fail(
+        f"the JupyterLab extension is not built ({BUILT} is missing): run "
+        "`pip install -e .` (builds it) or `cd labextension && jlpm install && jlpm build`"
+    )
+
+
+def _steps(page) -> list[int]:
+    texts = page.locator(".nbdist-cluster tr.nbdist-rank td.nbdist-col-step").all_inner_texts()
+    return [int(t) if t.strip().isdigit() else -1 for t in texts]
+
+
+def _chart_last_x(page) -> list[int]:
+    """The newest step drawn by each rank's line of the sidebar's loss chart."""
+    lines = page.locator(".nbdist-cluster svg.nbdist-chart-loss polyline")
+    return [int(lines.nth(i).get_attribute("data-last-x") or -1) for i in range(lines.count())]
+
+
+@pytest.mark.timeout(240)
+def test_sidebar_shows_live_ranks_and_interrupts(
+    lab_factory, browser_page, tmp_path, artifacts_dir
+):
+    where = _use_built_extension(tmp_path / "jupyter" / "data")
+    server = lab_factory(
+        "sidebar.ipynb", _notebook(["%load_ext nbdist", "%dist_start 2", LOG_CELL])
+    )
+    print(f"nbdist labextension {where}; nbdist.server {server.extension}")
+    page = browser_page
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+    page.on(
+        "console",
+        lambda msg: (
+            errors.append(msg.text) if msg.type == "error" and "nbdist" in msg.text else None
+        ),
+    )
+
+    page.goto(f"{server.url}lab/tree/sidebar.ipynb?token={server.token}")
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+    tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='nbdist-sidebar']")
+    tab.wait_for(timeout=30_000)  # the extension is loaded
+    assert _poll(
+        lambda: any(
+            k["execution_state"] == "idle" and k["connections"] >= 1 for k in server.kernels()
+        ),
+        timeout=60,
+    ), server.kernels()
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=30_000)
+    tab.click()
+    sidebar = page.locator("#nbdist-sidebar")
+    sidebar.wait_for(state="visible")
+    assert "No nbdist cluster is running" in sidebar.inner_text()
+
+    page.locator("li.lm-MenuBar-item", has_text="Run").click()
+    page.locator("li.lm-Menu-item[data-command='runmenu:run-all']").click()
+
+    # The cluster appears with its 2 ranks, and their steps and charts advance.
+    page.wait_for_selector(".nbdist-cluster tr.nbdist-rank", timeout=90_000)
+    assert page.locator(".nbdist-cluster").count() == 1
+    assert page.locator(".nbdist-cluster tr.nbdist-rank").count() == 2
+    assert _poll(lambda: min(_steps(page)) >= 0, timeout=60), _steps(page)
+    first_steps, first_x = _steps(page), _chart_last_x(page)
+    assert _poll(lambda: all(b > a for a, b in zip(first_steps, _steps(page))), timeout=30), (
+        f"steps did not advance: {first_steps} -> {_steps(page)}"
+    )
+    assert _poll(
+        lambda: (
+            len(_chart_last_x(page)) == 2
+            and all(b > a for a, b in zip(first_x, _chart_last_x(page)))
+        ),
+        timeout=30,
+    ), f"the loss chart did not advance: {first_x} -> {_chart_last_x(page)}"
+    title = page.locator(".nbdist-cluster-title").inner_text()
+    assert "sidebar.ipynb · 2 ranks · gloo" in title, title
+    states = page.locator(".nbdist-cluster tr.nbdist-rank td.nbdist-col-state").all_inner_texts()
+    assert states == ["busy", "busy"], states
+    status = page.locator(".nbdist-statusbar")
+    assert _poll(
+        lambda: re.search(
+            r"nbdist · 2 ranks · gloo · step \d+ · \S+ samples/s", status.inner_text()
+        ),
+        timeout=20,
+    ), status.inner_text()
+    page.screenshot(path=str(artifacts_dir / "sidebar-live.png"))
+
+    # Interrupt from the sidebar, confirmed in the dialog: the running cell stops.
+    log_prompt = page.locator(".jp-NotebookPanel .jp-Cell .jp-InputPrompt").nth(2)
+    assert log_prompt.inner_text().strip() == "[*]:"
+    page.locator(".nbdist-cluster button.nbdist-interrupt").click()
+    page.locator(".jp-Dialog button.jp-mod-accept").click()
+    assert _poll(lambda: log_prompt.inner_text().strip() != "[*]:", timeout=30), (
+        "the cell still runs after Interrupt"
+    )
+    output = (
+        page.locator(".jp-NotebookPanel .jp-Cell").nth(2).locator(".jp-OutputArea").inner_text()
+    )
+    assert "KeyboardInterrupt" in output and "finished all steps" not in output, output
+    assert "SIGINT sent to 2 rank processes" in page.locator(".nbdist-message").inner_text()
+    # The ranks are still up: not dead, and their steps stop advancing.
+    assert _poll(
+        lambda: (
+            page.locator(".nbdist-cluster tr.nbdist-rank td.nbdist-col-state").all_inner_texts()
+            == ["idle", "idle"]
+        ),
+        timeout=30,
+    )
+    page.screenshot(path=str(artifacts_dir / "sidebar-interrupted.png"))
+
+    # The run, from the history, as a chart in the main area.
+    page.locator(".nbdist-runs-refresh").click()
+    page.locator(".nbdist-run-link").first.click()
+    chart = page.locator(".nbdist-run-chart svg.nbdist-chart-loss polyline")
+    chart.first.wait_for(timeout=30_000)
+    assert chart.count() == 2
+    assert all(int(chart.nth(i).get_attribute("data-points")) > 10 for i in range(2))
+    page.screenshot(path=str(artifacts_dir / "sidebar-run-chart.png"))
+    assert errors == [], errors
