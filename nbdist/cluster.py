@@ -192,6 +192,8 @@ def start_local(
 
     from .launcher import ZygoteEngineSetLauncher
 
+    # Script users (DistSession) get the same early, clear refusal as %dist_start.
+    check_start_options(ip=ip, launcher=launcher, profile=profile)
     config = _base_config(ip)
     if launcher_config:
         from traitlets.config import Config

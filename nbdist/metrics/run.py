@@ -184,6 +184,10 @@ class Run:
         """A DataFrame with one row per (rank, step): ``rank``, ``step``, ``time`` and a column per metric.
 
         Several points logged with the same step on a rank are merged (last value wins).
+        That is also how a resumed run reads: training restarted from a checkpoint
+        logs the steps after it again, and the later points replace the earlier
+        ones, so each step appears once. The history itself keeps every point as
+        it arrived (``series()`` too, in arrival order): nothing logged is lost.
         """
         import pandas as pd
 
