@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..metrics.log import log as _log_metric
 from .measure import CommBytes, peak_bytes, resident_bytes
 
 __all__ = ["STRATEGIES", "chart", "compare", "table"]
@@ -185,6 +186,7 @@ def compare(
     microbatches: int | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
+    log: bool = True,
 ) -> list[dict]:
     """Train ``build_model()`` under each strategy; one row of measurements per strategy.
 
@@ -196,7 +198,8 @@ def compare(
     pairs the model's ``nn.Linear`` layers column- then row-parallel (or uses
     ``tp_plan``, a ``parallelize_module`` plan); ``'pp'`` needs an
     ``nn.Sequential`` and splits it into one stage per rank, ``microbatches``
-    micro-batches (default ``2 * world_size``).
+    micro-batches (default ``2 * world_size``). With ``log=True`` each timed
+    step goes to the live dashboard (``nbdist.log``: ``loss_<strategy>``, ``samples``).
 
     Each row: ``strategy``, ``samples_per_s``, ``step_ms``, ``peak_mib`` (list,
     per rank), ``comm_mib`` (list: payload per rank and step), ``comm_ops``
@@ -231,7 +234,9 @@ def compare(
     global_batch = sum(len(make_batch(0, r)[0]) for r in range(world))
     total = warmup + steps + 2  # + one counted step, + one profiled step (CPU)
     batches = [batch(s) for s in range(total)]
-    run = dict(warmup=warmup, steps=steps, batches=batches, global_batch=global_batch)
+    run = dict(
+        warmup=warmup, steps=steps, batches=batches, global_batch=global_batch, log_every=log
+    )
     rows = []
     for name in strategies:
         _reset(device, seed)
@@ -247,7 +252,7 @@ def _reset(device: torch.device, seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _measure(name, built, device, *, warmup, steps, batches, global_batch) -> dict:
+def _measure(name, built, device, *, warmup, steps, batches, global_batch, log_every) -> dict:
     params, opt, fb = built
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -263,6 +268,11 @@ def _measure(name, built, device, *, warmup, steps, batches, global_batch) -> di
     t0 = time.perf_counter()
     for i in range(warmup, warmup + steps):
         loss = step(i)
+        if log_every:
+            # The live dashboard: each strategy's loss as its own series, and
+            # samples/s of every phase on one throughput chart.
+            values = {f"loss_{name}": loss} if loss is not None else {}
+            _log_metric(step=i, samples=global_batch // world, **values)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
