@@ -24,6 +24,7 @@ read the registry without importing torch or ipyparallel.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -74,6 +75,21 @@ def _connection_file() -> str | None:
         return None
 
 
+def _client_file(session) -> str | None:
+    """The ipyparallel client connection file of the session's cluster (0600), if known."""
+    attach = session.options.get("attach")
+    if attach:
+        return os.path.abspath(attach)
+    cluster = session._handle.cluster
+    controller = getattr(cluster, "controller", None)
+    path = getattr(controller, "connection_files", {}).get("client")
+    if path and os.path.exists(path):
+        return path
+    security = os.path.join(session._handle.profile_dir or "", "security")
+    found = sorted(glob.glob(os.path.join(security, "ipcontroller*client.json")))
+    return found[0] if found else None
+
+
 def _create_time(pid: int) -> float | None:
     try:
         return psutil.Process(pid).create_time()
@@ -113,6 +129,7 @@ def _write(session) -> str:
         "owned": bool(handle.owned),
         "profile_dir": handle.profile_dir,
         "cluster_file": getattr(cluster, "cluster_file", None) if cluster is not None else None,
+        "connection_file": _client_file(session),
         "controller_pid": getattr(controller, "pid", None),
         "pids": sorted(handle.pids),
         "backend": session.backend,

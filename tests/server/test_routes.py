@@ -17,7 +17,7 @@ import psutil
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from nbdist import DistSession, RankError
+from nbdist import DistSession, RankError, registry
 from nbdist.metrics.store import RunStore
 from tests.conftest import wait_gone
 
@@ -131,6 +131,12 @@ async def test_live_cluster_metrics_interrupt_and_dead_rank(jp_fetch, history):
         assert cluster["world_size"] == 2 and cluster["backend"] == "gloo"
         assert cluster["kernel_id"] is None  # started from a script, not a kernel
         assert [r["pid"] for r in cluster["ranks"]] == pids
+        [entry] = registry.clusters()  # what the kernel side wrote, privately
+        assert entry["connection_file"].endswith("-client.json")
+        assert os.path.exists(entry["connection_file"])
+        assert entry["kernel_pid"] == os.getpid() and entry["controller_pid"] in entry["pids"]
+        assert os.stat(registry.registry_dir()).st_mode & 0o777 == 0o700
+        assert os.stat(registry.registry_dir() + f"/{entry['id']}.json").st_mode & 0o777 == 0o600
         for row in cluster["ranks"]:
             assert row["step"] == 5 and row["loss"] == pytest.approx(1 / 6)
             assert row["samples_per_s"] > 0 and row["state"] in ("busy", "idle")
@@ -218,8 +224,6 @@ async def _wait_for(jp_fetch, predicate, timeout: float = 90.0):
 
 
 def test_registry_skips_entries_of_dead_kernels(tmp_path):
-    from nbdist import registry
-
     folder = tmp_path / "reg"
     folder.mkdir()
     dead = psutil.Popen(["true"])
