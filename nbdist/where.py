@@ -44,15 +44,22 @@ def control_request(client, engine_ids: Sequence[int], action: str, timeout: flo
     """Send nbdist's control ``action`` to the engines; replies (or None) in the same order."""
     from ._rank_control import REQUEST
 
-    futures = [
-        client._send_control_request(
-            targets=[eid], msg_type=REQUEST, content={"action": action}, block=False
-        )
-        for eid in engine_ids
-    ]
+    futures = []
+    for eid in engine_ids:
+        try:
+            futures.append(
+                client._send_control_request(
+                    targets=[eid], msg_type=REQUEST, content={"action": action}, block=False
+                )
+            )
+        except Exception:  # the engine left the cluster meanwhile (it died)
+            futures.append(None)
     deadline = time.monotonic() + timeout
     replies = []
     for future in futures:
+        if future is None:
+            replies.append(None)
+            continue
         try:
             msgs = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except Exception:  # no answer in time, or the engine is gone

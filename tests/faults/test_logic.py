@@ -1,0 +1,103 @@
+"""The pure parts: how a death is worded, the hang diagnosis, the collective records, status lines."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from nbdist import collectives
+from nbdist.faults import death_cause
+from nbdist.status import format_status
+from nbdist.where import RankWhere, diagnose, format_where
+
+
+@pytest.mark.parametrize(
+    "status, words",
+    [
+        (
+            signal.SIGKILL,
+            "killed by SIGKILL (signal 9): kill -9, or the kernel's out-of-memory killer",
+        ),
+        (signal.SIGSEGV | 0x80, "crashed: segmentation fault (SIGSEGV, signal 11)"),
+        (signal.SIGTERM, "killed by SIGTERM (signal 15)"),
+        (3 << 8, "exited with code 3"),
+        (None, "exited (exit status not available)"),
+    ],
+)
+def test_death_cause_words(status, words):
+    assert death_cause(status).startswith(words)
+
+
+def _c(op, seq, inside, seconds=1.0, raised=False):
+    return {"op": op, "seq": seq, "inside": inside, "seconds": seconds, "raised": raised}
+
+
+def test_diagnose_names_who_never_entered():
+    found = [
+        RankWhere(0, True, busy=True, collective=_c("all_reduce", 118, True, 42.0)),
+        RankWhere(1, True, busy=True, collective=_c("all_reduce", 117, False, 42.1)),
+        RankWhere(2, True, busy=True, collective=None),
+        RankWhere(3, False, note="no answer within 3 s (dead, or native code holding the GIL)"),
+    ]
+    assert diagnose(found) == {
+        0: "inside all_reduce #118 for 42.0 s",
+        1: "never entered all_reduce #118 (last: all_reduce #117, returned 42.1 s ago)",
+        2: "never entered all_reduce #118 (last: none yet)",
+        3: "no answer within 3 s (dead, or native code holding the GIL)",
+    }
+
+
+def test_diagnose_without_a_waiting_rank_and_the_stack_lines():
+    frame = {"file": "/tmp/cell.py", "line": 3, "name": "<module>", "code": "time.sleep(9)"}
+    found = [
+        RankWhere(
+            0, True, busy=True, stack=[frame], collective=_c("barrier", 4, False, raised=True)
+        ),
+        RankWhere(1, True, busy=False, collective=None),
+    ]
+    assert format_where(found).splitlines() == [
+        "rank 0: last collective barrier #4, raised 1.0 s ago",
+        '  File "/tmp/cell.py", line 3, in <module>: time.sleep(9)',
+        "rank 1: no collective since the group formed; idle",
+    ]
+
+
+def test_collective_records_inside_returned_and_raised():
+    seen = []
+
+    def op(fail=False):
+        seen.append(collectives.last())
+        if fail:
+            raise RuntimeError("Connection closed by peer")
+
+    tracked = collectives._tracked("all_reduce", op)
+    collectives.reset()
+    try:
+        assert collectives.last() is None
+        tracked()
+        assert seen[0]["inside"] and (seen[0]["op"], seen[0]["seq"]) == ("all_reduce", 1)
+        after = collectives.last()
+        assert (after["seq"], after["inside"], after["raised"]) == (1, False, False)
+        with pytest.raises(RuntimeError):
+            tracked(fail=True)
+        after = collectives.last()
+        assert (after["seq"], after["inside"], after["raised"]) == (2, False, True)
+        assert tracked._nbdist_original is op
+    finally:
+        collectives.reset()
+
+
+def test_status_says_how_a_dead_rank_died():
+    rows = [
+        dict(rank=0, engine=0, host="h", pid=10, device="cpu", backend="gloo", state="idle",
+             memory_mib=200.0, died=None),
+        dict(rank=1, engine=1, host="h", pid=11, device="cpu", backend="gloo", state="dead",
+             memory_mib=None, died="pid 11 killed by SIGKILL (signal 9)"),
+    ]  # fmt: skip
+    lines = format_status(rows).splitlines()
+    assert lines[2].split()[-2:] == ["dead", "?"]
+    assert lines[3:] == [
+        "rank 1 died: pid 11 killed by SIGKILL (signal 9)",
+        "%dist_restart brings every rank back",
+    ]
