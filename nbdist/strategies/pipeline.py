@@ -32,7 +32,14 @@ import time
 import torch
 from torch import nn
 
-__all__ = ["SCHEDULES", "StageTimer", "bubble_fraction", "pipeline_schedule", "split_sequential"]
+__all__ = [
+    "SCHEDULES",
+    "StageTimer",
+    "bubble_fraction",
+    "pipeline_schedule",
+    "render_timeline",
+    "split_sequential",
+]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -125,7 +132,9 @@ class StageTimer:
     It wraps the stage's ``forward_one_chunk``/``backward_one_chunk`` (the
     schedules call them once per micro-batch, between the receives and sends),
     so the time waiting for neighbours is left out: a step's idle share is
-    ``1 - timer.busy / step_seconds``.
+    ``1 - timer.busy / step_seconds``. ``events`` holds ``(kind, micro_batch,
+    start, end)`` per chunk (kind ``"F"`` or ``"B"``, ``time.perf_counter()``
+    seconds) for :func:`render_timeline`.
 
     Example::
 
@@ -137,13 +146,30 @@ class StageTimer:
 
     def __init__(self, stage) -> None:
         self.reset()
-        self._wrap(stage, "forward_one_chunk", "forward")
-        self._wrap(stage, "backward_one_chunk", "backward")
+        self._wrap(stage, "forward_one_chunk", "F")
+        self._wrap(stage, "backward_one_chunk", "B")
 
     def reset(self) -> None:
         """Start counting from zero (e.g. at the start of each step)."""
-        self.forward = self.backward = 0.0
-        self.forwards = self.backwards = 0
+        self.events: list[tuple[str, int, float, float]] = []
+
+    @property
+    def forward(self) -> float:
+        """Seconds of forward compute since the last :meth:`reset`."""
+        return sum(e - s for k, _, s, e in self.events if k == "F")
+
+    @property
+    def backward(self) -> float:
+        """Seconds of backward compute since the last :meth:`reset`."""
+        return sum(e - s for k, _, s, e in self.events if k == "B")
+
+    @property
+    def forwards(self) -> int:
+        return sum(k == "F" for k, *_ in self.events)
+
+    @property
+    def backwards(self) -> int:
+        return sum(k == "B" for k, *_ in self.events)
 
     @property
     def busy(self) -> float:
@@ -154,18 +180,47 @@ class StageTimer:
         original = getattr(stage, method)
         device = stage.device
 
-        def timed(*args, **kwargs):
+        def timed(chunk, *args, **kwargs):
             _sync(device)
             t0 = time.perf_counter()
             try:
-                return original(*args, **kwargs)
+                return original(chunk, *args, **kwargs)
             finally:
                 _sync(device)
-                setattr(self, kind, getattr(self, kind) + time.perf_counter() - t0)
-                setattr(self, kind + "s", getattr(self, kind + "s") + 1)
+                self.events.append((kind, int(chunk), t0, time.perf_counter()))
 
         # On the instance only: other stages and the class stay untouched.
         setattr(stage, method, timed)
+
+
+def render_timeline(events_by_stage, *, width: int = 64) -> str:
+    """A text Gantt chart of pipeline stages: ``F``/``B`` where a stage computes, ``·`` idle.
+
+    Odd micro-batches are drawn in lower case (``FfFf``) so that each one shows.
+
+    ``events_by_stage[i]`` is stage ``i``'s list of ``(kind, micro_batch,
+    start, end)``, with times relative to a common start (e.g. each rank's
+    step start after a barrier). Example output::
+
+        stage 0 |FFffFFff········BBBBbbbbBBBBbbbb········| busy 60%
+        stage 1 |··FFffFFffBBBBbbbbBBBBbbbb··············| busy 62%
+    """
+    events = [e for stage in events_by_stage for e in stage]
+    if not events:
+        raise ValueError("no events to draw: run a schedule step with a StageTimer attached")
+    t0 = min(e[2] for e in events)
+    span = max(e[3] for e in events) - t0 or 1e-9
+    lines = []
+    for i, stage in enumerate(events_by_stage):
+        row = ["·"] * width
+        for kind, chunk, start, end in stage:
+            a = min(int((start - t0) / span * width), width - 1)
+            b = min(max(a + 1, round((end - t0) / span * width)), width)
+            row[a:b] = (kind if chunk % 2 == 0 else kind.lower()) * (b - a)
+        busy = sum(end - start for _, _, start, end in stage) / span
+        lines.append(f"stage {i} |{''.join(row)}| busy {busy:.0%}")
+    lines.append(f"{' ' * 8} 0 {'-' * (width - 12)} {span * 1e3:.1f} ms")
+    return "\n".join(lines)
 
 
 def _sync(device: torch.device) -> None:

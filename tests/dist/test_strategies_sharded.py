@@ -17,7 +17,7 @@ import nbdist
 from nbdist.errors import RankError
 from nbdist.output import ListSink
 from nbdist.strategies.checkpointing import Checkpointed, apply_ac, saved_activation_bytes
-from nbdist.strategies.pipeline import bubble_fraction, split_sequential
+from nbdist.strategies.pipeline import bubble_fraction, render_timeline, split_sequential
 
 # Defined on the ranks and in this process alike, so both build the same model.
 COMMON = """
@@ -221,10 +221,11 @@ def test_tensor_parallel_names_a_missing_layer(session):
 def test_pipeline_loss_and_parameters_equal_the_sequential_model(session, schedule):
     session.run(
         f"""
-from nbdist.strategies.pipeline import pipeline_schedule
+from nbdist.strategies.pipeline import StageTimer, pipeline_schedule
 X, Y = make_data()
 stage, sched = pipeline_schedule(make_net(n_blocks=3), n_microbatches=4,
                                  loss_fn=nn.functional.mse_loss, schedule={schedule!r})
+timer = StageTimer(stage)
 opt = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
 step_losses = []
 for _ in range({STEPS}):
@@ -237,6 +238,7 @@ for _ in range({STEPS}):
         step_losses.append(torch.stack(losses).mean().item())
     opt.step()
 part = {{k: v.detach().clone() for k, v in stage.submod.state_dict().items()}}
+chunks = sorted((kind, i) for kind, i, start, end in timer.events if end >= start)
 """,
         sink=ListSink(),
     )
@@ -256,6 +258,9 @@ part = {{k: v.detach().clone() for k, v in stage.submod.state_dict().items()}}
     parts = split_sequential(net, 2)
     for got, part in zip(session.pull("part"), parts):
         _assert_same_params([got], part)
+    # The timer saw every micro-batch's forward and backward on both stages, every step.
+    expected = sorted([(kind, i) for kind in "BF" for i in range(4)] * STEPS)
+    assert session.pull("chunks") == [expected, expected]
 
 
 def test_pipeline_refuses_too_few_microbatches_for_1f1b(session):
@@ -277,6 +282,21 @@ def test_split_sequential_balances_parameters_and_checks_its_input():
     with pytest.raises(TypeError, match="needs an nn.Sequential"):
         split_sequential(net[0], 2)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+
+
+def test_render_timeline_draws_fill_and_drain():
+    stage0 = [("F", i, i, i + 1) for i in range(4)] + [
+        ("B", i, 6 + 2 * i, 8 + 2 * i) for i in range(4)
+    ]
+    stage1 = [("F", i, 1 + i, 2 + i) for i in range(4)] + [
+        ("B", i, 5 + 2 * i, 7 + 2 * i) for i in range(4)
+    ]
+    lines = render_timeline([stage0, stage1], width=28).splitlines()
+    assert lines[0] == "stage 0 |FFffFFff····BBBBbbbbBBBBbbbb| busy 86%"
+    assert lines[1] == "stage 1 |··FFffFFffBBBBbbbbBBBBbbbb··| busy 86%"
+    assert lines[2].endswith("14000.0 ms")
+    with pytest.raises(ValueError, match="no events"):
+        render_timeline([[], []])
 
 
 def test_activation_checkpointing_keeps_gradients_and_saves_less():
