@@ -14,7 +14,8 @@ Intercepting every op costs Python time: measure bytes and time in separate step
 it: ``torch.cuda.max_memory_allocated`` on CUDA; on CPU (no allocator
 statistics) the tensors alive before the step (``resident``) plus the highest
 point of the step's allocations minus frees, from ``torch.profiler`` with
-``profile_memory=True``.
+``profile_memory=True``. Persistent buffers other than those (DDP's gradient
+buckets, a pipeline stage's receive buffers) are only seen on CUDA.
 
 Example (on a rank)::
 
@@ -124,11 +125,10 @@ def peak_bytes(step: Callable[[], object], *, resident: int = 0, device=None) ->
             step()
         finally:
             prof.stop()
-    deltas = sorted(
-        (e.time_range.start, e.cpu_memory_usage)
-        for e in prof.events()
-        if e.name == "[memory]" and e.cpu_memory_usage
-    )
+    # The raw allocation records (every allocation and free, in time order):
+    # the op-level events would net allocations and frees inside each op.
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in records if e.device_type().name == "CPU")
     live = peak = 0
     for _, delta in deltas:
         live += delta
