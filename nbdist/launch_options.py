@@ -30,6 +30,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import shlex
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -112,10 +113,13 @@ def _check_ip(launcher: str, ip: str) -> None:
     try:
         address = ipaddress.ip_address(ip)
     except ValueError:
-        raise PlacementError(
-            f"--ip {ip!r} is not an IP address: give this machine's address on the cluster "
-            "network, e.g. --ip 10.1.0.5"
-        ) from None
+        try:  # a host name: what it resolves to is what the engines will dial
+            address = ipaddress.ip_address(socket.gethostbyname(ip))
+        except (OSError, ValueError):
+            raise PlacementError(
+                f"--ip {ip!r} is not an IP address (nor a host name that resolves): give this "
+                "machine's address on the cluster network, e.g. --ip 10.1.0.5"
+            ) from None
     if address.is_loopback:
         raise PlacementError(
             f"--launcher {launcher} starts engines on other hosts, which cannot reach a "

@@ -24,6 +24,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from nbdist.dashboard.table import rank_rows
 from nbdist.dashboard.text import summary_text
 from tests.conftest import wait_gone
+from tests.multihost.forged import send_forged_metrics
 from tests.multihost.netns import Hosts, namespaces_unavailable
 
 _WHY_NOT = namespaces_unavailable()
@@ -123,21 +124,6 @@ iface_addresses = nbdist.netif.local_interfaces()[env["GLOO_SOCKET_IFNAME"]]
 """
 
 
-def _send_forged(url: str) -> None:
-    import zmq
-
-    from nbdist.metrics.wire import encode
-
-    context = zmq.Context()
-    sock = context.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(url)
-    points = [[99, time.time(), {"loss": -1.0}]]
-    sock.send_multipart(encode(b"", {"k": "points", "rank": 0, "points": points}))
-    sock.close()
-    context.term()
-
-
 def test_four_ranks_over_two_namespaces_train_ddp_and_log(two_hosts):
     hosts, client_file, procs = two_hosts
     shell = InteractiveShell.instance()
@@ -178,7 +164,7 @@ def test_four_ranks_over_two_namespaces_train_ddp_and_log(two_hosts):
         # CurveZMQ encrypts the cluster's traffic and drops its HMAC key: metrics are
         # then signed with a random key, so a message signed with the empty key is refused.
         assert session.client.session.key == b""
-        _send_forged(session._metrics.url)
+        send_forged_metrics(session._metrics.url)
         deadline = time.monotonic() + 10
         while session._metrics.collector.rejected == 0 and time.monotonic() < deadline:
             time.sleep(0.05)

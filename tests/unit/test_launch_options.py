@@ -96,7 +96,7 @@ def test_engines_elsewhere_need_an_address_beyond_loopback(launcher, options):
     with pytest.raises(PlacementError, match="pass --ip with this machine's address"):
         plan_launch(launcher, 2, ip="127.0.0.1", **options)
     with pytest.raises(PlacementError, match="not an IP address"):
-        plan_launch(launcher, 2, ip="my-laptop", **options)
+        plan_launch(launcher, 2, ip="no-such-host.invalid", **options)
 
 
 def test_ssh_engines_per_host_reach_the_launcher():
@@ -161,3 +161,8 @@ def test_parse_launch_options():
     }
     with pytest.raises(PlacementError, match="KEY=VALUE"):
         parse_launch_options(["partition"])
+
+
+def test_a_host_name_resolving_to_loopback_is_refused_too():
+    with pytest.raises(PlacementError, match="cannot reach a controller on localhost"):
+        plan_launch("slurm", 2, ip="localhost")

@@ -1,0 +1,42 @@
+"""CurveZMQ on a cluster nbdist starts: encrypted control traffic, metrics signed with a key of their own."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+import nbdist
+from tests.conftest import wait_gone
+from tests.multihost.forged import send_forged_metrics
+
+
+def test_curve_cluster_keeps_metrics_signed_and_everything_on_loopback(monkeypatch):
+    # Read by the controller nbdist starts (it inherits the kernel's environment).
+    monkeypatch.setenv("IPP_ENABLE_CURVE", "1")
+    s = nbdist.DistSession(2, timeout=120, history=False).start()
+    try:
+        # ipyparallel drops its HMAC key under CurveZMQ; metrics must not go unsigned.
+        assert s.client.session.key == b""
+        assert len(s._metrics.collector.key) == 32
+        s.run("for i in range(3): nbdist.log(step=i, loss=float(i))")
+        frame = s.metrics.to_pandas()
+        assert sorted(frame["rank"].unique()) == [0, 1]
+        assert len(frame) == 6
+        send_forged_metrics(s._metrics.url)
+        deadline = time.monotonic() + 10
+        while s._metrics.collector.rejected == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s._metrics.collector.rejected == 1
+        assert len(s.metrics.to_pandas()) == 6
+        pids = set(s._handle.pids) | {r.pid for r in s.ranks}
+        listening = [
+            c for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+        ]  # fmt: skip
+        assert listening and all(c.laddr.ip.startswith("127.") for c in listening)
+        assert s._metrics.url.startswith("tcp://127.0.0.1:")
+    finally:
+        killed = s.stop()
+    assert killed == []
+    assert wait_gone(pids, timeout=10) == []
