@@ -30,9 +30,15 @@ def _blocks(model: nn.Module, blocks) -> list[nn.Module]:
     if blocks is None:
         return []
     if isinstance(blocks, type) or (
-        isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)
+        isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)
     ):
-        return [m for m in model.modules() if isinstance(m, blocks) and m is not model]
+        found = [m for m in model.modules() if isinstance(m, blocks) and m is not model]
+        if not found:
+            raise ValueError(
+                f"apply_fsdp: the model has no submodule of type {blocks!r}; pass the class of "
+                f"its repeated blocks (e.g. blocks=Block) or blocks=None to shard it as one unit"
+            )
+        return found
     if isinstance(blocks, nn.Module):
         return [blocks]
     found = list(blocks) if isinstance(blocks, Iterable) else None
@@ -76,6 +82,7 @@ def apply_fsdp(
             "memory to CPU memory, and on CPU ranks they already are in CPU memory. "
             "Use offload=False here."
         )
+    units = _blocks(model, blocks)  # checked before any collective runs
     if mesh is None:
         mesh = device_mesh()
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
@@ -86,7 +93,7 @@ def apply_fsdp(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype
         )
     # Inner blocks first: the root then only owns what no block took (embeddings, head).
-    for block in _blocks(model, blocks):
+    for block in units:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -20,8 +20,10 @@ Example (on every rank; ``model`` is an ``nn.Sequential``)::
     losses = []
     if stage.is_first:
         schedule.step(x)                          # feeds the micro-batches in
+    elif stage.is_last:
+        schedule.step(target=y, losses=losses)    # one loss per micro-batch
     else:
-        schedule.step(target=y, losses=losses)    # last stage: one loss per micro-batch
+        schedule.step()                           # middle stages (more than 2 ranks)
     opt.step()
 """
 

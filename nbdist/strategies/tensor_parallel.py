@@ -67,7 +67,7 @@ def apply_tp(
     colwise: Iterable[str] = (),
     rowwise: Iterable[str] = (),
 ) -> nn.Module:
-    """Shard ``model``'s ``nn.Linear`` submodules named in ``colwise``/``rowwise`` over ``mesh``.
+    """Shard the ``nn.Linear``/``nn.Embedding`` layers named in ``colwise``/``rowwise`` over ``mesh``.
 
     Names are those of ``model.named_modules()`` (``"up"``, ``"blocks.0.fc1"``).
     Pair them as Megatron does: a column-parallel layer followed by a
@@ -91,9 +91,10 @@ def apply_tp(
                 f"apply_tp: no submodule named {name!r}; the model has "
                 f"{sorted(n for n in modules if n)[:20]}"
             )
-        if not isinstance(modules[name], nn.Linear):
+        if not isinstance(modules[name], (nn.Linear, nn.Embedding)):
             raise TypeError(
-                f"apply_tp: {name!r} is a {type(modules[name]).__name__}, not nn.Linear"
+                f"apply_tp: {name!r} is a {type(modules[name]).__name__}; column/row-parallel "
+                f"sharding applies to nn.Linear and nn.Embedding layers"
             )
     plan = {name: ColwiseParallel() for name in colwise}
     plan.update({name: RowwiseParallel() for name in rowwise})

@@ -134,6 +134,14 @@ sizes = param_bytes(model)
     assert local0 + local1 == full and local0 < full and local1 < full, (local0, local1, full)
 
 
+def test_fsdp_names_a_block_class_the_model_lacks():
+    from nbdist.strategies.fsdp import apply_fsdp
+
+    # Checked before any collective: no process group is needed to see the mistake.
+    with pytest.raises(ValueError, match="no submodule of type <class 'torch.nn.modules.conv"):
+        apply_fsdp(make_net(), blocks=nn.Conv2d)  # noqa: F821
+
+
 def test_fsdp_cpu_offload_is_refused_on_cpu_ranks_with_the_fix(session):
     # torch itself refuses it on CPU; nbdist says why and what to do instead.
     session.run(
