@@ -330,6 +330,11 @@ class DistMagics(Magics):
             path = self.session.export(args.path, backend=args.backend)
         except NbdistError as exc:
             raise UsageError(str(exc)) from None
+        except OSError as exc:  # a missing directory, no permission: the path is the problem
+            raise UsageError(
+                f"%dist_export {args.path!r}: cannot write it ({exc.strerror}): "
+                "choose a path in a directory you can write"
+            ) from None
         from .export import exportable_cells
 
         count = len(exportable_cells(self.session.cells))

@@ -217,8 +217,7 @@ def test_dashboard_of_a_run_that_does_not_exist(shell):
 @pytest.fixture(scope="module")
 def started(shell):
     shell.run_line_magic("dist_start", "2")
-    shell.user_ns["hits"] = 0
-    shell.run_line_magic("dist_push", "hits")
+    shell.run_cell_magic("on_all_ranks", "", "hits = 0")  # also a cell %dist_export would write
     yield shell
     shell.run_line_magic("dist_stop", "")
 
@@ -275,7 +274,26 @@ def test_bad_lines_with_a_cluster_running_change_nothing(started):
     def start_while_running(line):
         refused(shell, "dist_start", line)
 
-    for prop in (on_all_ranks, on_rank, dist_pull, no_argument_magics, start_while_running):
+    @SETTINGS
+    @given(
+        st.one_of(
+            WORD.map(lambda w: _quote(f"/nonexistent-nbdist-dir/{w}.py")),
+            WORD.filter(lambda w: not w.endswith(".py") and not w.startswith("-")).map(_quote),
+            _unknown_option(["--backend", "--help"]).map(lambda o: f"train.py {o}"),
+            st.just(""),
+        )
+    )
+    def dist_export(line):
+        refused(shell, "dist_export", line)
+
+    for prop in (
+        on_all_ranks,
+        on_rank,
+        dist_pull,
+        no_argument_magics,
+        start_while_running,
+        dist_export,
+    ):
         prop()
     # No refused line reached the ranks, and the same ranks still answer.
     assert shell.run_line_magic("dist_pull", "hits") == [0, 0]
