@@ -3,10 +3,11 @@
  * server (ranks, live metrics, actions), a status-bar item for the active notebook's
  * cluster, and past runs of the history as main-area charts.
  *
- * In Notebook 7 (no ILabShell) the sidebar is not added and the command palette
- * entry opens the same panel in the main area instead: nothing fails.
+ * In Notebook 7 the panel goes to its collapsible left panel ("nbdist: Show Clusters
+ * and Ranks" in the command palette opens it); the status-bar item needs a status bar
+ * and is left out where there is none. Nothing fails either way.
  */
-import { ILabShell, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { ICommandPalette, WidgetTracker, MainAreaWidget } from '@jupyterlab/apputils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { IStatusBar } from '@jupyterlab/statusbar';
@@ -33,10 +34,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
   id: 'nbdist:plugin',
   description: 'Clusters, ranks and live metrics of nbdist jobs driven from notebooks.',
   autoStart: true,
-  optional: [ILabShell, IStatusBar, INotebookTracker, ICommandPalette],
+  optional: [IStatusBar, INotebookTracker, ICommandPalette],
   activate: (
     app: JupyterFrontEnd,
-    labShell: ILabShell | null,
     statusBar: IStatusBar | null,
     notebooks: INotebookTracker | null,
     palette: ICommandPalette | null
@@ -57,18 +57,23 @@ const plugin: JupyterFrontEndPlugin<void> = {
     const panel = new ClusterPanel(model, app.serviceManager, openRun);
     panel.title.icon = nbdistIcon;
 
-    if (labShell) {
+    // JupyterLab: a tab of the left sidebar. Notebook 7 has a collapsible left panel in its
+    // own shell (no ILabShell); a shell with no left area at all gets the panel in the
+    // main area from the command below instead.
+    let inLeft = true;
+    try {
       app.shell.add(panel, 'left', { rank: 900 });
+    } catch {
+      inLeft = false;
     }
 
     app.commands.addCommand('nbdist:open-panel', {
       label: 'nbdist: Show Clusters and Ranks',
       execute: () => {
-        if (labShell) {
+        if (inLeft) {
           app.shell.activateById(panel.id);
           return;
         }
-        // No left area (Notebook 7): the same panel as a tab of the main area.
         if (!panel.isAttached) {
           const widget = new MainAreaWidget({ content: panel });
           widget.id = 'nbdist-main-panel';

@@ -9,7 +9,9 @@ cell. While it runs, the test checks in the page that:
 - Interrupt in the sidebar (after its confirmation dialog) stops the running
   cell: it ends with KeyboardInterrupt on the ranks, the ranks stay up;
 - the run opens from "Past runs" as a main-area chart with one line per rank;
-- no uncaught page error and no console error about nbdist.
+- no uncaught page error and no console error about nbdist;
+- in Notebook 7 (no JupyterLab shell) the command palette opens the same panel, and
+  nothing about nbdist fails in the console.
 
 The extension under test is the one built into ``nbdist/labextension`` (the
 package build puts it there); screenshots go to ``artifacts/ui/``.
@@ -17,9 +19,14 @@ package build puts it there); screenshots go to ``artifacts/ui/``.
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -195,3 +202,73 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     assert all(int(chart.nth(i).get_attribute("data-points")) > 10 for i in range(2))
     page.screenshot(path=str(artifacts_dir / "sidebar-run-chart.png"))
     assert errors == [], errors
+
+
+def _start_notebook7(tmp: Path) -> tuple[subprocess.Popen, str]:
+    """Notebook 7 (``python -m notebook``) on a free loopback port, isolated dirs; (process, url)."""
+    env = dict(os.environ)
+    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR"):
+        (tmp / var).mkdir(parents=True, exist_ok=True)
+        env[var] = str(tmp / var)
+    _use_built_extension(tmp / "JUPYTER_DATA_DIR")
+    (tmp / "root").mkdir(exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_hex(16)
+    log = open(tmp / "notebook7.log", "wb")  # noqa: SIM115 - closed right after the start
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "notebook", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+         f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={tmp / 'root'}"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    log.close()
+    url = f"http://127.0.0.1:{port}/"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}api/status?token={token}", timeout=2):
+                return True
+        except OSError:
+            return proc.poll() is not None
+
+    _poll(up, timeout=60)
+    if proc.poll() is not None:
+        pytest.fail(f"notebook exited: {(tmp / 'notebook7.log').read_text()[-2000:]}")
+    return proc, f"{url}tree?token={token}"
+
+
+@pytest.mark.timeout(120)
+def test_notebook7_opens_the_panel_without_errors(browser_page, tmp_path, artifacts_dir):
+    pytest.importorskip("notebook", reason="Notebook 7 is not installed")
+    proc, url = _start_notebook7(tmp_path / "nb7")
+    try:
+        page = browser_page
+        ours: list[str] = []
+        page.on(
+            "pageerror",
+            lambda exc: ours.append(str(exc)) if "nbdist" in f"{exc} {exc.stack}" else None,
+        )
+        page.on(
+            "console",
+            lambda msg: (
+                ours.append(msg.text)
+                if msg.type == "error" and "nbdist" in f"{msg.text} {msg.location}"
+                else None
+            ),
+        )
+        page.goto(url)
+        page.wait_for_selector(".jp-DirListing", timeout=60_000)
+        # Notebook 7 has no sidebar tab bar: the command palette opens the panel.
+        page.keyboard.press("Control+Shift+C")
+        page.keyboard.type("nbdist: Show Clusters")
+        page.keyboard.press("Enter")
+        sidebar = page.locator("#nbdist-sidebar")
+        sidebar.wait_for(state="visible", timeout=30_000)
+        assert _poll(lambda: "No nbdist cluster is running" in sidebar.inner_text(), timeout=20)
+        page.screenshot(path=str(artifacts_dir / "sidebar-notebook7.png"))
+        assert ours == [], ours
+    finally:
+        proc.terminate()  # our own server process, by PID; it started no kernel
+        proc.wait(20)
