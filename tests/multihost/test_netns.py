@@ -98,9 +98,10 @@ def two_hosts(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        assert wait_gone(pids, timeout=10) == []
-        assert hosts.pids_inside() == [], "processes left inside the namespaces"
-        hosts.remove()
+        alive, inside = wait_gone(pids, timeout=10), hosts.pids_inside()
+        hosts.remove()  # before any assertion, so a failure leaves no namespace behind
+        assert alive == []
+        assert inside == [], "processes left inside the namespaces"
         assert hosts.leftovers() == []
 
 
