@@ -19,7 +19,8 @@ Example::
 
     from nbdist.strategies.horovod import DistributedOptimizer, broadcast_parameters
     broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters())
     loss_fn(model(x), y).backward()      # all-reduces start here, one per gradient
     opt.step()                           # waits, averages, updates
 """
@@ -106,15 +107,16 @@ class _GradientAverager:
 
 
 def DistributedOptimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module | None = None, *, group=None
+    optimizer: torch.optim.Optimizer, named_parameters=None, *, group=None
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` average gradients over the ranks, all-reducing during backward.
 
     Returns the same optimizer object (so LR schedulers and ``state_dict`` keep
     working) with a hook on each of its parameters that launches an asynchronous
     all-reduce when the parameter's gradient is ready, and a step pre-hook that
-    waits for them and divides by the world size. ``model`` is accepted for
-    Horovod's call shape and ignored. ``optimizer.synchronize()`` waits without
+    waits for them and divides by the world size. ``named_parameters`` is
+    accepted for Horovod's call shape and ignored (the optimizer's own
+    parameters are the ones averaged). ``optimizer.synchronize()`` waits without
     stepping (e.g. before gradient clipping); ``optimizer.remove_hooks()`` undoes it.
 
     Example::
