@@ -9,6 +9,7 @@ cell. While it runs, the test checks in the page that:
 - Interrupt in the sidebar (after its confirmation dialog) stops the running
   cell: it ends with KeyboardInterrupt on the ranks, the ranks stay up;
 - the run opens from "Past runs" as a main-area chart with one line per rank;
+- a rank killed outright shows as dead, and the status bar warns about it;
 - no uncaught page error and no console error about nbdist;
 - in Notebook 7 (no JupyterLab shell) the command palette opens the same panel, and
   nothing about nbdist fails in the console.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -201,6 +203,16 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     assert chart.count() == 2
     assert all(int(chart.nth(i).get_attribute("data-points")) > 10 for i in range(2))
     page.screenshot(path=str(artifacts_dir / "sidebar-run-chart.png"))
+
+    # A rank that dies: its row says dead and the status bar warns.
+    _, body = server.api("GET", "nbdist/api/clusters")
+    rank1_pid = body["clusters"][0]["ranks"][1]["pid"]
+    os.kill(rank1_pid, signal.SIGKILL)  # an engine this test's notebook started, by PID
+    assert _poll(lambda: "rank 1 dead of 2" in status.inner_text(), timeout=30), status.inner_text()
+    assert (
+        page.locator(".nbdist-cluster tr.nbdist-rank").nth(1).get_attribute("data-state") == "dead"
+    )
+    page.screenshot(path=str(artifacts_dir / "sidebar-dead-rank.png"))
     assert errors == [], errors
 
 
