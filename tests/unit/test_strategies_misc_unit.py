@@ -146,3 +146,60 @@ def test_warmup_schedule_drives_the_optimizer():
         opt.step()
         sched.step()
     assert lrs == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 0.8])
+
+
+def test_pipeline_split_balances_parameters_and_names_bad_models():
+    from nbdist.strategies.compare import _pp_stage
+
+    model = nn.Sequential(
+        nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32), nn.ReLU(), nn.Linear(32, 8)
+    )
+    stages = [_pp_stage(model, r, 2) for r in range(2)]
+    assert [len(s) for s in stages] == [1, 4]  # 4,224 vs 4,392 parameters
+    assert [len(_pp_stage(model, r, 5)) for r in range(5)] == [1] * 5
+    with pytest.raises(ValueError, match="nn.Sequential into 3 stages; got Linear"):
+        _pp_stage(nn.Linear(2, 2), 0, 3)
+
+
+def test_tensor_parallel_plan_names_the_indivisible_layer():
+    from nbdist.strategies.compare import _tp_plan
+
+    plan = _tp_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 2)), 2)
+    assert [type(v).__name__ for v in plan.values()] == ["ColwiseParallel", "RowwiseParallel"]
+    with pytest.raises(ValueError, match=r"0.out_features \(7\) over 2 ranks"):
+        _tp_plan(nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 4)), 2)
+
+
+def test_peak_bytes_sees_a_temporary_and_comm_bytes_ignores_local_ops():
+    from nbdist.strategies.measure import CommBytes, peak_bytes
+
+    def step():
+        big = torch.ones(1024, 1024)  # 4 MiB, freed at return
+        return float(big.sum())
+
+    assert peak_bytes(step, resident=100) >= 100 + 4 * 2**20
+    with CommBytes() as comm:
+        torch.ones(10).sum()
+    assert (comm.bytes, comm.ops) == (0, {})
+
+
+def test_table_and_chart_show_every_rank():
+    from nbdist.strategies.compare import chart, table
+
+    rows = [
+        {
+            "strategy": s,
+            "samples_per_s": 100.0 * i + 1,
+            "step_ms": 10.0,
+            "peak_mib": [1.0, 2.0],
+            "comm_mib": [0.5, 0.5],
+            "comm_ops": {},
+            "loss": 0.25,
+        }
+        for i, s in enumerate(("ddp", "fsdp"))
+    ]
+    df = table(rows)
+    assert list(df.index) == ["ddp", "fsdp"]
+    assert df.loc["fsdp", "peak MiB r1"] == 2.0 and "comm MiB/step r0" in df.columns
+    fig = chart(rows)
+    assert [t.name for t in fig.data] == ["all ranks", "rank 0", "rank 0", "rank 1", "rank 1"]
