@@ -6,7 +6,8 @@ process group from the launcher's environment and returns the names every
 ``device``). ``nbdist.log`` keeps working: rank 0 collects every rank's points
 into the run history (``nbdist.runs()`` reads them afterwards), over the same
 signed channel the notebook uses, listening on loopback unless the ranks span
-several hosts (then on rank 0's address towards MASTER_ADDR, where they are).
+several hosts (then on rank 0's address on the route to them; the key goes to
+the ranks over the process group, as plain as the collectives themselves).
 
 Launchers understood: ``torchrun`` (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR...),
 ``srun`` (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS; MASTER_ADDR/MASTER_PORT
@@ -96,8 +97,11 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
     if not dist.is_initialized():
         kwargs = {"device_id": torch.device(device)} if chosen == "nccl" else {}
         if env:
-            if _several_hosts(env):
-                choose_socket_ifname(env.get("MASTER_ADDR", "127.0.0.1"))
+            master = env.get("MASTER_ADDR", "127.0.0.1")
+            # A MASTER_ADDR host name can resolve to loopback on rank 0's own host
+            # (Debian's 127.0.1.1): there, leave the choice to gloo/NCCL (or the user).
+            if _several_hosts(env) and not _is_loopback(_address_or_empty(master)):
+                choose_socket_ifname(master)
             dist.init_process_group(chosen, **kwargs)
         else:  # plain `python script.py`: a group of one, nothing listens
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
@@ -113,15 +117,19 @@ def _open_metrics(rank: int, world: int, backend: str, env: dict, history) -> No
     import torch.distributed as dist
 
     from .metrics.log import configure
-    from .netif import address_towards
 
+    several = world > 1 and _several_hosts(env)
+    seen: list = [None] * world
+    if several:
+        # Every rank's address towards rank 0: rank 0 listens where the other hosts route.
+        dist.all_gather_object(seen, _address_or_empty(env.get("MASTER_ADDR", "127.0.0.1")))
     found = [None]
     if rank == 0:
         from .metrics.collector import Collector
         from .metrics.store import RunStore
 
         # Loopback unless ranks run on other hosts: then rank 0's address towards them.
-        ip = address_towards(env["MASTER_ADDR"]) if _several_hosts(env) else "127.0.0.1"
+        ip = _collector_address(seen, env.get("MASTER_ADDR", "")) if several else "127.0.0.1"
         store = RunStore(history if isinstance(history, str) else None)
         label = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script"
         run = store.new_run(world_size=world, backend=backend, label=label)
@@ -133,6 +141,30 @@ def _open_metrics(rank: int, world: int, backend: str, env: dict, history) -> No
         dist.broadcast_object_list(found, src=0)
     url, key = found[0]
     configure(url, key, rank)
+
+
+def _address_or_empty(host: str) -> str:
+    from .netif import address_towards
+
+    try:
+        return address_towards(host)
+    except OSError:
+        return ""
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "")
+
+
+def _collector_address(seen: list, master: str) -> str:
+    """Rank 0's address on the route to a rank of another host (``seen``: by rank)."""
+    own = seen[0] or ""
+    for address in seen[1:]:
+        if address and address != own and not _is_loopback(address):
+            found = _address_or_empty(address)
+            if found and not _is_loopback(found):
+                return found
+    return _address_or_empty(master) or "127.0.0.1"
 
 
 def _several_hosts(env: dict[str, str]) -> bool:

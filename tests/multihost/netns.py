@@ -41,6 +41,7 @@ class Hosts:
 
     count: int = 2
     tag: str = field(default_factory=lambda: str(os.getpid() % 100000))
+    subnet: int = 0  # a second set of hosts alive at the same time takes another subnet
     names: list[str] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     bridge_address: str = ""
@@ -51,7 +52,7 @@ class Hosts:
         return f"nbdbr{self.tag}"
 
     def create(self) -> Hosts:
-        subnet = f"10.213.{os.getpid() % 250}"
+        subnet = f"10.{213 + self.subnet}.{os.getpid() % 250}"
         self.bridge_address = f"{subnet}.1"
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
