@@ -41,8 +41,8 @@ _HEADER = '''\
 
 Written by nbdist (%dist_export) from {count} %%on_all_ranks cell(s), in the order they ran.
 Run it on one machine:      torchrun --nproc_per_node {ranks} {name}
-On several (each node):     torchrun --nnodes N --nproc_per_node G --rdzv-backend c10d \\
-                                --rdzv-endpoint HOST:29500 {name}
+On several (node R of N):   torchrun --nnodes N --node_rank R --nproc_per_node G \\
+                                --master_addr NODE0_IP --master_port 29500 {name}
 Under Slurm:                srun python {name}   (with MASTER_ADDR/MASTER_PORT exported)
 Metrics from nbdist.log go to the run history: nbdist.runs()[-1].to_pandas()
 """

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from nbdist.export import export_script
 from tests.multihost.netns import Hosts, namespaces_unavailable
 
 _WHY_NOT = namespaces_unavailable()
+if _WHY_NOT is not None:  # shown in the warnings summary too, not only with -rs
+    warnings.warn(f"multi-host export test skipped: {_WHY_NOT}", pytest.PytestWarning, stacklevel=1)
 pytestmark = pytest.mark.skipif(
     _WHY_NOT is not None, reason=f"multi-host test needs network namespaces: {_WHY_NOT}"
 )
