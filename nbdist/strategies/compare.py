@@ -275,17 +275,18 @@ def _measure(name, built, device, *, warmup, steps, batches, global_batch, log_e
             _log_metric(step=i, samples=global_batch // world, **values)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    # On the rank's device: NCCL reduces only GPU tensors.
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     # The final loss lives on the last pipeline stage; elsewhere every rank has one.
-    loss_t = torch.zeros(1, dtype=torch.float64)
-    if rank == (world - 1 if name == "pp" else rank):
+    loss_t = torch.zeros(1, dtype=torch.float64, device=device)
+    if name != "pp" or rank == world - 1:
         loss_t[0] = float(loss)
     with CommBytes() as comm:
         step(warmup + steps)
     opt.zero_grad(set_to_none=True)
     resident = resident_bytes(params, opt)
     peak = peak_bytes(lambda: step(warmup + steps + 1), resident=resident, device=device)
-    stats = torch.tensor([peak, comm.bytes], dtype=torch.float64)
+    stats = torch.tensor([peak, comm.bytes], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(gathered, stats)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)

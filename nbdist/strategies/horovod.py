@@ -34,6 +34,16 @@ from torch import nn
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
 
 
+def _broadcast(tensor: torch.Tensor, root_rank: int) -> None:
+    # NCCL moves only GPU tensors; CPU ones (Adam's step counters) go through the GPU.
+    if tensor.device.type == "cpu" and dist.get_backend() == "nccl":
+        staged = tensor.cuda()
+        dist.broadcast(staged, root_rank)
+        tensor.copy_(staged)
+    else:
+        dist.broadcast(tensor, root_rank)
+
+
 def broadcast_parameters(params, root_rank: int = 0) -> None:
     """Copy ``root_rank``'s tensors to every rank, in place.
 
@@ -49,7 +59,7 @@ def broadcast_parameters(params, root_rank: int = 0) -> None:
     with torch.no_grad():
         for item in items:
             tensor = item[1] if isinstance(item, tuple) else item
-            dist.broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, root_rank)
+            _broadcast(tensor.data if isinstance(tensor, nn.Parameter) else tensor, root_rank)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
@@ -66,7 +76,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         for p in group["params"]:
             for _, value in sorted(optimizer.state.get(p, {}).items()):
                 if isinstance(value, torch.Tensor):
-                    dist.broadcast(value, root_rank)
+                    _broadcast(value, root_rank)
 
 
 class _GradientAverager:

@@ -77,6 +77,30 @@ alone = train(local_only, torch.optim.SGD(local_only.parameters(), lr=0.1, momen
     assert not torch.allclose(alone[0][0], alone[1][0])
 
 
+def test_broadcast_optimizer_state_copies_rank_zeros_moments(session):
+    run(
+        session,
+        MODEL
+        + """
+from nbdist.strategies.horovod import broadcast_optimizer_state
+m = build()
+adam = torch.optim.Adam(m.parameters(), lr=0.1)
+x, y = shard(0, rank)  # each rank its own data: different moments
+nn.functional.mse_loss(m(x), y).backward()
+adam.step()
+before = [v.clone() for s in adam.state.values() for v in s.values()]
+broadcast_optimizer_state(adam, root_rank=0)
+after = [v.clone() for s in adam.state.values() for v in s.values()]
+""",
+    )
+    before, after = session.pull("before"), session.pull("after")
+    assert not torch.equal(before[0][1], before[1][1])  # exp_avg differed
+    for a, b in zip(after[0], after[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(after[0], before[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # rank 0's own state unchanged
+
+
 def test_distributed_optimizer_needs_a_step_per_backward(session):
     with pytest.raises(RankError, match="gradient accumulation"):
         run(
