@@ -199,15 +199,6 @@ def start_local(
         from traitlets.config import Config
 
         config.merge(Config(launcher_config))
-    kwargs = {}
-    if profile:
-        kwargs["profile"] = profile
-        profile_dir, remove = None, False
-    else:
-        # A private profile per session: its own connection files (0700 dir),
-        # and two notebooks never see each other's clusters.
-        profile_dir, remove = tempfile.mkdtemp(prefix="nbdist-"), True
-        kwargs["profile_dir"] = profile_dir
     if launcher is None:
         engine_launcher_class = ZygoteEngineSetLauncher
         config.ZygoteEngineSetLauncher.slot_environments = slot_environments
@@ -215,41 +206,64 @@ def start_local(
         config.ZygoteEngineSetLauncher.start_method = start_method
     else:
         engine_launcher_class = launcher
-    cluster = ipp.Cluster(
-        n=n,
-        cluster_id=f"nbdist-{os.getpid()}-{next(_counter)}",
-        controller_ip=ip,
-        controller_args=[f"--HeartMonitor.period={_HEARTBEAT_MS}"],
-        delay=0,
-        # Engines on other hosts (a batch job) cannot read this machine's private
-        # profile dir: they get the connection info in their environment (the
-        # SSH launcher copies the connection file over SSH instead).
-        send_engines_connection_env=launcher not in (None, "ssh"),
-        engine_launcher_class=engine_launcher_class,
-        engine_timeout=int(max(1, timeout)),
-        shutdown_atexit=True,
-        config=config,
-        log=_quiet_log(),
-        **kwargs,
-    )
-    handle = ClusterHandle(
-        client=None,
-        cluster=cluster,
-        owned=True,
-        profile_dir=cluster.profile_dir,
-        remove_profile_dir=remove,
-    )
-    try:
-        cluster.start_cluster_sync(n=n)
-        handle.client = cluster.connect_client_sync()
-        # Not start_and_connect: in a notebook it draws a progress bar of its own.
-        handle.client.wait_for_engines(n, timeout=timeout, interactive=False, block=True)
-    except BaseException as exc:
-        _record_pids(handle)
-        stop(handle)
-        if isinstance(exc, (TimeoutError, RuntimeError)):
-            raise NbdistError(_start_failure(exc, n, timeout, cluster)) from exc
-        raise
+    # The controller binds ports the OS reported free a moment earlier; another
+    # process can take one in between (two notebooks starting at once). Then a
+    # fresh controller picks other ports: one retry, only for a private profile
+    # (a named profile may pin its ports, and would clash again).
+    attempts = 1 if profile else 2
+    for attempt in range(1, attempts + 1):
+        kwargs = {}
+        if profile:
+            kwargs["profile"] = profile
+            remove = False
+        else:
+            # A private profile per session: its own connection files (0700 dir),
+            # and two notebooks never see each other's clusters.
+            kwargs["profile_dir"], remove = tempfile.mkdtemp(prefix="nbdist-"), True
+        cluster = ipp.Cluster(
+            n=n,
+            cluster_id=f"nbdist-{os.getpid()}-{next(_counter)}",
+            controller_ip=ip,
+            controller_args=[f"--HeartMonitor.period={_HEARTBEAT_MS}"],
+            delay=0,
+            # Engines on other hosts (a batch job) cannot read this machine's private
+            # profile dir: they get the connection info in their environment (the
+            # SSH launcher copies the connection file over SSH instead).
+            send_engines_connection_env=launcher not in (None, "ssh"),
+            engine_launcher_class=engine_launcher_class,
+            engine_timeout=int(max(1, timeout)),
+            shutdown_atexit=True,
+            config=config,
+            log=_quiet_log(),
+            **kwargs,
+        )
+        handle = ClusterHandle(
+            client=None,
+            cluster=cluster,
+            owned=True,
+            profile_dir=cluster.profile_dir,
+            remove_profile_dir=remove,
+        )
+        try:
+            cluster.start_cluster_sync(n=n)
+            handle.client = cluster.connect_client_sync()
+            # Not start_and_connect: in a notebook it draws a progress bar of its own.
+            handle.client.wait_for_engines(n, timeout=timeout, interactive=False, block=True)
+            break
+        except BaseException as exc:
+            clash = _port_clash(cluster)  # read before stop() removes the log
+            _record_pids(handle)
+            stop(handle)
+            if clash and attempt < attempts:
+                continue
+            if clash:
+                raise NbdistError(
+                    f"the controller could not listen on {ip}: a port it was given is taken "
+                    f"({clash}). Free it, or remove the fixed ports from profile {profile!r}"
+                ) from exc
+            if isinstance(exc, (TimeoutError, RuntimeError)):
+                raise NbdistError(_start_failure(exc, n, timeout, cluster)) from exc
+            raise
     _record_pids(handle)
     engines = handle.engine_launcher()
     if isinstance(engines, ZygoteEngineSetLauncher):
@@ -262,6 +276,21 @@ def start_local(
         handle.start_method = launcher or "ipyparallel"
     _secure_connection_files(cluster.profile_dir)
     return handle
+
+
+def _port_clash(cluster) -> str:
+    """The controller's own words if it stopped because a port was taken, else ''."""
+    controller = getattr(cluster, "controller", None)
+    if controller is None:
+        return ""
+    try:
+        output = controller.get_output()
+    except Exception:  # no log: not a clash we can name
+        return ""
+    for line in output.splitlines():
+        if "Address already in use" in line:
+            return line.strip()[-200:]
+    return ""
 
 
 def _start_failure(exc: BaseException, n: int, timeout: float, cluster) -> str:

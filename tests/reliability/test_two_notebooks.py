@@ -142,3 +142,30 @@ def test_connection_files_are_private(notebooks):
         for name in files:
             mode = stat.S_IMODE(os.stat(os.path.join(security, name)).st_mode)
             assert mode == 0o600, f"{name}: {oct(mode)}"
+
+
+def test_a_profile_whose_fixed_port_is_taken_fails_fast_naming_it(taken_port, tmp_path):
+    """A named profile may pin the controller's ports; when one is taken nbdist says so at once.
+
+    (With nbdist's own private profile nothing is pinned: a port taken between the
+    OS choosing it and the controller binding it makes a fresh controller pick others.)
+    """
+    from IPython.core.profiledir import ProfileDir
+    from IPython.paths import get_ipython_dir
+
+    import nbdist
+    from nbdist.errors import NbdistError
+
+    name = f"pinned-{os.getpid()}"
+    profile = ProfileDir.create_profile_dir_by_name(get_ipython_dir(), name)
+    with open(os.path.join(profile.location, "ipcontroller_config.py"), "w") as f:
+        f.write(f"c.IPController.ports = [{taken_port}]\n")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(NbdistError) as info:
+        nbdist.DistSession(2, profile=name, timeout=60).start()
+    message = str(info.value)
+    assert "a port it was given is taken" in message and str(taken_port) in message, message
+    assert "Address already in use" in message
+    # Nothing it started is left.
+    after = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert survivors(after, until=time.monotonic() + 10) == []
