@@ -80,15 +80,47 @@ class RunReader:
         if not os.path.exists(self.path):
             return
         conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=1.0)
+        counts = None
         try:
-            rows = conn.execute(
-                "SELECT rowid, rank, points FROM batches WHERE run=? AND rowid>? ORDER BY rowid",
-                (self.run_id, self.rowid),
-            ).fetchall()
+            conn.execute("BEGIN")  # one snapshot for the queries below
+            if self.rowid == 0:
+                rows, counts = self._tail(conn)
+            else:
+                rows = conn.execute(
+                    "SELECT rowid, rank, points FROM batches WHERE run=? AND rowid>? ORDER BY rowid",
+                    (self.run_id, self.rowid),
+                ).fetchall()
         except sqlite3.Error:
             return  # not created yet, or locked for a moment: next poll
         finally:
             conn.close()
+        self._add(rows)
+        for rank, total in (counts or {}).items():
+            self.ranks.setdefault(rank, RankLive()).points = total
+
+    def _tail(self, conn) -> tuple[list, dict[int, int]]:
+        """The first read of a run: only each rank's latest batches, and its point count.
+
+        A run of 200k points took 1.4 s to read whole (blocking the server); the
+        sidebar shows the latest values and the last CHART_POINTS points only.
+        """
+        counts = dict(
+            conn.execute(
+                "SELECT rank, COALESCE(SUM(n), 0) FROM batches WHERE run=? GROUP BY rank",
+                (self.run_id,),
+            ).fetchall()
+        )
+        rows = []
+        for rank in counts:
+            rows += conn.execute(
+                "SELECT rowid, rank, points FROM batches WHERE run=? AND rank=?"
+                " ORDER BY seq DESC LIMIT ?",
+                (self.run_id, rank, CHART_POINTS),
+            ).fetchall()
+        rows.sort()
+        return rows, counts
+
+    def _add(self, rows: list) -> None:
         for rowid, rank, text in rows:
             self.rowid = rowid
             try:

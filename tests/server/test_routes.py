@@ -141,8 +141,17 @@ async def test_live_cluster_metrics_interrupt_and_dead_rank(jp_fetch, history):
             assert row["step"] == 5 and row["loss"] == pytest.approx(1 / 6)
             assert row["samples_per_s"] > 0 and row["state"] in ("busy", "idle")
             assert [p[0] for p in row["loss_series"]] == list(range(6))
+            assert row["points"] == 6
             assert row["memory_mib"] > 0
         assert cluster["step"] == 5 and cluster["dead"] == []
+        # The next poll reads only what was stored since, and adds it.
+        await asyncio.to_thread(
+            session.run, "for i in range(6, 10):\n    nbdist.log(step=i, loss=0.5, samples=8)"
+        )
+        [cluster] = await _clusters(jp_fetch)
+        for row in cluster["ranks"]:
+            assert row["step"] == 9 and row["points"] == 10 and row["loss"] == 0.5
+            assert [p[0] for p in row["loss_series"]] == list(range(10))
 
         # Interrupt from the sidebar: SIGINT to the engine PIDs stops a running cell.
         run = session.run("import time\nfor _ in range(600):\n    time.sleep(0.1)", block=False)
