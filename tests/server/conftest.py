@@ -16,7 +16,14 @@ from pytest_jupyter.jupyter_server import *  # noqa: E402, F403
 
 @pytest.fixture
 def jp_server_config():
-    return {"ServerApp": {"jpserver_extensions": {"nbdist.server": True}}}
+    return {
+        "ServerApp": {
+            "jpserver_extensions": {"nbdist.server": True},
+            # The server's own guard against handlers that forgot @web.authenticated stays
+            # off, so a test request without login reaches nbdist's handlers themselves.
+            "allow_unauthenticated_access": True,
+        }
+    }
 
 
 @pytest.fixture
