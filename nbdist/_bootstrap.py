@@ -205,6 +205,7 @@ def _join_group(spec: dict, device: str) -> None:
     _rank_control.remember_group_sockets(_rank_control.socket_snapshot() - before)
     collectives.reset()
     collectives.install()
+    _rank_control.track_subgroups()
     _rank_control.install()
 
 

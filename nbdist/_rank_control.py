@@ -31,7 +31,14 @@ import sys
 import threading
 import traceback
 
-__all__ = ["group_sockets", "install", "release", "remember_group_sockets", "where"]
+__all__ = [
+    "group_sockets",
+    "install",
+    "release",
+    "remember_group_sockets",
+    "track_subgroups",
+    "where",
+]
 
 REQUEST = "nbdist_request"
 REPLY = "nbdist_reply"
@@ -65,6 +72,29 @@ def remember_group_sockets(opened: set[tuple[int, str]]) -> None:
     _group_sockets.clear()
     _group_sockets.update(opened)
     _released = False
+
+
+def track_subgroups() -> None:
+    """Remember the sockets of groups made later (``dist.new_group``, a DeviceMesh) too (idempotent).
+
+    Every subgroup is built by ``distributed_c10d._new_process_group_helper``,
+    looked up in its module at each call, so wrapping it there sees them all.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    helper = c10d._new_process_group_helper
+    if hasattr(helper, "_nbdist_original"):
+        return
+
+    def remembering(*args, **kwargs):
+        before = socket_snapshot()
+        try:
+            return helper(*args, **kwargs)
+        finally:
+            _group_sockets.update(socket_snapshot() - before)
+
+    remembering._nbdist_original = helper
+    c10d._new_process_group_helper = remembering
 
 
 def group_sockets() -> set[tuple[int, str]]:

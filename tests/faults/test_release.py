@@ -69,6 +69,18 @@ def test_a_failing_rank_releases_the_other_and_state_survives(session):
     _reduce_works(session)
 
 
+def test_a_collective_of_a_subgroup_is_released_too(session):
+    session.run("sub = dist.new_group([0, 1])", sink=ListSink())
+    with pytest.raises(RankError) as info:
+        session.run(
+            "if rank == 0:\n    raise KeyError('rank 0')\ndist.all_reduce(torch.ones(1), group=sub)",
+            sink=ListSink(),
+        )
+    assert info.value.ranks == [0]
+    assert "the others were released: rank 1 from all_reduce #" in str(info.value)
+    _reduce_works(session)
+
+
 def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
     with pytest.raises(RankError) as info:
         session.run(
