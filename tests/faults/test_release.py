@@ -12,6 +12,7 @@ import re
 import threading
 
 import pytest
+import torch
 
 import nbdist
 from nbdist.errors import RankError, RanksInterrupted
@@ -67,6 +68,28 @@ def test_a_failing_rank_releases_the_other_and_state_survives(session):
     session.run("same = bool((model.weight == w_before).all())", sink=ListSink())
     assert session.pull("same") == [True, True]
     _reduce_works(session)
+
+
+def test_a_ddp_model_wrapped_again_trains_after_a_release(session):
+    session.run(
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "torch.manual_seed(0)\nddp = DDP(torch.nn.Linear(4, 1))\n"
+        "opt = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
+        "def step():\n"
+        "    opt.zero_grad(); ddp(torch.ones(2, 4) * (rank + 1)).sum().backward(); opt.step()\n"
+        "step()\n",
+        sink=ListSink(),
+    )
+    with pytest.raises(RankError):
+        session.run("if rank == 1:\n    raise ValueError('x')\nstep()", sink=ListSink())
+    # The module (and its trained weights) stayed; the wrapper is bound to the old group.
+    session.run(
+        "ddp = DDP(ddp.module)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.1)\nstep()\n"
+        "w = ddp.module.weight.detach().clone()",
+        sink=ListSink(),
+    )
+    w0, w1 = session.pull("w")
+    assert torch.equal(w0, w1)  # gradients were averaged over both ranks again
 
 
 def test_a_collective_of_a_subgroup_is_released_too(session):
