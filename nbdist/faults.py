@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import threading
 import time
 
@@ -111,7 +112,10 @@ class RankMonitor:
         self.dead: dict[int, str] = {}
         self._on_death = on_death
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
+        here = {socket.gethostname(), "localhost"}
         for info in ranks:
+            if info.host not in here:  # a PID on another host means nothing here
+                continue
             try:
                 fd = os.pidfd_open(info.pid)
             except (OSError, AttributeError):  # gone already, or no pidfd (old kernel)

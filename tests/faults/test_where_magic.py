@@ -18,6 +18,8 @@ def shell():
     assert result.success, result.error_in_exec
     yield sh
     sh.run_line_magic("dist_stop", "")
+    # The shell is a process-wide singleton: leave it as a fresh one for later test modules.
+    sh.magics_manager.registry["DistMagics"].session = None
 
 
 def test_dist_where_names_the_rank_that_never_entered(shell, capsys):
