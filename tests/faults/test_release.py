@@ -134,6 +134,10 @@ def test_interrupt_while_blocked_in_a_collective(session):
         timer.cancel()
     assert info.value.still_running == ()
     assert str(info.value) == "interrupted; every rank stopped"
+    # Where they were when interrupted: rank 0 waiting for rank 1.
+    assert re.search(r"rank 0: inside all_reduce #\d+ for ", info.value.where)
+    assert "rank 1: never entered all_reduce #" in info.value.where
+    assert "the others were released: rank 0 from all_reduce #" in info.value.note
     _reduce_works(session)
 
 
