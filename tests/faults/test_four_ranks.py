@@ -1,4 +1,4 @@
-"""4 ranks, where not every rank talks to the failing one (gloo's ring all_reduce)."""
+"""4 ranks, where not every rank talks to the failing or dead one (gloo's ring all_reduce)."""
 
 from __future__ import annotations
 
@@ -27,5 +27,18 @@ def test_one_of_four_fails_and_all_three_others_are_released():
         assert f"rank 2 failed{released}." in str(err)
         s.run("t = torch.ones(1) * kept\ndist.all_reduce(t)", sink=ListSink())
         assert [t.item() for t in s.pull("t")] == [6.0] * 4
+
+        # Rank 3 dies: its ring neighbours see the closed connection, rank 1 would not.
+        with pytest.raises(RankError) as info:
+            s.run(
+                "import os, time\nif rank == 3:\n    time.sleep(0.3)\n    os._exit(7)\n"
+                "dist.all_reduce(torch.ones(1000))\n",
+                sink=ListSink(),
+            )
+        err = info.value
+        assert [(f.rank, f.ename) for f in err.failures] == [(3, "RankDied")]
+        assert "exited with code 7" in err.failures[0].evalue
+        assert "rank 3 died; the others were released: rank 0 from all_reduce #" in str(err)
+        assert [row["state"] for row in s.status()] == ["idle", "idle", "idle", "dead"]
     finally:
         s.stop()
