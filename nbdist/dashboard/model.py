@@ -169,6 +169,8 @@ class DashboardModel:
         self._step_times: dict[int, deque] = {}
         self._history: dict[int, list[tuple[float, int]]] = {}
         self._first_seen: float | None = None
+        self._newest: float | None = None  # the newest point time at the previous aggregation
+        self._resumed_at = -math.inf  # the newest point time just after every rank was quiet
         self._version: int | None = None
         self._seq = 0
         self._table: dict = {}
@@ -289,11 +291,19 @@ class DashboardModel:
         newest = max(last["time"] for last in seen.values())
         if self._first_seen is None:
             self._first_seen = now
+        if self._newest is not None and newest - self._newest >= IDLE_AFTER_S:
+            # No rank logged for a while (a cell waiting on input, a new cell), and logging has
+            # resumed: quiet time counts from here, so a rank resuming a moment after the others
+            # still holds the mean back instead of being taken for idle (which would put its
+            # point at that step into a second, duplicate mean point). Polls are woken by new
+            # points, so a jump of the newest time is such a pause even if no poll saw it.
+            self._resumed_at = newest
+        self._newest = newest
         dead = {r for r, s in self._states.items() if s == "dead"}
         running = [
             last
             for r, last in seen.items()
-            if r not in dead and newest - last["time"] < IDLE_AFTER_S
+            if r not in dead and newest - max(last["time"], self._resumed_at) < IDLE_AFTER_S
         ]
         waiting = len(seen) < self._nranks and now - self._first_seen < IDLE_AFTER_S
         if now - newest >= IDLE_AFTER_S or self.run.ended is not None or not running:

@@ -5,7 +5,8 @@ runs a cell in which each rank calls ``nbdist.log`` a few hundred times. The
 test runs all cells from the Run menu and checks, in the page:
 
 - the dashboard (``.nbdist-dashboard``) appears and its ``data-points`` grows
-  while the logging cell is still running;
+  while the logging cell is still running (the cell waits for the test's signal
+  files half-way and at the end, so this does not race the machine's load);
 - plotly.js came from the nbdist server extension's route;
 - at the end the loss plot holds one trace per rank with exactly the values the
   ranks logged, plus the mean across ranks, and the counts match what the kernel
@@ -23,23 +24,41 @@ import time
 
 import pytest
 
-STEPS = 500  # per rank; at 20 ms a step the logging cell runs ~10-11 s
-SLEEP_S = 0.02
+STEPS = 500  # per rank, in two halves: the test lets the second half start
+SLEEP_S = 0.01
 RANKS = 2
 OFFSET = 0.1  # rank r logs loss(i) + OFFSET * r
+WAIT_S = 120  # how long the cell waits for the test's go-ahead at most
 
 
 def _loss(i: int, rank: int) -> float:
     return 1.0 / (1.0 + 0.02 * i) + OFFSET * rank
 
 
-LOG_CELL = f"""%%on_all_ranks
-import time
+def _log_cell(signals: str) -> str:
+    """Log the first half, wait for ``more``, log the rest, wait for ``done``.
+
+    The waits make "the plot grows while the cell runs" a fact the test controls, not a
+    race against the machine's load.
+    """
+    return f"""%%on_all_ranks
+import os, time
 import nbdist
+
+def wait_for(name):
+    path = os.path.join({signals!r}, name)
+    deadline = time.monotonic() + {WAIT_S}
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
 for i in range({STEPS}):
+    if i == {STEPS // 2}:
+        wait_for("more")
     nbdist.log(step=i, loss=1.0 / (1.0 + 0.02 * i) + {OFFSET} * rank, samples=64)
     time.sleep({SLEEP_S})
+wait_for("done")
 print("logging done on rank", rank)"""
+
 
 REPORT_CELL = """import json
 import nbdist
@@ -81,9 +100,15 @@ def _dashboard_cell() -> str:
     )
 
 
-def _dashboard_notebook() -> dict:
+def _dashboard_notebook(signals: str) -> dict:
     return _notebook(
-        ["%load_ext nbdist", f"%dist_start {RANKS}", _dashboard_cell(), LOG_CELL, REPORT_CELL]
+        [
+            "%load_ext nbdist",
+            f"%dist_start {RANKS}",
+            _dashboard_cell(),
+            _log_cell(signals),
+            REPORT_CELL,
+        ]
     )
 
 
@@ -163,10 +188,14 @@ def _plot_state(dashboard) -> list[dict]:
 
 
 @pytest.mark.timeout(180)
-def test_dashboard_grows_live_and_matches_logged(lab_factory, browser_page, artifacts_dir):
+def test_dashboard_grows_live_and_matches_logged(
+    lab_factory, browser_page, artifacts_dir, tmp_path
+):
     t0 = time.monotonic()
     timings: dict[str, float] = {}
-    server = lab_factory("dashboard.ipynb", _dashboard_notebook())
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    server = lab_factory("dashboard.ipynb", _dashboard_notebook(str(signals)))
     timings["server up"] = time.monotonic() - t0
     print(f"nbdist.server: {server.extension}")
     status, body = server.get("nbdist/static/plotly.min.js")
@@ -190,13 +219,16 @@ def test_dashboard_grows_live_and_matches_logged(lab_factory, browser_page, arti
         f"page errors {log.page_errors}, note {page.locator('.nbdist-note').all_inner_texts()}"
     )
     timings["first points"] = time.monotonic() - t0
+    # The ranks now wait half-way: let them go on and watch the plot grow while the cell runs.
     first = _points(dashboard)
+    (signals / "more").touch()
     log_cell_prompt = page.locator(".jp-NotebookPanel .jp-Cell .jp-InputPrompt").nth(3)
-    time.sleep(2.0)
+    grew = _poll(lambda: _points(dashboard) > first, timeout=60, interval=0.1)
     second = _points(dashboard)
     running = log_cell_prompt.inner_text().strip()
     page.screenshot(path=str(artifacts_dir / "dashboard-live.png"))
-    assert second > first, f"data-points did not grow in 2 s: {first} -> {second}"
+    (signals / "done").touch()
+    assert grew, f"data-points did not grow while the cell ran: {first} -> {second}"
     assert running == "[*]:", f"the logging cell was not running any more ({running!r})"
 
     # The end: the report cell prints what the kernel received.

@@ -211,6 +211,31 @@ def test_the_mean_waits_for_running_ranks_but_not_for_dead_ones():
     assert [row["state"] for row in table["rows"]] == ["running"] * 3 + ["dead"]
 
 
+@pytest.mark.parametrize("polled_while_quiet", [True, False])
+def test_a_rank_resuming_after_a_pause_of_all_ranks_gives_one_mean_point_per_step(
+    polled_while_quiet,
+):
+    """Every rank pauses (a cell waits); rank 0 resumes first: the mean at each step waits for rank 1."""
+    now = [T0 + 5.0]
+    run = Run(1, world_size=2, started=T0)
+    _fill(run, range(2), range(50))  # t = T0 .. T0 + 4.9
+    dash = LiveDashboard(run, clock=lambda: now[0])
+    dash.poll()
+    if polled_while_quiet:  # all quiet for a long time: the mean up to step 49 is final
+        now[0] = T0 + 60.0
+        dash.poll()
+    _fill(run, [0], [50, 51], t0=T0 + 55.0)  # rank 0 resumes (t = T0 + 60.0, 60.1)
+    now[0] = T0 + 60.2
+    delta, _ = dash.poll()
+    assert (0, 2) not in {(p, i) for p, i, *_ in delta["extend"]}, "rank 1 is not idle yet"
+    _fill(run, [1], [50, 51], t0=T0 + 55.5)  # rank 1 resumes half a second later
+    now[0] = T0 + 60.7
+    dash.poll()
+    steps, mean = dash.figure_data()["loss"]["mean"]
+    assert steps == list(range(52)), steps[45:]
+    assert mean[50] == pytest.approx(np.mean([_loss(r, 50) for r in range(2)]))
+
+
 def test_a_new_metric_gets_its_own_panel_with_its_history():
     now = [T0 + 4.0]
     run = Run(1, world_size=2, started=T0)
