@@ -58,6 +58,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
 
 
+def _jupyter_labextension_paths() -> list[dict]:
+    """Where the built JupyterLab extension lies, for ``jupyter labextension develop .``."""
+    return [{"src": "labextension", "dest": "nbdist"}]
+
+
 def load_ipython_extension(ipython) -> None:
     """``%load_ext nbdist``: register the magics."""
     from .magics import register
