@@ -452,6 +452,9 @@ def comm_log(monkeypatch):
         sent.append((msg_type, data))
 
     monkeypatch.setattr(comm.DummyComm, "publish_msg", publish_msg)
+    # Importing ipykernel (as other tests in this process may) points comm.create_comm at the
+    # kernel's Comm, which needs a running kernel: keep the widgets on DummyComm here.
+    monkeypatch.setattr(comm, "create_comm", comm.DummyComm)
     return sent
 
 
