@@ -20,9 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import cluster as _cluster
+from ._group import metrics_ip, metrics_key
 from .errors import ClusterNotRunning, NbdistError, PlacementError
 from .launch_options import LAUNCHERS, plan_launch
-from .placement import EngineInfo, Placement, parse_ranks, plan_attached, plan_local, visible_gpus
+from .placement import Placement, parse_ranks, plan_local, visible_gpus
 from .runner import RankRun, submit
 
 __all__ = ["DistSession", "RankInfo", "current_session"]
@@ -182,7 +183,7 @@ class DistSession:
                 from .metrics.hub import MetricsHub
 
                 self._metrics = MetricsHub.open(
-                    _metrics_key(handle.client),
+                    metrics_key(handle.client),
                     world_size=self.placement.world_size
                     if self.placement
                     else len(handle.client.ids),
@@ -191,12 +192,12 @@ class DistSession:
                     # Beyond loopback only where the ranks are: --ip, or an attached cluster.
                     ip="127.0.0.1"
                     if handle.owned and opts["ip"].startswith("127.")
-                    else _metrics_ip(handle.client),
+                    else metrics_ip(handle.client),
                 )
                 self._metrics.states = self._rank_states
             else:
                 # restart(): a new cluster, a new key, and the ranks sign their metrics with it.
-                self._metrics.collector.key = _metrics_key(handle.client)
+                self._metrics.collector.key = metrics_key(handle.client)
             self._form_group()
             self._watch_ranks()
         except BaseException:
@@ -211,68 +212,10 @@ class DistSession:
         return self
 
     def _form_group(self) -> None:
-        from . import _bootstrap
+        # Kept as a method: the start-up benchmark wraps it to time group formation.
+        from ._group import form_group
 
-        handle, opts = self._handle, self.options
-        client = handle.client
-        engine_ids = sorted(client.ids)
-        controller_host = opts["ip"] if handle.owned else _controller_host(client)
-        infos = dict(
-            zip(engine_ids, client[engine_ids].apply_sync(_bootstrap.describe, controller_host))
-        )
-        if handle.owned and all(info["slot"] is not None for info in infos.values()):
-            by_slot = {info["slot"]: eid for eid, info in infos.items()}
-            engine_of = {slot.rank: by_slot[slot.local_rank] for slot in self.placement.slots}
-            slots = {engine_of[s.rank]: s for s in self.placement.slots}
-        else:
-            placement, slots = plan_attached(
-                [EngineInfo(e, i["host"], i["address"], i["gpus"]) for e, i in infos.items()],
-                cores={i["host"]: i["cores"] for i in infos.values()},
-                backend=opts["backend"],
-                cpu=opts["cpu"],
-                threads=opts["threads"],
-            )
-            self.placement = placement
-        rank0_engine = next(e for e, s in slots.items() if s.rank == 0)
-        master_addr = infos[rank0_engine]["address"]
-        self._rendezvous_addr = master_addr
-        loopback_only = master_addr.startswith("127.")
-        port = client[[rank0_engine]].apply_sync(_bootstrap.open_rendezvous, master_addr)[0]
-        pending = {}
-        for eid, slot in slots.items():
-            spec = dict(
-                rank=slot.rank, local_rank=slot.local_rank, world_size=len(slots),
-                local_world_size=slot.local_world_size, master_addr=master_addr,
-                master_port=port, backend=self.placement.backend, gpu=slot.gpu,
-                threads=self.placement.threads_for(slot), timeout=opts["group_timeout"],
-                loopback_only=loopback_only, metrics_url=self._metrics.url,
-                # Under CurveZMQ the cluster key is empty and this channel encrypted:
-                # the ranks get the metrics key here (never over an unencrypted channel).
-                metrics_key=None if client.session.key else self._metrics.collector.key,
-            )  # fmt: skip
-            pending[eid] = client[[eid]].apply_async(_bootstrap.init_rank, spec)
-        ranks = []
-        deadline = time.monotonic() + opts["timeout"]
-        for eid, ar in pending.items():
-            run = RankRun(ar, [slots[eid].rank], interrupt=self.interrupt, sink=None)
-            run._timeout = max(0.1, deadline - time.monotonic())
-            result = run.wait()[0]
-            slot = slots[eid]
-            ranks.append(
-                RankInfo(
-                    slot.rank,
-                    slot.local_rank,
-                    eid,
-                    infos[eid]["pid"],
-                    # plan_local says "localhost"; attached hosts keep their placement label
-                    infos[eid]["host"] if slot.host == "localhost" else slot.host,
-                    result["device"],
-                )
-            )
-        self._ranks = sorted(ranks, key=lambda r: r.rank)
-        if len({r.host for r in self._ranks}) > 1:  # the dashboard names each rank's host
-            self._metrics.run.hosts = {r.rank: r.host for r in self._ranks}
-        self.cells = []  # fresh namespaces: earlier cells no longer describe them
+        form_group(self)
 
     @property
     def metrics(self):
@@ -497,27 +440,6 @@ class DistSession:
         if not self.running:
             return "<DistSession: not running>"
         return f"<DistSession: {self.world_size} ranks, {self.backend}>"
-
-
-def _metrics_key(client) -> bytes:
-    """The key metrics are signed with: the cluster key, or a random one where the
-    cluster has none (ipyparallel drops its HMAC key when CurveZMQ encrypts)."""
-    import secrets
-
-    return client.session.key or secrets.token_bytes(32)
-
-
-def _metrics_ip(client) -> str:
-    """Where the metrics collector listens for attached ranks: the controller's side."""
-    from ._bootstrap import _address_towards
-
-    return _address_towards(_controller_host(client))
-
-
-def _controller_host(client) -> str:
-    url = getattr(client, "_config", {}).get("interface", "") or ""
-    host = url.rpartition("//")[2] or "127.0.0.1"
-    return host if host not in ("*", "0.0.0.0") else "127.0.0.1"
 
 
 @atexit.register

@@ -13,6 +13,9 @@ import nbdist
 def shell():
     sh = InteractiveShell.instance()
     sh.run_cell("%load_ext nbdist")
+    # The shell is a process-wide singleton: start from no session, whatever ran before.
+    sh.run_line_magic("dist_stop", "")
+    sh.magics_manager.registry["DistMagics"].session = None
     yield sh
     sh.run_line_magic("dist_stop", "")
 
