@@ -66,8 +66,14 @@ class ZygoteEngineSetLauncher(LocalEngineLauncher):
             "--",
         ]
         # The zygote watches its children itself; a nanny per engine would add a
-        # process and ~0.5 s to each registration.
-        self.engine_args = [*self.engine_args, "--IPEngine.enable_nanny=False"]
+        # process and ~0.5 s to each registration. IPython's input history on the
+        # ranks is off: a cell would otherwise be written to SQLite on every rank (all
+        # ranks sharing one file in the profile dir), and the notebook keeps the cells.
+        self.engine_args = [
+            *self.engine_args,
+            "--IPEngine.enable_nanny=False",
+            "--HistoryManager.enabled=False",
+        ]
         return super().start()
 
     def read_status(self) -> dict:
