@@ -8,6 +8,7 @@ an engine, nanny, zygote or controller behind.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import time
 
@@ -20,6 +21,11 @@ for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_C
     os.makedirs(os.environ[_var], exist_ok=True)
 # Keep each rank at one thread so several test sessions on a small machine do not thrash.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tests play the kernel's Ctrl-C with _thread.interrupt_main(), which acts through the
+# SIGINT handler. A run started in the background by a non-interactive shell (as CI
+# may be) inherits SIGINT ignored, and the interrupt would do nothing: restore Python's
+# default, as a kernel has.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _descendants() -> list[psutil.Process]:

@@ -8,8 +8,10 @@ with torch's default) and the assertions on the release below would fail.
 from __future__ import annotations
 
 import _thread
+import os
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -33,6 +35,25 @@ def session():
 
 def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]", "", text)
+
+
+def _interrupt_once_ready(flags, settle: float = 0.5) -> threading.Thread:
+    """Interrupt the main thread (as the kernel's Ctrl-C would) once every flag file exists.
+
+    The cells create the files right before they block, so the interrupt lands where the
+    test means it to, however slowly the machine runs (a fresh venv compiles on first import).
+    """
+
+    def wait_then_interrupt():
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f) for f in flags) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(settle)  # from "about to block" to blocked
+        _thread.interrupt_main()
+
+    thread = threading.Thread(target=wait_then_interrupt, daemon=True)
+    thread.start()
+    return thread
 
 
 def _reduce_works(session) -> None:
@@ -119,19 +140,18 @@ def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
     _reduce_works(session)
 
 
-def test_interrupt_while_blocked_in_a_collective(session):
+def test_interrupt_while_blocked_in_a_collective(session, tmp_path):
     # Rank 0 waits in all_reduce for rank 1, which sleeps: SIGINT alone would not
     # reach rank 0 before the group's timeout.
-    timer = threading.Timer(1.0, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(RanksInterrupted) as info:
-            session.run(
-                "import time\nif rank == 1:\n    time.sleep(120)\ndist.all_reduce(torch.ones(1))",
-                sink=ListSink(),
-            )
-    finally:
-        timer.cancel()
+    flags = [str(tmp_path / f"ready-{r}") for r in range(2)]
+    interrupter = _interrupt_once_ready(flags)
+    with pytest.raises(RanksInterrupted) as info:
+        session.run(
+            f"import time\nopen({flags!r}[rank], 'w').close()\n"
+            "if rank == 1:\n    time.sleep(120)\ndist.all_reduce(torch.ones(1))",
+            sink=ListSink(),
+        )
+    interrupter.join()
     assert info.value.still_running == ()
     assert str(info.value) == "interrupted; every rank stopped"
     # Where they were when interrupted: rank 0 waiting for rank 1.
@@ -141,19 +161,18 @@ def test_interrupt_while_blocked_in_a_collective(session):
     _reduce_works(session)
 
 
-def test_ranks_stopped_at_different_collectives_get_a_fresh_group(session):
+def test_ranks_stopped_at_different_collectives_get_a_fresh_group(session, tmp_path):
     # Rank 0 posts a send (its collective count moves on) and both then sleep:
     # SIGINT stops both in Python, at different collective counts.
-    timer = threading.Timer(1.0, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(RanksInterrupted):
-            session.run(
-                "import time\nif rank == 0:\n    dist.broadcast(torch.ones(1), 0, async_op=True)\ntime.sleep(120)",
-                sink=ListSink(),
-            )
-    finally:
-        timer.cancel()
+    flags = [str(tmp_path / f"ready-{r}") for r in range(2)]
+    interrupter = _interrupt_once_ready(flags)
+    with pytest.raises(RanksInterrupted):
+        session.run(
+            "import time\nif rank == 0:\n    dist.broadcast(torch.ones(1), 0, async_op=True)\n"
+            f"open({flags!r}[rank], 'w').close()\ntime.sleep(120)",
+            sink=ListSink(),
+        )
+    interrupter.join()
     session.run("from nbdist import collectives\nlast = collectives.last()", sink=ListSink())
     assert session.pull("last") == [None, None]  # counting restarted with a new group
     _reduce_works(session)
@@ -171,11 +190,13 @@ def test_where_shows_who_never_entered_the_collective_without_stopping_anything(
     )
     try:
         found = []
-        for _ in range(200):  # until rank 0 is inside its all_reduce
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until rank 0 is inside its all_reduce
             found = session.where()
             c = found[0].collective
             if c and c["inside"] and c["op"] == "all_reduce":
                 break
+            time.sleep(0.02)
         seq = found[0].collective["seq"]
         lines = diagnose(found)
         assert lines[0].startswith(f"inside all_reduce #{seq} for ")
@@ -185,6 +206,8 @@ def test_where_shows_who_never_entered_the_collective_without_stopping_anything(
         assert not run.done()  # asking stopped nothing
     finally:
         session.interrupt([1])
+        # Bounded: if the release failed, fail here (CellTimeout) rather than hang the suite.
+        run._timeout = time.monotonic() - run._started + 60
         with pytest.raises(RankError):
             run.wait()
     _reduce_works(session)
