@@ -197,7 +197,7 @@ class DistSession:
                 self._metrics.states = self._rank_states
             else:
                 # restart(): a new cluster, a new key, and the ranks sign their metrics with it.
-                self._metrics.collector.key = metrics_key(handle.client)
+                self._metrics.collector.new_cluster(metrics_key(handle.client))
             self._form_group()
             self._watch_ranks()
         except BaseException:

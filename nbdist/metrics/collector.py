@@ -113,6 +113,17 @@ class Collector:
         else:
             self.rejected += 1
 
+    def new_cluster(self, key: bytes) -> None:
+        """Fresh ranks (a restart): they sign with a new key and count their cells from 1.
+
+        Without forgetting the old counts, the marker of an old, later cell would
+        count as arrived for the new ranks' first cells, and ``wait_for_cells``
+        would return before their points did.
+        """
+        with self._cond:
+            self.key = key
+            self._cells.clear()
+
     def wait_for_cells(self, cells: dict[int, int], timeout: float = 2.0) -> bool:
         """Wait until each rank's marker for its cell number arrived; False on timeout."""
         deadline = time.monotonic() + timeout

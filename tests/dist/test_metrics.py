@@ -86,3 +86,16 @@ def test_log_never_raises_into_the_training_loop(session):
     session.run("nbdist.log(loss='not a number', bad=object(), good=1.0)\nok = True", sink=ListSink())
     assert session.pull("ok") == [True, True]
     assert session.metrics.last(0)["good"] == 1.0
+
+
+def test_after_a_restart_a_cell_returns_with_its_points_in_the_run(session):
+    for _ in range(5):  # the old ranks' cell count climbs well past the new ranks' first cells
+        session.run("pass", sink=ListSink())
+    session.restart()
+    before = session.metrics.count()
+    session.run(
+        "import time\nfor i in range(3):\n    nbdist.log(step=i, loss=1.0)\n    time.sleep(0.05)",
+        sink=ListSink(),
+    )
+    # The end of the cell waits for each rank's points: they are all here at once.
+    assert session.metrics.count() - before == 6

@@ -79,3 +79,26 @@ def test_run_to_pandas_one_row_per_rank_and_step():
     assert frame[["rank", "step"]].values.tolist() == [[0, 0], [0, 1], [1, 0]]
     row = frame.iloc[0]
     assert row["loss"] == 3.0 and row["memory_mib"] == 5.0  # merged by (rank, step)
+
+
+def test_after_a_restart_the_end_of_a_cell_waits_for_the_new_ranks_markers():
+    """Fresh ranks count cells from 1 again: an old rank's marker for cell 9 must not do."""
+    import zmq
+
+    from nbdist.metrics.collector import Collector
+
+    old_key, new_key = b"k" * 32, b"n" * 32
+    collector = Collector(old_key, Run(1, world_size=1), None)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(collector.url)
+    try:
+        push.send_multipart(wire.encode(old_key, {"k": "cell", "rank": 0, "cell": 9}))
+        assert collector.wait_for_cells({0: 9}, timeout=10)
+        collector.new_cluster(new_key)
+        assert not collector.wait_for_cells({0: 1}, timeout=0.2), "an old marker counted"
+        push.send_multipart(wire.encode(new_key, {"k": "cell", "rank": 0, "cell": 1}))
+        assert collector.wait_for_cells({0: 1}, timeout=10)
+    finally:
+        push.close()
+        collector.stop()
