@@ -12,12 +12,8 @@ from nbdist.output import ListSink
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     history = str(tmp_path_factory.mktemp("history") / "runs.sqlite")
-    s = nbdist.DistSession(2, timeout=120, history=history)
-    s.start()
-    try:
+    with nbdist.DistSession(2, timeout=120, history=history) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_every_point_arrives_per_rank(session):

@@ -16,12 +16,8 @@ from nbdist.output import ListSink
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, timeout=120)
-    s.start()
-    try:
+    with nbdist.DistSession(2, timeout=120) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def lines(sink: ListSink) -> list[tuple[str, str, str]]:

@@ -15,12 +15,8 @@ import nbdist
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, timeout=120)
-    s.start()
-    try:
+    with nbdist.DistSession(2, timeout=120) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_ring_and_rank0_all_reduce_equal_dist_all_reduce(session):

@@ -12,12 +12,8 @@ from nbdist.output import ListSink
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, timeout=120)
-    s.start()
-    try:
+    with nbdist.DistSession(2, timeout=120) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def run(session, code: str) -> None:

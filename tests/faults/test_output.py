@@ -19,12 +19,8 @@ TEN_MB = (
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, timeout=120, history=False)
-    s.start()
-    try:
+    with nbdist.DistSession(2, timeout=120, history=False) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _lines(sink, stream):

@@ -25,12 +25,8 @@ from nbdist.where import diagnose
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, timeout=120, group_timeout=60, history=False)
-    s.start()
-    try:
+    with nbdist.DistSession(2, timeout=120, group_timeout=60, history=False) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _plain(text: str) -> str:

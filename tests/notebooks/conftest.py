@@ -63,9 +63,9 @@ class CellResult:
 class Kernel:
     """One kernel process started from the ``python3`` kernel spec (the venv's python)."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel()
+        self.km.start_kernel(**({"env": env} if env else {}))  # env: the kernel's whole environment
         self.kc = self.km.client()
         self.kc.start_channels()
         try:

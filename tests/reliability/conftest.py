@@ -7,24 +7,13 @@ import time
 
 import psutil
 import pytest
-from jupyter_client import KernelManager
 
-from tests.notebooks.conftest import START_TIMEOUT, Kernel
+from tests.conftest import _alive
+from tests.notebooks.conftest import Kernel
 
 
 class EnvKernel(Kernel):
-    """A :class:`Kernel` started with extra environment variables (``MASTER_PORT``...)."""
-
-    def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(env=env) if env else self.km.start_kernel()
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        try:
-            self.kc.wait_for_ready(timeout=START_TIMEOUT)
-        except BaseException:
-            self.shutdown(now=True)
-            raise
+    """A :class:`Kernel` (optionally with its own environment) that lists what it started."""
 
     def descendants(self) -> list[int]:
         """Every process below the kernel: what nbdist started (the kernel starts nothing else)."""
@@ -68,13 +57,6 @@ def survivors(pids, *, until: float) -> list[str]:
         except psutil.Error:
             pass
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.fixture

@@ -41,12 +41,8 @@ def test_relogged_steps_read_once_with_the_latest_value(tmp_path):
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     history = str(tmp_path_factory.mktemp("history") / "history.sqlite")
-    s = nbdist.DistSession(2, timeout=120, history=history)
-    s.start()
-    try:
+    with nbdist.DistSession(2, timeout=120, history=history) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _eventually(read, want, timeout: float = 60.0):

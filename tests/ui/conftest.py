@@ -47,6 +47,38 @@ ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts" / "ui"
 
 
+def notebook_json(cells: list[str]) -> dict:
+    """A notebook (nbformat 4 JSON) of code cells on the python3 kernel, without outputs."""
+    return {
+        "cells": [
+            {
+                "cell_type": "code",
+                "execution_count": None,
+                "id": f"cell-{i}",
+                "metadata": {},
+                "outputs": [],
+                "source": source,
+            }
+            for i, source in enumerate(cells)
+        ],
+        "metadata": {
+            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}
+        },
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+
+
+def poll(fn, timeout: float, interval: float = 0.1):
+    """``fn()``'s first truthy value within ``timeout`` seconds, else its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
 def _require_browser() -> None:
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing: run scripts/install_browser.sh")

@@ -24,6 +24,8 @@ import time
 
 import pytest
 
+from tests.ui.conftest import notebook_json, poll
+
 STEPS = 500  # per rank, in two halves: the test lets the second half start
 SLEEP_S = 0.01
 RANKS = 2
@@ -66,27 +68,6 @@ _run = nbdist.current_session().metrics
 print("LOGGED " + json.dumps({"total": _run.count(), "per_rank": {str(r): _run.count(r) for r in _run.ranks}}))"""
 
 
-def _notebook(cells: list[str]) -> dict:
-    return {
-        "cells": [
-            {
-                "cell_type": "code",
-                "execution_count": None,
-                "id": f"cell-{i}",
-                "metadata": {},
-                "outputs": [],
-                "source": source,
-            }
-            for i, source in enumerate(cells)
-        ],
-        "metadata": {
-            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}
-        },
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
-
-
 def _dashboard_cell() -> str:
     """``%dist_dashboard`` where nbdist has it, else the API it stands for."""
     from nbdist.magics import DistMagics
@@ -101,7 +82,7 @@ def _dashboard_cell() -> str:
 
 
 def _dashboard_notebook(signals: str) -> dict:
-    return _notebook(
+    return notebook_json(
         [
             "%load_ext nbdist",
             f"%dist_start {RANKS}",
@@ -145,7 +126,7 @@ def _open_and_run_all(page, server, name: str) -> None:
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
     # The page shows "idle" before its kernel exists, and a Run All clicked before the
     # kernel is connected is dropped: wait until the server sees the page connected.
-    assert _poll(lambda: _kernel_ready(server), timeout=60, interval=0.2), server.kernels()
+    assert poll(lambda: _kernel_ready(server), timeout=60, interval=0.2), server.kernels()
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=30_000)
     # A news / update toast would cover the page: the lab settings turn them off; just in case:
     for text in ("Would you like to get notified", "Would you like to receive"):
@@ -155,7 +136,7 @@ def _open_and_run_all(page, server, name: str) -> None:
     page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()
     page.locator("li.lm-MenuBar-item", has_text="Run").click()
     page.locator("li.lm-Menu-item[data-command='runmenu:run-all']").click()
-    started = _poll(lambda: any(p.strip() != "[ ]:" for p in _prompts(page)), timeout=10)
+    started = poll(lambda: any(p.strip() != "[ ]:" for p in _prompts(page)), timeout=10)
     assert started, f"Run All did not start the cells: {_prompts(page)}"
 
 
@@ -165,15 +146,6 @@ def _prompts(page) -> list[str]:
 
 def _points(dashboard) -> int:
     return int(dashboard.get_attribute("data-points") or 0)
-
-
-def _poll(fn, timeout: float, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 def _plot_state(dashboard) -> list[dict]:
@@ -214,7 +186,7 @@ def test_dashboard_grows_live_and_matches_logged(
     timings["dashboard shown"] = time.monotonic() - t0
 
     # Live: while the logging cell runs, the plotted point count goes up.
-    assert _poll(lambda: _points(dashboard) > 0, timeout=45), (
+    assert poll(lambda: _points(dashboard) > 0, timeout=45), (
         f"no point plotted: prompts {_prompts(page)}, console {log.errors}, "
         f"page errors {log.page_errors}, note {page.locator('.nbdist-note').all_inner_texts()}"
     )
@@ -223,7 +195,7 @@ def test_dashboard_grows_live_and_matches_logged(
     first = _points(dashboard)
     (signals / "more").touch()
     log_cell_prompt = page.locator(".jp-NotebookPanel .jp-Cell .jp-InputPrompt").nth(3)
-    grew = _poll(lambda: _points(dashboard) > first, timeout=60, interval=0.1)
+    grew = poll(lambda: _points(dashboard) > first, timeout=60, interval=0.1)
     second = _points(dashboard)
     running = log_cell_prompt.inner_text().strip()
     page.screenshot(path=str(artifacts_dir / "dashboard-live.png"))
@@ -249,7 +221,7 @@ def test_dashboard_grows_live_and_matches_logged(
             return None
         return panels
 
-    panels = _poll(settled, timeout=15, interval=0.2)
+    panels = poll(settled, timeout=15, interval=0.2)
     panels = panels or _plot_state(dashboard)
     summary = {p["key"]: [(t["name"], len(t["x"])) for t in p["traces"]] for p in panels}
     loss = next((p for p in panels if p["key"] == "loss"), None)
@@ -280,7 +252,7 @@ def test_dashboard_grows_live_and_matches_logged(
     # The per-rank table: a row per rank, turning from "running" to "idle" once the ranks are quiet.
     rows = dashboard.locator(".nbdist-table tbody tr")
     assert rows.count() == RANKS, rows.all_inner_texts()
-    idle = _poll(
+    idle = poll(
         lambda: all(
             "idle" in (c or "") for c in rows.evaluate_all("rs => rs.map(r => r.className)")
         ),

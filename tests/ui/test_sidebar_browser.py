@@ -27,11 +27,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.ui.conftest import notebook_json, poll
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILT = ROOT / "nbdist" / "labextension"
@@ -42,36 +43,6 @@ for i in range(3000):
     nbdist.log(step=i, loss=1.0 / (1.0 + 0.01 * i) + 0.1 * rank, samples=32)
     time.sleep(0.03)
 print("finished " + "all steps")"""
-
-
-def _notebook(cells: list[str]) -> dict:
-    return {
-        "cells": [
-            {
-                "cell_type": "code",
-                "execution_count": None,
-                "id": f"cell-{i}",
-                "metadata": {},
-                "outputs": [],
-                "source": source,
-            }
-            for i, source in enumerate(cells)
-        ],
-        "metadata": {
-            "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}
-        },
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
-
-
-def _poll(fn, timeout: float, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 def _use_built_extension(data_dir: Path) -> str:
@@ -111,7 +82,7 @@ def test_sidebar_shows_live_ranks_and_interrupts(
 ):
     where = _use_built_extension(tmp_path / "jupyter" / "data")
     server = lab_factory(
-        "sidebar.ipynb", _notebook(["%load_ext nbdist", "%dist_start 2", LOG_CELL])
+        "sidebar.ipynb", notebook_json(["%load_ext nbdist", "%dist_start 2", LOG_CELL])
     )
     print(f"nbdist labextension {where}; nbdist.server {server.extension}")
     page = browser_page
@@ -128,7 +99,7 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
     tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='nbdist-sidebar']")
     tab.wait_for(timeout=30_000)  # the extension is loaded
-    assert _poll(
+    assert poll(
         lambda: any(
             k["execution_state"] == "idle" and k["connections"] >= 1 for k in server.kernels()
         ),
@@ -147,12 +118,12 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     page.wait_for_selector(".nbdist-cluster tr.nbdist-rank", timeout=90_000)
     assert page.locator(".nbdist-cluster").count() == 1
     assert page.locator(".nbdist-cluster tr.nbdist-rank").count() == 2
-    assert _poll(lambda: min(_steps(page)) >= 0, timeout=60), _steps(page)
+    assert poll(lambda: min(_steps(page)) >= 0, timeout=60), _steps(page)
     first_steps, first_x = _steps(page), _chart_last_x(page)
-    assert _poll(lambda: all(b > a for a, b in zip(first_steps, _steps(page))), timeout=30), (
+    assert poll(lambda: all(b > a for a, b in zip(first_steps, _steps(page))), timeout=30), (
         f"steps did not advance: {first_steps} -> {_steps(page)}"
     )
-    assert _poll(
+    assert poll(
         lambda: (
             len(_chart_last_x(page)) == 2
             and all(b > a for a, b in zip(first_x, _chart_last_x(page)))
@@ -164,7 +135,7 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     states = page.locator(".nbdist-cluster tr.nbdist-rank td.nbdist-col-state").all_inner_texts()
     assert states == ["busy", "busy"], states
     status = page.locator(".nbdist-statusbar")
-    assert _poll(
+    assert poll(
         lambda: re.search(
             r"nbdist · 2 ranks · gloo · step \d+ · \S+ samples/s", status.inner_text()
         ),
@@ -177,7 +148,7 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     assert log_prompt.inner_text().strip() == "[*]:"
     page.locator(".nbdist-cluster button.nbdist-interrupt").click()
     page.locator(".jp-Dialog button.jp-mod-accept").click()
-    assert _poll(lambda: log_prompt.inner_text().strip() != "[*]:", timeout=30), (
+    assert poll(lambda: log_prompt.inner_text().strip() != "[*]:", timeout=30), (
         "the cell still runs after Interrupt"
     )
     output = (
@@ -186,7 +157,7 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     assert "KeyboardInterrupt" in output and "finished all steps" not in output, output
     assert "SIGINT sent to 2 rank processes" in page.locator(".nbdist-message").inner_text()
     # The ranks are still up: not dead, and their steps stop advancing.
-    assert _poll(
+    assert poll(
         lambda: (
             page.locator(".nbdist-cluster tr.nbdist-rank td.nbdist-col-state").all_inner_texts()
             == ["idle", "idle"]
@@ -208,7 +179,7 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     _, body = server.api("GET", "nbdist/api/clusters")
     rank1_pid = body["clusters"][0]["ranks"][1]["pid"]
     os.kill(rank1_pid, signal.SIGKILL)  # an engine this test's notebook started, by PID
-    assert _poll(lambda: "rank 1 dead of 2" in status.inner_text(), timeout=30), status.inner_text()
+    assert poll(lambda: "rank 1 dead of 2" in status.inner_text(), timeout=30), status.inner_text()
     assert (
         page.locator(".nbdist-cluster tr.nbdist-rank").nth(1).get_attribute("data-state") == "dead"
     )
@@ -245,7 +216,7 @@ def _start_notebook7(tmp: Path) -> tuple[subprocess.Popen, str]:
         except OSError:
             return proc.poll() is not None
 
-    _poll(up, timeout=60)
+    poll(up, timeout=60)
     if proc.poll() is not None:
         pytest.fail(f"notebook exited: {(tmp / 'notebook7.log').read_text()[-2000:]}")
     return proc, f"{url}tree?token={token}"
@@ -278,7 +249,7 @@ def test_notebook7_opens_the_panel_without_errors(browser_page, tmp_path, artifa
         page.keyboard.press("Enter")
         sidebar = page.locator("#nbdist-sidebar")
         sidebar.wait_for(state="visible", timeout=30_000)
-        assert _poll(lambda: "No nbdist cluster is running" in sidebar.inner_text(), timeout=20)
+        assert poll(lambda: "No nbdist cluster is running" in sidebar.inner_text(), timeout=20)
         page.screenshot(path=str(artifacts_dir / "sidebar-notebook7.png"))
         assert ours == [], ours
     finally:
