@@ -8,11 +8,17 @@ its engines, interleaved in every iteration (so a busy machine slows all alike):
 - run:     ``session.run("pass")`` (what ``%%on_all_ranks`` calls)
 - magic:   ``shell.run_cell_magic("on_all_ranks", "", "pass")`` (the whole magic)
 
+A cell with nothing to show (``pass``) goes to the ranks as ``silent=True``,
+like the raw baseline; a cell that ends with an expression must go
+``silent=False`` so its value can be shown. That case is measured too:
+
+- magic_expr: ``%%on_all_ranks`` of ``None`` (ends with an expression, shows nothing)
+
 References that split the difference between raw and run:
 
 - raw_loud:   ``execute("pass", silent=False, block=True)``: ipyparallel's
   ``execute`` defaults to ``silent=True`` (no execute_input/execute_result on
-  iopub, no execution count); a notebook cell needs ``silent=False``, as nbdist uses.
+  iopub, no execution count); a cell that shows a value needs ``silent=False``.
 - raw_output: raw_loud, non-blocking, then ``ar.get()`` and ``ar.wait_for_output()``:
   also waits until every engine's output is complete (iopub idle), as nbdist must
   before it can show all of a cell's output.
@@ -78,7 +84,7 @@ def measure(shell, n: int, reps: int, warmup: int) -> dict:
 
         def raw_loud():
             # ipyparallel's execute defaults to silent=True (no execute_input /
-            # execute_result, no execution count); a cell needs silent=False.
+            # execute_result, no execution count); a cell that shows a value needs silent=False.
             view.execute(CODE, silent=False, block=True)
 
         def raw_output():
@@ -94,12 +100,16 @@ def measure(shell, n: int, reps: int, warmup: int) -> dict:
         def magic():
             shell.run_cell_magic("on_all_ranks", "", CODE)
 
+        def magic_expr():
+            shell.run_cell_magic("on_all_ranks", "", "None")
+
         paths = {
             "raw": raw,
             "raw_loud": raw_loud,
             "raw_output": raw_output,
             "run": run,
             "magic": magic,
+            "magic_expr": magic_expr,
         }
         for _ in range(warmup):
             for fn in paths.values():
@@ -157,7 +167,7 @@ def _main(argv=None) -> int:
     print()
     print(f"{'n':>2} {'path':<10} {'median':>9} {'p90':>9} {'x raw':>6}")
     for row in rows:
-        for name in ("raw", "raw_loud", "raw_output", "run", "magic"):
+        for name in ("raw", "raw_loud", "raw_output", "run", "magic", "magic_expr"):
             r = row[name]
             print(
                 f"{row['n']:>2} {name:<10} {r['median_ms']:>7.2f}ms {r['p90_ms']:>7.2f}ms "

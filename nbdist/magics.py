@@ -363,11 +363,13 @@ class DistMagics(Magics):
             selected = session._select(ranks)
         except PlacementError as exc:
             raise UsageError(str(exc)) from None
-        run = session.run(cell, [r.rank for r in selected], block=False, timeout=timeout_s)
+        ranks = [r.rank for r in selected]
         if noblock:
-            self.last_run = run
-            return run
-        run.wait()
+            self.last_run = session.run(cell, ranks, block=False, timeout=timeout_s)
+            return self.last_run
+        # Blocking through the session: the cell returns with its metrics points in
+        # the run, and may be sent silent when it has nothing to show.
+        session.run(cell, ranks, timeout=timeout_s)
         return None
 
     # -- moving values ----------------------------------------------------

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 
+from ._cells import cell_channel
 from .errors import NbdistError, RankError, RankFailure, RanksInterrupted
 from .output import OutputMerger, default_sink
 
@@ -24,6 +24,8 @@ __all__ = ["CellTimeout", "RankRun", "output_limit", "submit"]
 # How long interrupted ranks get to unwind before the cell gives up on them.
 _INTERRUPT_GRACE_S = 10.0
 _POLL_S = 0.05
+# iopub messages that change what a cell shows (ipyparallel accumulates them per rank).
+_OUTPUT_MESSAGES = frozenset({"stream", "display_data", "execute_result", "error"})
 # Characters shown per rank and stream in one cell: beyond it a notebook (and
 # the saved .ipynb) becomes unusable, so the rest is counted, not shown.
 _DEFAULT_OUTPUT_LIMIT = 1 << 20
@@ -96,10 +98,17 @@ class RankRun:
         self._merger: OutputMerger | None = None
         self._finished = False
         self._results: list | None = None
-        # Wake the waiting loop on every message for this cell and on completion.
+        # Wake the waiting loop on output and on each rank's reply (a rank that fails
+        # while the others wait is noticed at once), not on status messages: on a
+        # 2-core machine every needless wake-up is CPU the ranks are waiting for.
         for child in async_result._children:
-            child.iopub_callbacks.append(lambda _msg: self._wake.set())
+            child.iopub_callbacks.append(self._on_iopub)
+            child.add_done_callback(lambda _f: self._wake.set())
         async_result.add_done_callback(lambda _f: self._wake.set())
+
+    def _on_iopub(self, msg: dict) -> None:
+        if msg["header"]["msg_type"] in _OUTPUT_MESSAGES:
+            self._wake.set()
 
     def __repr__(self) -> str:
         from .output import format_ranks
@@ -324,26 +333,14 @@ def submit(
     timeout: float | None = None,
     watch: Callable[[], None] | None = None,
     guard=None,
+    silent_if_possible: bool = False,
 ) -> RankRun:
-    """Send ``code`` to the engines of ``ranks`` (same order) without waiting."""
-    view = _view(client, engine_ids)
-    ar = view.execute(code, silent=False, block=False)
+    """Send ``code`` to the engines of ``ranks`` (same order) without waiting.
+
+    ``silent_if_possible``: the caller waits for this cell before sending another
+    (see :meth:`nbdist._cells.CellChannel.execute`).
+    """
+    ar = cell_channel(client).execute(engine_ids, code, silent_if_possible=silent_if_possible)
     return RankRun(
         ar, ranks, interrupt=interrupt, sink=sink, timeout=timeout, watch=watch, guard=guard
     )
-
-
-# client -> {engine ids: DirectView}. Building a view costs ~0.3 ms (traitlets) and a
-# no-op cell's round trip is ~10 ms, so each cell reuses the view of its ranks. A new
-# cluster (restart) has a new client, and the old client's views go with it.
-_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _view(client, engine_ids: Sequence[int]):
-    per_client = _views.setdefault(client, {})
-    key = tuple(engine_ids)
-    view = per_client.get(key)
-    if view is None:
-        # A list, even for one rank: per-rank results stay lists.
-        view = per_client[key] = client[list(engine_ids)]
-    return view

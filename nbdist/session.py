@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from . import cluster as _cluster
+from ._cells import cell_channel
 from ._group import metrics_ip, metrics_key
 from .errors import ClusterNotRunning, NbdistError, PlacementError
 from .launch_options import LAUNCHERS, plan_launch
@@ -304,9 +305,10 @@ class DistSession:
         self._require_whole()
         if self._group_released:  # an earlier attempt to form the group again failed
             self._reform_group()
+        client, engine_ids = self._handle.client, [r.engine_id for r in chosen]
         run = submit(
-            self._handle.client,
-            [r.engine_id for r in chosen],
+            client,
+            engine_ids,
             [r.rank for r in chosen],
             code,
             interrupt=self.interrupt,
@@ -314,6 +316,7 @@ class DistSession:
             timeout=timeout,
             watch=self._metrics.cell_watcher(),
             guard=CellGuard(self, chosen),
+            silent_if_possible=block,
         )
         if not block:
             return run
@@ -321,6 +324,7 @@ class DistSession:
             return run.wait()
         finally:
             self._metrics.settle(run)
+            cell_channel(client).learn(engine_ids, run._results or [])
 
     def record_cell(self, code: str) -> None:
         """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""

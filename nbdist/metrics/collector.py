@@ -5,9 +5,11 @@ hosts. A thread receives, checks each message's signature (the cluster key)
 before decoding it, adds the points to the in-memory :class:`Run` (which
 dashboards watch) and appends them to the run history.
 
-End-of-cell markers let the session wait, after a cell, until every rank's
-points of that cell have arrived: a rank sends its marker after its points on
-the same socket, and messages from one sender arrive in order.
+After a cell the session waits until every rank's points of that cell have
+arrived: each points message carries the rank's running count of points sent,
+and the execute reply carries the count the rank had reached at the end of the
+cell. A standalone script (no execute replies) ends with a marker message
+instead; messages from one sender arrive in order, so its points came first.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Collector:
         port = self._socket.bind_to_random_port(f"tcp://{ip}")
         self.url = f"tcp://{ip}:{port}"
         self._cells: dict[int, int] = {}  # rank -> last cell marker seen
+        self._received: dict[int, int] = {}  # rank -> highest running count of points seen
         self._cond = threading.Condition()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbdist-collector", daemon=True)
@@ -100,12 +103,20 @@ class Collector:
                 if None in values.values():
                     point[2] = {k: (math.nan if v is None else v) for k, v in values.items()}
             self.run.add(rank, points)
+            stored = False
             if self.store is not None:
                 try:  # stored as it arrived (verified JSON): one row per batch, no re-encoding
                     self.store.append(self.run.id, rank, frames[1].decode(), len(points))
-                    return True
+                    stored = True
                 except Exception:  # a full disk must not stop live metrics
                     self.store_errors += 1
+            # Counted only now: a cell that waits for these points then commits them.
+            total = message.get("total")
+            if isinstance(total, int):
+                with self._cond:
+                    self._received[rank] = max(self._received.get(rank, 0), total)
+                    self._cond.notify_all()
+            return stored
         elif kind == "cell":
             with self._cond:
                 self._cells[rank] = max(self._cells.get(rank, -1), int(message.get("cell", -1)))
@@ -123,12 +134,22 @@ class Collector:
         with self._cond:
             self.key = key
             self._cells.clear()
+            self._received.clear()
 
     def wait_for_cells(self, cells: dict[int, int], timeout: float = 2.0) -> bool:
         """Wait until each rank's marker for its cell number arrived; False on timeout."""
+        return self._wait(self._cells, cells, -1, timeout)
+
+    def wait_for_points(self, totals: dict[int, int], timeout: float = 2.0) -> bool:
+        """Wait until each rank's running count of points reached its total; False on timeout."""
+        return self._wait(self._received, totals, 0, timeout)
+
+    def _wait(
+        self, seen: dict[int, int], wanted: dict[int, int], none: int, timeout: float
+    ) -> bool:
         deadline = time.monotonic() + timeout
         with self._cond:
-            while any(self._cells.get(rank, -1) < cell for rank, cell in cells.items()):
+            while any(seen.get(rank, none) < value for rank, value in wanted.items()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False

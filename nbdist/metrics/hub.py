@@ -47,15 +47,16 @@ class MetricsHub:
 
     def settle(self, rank_run) -> bool:
         """After a cell: wait until every rank's points of that cell have arrived."""
-        results = rank_run._results or []
-        cells = {
-            rank: result.execution_count
-            for rank, result in zip(rank_run.ranks, results)
-            if getattr(result, "execution_count", None) is not None
-        }
-        if not cells:
+        from .._cells import points_sent
+
+        totals = {}
+        for rank, result in zip(rank_run.ranks, rank_run._results or []):
+            total = points_sent(result)
+            if total:  # 0 or None: this rank never logged, nothing to wait for
+                totals[rank] = total
+        if not totals:
             return True
-        arrived = self.collector.wait_for_cells(cells, timeout=_SETTLE_TIMEOUT_S)
+        arrived = self.collector.wait_for_points(totals, timeout=_SETTLE_TIMEOUT_S)
         self.collector.commit()  # the cell's points are in the history when it returns
         return arrived
 

@@ -2,9 +2,10 @@
 
 Each call appends one point to a local buffer (values may be Python numbers
 or 0-d tensors). A background thread flushes the buffer at most 5 times a
-second, and IPython's ``post_run_cell`` flushes it at the end of every cell
-with an end-of-cell marker, so the kernel knows when it has every point of a
-cell. Tensor values are converted at flush time, in one batch per device:
+second, and :func:`end_of_cell` flushes it at the end of every cell: the
+kernel asks for it in the cell's execute request (a user expression), and the
+count it returns, in the execute reply, tells the kernel how many points to
+wait for. A cell that logged nothing sends no message at all. Tensor values are converted at flush time, in one batch per device:
 turning a CUDA tensor into a number is a device sync, so doing it per call
 would stall the training loop.
 
@@ -21,7 +22,7 @@ import os
 import threading
 import time
 
-__all__ = ["configure", "flush", "log", "shutdown"]
+__all__ = ["configure", "end_of_cell", "flush", "log", "shutdown"]
 
 # <= 5 flushes a second per rank: the dashboard refreshes at most 5 times a second, and
 # every message costs the kernel ~0.3 ms whatever it holds (20 a second per rank cost
@@ -81,12 +82,14 @@ class _Channel:
             batch, self.pending = self.pending, []
             if batch:
                 points = _to_numbers(batch)
-                self.total += len(points)
                 if os.environ.get("NBDIST_LOG_MEMORY", "1") != "0" and points:
                     points[-1][2]["memory_mib"] = _memory_mib()
-                self.unsent.append(
-                    encode(self.key, {"k": "points", "rank": self.rank, "points": points})
-                )
+                # "total" counts every point this rank has sent, so the kernel can tell
+                # when it has all of them; counted only once the batch is encoded.
+                total = self.total + len(points)
+                message = {"k": "points", "rank": self.rank, "points": points, "total": total}
+                self.unsent.append(encode(self.key, message))
+                self.total = total
             if marker is not None:
                 marker = dict(marker, k="cell", rank=self.rank, total=self.total)
                 self.unsent.append(encode(self.key, marker))
@@ -116,7 +119,6 @@ def configure(url: str, key: bytes, rank: int) -> None:
     global _channel
     shutdown()
     _channel = _Channel(url, key, rank)
-    _install_cell_hook()
 
 
 def shutdown() -> None:
@@ -222,28 +224,21 @@ def _memory_mib() -> float:
         return math.nan
 
 
-_hook_installed = False
+def end_of_cell() -> int | None:
+    """Send what this cell logged now; the number of points this rank has sent in all.
 
-
-def _install_cell_hook() -> None:
-    global _hook_installed
-    if _hook_installed:
-        return
+    Evaluated on every rank right after a cell, as a user expression of the
+    cell's execute request: the kernel reads the count from the execute reply
+    and waits until that many points of the rank have arrived. None when this
+    rank sends no metrics (nothing to wait for).
+    """
+    channel = _channel
+    if channel is None:
+        return None
     try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    shell = get_ipython()
-    if shell is None:
-        return
-    shell.events.register("post_run_cell", _end_of_cell)
-    _hook_installed = True
-
-
-def _end_of_cell(result) -> None:
-    # The marker carries the cell's execution count, which the kernel also reads
-    # from the execute reply: once it arrives, every point of that cell has.
-    try:
-        flush({"cell": result.execution_count})
-    except Exception:
-        pass
+        # Always through the lock: a flush in progress on the flush thread has taken
+        # its batch from ``pending`` but not yet counted it in ``total``.
+        channel.flush()
+    except Exception:  # a batch that cannot be encoded is not counted, so never awaited
+        channel.dropped += 1
+    return channel.total

@@ -8,8 +8,10 @@ payload is JSON, never pickle, so nothing that arrives is executed.
 
 Payload kinds::
 
-    {"k": "points", "rank": 0, "points": [[step, time, {"loss": 0.5, ...}], ...]}
-    {"k": "cell", "rank": 0, "cell": 12, "total": 3000}   # end of an execute on that rank
+    {"k": "points", "rank": 0, "points": [[step, time, {"loss": 0.5, ...}], ...], "total": 3000}
+    {"k": "cell", "rank": 0, "cell": 1, "total": 3000}   # end of a standalone script's run
+
+``total`` is the rank's running count of points sent, this message's included.
 """
 
 from __future__ import annotations

@@ -225,3 +225,28 @@ def test_rich_display_and_progress_bars_from_ranks(session):
     assert displays[0][2]["text/html"] == "<b>hi</b>"
     # The \r progress line ends as one final line, not one line per update.
     assert lines(sink) == [("stderr", "ranks 0-1", "done 3/3")]
+
+
+def test_a_last_expression_is_shown_after_cells_that_show_nothing(session):
+    """Cells with nothing to show are sent silent (cheaper); one that ends with an
+    expression still shows its value, per rank."""
+    for _ in range(3):
+        session.run("quiet = rank")
+    sink = ListSink()
+    session.run("quiet * 10", sink=sink)
+    shown = [(e[1], e[2]["text/plain"]) for e in sink.events if e[0] == "display"]
+    assert shown == [("rank 0", "0"), ("rank 1", "10")]
+
+
+def test_the_ranks_own_display_setting_is_respected(session):
+    """With ``ast_node_interactivity = 'all'`` on the ranks, every expression statement
+    shows its value: a cell ending in an assignment is then no longer one that shows nothing."""
+    session.run("get_ipython().ast_node_interactivity = 'all'")
+    try:
+        session.run("quiet = 1")  # the ranks' replies now say 'all'
+        sink = ListSink()
+        session.run("rank + 100\nquiet = 2", sink=sink)
+        shown = [(e[1], e[2]["text/plain"]) for e in sink.events if e[0] == "display"]
+        assert shown == [("rank 0", "100"), ("rank 1", "101")]
+    finally:
+        session.run("get_ipython().ast_node_interactivity = 'last_expr'")

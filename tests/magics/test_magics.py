@@ -195,6 +195,9 @@ def test_dashboard_outside_a_notebook_is_a_text_summary(started, capsys):
         started,
         "%%on_all_ranks\nfor i in range(30):\n    nbdist.log(step=i, loss=0.5 + rank, samples=4)",
     )
+    # The cell returned with every rank's last point in the run.
+    metrics = nbdist.current_session().metrics
+    assert [metrics.last(r)["step"] for r in (0, 1)] == [29, 29]
     capsys.readouterr()  # a terminal shell shows no dashboard by itself
     started.run_line_magic("dist_dashboard", "")
     out = capsys.readouterr().out

@@ -81,24 +81,66 @@ def test_run_to_pandas_one_row_per_rank_and_step():
     assert row["loss"] == 3.0 and row["memory_mib"] == 5.0  # merged by (rank, step)
 
 
-def test_after_a_restart_the_end_of_a_cell_waits_for_the_new_ranks_markers():
-    """Fresh ranks count cells from 1 again: an old rank's marker for cell 9 must not do."""
+def _points(rank: int, total: int) -> dict:
+    return {"k": "points", "rank": rank, "points": [[total, 1.0, {"loss": 1.0}]], "total": total}
+
+
+def _marker(rank: int, cell: int) -> dict:
+    return {"k": "cell", "rank": rank, "cell": cell}
+
+
+@pytest.mark.parametrize(
+    "message, wait",
+    [(_points, "wait_for_points"), (_marker, "wait_for_cells")],
+    ids=["notebook: running count of points", "script: end marker"],
+)
+def test_after_a_restart_the_end_of_a_cell_waits_for_the_new_ranks(message, wait):
+    """Fresh ranks count from 1 again: what the old ranks reached (9) must not do."""
     import zmq
 
     from nbdist.metrics.collector import Collector
 
     old_key, new_key = b"k" * 32, b"n" * 32
     collector = Collector(old_key, Run(1, world_size=1), None)
+    wait = getattr(collector, wait)
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     push.connect(collector.url)
     try:
-        push.send_multipart(wire.encode(old_key, {"k": "cell", "rank": 0, "cell": 9}))
-        assert collector.wait_for_cells({0: 9}, timeout=10)
+        push.send_multipart(wire.encode(old_key, message(0, 9)))
+        assert wait({0: 9}, timeout=10)
         collector.new_cluster(new_key)
-        assert not collector.wait_for_cells({0: 1}, timeout=0.2), "an old marker counted"
-        push.send_multipart(wire.encode(new_key, {"k": "cell", "rank": 0, "cell": 1}))
-        assert collector.wait_for_cells({0: 1}, timeout=10)
+        assert not wait({0: 1}, timeout=0.2), "what the old ranks sent counted"
+        push.send_multipart(wire.encode(new_key, message(0, 1)))
+        assert wait({0: 1}, timeout=10)
     finally:
         push.close()
         collector.stop()
+
+
+def test_the_end_of_a_cell_waits_until_a_ranks_points_are_in_the_history(tmp_path):
+    """A cell returns once the count its rank reported has arrived, and its points are
+    readable from the history then, not only in memory."""
+    import zmq
+
+    from nbdist.metrics.collector import Collector
+
+    key = b"k" * 32
+    store = RunStore(str(tmp_path / "runs.sqlite"))
+    run = store.new_run(world_size=1, backend="gloo")
+    collector = Collector(key, run, store)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(collector.url)
+    try:
+        assert not collector.wait_for_points({0: 2}, timeout=0.2), "nothing was sent yet"
+        push.send_multipart(wire.encode(key, _points(0, 1)))
+        assert not collector.wait_for_points({0: 2}, timeout=0.2), "1 of 2 points counted as all"
+        push.send_multipart(wire.encode(key, _points(0, 2)))
+        assert collector.wait_for_points({0: 2}, timeout=10)
+        collector.commit()
+        assert len(load_run(run.id, path=str(tmp_path / "runs.sqlite")).to_pandas()) == 2
+    finally:
+        push.close()
+        collector.stop()
+        store.close()
