@@ -43,7 +43,16 @@ _ENGINE_MODULES = (
     "ipykernel.debugger",
     "sqlite3",
     "IPython.extensions.storemagic",
+    # Imported by each engine after registering (measured with -X importtime):
+    "tornado.platform.asyncio",
+    "IPython.core.oinspect",
+    "IPython.core.completerlib",
+    "argcomplete",
+    # Imported by each rank while the group forms.
     "nbdist._bootstrap",
+    "nbdist.placement",
+    "nbdist._rank_control",
+    "nbdist.collectives",
     "nbdist.metrics.log",
 )
 

@@ -25,4 +25,7 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$want" ]]; then
   "$PY" -m pip install --quiet -e "$ROOT[test]"
   echo "$want" > "$STAMP"
 fi
+# nbdist is installed editable: byte-compile it, so ranks and kernels do not compile its
+# modules on every start where PYTHONDONTWRITEBYTECODE is set (~20 ms per process here).
+"$PY" -m compileall -q "$ROOT/nbdist" >/dev/null || true
 export PATH="$VENV/bin:$PATH"
