@@ -250,3 +250,9 @@ def test_the_ranks_own_display_setting_is_respected(session):
         assert shown == [("rank 0", "100"), ("rank 1", "101")]
     finally:
         session.run("get_ipython().ast_node_interactivity = 'last_expr'")
+
+
+def test_a_rank_can_import_debugpy_to_attach_a_debugger(session):
+    """The zygote keeps debugpy out of ipykernel's start-up; a rank that wants it still gets it."""
+    session.run("import debugpy\nhas_listen = callable(debugpy.listen)")
+    assert session.pull("has_listen") == [True, True]
