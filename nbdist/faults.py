@@ -36,6 +36,8 @@ import socket
 import threading
 import time
 
+from ._oom import OomCounter, oom_counter
+
 __all__ = ["CellGuard", "RankMonitor", "death_cause", "reform_group"]
 
 # After one rank failed, how long the others may finish by themselves before
@@ -48,8 +50,12 @@ INTERRUPT_GRACE_S = 0.5
 UNWIND_GRACE_S = 0.3
 
 
-def death_cause(status: int | None) -> str:
-    """Words for a ``waitpid`` status (None: not known)."""
+def death_cause(status: int | None, oom: OomCounter | None = None) -> str:
+    """Words for a ``waitpid`` status (None: not known).
+
+    ``oom``: the rank's memory cgroup counter, read while it was alive; if it rose,
+    a SIGKILL was the kernel's out-of-memory killer and the words say so.
+    """
     if status is None:
         return "exited (exit status not available)"
     sig = status & 0x7F
@@ -59,36 +65,23 @@ def death_cause(status: int | None) -> str:
         except ValueError:
             name = f"signal {sig}"
         if sig == signal.SIGKILL:
+            if oom is not None and oom.rose():
+                limit = oom.limit()
+                return (
+                    f"killed by the kernel's out-of-memory killer ({name}): its memory cgroup "
+                    f"{oom.directory} ran out of memory"
+                    + (f" (limit {limit})" if limit else "")
+                    + ". Use less memory per rank (smaller batches, fewer data-loader "
+                    "workers, fewer ranks per host) or raise the limit"
+                )
             return (
                 f"killed by {name} (signal {sig}): kill -9, or the kernel's out-of-memory "
-                "killer (dmesg names it)" + _oom_hint()
+                "killer (dmesg names it)"
             )
         if sig == signal.SIGSEGV:
             return f"crashed: segmentation fault ({name}, signal {sig}) in native code"
         return f"killed by {name} (signal {sig})"
     return f"exited with code {(status >> 8) & 0xFF}"
-
-
-def _oom_kills() -> int | None:
-    try:
-        with open("/sys/fs/cgroup/memory.events") as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-_OOM_AT_IMPORT = _oom_kills()
-
-
-def _oom_hint() -> str:
-    now = _oom_kills()
-    if now is not None and _OOM_AT_IMPORT is not None and now > _OOM_AT_IMPORT:
-        return "; this machine's memory cgroup recorded an out-of-memory kill"
-    return ""
 
 
 def _exit_status(pid: int) -> int | None:
@@ -112,6 +105,7 @@ class RankMonitor:
         self.dead: dict[int, str] = {}
         self._on_death = on_death
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
+        self._oom: dict[int, OomCounter | None] = {}  # rank -> its memory cgroup's OOM kills
         here = {socket.gethostname(), "localhost"}
         for info in ranks:
             if info.host not in here:  # a PID on another host means nothing here
@@ -121,6 +115,8 @@ class RankMonitor:
             except (OSError, AttributeError):  # gone already, or no pidfd (old kernel)
                 continue
             self._fds[fd] = (info.rank, info.pid)
+            # Read now: a dead process no longer shows its cgroup.
+            self._oom[info.rank] = oom_counter(info.pid)
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="nbdist-rank-monitor", daemon=True)
         self._thread.start()
@@ -137,7 +133,8 @@ class RankMonitor:
                 rank, pid = self._fds.pop(fd)
                 poller.unregister(fd)
                 # Read before the engine's parent reaps it (it polls every 0.1 s).
-                self.dead[rank] = f"pid {pid} {death_cause(_exit_status(pid))}"
+                cause = death_cause(_exit_status(pid), self._oom.get(rank))
+                self.dead[rank] = f"pid {pid} {cause}"
                 os.close(fd)
                 if self._on_death is not None:
                     self._on_death(rank)

@@ -101,3 +101,30 @@ def test_status_says_how_a_dead_rank_died():
         "rank 1 died: pid 11 killed by SIGKILL (signal 9)",
         "%dist_restart brings every rank back",
     ]
+
+
+def test_oom_counter_reads_cgroup_v2_and_v1_files(tmp_path):
+    """The counter files as cgroup v2 (memory.events) and v1 (memory.oom_control) write them."""
+    from nbdist._oom import OomCounter
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\noom_group_kill 0\n")
+    (v2 / "memory.max").write_text("max\n")
+    counter = OomCounter(str(v2), "memory.events", 1)
+    assert not counter.rose() and counter.limit() == ""
+    (v2 / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n")
+    (v2 / "memory.max").write_text(f"{3 << 30}\n")
+    assert counter.rose() and counter.limit() == "3.00 GiB"
+
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    counter = OomCounter(str(v1), "memory.oom_control", 0)
+    assert not counter.rose() and counter.limit() == ""
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    assert counter.rose()
+    words = death_cause(signal.SIGKILL, counter)
+    assert words.startswith("killed by the kernel's out-of-memory killer (SIGKILL): its memory")
+    assert str(v1) in words
