@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -67,3 +69,48 @@ def no_leftover_processes():
             except psutil.Error:
                 pass
         pytest.fail("processes started by the tests outlived them:\n" + "\n".join(names))
+
+
+@pytest.fixture
+def external_cluster(tmp_path):
+    """An ipcontroller and two ipengines started by hand, as on other hosts."""
+    profile = tmp_path / "profile"
+    profile.mkdir()
+    common = [f"--profile-dir={profile}", "--cluster-id=ext"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1",
+             "--HeartMonitor.period=100", *common],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+    ]  # fmt: skip
+    client_file = profile / "security" / "ipcontroller-ext-client.json"
+    deadline = time.monotonic() + 60
+    while not client_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for _ in range(2):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "ipyparallel.engine", *common],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )  # fmt: skip
+    try:
+        yield client_file, procs
+    finally:
+        pids = []
+        for proc in procs:
+            try:
+                pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.Error:
+                pass
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for pid in wait_gone(pids, timeout=15):
+            os.kill(pid, signal.SIGKILL)

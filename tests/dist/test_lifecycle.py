@@ -83,51 +83,6 @@ def test_a_killed_driver_leaves_no_process(tmp_path):
     assert wait_gone(pids, timeout=15) == []
 
 
-@pytest.fixture
-def external_cluster(tmp_path):
-    """An ipcontroller and two ipengines started by hand, as on other hosts."""
-    profile = tmp_path / "profile"
-    profile.mkdir()
-    common = [f"--profile-dir={profile}", "--cluster-id=ext"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1",
-             "--HeartMonitor.period=100", *common],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-    ]  # fmt: skip
-    client_file = profile / "security" / "ipcontroller-ext-client.json"
-    deadline = time.monotonic() + 60
-    while not client_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for _ in range(2):
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "ipyparallel.engine", *common],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-        )  # fmt: skip
-    try:
-        yield client_file, procs
-    finally:
-        pids = []
-        for proc in procs:
-            try:
-                pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
-            except psutil.Error:
-                pass
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for pid in wait_gone(pids, timeout=15):
-            os.kill(pid, signal.SIGKILL)
-
-
 def test_attach_forms_the_group_and_leaves_the_engines_running(external_cluster):
     client_file, procs = external_cluster
     deadline = time.monotonic() + 60

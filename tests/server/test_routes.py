@@ -243,3 +243,55 @@ def test_registry_skips_entries_of_dead_kernels(tmp_path):
         )
     assert [e["id"] for e in registry.clusters(str(folder))] == ["cluster-2-0"]
     assert not (folder / "cluster-1-0.json").exists()
+
+
+async def test_interrupt_of_an_attached_cluster_goes_through_its_kernel(
+    jp_fetch, jp_serverapp, history, external_cluster
+):
+    """Attached engines may be on other hosts: the sidebar's Interrupt interrupts the
+    kernel, which relays SIGINT to every rank; the cell stops and the ranks stay usable."""
+    client_file, _ = external_cluster
+    code, kernel = await _json(jp_fetch, "api", "kernels", method="POST", body={"name": "python3"})
+    kernel_id = kernel["id"]
+    client = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
+    client.start_channels()
+    try:
+        reply = await client.execute_interactive(
+            f"%load_ext nbdist\n%dist_start --attach {client_file}", timeout=180
+        )
+        assert reply["content"]["status"] == "ok", reply["content"]
+        [cluster] = await _clusters(jp_fetch)
+        assert cluster["kernel_id"] == kernel_id
+        msg_id = client.execute(
+            "%%on_all_ranks\nimport time\nprint('looping on rank', rank, flush=True)\n"
+            "for _ in range(600):\n    time.sleep(0.1)"
+        )
+        # Interrupt once both ranks are inside the loop (their line reached the kernel).
+        printed = 0
+        deadline = time.monotonic() + 60
+        while printed < 2 and time.monotonic() < deadline:
+            msg = await client.get_iopub_msg(timeout=60)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                printed += msg["content"]["text"].count("looping on rank")
+        t0 = time.monotonic()
+        code, body = await _json(
+            jp_fetch, "nbdist", "api", "clusters", cluster["id"], "interrupt", method="POST"
+        )
+        assert code == 200 and body["via"] == "kernel"
+        while True:
+            reply = await client.get_shell_msg(timeout=60)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        assert time.monotonic() - t0 < 30  # not the 60 s the loop would take
+        assert reply["content"]["status"] == "error"
+        assert "KeyboardInterrupt" in "\n".join(reply["content"]["traceback"])
+        reply = await client.execute_interactive(
+            "%%on_all_ranks\nt = torch.ones(1); dist.all_reduce(t); assert t.item() == 2",
+            timeout=60,
+        )
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        client.stop_channels()
+        kernel_pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.pid
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+        assert wait_gone([kernel_pid]) == []
