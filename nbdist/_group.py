@@ -23,10 +23,12 @@ def form_group(session) -> None:
     ``session._rendezvous_addr`` and clears ``session.cells`` (fresh namespaces).
     """
     from . import _bootstrap  # rank-side code, shipped to the engines (imports torch there)
+    from .cluster import serializer_ready
     from .session import RankInfo
 
     handle, opts = session._handle, session.options
     client = handle.client
+    serializer_ready()  # the serializer's set-up may still run on its thread: not thread-safe
     engine_ids = sorted(client.ids)
     towards = opts["ip"] if handle.owned else controller_host(client)
     infos = dict(zip(engine_ids, client[engine_ids].apply_sync(_bootstrap.describe, towards)))

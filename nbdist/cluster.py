@@ -339,17 +339,28 @@ def _secure_connection_files(profile_dir: str) -> None:
         os.chmod(os.path.join(security, name), 0o600)
 
 
-def warm_serializer() -> threading.Thread:
+_warm_thread: threading.Thread | None = None
+
+
+def warm_serializer() -> None:
     """Pay ipyparallel's one-time serializer set-up now, on a thread, while engines start.
 
     The first ``apply`` of a process imports numpy (ipyparallel registers how to
     send arrays): 0.17 s, which used to fall between "engines registered" and
     "group formed". Started once the controller is up, it runs while the engines
-    are still importing torch.
+    are still importing torch. That set-up is not thread-safe: call
+    :func:`serializer_ready` before the first ``apply``.
     """
-    thread = threading.Thread(target=_import_serializer, name="nbdist-warm", daemon=True)
-    thread.start()
-    return thread
+    global _warm_thread
+    if _warm_thread is None:
+        _warm_thread = threading.Thread(target=_import_serializer, name="nbdist-warm", daemon=True)
+        _warm_thread.start()
+
+
+def serializer_ready() -> None:
+    """Wait for :func:`warm_serializer` (if it was started) to finish."""
+    if _warm_thread is not None:
+        _warm_thread.join()
 
 
 def _import_serializer() -> None:
@@ -364,8 +375,6 @@ def _import_serializer() -> None:
 def attach(path: str, *, timeout: float) -> ClusterHandle:
     """Connect to a running cluster from its cluster file or client connection file."""
     import ipyparallel as ipp
-
-    warm_serializer()
 
     if not os.path.exists(path):
         raise NbdistError(

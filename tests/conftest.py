@@ -96,6 +96,13 @@ def external_cluster(tmp_path):
             )
         )  # fmt: skip
     try:
+        import ipyparallel as ipp
+
+        probe = ipp.Client(str(client_file))  # both engines registered before anyone attaches
+        deadline = time.monotonic() + 60
+        while len(probe.ids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        probe.close()
         yield client_file, procs
     finally:
         pids = []

@@ -85,13 +85,6 @@ def test_a_killed_driver_leaves_no_process(tmp_path):
 
 def test_attach_forms_the_group_and_leaves_the_engines_running(external_cluster):
     client_file, procs = external_cluster
-    deadline = time.monotonic() + 60
-    import ipyparallel as ipp
-
-    probe = ipp.Client(str(client_file))
-    while len(probe.ids) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    probe.close()
     s = nbdist.DistSession(attach=str(client_file), timeout=60).start()
     try:
         assert s.world_size == 2
