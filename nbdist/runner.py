@@ -2,7 +2,8 @@
 
 The waiting loop runs in the caller's thread (the notebook cell), so output is
 written where the cell's output goes. ipyparallel's IO thread only sets an
-event when a message for this cell arrives; the loop then reads the new part
+event when output or a rank's reply for this cell arrives (the loop also wakes
+every 50 ms to check for dead or hung ranks); the loop then reads the new part
 of each rank's accumulated stdout/stderr/displays. Reading the accumulated
 metadata (instead of the messages) cannot lose or duplicate output, however
 callbacks and the loop interleave.
