@@ -71,6 +71,19 @@ def no_leftover_processes():
         pytest.fail("processes started by the tests outlived them:\n" + "\n".join(names))
 
 
+def terminate_in_order(procs) -> None:
+    """SIGTERM ``procs`` by PID, last started first (engines before their controller),
+    then wait; SIGKILL any that did not exit within 15 s."""
+    for proc in reversed(procs):
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.fixture
 def external_cluster(tmp_path):
     """An ipcontroller and two ipengines started by hand, as on other hosts."""
@@ -111,13 +124,6 @@ def external_cluster(tmp_path):
                 pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
             except psutil.Error:
                 pass
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate_in_order(procs)
         for pid in wait_gone(pids, timeout=15):
             os.kill(pid, signal.SIGKILL)

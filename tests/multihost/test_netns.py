@@ -11,7 +11,6 @@ Skipped (with the reason shown) where network namespaces cannot be made.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from nbdist.dashboard.table import rank_rows
 from nbdist.dashboard.text import summary_text
-from tests.conftest import wait_gone
+from tests.conftest import terminate_in_order, wait_gone
 from tests.multihost.forged import send_forged_metrics
 from tests.multihost.netns import Hosts, namespaces_unavailable
 
@@ -90,14 +89,7 @@ def two_hosts(tmp_path_factory):
                 pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
             except psutil.Error:
                 pass
-        for proc in reversed(procs):  # engines first, the controller last; by PID only
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        terminate_in_order(procs)  # engines first, the controller last; by PID only
         alive, inside = wait_gone(pids, timeout=10), hosts.pids_inside()
         hosts.remove()  # before any assertion, so a failure leaves no namespace behind
         assert alive == []
