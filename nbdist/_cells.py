@@ -140,12 +140,11 @@ class CellChannel:
                 self._last_expr.discard(engine_id)
 
 
-# client -> CellChannel. A new cluster (restart) has a new client and starts afresh.
-_channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def cell_channel(client) -> CellChannel:
-    channel = _channels.get(client)
+    """The client's channel, kept on the client itself: it goes with the client (a
+    restart makes a new client, and starts afresh). A dictionary keyed by weak
+    references would not let the client go: its views hold it strongly."""
+    channel = getattr(client, "_nbdist_cells", None)
     if channel is None:
-        channel = _channels[client] = CellChannel(client)
+        channel = client._nbdist_cells = CellChannel(client)
     return channel

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 import nbdist
@@ -87,6 +90,7 @@ def test_log_never_raises_into_the_training_loop(session):
 def test_after_a_restart_a_cell_returns_with_its_points_in_the_run(session):
     for _ in range(5):  # the old ranks' cell count climbs well past the new ranks' first cells
         session.run("pass", sink=ListSink())
+    old_client = weakref.ref(session.client)
     session.restart()
     before = session.metrics.count()
     session.run(
@@ -95,3 +99,5 @@ def test_after_a_restart_a_cell_returns_with_its_points_in_the_run(session):
     )
     # The end of the cell waits for each rank's points: they are all here at once.
     assert session.metrics.count() - before == 6
+    gc.collect()
+    assert old_client() is None, "the stopped cluster's client (and its sockets' state) is kept"
