@@ -53,11 +53,6 @@ def _answer(result) -> tuple[int | None, str | None]:
         return None, None  # an error reply: user expressions are not evaluated then
 
 
-def points_sent(result) -> int | None:
-    """The running count of metrics points a rank had sent at the end of a cell."""
-    return _answer(result)[0]
-
-
 def displays_nothing(code: str) -> bool:
     """True when IPython, with its default ``ast_node_interactivity`` ('last_expr'),
     shows no value for ``code``: the cell does not end with an expression statement.
@@ -130,14 +125,17 @@ class CellChannel:
         ]
         return AsyncResult(client, futures, fname="execute", targets=targets, owner=True)
 
-    def learn(self, engine_ids: Iterable[int], results: Iterable) -> None:
-        """Take what each engine's reply said about its shell."""
+    def learn(self, engine_ids: Iterable[int], results: Iterable) -> list[int | None]:
+        """Take what each engine's reply said about its shell; the points each had sent."""
+        sent = []
         for engine_id, result in zip(engine_ids, results):
-            interactivity = _answer(result)[1]
+            points, interactivity = _answer(result)
+            sent.append(points)
             if interactivity == "last_expr":
                 self._last_expr.add(engine_id)
             else:  # another setting, or not answered (an error): loud until it says again
                 self._last_expr.discard(engine_id)
+        return sent
 
 
 def cell_channel(client) -> CellChannel:

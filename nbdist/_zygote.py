@@ -36,11 +36,10 @@ _PR_SET_PDEATHSIG = 1
 _TERM_GRACE_S = 3.0
 
 
-# What every engine imports while it starts (ipykernel's debugger stack alone is
-# ~150 modules): imported once here, shared by the forks instead of paid per rank.
-# None of them starts a thread at import; fork_unsafe_reason() checks anyway.
+# What every engine imports while it starts, besides ipykernel's debugger module
+# (see _import_debugger_module): imported once here, shared by the forks instead of
+# paid per rank. None of them starts a thread at import; fork_unsafe_reason() checks.
 _ENGINE_MODULES = (
-    "ipykernel.debugger",
     "sqlite3",
     "IPython.extensions.storemagic",
     # Imported by each engine after registering (measured with -X importtime):
@@ -62,10 +61,7 @@ def _preimport(names) -> None:
 
     for name in names:
         try:
-            if name == "ipykernel.debugger":
-                _import_debugger_module()
-            else:
-                importlib.import_module(name)
+            importlib.import_module(name)
         except Exception:  # an optional speed-up: the engine imports what it needs anyway
             pass
 
@@ -86,6 +82,8 @@ def _import_debugger_module() -> None:
         sys.modules["debugpy"] = None  # makes "import debugpy" raise ImportError
     try:
         importlib.import_module("ipykernel.debugger")
+    except Exception:  # an optional speed-up: the engine imports what it needs anyway
+        pass
     finally:
         if hidden and sys.modules.get("debugpy", False) is None:
             del sys.modules["debugpy"]
@@ -255,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed  # noqa: F401
         from ipyparallel.engine.app import IPEngine  # noqa: F401
 
+        _import_debugger_module()
         _preimport(_ENGINE_MODULES)
         reason = fork_unsafe_reason()
     pids = []

@@ -323,8 +323,8 @@ class DistSession:
         try:
             return run.wait()
         finally:
-            self._metrics.settle(run)
-            cell_channel(client).learn(engine_ids, run._results or [])
+            sent = cell_channel(client).learn(engine_ids, run._results or [])
+            self._metrics.settle(dict(zip(run.ranks, sent)))
 
     def record_cell(self, code: str) -> None:
         """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""

@@ -125,11 +125,11 @@ class Collector:
             self.rejected += 1
 
     def new_cluster(self, key: bytes) -> None:
-        """Fresh ranks (a restart): they sign with a new key and count their cells from 1.
+        """Fresh ranks (a restart): they sign with a new key and count from 0 again.
 
-        Without forgetting the old counts, the marker of an old, later cell would
-        count as arrived for the new ranks' first cells, and ``wait_for_cells``
-        would return before their points did.
+        Without forgetting the old counts (points sent, script end markers), what
+        the old ranks had reached would count as arrived for the new ranks, and
+        the end of a cell would not wait for their points.
         """
         with self._cond:
             self.key = key

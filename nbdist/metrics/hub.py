@@ -45,16 +45,14 @@ class MetricsHub:
     def url(self) -> str:
         return self.collector.url
 
-    def settle(self, rank_run) -> bool:
-        """After a cell: wait until every rank's points of that cell have arrived."""
-        from .._cells import points_sent
+    def settle(self, points_sent: dict[int, int | None]) -> bool:
+        """After a cell: wait until every rank's points of that cell have arrived.
 
-        totals = {}
-        for rank, result in zip(rank_run.ranks, rank_run._results or []):
-            total = points_sent(result)
-            if total:  # 0 or None: this rank never logged, nothing to wait for
-                totals[rank] = total
-        if not totals:
+        ``points_sent``: {rank: running count of points it had sent at the end of
+        the cell}, from the execute replies (``nbdist._cells``).
+        """
+        totals = {rank: total for rank, total in points_sent.items() if total}
+        if not totals:  # 0 or None: these ranks never logged, nothing to wait for
             return True
         arrived = self.collector.wait_for_points(totals, timeout=_SETTLE_TIMEOUT_S)
         self.collector.commit()  # the cell's points are in the history when it returns

@@ -5,9 +5,10 @@ or 0-d tensors). A background thread flushes the buffer at most 5 times a
 second, and :func:`end_of_cell` flushes it at the end of every cell: the
 kernel asks for it in the cell's execute request (a user expression), and the
 count it returns, in the execute reply, tells the kernel how many points to
-wait for. A cell that logged nothing sends no message at all. Tensor values are converted at flush time, in one batch per device:
-turning a CUDA tensor into a number is a device sync, so doing it per call
-would stall the training loop.
+wait for. A cell that logged nothing sends no message at all. Tensor values
+are converted at flush time, in one batch per device: turning a CUDA tensor
+into a number is a device sync, so doing it per call would stall the training
+loop.
 
 Without a kernel listening (a plain script, or before ``%dist_start``),
 ``log`` keeps nothing and costs a dictionary build. A script exported by
