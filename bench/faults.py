@@ -51,8 +51,8 @@ from _common import (  # noqa: E402
 )
 
 import nbdist  # noqa: E402
+from nbdist.driver.sinks import ListSink  # noqa: E402
 from nbdist.errors import RankError, RanksInterrupted  # noqa: E402
-from nbdist.output import ListSink  # noqa: E402
 
 HANG = "import time\nif rank == 1:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n"
 
@@ -113,7 +113,7 @@ def _kill(s) -> dict:
         time.sleep(0.5)
         t0 = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        while not s._dead_ranks():
+        while not s.dead_ranks():
             time.sleep(0.001)
         out["detect"] = time.monotonic() - t0
         out["t0"] = t0
@@ -161,7 +161,7 @@ def _tracking(s) -> dict:
     # The bookkeeping alone, around a function that does nothing (here, not on a rank).
     import timeit
 
-    from nbdist import collectives
+    from nbdist.engine import collectives
 
     def noop(x):
         return x

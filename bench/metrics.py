@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import load, machine, median, print_summary, ratio, run_benchmark  # noqa: E402
 
 import nbdist  # noqa: E402
-from nbdist.output import ListSink  # noqa: E402
+from nbdist.driver.sinks import ListSink  # noqa: E402
 
 TRAIN = """
 import time

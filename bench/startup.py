@@ -114,7 +114,8 @@ class _PhaseTimer:
     """Wraps nbdist's two start-up phases (read-only: nbdist itself is not changed)."""
 
     def __init__(self):
-        from nbdist import cluster, session
+        from nbdist.driver import session
+        from nbdist.launch import cluster
 
         self.phases: dict[str, float] = {}
         self._cluster, self._session = cluster, session
@@ -154,8 +155,8 @@ def nbdist_start_stop(n: int, start_method: str, phases: _PhaseTimer) -> dict:
         session.start()
         ready = time.perf_counter() - t0
         ranks = session.ranks
-        method = session._handle.start_method if session._handle else "?"
-        note = session._handle.start_note if session._handle else ""
+        method = session.cluster.start_method if session.cluster else "?"
+        note = session.cluster.start_note if session.cluster else ""
         if len(ranks) != n:
             raise RuntimeError(f"expected {n} ranks, got {ranks}")
     finally:
@@ -195,11 +196,12 @@ def _main(argv=None) -> int:
     t0 = time.perf_counter()
     import ipyparallel  # noqa: F401
 
-    import nbdist.session  # noqa: F401
+    import nbdist.driver.session  # noqa: F401
 
     kernel_import_s = time.perf_counter() - t0
     print(
-        f"kernel-side import of nbdist.session + ipyparallel: {kernel_import_s:.2f} s", flush=True
+        f"kernel-side import of nbdist.driver.session + ipyparallel: {kernel_import_s:.2f} s",
+        flush=True,
     )
 
     # Warm the page cache so the first measured variant is not penalised.

@@ -1,4 +1,4 @@
-"""nbdist: a Jupyter notebook as the driver of a multi-GPU (or multi-CPU) PyTorch job.
+"""Both sides: nbdist, a Jupyter notebook as the driver of a multi-GPU (or multi-CPU) PyTorch job.
 
 In a notebook::
 
@@ -19,11 +19,19 @@ are imported only when used.
 
 from __future__ import annotations
 
-from . import checkpoint
-from .errors import ClusterNotRunning, NbdistError, PlacementError, RankError
-from .metrics.log import log
-from .metrics.store import runs
-from .rank import device, local_rank, print0, rank, rank_zero_first, seed_all, world_size
+from nbdist import checkpoint
+from nbdist.engine.helpers import (
+    device,
+    local_rank,
+    print0,
+    rank,
+    rank_zero_first,
+    seed_all,
+    world_size,
+)
+from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError, RankError
+from nbdist.metrics.log import log
+from nbdist.metrics.store import runs
 
 __version__ = "0.1.0"
 
@@ -50,11 +58,18 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The kernel-side API pulls in ipyparallel; ranks never need it.
-    if name in ("DistSession", "current_session"):
-        from . import session
+    """``DistSession`` and ``current_session``, imported when first used.
 
-        return getattr(session, name)
+    The kernel-side API pulls in ipyparallel; ranks never need it.
+    """
+    if name == "DistSession":
+        from nbdist.driver.session import DistSession
+
+        return DistSession
+    if name == "current_session":
+        from nbdist.driver.live_sessions import current_session
+
+        return current_session
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
 
 
@@ -65,13 +80,13 @@ def _jupyter_labextension_paths() -> list[dict]:
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext nbdist``: register the magics."""
-    from .magics import register
+    from nbdist.magics import register
 
     register(ipython)
 
 
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext nbdist``: stop this kernel's cluster (the magics stay until restart)."""
-    from .session import _stop_live_sessions
+    from nbdist.driver.live_sessions import stop_all
 
-    _stop_live_sessions()
+    stop_all()

@@ -165,7 +165,7 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
     # Points logged up to here leave the rank now, not at the next timed flush: if
     # the rank dies after this checkpoint, training resumes from it and re-logs
     # only later steps, so earlier points still buffered would be a hole in the run.
-    from .metrics.log import flush
+    from nbdist.metrics.log import flush
 
     flush()
     rank, world_size, barrier = _dist()

@@ -1,4 +1,4 @@
-"""Exceptions raised by nbdist.
+"""Both sides: the exceptions nbdist raises, and the wording of rank sets they share.
 
 :class:`RankError` reports what failed on the ranks: every rank's failure,
 with identical failures (same error, same traceback up to rank-specific noise)
@@ -8,10 +8,8 @@ shown once for the group of ranks that hit them.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-
-from .output import format_ranks
 
 __all__ = [
     "ClusterNotRunning",
@@ -20,6 +18,7 @@ __all__ = [
     "RankError",
     "RanksInterrupted",
     "RankFailure",
+    "format_ranks",
 ]
 
 # Beyond this many distinct failures, further groups get one line each: a
@@ -44,6 +43,26 @@ _RANK_NOISE = (
 )
 
 
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Describe a set of ranks compactly: ``[0, 2, 3, 5]`` -> ``"ranks 0,2-3,5"``.
+
+    Ranks are sorted and deduplicated; a single rank reads ``"rank 2"``.
+    """
+    unique = sorted(set(ranks))
+    if not unique:
+        raise ValueError("format_ranks needs at least one rank")
+    runs: list[tuple[int, int]] = []
+    start = prev = unique[0]
+    for rank in unique[1:]:
+        if rank != prev + 1:
+            runs.append((start, prev))
+            start = rank
+        prev = rank
+    runs.append((start, prev))
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(unique) == 1 else f"ranks {text}"
+
+
 class NbdistError(Exception):
     """Base class of nbdist's exceptions."""
 
@@ -56,6 +75,7 @@ class ClusterNotRunning(NbdistError):
     )
 
     def __init__(self, message: str | None = None) -> None:
+        """The error with ``message``, or the default that says how to start a cluster."""
         super().__init__(message or self.default_message)
 
 
@@ -103,6 +123,7 @@ class RankError(NbdistError):
         world_ranks: Sequence[int] | None = None,
         note: str = "",
     ) -> None:
+        """The ranks' ``failures``; ``world_ranks``: every rank that ran; ``note``: a line more."""
         ordered = tuple(sorted(failures, key=lambda failure: failure.rank))
         if not ordered:
             raise ValueError("RankError needs at least one RankFailure")
@@ -136,6 +157,7 @@ class RankError(NbdistError):
         return list(groups.values())
 
     def __str__(self) -> str:
+        """One line per group of identical failures, then the note."""
         lines = [f"{format_ranks(ranks)}: {_headline(failure)}" for ranks, failure in self.groups()]
         if self.note:
             lines.append(self.note)
@@ -183,6 +205,7 @@ class RanksInterrupted(KeyboardInterrupt):
         where: str = "",
         note: str = "",
     ):
+        """``stopped``: the ranks' errors once stopped; ``still_running``: ranks that did not stop."""
         super().__init__(stopped, tuple(still_running))
         self.stopped = stopped
         self.still_running = tuple(still_running)
@@ -190,6 +213,7 @@ class RanksInterrupted(KeyboardInterrupt):
         self.note = note  # which ranks were released from a collective, and the group's fate
 
     def __str__(self) -> str:
+        """What happened to the ranks after the interrupt, in one line."""
         if self.still_running:
             return (
                 f"{format_ranks(self.still_running)} did not stop after the interrupt "

@@ -1,4 +1,4 @@
-"""IPython magics: a thin layer over :class:`nbdist.DistSession`.
+"""Kernel side: the IPython magics, a thin layer over :class:`nbdist.DistSession`.
 
 Each magic parses its flags, makes one API call and shows the result; a
 script can do the same with the session object (``nbdist.current_session()``).
@@ -12,28 +12,18 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .errors import PlacementError
-from .launch_options import parse_launch_options
-from .placement import parse_gpu_list
+from nbdist.errors import NbdistError, PlacementError
+from nbdist.launch.options import parse_gpu_list, parse_launch_options
+from nbdist.launch.values import is_digits, parse_count, parse_seconds
 
 __all__ = ["DistMagics", "register"]
 
 
-def _positive_float(text: str) -> float:
+def _seconds(text: str) -> float:
     try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(
-            f"--timeout {text!r} is not a number of seconds, e.g. --timeout 60"
-        ) from None
-    if not value > 0 or value == float("inf"):  # also NaN
-        raise UsageError(f"--timeout {text!r} must be more than 0 seconds (and finite)")
-    return value
-
-
-def _whole(text: str) -> bool:
-    """ASCII digits only: str.isdigit() also accepts '²' and '٣', which int() may refuse."""
-    return text.isascii() and text.isdigit()
+        return parse_seconds(text)
+    except PlacementError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _parse(magic, line: str):
@@ -47,11 +37,20 @@ def _parse(magic, line: str):
         raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
 
 
+# Flags several magics share, declared once (each magic's help lists them).
+_RANKS = argument("--ranks", default=None, help="ranks: 0,2 or 0-3 (default: all)")
+_NOBLOCK = argument("--noblock", action="store_true", help="return at once; .wait() on the result")
+_CELL_TIMEOUT = argument(
+    "--timeout", default=None, help="interrupt the ranks after this many seconds (default: none)"
+)
+
+
 @magics_class
 class DistMagics(Magics):
     """%dist_start, %%on_all_ranks, %%on_rank, %dist_status, %dist_stop, ..."""
 
     def __init__(self, shell):
+        """Magics for ``shell``, with no session yet."""
         super().__init__(shell)
         self.session = None
         self.last_run = None
@@ -111,23 +110,13 @@ class DistMagics(Magics):
                 f"a cluster of {self.session.world_size} ranks is already running: "
                 "%dist_stop or %dist_restart first"
             )
-        n = None
-        if args.n is not None:
-            if not _whole(args.n) or int(args.n) < 1:
-                raise UsageError(f"number of ranks {args.n!r}: give a whole number >= 1, e.g. 4")
-            n = int(args.n)
-        threads = None
-        if args.threads is not None:
-            if not _whole(args.threads) or int(args.threads) < 1:
-                raise UsageError(f"--threads {args.threads!r}: give a whole number >= 1")
-            threads = int(args.threads)
-        from .cluster import check_start_options
-        from .session import DistSession
+        from nbdist.driver.session import DistSession
 
         try:
-            check_start_options(
-                ip=args.ip, launcher=args.launcher, profile=args.profile, attach=args.attach
-            )
+            n = parse_count(args.n, "number of ranks", "4") if args.n is not None else None
+            threads = None
+            if args.threads is not None:
+                threads = parse_count(args.threads, "--threads", "2")
             gpus = parse_gpu_list(args.gpus) if args.gpus is not None else None
             launch_options = parse_launch_options(args.launch_opt)
             for name in ("partition", "time", "account", "hosts"):
@@ -139,7 +128,7 @@ class DistMagics(Magics):
                 cpu=args.cpu,
                 gpus=gpus,
                 threads=threads,
-                timeout=_positive_float(args.timeout),
+                timeout=parse_seconds(args.timeout),
                 launcher=args.launcher,
                 profile=args.profile,
                 attach=args.attach,
@@ -191,14 +180,14 @@ class DistMagics(Magics):
 
             %dist_status
         """
-        from .status import format_status
+        from nbdist.driver.status import format_status
 
         if line.strip():
             raise UsageError(f"%dist_status takes no arguments, got {line.strip()!r}")
         print(format_status(self._running().status()))
 
     @magic_arguments()
-    @argument("--ranks", default=None, help="ranks to ask: 0,2 or 0-3 (default: all)")
+    @_RANKS
     @line_magic
     def dist_where(self, line=""):
         """Where each rank is, without stopping anything: its Python stack and last collective.
@@ -214,7 +203,7 @@ class DistMagics(Magics):
             # rank 1: never entered all_reduce #118 (last: all_reduce #117, returned 42.1 s ago)
             #   File "/tmp/ipykernel_124/456.py", line 7, in <module>: time.sleep(60)
         """
-        from .where import format_where
+        from nbdist.driver.where import format_where
 
         args = _parse(self.dist_where, line)
         session = self._running()
@@ -243,13 +232,14 @@ class DistMagics(Magics):
             %dist_dashboard
             %dist_dashboard 12
         """
-        from .metrics.store import load_run, runs
+        from nbdist.dashboard import show_run
+        from nbdist.metrics.store import load_run, runs
 
         args = _parse(self.dist_dashboard, line)
-        hub = getattr(self.session, "_metrics", None)
+        session = self.session if self.session is not None and self.session.running else None
         if args.run is None:
-            if hub is not None:
-                hub.show_dashboard(auto=False)
+            if session is not None:
+                session.dashboard()
                 return
             history = runs()
             if not history:
@@ -258,26 +248,24 @@ class DistMagics(Magics):
                 )
             run = history[-1].load()
         else:
-            if not _whole(args.run):
+            if not is_digits(args.run):
                 raise UsageError(
                     f"run {args.run!r}: give a run id, e.g. %dist_dashboard 3 (see nbdist.runs())"
                 )
-            if hub is not None and hub.run.id == int(args.run):
-                hub.show_dashboard(auto=False)
+            if session is not None and session.metrics.id == int(args.run):
+                session.dashboard()
                 return
             try:
                 run = load_run(int(args.run))
             except KeyError as exc:
                 raise UsageError(str(exc.args[0])) from None
-        from .dashboard import show
-
-        show(run)
+        show_run(run)
 
     # -- running code -----------------------------------------------------
     @magic_arguments()
-    @argument("--ranks", default=None, help="ranks to run on: 0,2 or 0-3 (default: all)")
-    @argument("--noblock", action="store_true", help="return at once; .wait() on the result")
-    @argument("--timeout", default=None, help="interrupt the ranks after this many seconds")
+    @_RANKS
+    @_NOBLOCK
+    @_CELL_TIMEOUT
     @argument("--no-export", action="store_true", help="leave this cell out of %%dist_export")
     @cell_magic
     def on_all_ranks(self, line, cell):
@@ -321,8 +309,6 @@ class DistMagics(Magics):
             %dist_export train.py
             !torchrun --nproc_per_node 2 train.py
         """
-        from .errors import NbdistError
-
         args = _parse(self.dist_export, line)
         if self.session is None:
             raise UsageError("nothing to export: %dist_start, then run %%on_all_ranks cells")
@@ -335,15 +321,15 @@ class DistMagics(Magics):
                 f"%dist_export {args.path!r}: cannot write it ({exc.strerror}): "
                 "choose a path in a directory you can write"
             ) from None
-        from .export import exportable_cells
+        from nbdist.driver.export import exportable_cells
 
         count = len(exportable_cells(self.session.cells))
         print(f"nbdist: wrote {path} ({count} cells); run it with torchrun --nproc_per_node N")
 
     @magic_arguments()
     @argument("rank", help="the rank to run on")
-    @argument("--noblock", action="store_true", help="return at once; .wait() on the result")
-    @argument("--timeout", default=None, help="interrupt the rank after this many seconds")
+    @_NOBLOCK
+    @_CELL_TIMEOUT
     @cell_magic
     def on_rank(self, line, cell):
         """Run the cell on one rank. Example::
@@ -352,15 +338,15 @@ class DistMagics(Magics):
         print(model)
         """
         args = _parse(self.on_rank, line)
-        if not _whole(args.rank):
+        if not is_digits(args.rank):
             raise UsageError(f"rank {args.rank!r}: give one rank number, e.g. %%on_rank 0")
         return self._run_cell(cell, args.rank, args.noblock, args.timeout)
 
     def _run_cell(self, cell, ranks, noblock, timeout):
         session = self._running()
-        timeout_s = _positive_float(timeout) if timeout is not None else None
+        timeout_s = _seconds(timeout) if timeout is not None else None
         try:
-            selected = session._select(ranks)
+            selected = session.select(ranks)
         except PlacementError as exc:
             raise UsageError(str(exc)) from None
         ranks = [r.rank for r in selected]
@@ -406,7 +392,7 @@ class DistMagics(Magics):
         session = self._running()
         rank = None
         if args.rank is not None:
-            if not _whole(args.rank):
+            if not is_digits(args.rank):
                 raise UsageError(f"--rank {args.rank!r}: give a rank number, e.g. --rank 0")
             rank = int(args.rank)
             if rank >= session.world_size:
@@ -417,6 +403,7 @@ class DistMagics(Magics):
 
 
 def register(ipython) -> DistMagics:
+    """Register nbdist's magics on ``ipython`` (what ``%load_ext nbdist`` does); returns them."""
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
     return magics

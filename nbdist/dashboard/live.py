@@ -23,10 +23,11 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from .model import DEFAULT_BUDGET, DashboardModel
-from .text import summary_text
+from nbdist.dashboard.model import DEFAULT_BUDGET, DashboardModel
+from nbdist.dashboard.text import summary_text
+from nbdist.rank_states import BUSY
 
-__all__ = ["LiveDashboard", "close_all", "show"]
+__all__ = ["LiveDashboard", "cell_watcher", "close_all", "show_run"]
 
 _log = logging.getLogger("nbdist.dashboard")
 _LIVE: set[LiveDashboard] = set()
@@ -117,7 +118,7 @@ class LiveDashboard(DashboardModel):
     def _loop(self) -> None:
         failures = 0
         while not self._stop.is_set():
-            self._wake.wait(1.0)  # a new point, or the tick that turns "running" into "idle"
+            self._wake.wait(1.0)  # a new point, or the tick that turns "busy" into "idle"
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -130,7 +131,7 @@ class LiveDashboard(DashboardModel):
                     _log.exception("nbdist dashboard: refresh failed (further failures not logged)")
             self.last_cost = time.thread_time() - cpu
             over = self.run.ended is not None and self.run.version == self._version
-            if over and all(row.state != "running" for row in self.rows):
+            if over and all(row.state != BUSY for row in self.rows):
                 return  # the run is over and shown in full, its ranks shown idle or dead
             # At most max_hz, and at most ~20 % of a core however big the run is.
             pause = max(self.interval, 4 * self.last_cost) - (time.monotonic() - began)
@@ -246,28 +247,52 @@ def close_all() -> None:
         dash.close()
 
 
-def show(
+class _RunViews:
+    """The dashboards shown for one run: the automatic one that refreshes, and the user's."""
+
+    def __init__(self) -> None:
+        self.auto: LiveDashboard | None = None  # shown because a cell logged
+        self.pinned: LiveDashboard | None = None  # the latest one %dist_dashboard showed
+
+
+_VIEWS: dict[int, _RunViews] = {}  # id(run) -> its views, while the run object lives
+
+
+def show_run(
     run,
     *,
-    session=None,
     states: Callable[[], Mapping[int, str]] | None = None,
+    auto: bool = False,
     budget: int = DEFAULT_BUDGET,
     max_hz: float = 5.0,
 ) -> LiveDashboard | None:
     """Show ``run``'s dashboard: the live widget in a Jupyter kernel, else print the text summary.
 
-    ``session`` (a :class:`~nbdist.DistSession`) supplies the rank states
-    (``"dead"``) unless ``states`` is given; they are read now and after every
-    cell. Returns the :class:`LiveDashboard` (``.close()`` stops it), or None
-    where the text summary was printed.
+    The one way every view is shown: ``%dist_dashboard`` (a session's run or a
+    past run from the history), and the dashboard that appears under a cell
+    whose ranks log (``auto=True``). ``states``: a callable giving each rank's
+    state (:mod:`nbdist.rank_states`; a session's ``rank_states``), read now and
+    after every cell. An automatic dashboard replaces the previous automatic one
+    as the one that refreshes (the old view stays, frozen); none is added while
+    one the user asked for is still live: they chose where to look. Returns the
+    :class:`LiveDashboard` (``.close()`` stops it), or None where nothing live
+    was shown.
 
     Example::
 
-        dash = nbdist.dashboard.show(session.metrics, session=session)
+        s = nbdist.current_session()
+        nbdist.dashboard.show_run(s.metrics, states=s.rank_states)
+        nbdist.dashboard.show_run(nbdist.runs()[-1].load())     # a past run
     """
-    if states is None and session is not None:
-        states = _session_states(session)
     shell = _kernel_shell()
+    views = _VIEWS.setdefault(id(run), _RunViews())
+    if auto:
+        if shell is None:
+            return None  # scripts, terminal IPython: %dist_dashboard prints a summary
+        if views.pinned is not None and views.pinned.is_live():
+            return None
+        if views.auto is not None:
+            views.auto.freeze()
     if shell is None:
         print(summary_text(run, states))
         return None
@@ -282,14 +307,34 @@ def show(
     dash = LiveDashboard(run, states=states, budget=budget, max_hz=max_hz)
     dash.display_handle = display(dash.start(), display_id=True)
     dash.watch_cells(shell)
+    if auto:
+        views.auto = dash
+    else:
+        views.pinned = dash
     return dash
 
 
-def _session_states(session) -> Callable[[], dict[int, str]]:
-    def states() -> dict[int, str]:
-        return {row["rank"]: row["state"] for row in session.status()}
+def cell_watcher(run, states: Callable[[], Mapping[int, str]] | None = None) -> Callable[[], None]:
+    """A callable for a cell's waiting loop: shows the automatic dashboard once this cell logs.
 
-    return states
+    In a Jupyter kernel the live dashboard appears under the cell whose ranks log
+    (the first points of the cell trigger it), through :func:`show_run`.
+    """
+    version = run.version
+
+    def watch() -> None:
+        nonlocal version
+        if version is None or run.version == version:
+            return
+        version = None  # once per cell
+        try:
+            show_run(run, states=states, auto=True)
+        except Exception as exc:  # a dashboard problem must not fail the training cell
+            import warnings
+
+            warnings.warn(f"nbdist: could not show the dashboard ({exc})", stacklevel=2)
+
+    return watch
 
 
 def _kernel_shell():

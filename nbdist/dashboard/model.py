@@ -18,8 +18,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from .decimate import minmax_indices
-from .table import (
+from nbdist.dashboard.decimate import minmax_indices
+from nbdist.dashboard.table import (
     HISTORY,
     IDLE_AFTER_S,
     RECENT,
@@ -29,6 +29,7 @@ from .table import (
     plotted_keys,
     throughput_key,
 )
+from nbdist.rank_states import DEAD
 
 __all__ = ["DEFAULT_BUDGET", "DashboardModel", "read_tail"]
 
@@ -299,7 +300,7 @@ class DashboardModel:
             # points, so a jump of the newest time is such a pause even if no poll saw it.
             self._resumed_at = newest
         self._newest = newest
-        dead = {r for r, s in self._states.items() if s == "dead"}
+        dead = {r for r, s in self._states.items() if s == DEAD}
         running = [
             last
             for r, last in seen.items()

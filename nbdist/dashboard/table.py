@@ -2,9 +2,9 @@
 
 Shared by the live widget and the text summary; pure Python, no widgets.
 
-States: ``dead`` when the ``states`` callable says so (the session knows which
-engines died), else ``running`` when the rank logged a point in the last
-``IDLE_AFTER_S`` seconds, else ``idle``.
+States are :mod:`nbdist.rank_states`'s: ``dead`` when the ``states`` callable
+says so (the session knows which engines died), else ``busy`` when the rank
+logged a point in the last ``IDLE_AFTER_S`` seconds, else ``idle``.
 
 A rank is a straggler when its recent median step time is more than
 ``ratio`` (1.3) times the median of the other ranks' recent medians, or when it
@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..metrics.run import DERIVED_KEYS
+from nbdist.metrics.run import DERIVED_KEYS
+from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = [
     "IDLE_AFTER_S",
@@ -51,7 +52,7 @@ class RankRow:
     step_time: float | None = None  # recent median, seconds
     memory_mib: float | None = None
     seen: float | None = None  # time.time() of the latest point
-    state: str = "idle"
+    state: str = IDLE
     straggler: str = ""  # why it is flagged, "" when it is not
     host: str = ""  # shown next to the rank when the ranks span several hosts
 
@@ -179,9 +180,9 @@ def build_rows(
             row.memory_mib = last.get("memory_mib")
             recent = recent_step_times.get(rank)
             row.step_time = statistics.median(recent) if recent else last.get("step_time")
-            row.state = "running" if now - row.seen < IDLE_AFTER_S else "idle"
-        if states.get(rank) == "dead":
-            row.state = "dead"
+            row.state = BUSY if now - row.seen < IDLE_AFTER_S else IDLE
+        if states.get(rank) == DEAD:
+            row.state = DEAD
         elif rank in flagged:
             row.straggler = flagged[rank]
         rows.append(row)

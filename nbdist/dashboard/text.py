@@ -5,7 +5,7 @@ Example::
     >>> print(summary_text(run))                                        # doctest: +SKIP
     run 3 · 4 ranks · gloo · 4,000 points
     rank  step    loss  samples/s  step time   memory  last seen  state
-       0   999  0.1031      6,400   100.0 ms  512 MiB  0.3 s ago  running
+       0   999  0.1031      6,400   100.0 ms  512 MiB  0.3 s ago  busy
        ...
     series          last      mean       min       max
     loss          0.1024    0.3421   0.09876     2.301
@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from .table import fmt_value, headers, rank_rows
+from nbdist.dashboard.table import fmt_value, headers, rank_rows
 
 __all__ = ["summary_text"]
 

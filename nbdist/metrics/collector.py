@@ -18,9 +18,9 @@ import math
 import threading
 import time
 
-from .run import Run
-from .store import RunStore
-from .wire import decode
+from nbdist.metrics.run import Run
+from nbdist.metrics.store import RunStore
+from nbdist.metrics.wire import decode
 
 __all__ = ["Collector"]
 

@@ -1,12 +1,12 @@
-"""A session's metrics: its run, the collector feeding it, and the history it is written to."""
+"""Kernel side: a session's metrics, its run, the collector feeding it, and the history it is written to."""
 
 from __future__ import annotations
 
 import warnings
 
-from .collector import Collector
-from .run import Run
-from .store import RunStore
+from nbdist.metrics.collector import Collector
+from nbdist.metrics.run import Run
+from nbdist.metrics.store import RunStore
 
 __all__ = ["MetricsHub"]
 
@@ -20,9 +20,6 @@ class MetricsHub:
         self.collector = collector
         self.store = store
         self.closed = False
-        self.live = None  # the automatic dashboard that refreshes, if any
-        self.pinned = None  # the latest one shown by %dist_dashboard
-        self.states = None  # () -> {rank: state}, set by the session
 
     @classmethod
     def open(
@@ -49,7 +46,7 @@ class MetricsHub:
         """After a cell: wait until every rank's points of that cell have arrived.
 
         ``points_sent``: {rank: running count of points it had sent at the end of
-        the cell}, from the execute replies (``nbdist._cells``).
+        the cell}, from the execute replies (``nbdist.driver.cells``).
         """
         totals = {rank: total for rank, total in points_sent.items() if total}
         if not totals:  # 0 or None: these ranks never logged, nothing to wait for
@@ -57,51 +54,6 @@ class MetricsHub:
         arrived = self.collector.wait_for_points(totals, timeout=_SETTLE_TIMEOUT_S)
         self.collector.commit()  # the cell's points are in the history when it returns
         return arrived
-
-    def cell_watcher(self):
-        """A callable for the cell's waiting loop: shows the dashboard once this cell logs.
-
-        In a Jupyter kernel the live dashboard appears under the cell whose
-        ranks log (the first points of the cell trigger it). The dashboard of an
-        earlier cell stops updating (it keeps its last view), so one live
-        dashboard refreshes at a time.
-        """
-        version = self.run.version
-
-        def watch() -> None:
-            nonlocal version
-            if version is None or self.run.version == version:
-                return
-            version = None  # once per cell
-            try:
-                self.show_dashboard()
-            except Exception as exc:  # a dashboard problem must not fail the training cell
-                warnings.warn(f"nbdist: could not show the dashboard ({exc})", stacklevel=2)
-
-        return watch
-
-    def show_dashboard(self, *, auto: bool = True):
-        """Display the run's live dashboard here (``auto``: because the cell logs).
-
-        An automatic dashboard replaces the previous automatic one as the one
-        that refreshes (the old view stays, frozen). None is added while one the
-        user asked for (``%dist_dashboard``) is still live: they chose where to look.
-        """
-        from ..dashboard.live import _kernel_shell, show
-
-        if auto:
-            if _kernel_shell() is None:
-                return None  # scripts, terminal IPython: %dist_dashboard prints a summary
-            if self.pinned is not None and self.pinned.is_live():
-                return None
-            if self.live is not None:
-                self.live.freeze()
-        dash = show(self.run, states=self.states)
-        if auto:
-            self.live = dash
-        else:
-            self.pinned = dash
-        return dash
 
     def close(self) -> None:
         if self.closed:

@@ -12,7 +12,7 @@ loop.
 
 Without a kernel listening (a plain script, or before ``%dist_start``),
 ``log`` keeps nothing and costs a dictionary build. A script exported by
-``%dist_export`` calls :func:`nbdist.standalone.init`, which makes rank 0
+``%dist_export`` calls :func:`nbdist.engine.standalone.init`, which makes rank 0
 the collector: points then go to the run history as in the notebook.
 """
 
@@ -77,7 +77,7 @@ class _Channel:
     def flush(self, marker: dict | None = None) -> None:
         import zmq
 
-        from .wire import encode
+        from nbdist.metrics.wire import encode
 
         with self.lock:
             batch, self.pending = self.pending, []

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .run import Run
+from nbdist.metrics.run import Run
 
 __all__ = ["RunRecord", "RunStore", "history_path", "load_run", "runs"]
 

@@ -42,8 +42,8 @@ def plotly_js_dir() -> str | None:
 def _load_jupyter_server_extension(serverapp) -> None:
     from jupyter_server.utils import url_path_join
 
-    from .handlers import handlers
-    from .live import LiveView
+    from nbdist.server.handlers import handlers
+    from nbdist.server.live import LiveView
 
     web_app = serverapp.web_app
     # One view per server: it remembers how far it read each run's history.

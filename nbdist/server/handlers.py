@@ -33,8 +33,8 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
-from ..metrics import store
-from .live import LiveView
+from nbdist.metrics import store
+from nbdist.server.live import LiveView
 
 __all__ = ["ACTIONS", "API_PREFIX", "ROUTES", "handlers"]
 
@@ -120,7 +120,9 @@ class ClusterActionHandler(_Base):
         # The kernel owns the session (its engines, metrics, history run): it restarts or
         # stops it itself, after the cell it may be running. Nothing is killed from here.
         kernel = self._kernel(entry, action)
-        code = f"__import__('nbdist.registry').registry.act({entry['id']!r}, {action!r})"
+        code = (
+            f"__import__('nbdist.driver.registry').driver.registry.act({entry['id']!r}, {action!r})"
+        )
         from jupyter_client.session import Session
 
         # A session of its own: a client sharing the kernel manager's session would connect
@@ -188,7 +190,7 @@ class RunHandler(_Base):
     @web.authenticated
     @authorized
     def get(self, run_id: str) -> None:
-        from ..dashboard.decimate import decimate
+        from nbdist.dashboard.decimate import decimate
 
         for path in _history_paths(self.view):
             try:

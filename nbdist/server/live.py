@@ -2,7 +2,7 @@
 
 Everything is read without disturbing the ranks or the kernel:
 
-- the clusters and their PIDs from the registry (:mod:`nbdist.registry`);
+- the clusters and their PIDs from the registry (:mod:`nbdist.driver.registry`);
 - step, loss, samples/s, memory and the recent points of each rank from the
   run history (SQLite in WAL mode, opened read-only), incrementally: each poll
   reads only the batches stored since the previous one (by ``rowid``), so a
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from .. import registry
+from nbdist.driver import registry
+from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = ["CHART_POINTS", "LiveView", "RankLive", "RunReader"]
 
@@ -212,11 +213,11 @@ class LiveView:
             last_seen = live.time if live else None
             recent = last_seen is not None and now - last_seen < _BUSY_RECENT_S
             if local and proc is None:
-                state = "dead"
+                state = DEAD
             elif (local and self._busy_by_cpu(info["pid"])) or recent:
-                state = "busy"
+                state = BUSY
             else:
-                state = "idle"
+                state = IDLE
             memory = live.last.get("memory_mib") if live else None
             if memory is None and proc is not None:
                 try:
@@ -270,7 +271,7 @@ class LiveView:
                     "ranks": ranks,
                     "step": max(steps) if steps else None,
                     "samples_per_s": sum(rates) if rates else None,
-                    "dead": [r["rank"] for r in ranks if r["state"] == "dead"],
+                    "dead": [r["rank"] for r in ranks if r["state"] == DEAD],
                 }
             )
         return out

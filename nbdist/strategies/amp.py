@@ -39,7 +39,7 @@ _NAMES = {
 
 def _device(device) -> torch.device:
     if device is None:
-        from nbdist.rank import device as rank_device
+        from nbdist.engine.helpers import device as rank_device
 
         return rank_device()
     return torch.device(device)

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..metrics.log import log as _log_metric
-from .measure import CommBytes, peak_bytes, resident_bytes
+from nbdist.metrics.log import log as _log_metric
+from nbdist.strategies.measure import CommBytes, peak_bytes, resident_bytes
 
 __all__ = ["STRATEGIES", "chart", "compare", "table"]
 
@@ -217,7 +217,7 @@ def compare(
         raise ValueError(f"strategies={tuple(strategies)!r}: choose from {STRATEGIES}")
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps ({steps}) must be >= 1 and warmup ({warmup}) >= 0")
-    from ..rank import device as rank_device
+    from nbdist.engine.helpers import device as rank_device
 
     device = torch.device(device) if device is not None else rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -51,7 +51,7 @@ def compile_ddp(
     """
     compiled = torch.compile(model, **compile_kwargs)
     if example is not None:
-        from ..rank import rank_zero_first
+        from nbdist.engine.helpers import rank_zero_first
 
         # No collective may run inside: rank 0 is alone in this block.
         with rank_zero_first():

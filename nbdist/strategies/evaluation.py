@@ -113,7 +113,7 @@ def all_reduce_sums(*, device=None, group=None, **sums) -> dict[str, float]:
         if tensors:
             device = tensors[0].device
         else:
-            from nbdist.rank import device as rank_device
+            from nbdist.engine.helpers import device as rank_device
 
             device = rank_device()
     for name, value in sums.items():

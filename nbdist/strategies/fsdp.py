@@ -72,8 +72,8 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from ..rank import device
-    from .tensor_parallel import device_mesh
+    from nbdist.engine.helpers import device
+    from nbdist.strategies.tensor_parallel import device_mesh
 
     if offload and device().type == "cpu":
         # torch says only "Cannot access accelerator device when none is available".

@@ -99,7 +99,7 @@ def pipeline_schedule(
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from ..rank import device as rank_device
+    from nbdist.engine.helpers import device as rank_device
 
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..rank import rank, rank_zero_first
+from nbdist.engine.helpers import rank, rank_zero_first
 
 __all__ = ["prepare_once", "rank_zero_only"]
 

@@ -198,7 +198,7 @@ def _target_device(module: nn.Module, device) -> torch.device:
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.device.type == "cuda":
             return tensor.device
-    from nbdist.rank import device as rank_device
+    from nbdist.engine.helpers import device as rank_device
 
     return rank_device()
 

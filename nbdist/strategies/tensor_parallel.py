@@ -33,7 +33,7 @@ def device_mesh(shape: tuple[int, ...] | int | None = None, names: tuple[str, ..
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..rank import device
+    from nbdist.engine.helpers import device
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

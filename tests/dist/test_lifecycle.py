@@ -15,12 +15,12 @@ import psutil
 import pytest
 
 import nbdist
-from nbdist.output import ListSink
+from nbdist.driver.sinks import ListSink
 from tests.conftest import wait_gone
 
 
 def _all_pids(session) -> set[int]:
-    return set(session._handle.pids) | {r.pid for r in session.ranks}
+    return set(session.cluster.pids) | {r.pid for r in session.ranks}
 
 
 def test_four_ranks_start_reduce_and_stop_without_leftovers():
@@ -46,7 +46,7 @@ def test_four_ranks_start_reduce_and_stop_without_leftovers():
         assert listening, "expected the controller and rank 0's store to listen"
         beyond_loopback = [c for c in listening if not c.laddr.ip.startswith("127.")]
         assert beyond_loopback == [], f"sockets listening beyond loopback: {beyond_loopback}"
-        security = os.path.join(s._handle.profile_dir, "security")
+        security = os.path.join(s.cluster.profile_dir, "security")
         for name in os.listdir(security):
             mode = stat.S_IMODE(os.stat(os.path.join(security, name)).st_mode)
             assert mode == 0o600, f"{name} has mode {oct(mode)}"
@@ -66,7 +66,7 @@ def test_a_killed_driver_leaves_no_process(tmp_path):
             import json, sys, time
             import nbdist
             s = nbdist.DistSession(2, timeout=120).start()
-            pids = sorted(set(s._handle.pids) | {r.pid for r in s.ranks})
+            pids = sorted(set(s.cluster.pids) | {r.pid for r in s.ranks})
             print(json.dumps(pids), flush=True)
             time.sleep(600)
             """
@@ -145,7 +145,7 @@ def test_several_threads_per_rank_still_fork():
     s = nbdist.DistSession(2, threads=2, timeout=120, history=False).start()
     try:
         assert "spawned" not in s.summary()
-        assert s._handle.start_method == "fork"
+        assert s.cluster.start_method == "fork"
         s.run("import os; info = (torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
         assert s.pull("info") == [(2, "2"), (2, "2")]
     finally:

@@ -9,7 +9,7 @@ import pytest
 
 import nbdist
 from nbdist.metrics import wire
-from nbdist.output import ListSink
+from nbdist.driver.sinks import ListSink
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_history_has_the_points_after_the_run(session):
 def test_forged_metrics_are_rejected(session):
     import zmq
 
-    collector = session._metrics.collector
+    collector = session.metrics_hub.collector
     assert collector.url.startswith("tcp://127.0.0.1:")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)

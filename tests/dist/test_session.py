@@ -11,7 +11,7 @@ import torch
 
 import nbdist
 from nbdist.errors import NbdistError, RankError
-from nbdist.output import ListSink
+from nbdist.driver.sinks import ListSink
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from torch import nn
 
 import nbdist
 from nbdist.errors import RankError
-from nbdist.output import ListSink
+from nbdist.driver.sinks import ListSink
 from nbdist.strategies.checkpointing import Checkpointed, apply_ac, saved_activation_bytes
 from nbdist.strategies.pipeline import bubble_fraction, render_timeline, split_sequential
 

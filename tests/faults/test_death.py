@@ -6,9 +6,9 @@ import pytest
 
 import nbdist
 from nbdist.dashboard.table import rank_rows
+from nbdist.driver.sinks import ListSink
+from nbdist.driver.status import format_status
 from nbdist.errors import NbdistError, RankError
-from nbdist.output import ListSink
-from nbdist.status import format_status
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_a_killed_rank_fails_the_cell_releases_the_other_and_restart_brings_it_b
     assert [row["state"] for row in rows] == ["idle", "dead"]
     assert "rank 1 died: pid" in format_status(rows)
     # The dashboard's table reads the same states.
-    assert [row.state for row in rank_rows(session.metrics, session._rank_states)][1] == "dead"
+    assert [row.state for row in rank_rows(session.metrics, session.rank_states)][1] == "dead"
     # The survivor is idle, not blocked; the next cell says what to do.
     with pytest.raises(NbdistError, match=r"rank 1 died: .*%dist_restart"):
         session.run("print(rank)", sink=ListSink())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import nbdist
+from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
-from nbdist.output import ListSink
 
 
 def test_one_of_four_fails_and_all_three_others_are_released():

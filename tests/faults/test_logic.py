@@ -6,10 +6,10 @@ import signal
 
 import pytest
 
-from nbdist import collectives
-from nbdist.faults import death_cause
-from nbdist.status import format_status
-from nbdist.where import RankWhere, diagnose, format_where
+from nbdist.driver.faults import death_cause
+from nbdist.driver.status import format_status
+from nbdist.driver.where import RankWhere, diagnose, format_where
+from nbdist.engine import collectives
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_collective_records_inside_returned_and_raised():
             tracked(fail=True)
         after = collectives.last()
         assert (after["seq"], after["inside"], after["raised"]) == (2, False, True)
-        assert tracked._nbdist_original is op
+        assert tracked.nbdist_original is op
     finally:
         collectives.reset()
 
@@ -105,7 +105,7 @@ def test_status_says_how_a_dead_rank_died():
 
 def test_oom_counter_reads_cgroup_v2_and_v1_files(tmp_path):
     """The counter files as cgroup v2 (memory.events) and v1 (memory.oom_control) write them."""
-    from nbdist._oom import OomCounter
+    from nbdist.driver.oom import OomCounter
 
     v2 = tmp_path / "v2"
     v2.mkdir()

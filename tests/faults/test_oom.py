@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from nbdist._oom import _candidates
+from nbdist.driver.oom import _candidates
 
 _DRIVER = textwrap.dedent(
     """
@@ -27,7 +27,7 @@ _DRIVER = textwrap.dedent(
         f.write(str(os.getpid()))  # the ranks, controller and zygote start in it too
     import nbdist
     from nbdist.errors import RankError
-    from nbdist.status import format_status
+    from nbdist.driver.status import format_status
 
     with nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=60, history=False) as s:
         v2 = os.path.exists(os.path.join(cgroup, "memory.max"))

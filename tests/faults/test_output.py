@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import nbdist
-from nbdist.output import ListSink
+from nbdist.driver.sinks import ListSink
 
 TEN_MB = (
     "import sys\n"

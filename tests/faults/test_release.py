@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import nbdist
+from nbdist.driver.runner import CellTimeout
+from nbdist.driver.sinks import ListSink
+from nbdist.driver.where import diagnose
 from nbdist.errors import RankError, RanksInterrupted
-from nbdist.output import ListSink
-from nbdist.runner import CellTimeout
-from nbdist.where import diagnose
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_ranks_stopped_at_different_collectives_get_a_fresh_group(session, tmp_p
             sink=ListSink(),
         )
     interrupter.join()
-    session.run("from nbdist import collectives\nlast = collectives.last()", sink=ListSink())
+    session.run("from nbdist.engine import collectives\nlast = collectives.last()", sink=ListSink())
     assert session.pull("last") == [None, None]  # counting restarted with a new group
     _reduce_works(session)
 

@@ -6,8 +6,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
+from nbdist.driver.runner import CellTimeout
 from nbdist.errors import RankError
-from nbdist.runner import CellTimeout
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.export import export_script
+from nbdist.driver.export import export_script
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 

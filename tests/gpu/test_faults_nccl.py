@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import nbdist
+from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
-from nbdist.output import ListSink
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import nbdist
-from nbdist.output import ListSink
+from nbdist.driver.sinks import ListSink
 from nbdist.strategies import amp, syncbn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")

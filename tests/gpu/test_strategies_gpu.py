@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.output import ListSink
+from nbdist.driver.sinks import ListSink
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 

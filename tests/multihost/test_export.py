@@ -123,7 +123,7 @@ def test_exported_cells_train_the_same_model_under_torchrun(shell, tmp_path):
 
 def test_an_exported_script_runs_as_one_plain_python_process(tmp_path):
     """Without torchrun: a group of one, nothing listening beyond loopback, metrics still kept."""
-    from nbdist.export import export_script
+    from nbdist.driver.export import export_script
 
     script = export_script(
         ["t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.export import export_script
+from nbdist.driver.export import export_script
 from tests.multihost.netns import Hosts, namespaces_unavailable
 
 _WHY_NOT = namespaces_unavailable()

@@ -7,7 +7,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import nbdist
-from nbdist.netif import local_interfaces
+from nbdist.engine.netif import local_interfaces
 
 
 def _this_machines_address() -> str | None:

@@ -112,8 +112,8 @@ for step in range(5):
 weights = model.module.weight.detach().clone()
 env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                        "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-import nbdist.netif
-iface_addresses = nbdist.netif.local_interfaces()[env["GLOO_SOCKET_IFNAME"]]
+import nbdist.engine.netif
+iface_addresses = nbdist.engine.netif.local_interfaces()[env["GLOO_SOCKET_IFNAME"]]
 """
 
 
@@ -153,15 +153,15 @@ def test_four_ranks_over_two_namespaces_train_ddp_and_log(two_hosts):
             assert w.equal(weights[0])
 
         # Metrics crossed the bridge: the collector listens on the bridge address only.
-        assert session._metrics.url.startswith(f"tcp://{hosts.bridge_address}:")
+        assert session.metrics_hub.url.startswith(f"tcp://{hosts.bridge_address}:")
         # CurveZMQ encrypts the cluster's traffic and drops its HMAC key: metrics are
         # then signed with a random key, so a message signed with the empty key is refused.
         assert session.client.session.key == b""
-        send_forged_metrics(session._metrics.url)
+        send_forged_metrics(session.metrics_hub.url)
         deadline = time.monotonic() + 10
-        while session._metrics.collector.rejected == 0 and time.monotonic() < deadline:
+        while session.metrics_hub.collector.rejected == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert session._metrics.collector.rejected == 1
+        assert session.metrics_hub.collector.rejected == 1
         frame = session.metrics.to_pandas()
         assert sorted(frame["rank"].unique()) == [0, 1, 2, 3]
         assert frame.groupby("rank")["step"].max().tolist() == [4, 4, 4, 4]

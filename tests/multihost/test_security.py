@@ -18,24 +18,24 @@ def test_curve_cluster_keeps_metrics_signed_and_everything_on_loopback(monkeypat
     try:
         # ipyparallel drops its HMAC key under CurveZMQ; metrics must not go unsigned.
         assert s.client.session.key == b""
-        assert len(s._metrics.collector.key) == 32
+        assert len(s.metrics_hub.collector.key) == 32
         s.run("for i in range(3): nbdist.log(step=i, loss=float(i))")
         frame = s.metrics.to_pandas()
         assert sorted(frame["rank"].unique()) == [0, 1]
         assert len(frame) == 6
-        send_forged_metrics(s._metrics.url)
+        send_forged_metrics(s.metrics_hub.url)
         deadline = time.monotonic() + 10
-        while s._metrics.collector.rejected == 0 and time.monotonic() < deadline:
+        while s.metrics_hub.collector.rejected == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert s._metrics.collector.rejected == 1
+        assert s.metrics_hub.collector.rejected == 1
         assert len(s.metrics.to_pandas()) == 6
-        pids = set(s._handle.pids) | {r.pid for r in s.ranks}
+        pids = set(s.cluster.pids) | {r.pid for r in s.ranks}
         listening = [
             c for c in psutil.net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN and c.pid in pids
         ]  # fmt: skip
         assert listening and all(c.laddr.ip.startswith("127.") for c in listening)
-        assert s._metrics.url.startswith("tcp://127.0.0.1:")
+        assert s.metrics_hub.url.startswith("tcp://127.0.0.1:")
     finally:
         killed = s.stop()
     assert killed == []

@@ -143,7 +143,7 @@ class Kernel:
         """Every PID nbdist started for the running session: controller, zygote, engines..."""
         out = self.ok(
             "import nbdist; s = nbdist.current_session(); "
-            "print(sorted(s._handle.pids | {r.pid for r in s.ranks}))"
+            "print(sorted(s.cluster.pids | {r.pid for r in s.ranks}))"
         ).stdout
         return [int(p) for p in out.strip().strip("[]").split(",")]
 

@@ -82,7 +82,7 @@ def test_the_two_clusters_do_not_interfere(notebooks):
     a, b = notebooks
     pids = [set(k.nbdist_pids()) for k in notebooks]
     assert not pids[0] & pids[1]
-    dirs = [_value(k, "nbdist.current_session()._handle.profile_dir") for k in notebooks]
+    dirs = [_value(k, "nbdist.current_session().cluster.profile_dir") for k in notebooks]
     assert dirs[0] != dirs[1]
     # Each group reduces over its own two ranks only.
     for kernel, base in ((a, 1.0), (b, 10.0)):
@@ -133,7 +133,7 @@ def test_nothing_listens_beyond_loopback(notebooks):
 
 def test_connection_files_are_private(notebooks):
     for kernel in notebooks:
-        profile = _value(kernel, "nbdist.current_session()._handle.profile_dir")
+        profile = _value(kernel, "nbdist.current_session().cluster.profile_dir")
         security = os.path.join(profile, "security")
         assert stat.S_IMODE(os.stat(profile).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(security).st_mode) == 0o700

@@ -17,7 +17,8 @@ import psutil
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from nbdist import DistSession, RankError, registry
+from nbdist import DistSession, RankError
+from nbdist.driver import registry
 from nbdist.metrics.store import RunStore
 from tests.conftest import wait_gone
 

@@ -74,11 +74,7 @@ def _dashboard_cell() -> str:
 
     if hasattr(DistMagics, "dist_dashboard"):
         return "%dist_dashboard"
-    return (
-        "import nbdist\n"
-        "import nbdist.dashboard\n"
-        "nbdist.dashboard.show(nbdist.current_session().metrics, session=nbdist.current_session());"
-    )
+    return "import nbdist\nimport nbdist.dashboard\nnbdist.current_session().dashboard();"
 
 
 def _dashboard_notebook(signals: str) -> dict:
@@ -249,7 +245,7 @@ def test_dashboard_grows_live_and_matches_logged(
     )
     assert any("/nbdist/static/plotly.min.js" in s for s in scripts), scripts
 
-    # The per-rank table: a row per rank, turning from "running" to "idle" once the ranks are quiet.
+    # The per-rank table: a row per rank, turning from "busy" to "idle" once the ranks are quiet.
     rows = dashboard.locator(".nbdist-table tbody tr")
     assert rows.count() == RANKS, rows.all_inner_texts()
     idle = poll(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbdist._cells import displays_nothing
+from nbdist.driver.cells import displays_nothing
 
 
 @pytest.mark.parametrize(

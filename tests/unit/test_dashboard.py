@@ -208,7 +208,7 @@ def test_the_mean_waits_for_running_ranks_but_not_for_dead_ones():
     mean = {(p, i): (xs, ys) for p, i, xs, ys in delta["extend"]}[(0, 4)]
     assert mean[0] == [51]
     assert mean[1][0] == pytest.approx(np.mean([_loss(r, 51) for r in range(3)]))
-    assert [row["state"] for row in table["rows"]] == ["running"] * 3 + ["dead"]
+    assert [row["state"] for row in table["rows"]] == ["busy"] * 3 + ["dead"]
 
 
 @pytest.mark.parametrize("polled_while_quiet", [True, False])
@@ -333,7 +333,7 @@ def test_a_rank_with_twice_the_step_time_is_flagged_and_no_other():
     rows = rank_rows(run, now=T0 + 10.5)
     assert [r.straggler for r in rows[:3]] == ["", "", ""]
     assert rows[3].straggler == "2.0× step time"
-    assert [r.state for r in rows] == ["running"] * 4
+    assert [r.state for r in rows] == ["busy"] * 4
     assert rows[3].step == 49 and rows[3].step_time == pytest.approx(0.2)
     live = LiveDashboard(run, clock=lambda: T0 + 10.5)
     live.poll()
@@ -359,12 +359,12 @@ def test_states_running_idle_and_dead():
     run.add(0, [_point(0, T0 + 9.5, 1.0)])
     run.add(1, [_point(0, T0 + 5.0, 1.0)])
     rows = rank_rows(run, lambda: {2: "dead", 0: "busy"}, now=T0 + 10.0)
-    assert [(r.rank, r.state) for r in rows] == [(0, "running"), (1, "idle"), (2, "dead")]
+    assert [(r.rank, r.state) for r in rows] == [(0, "busy"), (1, "idle"), (2, "dead")]
 
     def broken():
         raise RuntimeError("session stopped")
 
-    assert [r.state for r in rank_rows(run, broken, now=T0 + 10.0)] == ["running", "idle", "idle"]
+    assert [r.state for r in rank_rows(run, broken, now=T0 + 10.0)] == ["busy", "idle", "idle"]
     text = summary_text(run, {2: "dead"}, now=T0 + 10.0)
     assert text.splitlines()[4].split()[-1] == "dead"
 
@@ -401,7 +401,7 @@ def test_text_summary_has_a_row_per_rank_and_a_line_per_series():
         "0.5",
         "s",
         "ago",
-        "running",
+        "busy",
     ]
     assert lines[3].split() == ["1", "1", "2", "640", "100.0", "ms", "–", "2.5", "s", "ago", "idle"]
     series = {line.split()[0]: line.split()[1:] for line in lines[5:]}
@@ -422,7 +422,7 @@ def test_show_prints_the_text_summary_outside_a_kernel():
         now = time.time()
         for rank in range(2):
             run.add(rank, [(s, now, {"loss": 1.0 + rank, "step_time": 0.1}) for s in range(5)])
-        result = nbdist.dashboard.show(run)
+        result = nbdist.dashboard.show_run(run)
         print("returned", result)
         assert not {"ipywidgets", "anywidget", "plotly"} & set(sys.modules)
         """

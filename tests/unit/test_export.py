@@ -1,12 +1,12 @@
-"""Unit tests for nbdist.export (cells -> script) and nbdist.standalone's launcher variables."""
+"""Unit tests for nbdist.driver.export (cells -> script) and nbdist.engine.standalone's launcher variables."""
 
 from __future__ import annotations
 
 import pytest
 
+from nbdist.driver.export import export_script, exportable_cells, script_text
+from nbdist.engine.standalone import launcher_environment
 from nbdist.errors import NbdistError
-from nbdist.export import export_script, exportable_cells, script_text
-from nbdist.standalone import launcher_environment
 
 
 @pytest.mark.parametrize(

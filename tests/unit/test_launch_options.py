@@ -1,4 +1,4 @@
-"""Unit tests for nbdist.launch_options: launcher options -> ipyparallel launcher configuration.
+"""Unit tests for nbdist.launch.options: launcher options -> ipyparallel launcher configuration.
 
 No Slurm or remote hosts here: the configuration is handed to ipyparallel's
 real launcher classes, and the batch script / command line they build is checked.
@@ -12,16 +12,18 @@ from ipyparallel.cluster.launcher import (
     SlurmEngineSetLauncher,
     SSHEngineSetLauncher,
 )
+from traitlets.config import Config
 
 from nbdist.errors import PlacementError
-from nbdist.launch_options import parse_hosts, parse_launch_options, plan_launch
+from nbdist.launch.options import parse_launch_options
+from nbdist.launch.schedulers import parse_hosts, plan_launch
 
 IP = "10.1.0.5"
 
 
 def _sbatch(plan, tmp_path) -> str:
     launcher = SlurmEngineSetLauncher(
-        work_dir=str(tmp_path), config=plan.traitlets_config(),
+        work_dir=str(tmp_path), config=Config(plan.config),
         profile_dir=str(tmp_path), cluster_id="c1",
     )  # fmt: skip
     launcher.write_batch_script(plan.n)
@@ -104,9 +106,7 @@ def test_ssh_engines_per_host_reach_the_launcher():
         "ssh", None, ip=IP, hosts="node1:4, alice@node2:2", python="/opt/py/bin/python"
     )
     assert plan.n == 6
-    launcher = SSHEngineSetLauncher(
-        config=plan.traitlets_config(), profile_dir="/tmp", cluster_id="c"
-    )
+    launcher = SSHEngineSetLauncher(config=Config(plan.config), profile_dir="/tmp", cluster_id="c")
     assert launcher.engines == {"node1": 4, "alice@node2": 2}
     assert launcher.remote_python == "/opt/py/bin/python"
 
@@ -120,9 +120,7 @@ def test_ssh_count_must_match_the_hosts():
 
 def test_mpi_hosts_become_mpiexec_arguments():
     plan = plan_launch("mpi", None, ip=IP, hosts="a:2,b:2", mpi_args="--bind-to none")
-    launcher = MPIEngineSetLauncher(
-        config=plan.traitlets_config(), profile_dir="/tmp", cluster_id="c"
-    )
+    launcher = MPIEngineSetLauncher(config=Config(plan.config), profile_dir="/tmp", cluster_id="c")
     launcher.n = plan.n
     args = launcher.find_args()
     assert args[:3] == ["mpiexec", "-n", "4"]

@@ -1,10 +1,10 @@
-"""Unit tests for nbdist.netif: the interface gloo/NCCL use on a rank."""
+"""Unit tests for nbdist.engine.netif: the interface gloo/NCCL use on a rank."""
 
 from __future__ import annotations
 
 import pytest
 
-from nbdist.netif import (
+from nbdist.engine.netif import (
     address_towards,
     choose_socket_ifname,
     interface_for,

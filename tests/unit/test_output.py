@@ -1,4 +1,4 @@
-"""Unit tests for nbdist.output: per-rank output merging and the sinks."""
+"""Unit tests for nbdist.driver.output: per-rank output merging and the sinks."""
 
 from __future__ import annotations
 
@@ -7,14 +7,9 @@ import sys
 
 import pytest
 
-from nbdist.output import (
-    KernelSink,
-    ListSink,
-    OutputMerger,
-    StreamSink,
-    default_sink,
-    format_ranks,
-)
+from nbdist.driver.output import OutputMerger
+from nbdist.driver.sinks import KernelSink, ListSink, StreamSink, default_sink
+from nbdist.errors import format_ranks
 
 
 class FakeClock:

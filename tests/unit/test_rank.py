@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from nbdist.rank import (
+from nbdist.engine.devices import device_for
+from nbdist.engine.helpers import (
     _state,
     device,
-    device_for,
     local_rank,
     print0,
     rank,
@@ -188,6 +188,6 @@ def test_rank_zero_first_lets_exceptions_through():
     ],
 )
 def test_cuda_mask_for_a_rank(mask, gpu, expected):
-    from nbdist._bootstrap import narrow_cuda_mask
+    from nbdist.engine.bootstrap import narrow_cuda_mask
 
     assert narrow_cuda_mask(mask, gpu) == expected

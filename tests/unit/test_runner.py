@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from nbdist.output import ListSink, OutputMerger
-from nbdist.runner import _stream_delta
+from nbdist.driver.output import OutputMerger
+from nbdist.driver.runner import _stream_delta
+from nbdist.driver.sinks import ListSink
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""Run a Python module as a child that ends itself when its parent process dies.
+"""Separate process: run a Python module as a child that ends itself when its parent dies.
 
-``python -m nbdist._guard PARENT_PID MODULE [ARGS...]`` runs ``MODULE`` as
+``python -m nbdist.launch.guard PARENT_PID MODULE [ARGS...]`` runs ``MODULE`` as
 ``__main__`` and, from a watcher thread, sends itself SIGTERM once its parent
 pid changes (the kernel that started it was killed, even with SIGKILL).
 nbdist starts the ipyparallel controller this way, so a killed kernel does not
@@ -30,8 +30,9 @@ def _watch(parent_pid: int) -> None:
 
 
 def main() -> None:
+    """``python -m nbdist.launch.guard PARENT_PID MODULE [ARGS...]``: run MODULE, die with the parent."""
     if len(sys.argv) < 3:
-        sys.exit("usage: python -m nbdist._guard PARENT_PID MODULE [ARGS...]")
+        sys.exit("usage: python -m nbdist.launch.guard PARENT_PID MODULE [ARGS...]")
     parent_pid, module = int(sys.argv[1]), sys.argv[2]
     threading.Thread(target=_watch, args=(parent_pid,), daemon=True).start()
     sys.argv = [module, *sys.argv[3:]]

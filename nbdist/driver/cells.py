@@ -1,4 +1,4 @@
-"""How a cell travels to the ranks, and what each rank's execute reply says back.
+"""Kernel side: how a cell travels to the ranks, and what each rank's execute reply says back.
 
 One execute request per rank, as ipyparallel's ``DirectView.execute`` sends it,
 plus one Jupyter *user expression*, :data:`AFTER_CELL`, that every rank
@@ -20,30 +20,19 @@ import ast
 import weakref
 from collections.abc import Iterable, Sequence
 
-__all__ = ["AFTER_CELL", "CellChannel", "after_cell", "cell_channel", "displays_nothing"]
+from nbdist.driver.ipp_internals import reply_content, send_execute
 
-AFTER_CELL = "__import__('nbdist._cells', fromlist=['_']).after_cell()"
+__all__ = ["AFTER_CELL", "CellChannel", "cell_channel", "displays_nothing"]
+
+# Evaluated on each rank, in its namespace (where get_ipython is defined).
+AFTER_CELL = "__import__('nbdist.engine.cell_reply', fromlist=['_']).after_cell(get_ipython())"
 _KEY = "nbdist"
-
-
-def after_cell() -> str:
-    """Rank side of :data:`AFTER_CELL`: ``"<points sent> <ast_node_interactivity>"``."""
-    from .metrics.log import end_of_cell
-
-    total = end_of_cell()
-    try:
-        from IPython import get_ipython
-
-        interactivity = get_ipython().ast_node_interactivity
-    except Exception:
-        interactivity = "unknown"
-    return f"{-1 if total is None else total} {interactivity}"
 
 
 def _answer(result) -> tuple[int | None, str | None]:
     """(points sent or None, interactivity or None) from one rank's execute reply."""
     try:
-        reply = result._content["user_expressions"][_KEY]
+        reply = reply_content(result)["user_expressions"][_KEY]
         if reply["status"] != "ok":
             return None, None
         total, interactivity = ast.literal_eval(reply["data"]["text/plain"]).split(" ", 1)
@@ -73,6 +62,7 @@ class CellChannel:
     """Sends cells to one client's engines; remembers what their replies said."""
 
     def __init__(self, client):
+        """The channel of ``client`` (held weakly: the channel lives on the client)."""
         self._client = weakref.ref(client)
         self._views: dict[tuple[int, ...], object] = {}
         # Engines whose last reply said 'last_expr' (IPython's default): for them
@@ -80,6 +70,7 @@ class CellChannel:
         self._last_expr: set[int] = set()
 
     def view(self, engine_ids: Sequence[int]):
+        """The ``DirectView`` of these engines, made once and reused by every cell."""
         # Building a DirectView costs ~0.3 ms (traitlets): each cell reuses its ranks'.
         key = tuple(engine_ids)
         view = self._views.get(key)
@@ -102,8 +93,6 @@ class CellChannel:
         another: a failing loud cell makes its rank drop requests queued behind
         it, a silent one does not, so queued cells (``--noblock``) stay loud.
         """
-        from ipyparallel.client.asyncresult import AsyncResult
-
         client = self._client()
         view = self.view(engine_ids)
         silent = (
@@ -111,19 +100,7 @@ class CellChannel:
         )
         # What DirectView.execute sends, plus the user expression it has no argument for.
         content = dict(code=code, silent=silent, user_expressions={_KEY: AFTER_CELL})
-        idents, targets = client._build_targets(list(engine_ids))
-        futures = [
-            client._send(
-                view._socket,
-                "execute_request",
-                content=content,
-                ident=ident,
-                metadata=dict(label=None),
-                track_outstanding=True,
-            )
-            for ident in idents
-        ]
-        return AsyncResult(client, futures, fname="execute", targets=targets, owner=True)
+        return send_execute(client, view, engine_ids, content)
 
     def learn(self, engine_ids: Iterable[int], results: Iterable) -> list[int | None]:
         """Take what each engine's reply said about its shell; the points each had sent."""
@@ -142,7 +119,7 @@ def cell_channel(client) -> CellChannel:
     """The client's channel, kept on the client itself: it goes with the client (a
     restart makes a new client, and starts afresh). A dictionary keyed by weak
     references would not let the client go: its views hold it strongly."""
-    channel = getattr(client, "_nbdist_cells", None)
+    channel = getattr(client, "nbdist_cells", None)
     if channel is None:
-        channel = client._nbdist_cells = CellChannel(client)
+        channel = client.nbdist_cells = CellChannel(client)
     return channel

@@ -1,10 +1,10 @@
-"""A path out of the notebook: the session's ``%%on_all_ranks`` cells as a ``torchrun`` script.
+"""Kernel side: a path out of the notebook, the session's ``%%on_all_ranks`` cells as a ``torchrun`` script.
 
-The script starts with :func:`nbdist.standalone.init`, which gives the cells
+The script starts with :func:`nbdist.engine.standalone.init`, which gives the cells
 the names they had on the ranks (``torch``, ``dist``, ``nbdist``, ``rank``,
 ``local_rank``, ``world_size``, ``device``; ``nbdist.log`` writes to the run
 history), then the cells in the order they ran, then
-:func:`nbdist.standalone.finish`.
+:func:`nbdist.engine.standalone.finish`.
 
 Cells that only made sense interactively (inspecting a tensor, a plot) are left
 out when they carry the marker comment ``# nbdist: no-export`` (or ran with
@@ -28,7 +28,7 @@ import os
 import re
 from collections.abc import Sequence
 
-from .errors import NbdistError
+from nbdist.errors import NbdistError
 
 __all__ = ["NO_EXPORT_MARKER", "exportable_cells", "export_script", "script_text"]
 
@@ -51,8 +51,8 @@ import torch
 import torch.distributed as dist
 
 import nbdist
-from nbdist.standalone import finish as _nbdist_finish
-from nbdist.standalone import init as _nbdist_init
+from nbdist.engine.standalone import finish as _nbdist_finish
+from nbdist.engine.standalone import init as _nbdist_init
 
 rank, local_rank, world_size, device = _nbdist_init({backend!r})
 '''

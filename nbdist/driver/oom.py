@@ -1,4 +1,4 @@
-"""Was a rank killed for running out of memory? Ask the memory cgroup it ran in.
+"""Kernel side: was a rank killed for running out of memory? Ask the memory cgroup it ran in.
 
 The kernel's out-of-memory killer ends a process with SIGKILL, which looks like
 ``kill -9``. Each memory cgroup (a container, a batch job's allocation, a
@@ -31,9 +31,11 @@ class OomCounter:
     kills: int
 
     def now(self) -> int | None:
+        """The cgroup's OOM-kill count now (None if it can no longer be read)."""
         return _read_kills(os.path.join(self.directory, self.file))
 
     def rose(self) -> bool:
+        """True if the cgroup counted an OOM kill since this counter was read."""
         now = self.now()
         return now is not None and now > self.kills
 

@@ -1,4 +1,4 @@
-"""Where each rank runs: GPU assignment, backend choice, threads and rendezvous.
+"""Kernel side, before anything starts: where each rank runs (GPUs, backend, threads, rendezvous).
 
 Pure logic, checked in the kernel before any engine starts, so that a bad
 request fails fast with the numbers it saw and the fix, and nothing is left
@@ -17,31 +17,25 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import PlacementError
+from nbdist.engine.devices import choose_backend, visible_gpus
+from nbdist.errors import PlacementError
+from nbdist.launch.values import check_count, check_threads, is_digits, is_whole
 
 __all__ = [
-    "BACKENDS",
     "DEFAULT_CPU_RANKS",
     "EngineInfo",
     "Placement",
     "RankSlot",
-    "choose_backend",
     "default_threads",
-    "parse_gpu_list",
     "parse_ranks",
     "plan_attached",
     "plan_local",
-    "visible_gpus",
-    "gpus_from_mask",
+    "plan_start",
 ]
 
-BACKENDS = ("nccl", "gloo")
 # Without GPUs, two ranks show every distributed behaviour (collectives, ranks
 # that disagree) while staying cheap on a small machine.
 DEFAULT_CPU_RANKS = 2
@@ -61,6 +55,7 @@ class RankSlot:
 
     @property
     def device(self) -> str:
+        """The torch device this rank uses: ``cpu``, or ``cuda:0`` (its only visible GPU)."""
         # Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES=<gpu>), so it is cuda:0.
         return "cpu" if self.gpu is None else "cuda:0"
 
@@ -80,29 +75,19 @@ class Placement:
         """Hosts in rank order, each once."""
         return list(dict.fromkeys(s.host for s in self.slots))
 
-    def gpus_per_host(self) -> dict[str, list[int | None]]:
-        """The devices given out on each host, in local-rank order."""
-        out: dict[str, list[int | None]] = {}
-        for slot in self.slots:
-            out.setdefault(slot.host, []).append(slot.gpu)
-        return out
-
     @property
     def world_size(self) -> int:
+        """The number of ranks."""
         return len(self.slots)
 
     @property
     def uses_gpus(self) -> bool:
+        """True if any rank has a GPU."""
         return any(s.gpu is not None for s in self.slots)
 
     def threads_for(self, slot: RankSlot) -> int:
+        """Torch threads for the rank in ``slot`` (by its host)."""
         return self.threads[slot.host]
-
-    def describe_devices(self) -> str:
-        """Short text for the start summary, e.g. 'cpu' or 'GPUs 0,1,2,3'."""
-        if not self.uses_gpus:
-            return "cpu"
-        return "GPUs " + ",".join(str(s.gpu) for s in self.slots)
 
 
 @dataclass(frozen=True)
@@ -124,39 +109,7 @@ def default_threads(cores: int, ranks_on_host: int) -> int:
     return max(1, cores // max(1, ranks_on_host))
 
 
-def choose_backend(requested: str | None, *, uses_gpus: bool) -> str:
-    """NCCL on GPUs, gloo on CPU; an explicit request is checked against the devices."""
-    if requested is None:
-        return "nccl" if uses_gpus else "gloo"
-    backend = requested.lower()
-    if backend not in BACKENDS:
-        raise PlacementError(
-            f"unknown backend {requested!r}: use one of {', '.join(BACKENDS)} "
-            "(nccl on GPUs, gloo on CPU)"
-        )
-    if backend == "nccl" and not uses_gpus:
-        raise PlacementError(
-            "backend 'nccl' needs GPUs, but the ranks run on CPU: use --backend gloo "
-            "(or drop --cpu if GPUs are visible)"
-        )
-    return backend
-
-
-def parse_gpu_list(text: str) -> list[int]:
-    """'0,1,3' -> [0, 1, 3]; rejects anything else with the value in the message."""
-    parts = [p.strip() for p in str(text).split(",")]
-    if not parts or any(not _NUMBER.match(p) for p in parts):
-        raise PlacementError(
-            f"--gpus {text!r} is not a list of GPU indices: write it like --gpus 0,1,2"
-        )
-    gpus = [int(p) for p in parts]
-    if len(set(gpus)) != len(gpus):
-        raise PlacementError(f"--gpus {text!r} names a GPU twice: list each GPU once")
-    return gpus
-
-
 _RANGE = re.compile(r"^([0-9]+)\s*-\s*([0-9]+)$")
-_NUMBER = re.compile(r"^[0-9]+$")  # ASCII only: str.isdigit() accepts '²', which int() rejects
 
 
 def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list[int]:
@@ -164,7 +117,7 @@ def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list
     if text is None:
         return list(range(world_size))
     if isinstance(text, bool) or (
-        not isinstance(text, (int, str)) and any(not _is_int(r) for r in text)
+        not isinstance(text, (int, str)) and any(not is_whole(r) for r in text)
     ):
         raise PlacementError(f"ranks {text!r}: give whole rank numbers, e.g. [0, 2] or '0-3'")
     if isinstance(text, int):
@@ -181,7 +134,7 @@ def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list
                         f"rank range {part!r} runs backwards: write it low-high, e.g. {hi}-{lo}"
                     )
                 items.extend(range(lo, hi + 1))
-            elif _NUMBER.match(part):
+            elif is_digits(part):
                 items.append(int(part))
             else:
                 raise PlacementError(
@@ -198,20 +151,6 @@ def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list
     if not items:
         raise PlacementError("no ranks selected: name at least one, e.g. --ranks 0")
     return sorted(set(items))
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_count(n: int | None) -> None:
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise PlacementError(f"number of ranks must be a whole number >= 1, got {n!r}")
-
-
-def _check_threads(threads: int | None) -> None:
-    if threads is not None and (not _is_int(threads) or threads < 1):
-        raise PlacementError(f"--threads must be a whole number >= 1, got {threads!r}")
 
 
 def plan_local(
@@ -231,8 +170,8 @@ def plan_local(
     ``gpus_visible`` are the GPU indices this process can use (see
     :func:`visible_gpus`); ``gpus`` restricts to a subset (``--gpus``).
     """
-    _check_count(n)
-    _check_threads(threads)
+    check_count(n)
+    check_threads(threads)
     if allow_shared_gpus is None:
         allow_shared_gpus = os.environ.get(_SHARED_GPU_ENV) == "1"
     if cpu and gpus:
@@ -271,6 +210,28 @@ def plan_local(
     )
 
 
+def plan_start(options) -> Placement | None:
+    """The placement of a checked :class:`~nbdist.launch.options.StartOptions`.
+
+    None for an attached cluster (planned when its engines report, :func:`plan_attached`).
+    """
+    if options.attach:
+        return None
+    if options.launch is not None:
+        # Engines start on other hosts, whose GPUs this machine cannot see: a
+        # provisional CPU layout of n ranks until they report (plan_attached).
+        return plan_local(options.launch.n, gpus_visible=[], cores=1, cpu=True)
+    return plan_local(
+        options.n,
+        gpus_visible=[] if options.cpu else visible_gpus(),
+        cores=os.cpu_count() or 1,
+        backend=options.backend,
+        cpu=options.cpu,
+        gpus=options.gpus,
+        threads=options.threads,
+    )
+
+
 def plan_attached(
     engines: Sequence[EngineInfo],
     *,
@@ -298,7 +259,7 @@ def plan_attached(
         >>> [(s.host, s.local_rank) for s in p.slots], p.master_addr
         ([('a', 0), ('a', 1), ('b', 0)], '10.0.0.1')
     """
-    _check_threads(threads)
+    check_threads(threads)
     if not engines:
         raise PlacementError("the cluster has no engines: start engines first, then attach")
     by_host: dict[tuple[str, str], list[EngineInfo]] = {}
@@ -339,48 +300,3 @@ def _host_labels(keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
     for name, _ in keys:
         names[name] = names.get(name, 0) + 1
     return {(name, addr): name if names[name] == 1 else f"{name}@{addr}" for name, addr in keys}
-
-
-def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:
-    """Physical GPU indices this process may hand to ranks, without initialising CUDA here.
-
-    CUDA must not be initialised in the process that forks the ranks, so this
-    asks torch only when the caller already imported it, and otherwise asks
-    ``nvidia-smi``. CUDA_VISIBLE_DEVICES, when set, restricts the list; each
-    rank later gets ``CUDA_VISIBLE_DEVICES=<its index>``.
-    """
-    env = os.environ if environ is None else environ
-    count, already_masked = _gpu_count()
-    return gpus_from_mask(env.get("CUDA_VISIBLE_DEVICES"), count, already_masked=already_masked)
-
-
-def gpus_from_mask(mask: str | None, count: int, *, already_masked: bool) -> list[int]:
-    """Apply a CUDA_VISIBLE_DEVICES value to a GPU count (pure; unit-tested).
-
-    ``already_masked``: the count came from torch, which applied the mask itself.
-    UUID-style entries are not supported for per-rank assignment; the list ends there.
-    """
-    if mask is None:
-        return list(range(count))
-    indices: list[int] = []
-    for part in mask.split(","):
-        part = part.strip()
-        # Like CUDA, the list ends at the first entry it cannot use (UUIDs included).
-        if not _NUMBER.match(part) or (not already_masked and int(part) >= count):
-            break
-        indices.append(int(part))
-    return indices[:count] if already_masked else indices
-
-
-def _gpu_count() -> tuple[int, bool]:
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        return torch.cuda.device_count(), True
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return 0, False
-    try:
-        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return 0, False
-    return sum(1 for line in out.splitlines() if line.startswith("GPU ")), False

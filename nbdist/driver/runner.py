@@ -1,4 +1,4 @@
-"""Run code on ranks: stream each rank's output as it arrives, fail on any rank's error.
+"""Kernel side: run code on ranks, stream each rank's output as it arrives, fail on any rank's error.
 
 The waiting loop runs in the caller's thread (the notebook cell), so output is
 written where the cell's output goes. ipyparallel's IO thread only sets an
@@ -16,9 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ._cells import cell_channel
-from .errors import NbdistError, RankError, RankFailure, RanksInterrupted
-from .output import OutputMerger, default_sink
+from nbdist.driver.cells import cell_channel
+from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata
+from nbdist.driver.output import OutputMerger
+from nbdist.driver.sinks import default_sink
+from nbdist.errors import NbdistError, RankError, RankFailure, RanksInterrupted, format_ranks
 
 __all__ = ["CellTimeout", "RankRun", "output_limit", "submit"]
 
@@ -81,9 +83,15 @@ class RankRun:
         watch: Callable[[], None] | None = None,
         guard=None,
     ):
+        """Follow ``async_result`` (one child per rank of ``ranks``, same order).
+
+        ``interrupt(ranks)`` relays Ctrl-C; ``sink`` receives the merged output
+        (default: the cell's output); ``timeout`` in seconds (None: no limit);
+        ``watch`` is called on each pass of the waiting loop; ``guard`` is the
+        cell's :class:`~nbdist.driver.faults.CellGuard`."""
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
-        # nbdist.faults.CellGuard: releases the ranks when one fails, dies or hangs.
+        # nbdist.driver.faults.CellGuard: releases the ranks when one fails, dies or hangs.
         self._guard = guard
         self.where_report = ""  # what the ranks were doing when --timeout expired
         self.ranks = list(ranks)
@@ -102,7 +110,8 @@ class RankRun:
         # Wake the waiting loop on output and on each rank's reply (a rank that fails
         # while the others wait is noticed at once), not on status messages: on a
         # 2-core machine every needless wake-up is CPU the ranks are waiting for.
-        for child in async_result._children:
+        self._children = per_engine_futures(async_result)
+        for child in self._children:
             child.iopub_callbacks.append(self._on_iopub)
             child.add_done_callback(lambda _f: self._wake.set())
         async_result.add_done_callback(lambda _f: self._wake.set())
@@ -112,18 +121,23 @@ class RankRun:
             self._wake.set()
 
     def __repr__(self) -> str:
-        from .output import format_ranks
-
+        """``<RankRun ranks 0-3: running>``."""
         state = "done" if self.done() else "running"
         return f"<RankRun {format_ranks(self.ranks)}: {state}>"
 
     def done(self) -> bool:
+        """Every rank replied."""
         return self._ar.ready()
 
-    def _child_states(self) -> dict[int, str]:
+    @property
+    def results(self) -> list | None:
+        """Per-rank results (exceptions included) once :meth:`wait` got them, else None."""
+        return self._results
+
+    def child_states(self) -> dict[int, str]:
         """{rank: 'running' | 'ok' | 'error'} from each rank's own reply."""
         states = {}
-        for rank, child in zip(self.ranks, self._ar._children):
+        for rank, child in zip(self.ranks, self._children):
             if not child.done():
                 states[rank] = "running"
             elif child.exception() is not None or isinstance(child.result(), BaseException):
@@ -141,7 +155,7 @@ class RankRun:
     def _drain(self) -> None:
         merger = self._merger
         # ipyparallel keeps each rank's output accumulated in its metadata dict.
-        for i, (rank, md) in enumerate(zip(self.ranks, self._ar._metadata)):
+        for i, (rank, md) in enumerate(zip(self.ranks, per_engine_metadata(self._ar))):
             seen = self._consumed[i]
             for stream in ("stdout", "stderr"):
                 text = md[stream] or ""
@@ -183,7 +197,7 @@ class RankRun:
         dead = self._guard is not None and self._guard.dead()
         self._ar.wait_for_output(timeout=0.5 if dead else 5)
         self._drain()
-        for rank, md in zip(self.ranks, self._ar._metadata):
+        for rank, md in zip(self.ranks, per_engine_metadata(self._ar)):
             result = md.get("execute_result")
             if result:
                 self._merger.feed_display(rank, result.get("data", {}), result.get("metadata", {}))
@@ -273,7 +287,7 @@ class RankRun:
             where=self.where_report, note=self._guard.note() if self._guard is not None else ""
         )
         if not self._finished:
-            running = [r for r, s in self._child_states().items() if s == "running"]
+            running = [r for r, s in self.child_states().items() if s == "running"]
             return RanksInterrupted(None, running, **context)
         try:
             self._result_or_raise()
@@ -287,7 +301,7 @@ class RankRun:
             if self._ar.ready():
                 self._results = self._ar.get(return_exceptions=True)
             else:  # a dead rank's reply may never come: each live rank's own
-                self._results = [_child_result(child) for child in self._ar._children]
+                self._results = [_child_result(child) for child in self._children]
         dead = self._guard.dead() if self._guard is not None else {}
         failures = [
             RankFailure(rank=rank, ename="RankDied", evalue=cause, traceback="")
@@ -339,7 +353,7 @@ def submit(
     """Send ``code`` to the engines of ``ranks`` (same order) without waiting.
 
     ``silent_if_possible``: the caller waits for this cell before sending another
-    (see :meth:`nbdist._cells.CellChannel.execute`).
+    (see :meth:`nbdist.driver.cells.CellChannel.execute`).
     """
     ar = cell_channel(client).execute(engine_ids, code, silent_if_possible=silent_if_possible)
     return RankRun(

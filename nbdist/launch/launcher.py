@@ -1,7 +1,7 @@
-"""ipyparallel launchers used by nbdist for clusters on this machine.
+"""Kernel side, starting separate processes: the ipyparallel launchers nbdist uses on this machine.
 
 - :class:`ZygoteEngineSetLauncher` starts every engine from one process that
-  imported torch once (see ``nbdist._zygote``), with a per-rank environment
+  imported torch once (see ``nbdist.launch.zygote``), with a per-rank environment
   (``CUDA_VISIBLE_DEVICES``, ``LOCAL_RANK``...) fixed before the engine starts.
 - :func:`guarded_controller_cmd` wraps the controller so it exits when the
   kernel that started it dies.
@@ -24,7 +24,7 @@ __all__ = ["ZygoteEngineSetLauncher", "guarded_controller_cmd"]
 
 def guarded_controller_cmd() -> list[str]:
     """The controller command, run under nbdist's parent-death guard."""
-    return [sys.executable, "-m", "nbdist._guard", str(os.getpid()), "ipyparallel.controller"]
+    return [sys.executable, "-m", "nbdist.launch.guard", str(os.getpid()), "ipyparallel.controller"]
 
 
 class ZygoteEngineSetLauncher(LocalEngineLauncher):
@@ -42,9 +42,11 @@ class ZygoteEngineSetLauncher(LocalEngineLauncher):
 
     @property
     def status_file(self) -> str:
+        """Where the zygote writes how it started the engines (method, reason, PIDs)."""
         return os.path.join(self.profile_dir, "log", f"{self.identifier}.status.json")
 
     def start(self, n):
+        """Start the zygote, which starts ``n`` engines (one per slot environment)."""
         slots = list(self.slot_environments) or [{} for _ in range(n)]
         if len(slots) != n:
             raise ValueError(f"{n} engines requested but {len(slots)} slot environments given")
@@ -52,7 +54,7 @@ class ZygoteEngineSetLauncher(LocalEngineLauncher):
         self.engine_cmd = [
             sys.executable,
             "-m",
-            "nbdist._zygote",
+            "nbdist.launch.zygote",
             "--slots",
             json.dumps(slots),
             "--parent-pid",
@@ -85,6 +87,7 @@ class ZygoteEngineSetLauncher(LocalEngineLauncher):
             return {}
 
     def get_output(self, remove=False):
+        """The engines' output (ipyparallel's); ``remove`` also removes the status file."""
         if remove:
             try:
                 os.remove(self.status_file)

@@ -1,4 +1,4 @@
-"""Which network interface gloo and NCCL use on a rank.
+"""Rank side: which network interface gloo and NCCL use on a rank.
 
 gloo and NCCL pick an interface by themselves from the hostname or the first
 non-loopback interface, which goes wrong as soon as a host has several

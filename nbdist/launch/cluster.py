@@ -1,4 +1,4 @@
-"""The processes behind a session: an ipyparallel controller and engines, tracked by PID.
+"""Kernel side, starting separate processes: the ipyparallel controller and engines, by PID.
 
 Two ways in:
 - :func:`start_local` starts a controller (on loopback unless told otherwise)
@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import tempfile
@@ -29,9 +28,18 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from .errors import NbdistError
+from nbdist.errors import NbdistError
 
-__all__ = ["ClusterHandle", "attach", "check_start_options", "start_local", "stop"]
+__all__ = [
+    "ClusterHandle",
+    "attach",
+    "interrupt_engines",
+    "serializer_ready",
+    "start_local",
+    "start_processes",
+    "stop_processes",
+    "warm_serializer",
+]
 
 _counter = itertools.count()
 # Where a heartbeat of 100 ms stays reliable under full CPU load (30 ms missed beats).
@@ -52,109 +60,18 @@ class ClusterHandle:
     start_note: str = ""
 
     def engine_launcher(self):
+        """The ipyparallel engine-set launcher nbdist started, or None."""
         if self.cluster is None:
             return None
         sets = list(self.cluster.engines.values())
         return sets[0] if sets else None
 
 
-_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
-
-
-def check_start_options(*, ip: str = "127.0.0.1", launcher=None, profile=None, attach=None) -> None:
-    """Refuse options that could only fail after processes started (PlacementError, with the fix).
-
-    Checked before anything starts, so a typo costs nothing: an ``ip`` that is
-    not an address (or a hostname that resolves), an unknown ``launcher``, a
-    ``profile`` that does not exist (ipyparallel would create it), an ``attach``
-    file that is not there. Example::
-
-        check_start_options(ip="127.0.0.1")   # fine
-        check_start_options(ip="10.0.0.300")  # PlacementError: --ip '10.0.0.300' is not an IP ...
-    """
-    from .errors import PlacementError
-
-    if not isinstance(ip, str) or not _valid_address(ip):
-        raise PlacementError(
-            f"--ip {ip!r} is not an IP address or a host name of this machine: give e.g. "
-            "127.0.0.1 (the default, this machine only) or this host's address on the network "
-            "the ranks share"
-        )
-    if launcher is not None and not isinstance(launcher, type):
-        _check_launcher(str(launcher))
-    if profile is not None:
-        from IPython.core.profiledir import ProfileDir, ProfileDirError
-        from IPython.paths import get_ipython_dir
-
-        try:
-            ProfileDir.find_profile_dir_by_name(get_ipython_dir(), str(profile))
-        except ProfileDirError:
-            raise PlacementError(
-                f"--profile {profile!r}: no such IPython profile in {get_ipython_dir()}; create "
-                f"it with `ipython profile create --parallel {profile}`, or leave --profile out"
-            ) from None
-    if attach is not None and not os.path.isfile(os.path.expanduser(str(attach))):
-        raise PlacementError(
-            f"--attach {attach!r}: no such file. Pass the cluster file (cluster-*.json) or the "
-            "client connection file (ipcontroller-client.json) of a running ipyparallel cluster"
-        )
-
-
-def _valid_address(ip: str) -> bool:
-    """An IP address or host name that this machine can bind (the controller listens there)."""
-    import ipaddress
-    import socket
-
-    try:
-        addresses = [str(ipaddress.ip_address(ip))]
-    except ValueError:
-        if len(ip) > 253 or not _HOSTNAME.fullmatch(ip):
-            return False
-        try:
-            infos = socket.getaddrinfo(ip, None, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError):
-            return False
-        addresses = [info[4][0] for info in infos]
-    # An address of another machine ("1.2.3" resolves, as 1.2.0.3) would only fail
-    # after the processes started; a bind tells now.
-    for address in addresses:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.bind((address, 0))
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def _check_launcher(name: str) -> None:
-    from ipyparallel.cluster.launcher import find_launcher_class
-
-    from .errors import PlacementError
-
-    try:
-        if "." in name:  # a class by import path, as ipyparallel accepts
-            from traitlets.utils.importstring import import_item
-
-            import_item(name)
-        else:
-            find_launcher_class(name, "engine")
-    except (KeyError, ImportError, ValueError, AttributeError):
-        from importlib.metadata import entry_points
-
-        known = sorted({ep.name for ep in entry_points(group="ipyparallel.engine_launchers")})
-        raise PlacementError(
-            f"--launcher {name!r} is not an ipyparallel engine launcher: use one of "
-            f"{', '.join(known)} (or a launcher class as module.Class)"
-        ) from None
-
-
 def _quiet_log():
     """ipyparallel logs each start/stop at INFO; nbdist prints its own one-line summary."""
     import logging
 
-    log = logging.getLogger("nbdist.cluster")
+    log = logging.getLogger("nbdist.launch.cluster")
     if log.level == logging.NOTSET:
         log.setLevel(logging.WARNING)
     return log
@@ -163,7 +80,7 @@ def _quiet_log():
 def _base_config(controller_ip: str):
     from traitlets.config import Config
 
-    from .launcher import guarded_controller_cmd
+    from nbdist.launch.launcher import guarded_controller_cmd
 
     config = Config()
     config.LocalControllerLauncher.controller_cmd = guarded_controller_cmd()
@@ -187,14 +104,13 @@ def start_local(
     """Start a controller and ``n`` engines on this machine (or through ``launcher``).
 
     ``launcher_config``: traitlets config by class for ``launcher`` (see
-    :mod:`nbdist.launch_options`), e.g. ``{"SlurmEngineSetLauncher": {...}}``.
+    :mod:`nbdist.launch.options`), e.g. ``{"SlurmEngineSetLauncher": {...}}``.
     """
     import ipyparallel as ipp
 
-    from .launcher import ZygoteEngineSetLauncher
+    from nbdist.launch.launcher import ZygoteEngineSetLauncher
 
-    # Script users (DistSession) get the same early, clear refusal as %dist_start.
-    check_start_options(ip=ip, launcher=launcher, profile=profile)
+    # The options were checked before (nbdist.launch.options): nothing here refuses them.
     config = _base_config(ip)
     if launcher_config:
         from traitlets.config import Config
@@ -255,7 +171,7 @@ def start_local(
         except BaseException as exc:
             clash = _port_clash(cluster)  # read before stop() removes the log
             _record_pids(handle)
-            stop(handle)
+            stop_processes(handle)
             if clash and attempt < attempts:
                 continue
             if clash:
@@ -278,6 +194,45 @@ def start_local(
         handle.start_method = launcher or "ipyparallel"
     _secure_connection_files(cluster.profile_dir)
     return handle
+
+
+def start_processes(options, placement) -> ClusterHandle:
+    """The processes of one start: attach to ``options.attach``, or start the ``placement``.
+
+    ``options``: a checked :class:`~nbdist.launch.options.StartOptions`. Each
+    local engine gets its slot's environment (its GPU, LOCAL_RANK) before it starts.
+    """
+    if options.attach:
+        return attach(options.attach, timeout=options.timeout)
+    slot_envs = [
+        {"NBDIST_SLOT": str(s.local_rank), "LOCAL_RANK": str(s.local_rank)}
+        | ({"CUDA_VISIBLE_DEVICES": str(s.gpu)} if s.gpu is not None else {})
+        for s in placement.slots
+    ]
+    launch = options.launch
+    return start_local(
+        n=placement.world_size,
+        slot_environments=slot_envs,
+        threads=placement.threads_for(placement.slots[0]),
+        timeout=options.timeout,
+        launcher=launch.engine_launcher if launch else options.launcher,
+        launcher_config=launch.config if launch else None,
+        profile=options.profile,
+        ip=options.ip,
+        start_method=options.start_method,
+    )
+
+
+def interrupt_engines(handle: ClusterHandle, pids: list[int], engine_ids: list[int]) -> None:
+    """SIGINT to engines: by PID where nbdist started them, else through the controller."""
+    if handle.owned:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+    else:
+        handle.client.send_signal(signal.SIGINT, targets=engine_ids, block=False)
 
 
 def _port_clash(cluster) -> str:
@@ -405,7 +360,7 @@ def attach(path: str, *, timeout: float) -> ClusterHandle:
     return ClusterHandle(client=client, cluster=None, owned=False, start_method="attached")
 
 
-def stop(handle: ClusterHandle, *, wait: float = 10.0) -> list[int]:
+def stop_processes(handle: ClusterHandle, *, wait: float = 10.0) -> list[int]:
     """Stop what nbdist started; returns PIDs that had to be killed (normally none)."""
     client = handle.client
     if client is not None:

@@ -1,6 +1,6 @@
-"""The engine zygote: import torch once, then fork one ipyparallel engine per rank.
+"""Separate process: the engine zygote imports torch once, then forks one ipyparallel engine per rank.
 
-Run as ``python -m nbdist._zygote --slots JSON --parent-pid PID [...] -- ENGINE_ARGS``.
+Run as ``python -m nbdist.launch.zygote --slots JSON --parent-pid PID [...] -- ENGINE_ARGS``.
 
 Why: ``import torch`` costs 3-4 s of CPU per process. N engines importing it
 side by side on a small machine take longer than one import followed by N
@@ -48,11 +48,8 @@ _ENGINE_MODULES = (
     "IPython.core.completerlib",
     "argcomplete",
     # Imported by each rank while the group forms.
-    "nbdist._bootstrap",
-    "nbdist.placement",
-    "nbdist._rank_control",
-    "nbdist.collectives",
-    "nbdist.metrics.log",
+    "nbdist.engine.bootstrap",  # with control, collectives, devices, helpers, netif, metrics.log
+    "nbdist.engine.cell_reply",
 )
 
 
@@ -225,13 +222,14 @@ def _write_status(path: str | None, **fields) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Fork (or spawn) the engines, then watch them until asked to stop; the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if "--" in argv:
         split = argv.index("--")
         own, engine_argv = argv[:split], argv[split + 1 :]
     else:
         own, engine_argv = argv, []
-    parser = argparse.ArgumentParser(prog="python -m nbdist._zygote")
+    parser = argparse.ArgumentParser(prog="python -m nbdist.launch.zygote")
     parser.add_argument("--slots", required=True, help="JSON list of per-engine environments")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--threads", type=int, default=1)

@@ -1,4 +1,4 @@
-"""Rank side of hang diagnosis and release: answered while the rank is busy.
+"""Rank side: hang diagnosis and release, answered while the rank is busy.
 
 A rank blocked in a collective cannot run a cell, and SIGINT does not land
 while it waits in native code (gloo measured: 58.8 s, the group's timeout).
@@ -8,7 +8,7 @@ ipykernel serves on its own thread (the one that also serves
 
 ``where``
     this rank's Python stack (main thread, from the cell's frame down) and
-    the last collective it entered (:mod:`nbdist.collectives`).
+    the last collective it entered (:mod:`nbdist.engine.collectives`).
 ``release``
     break this rank out of the collective it waits in. NCCL: abort the
     communicators (``_abort_process_group``). gloo has no abort (its
@@ -16,7 +16,7 @@ ipykernel serves on its own thread (the one that also serves
     own TCP sockets, remembered when the group formed: the blocked wait
     then fails at once with "Connection closed". The process, its
     variables and its models stay; the group must be formed again
-    (:func:`nbdist._bootstrap.rejoin`).
+    (:func:`nbdist.engine.bootstrap.rejoin`).
 
 Blocking waits release the GIL, so the control thread runs while the main
 thread waits. A rank stuck in native code that holds the GIL does not answer;
@@ -30,6 +30,9 @@ import socket
 import sys
 import threading
 import traceback
+
+from nbdist.engine import collectives
+from nbdist.engine.helpers import rank
 
 __all__ = [
     "group_sockets",
@@ -82,8 +85,9 @@ def track_subgroups() -> None:
     """
     from torch.distributed import distributed_c10d as c10d
 
-    helper = c10d._new_process_group_helper
-    if hasattr(helper, "_nbdist_original"):
+    # torch has no public hook for "a group was made"; this private helper is where they all pass.
+    helper = c10d._new_process_group_helper  # noqa: SLF001
+    if hasattr(helper, "nbdist_original"):
         return
 
     def remembering(*args, **kwargs):
@@ -93,11 +97,12 @@ def track_subgroups() -> None:
         finally:
             _group_sockets.update(socket_snapshot() - before)
 
-    remembering._nbdist_original = helper
-    c10d._new_process_group_helper = remembering
+    remembering.nbdist_original = helper
+    c10d._new_process_group_helper = remembering  # noqa: SLF001
 
 
 def group_sockets() -> set[tuple[int, str]]:
+    """The (fd, inode) of the sockets remembered for the group: what :func:`release` shuts down."""
     return set(_group_sockets)
 
 
@@ -117,7 +122,8 @@ def release() -> dict:
     backend = dist.get_backend()
     if backend == "nccl":
         # NCCL has a real abort; it also ends the communicators' watchdog waits.
-        dist.distributed_c10d._abort_process_group()
+        # The abort torch itself uses on a watchdog timeout; not public API yet.
+        dist.distributed_c10d._abort_process_group()  # noqa: SLF001
         return {"action": "abort", "detail": "nccl communicators aborted"}
     current = _socket_fds()
     closed = 0
@@ -160,14 +166,12 @@ def _cell_frames(frame) -> list:
 
 def where() -> dict:
     """This rank's main-thread stack (from the cell down) and last collective."""
-    from . import collectives
-    from .rank import _state
-
     main = threading.main_thread()
-    frame = sys._current_frames().get(main.ident)
+    # The only way to read another thread's stack (the control thread reads the main one).
+    frame = sys._current_frames().get(main.ident)  # noqa: SLF001
     frames = _cell_frames(frame) if frame is not None else []
     return {
-        "rank": _state.get("rank"),
+        "rank": rank(),
         "pid": os.getpid(),
         "busy": bool(frames),
         "stack": [
@@ -194,15 +198,12 @@ def _handle(kernel, stream, idents, parent) -> None:
     kernel.session.send(stream, REPLY, content=reply, parent=parent, ident=idents)
 
 
-def install() -> bool:
-    """Serve nbdist's control requests on this engine (idempotent); False outside an engine."""
-    from IPython import get_ipython
+def install(kernel) -> None:
+    """Serve nbdist's control requests on this engine's ``kernel`` (idempotent).
 
-    shell = get_ipython()
-    kernel = getattr(shell, "kernel", None)
-    if kernel is None or not hasattr(kernel, "control_handlers"):
-        return False
+    ``kernel``: the engine's ipykernel kernel (``get_ipython().kernel``), handed in
+    by :func:`nbdist.engine.bootstrap.init_rank`.
+    """
     kernel.control_handlers[REQUEST] = lambda stream, idents, parent: _handle(
         kernel, stream, idents, parent
     )
-    return True

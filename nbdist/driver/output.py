@@ -1,4 +1,4 @@
-"""Merge the output of several ranks into one live, rank-labelled view.
+"""Kernel side: merge the output of several ranks into one live, rank-labelled view.
 
 When a cell runs on several ranks, every rank's stdout/stderr arrives in
 arbitrary chunks (partial lines, many lines at once, ``\\r`` progress updates).
@@ -22,66 +22,24 @@ What the merger decides is handed to a *sink*, a duck-typed object with:
 
 :class:`ListSink` records events (tests, scripts), :class:`StreamSink` writes to
 ``sys.stdout``/``sys.stderr`` and :class:`KernelSink` adds in-place progress
-bars and rich displays inside a Jupyter kernel. This module needs only the
-standard library; IPython is imported lazily by the sinks that need it.
+bars and rich displays inside a Jupyter kernel; they live in
+:mod:`nbdist.driver.sinks`. This module needs only the standard library.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = [
-    "STREAMS",
-    "KernelSink",
-    "ListSink",
-    "OutputMerger",
-    "Sink",
-    "StreamSink",
-    "default_sink",
-    "format_ranks",
-]
+from nbdist.errors import format_ranks
+
+__all__ = ["STREAMS", "OutputMerger"]
 
 STREAMS = ("stdout", "stderr")
 _DISPLAY = "display"
 _CHANNELS = (*STREAMS, _DISPLAY)
-
-# Erase the terminal line the cursor is on, so a live progress bar drawn with
-# "\r" is replaced by the next line instead of leaving its tail behind.
-_CLEAR_LINE = "\r\x1b[K"
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """Describe a set of ranks compactly: ``[0, 2, 3, 5]`` -> ``"ranks 0,2-3,5"``.
-
-    Ranks are sorted and deduplicated; a single rank reads ``"rank 2"``.
-    """
-    unique = sorted(set(ranks))
-    if not unique:
-        raise ValueError("format_ranks needs at least one rank")
-    runs: list[tuple[int, int]] = []
-    start = prev = unique[0]
-    for rank in unique[1:]:
-        if rank != prev + 1:
-            runs.append((start, prev))
-            start = rank
-        prev = rank
-    runs.append((start, prev))
-    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-    return f"rank {text}" if len(unique) == 1 else f"ranks {text}"
-
-
-class Sink(Protocol):
-    """What :class:`OutputMerger` writes to (``progress_done`` is optional)."""
-
-    def line(self, stream: str, label: str, text: str) -> None: ...
-
-    def progress(self, stream: str, label: str, text: str) -> None: ...
-
-    def display(self, label: str, data: dict, metadata: dict) -> None: ...
 
 
 def _visible_text(raw: str) -> str:
@@ -145,6 +103,7 @@ class OutputMerger:
         window: float = 0.15,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """Merge the output of ``ranks`` into ``sink``; ``window``: seconds a line waits for the other ranks' lines."""
         self._ranks = tuple(sorted(set(ranks)))
         if not self._ranks:
             raise ValueError("OutputMerger needs at least one rank")
@@ -298,160 +257,3 @@ def _group_displays(heads: list[tuple[int, tuple[dict, dict]]]) -> list[tuple[li
         else:
             groups.append(([rank], item))
     return groups
-
-
-# -- sinks ---------------------------------------------------------------------
-
-
-class ListSink:
-    """Record the merger's events in :attr:`events` (for tests and scripts).
-
-    Events are ``("line", stream, label, text)``, ``("progress", stream, label,
-    text)``, ``("progress_done", stream, label)`` and ``("display", label,
-    data, metadata)``.
-    """
-
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-
-    def line(self, stream: str, label: str, text: str) -> None:
-        self.events.append(("line", stream, label, text))
-
-    def progress(self, stream: str, label: str, text: str) -> None:
-        self.events.append(("progress", stream, label, text))
-
-    def progress_done(self, stream: str, label: str) -> None:
-        self.events.append(("progress_done", stream, label))
-
-    def display(self, label: str, data: dict, metadata: dict) -> None:
-        self.events.append(("display", label, data, metadata))
-
-
-def _std_stream(stream: str) -> Any:
-    if stream not in STREAMS:
-        raise ValueError(f"stream must be 'stdout' or 'stderr', got {stream!r}")
-    # Looked up on every write, not kept: IPython and pytest swap sys.stdout
-    # per cell / per test, and output must go to whichever is current.
-    return getattr(sys, stream)
-
-
-def _write(out: Any, text: str) -> None:
-    out.write(text)
-    flush = getattr(out, "flush", None)
-    if flush is not None:
-        flush()
-
-
-def _isatty(out: Any) -> bool:
-    try:
-        return bool(out.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
-class StreamSink:
-    """Write ``[label] text`` lines to ``sys.stdout`` / ``sys.stderr``.
-
-    Progress updates are drawn in place (``\\r``) on a terminal and dropped
-    otherwise, where only the final line is written. A display is written as
-    its ``text/plain`` form.
-    """
-
-    def __init__(self) -> None:
-        # Stream whose current terminal line holds a progress bar, to erase it
-        # before anything else is written there (both streams usually share
-        # one terminal, so one marker covers both).
-        self._bar_stream: str | None = None
-
-    def line(self, stream: str, label: str, text: str) -> None:
-        self._erase_bar()
-        _write(_std_stream(stream), f"[{label}] {text}\n")
-
-    def progress(self, stream: str, label: str, text: str) -> None:
-        out = _std_stream(stream)
-        if not _isatty(out):
-            return
-        if self._bar_stream != stream:
-            self._erase_bar()
-        _write(out, f"{_CLEAR_LINE}[{label}] {text}")
-        self._bar_stream = stream
-
-    def progress_done(self, stream: str, label: str) -> None:
-        # Nothing to do: the final line that follows erases the bar.
-        pass
-
-    def display(self, label: str, data: dict, metadata: dict) -> None:
-        text = data.get("text/plain")
-        if text is None:
-            text = f"<display: {', '.join(sorted(data))}>"
-        for line in text.splitlines() or [""]:
-            self.line("stdout", label, line)
-
-    def _erase_bar(self) -> None:
-        if self._bar_stream is not None:
-            stream, self._bar_stream = self._bar_stream, None
-            _write(_std_stream(stream), _CLEAR_LINE)
-
-
-class KernelSink(StreamSink):
-    """Sink for a Jupyter kernel: in-place progress bars and rich displays.
-
-    Lines are written like :class:`StreamSink`. Each (label, stream) progress
-    line gets one updatable display, so a tqdm bar stays one line per rank; it
-    is blanked when the bar's final line is written. Displays are republished
-    as they are, after a ``[label]`` line when there are several ranks.
-    """
-
-    def __init__(self, n_ranks: int = 1) -> None:
-        super().__init__()
-        self._n_ranks = n_ranks
-        self._bars: dict[tuple[str, str], Any] = {}
-
-    def progress(self, stream: str, label: str, text: str) -> None:
-        from IPython.display import display
-
-        data = {"text/plain": f"[{label}] {text}"}
-        handle = self._bars.get((label, stream))
-        if handle is None:
-            handle = display(data, raw=True, display_id=True)
-            if handle is not None:
-                self._bars[(label, stream)] = handle
-        else:
-            handle.update(data, raw=True)
-
-    def progress_done(self, stream: str, label: str) -> None:
-        handle = self._bars.pop((label, stream), None)
-        if handle is not None:
-            # The final text arrives as an ordinary (possibly grouped) line, so
-            # the live bar would only duplicate it.
-            handle.update({"text/plain": ""}, raw=True)
-
-    def display(self, label: str, data: dict, metadata: dict) -> None:
-        from IPython.display import publish_display_data
-
-        text = data.get("text/plain")
-        if set(data) == {"text/plain"} and isinstance(text, str) and "\n" not in text:
-            # A plain value (a cell's last expression): one labelled line reads best.
-            _write(sys.stdout, f"[{label}] {text}\n")
-            return
-        if self._n_ranks > 1:
-            _write(sys.stdout, f"[{label}]\n")
-        publish_display_data(data, metadata)
-
-
-def _in_ipython_kernel() -> bool:
-    # A kernel has necessarily imported IPython already; checking first avoids
-    # paying IPython's import time in plain scripts.
-    if "IPython" not in sys.modules:
-        return False
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
-def default_sink(n_ranks: int) -> StreamSink:
-    """:class:`KernelSink` inside an IPython kernel, else :class:`StreamSink`."""
-    if _in_ipython_kernel():
-        return KernelSink(n_ranks)
-    return StreamSink()

@@ -1,4 +1,4 @@
-"""Helpers for code running on a rank: who am I, which device, print once.
+"""Rank side: helpers for code running on a rank (who am I, which device, print once).
 
 They work inside ``%%on_all_ranks`` cells and in scripts under ``torchrun``
 (they fall back to the RANK/LOCAL_RANK/WORLD_SIZE environment variables), and
@@ -20,19 +20,30 @@ import os
 import random
 from contextlib import contextmanager
 
+from nbdist.engine.devices import local_device
+
 __all__ = [
     "device",
-    "device_for",
     "local_rank",
     "print0",
+    "remember_identity",
     "rank",
     "rank_zero_first",
     "seed_all",
     "world_size",
 ]
 
-# Filled in by nbdist when it forms the process group on an engine.
+# Filled in by nbdist when it forms the process group (remember_identity).
 _state: dict = {}
+
+
+def remember_identity(*, rank: int, local_rank: int, world_size: int, device: str) -> None:
+    """Record who this process is in the group nbdist formed; the helpers below read it.
+
+    Called on each rank by :mod:`nbdist.engine.bootstrap` (notebook ranks) and
+    :mod:`nbdist.engine.standalone` (exported scripts), never by user code.
+    """
+    _state.update(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -61,27 +72,14 @@ def world_size() -> int:
     return _env_int("WORLD_SIZE", 1)
 
 
-def device_for(gpu: int | None, *, cuda_initialized: bool) -> str:
-    """The torch device a rank should use (the one place that decides it).
-
-    nbdist gives each GPU rank ``CUDA_VISIBLE_DEVICES=<its GPU>`` before CUDA
-    starts, so the rank sees one device, ``cuda:0``. If CUDA was initialised
-    before that could take effect (attaching to engines that already used
-    CUDA), the mask is ignored by CUDA and the physical index is used instead.
-    """
-    if gpu is None:
-        return "cpu"
-    return f"cuda:{gpu}" if cuda_initialized else "cuda:0"
-
-
 def device():
     """This rank's ``torch.device`` (``cpu`` on CPU ranks)."""
     import torch
 
     if "device" in _state:
         return torch.device(_state["device"])
-    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
-        return torch.device("cuda", local_rank() % torch.cuda.device_count())
+    if "LOCAL_RANK" in os.environ:  # a launcher such as torchrun started this process
+        return torch.device(local_device(local_rank()))
     return torch.device("cpu")
 
 

@@ -1,7 +1,7 @@
-"""Where is each rank? Stacks and last collectives, read from busy ranks without stopping them.
+"""Kernel side: where is each rank? Stacks and last collectives, read without stopping them.
 
 :func:`ask` sends a request on each engine's control channel (served by the
-rank's control thread, see :mod:`nbdist._rank_control`), so it works while a
+rank's control thread, see :mod:`nbdist.engine.control`), so it works while a
 cell runs or hangs. :func:`diagnose` compares the ranks' last collectives and
 names the ones the others wait for. ``%dist_where`` and a cell's ``--timeout``
 show :func:`format_where`'s report.
@@ -9,7 +9,7 @@ show :func:`format_where`'s report.
 Example::
 
     s = nbdist.current_session()
-    print(nbdist.where.format_where(s.where()))
+    print(nbdist.driver.where.format_where(s.where()))
     # rank 0: inside all_reduce #118 for 12.0 s
     #   File "<cell>", line 4, in <module>: dist.all_reduce(t)
     # rank 1: never entered all_reduce #118 (last: all_reduce #117, returned 12.1 s ago)
@@ -22,7 +22,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["RankWhere", "ask", "diagnose", "format_where"]
+from nbdist.driver.ipp_internals import send_control
+from nbdist.engine.control import REQUEST
+
+__all__ = ["RankWhere", "ask", "control_request", "diagnose", "format_where", "locate"]
 
 # How long an unanswered rank is waited for: a rank that holds the GIL in native code never answers.
 _ANSWER_TIMEOUT_S = 3.0
@@ -42,16 +45,10 @@ class RankWhere:
 
 def control_request(client, engine_ids: Sequence[int], action: str, timeout: float) -> list:
     """Send nbdist's control ``action`` to the engines; replies (or None) in the same order."""
-    from ._rank_control import REQUEST
-
     futures = []
     for eid in engine_ids:
         try:
-            futures.append(
-                client._send_control_request(
-                    targets=[eid], msg_type=REQUEST, content={"action": action}, block=False
-                )
-            )
+            futures.append(send_control(client, eid, REQUEST, {"action": action}))
         except Exception:  # the engine left the cluster meanwhile (it died)
             futures.append(None)
     deadline = time.monotonic() + timeout
@@ -90,6 +87,14 @@ def ask(client, ranks: Sequence, *, timeout: float = _ANSWER_TIMEOUT_S) -> list[
             RankWhere(info.rank, True, busy=w["busy"], stack=w["stack"], collective=w["collective"])
         )
     return found
+
+
+def locate(client, ranks: Sequence, dead: dict[int, str]) -> list[RankWhere]:
+    """:func:`ask` the live ``ranks`` (RankInfo); ``dead`` ones ({rank: cause}) are reported as such."""
+    found = {w.rank: w for w in ask(client, [r for r in ranks if r.rank not in dead])}
+    for rank, cause in dead.items():
+        found[rank] = RankWhere(rank, answered=False, note=f"dead: {cause}")
+    return [found[r.rank] for r in ranks if r.rank in found]
 
 
 def diagnose(found: Sequence[RankWhere]) -> dict[int, str]:

@@ -1,4 +1,4 @@
-"""Which collective each rank entered last: the clue that explains a hang.
+"""Rank side: which collective each rank entered last, the clue that explains a hang.
 
 nbdist wraps the collective functions of ``torch.distributed`` on every rank
 (``dist.all_reduce``, ``dist.barrier``, ...) so that each call is counted and
@@ -14,7 +14,7 @@ about a microsecond next to collectives that take tens of microseconds at least.
 
 Example (on a rank, where nbdist installed it already)::
 
-    from nbdist import collectives
+    from nbdist.engine import collectives
     dist.all_reduce(t)
     collectives.last()   # {'op': 'all_reduce', 'seq': 1, 'inside': False, 'seconds': 0.01}
 """
@@ -81,7 +81,7 @@ def _tracked(op: str, fn):
             # work completed: the wait is where such a rank would block.
             record.exited = time.monotonic()
 
-    tracked._nbdist_original = fn
+    tracked.nbdist_original = fn
     return tracked
 
 
@@ -91,7 +91,7 @@ def install() -> None:
 
     for op in TRACKED_OPS:
         fn = getattr(dist, op, None)
-        if fn is None or hasattr(fn, "_nbdist_original"):
+        if fn is None or hasattr(fn, "nbdist_original"):
             continue
         setattr(dist, op, _tracked(op, fn))
 

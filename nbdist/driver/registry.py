@@ -1,4 +1,4 @@
-"""The registry of running clusters: one small JSON file per cluster, for the JupyterLab sidebar.
+"""Kernel side (read by the Jupyter server too): running clusters, one JSON file each, for the sidebar.
 
 A kernel that starts a cluster (``%dist_start``, :meth:`DistSession.start`)
 writes ``<jupyter runtime dir>/nbdist-clusters/cluster-<kernel pid>-<n>.json``
@@ -10,7 +10,8 @@ before it could clean up) is stale: :func:`clusters` skips it.
 
 Example::
 
-    from nbdist import DistSession, registry
+    from nbdist import DistSession
+    from nbdist.driver import registry
 
     with DistSession(2) as s:
         [entry] = [c for c in registry.clusters() if c["kernel_pid"] == os.getpid()]
@@ -30,6 +31,7 @@ import json
 import os
 import re
 import time
+import weakref
 
 import psutil
 
@@ -38,6 +40,8 @@ __all__ = ["FORMAT", "act", "clusters", "kernel_id", "register", "registry_dir",
 FORMAT = 1  # bumped if an entry's fields change meaning
 _counter = itertools.count()
 _NAME = re.compile(r"^cluster-\d+-\d+\.json$")
+# Entry path -> the object that registered it (a DistSession): what act() restarts or stops.
+_owners: dict[str, weakref.ReferenceType] = {}
 
 
 def registry_dir(create: bool = False) -> str:
@@ -75,17 +79,15 @@ def _connection_file() -> str | None:
         return None
 
 
-def _client_file(session) -> str | None:
-    """The ipyparallel client connection file of the session's cluster (0600), if known."""
-    attach = session.options.get("attach")
+def _client_file(handle, attach: str | None) -> str | None:
+    """The ipyparallel client connection file of the cluster (0600), if known."""
     if attach:
         return os.path.abspath(attach)
-    cluster = session._handle.cluster
-    controller = getattr(cluster, "controller", None)
+    controller = getattr(handle.cluster, "controller", None)
     path = getattr(controller, "connection_files", {}).get("client")
     if path and os.path.exists(path):
         return path
-    security = os.path.join(session._handle.profile_dir or "", "security")
+    security = os.path.join(handle.profile_dir or "", "security")
     found = sorted(glob.glob(os.path.join(security, "ipcontroller*client.json")))
     return found[0] if found else None
 
@@ -97,14 +99,28 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
-def register(session) -> str | None:
-    """Write the registry entry of a started :class:`~nbdist.DistSession`; returns its path.
+def register(
+    owner,
+    *,
+    handle,
+    ranks,
+    backend: str | None,
+    run_id: int | None = None,
+    history: str | None = None,
+    attach: str | None = None,
+    path: str | None = None,
+) -> str | None:
+    """Write a started cluster's entry; returns its path (pass it back as ``path`` to rewrite it).
 
-    Never raises: the sidebar is a convenience, a cluster that started must
-    not fail because its entry could not be written (a warning says why).
+    ``owner``: what :func:`act` restarts or stops (the :class:`~nbdist.DistSession`),
+    held weakly. ``handle``: its :class:`~nbdist.launch.cluster.ClusterHandle`;
+    ``ranks``: its :class:`~nbdist.driver.group.RankInfo` list. Never raises: the
+    sidebar is a convenience, a cluster that started must not fail because its
+    entry could not be written (a warning says why).
     """
     try:
-        return _write(session)
+        entry = _entry(handle, ranks, backend, run_id, history, attach)
+        path = _write(entry, path)
     except Exception as exc:
         import warnings
 
@@ -112,15 +128,15 @@ def register(session) -> str | None:
             f"nbdist: the JupyterLab sidebar will not list this cluster ({exc})", stacklevel=2
         )
         return None
+    _owners[path] = weakref.ref(owner)
+    return path
 
 
-def _write(session) -> str:
-    handle = session._handle
+def _entry(handle, ranks, backend, run_id, history, attach) -> dict:
     cluster = handle.cluster
     controller = getattr(cluster, "controller", None) if cluster is not None else None
-    metrics = session._metrics
     pid = os.getpid()
-    entry = {
+    return {
         "format": FORMAT,
         "kernel_id": kernel_id(),
         "kernel_pid": pid,
@@ -129,11 +145,11 @@ def _write(session) -> str:
         "owned": bool(handle.owned),
         "profile_dir": handle.profile_dir,
         "cluster_file": getattr(cluster, "cluster_file", None) if cluster is not None else None,
-        "connection_file": _client_file(session),
+        "connection_file": _client_file(handle, attach),
         "controller_pid": getattr(controller, "pid", None),
         "pids": sorted(handle.pids),
-        "backend": session.backend,
-        "world_size": session.world_size,
+        "backend": backend,
+        "world_size": len(ranks),
         "ranks": [
             {
                 "rank": r.rank,
@@ -143,36 +159,35 @@ def _write(session) -> str:
                 "host": r.host,
                 "device": r.device,
             }
-            for r in session.ranks
+            for r in ranks
         ],
-        "run_id": metrics.run.id if metrics is not None and metrics.store is not None else None,
-        "history": metrics.store.path
-        if metrics is not None and metrics.store is not None
-        else None,
+        "run_id": run_id,
+        "history": history,
         "started": time.time(),
     }
-    old = getattr(session, "_registry_path", None)
+
+
+def _write(entry: dict, path: str | None) -> str:
     folder = registry_dir(create=True)
-    path = old or os.path.join(folder, f"cluster-{pid}-{next(_counter)}.json")
+    path = path or os.path.join(folder, f"cluster-{entry['kernel_pid']}-{next(_counter)}.json")
     tmp = path + ".tmp"
     # Written then renamed: a reader never sees half an entry.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(entry, f)
     os.replace(tmp, path)
-    session._registry_path = path
     return path
 
 
-def unregister(session) -> None:
-    """Remove the session's entry, if it has one (idempotent, never raises)."""
-    path = getattr(session, "_registry_path", None)
-    session._registry_path = None
-    if path:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+def unregister(path: str | None) -> None:
+    """Remove the entry at ``path`` (None: nothing to do); idempotent, never raises."""
+    if not path:
+        return
+    _owners.pop(path, None)
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _alive(pid: int | None, created: float | None) -> bool:
@@ -228,16 +243,14 @@ def act(cluster_id: str, action: str) -> None:
     Jupyter server sends it as a silent execute request), so the session
     itself stops its processes by PID and closes its run, as ``%dist_stop`` does.
     """
-    from .session import _live
-
     if action not in ("restart", "stop"):
         raise ValueError(f"action {action!r}: use 'restart' or 'stop'")
-    for session in list(_live):
-        path = getattr(session, "_registry_path", None)
-        if path and os.path.basename(path) == f"{cluster_id}.json":
+    for path, ref in list(_owners.items()):
+        owner = ref()
+        if owner is not None and os.path.basename(path) == f"{cluster_id}.json":
             if action == "restart":
-                session.restart()
+                owner.restart()
             else:
-                session.stop()
+                owner.stop()
             return
     raise LookupError(f"no running cluster {cluster_id!r} in this kernel (already stopped?)")

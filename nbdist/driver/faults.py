@@ -1,6 +1,6 @@
-"""Kernel side of faults: ranks that die, fail or hang while others wait in a collective.
+"""Kernel side: faults, ranks that die, fail or hang while others wait in a collective.
 
-Two pieces, used by :class:`~nbdist.session.DistSession` and the cell runner:
+Two pieces, used by :class:`~nbdist.driver.session.DistSession` and the cell runner:
 
 :class:`RankMonitor`
     one thread per session that waits on a ``pidfd`` per local rank: the
@@ -13,7 +13,7 @@ Two pieces, used by :class:`~nbdist.session.DistSession` and the cell runner:
     consulted by the cell's waiting loop. When a rank failed and the others
     are still running after a short grace, or when a rank died, or when an
     interrupted rank does not stop, it *releases* the ranks: every live rank
-    breaks out of its collective (see :mod:`nbdist._rank_control`) and
+    breaks out of its collective (see :mod:`nbdist.engine.control`) and
     ranks still computing get SIGINT. After the cell the group is formed
     again on the surviving processes (their variables and models stay).
 
@@ -36,9 +36,9 @@ import socket
 import threading
 import time
 
-from ._oom import OomCounter, oom_counter
+from nbdist.driver.oom import OomCounter, oom_counter
 
-__all__ = ["CellGuard", "RankMonitor", "death_cause", "reform_group"]
+__all__ = ["CellGuard", "RankMonitor", "dead_ranks", "death_cause"]
 
 # After one rank failed, how long the others may finish by themselves before
 # they are released: long enough for ranks that were about to return, far
@@ -102,6 +102,7 @@ class RankMonitor:
     """Notices local ranks dying, at once, and records how (``dead``: {rank: cause})."""
 
     def __init__(self, ranks, on_death=None) -> None:
+        """Watch the local ``ranks`` (RankInfo); ``on_death(rank)`` is called on the watcher thread."""
         self.dead: dict[int, str] = {}
         self._on_death = on_death
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
@@ -140,6 +141,7 @@ class RankMonitor:
                     self._on_death(rank)
 
     def stop(self) -> None:
+        """Stop watching and close the pidfds (idempotent)."""
         try:
             os.write(self._stop_w, b"x")
         except OSError:
@@ -153,10 +155,24 @@ class RankMonitor:
         self._fds.clear()
 
 
+def dead_ranks(monitor: RankMonitor | None, client, ranks, among=None) -> dict[int, str]:
+    """{rank: how it died}: what ``monitor`` saw end, and engines the controller no longer has.
+
+    ``ranks``: RankInfo of the group; ``among``: only these rank numbers (None: all).
+    """
+    dead = dict(monitor.dead) if monitor is not None else {}
+    alive_ids = set(client.ids)
+    for info in ranks:
+        if info.engine_id not in alive_ids and info.rank not in dead:
+            dead[info.rank] = "its engine stopped answering the controller's heartbeat"
+    return {r: c for r, c in dead.items() if among is None or r in among}
+
+
 class CellGuard:
     """Watches one cell's ranks: releases the others when one fails, hangs or dies."""
 
     def __init__(self, session, ranks) -> None:
+        """Guard one cell of ``session`` running on ``ranks`` (RankInfo, in run order)."""
         self.session = session
         self.ranks = list(ranks)  # RankInfo of the cell's ranks, in run order
         self.released_from: dict[int, str] = {}  # rank -> what it was released from
@@ -169,7 +185,7 @@ class CellGuard:
     # -- what the waiting loop calls ----------------------------------------
     def dead(self) -> dict[int, str]:
         """{rank: cause} of this cell's ranks that died."""
-        return self.session._dead_ranks({r.rank for r in self.ranks})
+        return self.session.dead_ranks({r.rank for r in self.ranks})
 
     def poll(self, run) -> None:
         """Each pass of the waiting loop: release the ranks if the cell cannot finish."""
@@ -180,7 +196,7 @@ class CellGuard:
             which = ", ".join(f"rank {r}" for r in sorted(dead))
             self.release(run, f"{which} died")
             return
-        states = run._child_states()
+        states = run.child_states()
         failed = [r for r, s in states.items() if s == "error"]
         running = [r for r, s in states.items() if s == "running"]
         now = time.monotonic()
@@ -203,26 +219,24 @@ class CellGuard:
     def finished(self, run) -> bool:
         """Every rank returned, or died (a dead rank's reply may never come)."""
         dead = self.dead()
-        return all(
-            state != "running" or rank in dead for rank, state in run._child_states().items()
-        )
+        return all(state != "running" or rank in dead for rank, state in run.child_states().items())
 
     def release(self, run, reason: str) -> None:
         """Break every live rank out of its collective; SIGINT the ranks still computing."""
-        from .where import ask, control_request
+        from nbdist.driver.where import ask, control_request
 
         session = self.session
         self.released = True
         self.release_reason = reason
-        dead = session._dead_ranks()
+        dead = session.dead_ranks()
         live = [r for r in session.ranks if r.rank not in dead]
-        running = set(r for r, s in run._child_states().items() if s == "running") - set(dead)
+        running = set(r for r, s in run.child_states().items() if s == "running") - set(dead)
         client = session.client
         found = {
             w.rank: w for w in ask(client, [r for r in live if r.rank in running], timeout=1.0)
         }
         control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
-        session._group_released = True
+        session.group.released = True
         computing = {}
         for rank in sorted(running):
             w = found.get(rank)
@@ -237,7 +251,7 @@ class CellGuard:
         # give it a moment before interrupting code that is about to end anyway.
         deadline = time.monotonic() + UNWIND_GRACE_S
         while computing and time.monotonic() < deadline:
-            states = run._child_states()
+            states = run.child_states()
             for rank in [r for r in computing if states.get(r) != "running"]:
                 c = computing.pop(rank)
                 self.released_from[rank] = f"{c['op']} #{c['seq']}" if c else "its running code"
@@ -252,7 +266,7 @@ class CellGuard:
 
         ``only_if_waiting``: "" unless some rank waits in a collective or does not answer.
         """
-        from .where import ask, format_where
+        from nbdist.driver.where import ask, format_where
 
         live = [r for r in self.ranks if r.rank not in self.dead()]
         try:
@@ -266,10 +280,10 @@ class CellGuard:
 
     def recover(self, run, *, interrupted: bool = False) -> None:
         """After the cell: form the group again if it was released or left inconsistent."""
-        from .where import ask, control_request
+        from nbdist.driver.where import ask, control_request
 
         session = self.session
-        if session._dead_ranks():
+        if session.dead_ranks():
             return  # a full group needs every rank: %dist_restart
         if interrupted and not self.released:
             # Ranks that stopped at different collectives (one returned from #7,
@@ -281,12 +295,12 @@ class CellGuard:
                 control_request(
                     session.client, [r.engine_id for r in session.ranks], "release", 2.0
                 )
-                session._group_released = True
+                session.group.released = True
                 self.released = True
                 self.release_reason = "the ranks stopped at different collectives"
-        if session._group_released:
+        if session.group is not None and session.group.released:
             try:
-                session._reform_group()
+                session.reform_group()
                 self.reformed = "the process group was formed again; variables and models are kept"
             except Exception as exc:
                 self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
@@ -299,42 +313,8 @@ class CellGuard:
         head = self.release_reason + (
             f"; the others were released: {', '.join(parts)}" if parts else ""
         )
-        if self.session._dead_ranks():
+        if self.session.dead_ranks():
             return head + ". %dist_restart brings the full set of ranks back."
         return head + (
             f". {self.reformed[0].upper()}{self.reformed[1:]}." if self.reformed else "."
         )
-
-
-def reform_group(session) -> None:
-    """Form the session's process group again on the same processes (a new rendezvous).
-
-    Only the group changes on the ranks: namespaces, models and tensors stay.
-    """
-    from . import _bootstrap
-    from .runner import RankRun
-
-    session._group_released = True
-    client, opts = session.client, session.options
-    rank0 = session.ranks[0]
-    rendezvous = client[[rank0.engine_id]].apply_async(
-        _bootstrap.open_rendezvous, session._rendezvous_addr
-    )
-    port = RankRun(rendezvous, [0], interrupt=session.interrupt).wait()[0]
-    base = dict(
-        world_size=session.world_size, master_addr=session._rendezvous_addr, master_port=port,
-        backend=session.backend, timeout=opts["group_timeout"],
-    )  # fmt: skip
-    ar = client[[r.engine_id for r in session.ranks]].apply_async(_rejoin_as_rank, base)
-    run = RankRun(ar, [r.rank for r in session.ranks], interrupt=session.interrupt)
-    run._timeout = opts["timeout"]
-    run.wait()
-    session._group_released = False
-
-
-def _rejoin_as_rank(base: dict) -> dict:
-    # Runs on each rank: its rank number comes from its own state.
-    from nbdist._bootstrap import rejoin
-    from nbdist.rank import _state
-
-    return rejoin({**base, "rank": _state["rank"]})

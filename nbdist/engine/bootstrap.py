@@ -1,4 +1,4 @@
-"""Engine-side steps of forming the process group; called by the session with ``apply``.
+"""Rank side: the steps of forming the process group, called by the kernel with ``apply``.
 
 Order (each a round trip from the kernel):
 1. :func:`describe` on every engine: pid, host, address, GPUs, cores, slot.
@@ -8,6 +8,11 @@ Order (each a round trip from the kernel):
 3. :func:`init_rank` on every engine at once: environment, threads, device,
    ``init_process_group`` over a TCPStore that uses rank 0's socket, one
    all_reduce to prove the group works, and the user namespace.
+
+The engine's IPython shell is handed in by the kernel
+(``ipyparallel.Reference("get_ipython")``, resolved in the rank's namespace), so
+this module imports torch and the standard library only, and runs unchanged
+where there is no shell (an exported script).
 """
 
 from __future__ import annotations
@@ -16,6 +21,14 @@ import datetime
 import os
 import socket
 
+from nbdist.engine import collectives, control
+from nbdist.engine.devices import device_for, visible_gpus
+from nbdist.engine.helpers import device as rank_device
+from nbdist.engine.helpers import rank as this_rank
+from nbdist.engine.helpers import remember_identity
+from nbdist.engine.netif import address_towards, choose_socket_ifname
+from nbdist.metrics.log import configure, shutdown
+
 __all__ = [
     "close_rendezvous",
     "describe",
@@ -23,6 +36,7 @@ __all__ = [
     "narrow_cuda_mask",
     "open_rendezvous",
     "rejoin",
+    "rejoin_as_this_rank",
     "teardown",
 ]
 
@@ -31,12 +45,10 @@ _listener: socket.socket | None = None
 
 def describe(controller_host: str = "127.0.0.1") -> dict:
     """Facts about this engine; touches neither torch nor CUDA."""
-    from .placement import visible_gpus
-
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "address": _address_towards(controller_host),
+        "address": reachable_address(controller_host),
         "gpus": len(visible_gpus()),
         "cores": len(os.sched_getaffinity(0))
         if hasattr(os, "sched_getaffinity")
@@ -45,18 +57,15 @@ def describe(controller_host: str = "127.0.0.1") -> dict:
     }
 
 
-def _address_towards(host: str) -> str:
-    """This host's address on the route to ``host`` (what other hosts can reach)."""
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return "127.0.0.1"
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+def reachable_address(host: str) -> str:
+    """This host's address on the route to ``host`` (what other hosts can reach).
+
+    Where no route is known (no network), the address the hostname resolves to.
+    """
     try:
-        probe.connect((host, 9))  # UDP connect sends nothing; it only picks a route
-        return probe.getsockname()[0]
+        return address_towards(host)
     except OSError:
         return socket.gethostbyname(socket.gethostname())
-    finally:
-        probe.close()
 
 
 def open_rendezvous(address: str) -> int:
@@ -77,6 +86,7 @@ def _forget_listener() -> None:
 
 
 def close_rendezvous() -> None:
+    """Close the rendezvous socket if this rank still holds it (idempotent)."""
     global _listener
     if _listener is not None:
         _listener.close()
@@ -103,8 +113,14 @@ def narrow_cuda_mask(mask: str | None, gpu: int) -> str | None:
     return None
 
 
-def init_rank(spec: dict) -> dict:
-    """Join the process group as ``spec['rank']`` and fill the user namespace."""
+def init_rank(spec: dict, get_shell=None) -> dict:
+    """Join the process group as ``spec['rank']`` and fill the user namespace.
+
+    ``get_shell``: the engine's ``get_ipython`` (the kernel passes
+    ``ipyparallel.Reference("get_ipython")``); without it no namespace is filled,
+    no control requests are served and ``nbdist.log`` is not connected.
+    """
+    shell = get_shell() if get_shell is not None else None
     env = {
         "RANK": spec["rank"],
         "LOCAL_RANK": spec["local_rank"],
@@ -122,8 +138,6 @@ def init_rank(spec: dict) -> dict:
     else:
         # Several hosts: the interface holding this rank's address towards rank 0
         # (the backends' own guess can pick an unreachable one); the user's wins.
-        from .netif import choose_socket_ifname
-
         choose_socket_ifname(spec["master_addr"])
     gpu = spec.get("gpu")
     if gpu is not None:
@@ -133,9 +147,6 @@ def init_rank(spec: dict) -> dict:
 
     import torch
 
-    # nbdist.rank (the module) is shadowed by nbdist.rank() (the function): import names.
-    from .rank import _state, device_for
-
     torch.set_num_threads(spec["threads"])
     cuda_initialized = gpu is not None and torch.cuda.is_initialized()
     device = device_for(gpu, cuda_initialized=cuda_initialized)
@@ -143,16 +154,23 @@ def init_rank(spec: dict) -> dict:
         torch.cuda.set_device(torch.device(device))
 
     _join_group(spec, device)
-
-    _state.update(
+    remember_identity(
         rank=spec["rank"],
         local_rank=spec["local_rank"],
         world_size=spec["world_size"],
         device=device,
     )
-    _fill_namespace(spec, device)
-    if spec.get("metrics_url"):
-        _connect_metrics(spec["metrics_url"], spec["rank"], spec.get("metrics_key"))
+    kernel = getattr(shell, "kernel", None)
+    if kernel is not None:
+        # Answered on the engine's control thread, also while a cell runs or hangs.
+        control.install(kernel)
+        _fill_namespace(shell, spec, device)
+        if spec.get("metrics_url"):
+            # The engine's session key is the cluster key the kernel's collector checks.
+            # (CurveZMQ: no cluster key; the kernel sent one of its own over the encrypted channel.)
+            configure(
+                spec["metrics_url"], spec.get("metrics_key") or kernel.session.key, spec["rank"]
+            )
     # Plain str: torch.__version__ is a TorchVersion, and unpickling it would
     # import torch (seconds) in a kernel that may never need it.
     return {"device": device, "torch": str(torch.__version__), "threads": torch.get_num_threads()}
@@ -163,11 +181,9 @@ def _join_group(spec: dict, device: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from . import _rank_control, collectives
-
     if dist.is_initialized():
         _leave_group()
-    before = _rank_control.socket_snapshot()
+    before = control.socket_snapshot()
     timeout = datetime.timedelta(seconds=spec["timeout"])
     is_master = spec["rank"] == 0
     listen_fd = None
@@ -202,11 +218,10 @@ def _join_group(spec: dict, device: str) -> None:
         raise RuntimeError(f"all_reduce check gave {probe.item()}, expected {expected}")
 
     # The sockets the group opened (store, gloo pairs): what release() shuts down.
-    _rank_control.remember_group_sockets(_rank_control.socket_snapshot() - before)
+    control.remember_group_sockets(control.socket_snapshot() - before)
     collectives.reset()
     collectives.install()
-    _rank_control.track_subgroups()
-    _rank_control.install()
+    control.track_subgroups()
 
 
 def _leave_group() -> None:
@@ -215,8 +230,10 @@ def _leave_group() -> None:
     try:
         dist.destroy_process_group()
     except Exception:  # a released (broken) group may refuse a clean exit; it is gone anyway
-        dist.distributed_c10d._world.pg_map.clear()
-        dist.distributed_c10d._update_default_pg(None)
+        # torch has no public way to forget a group whose destroy failed.
+        c10d = dist.distributed_c10d
+        c10d._world.pg_map.clear()  # noqa: SLF001
+        c10d._update_default_pg(None)  # noqa: SLF001
 
 
 def rejoin(spec: dict) -> dict:
@@ -226,55 +243,37 @@ def rejoin(spec: dict) -> dict:
     bound to the old group (a ``DistributedDataParallel`` wrapper) must be
     made again. Returns this rank's last collective before the group was formed again.
     """
-    from . import collectives
-    from .rank import _state
-
     before = collectives.last()
     os.environ["MASTER_PORT"] = str(spec["master_port"])
-    _join_group(spec, _state.get("device", "cpu"))
+    _join_group(spec, str(rank_device()))
     return {"before": before}
 
 
-def _fill_namespace(spec: dict, device: str) -> None:
+def rejoin_as_this_rank(base: dict) -> dict:
+    """:func:`rejoin` with this rank's own number (the kernel sends every rank the same ``base``)."""
+    return rejoin({**base, "rank": this_rank()})
+
+
+def _fill_namespace(shell, spec: dict, device: str) -> None:
     import torch
     import torch.distributed as dist
-    from IPython import get_ipython
 
-    import nbdist
-
-    shell = get_ipython()
-    if shell is None:
-        return
     shell.user_ns.update(
         torch=torch,
         dist=dist,
-        nbdist=nbdist,
         rank=spec["rank"],
         local_rank=spec["local_rank"],
         world_size=spec["world_size"],
         device=torch.device(device),
     )
-
-
-def _connect_metrics(url: str, rank: int, key: bytes | None = None) -> None:
-    from IPython import get_ipython
-
-    from .metrics.log import configure
-
-    shell = get_ipython()
-    kernel = getattr(shell, "kernel", None)
-    if kernel is None:
-        return
-    # The engine's session key is the cluster key the kernel's collector checks.
-    # (CurveZMQ: no cluster key; the kernel sent one of its own over the encrypted channel.)
-    configure(url, key or kernel.session.key, rank)
+    # The package itself, as a user's own import line would bring it (this module
+    # belongs to the rank side and does not import the kernel-side API).
+    shell.ex("import nbdist")
 
 
 def teardown() -> None:
     """Leave the process group (before the engines stop)."""
     import torch.distributed as dist
-
-    from .metrics.log import shutdown
 
     shutdown()
     if dist.is_initialized():

@@ -1,11 +1,13 @@
-"""The rows of ``%dist_status``: what each rank is doing, read without disturbing it.
+"""Kernel side: the rows of ``%dist_status``, what each rank is doing, read without disturbing it.
 
 Everything comes from the controller (queue state, heartbeats) and from the
 operating system (memory by PID for local ranks): asking a busy rank itself
-would wait behind the cell it is running.
+would wait behind the cell it is running. States are :mod:`nbdist.rank_states`'s.
 """
 
 from __future__ import annotations
+
+from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = ["format_status", "rank_status"]
 
@@ -37,14 +39,14 @@ def rank_status(handle, ranks, backend: str | None, dead: dict | None = None) ->
     for info in ranks:
         queue = queues.get(info.engine_id, {})
         if info.engine_id not in alive_ids:
-            state = "dead"
+            state = DEAD
         elif queue.get("queue", 0) or queue.get("tasks", 0):
-            state = "busy"
+            state = BUSY
         else:
-            state = "idle"
+            state = IDLE
         memory = _rss_mib(info.pid) if handle.owned else None
         if (handle.owned and memory is None) or info.rank in dead:
-            state = "dead"
+            state = DEAD
         rows.append(
             dict(
                 rank=info.rank,
@@ -80,7 +82,7 @@ def format_status(rows: list[dict]) -> str:
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
-    dead = [r for r in rows if r["state"] == "dead"]
+    dead = [r for r in rows if r["state"] == DEAD]
     for r in dead:
         lines.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
     if dead:

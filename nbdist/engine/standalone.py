@@ -1,4 +1,4 @@
-"""The rank side of an exported script: what ``%dist_start`` gives a cell, under ``torchrun``.
+"""Rank side, under ``torchrun``: what ``%dist_start`` gives a cell, for an exported script.
 
 A script written by ``%dist_export`` starts with :func:`init`, which forms the
 process group from the launcher's environment and returns the names every
@@ -16,7 +16,7 @@ must be exported by the batch script) and a plain ``python script.py`` (one rank
 Example::
 
     import torch, torch.distributed as dist, nbdist
-    from nbdist.standalone import init, finish
+    from nbdist.engine.standalone import init, finish
 
     rank, local_rank, world_size, device = init()
     nbdist.log(step=0, loss=1.0)
@@ -29,6 +29,11 @@ import atexit
 import os
 import secrets
 import sys
+
+from nbdist.engine.devices import choose_backend, local_device
+from nbdist.engine.helpers import remember_identity
+from nbdist.engine.netif import address_towards, choose_socket_ifname
+from nbdist.metrics.log import configure, flush, shutdown
 
 __all__ = ["finish", "init", "launcher_environment"]
 
@@ -80,10 +85,6 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
     import torch
     import torch.distributed as dist
 
-    from .netif import choose_socket_ifname
-    from .placement import choose_backend
-    from .rank import _state as rank_state
-
     env = launcher_environment(dict(os.environ))
     os.environ.update(env)
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
@@ -92,7 +93,7 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
     chosen = choose_backend(backend, uses_gpus=use_gpus)
     device = "cpu"
     if chosen == "nccl":
-        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+        device = local_device(local_rank)
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
         kwargs = {"device_id": torch.device(device)} if chosen == "nccl" else {}
@@ -105,7 +106,7 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
             dist.init_process_group(chosen, **kwargs)
         else:  # plain `python script.py`: a group of one, nothing listens
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    rank_state.update(rank=rank, local_rank=local_rank, world_size=world, device=device)
+    remember_identity(rank=rank, local_rank=local_rank, world_size=world, device=device)
     _state.update(rank=rank, world_size=world)
     if history is not False:
         _open_metrics(rank, world, chosen, env, history)
@@ -116,8 +117,6 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
 def _open_metrics(rank: int, world: int, backend: str, env: dict, history) -> None:
     import torch.distributed as dist
 
-    from .metrics.log import configure
-
     several = world > 1 and _several_hosts(env)
     seen: list = [None] * world
     if several:
@@ -125,8 +124,8 @@ def _open_metrics(rank: int, world: int, backend: str, env: dict, history) -> No
         dist.all_gather_object(seen, _address_or_empty(env.get("MASTER_ADDR", "127.0.0.1")))
     found = [None]
     if rank == 0:
-        from .metrics.collector import Collector
-        from .metrics.store import RunStore
+        from nbdist.metrics.collector import Collector
+        from nbdist.metrics.store import RunStore
 
         # Loopback unless ranks run on other hosts: then rank 0's address towards them.
         ip = _collector_address(seen, env.get("MASTER_ADDR", "")) if several else "127.0.0.1"
@@ -144,8 +143,6 @@ def _open_metrics(rank: int, world: int, backend: str, env: dict, history) -> No
 
 
 def _address_or_empty(host: str) -> str:
-    from .netif import address_towards
-
     try:
         return address_towards(host)
     except OSError:
@@ -176,8 +173,6 @@ def finish() -> None:
     if _state.get("finished") or "rank" not in _state:
         return
     _state["finished"] = True
-    from .metrics.log import flush, shutdown
-
     try:
         flush({"cell": 1})  # the end marker: rank 0 waits for every rank's
         shutdown()

@@ -1,0 +1,200 @@
+"""Kernel side: forming the process group over a session's engines, and forming it again.
+
+:func:`form_group`: the engines describe themselves (host, address, GPUs, slot),
+the ranks are numbered (by slot where nbdist started them, host by host where
+attached), rank 0 opens the rendezvous socket, and every rank joins the group;
+each rank's ``init_rank`` returns only after one collective succeeded.
+
+:func:`reform_group`: after the ranks were released from a hung or failed
+collective (:mod:`nbdist.driver.faults`), the same processes form a new group
+over a new rendezvous; their namespaces, models and tensors stay.
+
+Both return or change a :class:`Group`; the session keeps it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from nbdist.driver.ipp_internals import controller_interface
+from nbdist.driver.runner import RankRun
+from nbdist.engine import bootstrap
+from nbdist.launch.cluster import serializer_ready
+from nbdist.launch.options import StartOptions
+from nbdist.launch.placement import EngineInfo, Placement, parse_ranks, plan_attached
+
+__all__ = [
+    "Group",
+    "RankInfo",
+    "controller_host",
+    "form_group",
+    "metrics_ip",
+    "metrics_key",
+    "reform_group",
+]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank of a formed group: its numbers, its engine and process, where it runs."""
+
+    rank: int
+    local_rank: int
+    engine_id: int
+    pid: int
+    host: str
+    device: str
+
+
+@dataclass
+class Group:
+    """A formed process group: its ranks (in rank order) and where they meet.
+
+    ``released``: the ranks were released from a collective (or an attempt to
+    form the group again failed); the group must be formed again before the
+    next cell (:func:`reform_group`).
+    """
+
+    ranks: list[RankInfo]
+    rendezvous_addr: str
+    backend: str
+    released: bool = False
+    hosts: dict[int, str] = field(default_factory=dict)  # rank -> host, when several hosts
+
+    @property
+    def engine_ids(self) -> list[int]:
+        """The engines of the ranks, in rank order."""
+        return [r.engine_id for r in self.ranks]
+
+    def select(self, ranks=None) -> list[RankInfo]:
+        """The ranks named by ``ranks`` ('0,2', '0-3', 2, [0, 2]; None: all), checked."""
+        return [self.ranks[r] for r in parse_ranks(ranks, len(self.ranks))]
+
+
+def _shell_reference():
+    # The rank's own get_ipython, looked up in its namespace when the call runs
+    # there: the rank-side code never imports IPython itself.
+    import ipyparallel as ipp
+
+    return ipp.Reference("get_ipython")
+
+
+def form_group(
+    client,
+    *,
+    owned: bool,
+    placement: Placement | None,
+    options: StartOptions,
+    metrics_url: str,
+    metrics_key_for_ranks: bytes | None,
+    interrupt: Callable[[Sequence[int]], None],
+) -> tuple[Group, Placement]:
+    """Describe the engines, number the ranks, open the rendezvous and init every rank.
+
+    ``placement``: the plan the engines were started from (None when attached:
+    it is made here from what the engines report). ``options``: the session's
+    checked start options. ``metrics_key_for_ranks``:
+    sent to the ranks only where the cluster has no key of its own (CurveZMQ).
+    Returns the group and the placement it followed.
+    """
+    serializer_ready()  # the serializer's set-up may still run on its thread: not thread-safe
+    engine_ids = sorted(client.ids)
+    towards = options.ip if owned else controller_host(client)
+    infos = dict(zip(engine_ids, client[engine_ids].apply_sync(bootstrap.describe, towards)))
+    if owned and placement is not None and all(i["slot"] is not None for i in infos.values()):
+        by_slot = {info["slot"]: eid for eid, info in infos.items()}
+        slots = {by_slot[slot.local_rank]: slot for slot in placement.slots}
+    else:
+        placement, slots = plan_attached(
+            [EngineInfo(e, i["host"], i["address"], i["gpus"]) for e, i in infos.items()],
+            cores={i["host"]: i["cores"] for i in infos.values()},
+            backend=options.backend,
+            cpu=options.cpu,
+            threads=options.threads,
+        )
+    rank0_engine = next(e for e, s in slots.items() if s.rank == 0)
+    master_addr = infos[rank0_engine]["address"]
+    port = client[[rank0_engine]].apply_sync(bootstrap.open_rendezvous, master_addr)[0]
+    pending = {}
+    for eid, slot in slots.items():
+        spec = dict(
+            rank=slot.rank, local_rank=slot.local_rank, world_size=len(slots),
+            local_world_size=slot.local_world_size, master_addr=master_addr,
+            master_port=port, backend=placement.backend, gpu=slot.gpu,
+            threads=placement.threads_for(slot), timeout=options.group_timeout,
+            loopback_only=master_addr.startswith("127."), metrics_url=metrics_url,
+            metrics_key=metrics_key_for_ranks,
+        )  # fmt: skip
+        pending[eid] = client[[eid]].apply_async(bootstrap.init_rank, spec, _shell_reference())
+    ranks = []
+    deadline = time.monotonic() + options.timeout
+    for eid, ar in pending.items():
+        slot = slots[eid]
+        run = RankRun(
+            ar,
+            [slot.rank],
+            interrupt=interrupt,
+            sink=None,
+            timeout=max(0.1, deadline - time.monotonic()),
+        )
+        result = run.wait()[0]
+        # plan_local says "localhost"; attached hosts keep their placement label
+        host = infos[eid]["host"] if slot.host == "localhost" else slot.host
+        ranks.append(
+            RankInfo(slot.rank, slot.local_rank, eid, infos[eid]["pid"], host, result["device"])
+        )
+    ranks.sort(key=lambda r: r.rank)
+    hosts = {r.rank: r.host for r in ranks} if len({r.host for r in ranks}) > 1 else {}
+    return Group(ranks, master_addr, placement.backend, hosts=hosts), placement
+
+
+def reform_group(
+    client,
+    group: Group,
+    *,
+    group_timeout: float,
+    timeout: float,
+    interrupt: Callable[[Sequence[int]], None],
+) -> None:
+    """Form ``group`` again on the same processes (a new rendezvous); clears ``released``.
+
+    Only the group changes on the ranks: namespaces, models and tensors stay.
+    ``group.released`` stays True if this fails, so the next cell tries again.
+    """
+    group.released = True
+    rank0 = group.ranks[0]
+    rendezvous = client[[rank0.engine_id]].apply_async(
+        bootstrap.open_rendezvous, group.rendezvous_addr
+    )
+    port = RankRun(rendezvous, [0], interrupt=interrupt).wait()[0]
+    base = dict(
+        world_size=len(group.ranks), master_addr=group.rendezvous_addr, master_port=port,
+        backend=group.backend, timeout=group_timeout,
+    )  # fmt: skip
+    ar = client[group.engine_ids].apply_async(bootstrap.rejoin_as_this_rank, base)
+    RankRun(ar, [r.rank for r in group.ranks], interrupt=interrupt, timeout=timeout).wait()
+    group.released = False
+
+
+def metrics_key(client) -> bytes:
+    """The key metrics are signed with: the cluster key, or a random one where the
+    cluster has none (ipyparallel drops its HMAC key when CurveZMQ encrypts)."""
+    return client.session.key or secrets.token_bytes(32)
+
+
+def metrics_ip(client, *, owned: bool, ip: str) -> str:
+    """Where the metrics collector listens: loopback, unless the ranks are elsewhere
+    (``--ip`` beyond loopback, or an attached cluster: then the controller's side)."""
+    if owned and ip.startswith("127."):
+        return "127.0.0.1"
+    return bootstrap.reachable_address(controller_host(client))
+
+
+def controller_host(client) -> str:
+    """The host the client's controller listens on, as the ranks reach it (loopback if any)."""
+    url = controller_interface(client)
+    host = url.rpartition("//")[2] or "127.0.0.1"
+    return host if host not in ("*", "0.0.0.0") else "127.0.0.1"

@@ -1,0 +1,397 @@
+"""Kernel side: DistSession, a set of ranks with a ready process group, from a script or a notebook.
+
+Example::
+
+    from nbdist import DistSession
+
+    with DistSession(2) as s:                       # 2 CPU ranks (gloo) on a machine without GPUs
+        s.run("t = torch.ones(1) * rank; dist.all_reduce(t); print(t)")
+        print(s.pull("t"))                          # [tensor([1.]), tensor([1.])]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from nbdist.driver import live_sessions, registry
+from nbdist.driver.cells import cell_channel
+from nbdist.driver.faults import CellGuard, RankMonitor, dead_ranks
+from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics_key, reform_group
+from nbdist.driver.runner import RankRun, submit
+from nbdist.driver.status import rank_status
+from nbdist.driver.where import RankWhere, locate
+from nbdist.engine import bootstrap
+from nbdist.errors import ClusterNotRunning, NbdistError
+from nbdist.launch.cluster import (
+    ClusterHandle,
+    interrupt_engines,
+    start_processes,
+    stop_processes,
+)
+from nbdist.launch.options import check_start_options
+from nbdist.launch.placement import Placement, plan_start
+
+__all__ = ["DistSession", "RankInfo"]
+
+
+class DistSession:
+    """Ranks as ipyparallel engines with ``torch.distributed`` initialised on them.
+
+    Parameters mirror ``%dist_start``: ``n`` ranks (default: one per visible
+    GPU, or 2 CPU ranks), ``backend`` ('nccl'/'gloo', default by device),
+    ``cpu`` to ignore GPUs, ``gpus`` (indices) to choose GPUs, ``threads``
+    torch threads per rank (default: cores shared among the ranks),
+    ``timeout`` seconds to wait for the ranks to be ready, ``launcher``/
+    ``profile`` passed to ipyparallel, ``attach`` a cluster file of a running
+    cluster, ``ip`` the controller address (loopback by default),
+    ``start_method`` 'fork' (engines forked after importing torch) or 'spawn',
+    ``group_timeout`` the process group's own timeout, ``history`` where the
+    run's metrics are kept (a path, None for the default, False for none),
+    ``launch_options`` for ``launcher`` 'slurm', 'ssh' or 'mpi' (partition,
+    time, account, hosts...: :mod:`nbdist.launch.schedulers`).
+    Every option is checked here, before anything starts
+    (:func:`nbdist.launch.options.check_start_options`).
+    """
+
+    def __init__(
+        self,
+        n: int | None = None,
+        *,
+        backend: str | None = None,
+        cpu: bool = False,
+        gpus: Sequence[int] | None = None,
+        threads: int | None = None,
+        timeout: float = 120.0,
+        launcher: str | None = None,
+        profile: str | None = None,
+        attach: str | None = None,
+        ip: str = "127.0.0.1",
+        start_method: str = "fork",
+        group_timeout: float = 1800.0,
+        history: str | bool | None = None,
+        launch_options: Mapping[str, object] | None = None,
+    ):
+        """Check the options and plan the ranks (nothing starts until :meth:`start`)."""
+        self.options = opts = check_start_options(
+            n, backend=backend, cpu=cpu, gpus=gpus, threads=threads, timeout=timeout,
+            launcher=launcher, profile=profile, attach=attach, ip=ip,
+            start_method=start_method, group_timeout=group_timeout,
+            launch_options=launch_options,
+        )  # fmt: skip
+        # Attached: None until the engines describe themselves (plan_attached).
+        self.placement: Placement | None = plan_start(opts)
+        self.history = history
+        self.startup_seconds: float | None = None
+        # Code run on every rank since the group formed, in order: what %dist_export writes.
+        self.cells: list[str] = []
+        self.group: Group | None = None  # the formed process group, while running
+        self._hub = None  # nbdist.metrics.hub.MetricsHub, made at the first start
+        self._handle: ClusterHandle | None = None
+        self._monitor: RankMonitor | None = None  # notices local ranks dying
+        self._registry_path: str | None = None
+
+    # -- what it is -------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """Started and not stopped."""
+        return self._handle is not None
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks (0 when not running)."""
+        return len(self.ranks)
+
+    @property
+    def ranks(self) -> list[RankInfo]:
+        """The ranks, in rank order (empty when not running)."""
+        return list(self.group.ranks) if self.group is not None else []
+
+    @property
+    def backend(self) -> str | None:
+        """'nccl' or 'gloo'."""
+        return self.placement.backend if self.placement else None
+
+    @property
+    def cluster(self) -> ClusterHandle | None:
+        """The processes behind the ranks (PIDs, profile directory, how they started), or None."""
+        return self._handle
+
+    @property
+    def client(self):
+        """The ipyparallel ``Client`` connected to the ranks' engines."""
+        self._require_running()
+        return self._handle.client
+
+    @property
+    def metrics_hub(self):
+        """The :class:`~nbdist.metrics.hub.MetricsHub`: the run, its collector and history."""
+        if self._hub is None:
+            raise ClusterNotRunning("no metrics yet: start the session first")
+        return self._hub
+
+    @property
+    def metrics(self):
+        """This session's run (:class:`nbdist.metrics.run.Run`): every point ``nbdist.log`` sent."""
+        return self.metrics_hub.run
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self) -> DistSession:
+        """Start (or attach to) the engines and form the process group; returns self."""
+        if self.running:
+            raise NbdistError(
+                f"this session already runs {self.world_size} ranks: stop() or restart() it first"
+            )
+        t0 = time.perf_counter()
+        self._handle = handle = start_processes(self.options, self.placement)
+        try:
+            key = metrics_key(handle.client)
+            if self._hub is None:
+                from nbdist.metrics.hub import MetricsHub
+
+                ranks = self.placement.world_size if self.placement else len(handle.client.ids)
+                self._hub = MetricsHub.open(
+                    key,
+                    world_size=ranks,
+                    backend=self.backend or "",
+                    history=self.history,
+                    ip=metrics_ip(handle.client, owned=handle.owned, ip=self.options.ip),
+                )
+            else:
+                # restart(): a new cluster, a new key, and the ranks sign their metrics with it.
+                self._hub.collector.new_cluster(key)
+            self._form_group()
+            if handle.owned:
+                self._monitor = RankMonitor(self.group.ranks)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.perf_counter() - t0
+        live_sessions.started(self)
+        store = self._hub.store
+        self._registry_path = registry.register(  # the JupyterLab sidebar lists running clusters
+            self,
+            handle=handle,
+            ranks=self.ranks,
+            backend=self.backend,
+            run_id=self._hub.run.id if store is not None else None,
+            history=store.path if store is not None else None,
+            attach=self.options.attach,
+        )
+        return self
+
+    def _form_group(self) -> None:
+        # Kept as a method: the start-up benchmark wraps it to time group formation.
+        client, opts = self._handle.client, self.options
+        self.group, self.placement = form_group(
+            client,
+            owned=self._handle.owned,
+            placement=self.placement if self._handle.owned else None,
+            options=opts,
+            metrics_url=self._hub.url,
+            # Under CurveZMQ the cluster key is empty and this channel encrypted:
+            # the ranks get the metrics key here (never over an unencrypted channel).
+            metrics_key_for_ranks=None if client.session.key else self._hub.collector.key,
+            interrupt=self.interrupt,
+        )
+        if self.group.hosts:  # the dashboard names each rank's host
+            self._hub.run.hosts = dict(self.group.hosts)
+        self.cells = []  # fresh namespaces: earlier cells no longer describe them
+
+    def stop(self) -> list[int]:
+        """Stop the ranks nbdist started (detach from an attached cluster); idempotent.
+
+        Returns the PIDs that had to be force-killed (normally none). The run's
+        metrics stay readable (``session.metrics``, ``nbdist.runs()``).
+        """
+        killed = self._stop_ranks()
+        if self._hub is not None:
+            self._hub.close()
+        return killed
+
+    def _stop_ranks(self) -> list[int]:
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return []
+        live_sessions.stopped(self)
+        if self._monitor is not None:
+            self._monitor.stop()
+            self._monitor = None
+        registry.unregister(self._registry_path)
+        self._registry_path = None
+        group, self.group = self.group, None
+        if handle.client is not None and not handle.owned and group is not None:
+            try:  # leave the group so the attached engines can be reused
+                handle.client[group.engine_ids].apply_async(bootstrap.teardown).get(5)
+            except Exception:
+                pass
+        return stop_processes(handle)
+
+    def restart(self) -> DistSession:
+        """Fresh engines, the group formed again, same number of ranks; the run continues."""
+        self._stop_ranks()
+        return self.start()
+
+    def __enter__(self) -> DistSession:
+        """Start (unless running) for a ``with`` block, which stops it at the end."""
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Stop at the end of the ``with`` block."""
+        self.stop()
+
+    def _require_running(self) -> None:
+        if not self.running:
+            raise ClusterNotRunning(
+                "this session is not running: call start() (or %dist_start) first"
+            )
+
+    # -- running code -----------------------------------------------------
+    def select(self, ranks=None) -> list[RankInfo]:
+        """The ranks named by ``ranks`` ('0,2', '0-3', 2, [0, 2]; None: all), checked."""
+        self._require_running()
+        return self.group.select(ranks)
+
+    def run(self, code: str, ranks=None, *, block: bool = True, timeout=None, sink=None):
+        """Run ``code`` on the ranks (all by default) in their persistent namespaces.
+
+        Output streams live, labelled by rank. Blocking: returns the per-rank
+        results and raises :class:`~nbdist.errors.RankError` if any rank raised.
+        ``block=False`` returns a :class:`~nbdist.driver.runner.RankRun`; call ``.wait()``.
+        ``timeout``: seconds before the ranks are interrupted (none by default).
+        """
+        from nbdist.dashboard import cell_watcher
+
+        chosen = self.select(ranks)
+        self._require_whole()
+        if self.group.released:  # an earlier attempt to form the group again failed
+            self.reform_group()
+        client, engine_ids = self._handle.client, [r.engine_id for r in chosen]
+        run = submit(
+            client,
+            engine_ids,
+            [r.rank for r in chosen],
+            code,
+            interrupt=self.interrupt,
+            sink=sink,
+            timeout=timeout,
+            watch=cell_watcher(self._hub.run, self.rank_states),
+            guard=CellGuard(self, chosen),
+            silent_if_possible=block,
+        )
+        if not block:
+            return run
+        try:
+            return run.wait()
+        finally:
+            sent = cell_channel(client).learn(engine_ids, run.results or [])
+            self._hub.settle(dict(zip(run.ranks, sent)))
+
+    def record_cell(self, code: str) -> None:
+        """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""
+        self.cells.append(code)
+
+    def export(self, path: str, **options) -> str:
+        """Write the recorded cells as a ``torchrun`` script; see :func:`nbdist.driver.export.export_script`."""
+        from nbdist.driver.export import export_script
+
+        options.setdefault("ranks", max(1, self.world_size))
+        return export_script(self.cells, path, **options)
+
+    def _on_ranks(self, ranks, send: Callable) -> list:
+        # send(view) -> AsyncResult; waited for like a cell (errors by rank, Ctrl-C relayed).
+        chosen = self.select(ranks)
+        ar = send(self._handle.client[[r.engine_id for r in chosen]])
+        return RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait()
+
+    def apply(self, fn: Callable, *args, ranks=None, **kwargs) -> list:
+        """Call ``fn(*args, **kwargs)`` on the ranks; returns results in rank order."""
+        return self._on_ranks(ranks, lambda view: view.apply_async(fn, *args, **kwargs))
+
+    def push(self, mapping: Mapping[str, object], ranks=None) -> None:
+        """Copy names from here into the ranks' namespaces."""
+        self._on_ranks(ranks, lambda view: view.push(dict(mapping), block=False))
+
+    def pull(self, name: str, rank: int | None = None):
+        """A name's value from one rank, or a list of values by rank when ``rank`` is None."""
+        values = self._on_ranks(rank, lambda view: view.pull(name, block=False))
+        return values[0] if rank is not None else values
+
+    def interrupt(self, ranks=None) -> None:
+        """Send SIGINT to the ranks: running code raises KeyboardInterrupt there."""
+        chosen = self.select(ranks)
+        interrupt_engines(self._handle, [r.pid for r in chosen], [r.engine_id for r in chosen])
+
+    # -- faults -----------------------------------------------------------
+    def dead_ranks(self, among=None) -> dict[int, str]:
+        """{rank: how it died} for ranks whose process ended (or engine vanished); ``among``: ranks."""
+        if self._handle is None:
+            return {}
+        return dead_ranks(self._monitor, self._handle.client, self.ranks, among)
+
+    def _require_whole(self) -> None:
+        dead = self.dead_ranks()
+        if dead:
+            which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
+            raise NbdistError(f"{which}. %dist_restart (or restart()) brings every rank back")
+
+    def reform_group(self) -> None:
+        """Form the process group again on the same processes, after its ranks were released.
+
+        Namespaces, models and tensors stay; objects bound to the old group (a
+        ``DistributedDataParallel`` wrapper) must be made again.
+        """
+        self._require_running()
+        reform_group(
+            self._handle.client,
+            self.group,
+            group_timeout=self.options.group_timeout,
+            timeout=self.options.timeout,
+            interrupt=self.interrupt,
+        )
+
+    # -- reporting --------------------------------------------------------
+    def where(self, ranks=None) -> list[RankWhere]:
+        """Where each rank is, without stopping it: its Python stack and last collective.
+
+        Returns :class:`nbdist.driver.where.RankWhere` objects;
+        ``nbdist.driver.where.format_where`` turns them into the ``%dist_where`` report.
+        """
+        return locate(self.client, self.select(ranks), self.dead_ranks())
+
+    def status(self) -> list[dict]:
+        """One row per rank: rank, engine, host, pid, device, backend, state, memory."""
+        self._require_running()
+        return rank_status(self._handle, self.ranks, self.backend, self.dead_ranks())
+
+    def rank_states(self) -> dict[int, str]:
+        """{rank: state} in the words of :mod:`nbdist.rank_states` ({} when not running)."""
+        if not self.running:
+            return {}
+        return {row["rank"]: row["state"] for row in self.status()}
+
+    def dashboard(self):
+        """Show this session's live dashboard here (``%dist_dashboard``); see ``show_run``."""
+        from nbdist.dashboard import show_run
+
+        return show_run(self.metrics, states=self.rank_states)
+
+    def summary(self) -> str:
+        """One line: ranks, backend, devices, start-up seconds."""
+        self._require_running()
+        devices = sorted({r.device for r in self.ranks})
+        hosts = sorted({r.host for r in self.ranks})
+        where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
+        note = f"; {self._handle.start_note}" if self._handle.start_note else ""
+        return (
+            f"nbdist: {self.world_size} ranks ready{where} · backend {self.backend} · "
+            f"device {', '.join(devices)} · {self.startup_seconds:.1f} s{note}"
+        )
+
+    def __repr__(self) -> str:
+        """``<DistSession: 2 ranks, gloo>``."""
+        if not self.running:
+            return "<DistSession: not running>"
+        return f"<DistSession: {self.world_size} ranks, {self.backend}>"

@@ -1,0 +1,202 @@
+"""Kernel side: where merged rank output goes (a list, the terminal, or a Jupyter cell).
+
+:class:`~nbdist.driver.output.OutputMerger` hands each decision to a *sink*
+(see :class:`Sink`). :class:`ListSink` records events (tests, scripts),
+:class:`StreamSink` writes to ``sys.stdout``/``sys.stderr`` and
+:class:`KernelSink` adds in-place progress bars and rich displays inside a
+Jupyter kernel. IPython is imported lazily, by the sinks that need it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+from nbdist.driver.output import STREAMS
+
+__all__ = ["KernelSink", "ListSink", "Sink", "StreamSink", "default_sink"]
+
+# Erase the terminal line the cursor is on, so a live progress bar drawn with
+# "\r" is replaced by the next line instead of leaving its tail behind.
+_CLEAR_LINE = "\r\x1b[K"
+
+
+class Sink(Protocol):
+    """What :class:`OutputMerger` writes to (``progress_done`` is optional)."""
+
+    def line(self, stream: str, label: str, text: str) -> None:
+        """A complete line of ``stream``, labelled (``label``: 'rank 1', 'ranks 0-3')."""
+
+    def progress(self, stream: str, label: str, text: str) -> None:
+        """The visible state of a ``\\r`` progress line still being drawn."""
+
+    def display(self, label: str, data: dict, metadata: dict) -> None:
+        """A rich display (a mimebundle), labelled."""
+
+
+class ListSink:
+    """Record the merger's events in :attr:`events` (for tests and scripts).
+
+    Events are ``("line", stream, label, text)``, ``("progress", stream, label,
+    text)``, ``("progress_done", stream, label)`` and ``("display", label,
+    data, metadata)``.
+    """
+
+    def __init__(self) -> None:
+        """An empty record."""
+        self.events: list[tuple] = []
+
+    def line(self, stream: str, label: str, text: str) -> None:
+        """Record a complete line."""
+        self.events.append(("line", stream, label, text))
+
+    def progress(self, stream: str, label: str, text: str) -> None:
+        """Record a progress line's visible state."""
+        self.events.append(("progress", stream, label, text))
+
+    def progress_done(self, stream: str, label: str) -> None:
+        """Record that a progress line finished."""
+        self.events.append(("progress_done", stream, label))
+
+    def display(self, label: str, data: dict, metadata: dict) -> None:
+        """Record a rich display."""
+        self.events.append(("display", label, data, metadata))
+
+
+def _std_stream(stream: str) -> Any:
+    if stream not in STREAMS:
+        raise ValueError(f"stream must be 'stdout' or 'stderr', got {stream!r}")
+    # Looked up on every write, not kept: IPython and pytest swap sys.stdout
+    # per cell / per test, and output must go to whichever is current.
+    return getattr(sys, stream)
+
+
+def _write(out: Any, text: str) -> None:
+    out.write(text)
+    flush = getattr(out, "flush", None)
+    if flush is not None:
+        flush()
+
+
+def _isatty(out: Any) -> bool:
+    try:
+        return bool(out.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class StreamSink:
+    """Write ``[label] text`` lines to ``sys.stdout`` / ``sys.stderr``.
+
+    Progress updates are drawn in place (``\\r``) on a terminal and dropped
+    otherwise, where only the final line is written. A display is written as
+    its ``text/plain`` form.
+    """
+
+    def __init__(self) -> None:
+        """A sink on ``sys.stdout``/``sys.stderr``, no progress line drawn yet."""
+        # Stream whose current terminal line holds a progress bar, to erase it
+        # before anything else is written there (both streams usually share
+        # one terminal, so one marker covers both).
+        self._bar_stream: str | None = None
+
+    def line(self, stream: str, label: str, text: str) -> None:
+        """Write ``[label] text`` to the stream (after erasing a live bar)."""
+        self._erase_bar()
+        _write(_std_stream(stream), f"[{label}] {text}\n")
+
+    def progress(self, stream: str, label: str, text: str) -> None:
+        """Redraw the live bar in place on a terminal; elsewhere show nothing until it ends."""
+        out = _std_stream(stream)
+        if not _isatty(out):
+            return
+        if self._bar_stream != stream:
+            self._erase_bar()
+        _write(out, f"{_CLEAR_LINE}[{label}] {text}")
+        self._bar_stream = stream
+
+    def progress_done(self, stream: str, label: str) -> None:
+        """Erase the live bar: its final text follows as a line."""
+        # Nothing to do: the final line that follows erases the bar.
+        pass
+
+    def display(self, label: str, data: dict, metadata: dict) -> None:
+        """Print the display's text/plain, labelled."""
+        text = data.get("text/plain")
+        if text is None:
+            text = f"<display: {', '.join(sorted(data))}>"
+        for line in text.splitlines() or [""]:
+            self.line("stdout", label, line)
+
+    def _erase_bar(self) -> None:
+        if self._bar_stream is not None:
+            stream, self._bar_stream = self._bar_stream, None
+            _write(_std_stream(stream), _CLEAR_LINE)
+
+
+class KernelSink(StreamSink):
+    """Sink for a Jupyter kernel: in-place progress bars and rich displays.
+
+    Lines are written like :class:`StreamSink`. Each (label, stream) progress
+    line gets one updatable display, so a tqdm bar stays one line per rank; it
+    is blanked when the bar's final line is written. Displays are republished
+    as they are, after a ``[label]`` line when there are several ranks.
+    """
+
+    def __init__(self, n_ranks: int = 1) -> None:
+        """A sink for a cell of ``n_ranks`` ranks (labels are shown only for several)."""
+        super().__init__()
+        self._n_ranks = n_ranks
+        self._bars: dict[tuple[str, str], Any] = {}
+
+    def progress(self, stream: str, label: str, text: str) -> None:
+        """Draw the bar in place in the cell (a display updated by id)."""
+        from IPython.display import display
+
+        data = {"text/plain": f"[{label}] {text}"}
+        handle = self._bars.get((label, stream))
+        if handle is None:
+            handle = display(data, raw=True, display_id=True)
+            if handle is not None:
+                self._bars[(label, stream)] = handle
+        else:
+            handle.update(data, raw=True)
+
+    def progress_done(self, stream: str, label: str) -> None:
+        """Clear the in-place bar: its final text follows as a line."""
+        handle = self._bars.pop((label, stream), None)
+        if handle is not None:
+            # The final text arrives as an ordinary (possibly grouped) line, so
+            # the live bar would only duplicate it.
+            handle.update({"text/plain": ""}, raw=True)
+
+    def display(self, label: str, data: dict, metadata: dict) -> None:
+        """Publish the display in the cell, after its rank's label when several ranks run."""
+        from IPython.display import publish_display_data
+
+        text = data.get("text/plain")
+        if set(data) == {"text/plain"} and isinstance(text, str) and "\n" not in text:
+            # A plain value (a cell's last expression): one labelled line reads best.
+            _write(sys.stdout, f"[{label}] {text}\n")
+            return
+        if self._n_ranks > 1:
+            _write(sys.stdout, f"[{label}]\n")
+        publish_display_data(data, metadata)
+
+
+def _in_ipython_kernel() -> bool:
+    # A kernel has necessarily imported IPython already; checking first avoids
+    # paying IPython's import time in plain scripts.
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def default_sink(n_ranks: int) -> StreamSink:
+    """:class:`KernelSink` inside an IPython kernel, else :class:`StreamSink`."""
+    if _in_ipython_kernel():
+        return KernelSink(n_ranks)
+    return StreamSink()

@@ -1,0 +1,216 @@
+"""Kernel side, before anything starts: every option of ``%dist_start`` / ``DistSession`` checked here.
+
+One place refuses what could only fail after processes started, with the
+value it saw and the fix: the rank count, threads, timeouts, start method,
+``--ip``, ``--launcher``, ``--profile``, ``--attach``, ``--gpus``, and the
+options of the Slurm, SSH and MPI launchers (partition, time, hosts, ...).
+:func:`check_start_options` returns a :class:`StartOptions` that the session,
+the placement planner (:mod:`nbdist.launch.placement`) and the launcher
+configuration take as it is. Single values are checked by
+:mod:`nbdist.launch.values`, the Slurm, SSH and MPI options by
+:mod:`nbdist.launch.schedulers`; this module is where a whole start is checked.
+
+Example::
+
+    >>> opts = check_start_options(4, cpu=True)
+    >>> opts.n, opts.timeout, opts.launch is None
+    (4, 120.0, True)
+    >>> check_start_options(0)
+    Traceback (most recent call last):
+    ...
+    nbdist.errors.PlacementError: number of ranks must be a whole number >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from nbdist.errors import PlacementError
+from nbdist.launch.schedulers import LAUNCHERS, LaunchPlan, plan_launch
+from nbdist.launch.values import check_count, check_seconds, check_threads, is_digits, is_whole
+
+__all__ = ["StartOptions", "check_start_options", "parse_gpu_list", "parse_launch_options"]
+
+START_METHODS = ("fork", "spawn")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    """The checked options of one start: what the session, placement and launcher use.
+
+    ``launch``: the Slurm/SSH/MPI launcher's plan (None for engines on this
+    machine, or an attached cluster).
+    """
+
+    n: int | None = None
+    backend: str | None = None
+    cpu: bool = False
+    gpus: tuple[int, ...] | None = None
+    threads: int | None = None
+    timeout: float = 120.0
+    launcher: str | None = None
+    profile: str | None = None
+    attach: str | None = None
+    ip: str = "127.0.0.1"
+    start_method: str = "fork"
+    group_timeout: float = 1800.0
+    launch: LaunchPlan | None = None
+
+
+# -- a magic's words ---------------------------------------------------------------------
+
+
+def parse_gpu_list(text: str) -> list[int]:
+    """'0,1,3' -> [0, 1, 3]; rejects anything else with the value in the message."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not parts or any(not is_digits(p) for p in parts):
+        raise PlacementError(
+            f"--gpus {text!r} is not a list of GPU indices: write it like --gpus 0,1,2"
+        )
+    gpus = [int(p) for p in parts]
+    if len(set(gpus)) != len(gpus):
+        raise PlacementError(f"--gpus {text!r} names a GPU twice: list each GPU once")
+    return gpus
+
+
+def parse_launch_options(items: list[str] | None) -> dict[str, str]:
+    """['partition=gpu', 'time=1:00:00'] (from repeated --launch-opt) -> a dict."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise PlacementError(
+                f"launcher option {item!r}: write it as KEY=VALUE, e.g. partition=gpu"
+            )
+        out[key.strip().replace("-", "_")] = value.strip()
+    return out
+
+
+# -- where the processes go ----------------------------------------------------------------
+
+
+def _check_where(ip, launcher, profile, attach) -> None:
+    if not isinstance(ip, str) or not _bindable(ip):
+        raise PlacementError(
+            f"--ip {ip!r} is not an IP address or a host name of this machine: give e.g. "
+            "127.0.0.1 (the default, this machine only) or this host's address on the network "
+            "the ranks share"
+        )
+    if launcher is not None and not isinstance(launcher, type):
+        _check_launcher(str(launcher))
+    if profile is not None:
+        from IPython.core.profiledir import ProfileDir, ProfileDirError
+        from IPython.paths import get_ipython_dir
+
+        try:
+            ProfileDir.find_profile_dir_by_name(get_ipython_dir(), str(profile))
+        except ProfileDirError:
+            raise PlacementError(
+                f"--profile {profile!r}: no such IPython profile in {get_ipython_dir()}; create "
+                f"it with `ipython profile create --parallel {profile}`, or leave --profile out"
+            ) from None
+    if attach is not None and not os.path.isfile(os.path.expanduser(str(attach))):
+        raise PlacementError(
+            f"--attach {attach!r}: no such file. Pass the cluster file (cluster-*.json) or the "
+            "client connection file (ipcontroller-client.json) of a running ipyparallel cluster"
+        )
+
+
+def _bindable(ip: str) -> bool:
+    """An IP address or host name that this machine can bind (the controller listens there)."""
+    try:
+        addresses = [str(ipaddress.ip_address(ip))]
+    except ValueError:
+        if len(ip) > 253 or not _HOSTNAME.fullmatch(ip):
+            return False
+        try:
+            infos = socket.getaddrinfo(ip, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError):
+            return False
+        addresses = [info[4][0] for info in infos]
+    # An address of another machine ("1.2.3" resolves, as 1.2.0.3) would only fail
+    # after the processes started; a bind tells now.
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((address, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _check_launcher(name: str) -> None:
+    from ipyparallel.cluster.launcher import find_launcher_class
+
+    try:
+        if "." in name:  # a class by import path, as ipyparallel accepts
+            from traitlets.utils.importstring import import_item
+
+            import_item(name)
+        else:
+            find_launcher_class(name, "engine")
+    except (KeyError, ImportError, ValueError, AttributeError):
+        from importlib.metadata import entry_points
+
+        known = sorted({ep.name for ep in entry_points(group="ipyparallel.engine_launchers")})
+        raise PlacementError(
+            f"--launcher {name!r} is not an ipyparallel engine launcher: use one of "
+            f"{', '.join(known)} (or a launcher class as module.Class)"
+        ) from None
+
+
+# -- all of them ---------------------------------------------------------------------------
+
+
+def check_start_options(
+    n: int | None = None,
+    *,
+    backend: str | None = None,
+    cpu: bool = False,
+    gpus: Sequence[int] | None = None,
+    threads: int | None = None,
+    timeout: float = 120.0,
+    launcher: str | None = None,
+    profile: str | None = None,
+    attach: str | None = None,
+    ip: str = "127.0.0.1",
+    start_method: str = "fork",
+    group_timeout: float = 1800.0,
+    launch_options: Mapping[str, object] | None = None,
+) -> StartOptions:
+    """Check every option of a start (see :class:`~nbdist.DistSession`); a :class:`StartOptions`.
+
+    Raises :class:`~nbdist.errors.PlacementError` naming the value and the fix.
+    What depends on the devices (``--gpus`` beyond those visible, ``nccl``
+    without GPUs) is checked by the placement planner, which sees them.
+    """
+    check_count(n)
+    check_threads(threads)
+    if gpus is not None and (
+        isinstance(gpus, (str, bytes)) or not all(is_whole(g) and g >= 0 for g in gpus)
+    ):
+        raise PlacementError(f"gpus {gpus!r}: give GPU indices, e.g. [0, 1]")
+    timeout = check_seconds(timeout, "timeout")
+    group_timeout = check_seconds(group_timeout, "group_timeout")
+    if start_method not in START_METHODS:
+        raise PlacementError(f"start_method {start_method!r}: use 'fork' or 'spawn'")
+    if attach and (launcher or profile):
+        raise PlacementError("--attach uses a running cluster: leave out --launcher/--profile")
+    _check_where(ip, launcher, profile, attach)
+    launch = None
+    if not attach and (launch_options or str(launcher).lower() in LAUNCHERS):
+        launch = plan_launch(launcher, n, ip=ip, **dict(launch_options or {}))
+    return StartOptions(
+        n=n, backend=backend, cpu=bool(cpu), gpus=tuple(gpus) if gpus else None,
+        threads=threads, timeout=timeout, launcher=launcher, profile=profile,
+        attach=attach, ip=ip, start_method=start_method, group_timeout=group_timeout,
+        launch=launch,
+    )  # fmt: skip
