@@ -1,4 +1,4 @@
-"""Sharded checkpoints of a model and its optimizer, on ``torch.distributed.checkpoint``.
+"""Rank side: sharded checkpoints of a model and its optimizer, on ``torch.distributed.checkpoint``.
 
 Every rank calls :func:`save` (and :func:`load`) together, like a collective:
 each rank writes only its own shards (an FSDP2 ``fully_shard`` model's DTensor

@@ -233,33 +233,22 @@ class DistMagics(Magics):
             %dist_dashboard 12
         """
         from nbdist.dashboard import show_run
-        from nbdist.metrics.store import load_run, runs
+        from nbdist.metrics.store import pick_run
 
         args = _parse(self.dist_dashboard, line)
-        session = self.session if self.session is not None and self.session.running else None
-        if args.run is None:
-            if session is not None:
-                session.dashboard()
-                return
-            history = runs()
-            if not history:
-                raise UsageError(
-                    "no runs yet: %dist_start, then log with nbdist.log(...) on the ranks"
-                )
-            run = history[-1].load()
-        else:
-            if not is_digits(args.run):
-                raise UsageError(
-                    f"run {args.run!r}: give a run id, e.g. %dist_dashboard 3 (see nbdist.runs())"
-                )
-            if session is not None and session.metrics.id == int(args.run):
-                session.dashboard()
-                return
-            try:
-                run = load_run(int(args.run))
-            except KeyError as exc:
-                raise UsageError(str(exc.args[0])) from None
-        show_run(run)
+        if args.run is not None and not is_digits(args.run):
+            raise UsageError(
+                f"run {args.run!r}: give a run id, e.g. %dist_dashboard 3 (see nbdist.runs())"
+            )
+        try:
+            own = self.session.metrics if self.session is not None else None
+        except NbdistError:  # a session that never started has no run
+            own = None
+        try:
+            run = pick_run(None if args.run is None else int(args.run), current=own)
+        except LookupError as exc:
+            raise UsageError(str(exc.args[0])) from None
+        show_run(run, states=self.session.rank_states if own is not None and run is own else None)
 
     # -- running code -----------------------------------------------------
     @magic_arguments()

@@ -1,4 +1,5 @@
-"""Min/max decimation: a long series down to a point budget, spikes kept.
+"""Kernel side (used by the Jupyter server too): min/max decimation, a long series down to a
+point budget, spikes kept.
 
 The points are cut into equal buckets (by index, or by ``positions`` when the
 points are already a subset of a longer series) and each bucket keeps its

@@ -1,10 +1,10 @@
-"""The live dashboard widget: plots per logged metric (a trace per rank and their mean),
-throughput per rank and in total, and the per-rank table with states and stragglers.
+"""Kernel side: the live dashboard widget, plots per logged metric (a trace per rank and their
+mean), throughput per rank and in total, and the per-rank table with states and stragglers.
 
 :class:`LiveDashboard` adds to :class:`~.model.DashboardModel` an anywidget
 (``widget.js``) and a refresh thread: woken by :meth:`Run.subscribe`, at most
 ``max_hz`` times a second (and at most ~20 % of a core), it sends each delta as
-a custom message and the table as the synced ``_table`` trait.
+a custom message and the table as the synced ``table`` trait.
 
 Example::
 
@@ -51,6 +51,10 @@ class LiveDashboard(DashboardModel):
         max_hz: float = 5.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``run``, ``states``, ``budget`` and ``clock`` as for :class:`~.model.DashboardModel`.
+
+        ``max_hz``: at most this many refreshes a second. Nothing is sent until :meth:`start`.
+        """
         super().__init__(run, states=states, budget=budget, clock=clock)
         self.interval = 1.0 / max_hz
         self.widget = None
@@ -62,6 +66,7 @@ class LiveDashboard(DashboardModel):
         self._shell = None
 
     def __repr__(self) -> str:
+        """``<LiveDashboard of run ID: N ranks, live>`` (or ``not live``)."""
         live = "live" if self._thread is not None and not self._stop.is_set() else "not live"
         return f"<LiveDashboard of run {self.run.id}: {self._nranks} ranks, {live}>"
 
@@ -80,7 +85,7 @@ class LiveDashboard(DashboardModel):
                 self.widget = _widget_class()(
                     _uid=uuid.uuid4().hex,
                     _plotly_version=_plotly_version(),
-                    _table=self._table,
+                    table=self._table,
                     text=lambda: summary_text(self.run, self._states),
                     on_close=self.close,
                 )
@@ -108,7 +113,7 @@ class LiveDashboard(DashboardModel):
             if delta is not None:
                 widget.send(delta)
             if table is not None:
-                widget._table = table
+                widget.table = table
 
     def _on_message(self, widget, content, buffers) -> None:
         if isinstance(content, dict) and content.get("t") == "hello":  # a new view after a reload
@@ -171,7 +176,7 @@ class LiveDashboard(DashboardModel):
         self._stop_updating()
         widget, self.widget = self.widget, None
         if widget is not None:
-            widget._nbdist_on_close = None
+            widget.nbdist_on_close = None
             widget.close()
 
     def _stop_updating(self) -> None:
@@ -215,11 +220,12 @@ def _widget_class():
             _css = (here / "widget.css").read_text(encoding="utf-8")
             _uid = traitlets.Unicode("").tag(sync=True)
             _plotly_version = traitlets.Unicode("").tag(sync=True)
-            _table = traitlets.Dict().tag(sync=True)
+            table = traitlets.Dict().tag(sync=True)  # the per-rank table (widget.js draws it)
 
             def __init__(self, *, text=None, on_close=None, **kwargs):
+                """``text``: returns the text/plain summary; ``on_close``: called once on close."""
                 self._nbdist_text = text
-                self._nbdist_on_close = on_close
+                self.nbdist_on_close = on_close
                 super().__init__(**kwargs)
 
             def _repr_mimebundle_(self, **kwargs):
@@ -232,7 +238,8 @@ def _widget_class():
                 return bundle
 
             def close(self):
-                on_close, self._nbdist_on_close = self._nbdist_on_close, None
+                """Call ``nbdist_on_close`` (once: the dashboard stops updating), then close."""
+                on_close, self.nbdist_on_close = self.nbdist_on_close, None
                 if on_close is not None:
                     on_close()
                 super().close()

@@ -1,4 +1,4 @@
-"""The dashboard's kernel-side state: per trace what the browser holds, and the deltas to send.
+"""Kernel side: the dashboard's state, per trace what the browser holds, and the deltas to send.
 
 Per trace the kernel keeps what the browser holds (at most ``budget`` points, a
 min/max-decimated subset of the logged ones). :meth:`DashboardModel.poll`
@@ -11,7 +11,6 @@ whole (``reset``), so bytes per update stay proportional to the points added
 
 from __future__ import annotations
 
-import inspect
 import math
 import threading
 import time
@@ -29,6 +28,7 @@ from nbdist.dashboard.table import (
     plotted_keys,
     throughput_key,
 )
+from nbdist.dashboard.tail import read_tail
 from nbdist.rank_states import DEAD
 
 __all__ = ["DEFAULT_BUDGET", "DashboardModel", "read_tail"]
@@ -155,11 +155,15 @@ class DashboardModel:
         budget: int = DEFAULT_BUDGET,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``budget``: points kept per trace (at least 8); ``clock``: the time now, in seconds.
+
+        ``clock`` is the ranks' clock (``time.time``, what their points carry); tests pass theirs.
+        """
         if budget < 8:
             raise ValueError(f"budget must be at least 8 points per trace, got {budget}")
         self.run = run
         self.budget = budget
-        self._clock = clock  # the ranks' clock (time.time); tests pass their own
+        self._clock = clock
         self._states_fn = states
         self._states = call_states(states)
         self._lock = threading.RLock()
@@ -350,34 +354,6 @@ class DashboardModel:
         steps, times, values = read_tail(self.run, key, rank, start)
         self._cursor[(key, rank)] = start + len(steps)
         return steps, times, values
-
-
-def read_tail(run, key: str, rank: int, start: int) -> tuple[list[int], list[float], list[float]]:
-    """(steps, times, values) of ``key`` on ``rank`` from its ``start``-th point on."""
-    if _incremental(type(run)):
-        steps, values = run.series(key, rank, start=start)
-        times, _ = run.timeline(key, rank, start=start)
-    else:  # Run without start=: copies the whole series, O(points) per refresh
-        steps, values = run.series(key, rank)
-        times, _ = run.timeline(key, rank)
-        if start:
-            steps, times, values = steps[start:], times[start:], values[start:]
-    n = min(len(steps), len(times))  # a point may land between the two reads
-    return steps[:n], times[:n], values[:n]
-
-
-_INCREMENTAL: dict[type, bool] = {}
-
-
-def _incremental(cls: type) -> bool:
-    if cls not in _INCREMENTAL:
-        try:
-            params = inspect.signature(cls.series).parameters
-            params2 = inspect.signature(cls.timeline).parameters
-            _INCREMENTAL[cls] = "start" in params and "start" in params2
-        except (TypeError, ValueError, AttributeError):
-            _INCREMENTAL[cls] = False
-    return _INCREMENTAL[cls]
 
 
 def _merge(extend: dict, where: tuple[int, int], compacted: bool, xs: list, ys: list) -> None:

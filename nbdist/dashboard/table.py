@@ -1,4 +1,4 @@
-"""The per-rank table (step, loss, throughput, step time, memory, last seen, state) and stragglers.
+"""Kernel side: the per-rank table (step, loss, throughput, step time, memory, last seen, state) and stragglers.
 
 Shared by the live widget and the text summary; pure Python, no widgets.
 

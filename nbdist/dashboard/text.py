@@ -1,4 +1,4 @@
-"""The dashboard as plain text: for terminals, scripts and notebooks viewed without widgets.
+"""Kernel side: the dashboard as plain text, for terminals, scripts and notebooks viewed without widgets.
 
 Example::
 

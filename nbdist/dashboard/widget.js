@@ -4,7 +4,7 @@
 // afterwards only "delta" messages holding the new points, appended with Plotly.extendTraces; a
 // trace the kernel re-decimated comes whole in "reset". Messages land in a per-model store (set up in
 // initialize, so none is lost before a view exists); each view draws from the store and then
-// follows the deltas. The per-rank table is the synced `_table` trait: it works without Plotly and
+// follows the deltas. The per-rank table is the synced `table` trait: it works without Plotly and
 // is kept in saved widget state.
 //
 // Plotly comes from window.Plotly, else from {baseUrl}nbdist/static/plotly.min.js (the nbdist
@@ -207,14 +207,14 @@ function render({ model, el }) {
 
   // The table: from the synced trait; "last seen" ticks here, against the kernel's clock.
   function ages() {
-    const table = model.get("_table") || {};
+    const table = model.get("table") || {};
     const now = store.offset === null ? table.now : Date.now() / 1000 + store.offset;
     for (const cell of tableBox.querySelectorAll("td[data-seen]")) {
       cell.textContent = formatAgo(now - Number(cell.dataset.seen));
     }
   }
   function drawTable() {
-    const table = model.get("_table") || {};
+    const table = model.get("table") || {};
     if (!table.headers) {
       tableBox.textContent = "";
       return;
@@ -241,17 +241,17 @@ function render({ model, el }) {
     ages();
   }
   const onTable = () => {
-    const table = model.get("_table") || {};
+    const table = model.get("table") || {};
     if (store.seq >= 0 && typeof table.now === "number") store.offset = table.now - Date.now() / 1000;
     drawTable();
   };
-  model.on("change:_table", onTable);
+  model.on("change:table", onTable);
   drawTable();
   const ticker = setInterval(ages, 1000);
 
   return () => {
     clearInterval(ticker);
-    model.off("change:_table", onTable);
+    model.off("change:table", onTable);
     store.views.delete(view);
     if (Plotly) for (const div of divs) Plotly.purge(div);
   };

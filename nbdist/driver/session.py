@@ -29,7 +29,7 @@ from nbdist.launch.cluster import (
     start_processes,
     stop_processes,
 )
-from nbdist.launch.options import check_start_options
+from nbdist.launch.options import StartOptions, check_start_options
 from nbdist.launch.placement import Placement, plan_start
 
 __all__ = ["DistSession", "RankInfo"]
@@ -73,12 +73,13 @@ class DistSession:
         launch_options: Mapping[str, object] | None = None,
     ):
         """Check the options and plan the ranks (nothing starts until :meth:`start`)."""
-        self.options = opts = check_start_options(
+        # fmt: off
+        self.options = opts = check_start_options(StartOptions(
             n, backend=backend, cpu=cpu, gpus=gpus, threads=threads, timeout=timeout,
-            launcher=launcher, profile=profile, attach=attach, ip=ip,
-            start_method=start_method, group_timeout=group_timeout,
-            launch_options=launch_options,
-        )  # fmt: skip
+            launcher=launcher, profile=profile, attach=attach, ip=ip, start_method=start_method,
+            group_timeout=group_timeout, launch_options=launch_options,
+        ))
+        # fmt: on
         # Attached: None until the engines describe themselves (plan_attached).
         self.placement: Placement | None = plan_start(opts)
         self.history = history

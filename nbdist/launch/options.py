@@ -12,10 +12,10 @@ configuration take as it is. Single values are checked by
 
 Example::
 
-    >>> opts = check_start_options(4, cpu=True)
+    >>> opts = check_start_options(StartOptions(4, cpu=True))
     >>> opts.n, opts.timeout, opts.launch is None
     (4, 120.0, True)
-    >>> check_start_options(0)
+    >>> check_start_options(StartOptions(0))
     Traceback (most recent call last):
     ...
     nbdist.errors.PlacementError: number of ranks must be a whole number >= 1, got 0
@@ -23,12 +23,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import re
 import socket
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 from nbdist.errors import PlacementError
 from nbdist.launch.schedulers import LAUNCHERS, LaunchPlan, plan_launch
@@ -40,12 +40,13 @@ START_METHODS = ("fork", "spawn")
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class StartOptions:
-    """The checked options of one start: what the session, placement and launcher use.
+    """The options of one start (``DistSession``'s keywords); checked by :func:`check_start_options`.
 
-    ``launch``: the Slurm/SSH/MPI launcher's plan (None for engines on this
-    machine, or an attached cluster).
+    ``launch_options``: the Slurm/SSH/MPI launcher's options, as given;
+    ``launch``: their checked plan (None for engines on this machine, or an
+    attached cluster), set by the check.
     """
 
     n: int | None = None
@@ -60,6 +61,7 @@ class StartOptions:
     ip: str = "127.0.0.1"
     start_method: str = "fork"
     group_timeout: float = 1800.0
+    launch_options: Mapping[str, object] | None = None
     launch: LaunchPlan | None = None
 
 
@@ -170,47 +172,35 @@ def _check_launcher(name: str) -> None:
 # -- all of them ---------------------------------------------------------------------------
 
 
-def check_start_options(
-    n: int | None = None,
-    *,
-    backend: str | None = None,
-    cpu: bool = False,
-    gpus: Sequence[int] | None = None,
-    threads: int | None = None,
-    timeout: float = 120.0,
-    launcher: str | None = None,
-    profile: str | None = None,
-    attach: str | None = None,
-    ip: str = "127.0.0.1",
-    start_method: str = "fork",
-    group_timeout: float = 1800.0,
-    launch_options: Mapping[str, object] | None = None,
-) -> StartOptions:
-    """Check every option of a start (see :class:`~nbdist.DistSession`); a :class:`StartOptions`.
+def check_start_options(requested: StartOptions) -> StartOptions:
+    """Check every option of a start (see :class:`~nbdist.DistSession`); the checked options.
 
-    Raises :class:`~nbdist.errors.PlacementError` naming the value and the fix.
-    What depends on the devices (``--gpus`` beyond those visible, ``nccl``
-    without GPUs) is checked by the placement planner, which sees them.
+    ``requested.launch_options`` (Slurm/SSH/MPI options) become ``launch``, the
+    launcher's plan. Raises :class:`~nbdist.errors.PlacementError` naming the
+    value and the fix. What depends on the devices (``--gpus`` beyond those
+    visible, ``nccl`` without GPUs) is checked by the placement planner, which sees them.
     """
-    check_count(n)
-    check_threads(threads)
+    o = requested
+    check_count(o.n)
+    check_threads(o.threads)
+    gpus = o.gpus
     if gpus is not None and (
         isinstance(gpus, (str, bytes)) or not all(is_whole(g) and g >= 0 for g in gpus)
     ):
         raise PlacementError(f"gpus {gpus!r}: give GPU indices, e.g. [0, 1]")
-    timeout = check_seconds(timeout, "timeout")
-    group_timeout = check_seconds(group_timeout, "group_timeout")
-    if start_method not in START_METHODS:
-        raise PlacementError(f"start_method {start_method!r}: use 'fork' or 'spawn'")
-    if attach and (launcher or profile):
+    if o.start_method not in START_METHODS:
+        raise PlacementError(f"start_method {o.start_method!r}: use 'fork' or 'spawn'")
+    if o.attach and (o.launcher or o.profile):
         raise PlacementError("--attach uses a running cluster: leave out --launcher/--profile")
-    _check_where(ip, launcher, profile, attach)
+    _check_where(o.ip, o.launcher, o.profile, o.attach)
     launch = None
-    if not attach and (launch_options or str(launcher).lower() in LAUNCHERS):
-        launch = plan_launch(launcher, n, ip=ip, **dict(launch_options or {}))
-    return StartOptions(
-        n=n, backend=backend, cpu=bool(cpu), gpus=tuple(gpus) if gpus else None,
-        threads=threads, timeout=timeout, launcher=launcher, profile=profile,
-        attach=attach, ip=ip, start_method=start_method, group_timeout=group_timeout,
+    if not o.attach and (o.launch_options or str(o.launcher).lower() in LAUNCHERS):
+        launch = plan_launch(o.launcher, o.n, ip=o.ip, **dict(o.launch_options or {}))
+    return dataclasses.replace(
+        o,
+        cpu=bool(o.cpu),
+        gpus=tuple(gpus) if gpus else None,
+        timeout=check_seconds(o.timeout, "timeout"),
+        group_timeout=check_seconds(o.group_timeout, "group_timeout"),
         launch=launch,
-    )  # fmt: skip
+    )

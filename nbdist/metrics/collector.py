@@ -1,4 +1,4 @@
-"""The kernel side of ``nbdist.log``: receive every rank's points, keep them, store them.
+"""Kernel side: the receiving end of ``nbdist.log``, receive every rank's points, keep them, store them.
 
 One PULL socket per session, bound to loopback unless the ranks are on other
 hosts. A thread receives, checks each message's signature (the cluster key)
@@ -32,6 +32,11 @@ class Collector:
     """Receives metrics for one run; ``url`` is what ranks connect to."""
 
     def __init__(self, key: bytes, run: Run, store: RunStore | None, *, ip: str = "127.0.0.1"):
+        """Bind a random port on ``ip`` and start the receiving thread.
+
+        ``key``: the cluster key messages must be signed with; ``run``: where the
+        points go; ``store``: the history they are appended to (None: memory only).
+        """
         import zmq
 
         self.key = key
@@ -157,6 +162,7 @@ class Collector:
         return True
 
     def stop(self) -> None:
+        """Stop the receiving thread (it commits what it has first), close the socket."""
         self._stopping.set()
         self._thread.join(timeout=2)
         self._socket.close()

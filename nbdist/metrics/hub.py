@@ -15,7 +15,10 @@ _SETTLE_TIMEOUT_S = 2.0
 
 
 class MetricsHub:
+    """A session's metrics: its :class:`Run`, the collector feeding it, the history (or None)."""
+
     def __init__(self, run: Run, collector: Collector, store: RunStore | None):
+        """Hold parts made already; :meth:`open` makes them for a session."""
         self.run = run
         self.collector = collector
         self.store = store
@@ -40,6 +43,7 @@ class MetricsHub:
 
     @property
     def url(self) -> str:
+        """Where the ranks send their points (the collector's ``tcp://ip:port``)."""
         return self.collector.url
 
     def settle(self, points_sent: dict[int, int | None]) -> bool:
@@ -56,6 +60,7 @@ class MetricsHub:
         return arrived
 
     def close(self) -> None:
+        """Stop the collector, record the run's end in the history and close it; once only."""
         if self.closed:
             return
         self.closed = True

@@ -1,4 +1,4 @@
-"""``nbdist.log`` on a rank: cheap to call, never blocks training, never raises into it.
+"""Rank side: ``nbdist.log``, cheap to call, never blocks training, never raises into it.
 
 Each call appends one point to a local buffer (values may be Python numbers
 or 0-d tensors). A background thread flushes the buffer at most 5 times a
@@ -123,6 +123,7 @@ def configure(url: str, key: bytes, rank: int) -> None:
 
 
 def shutdown() -> None:
+    """Stop sending: flush what is buffered, end the flush thread, close the socket."""
     global _channel
     channel, _channel = _channel, None
     if channel is not None:
@@ -130,6 +131,10 @@ def shutdown() -> None:
 
 
 def flush(marker: dict | None = None) -> None:
+    """Send the buffered points now, then ``marker`` (if given) as a ``cell`` message.
+
+    Does nothing before :func:`configure` (no collector to send to).
+    """
     channel = _channel
     if channel is not None:
         channel.flush(marker)

@@ -1,4 +1,4 @@
-"""One run's metrics in memory: every logged point, per rank, in arrival order.
+"""Kernel side: one run's metrics in memory, every logged point, per rank, in arrival order.
 
 A run is what one ``%dist_start`` (one :class:`~nbdist.DistSession` start)
 trains: steps continue across cells, so a run spans cells rather than being
@@ -36,6 +36,7 @@ class RankSeries:
     values: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
 
     def add(self, step: int, when: float, scalars: dict[str, float]) -> None:
+        """Append one point: its step, its time (Unix seconds) and its ``{key: value}``."""
         index = len(self.steps)
         self.steps.append(step)
         self.times.append(when)
@@ -58,6 +59,12 @@ class Run:
         label: str = "",
         ended: float | None = None,
     ):
+        """``run_id``: its id in the history (0 when kept in memory only); ``world_size``: ranks.
+
+        ``started`` / ``ended``: Unix times in seconds (``started`` defaults to now,
+        ``ended`` is None while the run goes on); ``backend``: the process group's;
+        ``label``: free text kept with the run in the history.
+        """
         self.id = run_id
         self.world_size = world_size
         self.backend = backend
@@ -72,6 +79,7 @@ class Run:
         self.version = 0  # bumped on every add; readers compare it to skip idle refreshes
 
     def __repr__(self) -> str:
+        """``<Run ID: N ranks, M points>``."""
         return f"<Run {self.id}: {self.world_size} ranks, {self.count()} points>"
 
     # -- writing (collector thread) ----------------------------------------
@@ -113,6 +121,7 @@ class Run:
     # -- reading --------------------------------------------------------------
     @property
     def ranks(self) -> list[int]:
+        """The ranks that logged at least one point, sorted."""
         with self._lock:
             return sorted(self._ranks)
 

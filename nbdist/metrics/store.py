@@ -1,4 +1,5 @@
-"""The run history: every logged point, in SQLite, readable after the kernel is gone.
+"""Kernel side (read by the Jupyter server too): the run history, every logged point, in SQLite,
+readable after the kernel is gone.
 
 Location: ``$NBDIST_HISTORY`` if set, else ``<jupyter data dir>/nbdist/history.sqlite``
 (``jupyter --data-dir`` shows it; typically ``~/.local/share/jupyter``).
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from nbdist.metrics.run import Run
 
-__all__ = ["RunRecord", "RunStore", "history_path", "load_run", "runs"]
+__all__ = ["RunRecord", "RunStore", "history_path", "load_run", "pick_run", "runs"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -78,12 +79,14 @@ class RunStore:
     """Writer of one kernel's runs (the collector thread appends, the session opens/closes)."""
 
     def __init__(self, path: str | None = None):
+        """Open (creating it if needed) the history at ``path``, by default :func:`history_path`."""
         self.path = path or history_path()
         self._conn = _connect(self.path)
         self._lock = threading.Lock()
         self._seq: dict[tuple[int, int], int] = {}
 
     def new_run(self, *, world_size: int, backend: str = "", label: str = "") -> Run:
+        """Record a run starting now (with this host and PID); returns it, empty, with its new id."""
         started = time.time()
         with self._lock, self._conn:
             cur = self._conn.execute(
@@ -112,14 +115,17 @@ class RunStore:
             )
 
     def commit(self) -> None:
+        """Make the batches appended so far visible to readers of the history."""
         with self._lock:
             self._conn.commit()
 
     def end_run(self, run_id: int) -> None:
+        """Record now as the end time of run ``run_id`` (committed)."""
         with self._lock, self._conn:
             self._conn.execute("UPDATE runs SET ended=? WHERE id=?", (time.time(), run_id))
 
     def close(self) -> None:
+        """Commit what was appended and close the database."""
         with self._lock:
             self._conn.commit()
             self._conn.close()
@@ -140,6 +146,7 @@ class RunRecord:
     path: str
 
     def load(self) -> Run:
+        """This run with all its points, read from its history file (:func:`load_run`)."""
         return load_run(self.id, path=self.path)
 
     def to_pandas(self):
@@ -198,3 +205,20 @@ def load_run(run_id: int, *, path: str | None = None) -> Run:
     for rank, points in by_rank.items():
         run.add(rank, points)
     return run
+
+
+def pick_run(run_id: int | None = None, *, current: Run | None = None, path=None) -> Run:
+    """The run a dashboard shows: run ``run_id``, else ``current``, else the history's latest.
+
+    ``current``: the session's own run (kept in memory, also when no history is
+    written), used whenever it is the one asked for. Raises ``LookupError`` with
+    the words for the user when there is no such run, or no run at all.
+    """
+    if current is not None and (run_id is None or current.id == run_id):
+        return current
+    if run_id is not None:
+        return load_run(run_id, path=path)
+    history = runs(path)
+    if not history:
+        raise LookupError("no runs yet: %dist_start, then log with nbdist.log(...) on the ranks")
+    return history[-1].load()

@@ -1,4 +1,4 @@
-"""The metrics wire format: JSON payloads signed with the cluster's key.
+"""Both sides: the metrics wire format, JSON payloads signed with the cluster's key.
 
 Ranks and the kernel share the ipyparallel cluster key (every engine's kernel
 session already holds it). Each message is two frames, ``[signature,
@@ -24,6 +24,7 @@ __all__ = ["decode", "encode"]
 
 
 def encode(key: bytes, message: dict) -> list[bytes]:
+    """The two frames ``[signature, payload]`` of ``message``: JSON, signed with ``key``."""
     payload = json.dumps(message, separators=(",", ":")).encode()
     return [_sign(key, payload), payload]
 

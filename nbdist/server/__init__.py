@@ -1,4 +1,4 @@
-"""nbdist's jupyter_server extension: plotly.js for the dashboard widget, REST for the sidebar.
+"""Jupyter server: nbdist's extension, plotly.js for the dashboard widget and REST for the sidebar.
 
 The JupyterLab sidebar's REST API (clusters, rank states, live metrics,
 interrupt/restart/stop, past runs) is in :mod:`nbdist.server.handlers`.

@@ -1,4 +1,4 @@
-"""REST handlers of nbdist's Jupyter server extension (every one requires a logged-in user).
+"""Jupyter server: the REST handlers of nbdist's extension (every one requires a logged-in user).
 
 Routes, under the server's base URL::
 

@@ -1,4 +1,4 @@
-"""What the sidebar shows, computed in the Jupyter server: clusters, rank states, live metrics.
+"""Jupyter server: what the sidebar shows (clusters, rank states, live metrics), computed here.
 
 Everything is read without disturbing the ranks or the kernel:
 
@@ -72,12 +72,18 @@ class RunReader:
     """Follows one run of one history file, reading only what was stored since the last call."""
 
     def __init__(self, path: str, run_id: int):
+        """Follow run ``run_id`` of the history file at ``path``; nothing is read before :meth:`update`."""
         self.path = path
         self.run_id = run_id
         self.rowid = 0
         self.ranks: dict[int, RankLive] = {}
 
     def update(self) -> None:
+        """Take in the batches stored since the previous call into :attr:`ranks`.
+
+        The first call reads only each rank's latest batches and its point count
+        (see :meth:`_tail`). A missing or locked file is left for the next call.
+        """
         if not os.path.exists(self.path):
             return
         conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=1.0)
@@ -168,18 +174,22 @@ class LiveView:
     """The server's view of every registered cluster; keep one per server (it caches readers)."""
 
     def __init__(self, registry_dir: str | None = None):
+        """``registry_dir``: the cluster registry's folder (None: its default location)."""
         self.registry_dir = registry_dir
         self._readers: dict[tuple[str, int], RunReader] = {}
         self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (monotonic, cpu seconds)
         self._hostnames = {socket.gethostname(), "localhost", "127.0.0.1"}
 
     def entries(self) -> list[dict]:
+        """The registry entries of the clusters whose kernel is alive, oldest first."""
         return registry.clusters(self.registry_dir)
 
     def entry(self, cluster_id: str) -> dict | None:
+        """The registry entry of cluster ``cluster_id``, or None if it is not running."""
         return next((e for e in self.entries() if e["id"] == cluster_id), None)
 
     def reader(self, entry: dict) -> RunReader | None:
+        """The entry's run reader, updated now; None if the entry names no history or run."""
         if not entry.get("history") or entry.get("run_id") is None:
             return None
         key = (entry["history"], int(entry["run_id"]))
@@ -190,6 +200,7 @@ class LiveView:
         return reader
 
     def is_local(self, entry: dict) -> bool:
+        """True when the cluster's kernel started its engines, so their PIDs are checked here."""
         return bool(entry.get("owned"))
 
     def _busy_by_cpu(self, pid: int) -> bool:
@@ -203,6 +214,11 @@ class LiveView:
         return (cpu - previous[1]) / (now - previous[0]) > _BUSY_CPU_FRACTION
 
     def rank_rows(self, entry: dict) -> list[dict]:
+        """One dict per rank of ``entry``: host, PID, device, state (dead/busy/idle), step, points.
+
+        Also the latest loss and samples/s, memory (MiB), last seen (Unix seconds)
+        and the recent loss and throughput points as ``[step, value]`` lists.
+        """
         reader = self.reader(entry)
         local = self.is_local(entry)
         now = time.time()

@@ -464,9 +464,9 @@ def _custom(sent):
 
 def _table_updates(sent):
     return [
-        d["state"]["_table"]
+        d["state"]["table"]
         for t, d in sent
-        if t == "comm_msg" and d.get("method") == "update" and "_table" in d.get("state", {})
+        if t == "comm_msg" and d.get("method") == "update" and "table" in d.get("state", {})
     ]
 
 
