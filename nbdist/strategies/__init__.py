@@ -1,4 +1,4 @@
-"""One small module per parallel strategy, each importable with torch alone.
+"""Rank side: one small module per parallel strategy, each importable with torch alone.
 
 Each module holds a short ``apply_*`` function, context manager or ``nn.Module``
 that the matching notebook in ``examples/`` uses, e.g.

@@ -1,4 +1,4 @@
-"""Gradient accumulation under DDP: skip the all-reduce of all but the last micro-batch.
+"""Rank side: gradient accumulation under DDP: skip the all-reduce of all but the last micro-batch.
 
 To train with a batch ``K`` times larger than fits in memory, run ``K`` micro-batches
 and step once. Under DDP every ``backward()`` all-reduces the gradients, which is
@@ -65,6 +65,7 @@ class AllReduceCounter:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
+        """Count the all-reduces of ``model`` (a ``DistributedDataParallel``) by registering a hook."""
         if not hasattr(model, "register_comm_hook"):
             raise TypeError(
                 f"{type(model).__name__} is not a DistributedDataParallel model: "
@@ -72,10 +73,11 @@ class AllReduceCounter:
             )
         self.calls = 0
         self.bytes = 0
-        self._group = getattr(model, "process_group", None)
+        self.group = getattr(model, "process_group", None)
         model.register_comm_hook(self, AllReduceCounter._hook)
 
     def reset(self) -> None:
+        """Start counting from zero."""
         self.calls = 0
         self.bytes = 0
 
@@ -86,9 +88,10 @@ class AllReduceCounter:
         buffer = bucket.buffer()
         state.calls += 1
         state.bytes += buffer.numel() * buffer.element_size()
-        buffer.div_(dist.get_world_size(state._group))
-        work = dist.all_reduce(buffer, group=state._group, async_op=True)
+        buffer.div_(dist.get_world_size(state.group))
+        work = dist.all_reduce(buffer, group=state.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def __repr__(self) -> str:
+        """``AllReduceCounter(calls=..., bytes=...)``."""
         return f"AllReduceCounter(calls={self.calls}, bytes={self.bytes})"

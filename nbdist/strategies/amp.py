@@ -1,4 +1,4 @@
-"""Mixed precision: the autocast dtype and the gradient scaler that suit a device.
+"""Rank side: mixed precision: the autocast dtype and the gradient scaler that suit a device.
 
 Autocast runs matrix multiplies and convolutions in a 16-bit type while weights,
 optimizer state and reductions stay in float32: about half the activation memory and,

@@ -1,4 +1,4 @@
-"""Activation checkpointing: keep a block's inputs, recompute its insides during backward.
+"""Rank side: activation checkpointing: keep a block's inputs, recompute its insides during backward.
 
 Autograd normally keeps every intermediate activation of the forward pass
 until backward. Wrapping a block in :class:`Checkpointed` (what
@@ -35,10 +35,12 @@ class Checkpointed(nn.Module):
     """
 
     def __init__(self, block: nn.Module) -> None:
+        """Wrap ``block``: its forward is recomputed in backward instead of saved."""
         super().__init__()
         self.block = block
 
     def forward(self, *args, **kwargs):
+        """``block``'s forward, checkpointed when gradients are being recorded."""
         if not torch.is_grad_enabled():
             return self.block(*args, **kwargs)  # nothing would be saved anyway
         # Non-reentrant: works with kwargs, inputs that need no grad, and FSDP/DDP.
@@ -87,11 +89,17 @@ class SavedBytes:
     """What :func:`saved_activation_bytes` counted: ``bytes`` and ``tensors`` (distinct storages)."""
 
     def __init__(self) -> None:
+        """Nothing counted yet."""
         self.bytes = 0
         self.tensors = 0
         self._seen: set[int] = set()
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def exclude(self, t: torch.Tensor) -> None:
+        """Never count ``t``'s storage (a parameter: saved by autograd, but not an activation)."""
+        self._seen.add(t.untyped_storage().data_ptr())
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """The saved-tensor hook: count ``t``'s storage once, keep ``t`` as it is."""
         storage = t.untyped_storage()
         # Saved tensors stay alive until backward, so a storage pointer is not reused
         # meanwhile; counting storages once avoids counting a weight saved by two ops twice.
@@ -103,6 +111,7 @@ class SavedBytes:
         return t
 
     def __repr__(self) -> str:
+        """``SavedBytes(bytes=..., tensors=...)``."""
         return f"SavedBytes(bytes={self.bytes}, tensors={self.tensors})"
 
 
@@ -114,14 +123,17 @@ class saved_activation_bytes:  # noqa: N801 - used as a context manager, like to
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        """Count what autograd saves inside the block; ``exclude``: tensors (parameters) not to count."""
         self.result = SavedBytes()
         for p in exclude:
-            self.result._seen.add(p.untyped_storage().data_ptr())
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.result._pack, lambda t: t)
+            self.result.exclude(p)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.result.pack, lambda t: t)
 
     def __enter__(self) -> SavedBytes:
+        """Start counting; the :class:`SavedBytes` fills in as the forward runs."""
         self._hooks.__enter__()
         return self.result
 
     def __exit__(self, *exc) -> None:
+        """Stop counting."""
         self._hooks.__exit__(*exc)

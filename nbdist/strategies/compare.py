@@ -1,12 +1,13 @@
-"""Train one model under DDP, ZeRO-1, FSDP2, tensor and pipeline parallelism, and measure each.
+"""Rank side: train one model under DDP, ZeRO-1, FSDP2, tensor and pipeline parallelism; measure each.
 
 :func:`compare` runs on every rank (in ``%%on_all_ranks``). For each strategy it
 builds the model afresh (same seed on every rank), trains a few steps on the
 *same global batch* and returns one row per strategy: throughput, time per step,
 peak memory per rank, bytes communicated per rank and step, and the final loss.
 Because every strategy computes the same mathematics on the same data, the
-losses agree; the costs differ. :func:`table` and :func:`chart` show the rows in
-the notebook.
+losses agree; the costs differ. Each plan is made by the function a user would
+call (:func:`~nbdist.strategies.fsdp.apply_fsdp`, ...).
+``nbdist.dashboard.compare.table`` and ``chart`` show the rows in the notebook.
 
 How each strategy sees the data: ``make_batch(step, rank)`` gives one rank's
 share; DDP, ZeRO and FSDP give rank ``r`` its own share; tensor and pipeline
@@ -36,7 +37,7 @@ Example (on every rank)::
 and in the notebook::
 
     rows = %dist_pull rows --rank 0
-    from nbdist.strategies.compare import chart, table
+    from nbdist.dashboard.compare import chart, table
     table(rows); chart(rows)
 """
 
@@ -50,110 +51,60 @@ import torch.distributed as dist
 from torch import nn
 
 from nbdist.metrics.log import log as _log_metric
+from nbdist.strategies.fsdp import apply_fsdp
 from nbdist.strategies.measure import CommBytes, peak_bytes, resident_bytes
+from nbdist.strategies.pipeline import pipeline_schedule
+from nbdist.strategies.tensor_parallel import apply_tp, device_mesh, linear_pairs
+from nbdist.strategies.zero import zero_optimizer
 
-__all__ = ["STRATEGIES", "chart", "compare", "table"]
+__all__ = ["STRATEGIES", "compare"]
 
 STRATEGIES = ("ddp", "zero", "fsdp", "tp", "pp")
 
 
-def _tp_plan(model: nn.Module, world: int) -> dict:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    plan = {}
-    # Megatron's pairing: a column-parallel layer feeds a row-parallel one, so
-    # the activation between them stays sharded and one all-reduce ends the pair.
-    for (first, a), (second, _) in zip(linears[0::2], linears[1::2]):
-        if a.out_features % world:
-            raise ValueError(
-                f"tensor parallel shards {first}.out_features ({a.out_features}) over {world} "
-                f"ranks: make it divisible by {world}, pass tp_plan=..., or leave 'tp' out"
-            )
-        plan[first], plan[second] = ColwiseParallel(), RowwiseParallel()
-    if not plan:
-        raise ValueError("tensor parallel needs at least two nn.Linear layers; leave 'tp' out")
-    return plan
-
-
-def _pp_stage(model: nn.Module, rank: int, world: int) -> nn.Module:
-    children = list(model.children()) if isinstance(model, nn.Sequential) else []
-    if len(children) < world:
-        raise ValueError(
-            f"pipeline parallel splits an nn.Sequential into {world} stages; got "
-            f"{type(model).__name__} with {len(children)} sequential children: build an "
-            "nn.Sequential with at least one layer per rank, or leave 'pp' out"
-        )
-    # Contiguous stages with about equal parameter counts: cut where the running
-    # total is closest to k/world of the whole, keeping one child per stage at least.
-    sizes = [sum(p.numel() for p in c.parameters()) for c in children]
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-    bounds = [0]
-    for k in range(1, world):
-        lo, hi = bounds[-1] + 1, len(children) - (world - k)
-        target = prefix[-1] * k / world
-        bounds.append(min(range(lo, hi + 1), key=lambda i: abs(prefix[i] - target)))
-    bounds.append(len(children))
-    return nn.Sequential(*children[bounds[rank] : bounds[rank + 1]])
-
-
 def _setup(name, build, device, optimizer, optimizer_kwargs, tp_plan, microbatches, loss_fn):
-    """(params, optimizer, forward_backward(x, y, xg, yg) -> loss or None) for one strategy."""
+    """(params, optimizer, forward_backward(x, y, xg, yg) -> loss or None) for one strategy.
+
+    Each plan is made by the same function a user calls (``apply_fsdp``,
+    ``apply_tp``, ``zero_optimizer``, ``pipeline_schedule``).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build().to(device)
+    feed_global = False  # tensor parallel: every rank gets the whole batch
     if name in ("ddp", "zero"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model)
         if name == "zero":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            opt = ZeroRedundancyOptimizer(
-                model.parameters(), optimizer_class=optimizer, **optimizer_kwargs
-            )
+            opt = zero_optimizer(model.parameters(), optimizer, **optimizer_kwargs)
         else:
             opt = optimizer(model.parameters(), **optimizer_kwargs)
-
-        def fb(x, y, xg, yg):
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            return loss.detach()
-
     elif name == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for child in model.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child)
-        fully_shard(model)
+        blocks = [c for c in model.children() if any(True for _ in c.parameters())]
+        apply_fsdp(model, blocks=blocks, mesh=device_mesh(device_type=device.type))
         opt = optimizer(model.parameters(), **optimizer_kwargs)
-
-        def fb(x, y, xg, yg):
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            return loss.detach()
-
     elif name == "tp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
+        mesh = device_mesh(device_type=device.type)
+        if tp_plan is not None:  # the caller's own parallelize_module plan
+            from torch.distributed.tensor.parallel import parallelize_module
 
-        mesh = init_device_mesh(device.type, (world,))
-        model = parallelize_module(model, mesh, tp_plan or _tp_plan(model, world))
+            model = parallelize_module(model, mesh, tp_plan)
+        else:
+            try:
+                colwise, rowwise = linear_pairs(model, world)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; or pass tp_plan=..., or leave 'tp' out") from None
+            model = apply_tp(model, mesh, colwise=colwise, rowwise=rowwise)
         opt = optimizer(model.parameters(), **optimizer_kwargs)
-
-        def fb(x, y, xg, yg):
-            loss = loss_fn(model(xg), yg)
-            loss.backward()
-            return loss.detach()
-
+        feed_global = True
     elif name == "pp":
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-        model = _pp_stage(model, rank, world)
-        stage = PipelineStage(model, rank, world, device)
-        schedule = ScheduleGPipe(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+        try:
+            stage, schedule = pipeline_schedule(
+                model, n_microbatches=microbatches, loss_fn=loss_fn, schedule="gpipe", device=device
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"pipeline parallel: {exc}; or leave 'pp' out") from None
+        model = stage.submod
         opt = optimizer(model.parameters(), **optimizer_kwargs)
 
         def fb(x, y, xg, yg):
@@ -167,8 +118,16 @@ def _setup(name, build, device, optimizer, optimizer_kwargs, tp_plan, microbatch
             schedule.step()
             return None
 
+        return list(model.parameters()), opt, fb
     else:
         raise ValueError(f"strategy {name!r} is not known; choose from {', '.join(STRATEGIES)}")
+
+    def fb(x, y, xg, yg):
+        inputs, targets = (xg, yg) if feed_global else (x, y)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss.detach()
+
     return list(model.parameters()), opt, fb
 
 
@@ -304,74 +263,3 @@ def _measure(name, built, device, *, warmup, steps, batches, global_batch, log_e
         "comm_ops": dict(sorted(comm.ops.items())),
         "loss": loss_t.item(),
     }
-
-
-def table(rows: list[dict]):
-    """The rows as a pandas DataFrame, one line per strategy, one column per rank's memory/bytes.
-
-    Example::
-
-        table(rows)   # strategy | samples/s | step ms | peak MiB r0 | ... | comm MiB/step r0 | ... | loss
-    """
-    import pandas as pd
-
-    records = []
-    for row in rows:
-        record = {
-            "strategy": row["strategy"],
-            "samples/s": round(row["samples_per_s"], 1),
-            "step ms": round(row["step_ms"], 2),
-        }
-        for r, value in enumerate(row["peak_mib"]):
-            record[f"peak MiB r{r}"] = round(value, 2)
-        for r, value in enumerate(row["comm_mib"]):
-            record[f"comm MiB/step r{r}"] = round(value, 3)
-        record["loss"] = row["loss"]
-        records.append(record)
-    return pd.DataFrame.from_records(records).set_index("strategy")
-
-
-def chart(rows: list[dict]):
-    """A plotly figure: throughput, peak memory per rank, bytes per rank and step, side by side.
-
-    Example::
-
-        chart(rows).show()   # or just ``chart(rows)`` as a cell's last line
-    """
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    names = [row["strategy"] for row in rows]
-    fig = make_subplots(
-        rows=1,
-        cols=3,
-        subplot_titles=("throughput (samples/s)", "peak memory (MiB)", "communicated (MiB/step)"),
-    )
-    fig.add_trace(go.Bar(x=names, y=[r["samples_per_s"] for r in rows], name="all ranks"), 1, 1)
-    for rank in range(len(rows[0]["peak_mib"])):
-        color = f"hsl({(rank * 67) % 360}, 60%, 50%)"
-        fig.add_trace(
-            go.Bar(
-                x=names,
-                y=[r["peak_mib"][rank] for r in rows],
-                name=f"rank {rank}",
-                marker_color=color,
-                legendgroup=f"r{rank}",
-            ),
-            1,
-            2,
-        )
-        fig.add_trace(
-            go.Bar(
-                x=names,
-                y=[r["comm_mib"][rank] for r in rows],
-                name=f"rank {rank}",
-                marker_color=color,
-                legendgroup=f"r{rank}",
-                showlegend=False,
-            ),
-            1,
-            3,
-        )
-    fig.update_layout(barmode="group", height=360, margin=dict(t=40, b=30, l=40, r=10))
-    return fig

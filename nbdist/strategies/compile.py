@@ -1,4 +1,4 @@
-"""``torch.compile`` on every rank, and a fair timer for eager vs compiled steps.
+"""Rank side: ``torch.compile`` on every rank, and a fair timer for eager vs compiled steps.
 
 ``torch.compile`` traces the model into a graph and lets TorchInductor fuse
 chains of element-wise operations (bias add, GELU, normalisation, the

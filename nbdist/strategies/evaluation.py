@@ -1,4 +1,4 @@
-"""Distributed evaluation that returns exactly the single-process numbers.
+"""Rank side: distributed evaluation that returns exactly the single-process numbers.
 
 ``DistributedSampler`` is made for training: it pads the dataset by repeating samples
 until every rank has the same count, and deals samples out round-robin. For
@@ -81,14 +81,17 @@ class SequentialDistributedSampler(Sampler[int]):
         world_size: int | None = None,
         group=None,
     ) -> None:
+        """Indices of this rank's block of ``data``; ``rank``/``world_size`` default to the group's."""
         length = data if isinstance(data, int) else len(data)
         self.rank, self.world_size = _rank_and_size(rank, world_size, group)
         self.indices = block_range(length, self.rank, self.world_size)
 
     def __iter__(self) -> Iterator[int]:
+        """This rank's indices, in order."""
         return iter(self.indices)
 
     def __len__(self) -> int:
+        """How many samples this rank gets."""
         return len(self.indices)
 
 

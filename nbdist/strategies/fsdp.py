@@ -1,4 +1,4 @@
-"""Fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``).
+"""Rank side: fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``).
 
 Like DDP, every rank trains on its own batch; unlike DDP, each rank stores
 only ``1/world_size`` of every parameter, gradient and optimizer state. A

@@ -1,4 +1,4 @@
-"""Horovod's data-parallel recipe with ``torch.distributed`` alone.
+"""Rank side: Horovod's data-parallel recipe with ``torch.distributed`` alone.
 
 Horovod (Sergeev & Del Balso 2018) made data parallelism a two-line change to a
 single-process script::
@@ -139,7 +139,7 @@ def DistributedOptimizer(
             "DistributedOptimizer needs a process group: run it on the ranks (%%on_all_ranks) "
             "or call torch.distributed.init_process_group first"
         )
-    if getattr(optimizer, "_nbdist_averager", None) is not None:
+    if getattr(optimizer, "nbdist_averager", None) is not None:
         raise ValueError("this optimizer is already a DistributedOptimizer")
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if len({id(p) for p in params}) != len(params):
@@ -150,9 +150,9 @@ def DistributedOptimizer(
     def remove_hooks() -> None:
         averager.remove()
         pre_step.remove()
-        optimizer._nbdist_averager = None
+        optimizer.nbdist_averager = None
 
-    optimizer._nbdist_averager = averager
+    optimizer.nbdist_averager = averager
     optimizer.synchronize = averager.synchronize
     optimizer.remove_hooks = remove_hooks
     return optimizer

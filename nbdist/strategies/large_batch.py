@@ -1,4 +1,4 @@
-"""Large-batch training: scale the learning rate with the global batch, warm it up.
+"""Rank side: large-batch training: scale the learning rate with the global batch, warm it up.
 
 Data parallelism multiplies the global batch by the number of ranks. Goyal et
 al. 2017 ("Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour") keep the

@@ -1,4 +1,4 @@
-"""Measure what a training step costs: bytes communicated, peak tensor memory.
+"""Rank side: measure what a training step costs: bytes communicated, peak tensor memory.
 
 :class:`CommBytes` is a ``TorchDispatchMode`` that sees every
 ``torch.distributed`` collective and point-to-point op as it reaches the
@@ -63,11 +63,13 @@ class CommBytes(TorchDispatchMode):
     """
 
     def __init__(self) -> None:
+        """Nothing counted yet; count from ``__enter__`` to ``__exit__``."""
         super().__init__()
         self.bytes = 0
         self.ops: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Run each op; count the payload of collectives and send/recv."""
         kwargs = kwargs or {}
         # A tensor subclass (DTensor) must first turn itself into plain ops and
         # collectives; those come back through this mode.
@@ -75,7 +77,8 @@ class CommBytes(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **kwargs)
         namespace = getattr(func, "namespace", "")
-        name = func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else str(func)
+        packet = getattr(func, "overloadpacket", None)  # OpOverload -> e.g. allreduce_
+        name = packet.__name__ if packet is not None else str(func)
         if namespace in _COMM_NAMESPACES and name not in _NOT_COMM:
             payload = max([_tensor_bytes(a) for a in args] + [_tensor_bytes(out)])
             self.bytes += payload

@@ -1,4 +1,4 @@
-"""Large-batch optimizers (LARS, LAMB) and the memory an optimizer keeps.
+"""Rank side: large-batch optimizers (LARS, LAMB) and the memory an optimizer keeps.
 
 Large-batch training raises the learning rate with the batch (see
 :mod:`nbdist.strategies.large_batch`); past a few thousand samples per step plain
@@ -69,6 +69,7 @@ class LARS(torch.optim.Optimizer):
         eta: float = 0.001,
         trust_ratio: bool = True,
     ) -> None:
+        """LARS over ``params``: ``lr``, momentum, weight decay and trust coefficient ``eta``."""
         if lr < 0 or momentum < 0 or weight_decay < 0 or eta <= 0:
             raise ValueError(
                 f"LARS needs lr >= 0, momentum >= 0, weight_decay >= 0 and eta > 0; got "
@@ -81,6 +82,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One LARS update (``closure`` re-evaluates the loss, as in torch's optimizers)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -134,6 +136,7 @@ class LAMB(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         trust_ratio: bool = True,
     ) -> None:
+        """LAMB over ``params``: ``lr``, Adam's betas and eps, weight decay, ``trust_ratio``."""
         if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(
                 f"LAMB needs lr >= 0, eps > 0, weight_decay >= 0 and 0 <= betas < 1; got "
@@ -146,6 +149,7 @@ class LAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One LAMB update (``closure`` re-evaluates the loss, as in torch's optimizers)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

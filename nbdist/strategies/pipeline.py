@@ -1,4 +1,4 @@
-"""Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches flowing through.
+"""Rank side: pipeline parallelism: consecutive layers on consecutive ranks, micro-batches flowing through.
 
 Rank 0 holds the first layers (stage 0), rank 1 the next ones, and so on;
 only activations (forward) and their gradients (backward) cross between
@@ -147,6 +147,7 @@ class StageTimer:
     """
 
     def __init__(self, stage) -> None:
+        """Time ``stage``'s forward and backward chunks from now on."""
         self.reset()
         self._wrap(stage, "forward_one_chunk", "F")
         self._wrap(stage, "backward_one_chunk", "B")
@@ -167,10 +168,12 @@ class StageTimer:
 
     @property
     def forwards(self) -> int:
+        """Micro-batch forwards timed."""
         return sum(k == "F" for k, *_ in self.events)
 
     @property
     def backwards(self) -> int:
+        """Micro-batch backwards timed."""
         return sum(k == "B" for k, *_ in self.events)
 
     @property

@@ -1,4 +1,4 @@
-"""Everyday multi-rank chores: a one-time data preparation step, rank-0-only work.
+"""Rank side: everyday multi-rank chores: a one-time data preparation step, rank-0-only work.
 
 :func:`nbdist.rank_zero_first` orders the ranks; :func:`prepare_once` adds the
 rest of the usual pattern around it: rank 0 builds a file (a tokenised data

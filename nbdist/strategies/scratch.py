@@ -1,4 +1,4 @@
-"""Data parallelism from scratch: split a batch, all-reduce by hand, then over a ring.
+"""Rank side: data parallelism from scratch: split a batch, all-reduce by hand, then over a ring.
 
 The pieces DDP hides, written with plain ``torch.distributed`` point-to-point calls
 (after "Dive into Deep Learning", section 13.5, with processes instead of devices):

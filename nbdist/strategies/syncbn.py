@@ -1,4 +1,4 @@
-"""Synchronised BatchNorm: batch statistics over the whole global batch, on CPU too.
+"""Rank side: synchronised BatchNorm: batch statistics over the whole global batch, on CPU too.
 
 Under data parallelism each rank sees ``B / n`` samples; a plain ``BatchNorm``
 normalises with the statistics of that small local batch, which gets noisy (and
@@ -80,6 +80,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, invstd, count, group):
+        """Normalise ``x`` with the global batch's statistics in training, running ones in eval."""
         shape = _channel_shape(x)
         dtype = _stats_dtype(x)
         xhat = (x.to(dtype) - mean.to(dtype).view(shape)) * invstd.to(dtype).view(shape)
@@ -141,6 +142,7 @@ class SyncBatchNorm(_BatchNorm):
         device=None,
         dtype=None,
     ) -> None:
+        """Arguments as ``nn.BatchNorm2d``, plus ``process_group`` (default: every rank)."""
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
         )
@@ -165,6 +167,7 @@ class SyncBatchNorm(_BatchNorm):
         return 0.0 if self.momentum is None else self.momentum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` with the global batch's statistics in training, running ones in eval."""
         self._check_input_dim(x)
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         synced = (

@@ -1,4 +1,4 @@
-"""Tensor parallelism (Megatron-style) with DTensor: split each layer's weights over the ranks.
+"""Rank side: tensor parallelism (Megatron-style) with DTensor: split each layer's weights over the ranks.
 
 An MLP ``down(act(up(x)))`` is cut so that no rank ever holds a full weight:
 ``up`` is split by output features (column-parallel: each rank computes a
@@ -21,14 +21,20 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["apply_tp", "device_mesh", "local_param_bytes"]
+__all__ = ["apply_tp", "device_mesh", "linear_pairs", "local_param_bytes"]
 
 
-def device_mesh(shape: tuple[int, ...] | int | None = None, names: tuple[str, ...] | None = None):
+def device_mesh(
+    shape: tuple[int, ...] | int | None = None,
+    names: tuple[str, ...] | None = None,
+    *,
+    device_type: str | None = None,
+):
     """A ``DeviceMesh`` over the ranks on this rank's device type (``cuda`` or ``cpu``).
 
     ``shape`` defaults to ``(world_size,)``; e.g. ``device_mesh((2, 4), ("dp", "tp"))``
     on 8 ranks. The product of ``shape`` must equal the world size.
+    ``device_type`` overrides the rank's device type.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -57,7 +63,7 @@ def device_mesh(shape: tuple[int, ...] | int | None = None, names: tuple[str, ..
         )
     if names is not None and len(names) != len(shape):
         raise ValueError(f"mesh names {names!r} must have one name per dimension of {shape}")
-    return init_device_mesh(device().type, shape, mesh_dim_names=names)
+    return init_device_mesh(device_type or device().type, shape, mesh_dim_names=names)
 
 
 def apply_tp(
@@ -99,6 +105,29 @@ def apply_tp(
     plan = {name: ColwiseParallel() for name in colwise}
     plan.update({name: RowwiseParallel() for name in rowwise})
     return parallelize_module(model, mesh, plan)
+
+
+def linear_pairs(model: nn.Module, world: int) -> tuple[list[str], list[str]]:
+    """Megatron's pairing of ``model``'s ``nn.Linear`` layers: (colwise names, rowwise names).
+
+    Consecutive layers are paired, the first column-parallel, the second
+    row-parallel, so the activation between them stays sharded and one
+    all-reduce ends the pair. Each column-parallel layer's ``out_features`` must
+    divide by ``world``; the error names the layer that does not.
+    """
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    colwise, rowwise = [], []
+    for (first, a), (second, _) in zip(linears[0::2], linears[1::2]):
+        if a.out_features % world:
+            raise ValueError(
+                f"tensor parallel shards {first}.out_features ({a.out_features}) over {world} "
+                f"ranks: make it divisible by {world}"
+            )
+        colwise.append(first)
+        rowwise.append(second)
+    if not colwise:
+        raise ValueError("tensor parallel needs at least two nn.Linear layers")
+    return colwise, rowwise
 
 
 def local_param_bytes(model: nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""ZeRO stage 1: each rank keeps the optimizer state of only its share of the parameters.
+"""Rank side: ZeRO stage 1: each rank keeps the optimizer state of only its share of the parameters.
 
 :func:`zero_optimizer` wraps torch's ``ZeroRedundancyOptimizer``: every rank
 still holds all parameters and gradients (train it under DDP as usual), but

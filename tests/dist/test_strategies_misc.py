@@ -58,7 +58,7 @@ if rank == 1:  # different start on rank 1: broadcast_parameters must fix it
 broadcast_parameters(hvd_model.state_dict(), root_rank=0)
 opt = DistributedOptimizer(torch.optim.SGD(hvd_model.parameters(), lr=0.1, momentum=0.9))
 got = train(hvd_model, opt)
-launched = opt._nbdist_averager.reduced_count
+launched = opt.nbdist_averager.reduced_count
 local_only = build()
 alone = train(local_only, torch.optim.SGD(local_only.parameters(), lr=0.1, momentum=0.9))
 """,
@@ -152,6 +152,22 @@ def test_compare_names_the_bad_strategy(session):
             session,
             MODEL
             + "from nbdist.strategies.compare import compare\ncompare(build, shard, strategies=('dp',))",
+        )
+
+
+def test_compare_says_which_strategy_cannot_take_the_model(session):
+    # A model that is not an nn.Sequential cannot be cut into pipeline stages.
+    with pytest.raises(RankError, match=r"pipeline parallel: .*nn.Sequential.*leave 'pp' out"):
+        run(
+            session,
+            MODEL
+            + "from nbdist.strategies.compare import compare\n"
+            + "class Net(nn.Module):\n"
+            + "    def __init__(self):\n"
+            + "        super().__init__(); self.body = build()\n"
+            + "    def forward(self, x):\n"
+            + "        return self.body(x)\n"
+            + "compare(Net, shard, strategies=('pp',), steps=1, warmup=0)",
         )
 
 

@@ -62,8 +62,8 @@ def test_session_keeps_the_launch_plan_and_a_provisional_layout():
         launch_options={"partition": "gpu", "time": "01:00:00", "gpus_per_node": "8"},
     )
     assert not s.running
-    assert s.launch.engine_launcher == "slurm"
-    template = s.launch.config["SlurmEngineSetLauncher"]["batch_template"]
+    assert s.options.launch.engine_launcher == "slurm"
+    template = s.options.launch.config["SlurmEngineSetLauncher"]["batch_template"]
     assert "#SBATCH --partition=gpu" in template and "#SBATCH --nodes=2" in template
     # The login node's GPUs say nothing about the compute nodes': decided when engines report.
     assert s.placement.world_size == 16 and not s.placement.uses_gpus

@@ -148,26 +148,15 @@ def test_warmup_schedule_drives_the_optimizer():
     assert lrs == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 0.8])
 
 
-def test_pipeline_split_balances_parameters_and_names_bad_models():
-    from nbdist.strategies.compare import _pp_stage
+def test_tensor_parallel_pairs_linears_and_names_the_indivisible_layer():
+    from nbdist.strategies.tensor_parallel import linear_pairs
 
-    model = nn.Sequential(
-        nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 32), nn.ReLU(), nn.Linear(32, 8)
-    )
-    stages = [_pp_stage(model, r, 2) for r in range(2)]
-    assert [len(s) for s in stages] == [1, 4]  # 4,224 vs 4,392 parameters
-    assert [len(_pp_stage(model, r, 5)) for r in range(5)] == [1] * 5
-    with pytest.raises(ValueError, match="nn.Sequential into 3 stages; got Linear"):
-        _pp_stage(nn.Linear(2, 2), 0, 3)
-
-
-def test_tensor_parallel_plan_names_the_indivisible_layer():
-    from nbdist.strategies.compare import _tp_plan
-
-    plan = _tp_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 2)), 2)
-    assert [type(v).__name__ for v in plan.values()] == ["ColwiseParallel", "RowwiseParallel"]
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 2))
+    assert linear_pairs(model, 2) == (["0"], ["2"])  # the odd last layer stays whole
     with pytest.raises(ValueError, match=r"0.out_features \(7\) over 2 ranks"):
-        _tp_plan(nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 4)), 2)
+        linear_pairs(nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 4)), 2)
+    with pytest.raises(ValueError, match="at least two nn.Linear"):
+        linear_pairs(nn.Sequential(nn.Linear(4, 4)), 2)
 
 
 def test_peak_bytes_sees_a_temporary_and_comm_bytes_ignores_local_ops():
@@ -184,7 +173,7 @@ def test_peak_bytes_sees_a_temporary_and_comm_bytes_ignores_local_ops():
 
 
 def test_table_and_chart_show_every_rank():
-    from nbdist.strategies.compare import chart, table
+    from nbdist.dashboard.compare import chart, table
 
     rows = [
         {

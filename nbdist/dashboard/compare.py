@@ -1,0 +1,87 @@
+"""Kernel side: the rows of ``nbdist.strategies.compare.compare`` as a table and a chart.
+
+``compare`` runs on the ranks; its rows come back to the notebook
+(``%dist_pull rows --rank 0``) and are shown here: pandas for the table,
+plotly for the chart (imported when called, never on the ranks).
+
+Example::
+
+    rows = %dist_pull rows --rank 0
+    from nbdist.dashboard.compare import chart, table
+    table(rows); chart(rows)
+"""
+
+from __future__ import annotations
+
+__all__ = ["chart", "table"]
+
+
+def table(rows: list[dict]):
+    """The rows as a pandas DataFrame, one line per strategy, one column per rank's memory/bytes.
+
+    Example::
+
+        table(rows)   # strategy | samples/s | step ms | peak MiB r0 | ... | comm MiB/step r0 | ... | loss
+    """
+    import pandas as pd
+
+    records = []
+    for row in rows:
+        record = {
+            "strategy": row["strategy"],
+            "samples/s": round(row["samples_per_s"], 1),
+            "step ms": round(row["step_ms"], 2),
+        }
+        for r, value in enumerate(row["peak_mib"]):
+            record[f"peak MiB r{r}"] = round(value, 2)
+        for r, value in enumerate(row["comm_mib"]):
+            record[f"comm MiB/step r{r}"] = round(value, 3)
+        record["loss"] = row["loss"]
+        records.append(record)
+    return pd.DataFrame.from_records(records).set_index("strategy")
+
+
+def chart(rows: list[dict]):
+    """A plotly figure: throughput, peak memory per rank, bytes per rank and step, side by side.
+
+    Example::
+
+        chart(rows).show()   # or just ``chart(rows)`` as a cell's last line
+    """
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    names = [row["strategy"] for row in rows]
+    fig = make_subplots(
+        rows=1,
+        cols=3,
+        subplot_titles=("throughput (samples/s)", "peak memory (MiB)", "communicated (MiB/step)"),
+    )
+    fig.add_trace(go.Bar(x=names, y=[r["samples_per_s"] for r in rows], name="all ranks"), 1, 1)
+    for rank in range(len(rows[0]["peak_mib"])):
+        color = f"hsl({(rank * 67) % 360}, 60%, 50%)"
+        fig.add_trace(
+            go.Bar(
+                x=names,
+                y=[r["peak_mib"][rank] for r in rows],
+                name=f"rank {rank}",
+                marker_color=color,
+                legendgroup=f"r{rank}",
+            ),
+            1,
+            2,
+        )
+        fig.add_trace(
+            go.Bar(
+                x=names,
+                y=[r["comm_mib"][rank] for r in rows],
+                name=f"rank {rank}",
+                marker_color=color,
+                legendgroup=f"r{rank}",
+                showlegend=False,
+            ),
+            1,
+            3,
+        )
+    fig.update_layout(barmode="group", height=360, margin=dict(t=40, b=30, l=40, r=10))
+    return fig
