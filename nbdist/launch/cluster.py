@@ -6,7 +6,7 @@ Two ways in:
 - :func:`attach` connects to a cluster somebody else started (other hosts,
   a batch job); nbdist then owns no processes and stops none.
 
-:func:`stop` ends only processes this module started, by PID, and waits until
+:func:`stop_processes` ends only processes this module started, by PID, and waits until
 they are gone. ipyparallel settings are tuned for start-up time (measured on a
 2-core machine: defaults 10.8 s to a ready 4-rank group, these 2.5 s):
 heartbeat period 100 ms instead of 3 s (an engine counts as registered on the

@@ -2,7 +2,7 @@
 
 nbdist does not manage clusters itself: ipyparallel's launchers start the
 engines (an ``sbatch`` job, ``ssh`` to each host, ``mpiexec``) and its
-controller stays here, in the notebook's machine. :func:`launch_plan` turns
+controller stays here, in the notebook's machine. :func:`plan_launch` turns
 the few options a user gives (partition, time, account, hosts, ...) into that
 launcher's traitlets configuration, checked first. Pure: tested on the
 configuration (and the batch script ipyparallel writes from it) without Slurm.

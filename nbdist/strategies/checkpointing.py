@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Checkpointed", "SavedBytes", "apply_ac", "saved_activation_bytes"]
+__all__ = ["Checkpointed", "SavedBytes", "apply_ac", "find_blocks", "saved_activation_bytes"]
 
 
 class Checkpointed(nn.Module):
@@ -47,33 +47,70 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
 
 
+def find_blocks(
+    model: nn.Module, blocks, *, caller: str = "find_blocks"
+) -> list[tuple[str, nn.Module]]:
+    """``(name, submodule)`` for each block of ``model`` that ``blocks`` picks out.
+
+    ``blocks`` is a module class (``Block``) or a tuple of classes: every
+    submodule of those types, in ``named_modules()`` order; or one submodule, or
+    a list of submodule names (``["layers.0"]``) and/or submodules, in the order
+    given. ``model`` itself is never a block. :func:`apply_ac` and
+    ``fsdp.apply_fsdp`` choose their units with it; ``caller`` starts the error
+    messages, which name what is missing.
+    """
+    named = [(n, m) for n, m in model.named_modules() if n]
+    if isinstance(blocks, type) or (
+        isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)
+    ):
+        found = [(n, m) for n, m in named if isinstance(m, blocks)]
+        if not found:
+            raise ValueError(
+                f"{caller}: the model has no submodule of type {blocks!r}; pass the class of "
+                f"its repeated blocks (e.g. blocks=Block)"
+            )
+        return found
+    if isinstance(blocks, nn.Module):
+        items = [blocks]
+    elif isinstance(blocks, Iterable) and not isinstance(blocks, str):
+        items = list(blocks)
+    else:
+        items = None
+    if items is None or not all(isinstance(b, (str, nn.Module)) for b in items):
+        raise TypeError(
+            f"{caller}: blocks must be a module class (blocks=Block), a tuple of classes, or a "
+            f"list of submodule names or submodules; got {blocks!r}"
+        )
+    by_name = dict(named)
+    name_of = {id(m): n for n, m in named}
+    found = []
+    for b in items:
+        if isinstance(b, str):
+            if b not in by_name:
+                raise ValueError(
+                    f"{caller}: no submodule named {b!r}; the model has {sorted(by_name)[:20]}"
+                )
+            found.append((b, by_name[b]))
+        elif id(b) in name_of:
+            found.append((name_of[id(b)], b))
+        else:
+            raise ValueError(
+                f"{caller}: a {type(b).__name__} in blocks is not a submodule of the model"
+            )
+    return found
+
+
 def apply_ac(model: nn.Module, *, blocks, every: int = 1) -> nn.Module:
     """Wrap submodules of ``model`` in :class:`Checkpointed`, in place; returns ``model``.
 
     ``blocks`` is a module class (``blocks=Block``), a tuple of classes, or a
-    list of submodule names (``["layers.0", "layers.1"]``). ``every=2``
-    checkpoints every second matching block (a memory/time middle ground).
+    list of submodule names (``["layers.0", "layers.1"]``) or submodules (see
+    :func:`find_blocks`). ``every=2`` checkpoints every second matching block
+    (a memory/time middle ground).
     """
     if every < 1:
         raise ValueError(f"every must be >= 1 (1 = every block), got {every}")
-    if isinstance(blocks, type) or (
-        isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)
-    ):
-        names = [n for n, m in model.named_modules() if n and isinstance(m, blocks)]
-        if not names:
-            raise ValueError(f"apply_ac: the model has no submodule of type {blocks!r}")
-    elif isinstance(blocks, Iterable) and not isinstance(blocks, str):
-        names = list(blocks)
-        known = dict(model.named_modules())
-        for n in names:
-            if n not in known or not n:
-                raise ValueError(
-                    f"apply_ac: no submodule named {n!r}; the model has {sorted(k for k in known if k)[:20]}"
-                )
-    else:
-        raise TypeError(
-            f"blocks must be a module class or a list of submodule names, got {blocks!r}"
-        )
+    names = [name for name, _ in find_blocks(model, blocks, caller="apply_ac")]
     # A block nested in another chosen block is already covered by its parent.
     names = [n for n in names if not any(n.startswith(p + ".") for p in names if p != n)]
     for i, name in enumerate(names):

@@ -81,14 +81,15 @@ def _setup(name, build, device, optimizer, optimizer_kwargs, tp_plan, microbatch
             opt = optimizer(model.parameters(), **optimizer_kwargs)
     elif name == "fsdp":
         blocks = [c for c in model.children() if any(True for _ in c.parameters())]
-        apply_fsdp(model, blocks=blocks, mesh=device_mesh(device_type=device.type))
+        # reshard_after_forward=None: torch's default (the root keeps its parameters
+        # gathered for backward), as compare has always measured FSDP2.
+        mesh = device_mesh(device_type=device.type)
+        apply_fsdp(model, blocks=blocks, mesh=mesh, reshard_after_forward=None)
         opt = optimizer(model.parameters(), **optimizer_kwargs)
     elif name == "tp":
         mesh = device_mesh(device_type=device.type)
-        if tp_plan is not None:  # the caller's own parallelize_module plan
-            from torch.distributed.tensor.parallel import parallelize_module
-
-            model = parallelize_module(model, mesh, tp_plan)
+        if tp_plan:  # the caller's own parallelize_module plan
+            model = apply_tp(model, mesh, plan=tp_plan)
         else:
             try:
                 colwise, rowwise = linear_pairs(model, world)

@@ -18,36 +18,13 @@ Example (on every rank)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
+from nbdist.strategies.checkpointing import find_blocks
+from nbdist.strategies.measure import local_bytes
+
 __all__ = ["apply_fsdp", "full_state_dict", "param_bytes"]
-
-
-def _blocks(model: nn.Module, blocks) -> list[nn.Module]:
-    if blocks is None:
-        return []
-    if isinstance(blocks, type) or (
-        isinstance(blocks, tuple) and blocks and all(isinstance(b, type) for b in blocks)
-    ):
-        found = [m for m in model.modules() if isinstance(m, blocks) and m is not model]
-        if not found:
-            raise ValueError(
-                f"apply_fsdp: the model has no submodule of type {blocks!r}; pass the class of "
-                f"its repeated blocks (e.g. blocks=Block) or blocks=None to shard it as one unit"
-            )
-        return found
-    if isinstance(blocks, nn.Module):
-        return [blocks]
-    found = list(blocks) if isinstance(blocks, Iterable) else None
-    if found is None or not all(isinstance(b, nn.Module) for b in found):
-        raise TypeError(
-            f"blocks must be a module class (blocks=Block), a tuple of classes, or a list of "
-            f"submodules; got {blocks!r}"
-        )
-    return found
 
 
 def apply_fsdp(
@@ -58,17 +35,20 @@ def apply_fsdp(
     offload: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = True,
 ) -> nn.Module:
     """Shard ``model`` with ``fully_shard``: each of ``blocks`` first, then the whole model.
 
-    ``blocks`` (a class such as ``Block``, or a list of submodules) sets the
-    unit of all-gather: one block's full weights live at a time. ``mesh``
-    defaults to all ranks on this rank's device. ``offload=True`` keeps shards
-    on the CPU (``CPUOffloadPolicy``; GPU ranks only). ``param_dtype`` /
-    ``reduce_dtype`` (e.g. ``torch.bfloat16`` / ``torch.float32``) set mixed
-    precision. Returns ``model`` (now an ``FSDPModule``), changed in place;
-    build the optimizer afterwards.
+    ``blocks`` (a class such as ``Block``, or a list of submodules or their
+    names: see :func:`~nbdist.strategies.checkpointing.find_blocks`; ``None``:
+    the model is one unit) sets the unit of all-gather: one block's full
+    weights live at a time. ``mesh`` defaults to all ranks on this rank's
+    device. ``offload=True`` keeps shards on the CPU (``CPUOffloadPolicy``; GPU
+    ranks only). ``param_dtype`` / ``reduce_dtype`` (e.g. ``torch.bfloat16`` /
+    ``torch.float32``) set mixed precision. ``reshard_after_forward`` goes to
+    ``fully_shard`` for every unit (``None``: torch's choice, blocks reshard and
+    the root keeps its parameters for backward). Returns ``model`` (now an
+    ``FSDPModule``), changed in place; build the optimizer afterwards.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -82,7 +62,8 @@ def apply_fsdp(
             "memory to CPU memory, and on CPU ranks they already are in CPU memory. "
             "Use offload=False here."
         )
-    units = _blocks(model, blocks)  # checked before any collective runs
+    # Resolved (and checked) before any collective runs.
+    units = [] if blocks is None else find_blocks(model, blocks, caller="apply_fsdp")
     if mesh is None:
         mesh = device_mesh()
     kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
@@ -93,7 +74,7 @@ def apply_fsdp(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype
         )
     # Inner blocks first: the root then only owns what no block took (embeddings, head).
-    for block in units:
+    for _, block in units:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
@@ -101,12 +82,9 @@ def apply_fsdp(
 
 def param_bytes(model: nn.Module) -> tuple[int, int]:
     """``(local, full)``: parameter bytes this rank stores, and of the unsharded model."""
-    local = full = 0
-    for p in model.parameters():
-        shard = p.to_local() if hasattr(p, "to_local") else p
-        local += shard.numel() * shard.element_size()
-        full += p.numel() * p.element_size()  # a DTensor's numel is the global one
-    return local, full
+    params = list(model.parameters())
+    # A DTensor's numel is the global one.
+    return local_bytes(params), sum(p.numel() * p.element_size() for p in params)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

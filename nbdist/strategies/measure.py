@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CommBytes", "peak_bytes", "resident_bytes"]
+__all__ = ["CommBytes", "local_bytes", "peak_bytes", "resident_bytes"]
 
 _COMM_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 _NOT_COMM = {"wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}
@@ -139,7 +139,16 @@ def peak_bytes(step: Callable[[], object], *, resident: int = 0, device=None) ->
     return resident + peak
 
 
-def _local_bytes(tensors) -> int:
+def local_bytes(tensors: Iterable) -> int:
+    """Bytes this rank stores for ``tensors``: a DTensor's local shard only; non-tensors count 0.
+
+    The one byte count behind :func:`resident_bytes`, ``fsdp.param_bytes``,
+    ``tensor_parallel.local_param_bytes`` and ``optimizers.state_bytes``.
+
+    Example::
+
+        local_bytes(model.parameters())   # FSDP2: about 1/world_size of the full model
+    """
     total = 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
@@ -162,4 +171,4 @@ def resident_bytes(params: Iterable[torch.Tensor], optimizer=None) -> int:
         if isinstance(opt, torch.optim.Optimizer):
             state += [v for s in opt.state.values() for v in s.values()]
     grads = [p.grad for p in params if p.grad is not None]
-    return _local_bytes(params) + _local_bytes(state) + _local_bytes(grads)
+    return local_bytes(params) + local_bytes(state) + local_bytes(grads)

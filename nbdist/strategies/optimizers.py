@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nbdist.strategies.measure import local_bytes
+
 __all__ = ["LAMB", "LARS", "exclude_bias_and_norm", "state_bytes"]
 
 
@@ -201,12 +203,6 @@ def exclude_bias_and_norm(model: nn.Module, *, weight_decay: float) -> list[dict
     ]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor (FSDP2, tensor parallel) holds only its local shard on this rank.
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of tensors in the optimizer's state on this rank (moments, buffers, step counters).
 
@@ -217,10 +213,4 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
         state_bytes(torch.optim.Adam(model.parameters()))   # 0 until the first step
     """
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                local = _local(value)
-                total += local.numel() * local.element_size()
-    return total
+    return local_bytes(value for state in optimizer.state.values() for value in state.values())

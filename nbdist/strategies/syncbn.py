@@ -80,7 +80,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, mean, invstd, count, group):
-        """Normalise ``x`` with the global batch's statistics in training, running ones in eval."""
+        """``x`` normalised with the given global ``mean``/``invstd``, then scaled and shifted."""
         shape = _channel_shape(x)
         dtype = _stats_dtype(x)
         xhat = (x.to(dtype) - mean.to(dtype).view(shape)) * invstd.to(dtype).view(shape)

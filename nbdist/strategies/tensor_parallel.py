@@ -72,14 +72,18 @@ def apply_tp(
     *,
     colwise: Iterable[str] = (),
     rowwise: Iterable[str] = (),
+    plan: dict | None = None,
 ) -> nn.Module:
     """Shard the ``nn.Linear``/``nn.Embedding`` layers named in ``colwise``/``rowwise`` over ``mesh``.
 
     Names are those of ``model.named_modules()`` (``"up"``, ``"blocks.0.fc1"``).
     Pair them as Megatron does: a column-parallel layer followed by a
-    row-parallel one, with only element-wise work in between. Inputs and
-    outputs of the model stay ordinary (replicated) tensors. Returns ``model``,
-    changed in place.
+    row-parallel one, with only element-wise work in between
+    (:func:`linear_pairs` finds such pairs). Inputs and outputs of the model
+    stay ordinary (replicated) tensors. ``plan`` adds a ready
+    ``parallelize_module`` plan (``{name or pattern: ParallelStyle}``, e.g.
+    ``SequenceParallel()``), passed on as it is and taking precedence over
+    ``colwise``/``rowwise``. Returns ``model``, changed in place.
     """
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -88,7 +92,7 @@ def apply_tp(
     )
 
     colwise, rowwise = list(colwise), list(rowwise)
-    if not colwise and not rowwise:
+    if not colwise and not rowwise and not plan:
         raise ValueError("apply_tp: name at least one layer, e.g. colwise=['up'], rowwise=['down']")
     modules = dict(model.named_modules())
     for name in colwise + rowwise:
@@ -102,9 +106,10 @@ def apply_tp(
                 f"apply_tp: {name!r} is a {type(modules[name]).__name__}; column/row-parallel "
                 f"sharding applies to nn.Linear and nn.Embedding layers"
             )
-    plan = {name: ColwiseParallel() for name in colwise}
-    plan.update({name: RowwiseParallel() for name in rowwise})
-    return parallelize_module(model, mesh, plan)
+    styles = {name: ColwiseParallel() for name in colwise}
+    styles.update({name: RowwiseParallel() for name in rowwise})
+    styles.update(plan or {})
+    return parallelize_module(model, mesh, styles)
 
 
 def linear_pairs(model: nn.Module, world: int) -> tuple[list[str], list[str]]:
@@ -132,8 +137,6 @@ def linear_pairs(model: nn.Module, world: int) -> tuple[list[str], list[str]]:
 
 def local_param_bytes(model: nn.Module) -> int:
     """Bytes of parameters this rank really stores (the local shard of each DTensor)."""
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
+    from nbdist.strategies.measure import local_bytes
+
+    return local_bytes(model.parameters())

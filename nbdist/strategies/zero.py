@@ -59,12 +59,8 @@ def optimizer_state_bytes(optimizer) -> int:
     For a ``ZeroRedundancyOptimizer`` this is the local shard only (its
     ``optim`` attribute), so compare it with a plain optimizer's figure.
     """
+    from nbdist.strategies.optimizers import state_bytes
+
     # ZeroRedundancyOptimizer.state mirrors all ranks' keys after consolidation;
     # the local optimizer holds what this rank really keeps.
-    local = getattr(optimizer, "optim", optimizer)
-    return sum(
-        value.numel() * value.element_size()
-        for state in local.state.values()
-        for value in state.values()
-        if torch.is_tensor(value)
-    )
+    return state_bytes(getattr(optimizer, "optim", optimizer))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.errors import RankError
 from nbdist.driver.sinks import ListSink
+from nbdist.errors import RankError
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import nbdist
-from nbdist.errors import RankError
 from nbdist.driver.sinks import ListSink
+from nbdist.errors import RankError
 from nbdist.strategies.checkpointing import Checkpointed, apply_ac, saved_activation_bytes
 from nbdist.strategies.pipeline import bubble_fraction, render_timeline, split_sequential
 
@@ -175,6 +175,11 @@ torch.manual_seed(0)
 mlp = apply_tp(MLP(), device_mesh(), colwise=["up"], rowwise=["down"])
 X, _ = make_data()
 out0 = mlp(X).detach()
+# The same sharding given as a ready parallelize_module plan (compare's tp_plan=).
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+torch.manual_seed(0)
+planned = apply_tp(MLP(), device_mesh(), plan={{"up": ColwiseParallel(), "down": RowwiseParallel()}})
+out_plan = planned(X).detach()
 opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
 for _ in range({STEPS}):
     opt.zero_grad()
@@ -197,7 +202,7 @@ tp_bytes = local_param_bytes(mlp)
     torch.manual_seed(0)
     dense = MLP()
     X, _ = make_data()  # noqa: F821
-    for out in session.pull("out0"):
+    for out in session.pull("out0") + session.pull("out_plan"):
         torch.testing.assert_close(out, dense(X).detach())
     opt = torch.optim.SGD(dense.parameters(), lr=0.1)
     for _ in range(STEPS):

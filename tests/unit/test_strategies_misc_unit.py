@@ -159,6 +159,40 @@ def test_tensor_parallel_pairs_linears_and_names_the_indivisible_layer():
         linear_pairs(nn.Sequential(nn.Linear(4, 4)), 2)
 
 
+def test_find_blocks_takes_classes_names_and_submodules():
+    from nbdist.strategies.checkpointing import find_blocks
+
+    model = nn.Sequential(nn.Linear(2, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
+    assert [n for n, _ in find_blocks(model, nn.Linear)] == ["0", "1.1"]
+    assert [n for n, _ in find_blocks(model, (nn.ReLU, nn.Linear))] == ["0", "1.0", "1.1"]
+    assert find_blocks(model, ["1.1", model[0]]) == [("1.1", model[1][1]), ("0", model[0])]
+    assert find_blocks(model, model[1]) == [("1", model[1])]
+    with pytest.raises(ValueError, match="apply_x: the model has no submodule of type"):
+        find_blocks(model, nn.Conv2d, caller="apply_x")
+    with pytest.raises(ValueError, match="no submodule named '2'"):
+        find_blocks(model, ["2"])
+    with pytest.raises(ValueError, match="Linear in blocks is not a submodule"):
+        find_blocks(model, [nn.Linear(1, 1)])
+    with pytest.raises(TypeError, match="blocks must be a module class"):
+        find_blocks(model, 3)
+
+
+def test_one_byte_count_serves_params_and_optimizer_state():
+    from nbdist.strategies.fsdp import param_bytes
+    from nbdist.strategies.measure import local_bytes
+    from nbdist.strategies.tensor_parallel import local_param_bytes
+    from nbdist.strategies.zero import optimizer_state_bytes
+
+    model = nn.Linear(8, 4)  # 36 float32 parameters
+    assert local_bytes([torch.zeros(3, dtype=torch.float64), "not a tensor", None]) == 24
+    assert param_bytes(model) == (36 * 4, 36 * 4)  # unsharded: local == full
+    assert local_param_bytes(model) == 36 * 4
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    assert optimizer_state_bytes(opt) == state_bytes(opt) == 2 * 36 * 4 + 2 * 4
+
+
 def test_peak_bytes_sees_a_temporary_and_comm_bytes_ignores_local_ops():
     from nbdist.strategies.measure import CommBytes, peak_bytes
 
