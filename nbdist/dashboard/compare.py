@@ -60,28 +60,15 @@ def chart(rows: list[dict]):
     fig.add_trace(go.Bar(x=names, y=[r["samples_per_s"] for r in rows], name="all ranks"), 1, 1)
     for rank in range(len(rows[0]["peak_mib"])):
         color = f"hsl({(rank * 67) % 360}, 60%, 50%)"
-        fig.add_trace(
-            go.Bar(
+        for col, key in ((2, "peak_mib"), (3, "comm_mib")):
+            bar = go.Bar(
                 x=names,
-                y=[r["peak_mib"][rank] for r in rows],
+                y=[r[key][rank] for r in rows],
                 name=f"rank {rank}",
                 marker_color=color,
                 legendgroup=f"r{rank}",
-            ),
-            1,
-            2,
-        )
-        fig.add_trace(
-            go.Bar(
-                x=names,
-                y=[r["comm_mib"][rank] for r in rows],
-                name=f"rank {rank}",
-                marker_color=color,
-                legendgroup=f"r{rank}",
-                showlegend=False,
-            ),
-            1,
-            3,
-        )
+                showlegend=col == 2,  # one legend entry per rank for both charts
+            )
+            fig.add_trace(bar, 1, col)
     fig.update_layout(barmode="group", height=360, margin=dict(t=40, b=30, l=40, r=10))
     return fig

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -262,7 +263,8 @@ class _RunViews:
         self.pinned: LiveDashboard | None = None  # the latest one %dist_dashboard showed
 
 
-_VIEWS: dict[int, _RunViews] = {}  # id(run) -> its views, while the run object lives
+# Run -> its views; weak, so a finished run's entry goes with it.
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def show_run(
@@ -292,7 +294,7 @@ def show_run(
         nbdist.dashboard.show_run(nbdist.runs()[-1].load())     # a past run
     """
     shell = _kernel_shell()
-    views = _VIEWS.setdefault(id(run), _RunViews())
+    views = _VIEWS.setdefault(run, _RunViews())
     if auto:
         if shell is None:
             return None  # scripts, terminal IPython: %dist_dashboard prints a summary

@@ -111,6 +111,8 @@ class RankRun:
         # while the others wait is noticed at once), not on status messages: on a
         # 2-core machine every needless wake-up is CPU the ranks are waiting for.
         self._children = per_engine_futures(async_result)
+        # The dicts ipyparallel fills with each rank's output, in place: read on every pass.
+        self._metadata = per_engine_metadata(async_result)
         for child in self._children:
             child.iopub_callbacks.append(self._on_iopub)
             child.add_done_callback(lambda _f: self._wake.set())
@@ -155,7 +157,7 @@ class RankRun:
     def _drain(self) -> None:
         merger = self._merger
         # ipyparallel keeps each rank's output accumulated in its metadata dict.
-        for i, (rank, md) in enumerate(zip(self.ranks, per_engine_metadata(self._ar))):
+        for i, (rank, md) in enumerate(zip(self.ranks, self._metadata)):
             seen = self._consumed[i]
             for stream in ("stdout", "stderr"):
                 text = md[stream] or ""
@@ -197,7 +199,7 @@ class RankRun:
         dead = self._guard is not None and self._guard.dead()
         self._ar.wait_for_output(timeout=0.5 if dead else 5)
         self._drain()
-        for rank, md in zip(self.ranks, per_engine_metadata(self._ar)):
+        for rank, md in zip(self.ranks, self._metadata):
             result = md.get("execute_result")
             if result:
                 self._merger.feed_display(rank, result.get("data", {}), result.get("metadata", {}))
