@@ -1,9 +1,8 @@
 """Kernel side: the IPython magics, a thin layer over :class:`nbdist.DistSession`.
 
-Each magic parses its flags, makes one API call and shows the result; a
-script can do the same with the session object (``nbdist.current_session()``).
-Bad input raises IPython's ``UsageError`` naming the value and the fix, and
-changes nothing.
+Each magic parses its flags, makes one API call and shows the result (a script
+can do the same with ``nbdist.current_session()``). Bad input raises IPython's
+``UsageError`` naming the value and the fix, and changes nothing.
 """
 
 from __future__ import annotations
@@ -94,6 +93,7 @@ class DistMagics(Magics):
         Examples::
 
             %dist_start              # one rank per GPU, or 2 CPU ranks without GPUs
+            %dist_start 2            # on one GPU: both ranks share it (see below)
             %dist_start 4 --cpu      # 4 CPU ranks (gloo), threads shared among them
             %dist_start --gpus 0,2   # two ranks on GPUs 0 and 2 (NCCL)
             %dist_start --attach ~/.ipython/profile_default/security/cluster-abc.json
@@ -101,6 +101,8 @@ class DistMagics(Magics):
                 --launch-opt gpus_per_node=8
             %dist_start --launcher ssh --ip 10.1.0.5 --hosts node1:4,node2:4
 
+        More ranks than GPUs share them round robin, over NCCL >= 2.30 (nbdist sets
+        NCCL_MULTI_RANK_GPU_ENABLE=1) or else gloo, which stops a strategy it cannot serve.
         Every rank's namespace starts with torch, dist, nbdist, rank, local_rank,
         world_size and device. Stop with %dist_stop.
         """

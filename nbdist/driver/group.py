@@ -31,6 +31,7 @@ __all__ = [
     "RankInfo",
     "controller_host",
     "form_group",
+    "gloo_on_gpu_reason",
     "metrics_ip",
     "metrics_key",
     "reform_group",
@@ -118,6 +119,8 @@ def form_group(
     rank0_engine = next(e for e, s in slots.items() if s.rank == 0)
     master_addr = infos[rank0_engine]["address"]
     port = client[[rank0_engine]].apply_sync(bootstrap.open_rendezvous, master_addr)[0]
+    sharing = {r for ranks in placement.shared_gpus.values() for r in ranks}
+    gloo_reason = gloo_on_gpu_reason(placement)
     pending = {}
     for eid, slot in slots.items():
         spec = dict(
@@ -126,7 +129,8 @@ def form_group(
             master_port=port, backend=placement.backend, gpu=slot.gpu,
             threads=placement.threads_for(slot), timeout=options.group_timeout,
             loopback_only=master_addr.startswith("127."), metrics_url=metrics_url,
-            metrics_key=metrics_key_for_ranks,
+            metrics_key=metrics_key_for_ranks, shares_gpu=slot.rank in sharing,
+            gloo_reason=gloo_reason,
         )  # fmt: skip
         pending[eid] = client[[eid]].apply_async(bootstrap.init_rank, spec, _shell_reference())
     ranks = []
@@ -149,6 +153,20 @@ def form_group(
     ranks.sort(key=lambda r: r.rank)
     hosts = {r.rank: r.host for r in ranks} if len({r.host for r in ranks}) > 1 else {}
     return Group(ranks, master_addr, placement.backend, hosts=hosts), placement
+
+
+def gloo_on_gpu_reason(placement) -> str:
+    """Why the ranks run gloo on GPUs, in words for a strategy's error ('' if they do not)."""
+    if placement.backend != "gloo" or not placement.uses_gpus:
+        return ""
+    if not placement.shared_gpus:
+        return "--backend gloo was asked for"
+    version = ".".join(map(str, placement.nccl)) if placement.nccl else "none"
+    (_host, gpu), ranks = next(iter(placement.shared_gpus.items()))
+    return (
+        f"ranks {','.join(map(str, ranks))} share GPU {gpu} and this torch's NCCL "
+        f"({version}) cannot put two ranks on one GPU (2.30 can)"
+    )
 
 
 def reform_group(

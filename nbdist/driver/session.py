@@ -380,16 +380,18 @@ class DistSession:
         return show_run(self.metrics, states=self.rank_states)
 
     def summary(self) -> str:
-        """One line: ranks, backend, devices, start-up seconds."""
+        """One line: ranks, backend, devices, start-up seconds; a second where ranks share GPUs."""
         self._require_running()
         devices = sorted({r.device for r in self.ranks})
         hosts = sorted({r.host for r in self.ranks})
         where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
         note = f"; {self._handle.start_note}" if self._handle.start_note else ""
-        return (
+        line = (
             f"nbdist: {self.world_size} ranks ready{where} · backend {self.backend} · "
             f"device {', '.join(devices)} · {self.startup_seconds:.1f} s{note}"
         )
+        sharing = self.placement.sharing_note() if self.placement else ""
+        return f"{line}\nnbdist: {sharing}" if sharing else line
 
     def __repr__(self) -> str:
         """``<DistSession: 2 ranks, gloo>``."""

@@ -21,8 +21,8 @@ import datetime
 import os
 import socket
 
-from nbdist.engine import collectives, control
-from nbdist.engine.devices import device_for, visible_gpus
+from nbdist.engine import backend_support, collectives, control
+from nbdist.engine.devices import SHARED_GPU_ENV, device_for, visible_gpus
 from nbdist.engine.helpers import device as rank_device
 from nbdist.engine.helpers import rank as this_rank
 from nbdist.engine.helpers import remember_identity
@@ -144,6 +144,11 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         mask = narrow_cuda_mask(os.environ.get("CUDA_VISIBLE_DEVICES"), gpu)
         if mask is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = mask
+    if spec.get("shares_gpu") and spec["backend"] == "nccl":
+        # NCCL >= 2.30 lets ranks share a GPU only when asked (experimental);
+        # NVLink SHARP buffers are per GPU, so users of the mode turn them off.
+        os.environ.setdefault(SHARED_GPU_ENV, "1")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
     import torch
 
@@ -216,6 +221,11 @@ def _join_group(spec: dict, device: str) -> None:
     expected = spec["world_size"] * (spec["world_size"] + 1) / 2
     if probe.item() != expected:
         raise RuntimeError(f"all_reduce check gave {probe.item()}, expected {expected}")
+
+    if spec["backend"] == "gloo" and device.startswith("cuda"):
+        # gloo on a GPU copies through host memory, for some collectives only:
+        # measure which, so strategies can say so before they start.
+        backend_support.probe(device, context=spec.get("gloo_reason", ""))
 
     # The sockets the group opened (store, gloo pairs): what release() shuts down.
     control.remember_group_sockets(control.socket_snapshot() - before)

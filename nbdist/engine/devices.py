@@ -27,14 +27,22 @@ from nbdist.errors import PlacementError
 
 __all__ = [
     "BACKENDS",
+    "SHARED_GPU_ENV",
+    "SHARED_GPU_NCCL",
     "choose_backend",
     "device_for",
     "gpus_from_mask",
     "local_device",
+    "nccl_can_share",
+    "nccl_version",
     "visible_gpus",
 ]
 
 BACKENDS = ("nccl", "gloo")
+# NCCL refuses two ranks on one GPU ("Duplicate GPU detected") up to 2.29; 2.30 allows it
+# when this variable is 1 (experimental), so ranks that share a GPU get it set.
+SHARED_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
+SHARED_GPU_NCCL = (2, 30, 0)
 # ASCII digits only: str.isdigit() accepts '²', which int() rejects.
 _NUMBER = re.compile(r"^[0-9]+$")
 
@@ -81,6 +89,38 @@ def local_device(local_rank: int) -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return f"cuda:{local_rank % torch.cuda.device_count()}"
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL version torch is built with, e.g. (2, 30, 7); None without NCCL (CPU builds).
+
+    Imports torch (seconds, once): asked only when ranks would share a GPU.
+    ``ncclGetVersion`` needs no GPU and does not initialise CUDA, so the
+    process that forks the ranks may ask.
+    """
+    import torch
+
+    if not torch.distributed.is_available() or not torch.distributed.is_nccl_available():
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return None
+    return tuple(version) if isinstance(version, tuple) else None
+
+
+def nccl_can_share(version: tuple[int, ...] | None, environ: dict[str, str] | None = None) -> bool:
+    """True if NCCL can put several ranks on one GPU: NCCL >= 2.30, or the user said so.
+
+    A user who sets NCCL_MULTI_RANK_GPU_ENABLE=1 themselves (a custom NCCL
+    build, say) is taken at their word.
+    """
+    import os
+
+    env = os.environ if environ is None else environ
+    if env.get(SHARED_GPU_ENV) == "1":
+        return True
+    return version is not None and tuple(version) >= SHARED_GPU_NCCL
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[int]:

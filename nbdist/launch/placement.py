@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from nbdist.engine.devices import choose_backend, visible_gpus
+from nbdist.engine.devices import (
+    SHARED_GPU_ENV,
+    choose_backend,
+    nccl_can_share,
+    nccl_version,
+    visible_gpus,
+)
 from nbdist.errors import PlacementError
 from nbdist.launch.values import check_count, check_threads, is_digits, is_whole
 
@@ -34,13 +40,12 @@ __all__ = [
     "plan_attached",
     "plan_local",
     "plan_start",
+    "share_backend",
 ]
 
 # Without GPUs, two ranks show every distributed behaviour (collectives, ranks
 # that disagree) while staying cheap on a small machine.
 DEFAULT_CPU_RANKS = 2
-# NCCL refuses two ranks on one GPU unless this is set (NCCL >= 2.30, experimental).
-_SHARED_GPU_ENV = "NCCL_MULTI_RANK_GPU_ENABLE"
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class Placement:
     threads: dict[str, int]  # torch threads per rank, by host
     # Rank 0's address as the other hosts reach it (MASTER_ADDR); loopback on one machine.
     master_addr: str = "127.0.0.1"
+    # NCCL's version where ranks share a GPU (asked only then), for the notice.
+    nccl: tuple[int, ...] | None = None
 
     @property
     def hosts(self) -> list[str]:
@@ -88,6 +95,41 @@ class Placement:
     def threads_for(self, slot: RankSlot) -> int:
         """Torch threads for the rank in ``slot`` (by its host)."""
         return self.threads[slot.host]
+
+    @property
+    def shared_gpus(self) -> dict[tuple[str, int], list[int]]:
+        """{(host, GPU index): ranks} for each GPU that more than one rank uses."""
+        users: dict[tuple[str, int], list[int]] = {}
+        for s in self.slots:
+            if s.gpu is not None:
+                users.setdefault((s.host, s.gpu), []).append(s.rank)
+        return {gpu: ranks for gpu, ranks in users.items() if len(ranks) > 1}
+
+    def sharing_note(self) -> str:
+        """One line on ranks sharing GPUs: which, the backend and what it costs ('' if none)."""
+        shared = self.shared_gpus
+        if not shared:
+            return ""
+        hosts = {host for host, _ in shared}
+        groups = "; ".join(
+            f"ranks {','.join(map(str, ranks))} share GPU {gpu}"
+            + (f" on {host}" if len(hosts) > 1 or host != "localhost" else "")
+            for (host, gpu), ranks in shared.items()
+        )
+        version = ".".join(map(str, self.nccl)) if self.nccl else "none"
+        if self.backend == "nccl":
+            how = (
+                f"NCCL {version} multi-rank mode ({SHARED_GPU_ENV}=1, experimental): "
+                "each rank gets a share of the GPU's compute and memory, "
+                "right for trying and debugging, not for timing"
+            )
+        else:
+            how = (
+                f"gloo with CUDA tensors (NCCL {version} cannot put two ranks on one GPU; "
+                "2.30 can): collectives go through host memory, and a strategy that needs "
+                "a collective gloo lacks on GPUs stops with an error naming the fix"
+            )
+        return f"{groups} · {how}"
 
 
 @dataclass(frozen=True)
@@ -163,17 +205,17 @@ def plan_local(
     gpus: Sequence[int] | None = None,
     threads: int | None = None,
     host: str = "localhost",
-    allow_shared_gpus: bool | None = None,
+    nccl: Callable[[], tuple[int, ...] | None] = nccl_version,
 ) -> Placement:
     """Ranks on this machine: one per GPU, or ``n`` CPU ranks.
 
     ``gpus_visible`` are the GPU indices this process can use (see
-    :func:`visible_gpus`); ``gpus`` restricts to a subset (``--gpus``).
+    :func:`visible_gpus`); ``gpus`` restricts to a subset (``--gpus``). More
+    ranks than GPUs share them round robin (:func:`share_backend` says over
+    which backend); ``nccl`` gives NCCL's version, asked only then.
     """
     check_count(n)
     check_threads(threads)
-    if allow_shared_gpus is None:
-        allow_shared_gpus = os.environ.get(_SHARED_GPU_ENV) == "1"
     if cpu and gpus:
         raise PlacementError("--cpu and --gpus contradict each other: pass one of them")
     use_gpus = not cpu and bool(gpus or gpus_visible)
@@ -185,16 +227,15 @@ def plan_local(
                 f"GPU {missing[0]} is not visible (visible GPUs: {seen}): "
                 "choose from those, or check CUDA_VISIBLE_DEVICES"
             )
+    version = None
     if use_gpus:
         pool = list(gpus) if gpus else list(gpus_visible)
         count = len(pool) if n is None else n
-        if count > len(pool) and not allow_shared_gpus:
-            raise PlacementError(
-                f"{count} ranks but only {len(pool)} GPU(s) ({','.join(map(str, pool))}): "
-                f"start at most {len(pool)} ranks, add --cpu to run on CPU, or set "
-                f"{_SHARED_GPU_ENV}=1 to share GPUs (NCCL >= 2.30)"
-            )
+        # Round robin: rank i on GPU i mod len(pool), so every GPU is used before any is shared.
         assigned: list[int | None] = [pool[i % len(pool)] for i in range(count)]
+        if count > len(pool):
+            version = nccl()
+            backend = share_backend(backend, version, ranks=count, gpus=len(pool))
     else:
         count = DEFAULT_CPU_RANKS if n is None else n
         assigned = [None] * count
@@ -207,7 +248,31 @@ def plan_local(
         slots=slots,
         backend=chosen,
         threads={host: threads or default_threads(cores, count)},
+        nccl=version,
     )
+
+
+def share_backend(
+    requested: str | None, version: tuple[int, ...] | None, *, ranks: int, gpus: int
+) -> str:
+    """The backend for ranks that share GPUs: NCCL where it can (>= 2.30), otherwise gloo.
+
+    gloo takes CUDA tensors for the collectives data parallel needs (all_reduce,
+    broadcast) by copying them through host memory; NCCL up to 2.29 refuses two
+    ranks on one GPU outright ("Duplicate GPU detected"). An explicit
+    ``--backend nccl`` that NCCL cannot honour is refused with the ways out.
+    """
+    can_share = nccl_can_share(version)
+    if requested is not None and requested.lower() == "nccl" and not can_share:
+        found = ".".join(map(str, version)) if version else "not available"
+        raise PlacementError(
+            f"{ranks} ranks on {gpus} GPU(s) with --backend nccl: ranks sharing a GPU need "
+            f"NCCL >= 2.30 (this torch's NCCL: {found}). Start at most {gpus} ranks, drop "
+            f"--backend to share over gloo, add --cpu, or install a torch built with NCCL >= 2.30"
+        )
+    if requested is not None:
+        return requested
+    return "nccl" if can_share else "gloo"
 
 
 def plan_start(options) -> Placement | None:
@@ -239,6 +304,7 @@ def plan_attached(
     backend: str | None = None,
     cpu: bool = False,
     threads: int | None = None,
+    nccl: Callable[[], tuple[int, ...] | None] = nccl_version,
 ) -> tuple[Placement, dict[int, RankSlot]]:
     """Ranks over engines that are already running, possibly on several hosts.
 
@@ -269,13 +335,13 @@ def plan_attached(
     use_gpus = not cpu and all(e.gpus > 0 for e in engines)
     slots: list[RankSlot] = []
     by_engine: dict[int, RankSlot] = {}
+    version = None
     for key, infos in by_host.items():
         host = labels[key]
-        if use_gpus and len(infos) > infos[0].gpus and os.environ.get(_SHARED_GPU_ENV) != "1":
-            raise PlacementError(
-                f"host {host} has {len(infos)} engines but {infos[0].gpus} GPU(s): "
-                f"start one engine per GPU there, or attach with --cpu"
-            )
+        if use_gpus and len(infos) > infos[0].gpus:
+            # The engines' torch is taken to be the kernel's (one environment, as usual).
+            version = nccl() if version is None else version
+            backend = share_backend(backend, version, ranks=len(infos), gpus=infos[0].gpus)
         for local_rank, info in enumerate(infos):
             gpu = local_rank % infos[0].gpus if use_gpus else None
             slot = RankSlot(len(slots), local_rank, host, gpu, len(infos))
@@ -289,7 +355,11 @@ def plan_attached(
     }
     master_addr = next(iter(by_host))[1]
     placement = Placement(
-        slots=tuple(slots), backend=chosen, threads=per_host, master_addr=master_addr
+        slots=tuple(slots),
+        backend=chosen,
+        threads=per_host,
+        master_addr=master_addr,
+        nccl=version,
     )
     return placement, by_engine
 

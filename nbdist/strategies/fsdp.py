@@ -52,8 +52,12 @@ def apply_fsdp(
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    from nbdist.engine.backend_support import require
     from nbdist.engine.helpers import device
     from nbdist.strategies.tensor_parallel import device_mesh
+
+    # Parameters are all-gathered before use, gradients reduce-scattered after.
+    require("FSDP2 (apply_fsdp)", ("all_gather_into_tensor", "reduce_scatter_tensor"))
 
     if offload and device().type == "cpu":
         # torch says only "Cannot access accelerator device when none is available".

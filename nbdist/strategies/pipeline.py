@@ -99,6 +99,7 @@ def pipeline_schedule(
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from nbdist.engine.backend_support import require
     from nbdist.engine.helpers import device as rank_device
 
     if schedule not in SCHEDULES:
@@ -110,6 +111,8 @@ def pipeline_schedule(
             "pipeline_schedule needs a torch.distributed process group: call it on the ranks "
             "(in a %%on_all_ranks cell after %dist_start)"
         )
+    # Stages hand activations and gradients to their neighbours point to point.
+    require("pipeline parallel (pipeline_schedule)", ("send/recv",))
     rank, world = dist.get_rank(), dist.get_world_size()
     if schedule == "1f1b" and n_microbatches < world:
         raise ValueError(

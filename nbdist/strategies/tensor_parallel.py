@@ -91,6 +91,14 @@ def apply_tp(
         parallelize_module,
     )
 
+    from nbdist.engine.backend_support import require
+
+    # Row-parallel outputs are all-reduced; sequence-parallel styles gather and scatter.
+    require(
+        "tensor parallel (apply_tp)",
+        ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"),
+    )
+
     colwise, rowwise = list(colwise), list(rowwise)
     if not colwise and not rowwise and not plan:
         raise ValueError("apply_tp: name at least one layer, e.g. colwise=['up'], rowwise=['down']")

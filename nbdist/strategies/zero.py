@@ -33,11 +33,15 @@ def zero_optimizer(params, optimizer_class=torch.optim.Adam, *, overlap_with_ddp
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    from nbdist.engine.backend_support import require
+
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "zero_optimizer needs a torch.distributed process group: call it on the ranks "
             "(in a %%on_all_ranks cell after %dist_start), not in the notebook kernel"
         )
+    # It broadcasts each rank's updated shard to the others after every step.
+    require("ZeRO (zero_optimizer)", ("broadcast",))
     if not (
         isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
     ):

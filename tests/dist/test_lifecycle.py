@@ -24,7 +24,7 @@ def _all_pids(session) -> set[int]:
 
 
 def test_four_ranks_start_reduce_and_stop_without_leftovers():
-    s = nbdist.DistSession(4, timeout=120).start()
+    s = nbdist.DistSession(4, cpu=True, timeout=120).start()
     try:
         assert s.world_size == 4
         assert s.summary().startswith("nbdist: 4 ranks ready · backend gloo · device cpu")
@@ -65,7 +65,7 @@ def test_a_killed_driver_leaves_no_process(tmp_path):
             """
             import json, sys, time
             import nbdist
-            s = nbdist.DistSession(2, timeout=120).start()
+            s = nbdist.DistSession(2, cpu=True, timeout=120).start()
             pids = sorted(set(s.cluster.pids) | {r.pid for r in s.ranks})
             print(json.dumps(pids), flush=True)
             time.sleep(600)
@@ -85,7 +85,7 @@ def test_a_killed_driver_leaves_no_process(tmp_path):
 
 def test_attach_forms_the_group_and_leaves_the_engines_running(external_cluster):
     client_file, procs = external_cluster
-    s = nbdist.DistSession(attach=str(client_file), timeout=60).start()
+    s = nbdist.DistSession(attach=str(client_file), cpu=True, timeout=60).start()
     try:
         assert s.world_size == 2
         assert {r.host for r in s.ranks} == {s.ranks[0].host}
@@ -109,7 +109,7 @@ def test_attach_forms_the_group_and_leaves_the_engines_running(external_cluster)
 
 def test_spawn_start_method_and_a_dead_rank_in_status():
     """Engines as separate processes (the fork fallback), then a rank killed from outside."""
-    s = nbdist.DistSession(2, start_method="spawn", timeout=120).start()
+    s = nbdist.DistSession(2, cpu=True, start_method="spawn", timeout=120).start()
     try:
         assert "engines spawned separately (spawn requested)" in s.summary()
         s.run("t = torch.ones(1); dist.all_reduce(t)")
@@ -127,10 +127,12 @@ def test_spawn_start_method_and_a_dead_rank_in_status():
 
 def test_ipyparallel_launcher_pass_through():
     """--launcher hands engine start-up to ipyparallel; ranks are still numbered and grouped."""
-    s = nbdist.DistSession(2, launcher="local", timeout=120).start()
+    s = nbdist.DistSession(2, cpu=True, launcher="local", timeout=120).start()
     try:
         assert s.world_size == 2
-        s.run("import os; env = (os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'])")
+        s.run(
+            "import os; env = (os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'])"
+        )
         assert s.pull("env") == [("0", "0", "2"), ("1", "1", "2")]
         s.run("t = torch.ones(1) * 5; dist.all_reduce(t)")
         assert s.pull("t", rank=1).item() == 10.0
@@ -142,7 +144,7 @@ def test_ipyparallel_launcher_pass_through():
 
 def test_several_threads_per_rank_still_fork():
     """torch starts a native thread at import when OpenMP may use several: the zygote avoids it."""
-    s = nbdist.DistSession(2, threads=2, timeout=120, history=False).start()
+    s = nbdist.DistSession(2, cpu=True, threads=2, timeout=120, history=False).start()
     try:
         assert "spawned" not in s.summary()
         assert s.cluster.start_method == "fork"

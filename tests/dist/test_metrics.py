@@ -8,14 +8,14 @@ import weakref
 import pytest
 
 import nbdist
-from nbdist.metrics import wire
 from nbdist.driver.sinks import ListSink
+from nbdist.metrics import wire
 
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     history = str(tmp_path_factory.mktemp("history") / "runs.sqlite")
-    with nbdist.DistSession(2, timeout=120, history=history) as s:
+    with nbdist.DistSession(2, cpu=True, timeout=120, history=history) as s:
         yield s
 
 
@@ -23,8 +23,7 @@ def test_every_point_arrives_per_rank(session):
     before = [session.metrics.count(r) for r in (0, 1)]
     # Fast logging (no sleeps): thousands of points between flushes, none may be lost.
     session.run(
-        "for i in range(3000):\n"
-        "    nbdist.log(step=i, loss=torch.tensor(1.0 / (i + 1)), lr=0.1)\n",
+        "for i in range(3000):\n    nbdist.log(step=i, loss=torch.tensor(1.0 / (i + 1)), lr=0.1)\n",
         sink=ListSink(),
     )
     after = [session.metrics.count(r) for r in (0, 1)]
@@ -68,7 +67,11 @@ def test_forged_metrics_are_rejected(session):
     sock.connect(collector.url)
     rejected = collector.rejected
     count = session.metrics.count(0)
-    sock.send_multipart(wire.encode(b"not-the-cluster-key", {"k": "points", "rank": 0, "points": [[9, 1.0, {"loss": 0}]]}))
+    sock.send_multipart(
+        wire.encode(
+            b"not-the-cluster-key", {"k": "points", "rank": 0, "points": [[9, 1.0, {"loss": 0}]]}
+        )
+    )
     sock.send_multipart([b"garbage"])
     import time
 
@@ -82,7 +85,9 @@ def test_forged_metrics_are_rejected(session):
 
 
 def test_log_never_raises_into_the_training_loop(session):
-    session.run("nbdist.log(loss='not a number', bad=object(), good=1.0)\nok = True", sink=ListSink())
+    session.run(
+        "nbdist.log(loss='not a number', bad=object(), good=1.0)\nok = True", sink=ListSink()
+    )
     assert session.pull("ok") == [True, True]
     assert session.metrics.last(0)["good"] == 1.0
 

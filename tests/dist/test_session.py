@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import nbdist
-from nbdist.errors import NbdistError, RankError
 from nbdist.driver.sinks import ListSink
+from nbdist.errors import NbdistError, RankError
 
 
 @pytest.fixture(scope="module")
 def session():
-    with nbdist.DistSession(2, timeout=120) as s:
+    with nbdist.DistSession(2, cpu=True, timeout=120) as s:
         yield s
 
 

@@ -15,7 +15,7 @@ import nbdist
 
 @pytest.fixture(scope="module")
 def session():
-    with nbdist.DistSession(2, timeout=120) as s:
+    with nbdist.DistSession(2, cpu=True, timeout=120) as s:
         yield s
 
 

@@ -45,7 +45,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, timeout=120)
+    s = nbdist.DistSession(2, cpu=True, timeout=120)
     s.start()
     try:
         s.run(COMMON, sink=ListSink())
@@ -330,3 +330,16 @@ def test_activation_checkpointing_keeps_gradients_and_saves_less():
     assert saved[1] <= 5 * 64 * 32 * 4 + 64 * 4 < saved[0], saved
     with pytest.raises(ValueError, match="no submodule of type"):
         apply_ac(net, blocks=nn.Conv2d)
+
+
+def test_collective_probe_finds_every_collective_on_two_cpu_ranks(session):
+    """The probe that guards strategies on shared GPUs calls nothing missing where all work.
+
+    Each of the six collectives must also give the right numbers on both ranks
+    (the probe checks results, so a collective that ran wrongly would be named).
+    """
+    session.run(
+        "from nbdist.engine import backend_support\nlacking = backend_support.probe('cpu')",
+        sink=ListSink(),
+    )
+    assert session.pull("lacking") == [{}, {}]

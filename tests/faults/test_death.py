@@ -13,7 +13,7 @@ from nbdist.errors import NbdistError, RankError
 
 @pytest.fixture(scope="module")
 def session():
-    with nbdist.DistSession(2, timeout=120, group_timeout=60, history=False) as s:
+    with nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=60, history=False) as s:
         yield s
 
 

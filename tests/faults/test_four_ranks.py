@@ -10,7 +10,7 @@ from nbdist.errors import RankError
 
 
 def test_one_of_four_fails_and_all_three_others_are_released():
-    s = nbdist.DistSession(4, timeout=120, group_timeout=60, history=False).start()
+    s = nbdist.DistSession(4, cpu=True, timeout=120, group_timeout=60, history=False).start()
     try:
         s.run("kept = rank", sink=ListSink())
         with pytest.raises(RankError) as info:

@@ -19,7 +19,7 @@ TEN_MB = (
 
 @pytest.fixture(scope="module")
 def session():
-    with nbdist.DistSession(2, timeout=120, history=False) as s:
+    with nbdist.DistSession(2, cpu=True, timeout=120, history=False) as s:
         yield s
 
 

@@ -25,7 +25,7 @@ from nbdist.errors import RankError, RanksInterrupted
 
 @pytest.fixture(scope="module")
 def session():
-    with nbdist.DistSession(2, timeout=120, group_timeout=60, history=False) as s:
+    with nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=60, history=False) as s:
         yield s
 
 

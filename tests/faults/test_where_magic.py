@@ -14,7 +14,7 @@ from nbdist.errors import RankError
 def shell():
     sh = InteractiveShell.instance()
     sh.run_cell("%load_ext nbdist")
-    result = sh.run_cell("%dist_start 2 --timeout 120")
+    result = sh.run_cell("%dist_start 2 --timeout 120 --cpu")
     assert result.success, result.error_in_exec
     yield sh
     sh.run_line_magic("dist_stop", "")

@@ -22,7 +22,7 @@ def shell():
 
 @pytest.fixture(scope="module")
 def started(shell):
-    result = shell.run_cell("%dist_start 2 --timeout 120")
+    result = shell.run_cell("%dist_start 2 --timeout 120 --cpu")
     assert result.success, result.error_in_exec
     return shell
 
@@ -149,7 +149,7 @@ def test_status_table(started, capsys):
 def test_start_while_running_changes_nothing(started):
     before = started.magics_manager.registry["DistMagics"].session
     with pytest.raises(UsageError, match="already running: %dist_stop or %dist_restart first"):
-        started.run_line_magic("dist_start", "3")
+        started.run_line_magic("dist_start", "3 --cpu")
     assert started.magics_manager.registry["DistMagics"].session is before
     assert before.world_size == 2
 

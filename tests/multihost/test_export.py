@@ -63,7 +63,7 @@ def _cell(shell, text, flags=""):
 
 
 def test_exported_cells_train_the_same_model_under_torchrun(shell, tmp_path):
-    assert shell.run_cell("%dist_start 2").success
+    assert shell.run_cell("%dist_start 2 --cpu").success
     assert _cell(shell, SETUP).success
     assert _cell(shell, INSPECT).success
     assert _cell(shell, TRAIN).success

@@ -122,7 +122,7 @@ def test_four_ranks_over_two_namespaces_train_ddp_and_log(two_hosts):
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext nbdist")
     magics = shell.magics_manager.registry["DistMagics"]
-    result = shell.run_cell(f"%dist_start --attach {client_file} --timeout 120")
+    result = shell.run_cell(f"%dist_start --attach {client_file} --timeout 120 --cpu")
     assert result.success, result.error_in_exec
     session = magics.session
     try:

@@ -14,7 +14,7 @@ from tests.multihost.forged import send_forged_metrics
 def test_curve_cluster_keeps_metrics_signed_and_everything_on_loopback(monkeypatch):
     # Read by the controller nbdist starts (it inherits the kernel's environment).
     monkeypatch.setenv("IPP_ENABLE_CURVE", "1")
-    s = nbdist.DistSession(2, timeout=120, history=False).start()
+    s = nbdist.DistSession(2, cpu=True, timeout=120, history=False).start()
     try:
         # ipyparallel drops its HMAC key under CurveZMQ; metrics must not go unsigned.
         assert s.client.session.key == b""

@@ -136,7 +136,7 @@ class Kernel:
 
     def start_dist(self, n: int = 2) -> None:
         self.ok("%load_ext nbdist")
-        result = self.ok(f"%dist_start {n}", timeout=START_TIMEOUT + 60)
+        result = self.ok(f"%dist_start {n} --cpu", timeout=START_TIMEOUT + 60)
         assert f"nbdist: {n} ranks ready" in result.stdout
 
     def nbdist_pids(self) -> list[int]:

@@ -72,7 +72,7 @@ def test_a_notebook_without_widgets_shows_the_final_summary(tmp_path):
 
     nb = new_notebook(
         cells=[
-            new_code_cell("%load_ext nbdist\n%dist_start 2"),
+            new_code_cell("%load_ext nbdist\n%dist_start 2 --cpu"),
             # Slow enough that the dashboard is shown (first points) long before the end.
             new_code_cell(
                 LOG_CELL.replace(

@@ -73,7 +73,7 @@ def test_failing_rank_fails_the_notebook(tmp_path):
     nb = new_notebook(
         cells=[
             new_code_cell("%load_ext nbdist"),
-            new_code_cell("%dist_start 2"),
+            new_code_cell("%dist_start 2 --cpu"),
             new_code_cell(
                 "%%on_all_ranks\n"
                 "if rank == 1:\n"

@@ -56,7 +56,7 @@ def flat(net):
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, timeout=120, history=False)
+    s = nbdist.DistSession(2, cpu=True, timeout=120, history=False)
     s.start()
     try:
         s.run(SETUP)

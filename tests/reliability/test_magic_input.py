@@ -228,7 +228,7 @@ def test_dashboard_of_a_run_that_does_not_exist(shell):
 
 @pytest.fixture(scope="module")
 def started(shell):
-    shell.run_line_magic("dist_start", "2")
+    shell.run_line_magic("dist_start", "2 --cpu")
     shell.run_cell_magic("on_all_ranks", "", "hits = 0")  # also a cell %dist_export would write
     yield shell
     shell.run_line_magic("dist_stop", "")

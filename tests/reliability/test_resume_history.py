@@ -41,7 +41,7 @@ def test_relogged_steps_read_once_with_the_latest_value(tmp_path):
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
     history = str(tmp_path_factory.mktemp("history") / "history.sqlite")
-    with nbdist.DistSession(2, timeout=120, history=history) as s:
+    with nbdist.DistSession(2, cpu=True, timeout=120, history=history) as s:
         yield s
 
 

@@ -48,7 +48,7 @@ def notebooks(taken_port):
         for kernel in kernels:
             kernel.ok("%load_ext nbdist")
         # Both start at once: their controllers pick ports at the same moment.
-        starts = [kernel.submit("%dist_start 2") for kernel in kernels]
+        starts = [kernel.submit("%dist_start 2 --cpu") for kernel in kernels]
         for kernel, msg_id in zip(kernels, starts):
             outputs, _ = kernel.collect(msg_id, timeout=240)
             reply = kernel.reply(msg_id, timeout=60)
@@ -97,7 +97,7 @@ def test_the_two_clusters_do_not_interfere(notebooks):
     assert all(psutil.pid_exists(p) for p in pids[1])
     b.ok("%%on_all_ranks\nt = torch.ones(1)\ndist.all_reduce(t)\ns = t.item()")
     assert _value(b, "get_ipython().run_line_magic('dist_pull', 's')") == [2.0, 2.0]
-    a.ok("%dist_start 2")  # and the stopped one starts again beside it
+    a.ok("%dist_start 2 --cpu")  # and the stopped one starts again beside it
     a.ok("%%on_all_ranks\nt = torch.ones(1) * 5\ndist.all_reduce(t)\ns = t.item()")
     assert _value(a, "get_ipython().run_line_magic('dist_pull', 's')") == [10.0, 10.0]
 
@@ -162,7 +162,7 @@ def test_a_profile_whose_fixed_port_is_taken_fails_fast_naming_it(taken_port, tm
         f.write(f"c.IPController.ports = [{taken_port}]\n")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(NbdistError) as info:
-        nbdist.DistSession(2, profile=name, timeout=60).start()
+        nbdist.DistSession(2, cpu=True, profile=name, timeout=60).start()
     message = str(info.value)
     assert "a port it was given is taken" in message and str(taken_port) in message, message
     assert "Address already in use" in message

@@ -120,7 +120,7 @@ async def test_runs_list_and_chart_series(jp_fetch, history):
 
 
 async def test_live_cluster_metrics_interrupt_and_dead_rank(jp_fetch, history):
-    session = DistSession(2, timeout=120)
+    session = DistSession(2, cpu=True, timeout=120)
     await asyncio.to_thread(session.start)
     try:
         pids = [r.pid for r in session.ranks]
@@ -184,7 +184,9 @@ async def test_restart_and_stop_go_through_the_kernel(jp_fetch, jp_serverapp, hi
     client = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
     client.start_channels()
     try:
-        reply = await client.execute_interactive("%load_ext nbdist\n%dist_start 2", timeout=180)
+        reply = await client.execute_interactive(
+            "%load_ext nbdist\n%dist_start 2 --cpu", timeout=180
+        )
         assert reply["content"]["status"] == "ok", reply["content"]
         [cluster] = await _clusters(jp_fetch)
         assert cluster["kernel_id"] == kernel_id
@@ -258,7 +260,7 @@ async def test_interrupt_of_an_attached_cluster_goes_through_its_kernel(
     client.start_channels()
     try:
         reply = await client.execute_interactive(
-            f"%load_ext nbdist\n%dist_start --attach {client_file}", timeout=180
+            f"%load_ext nbdist\n%dist_start --attach {client_file} --cpu", timeout=180
         )
         assert reply["content"]["status"] == "ok", reply["content"]
         [cluster] = await _clusters(jp_fetch)

@@ -81,7 +81,7 @@ def _dashboard_notebook(signals: str) -> dict:
     return notebook_json(
         [
             "%load_ext nbdist",
-            f"%dist_start {RANKS}",
+            f"%dist_start {RANKS} --cpu",
             _dashboard_cell(),
             _log_cell(signals),
             REPORT_CELL,

@@ -82,7 +82,7 @@ def test_sidebar_shows_live_ranks_and_interrupts(
 ):
     where = _use_built_extension(tmp_path / "jupyter" / "data")
     server = lab_factory(
-        "sidebar.ipynb", notebook_json(["%load_ext nbdist", "%dist_start 2", LOG_CELL])
+        "sidebar.ipynb", notebook_json(["%load_ext nbdist", "%dist_start 2 --cpu", LOG_CELL])
     )
     print(f"nbdist labextension {where}; nbdist.server {server.extension}")
     page = browser_page

@@ -83,33 +83,73 @@ def test_cpu_flag_with_explicit_n_and_gpus_visible():
     assert all(s.gpu is None for s in p.slots)
 
 
-def test_more_ranks_than_gpus_is_refused_with_the_numbers_and_the_fix():
-    with pytest.raises(PlacementError) as info:
-        plan_local(4, gpus_visible=[0, 1], cores=8)
-    message = str(info.value)
-    assert "4 ranks" in message
-    assert "2 GPU" in message
-    assert "--cpu" in message
-    assert SHARED_GPU_ENV in message
+NCCL_230 = (2, 30, 7)
+NCCL_229 = (2, 29, 3)
 
 
-def test_more_ranks_than_gpus_round_robin_when_sharing_allowed():
-    p = plan_local(5, gpus_visible=[0, 1], cores=10, allow_shared_gpus=True)
+def _never_asked():
+    raise AssertionError("NCCL's version must not be asked when no GPU is shared")
+
+
+def test_one_rank_per_gpu_never_asks_nccl():
+    p = plan_local(None, gpus_visible=[0, 1], cores=8, nccl=_never_asked)
+    assert [s.gpu for s in p.slots] == [0, 1]
+    assert p.shared_gpus == {}
+    assert p.sharing_note() == ""
+
+
+def test_more_ranks_than_gpus_share_them_round_robin_over_nccl_230():
+    p = plan_local(5, gpus_visible=[0, 1], cores=10, nccl=lambda: NCCL_230)
     assert p.world_size == 5
     assert [s.gpu for s in p.slots] == [0, 1, 0, 1, 0]
+    assert [s.device for s in p.slots] == ["cuda:0"] * 5
+    assert p.backend == "nccl"
+    assert p.shared_gpus == {("localhost", 0): [0, 2, 4], ("localhost", 1): [1, 3]}
+    note = p.sharing_note()
+    assert "ranks 0,2,4 share GPU 0; ranks 1,3 share GPU 1" in note
+    assert "NCCL 2.30.7" in note and SHARED_GPU_ENV in note
+
+
+def test_one_gpu_two_ranks_share_over_gloo_when_nccl_is_older():
+    p = plan_local(2, gpus_visible=[0], cores=4, nccl=lambda: NCCL_229)
+    assert [s.gpu for s in p.slots] == [0, 0]
+    assert p.backend == "gloo"
+    note = p.sharing_note()
+    assert note.startswith("ranks 0,1 share GPU 0 · gloo with CUDA tensors")
+    assert "NCCL 2.29.3 cannot put two ranks on one GPU" in note
+
+
+def test_sharing_without_nccl_at_all_uses_gloo():
+    p = plan_local(3, gpus_visible=[2], cores=3, nccl=lambda: None)
+    assert [s.gpu for s in p.slots] == [2, 2, 2]
+    assert p.backend == "gloo"
+    assert "NCCL none" in p.sharing_note()
+
+
+def test_explicit_nccl_on_a_shared_gpu_with_old_nccl_is_refused_with_the_fixes():
+    with pytest.raises(PlacementError) as info:
+        plan_local(4, gpus_visible=[0, 1], cores=8, backend="nccl", nccl=lambda: NCCL_229)
+    message = str(info.value)
+    assert "4 ranks on 2 GPU(s)" in message
+    assert "2.29.3" in message
+    assert "at most 2 ranks" in message and "--cpu" in message and ">= 2.30" in message
+
+
+def test_explicit_gloo_on_a_shared_gpu_is_kept_even_with_new_nccl():
+    p = plan_local(2, gpus_visible=[0], cores=4, backend="gloo", nccl=lambda: NCCL_230)
+    assert p.backend == "gloo"
+
+
+def test_user_set_sharing_switch_is_trusted_with_an_older_nccl(monkeypatch):
+    monkeypatch.setenv(SHARED_GPU_ENV, "1")
+    p = plan_local(3, gpus_visible=[2], cores=3, nccl=lambda: NCCL_229)
+    assert [s.gpu for s in p.slots] == [2, 2, 2]
     assert p.backend == "nccl"
 
 
-def test_sharing_switch_read_from_environment(monkeypatch):
-    monkeypatch.setenv(SHARED_GPU_ENV, "1")
-    p = plan_local(3, gpus_visible=[2], cores=3)
-    assert [s.gpu for s in p.slots] == [2, 2, 2]
-
-
-def test_explicit_allow_shared_false_beats_environment(monkeypatch):
-    monkeypatch.setenv(SHARED_GPU_ENV, "1")
-    with pytest.raises(PlacementError):
-        plan_local(3, gpus_visible=[2], cores=3, allow_shared_gpus=False)
+def test_cpu_flag_never_shares_gpus():
+    p = plan_local(4, gpus_visible=[0], cores=4, cpu=True, nccl=_never_asked)
+    assert p.backend == "gloo" and not p.uses_gpus and p.sharing_note() == ""
 
 
 @pytest.mark.parametrize("n", [0, -1, True, 2.0, "2"])
@@ -274,23 +314,22 @@ def test_attached_cpu_flag_on_gpu_hosts():
     assert not placement.uses_gpus
 
 
-def test_attached_host_with_more_engines_than_gpus_is_refused_naming_it():
+def test_attached_host_with_more_engines_than_gpus_shares_them_naming_the_host():
     engines = _engines((0, "A"), (1, "A"), gpus=4) + _engines(
         (2, "gpu-node-2"), (3, "gpu-node-2"), (4, "gpu-node-2"), gpus=2
     )
-    with pytest.raises(PlacementError) as info:
-        plan_attached(engines, cores={})
-    message = str(info.value)
-    assert "gpu-node-2" in message
-    assert "3 engines" in message
-    assert "2 GPU" in message
+    placement, _ = plan_attached(engines, cores={}, nccl=lambda: NCCL_230)
+    assert [s.gpu for s in placement.slots] == [0, 1, 0, 1, 0]
+    assert placement.backend == "nccl"
+    assert placement.shared_gpus == {("gpu-node-2", 0): [2, 4]}
+    assert "ranks 2,4 share GPU 0 on gpu-node-2" in placement.sharing_note()
 
 
-def test_attached_shared_gpus_via_environment(monkeypatch):
-    monkeypatch.setenv(SHARED_GPU_ENV, "1")
+def test_attached_shared_gpus_with_old_nccl_use_gloo():
     engines = _engines((0, "A"), (1, "A"), (2, "A"), gpus=2)
-    placement, _ = plan_attached(engines, cores={})
+    placement, _ = plan_attached(engines, cores={}, nccl=lambda: NCCL_229)
     assert [s.gpu for s in placement.slots] == [0, 1, 0]
+    assert placement.backend == "gloo"
 
 
 def test_attached_without_engines_is_refused():
