@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 __all__ = ["CommBytes", "local_bytes", "peak_bytes", "resident_bytes"]
 
@@ -142,6 +142,9 @@ def peak_bytes(step: Callable[[], object], *, resident: int = 0, device=None) ->
 def local_bytes(tensors: Iterable) -> int:
     """Bytes this rank stores for ``tensors``: a DTensor's local shard only; non-tensors count 0.
 
+    Tensor subclasses that wrap others (DTensor, torchao's 8-bit states) count
+    what they wrap.
+
     The one byte count behind :func:`resident_bytes`, ``fsdp.param_bytes``,
     ``tensor_parallel.local_param_bytes`` and ``optimizers.state_bytes``.
 
@@ -149,12 +152,16 @@ def local_bytes(tensors: Iterable) -> int:
 
         local_bytes(model.parameters())   # FSDP2: about 1/world_size of the full model
     """
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            local = t.to_local() if hasattr(t, "to_local") else t
-            total += local.numel() * local.element_size()
-    return total
+    return sum(_stored_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    # A wrapper subclass stores only its inner tensors: a DTensor its local shard,
+    # an 8-bit optimizer state (torchao) its uint8 codes and scales.
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(_stored_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
 
 
 def resident_bytes(params: Iterable[torch.Tensor], optimizer=None) -> int:
