@@ -28,6 +28,18 @@ export interface IRankRow {
   last_seen: number | null;
   loss_series: [number, number][];
   throughput_series: [number, number][];
+  /** The rank's GPU, as its latest reading gave it; absent on a rank without a GPU. */
+  gpu?: IGpuReading;
+}
+
+/** One GPU's figures (the whole GPU's: ranks sharing it show the same); null: not reported. */
+export interface IGpuReading {
+  index: number | null;
+  util: number | null;
+  mem_used_mib: number | null;
+  mem_total_mib: number | null;
+  temp_c: number | null;
+  time: number | null;
 }
 
 export interface ICluster {

@@ -30,7 +30,9 @@ const ACTIONS: { action: Action; label: string; title: string; body: string }[] 
   }
 ];
 
-const COLUMNS: [keyof IRankRow | 'seen', string][] = [
+type Column = keyof IRankRow | 'seen' | 'gpu_util' | 'gpu_mem' | 'gpu_temp';
+
+const COLUMNS: [Column, string][] = [
   ['rank', 'rank'],
   ['host', 'host'],
   ['device', 'device'],
@@ -41,6 +43,29 @@ const COLUMNS: [keyof IRankRow | 'seen', string][] = [
   ['memory_mib', 'MiB'],
   ['seen', 'seen']
 ];
+
+// Shown before "seen" only when some rank of the cluster reported a GPU.
+const GPU_COLUMNS: [Column, string][] = [
+  ['gpu', 'GPU'],
+  ['gpu_util', 'util'],
+  ['gpu_mem', 'GPU mem'],
+  ['gpu_temp', 'temp']
+];
+
+function columnsFor(cluster: ICluster): [Column, string][] {
+  if (!cluster.ranks.some(r => r.gpu)) {
+    return COLUMNS;
+  }
+  return [...COLUMNS.slice(0, -1), ...GPU_COLUMNS, ...COLUMNS.slice(-1)];
+}
+
+function figure(value: number | null | undefined, unit: string): string {
+  return value === null || value === undefined ? '?' : `${value.toFixed(0)}${unit}`;
+}
+
+function gib(mib: number | null): string {
+  return mib === null ? '?' : (mib / 1024).toFixed(1);
+}
 
 function ago(seconds: number | null): string {
   if (seconds === null) {
@@ -60,6 +85,14 @@ function cell(row: IRankRow, key: string): string {
       return compact(row.samples_per_s);
     case 'memory_mib':
       return row.memory_mib === null ? '–' : row.memory_mib.toFixed(0);
+    case 'gpu':
+      return row.gpu ? figure(row.gpu.index, '') : '–';
+    case 'gpu_util':
+      return row.gpu ? figure(row.gpu.util, ' %') : '–';
+    case 'gpu_mem':
+      return row.gpu ? `${gib(row.gpu.mem_used_mib)}/${gib(row.gpu.mem_total_mib)} GiB` : '–';
+    case 'gpu_temp':
+      return row.gpu ? figure(row.gpu.temp_c, ' °C') : '–';
     default: {
       const value = (row as any)[key];
       return value === null || value === undefined ? '–' : String(value);
@@ -177,12 +210,7 @@ export class ClusterPanel extends Widget {
     message.className = 'nbdist-message';
     const table = document.createElement('table');
     table.className = 'nbdist-ranks';
-    const header = table.createTHead().insertRow();
-    for (const [, label] of COLUMNS) {
-      const th = document.createElement('th');
-      th.textContent = label;
-      header.appendChild(th);
-    }
+    table.createTHead().insertRow();
     table.createTBody();
     const wrap = document.createElement('div');
     wrap.className = 'nbdist-ranks-wrap'; // a narrow sidebar scrolls the table sideways
@@ -200,6 +228,19 @@ export class ClusterPanel extends Widget {
     section.querySelector('.nbdist-cluster-title')!.textContent =
       `${where} · ${cluster.world_size} ranks · ${cluster.backend ?? '?'}${run}`;
     section.classList.toggle('nbdist-has-dead', cluster.dead.length > 0);
+    const columns = columnsFor(cluster);
+    const header = section.querySelector('thead')!.rows[0];
+    if (header.cells.length !== columns.length) {
+      // GPU columns come (or go) with the first (or last) GPU reading
+      header.replaceChildren(
+        ...columns.map(([key, label]) => {
+          const th = document.createElement('th');
+          th.className = `nbdist-col-${key}`;
+          th.textContent = label;
+          return th;
+        })
+      );
+    }
     const body = section.querySelector('tbody')!;
     while (body.rows.length > cluster.ranks.length) {
       body.deleteRow(-1);
@@ -209,10 +250,18 @@ export class ClusterPanel extends Widget {
       tr.className = `nbdist-rank nbdist-state-${row.state}`;
       tr.dataset.rank = String(row.rank);
       tr.dataset.state = row.state;
-      COLUMNS.forEach(([key], j) => {
+      while (tr.cells.length > columns.length) {
+        tr.deleteCell(-1);
+      }
+      columns.forEach(([key], j) => {
         const td = tr.cells[j] ?? tr.insertCell();
         td.className = `nbdist-col-${key}`;
         td.textContent = cell(row, key);
+        if (key.startsWith('gpu') && row.gpu && row.gpu.time !== null) {
+          td.title = `GPU ${figure(row.gpu.index, '')}, read ${ago(row.gpu.time)} ago (the whole GPU's figures)`;
+        } else {
+          td.removeAttribute('title');
+        }
       });
     });
     const charts = section.querySelector('.nbdist-charts')!;

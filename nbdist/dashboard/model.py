@@ -7,6 +7,8 @@ reads the points added since the previous poll and returns them as one
 a trace goes over budget it is re-decimated to half the budget and re-sent
 whole (``reset``), so bytes per update stay proportional to the points added
 (twice that, amortised). No widgets, no threads here: :mod:`.live` adds them.
+GPU readings (:mod:`nbdist.metrics.gpu`) get two panels over time, a trace per
+rank and no mean; a run without them has no GPU panel and no GPU column.
 """
 
 from __future__ import annotations
@@ -24,18 +26,21 @@ from nbdist.dashboard.table import (
     RECENT,
     build_rows,
     call_states,
+    has_gpu,
     headers,
     plotted_keys,
+    seen_column,
     throughput_key,
 )
 from nbdist.dashboard.tail import read_tail
 from nbdist.rank_states import DEAD
 
-__all__ = ["DEFAULT_BUDGET", "DashboardModel", "read_tail"]
+__all__ = ["DEFAULT_BUDGET", "GPU_PANELS", "DashboardModel", "read_tail"]
 
 DEFAULT_BUDGET = 2000  # points per trace, kernel side and browser side
-SEEN_COL = 6  # the "last seen" column: the browser ticks it
 TOTAL_BIN_S = 1.0  # total throughput: one point per second of the run
+# GPU panels (over time, a trace per rank, no aggregate): key -> title.
+GPU_PANELS = {"gpu_util": "GPU utilisation (%)", "gpu_mem_mib": "GPU memory in use (MiB)"}
 
 
 class _Trace:
@@ -119,20 +124,24 @@ class _Aligned:
 
 
 class _Panel:
-    def __init__(self, key: str, index: int, ranks: int, *, by_time: bool) -> None:
-        self.key, self.index, self.by_time = key, index, by_time
-        self.traces = [_Trace() for _ in range(ranks + 1)]  # ranks, then the mean / total
+    def __init__(
+        self, key: str, index: int, ranks: int, *, by_time: bool, aggregate: bool = True
+    ) -> None:
+        self.key, self.index, self.by_time, self.aggregate = key, index, by_time, aggregate
         self.names = [f"rank {r}" for r in range(ranks)] + ["total" if by_time else "mean"]
+        del self.names[ranks + aggregate :]  # ranks, then the mean / total if the panel has one
+        self.traces = [_Trace() for _ in self.names]
         self.aligned = _Aligned(total=by_time)
 
     def spec(self) -> dict:
-        title = self.key.replace("_per_s", "/s") + (" (per rank and total)" if self.by_time else "")
+        total = " (per rank and total)" if self.by_time else ""
+        title = GPU_PANELS.get(self.key) or self.key.replace("_per_s", "/s") + total
         return {
             "id": self.key,
             "title": title,
             "xtitle": "time (s)" if self.by_time else "step",
             "names": self.names,
-            "aggregate": True,
+            "aggregate": self.aggregate,
             "data": [[list(t.xs), _wire(t.ys)] for t in self.traces],  # copies: the mirror moves on
         }
 
@@ -255,9 +264,11 @@ class DashboardModel:
             self._seq += 1
             return {"t": "delta", "seq": self._seq, "now": now, **msg}, table
 
-    def _panel(self, key: str, *, by_time: bool) -> None:
+    def _panel(self, key: str, *, by_time: bool, aggregate: bool = True) -> None:
         if all(p.key != key for p in self._panels):
-            self._panels.append(_Panel(key, len(self._panels), self._nranks, by_time=by_time))
+            self._panels.append(
+                _Panel(key, len(self._panels), self._nranks, by_time=by_time, aggregate=aggregate)
+            )
 
     def _ingest(self, extend: dict) -> None:
         keys = self.run.keys()
@@ -266,6 +277,9 @@ class DashboardModel:
         if self._rate_key is None and throughput_key(keys):
             self._rate_key = throughput_key(keys)
             self._panel(self._rate_key, by_time=True)
+        for key in GPU_PANELS:
+            if key in keys:
+                self._panel(key, by_time=True, aggregate=False)
         started = self.run.started
         for rank in self.run.ranks:
             if rank >= self._nranks:
@@ -275,7 +289,8 @@ class DashboardModel:
                 if not steps:
                     continue
                 xs = _elapsed(times, started) if panel.by_time else steps
-                panel.aligned.add(rank, steps, xs, values)
+                if panel.aggregate:
+                    panel.aligned.add(rank, steps, xs, values)
                 compacted = panel.traces[rank].extend(xs, values, self.budget)
                 _merge(extend, (panel.index, rank), compacted, xs, values)
             steps, times, values = self._tail("step_time", rank)
@@ -320,6 +335,8 @@ class DashboardModel:
             earliest = min(last["time"] for last in running) - self.run.started
             by_bin = math.floor(earliest / TOTAL_BIN_S) - 1
         for panel in self._panels:
+            if not panel.aggregate:
+                continue
             xs, values = panel.aligned.ready(by_bin if panel.by_time else by_step)
             if xs:
                 compacted = panel.traces[-1].extend(xs, values, self.budget)
@@ -328,14 +345,16 @@ class DashboardModel:
     def _update_table(self, now: float) -> dict | None:
         rows = build_rows(self.run, self._step_times, self._history, self._states, now=now)
         self._rows = rows
+        keys = self.run.keys()
+        seen_col, gpu = seen_column(keys), has_gpu(keys)
         table = {
-            "headers": headers(self.run.keys()),
-            "seen_col": SEEN_COL,
+            "headers": headers(keys),
+            "seen_col": seen_col,
             "rows": [
                 {
                     "cells": [
-                        "" if i == SEEN_COL and row.seen is not None else c
-                        for i, c in enumerate(row.cells(now))
+                        "" if i == seen_col and row.seen is not None else c
+                        for i, c in enumerate(row.cells(now, gpu=gpu))
                     ],
                     "seen": row.seen,
                     "state": row.state,

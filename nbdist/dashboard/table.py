@@ -1,5 +1,9 @@
 """Kernel side: the per-rank table (step, loss, throughput, step time, memory, last seen, state) and stragglers.
 
+On ranks that use GPUs the table also has the GPU's number, utilisation, memory
+and temperature (the latest reading a rank sent, :mod:`nbdist.metrics.gpu`);
+a run without GPU readings has no GPU columns at all.
+
 Shared by the live widget and the text summary; pure Python, no widgets.
 
 States are :mod:`nbdist.rank_states`'s: ``dead`` when the ``states`` callable
@@ -22,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from nbdist.metrics.gpu import GPU_KEYS
 from nbdist.metrics.run import DERIVED_KEYS
 from nbdist.rank_states import BUSY, DEAD, IDLE
 
@@ -29,8 +34,10 @@ __all__ = [
     "IDLE_AFTER_S",
     "RankRow",
     "find_stragglers",
+    "has_gpu",
     "plotted_keys",
     "rank_rows",
+    "seen_column",
     "step_lags",
     "throughput_key",
 ]
@@ -55,9 +62,21 @@ class RankRow:
     state: str = IDLE
     straggler: str = ""  # why it is flagged, "" when it is not
     host: str = ""  # shown next to the rank when the ranks span several hosts
+    gpu: dict[str, float] | None = None  # the latest GPU reading, by GPU_KEYS; None without one
 
-    def cells(self, now: float) -> list[str]:
-        """The row as text cells: rank, step, loss, rate, step time, memory, last seen, state, flag."""
+    def cells(self, now: float, *, gpu: bool = False) -> list[str]:
+        """The row as text cells: rank, step, loss, rate, step time, memory, last seen, state, flag.
+
+        ``gpu``: with the GPU columns (gpu, gpu util, gpu memory, gpu temp) after memory.
+        """
+        figures = self.gpu or {}
+        index = figures.get("gpu_index")
+        gpu_cells = [
+            "–" if index is None else str(int(index)),
+            fmt_gpu_util(figures.get("gpu_util")),
+            fmt_gpu_memory(figures.get("gpu_mem_mib"), figures.get("gpu_mem_total_mib")),
+            fmt_gpu_temp(figures.get("gpu_temp_c")),
+        ]
         return [
             f"{self.rank} · {self.host}" if self.host else str(self.rank),
             "–" if self.step is None else str(self.step),
@@ -65,6 +84,7 @@ class RankRow:
             fmt_rate(self.rate),
             fmt_seconds(self.step_time),
             fmt_mib(self.memory_mib),
+            *(gpu_cells if gpu else []),
             fmt_ago(None if self.seen is None else now - self.seen),
             self.state,
             f"⚠ straggler ({self.straggler})" if self.straggler else "",
@@ -84,10 +104,21 @@ def throughput_key(keys: Sequence[str]) -> str | None:
     return None
 
 
+def has_gpu(keys: Sequence[str]) -> bool:
+    """True when some rank sent a GPU reading (then the table has GPU columns)."""
+    return any(k in GPU_KEYS for k in keys)
+
+
+def seen_column(keys: Sequence[str]) -> int:
+    """The index of the "last seen" column in :func:`headers` (the browser ticks it)."""
+    return headers(keys).index("last seen")
+
+
 def headers(keys: Sequence[str]) -> list[str]:
     """Column titles matching :meth:`RankRow.cells` for a run with these keys."""
     user = plotted_keys(keys)
     rate = throughput_key(keys)
+    gpu = ["gpu", "gpu util", "gpu memory", "gpu temp"] if has_gpu(keys) else []
     return [
         "rank",
         "step",
@@ -95,6 +126,7 @@ def headers(keys: Sequence[str]) -> list[str]:
         rate.replace("_per_s", "/s") if rate else "samples/s",
         "step time",
         "memory",
+        *gpu,
         "last seen",
         "state",
         "",
@@ -178,6 +210,7 @@ def build_rows(
             row.loss = last.get(user[0]) if user else None
             row.rate = last.get(rate_key) if rate_key else None
             row.memory_mib = last.get("memory_mib")
+            row.gpu = {k: last[k] for k in GPU_KEYS if k in last} or None
             recent = recent_step_times.get(rank)
             row.step_time = statistics.median(recent) if recent else last.get("step_time")
             row.state = BUSY if now - row.seen < IDLE_AFTER_S else IDLE
@@ -251,6 +284,31 @@ def fmt_mib(v: float | None) -> str:
     if v is None or not math.isfinite(v):
         return "–"
     return f"{v / 1024:.2f} GiB" if v >= 1024 else f"{v:.0f} MiB"
+
+
+def fmt_gpu_util(v: float | None) -> str:
+    """``"87 %"``; ``"?"`` when the GPU did not report it."""
+    return "?" if v is None or not math.isfinite(v) else f"{v:.0f} %"
+
+
+def fmt_gpu_temp(v: float | None) -> str:
+    """``"61 °C"``; ``"?"`` when the GPU did not report it."""
+    return "?" if v is None or not math.isfinite(v) else f"{v:.0f} °C"
+
+
+def fmt_gpu_memory(used_mib: float | None, total_mib: float | None) -> str:
+    """The GPU's memory in use and in all: ``"1.2/80.0 GiB"``, ``"?"`` for a figure not reported.
+
+    >>> fmt_gpu_memory(1228.8, 81920.0)
+    '1.2/80.0 GiB'
+    """
+
+    def gib(v: float | None) -> str:
+        return "?" if v is None or not math.isfinite(v) else f"{v / 1024:.1f}"
+
+    if used_mib is None and total_mib is None:
+        return "?"
+    return f"{gib(used_mib)}/{gib(total_mib)} GiB"
 
 
 def fmt_ago(v: float | None) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from nbdist.dashboard.table import fmt_value, headers, rank_rows
+from nbdist.dashboard.table import fmt_value, has_gpu, headers, rank_rows
 
 __all__ = ["summary_text"]
 
@@ -37,11 +37,14 @@ def summary_text(
     keys = run.keys()
     lines = [_title(run)]
     rows = rank_rows(run, states, now=now)
-    table = [headers(keys)] + [row.cells(now) for row in rows]
-    lines += _columns(table, left=(7, 8))
+    table = [headers(keys)] + [row.cells(now, gpu=has_gpu(keys)) for row in rows]
+    width = len(table[0])
+    lines += _columns(table, left=(width - 2, width - 1))  # state and the straggler flag
     if keys:
         series = [["series", "last", "mean", "min", "max"]]
         for key in keys:
+            if key == "gpu_index":  # a GPU's number, not a figure to average
+                continue
             series.append([key, *(fmt_value(v) for v in _stats(run, key))])
         lines.append("")
         lines += _columns(series, left=(0,))

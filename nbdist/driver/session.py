@@ -245,9 +245,7 @@ class DistSession:
 
     def _require_running(self) -> None:
         if not self.running:
-            raise ClusterNotRunning(
-                "this session is not running: call start() (or %dist_start) first"
-            )
+            raise ClusterNotRunning("this session is not running: call start() (or %dist_start)")
 
     # -- running code -----------------------------------------------------
     def select(self, ranks=None) -> list[RankInfo]:
@@ -363,7 +361,7 @@ class DistSession:
         return locate(self.client, self.select(ranks), self.dead_ranks())
 
     def status(self) -> list[dict]:
-        """One row per rank: rank, engine, host, pid, device, backend, state, memory."""
+        """One row per rank: rank, engine, host, pid, device, backend, state, memory, GPU figures."""
         self._require_running()
         return rank_status(self._handle, self.ranks, self.backend, self.dead_ranks())
 
@@ -371,7 +369,8 @@ class DistSession:
         """{rank: state} in the words of :mod:`nbdist.rank_states` ({} when not running)."""
         if not self.running:
             return {}
-        return {row["rank"]: row["state"] for row in self.status()}
+        rows = rank_status(self._handle, self.ranks, self.backend, self.dead_ranks(), gpu=False)
+        return {row["rank"]: row["state"] for row in rows}  # gpu=False: no round trip per cell
 
     def dashboard(self):
         """Show this session's live dashboard here (``%dist_dashboard``); see ``show_run``."""

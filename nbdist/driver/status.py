@@ -3,13 +3,23 @@
 Everything comes from the controller (queue state, heartbeats) and from the
 operating system (memory by PID for local ranks): asking a busy rank itself
 would wait behind the cell it is running. States are :mod:`nbdist.rank_states`'s.
+The one question ranks answer is their GPU's figures, and only ranks whose
+device is a GPU are asked: on the engine's control channel, answered by the
+rank's control thread while a cell runs (:mod:`nbdist.engine.control`). A row
+has a ``gpu`` entry only when its rank answered with one, and the table has
+GPU columns only when some row has.
 """
 
 from __future__ import annotations
 
+from nbdist.dashboard.table import fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
+from nbdist.driver.where import control_request
 from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = ["format_status", "rank_status"]
+
+# A rank holding the GIL in native code does not answer; its GPU figures are then left out.
+_GPU_ANSWER_TIMEOUT_S = 1.0
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -24,8 +34,30 @@ def _rss_mib(pid: int) -> float | None:
         return None
 
 
-def rank_status(handle, ranks, backend: str | None, dead: dict | None = None) -> list[dict]:
-    """One dict per rank; ``dead``: {rank: how it died}, as the session noticed it."""
+def _gpu_figures(client, ranks, alive: set[int]) -> dict[int, dict]:
+    """{rank: its GPU's figures} for the live ranks on a CUDA device that gave them."""
+    asked = [r for r in ranks if r.engine_id in alive and str(r.device).startswith("cuda")]
+    if not asked:
+        return {}
+    replies = control_request(
+        client, [r.engine_id for r in asked], "gpu", timeout=_GPU_ANSWER_TIMEOUT_S
+    )
+    return {
+        info.rank: reply["gpu"]
+        for info, reply in zip(asked, replies)
+        if reply is not None and isinstance(reply.get("gpu"), dict)
+    }
+
+
+def rank_status(
+    handle, ranks, backend: str | None, dead: dict | None = None, *, gpu: bool = True
+) -> list[dict]:
+    """One dict per rank; ``dead``: {rank: how it died}, as the session noticed it.
+
+    ``gpu``: ask the ranks on GPUs for their GPU's figures (``row["gpu"]``: ``index``,
+    ``name``, ``uuid``, ``util`` %, ``mem_used_mib``, ``mem_total_mib``, ``temp_c``;
+    a figure the GPU does not report is None). Rows of ranks without one have no ``gpu``.
+    """
     dead = dead or {}
     client = handle.client
     alive_ids = set(client.ids)
@@ -35,6 +67,8 @@ def rank_status(handle, ranks, backend: str | None, dead: dict | None = None) ->
         )
     except Exception:  # controller gone: every rank shows as dead below
         queues, alive_ids = {}, set()
+    living = [r for r in ranks if r.rank not in dead]
+    gpus = _gpu_figures(client, living, alive_ids) if gpu else {}
     rows = []
     for info in ranks:
         queue = queues.get(info.engine_id, {})
@@ -60,12 +94,30 @@ def rank_status(handle, ranks, backend: str | None, dead: dict | None = None) ->
                 died=dead.get(info.rank),
             )
         )
+        if info.rank in gpus and state != DEAD:
+            rows[-1]["gpu"] = gpus[info.rank]
     return rows
+
+
+def _gpu_cells(gpu: dict | None) -> list[str]:
+    if not gpu:
+        return ["–", "–", "–", "–"]
+    index, name = gpu.get("index"), gpu.get("name") or ""
+    which = ("?" if index is None else str(index)) + (f" {name}" if name else "")
+    return [
+        which,
+        fmt_gpu_util(gpu.get("util")),
+        fmt_gpu_memory(gpu.get("mem_used_mib"), gpu.get("mem_total_mib")),
+        fmt_gpu_temp(gpu.get("temp_c")),
+    ]
 
 
 def format_status(rows: list[dict]) -> str:
     """A fixed-width text table of :func:`rank_status` rows."""
     headers = ["rank", "engine", "host", "pid", "device", "backend", "state", "memory"]
+    with_gpu = any(r.get("gpu") for r in rows)
+    if with_gpu:
+        headers += ["gpu", "gpu util", "gpu memory", "gpu temp"]
     table = [
         [
             str(r["rank"]),
@@ -76,6 +128,7 @@ def format_status(rows: list[dict]) -> str:
             str(r["backend"]),
             r["state"],
             "?" if r["memory_mib"] is None else f"{r['memory_mib']:.0f} MiB",
+            *(_gpu_cells(r.get("gpu")) if with_gpu else []),
         ]
         for r in rows
     ]
@@ -87,4 +140,26 @@ def format_status(rows: list[dict]) -> str:
         lines.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
     if dead:
         lines.append("%dist_restart brings every rank back")
+    shared = _shared_gpus(rows)
+    if shared:
+        lines.append(shared)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _shared_gpus(rows: list[dict]) -> str:
+    """A note naming the GPUs several ranks share (their figures are the whole GPU's)."""
+    by_gpu: dict[tuple, list[int]] = {}
+    for r in rows:
+        gpu = r.get("gpu")
+        if gpu and (gpu.get("uuid") or gpu.get("index") is not None):
+            by_gpu.setdefault((r["host"], gpu.get("uuid") or gpu.get("index")), []).append(
+                r["rank"]
+            )
+    notes = []
+    for (host, _), ranks in by_gpu.items():
+        if len(ranks) > 1:
+            index = next(r["gpu"].get("index") for r in rows if r["rank"] == ranks[0])
+            notes.append(f"ranks {', '.join(map(str, ranks))} share GPU {index} on {host}")
+    if not notes:
+        return ""
+    return "; ".join(notes) + " (gpu figures are the whole GPU's)"

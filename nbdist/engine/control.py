@@ -32,9 +32,11 @@ import threading
 import traceback
 
 from nbdist.engine import collectives
-from nbdist.engine.helpers import rank
+from nbdist.engine.helpers import device, rank
+from nbdist.metrics.gpu import read_this_rank
 
 __all__ = [
+    "gpu",
     "group_sockets",
     "install",
     "release",
@@ -183,6 +185,18 @@ def where() -> dict:
     }
 
 
+def gpu() -> dict | None:
+    """The figures of this rank's GPU (cached up to a second), None when its device is not CUDA.
+
+    Read on the control thread, whose current CUDA device is not the rank's:
+    the rank's device is named explicitly.
+    """
+    mine = device()
+    if mine.type != "cuda":
+        return None
+    return read_this_rank(mine.index or 0)
+
+
 def _handle(kernel, stream, idents, parent) -> None:
     content = parent.get("content", {})
     action = content.get("action")
@@ -191,6 +205,8 @@ def _handle(kernel, stream, idents, parent) -> None:
             reply = {"status": "ok", "where": where()}
         elif action == "release":
             reply = {"status": "ok", "release": release()}
+        elif action == "gpu":
+            reply = {"status": "ok", "gpu": gpu()}
         else:
             reply = {"status": "error", "ename": "ValueError", "evalue": f"unknown {action!r}"}
     except Exception as exc:  # the reply must go out whatever happened

@@ -10,6 +10,11 @@ are converted at flush time, in one batch per device: turning a CUDA tensor
 into a number is a device sync, so doing it per call would stall the training
 loop.
 
+On a rank that uses a GPU, the last point of a flush also carries the GPU's
+utilisation, memory and temperature (:mod:`nbdist.metrics.gpu`), at most once
+a second; ``NBDIST_LOG_GPU=0`` turns that off, as ``NBDIST_LOG_MEMORY=0`` does
+``memory_mib``.
+
 Without a kernel listening (a plain script, or before ``%dist_start``),
 ``log`` keeps nothing and costs a dictionary build. A script exported by
 ``%dist_export`` calls :func:`nbdist.engine.standalone.init`, which makes rank 0
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 
@@ -50,6 +56,9 @@ class _Channel:
         self.total = 0
         self.step = -1
         self.last_call: float | None = None
+        # The CUDA device this rank logs from, learnt on the logging thread (CUDA's current
+        # device is per thread, and the flush thread's is not the rank's); None until then.
+        self.cuda_index: int | None = None
         self.dropped = 0
         self.wake = threading.Event()
         self.stopped = False
@@ -77,6 +86,7 @@ class _Channel:
     def flush(self, marker: dict | None = None) -> None:
         import zmq
 
+        from nbdist.metrics import gpu
         from nbdist.metrics.wire import encode
 
         with self.lock:
@@ -85,6 +95,13 @@ class _Channel:
                 points = _to_numbers(batch)
                 if os.environ.get("NBDIST_LOG_MEMORY", "1") != "0" and points:
                     points[-1][2]["memory_mib"] = _memory_mib()
+                if self.cuda_index is not None and os.environ.get("NBDIST_LOG_GPU", "1") != "0":
+                    # A GPU reading rides along at most once a second, whatever the flush rate:
+                    # each is a few driver calls, and the figures move slower than that.
+                    target = gpu.cuda_target(self.cuda_index)
+                    if target is not None:
+                        reading = gpu.sampler().fresh(target)
+                        points[-1][2].update(gpu.as_point_values(reading))
                 # "total" counts every point this rank has sent, so the kernel can tell
                 # when it has all of them; counted only once the batch is encoded.
                 total = self.total + len(points)
@@ -163,6 +180,8 @@ def log(step: int | None = None, **scalars) -> None:
                     if key in values and dt > 0:
                         values[f"{key}_per_s"] = (key, dt)  # resolved at flush (tensor-safe)
             channel.last_call = now
+            if channel.cuda_index is None:
+                channel.cuda_index = _cuda_device()
             channel.pending.append((channel.step, now, values))
             if len(channel.pending) == 1:
                 channel.wake.set()  # the flush thread sleeps until there is something to send
@@ -212,6 +231,17 @@ def _as_float(value) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+def _cuda_device() -> int | None:
+    # Never initialises CUDA: a rank that has not used CUDA yet is asked again next call.
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return torch.cuda.current_device()
+    except Exception:
+        pass
+    return None
 
 
 def _memory_mib() -> float:

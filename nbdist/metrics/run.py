@@ -11,7 +11,11 @@ Keys with a meaning, computed on the rank when the point is logged:
 ``step_time`` (seconds since the rank's previous ``log`` call),
 ``samples_per_s`` / ``tokens_per_s`` (from ``samples`` / ``tokens`` and
 ``step_time``) and ``memory_mib`` (CUDA peak allocated on a GPU, process RSS on
-CPU; sampled once per flush, so only on some points).
+CPU; sampled once per flush, so only on some points). On a rank that uses a
+GPU, at most one point a second also carries ``gpu_util`` (%), ``gpu_mem_mib`` /
+``gpu_mem_total_mib`` (the whole GPU's memory in use and in all, every process's),
+``gpu_temp_c`` and ``gpu_index`` (NVML's number of that GPU); see
+:mod:`nbdist.metrics.gpu`. Without a GPU these keys never appear.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from nbdist.metrics.gpu import GPU_KEYS
+
 __all__ = ["DERIVED_KEYS", "Run", "RankSeries"]
 
-DERIVED_KEYS = ("step_time", "samples_per_s", "tokens_per_s", "memory_mib")
+DERIVED_KEYS = ("step_time", "samples_per_s", "tokens_per_s", "memory_mib", *GPU_KEYS)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Everything is read without disturbing the ranks or the kernel:
 
 - the clusters and their PIDs from the registry (:mod:`nbdist.driver.registry`);
-- step, loss, samples/s, memory and the recent points of each rank from the
+- step, loss, samples/s, memory, the GPU's figures (on ranks that use one:
+  :mod:`nbdist.metrics.gpu`) and the recent points of each rank from the
   run history (SQLite in WAL mode, opened read-only), incrementally: each poll
   reads only the batches stored since the previous one (by ``rowid``), so a
   poll costs the same after a million steps as after ten;
@@ -36,9 +37,10 @@ from dataclasses import dataclass, field
 import psutil
 
 from nbdist.driver import registry
+from nbdist.metrics.gpu import GPU_KEYS
 from nbdist.rank_states import BUSY, DEAD, IDLE
 
-__all__ = ["CHART_POINTS", "LiveView", "RankLive", "RunReader"]
+__all__ = ["CHART_POINTS", "LiveView", "RankLive", "RunReader", "gpu_payload"]
 
 CHART_POINTS = 300  # recent points per rank and series kept for the sidebar's small charts
 _BUSY_CPU_FRACTION = 0.1
@@ -64,8 +66,28 @@ class RankLive:
     time: float | None = None
     points: int = 0
     last: dict[str, float] = field(default_factory=dict)
+    gpu_time: float | None = None  # when the latest GPU reading was taken (Unix seconds)
     loss: deque = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
     throughput: deque = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
+
+
+def gpu_payload(last: dict[str, float], when: float | None) -> dict | None:
+    """A rank's latest GPU reading for the REST payload, or None when it sent none.
+
+    ``{"index": 0, "util": 87.0, "mem_used_mib": 40211.0, "mem_total_mib": 81559.0,
+    "temp_c": 61.0, "time": 1700000000.0}``; a figure the GPU did not report is null.
+    """
+    if not any(key in last for key in GPU_KEYS):
+        return None
+    index = last.get("gpu_index")
+    return {
+        "index": None if index is None else int(index),
+        "util": last.get("gpu_util"),
+        "mem_used_mib": last.get("gpu_mem_mib"),
+        "mem_total_mib": last.get("gpu_mem_total_mib"),
+        "temp_c": last.get("gpu_temp_c"),
+        "time": when,
+    }
 
 
 class RunReader:
@@ -144,6 +166,8 @@ class RunReader:
                     number = _number(value)
                     if number is not None:
                         live.last[key] = number
+                if "gpu_util" in values or "gpu_mem_mib" in values:
+                    live.gpu_time = when
                 loss = _number(values.get("loss"))
                 if loss is not None:
                     live.loss.append((step, loss))
@@ -217,7 +241,8 @@ class LiveView:
         """One dict per rank of ``entry``: host, PID, device, state (dead/busy/idle), step, points.
 
         Also the latest loss and samples/s, memory (MiB), last seen (Unix seconds)
-        and the recent loss and throughput points as ``[step, value]`` lists.
+        and the recent loss and throughput points as ``[step, value]`` lists. A rank
+        that sent GPU readings also has ``gpu`` (:func:`gpu_payload`); others have none.
         """
         reader = self.reader(entry)
         local = self.is_local(entry)
@@ -258,6 +283,9 @@ class LiveView:
                     "throughput_series": [list(p) for p in live.throughput] if live else [],
                 }
             )
+            figures = gpu_payload(last, live.gpu_time if live else None)
+            if figures is not None:
+                rows[-1]["gpu"] = figures
         return rows
 
     def clusters(self) -> list[dict]:
