@@ -160,7 +160,8 @@ def _stored_bytes(t: torch.Tensor) -> int:
     # an 8-bit optimizer state (torchao) its uint8 codes and scales.
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
-        return sum(_stored_bytes(getattr(t, name)) for name in names)
+        inner = (getattr(t, name) for name in names)  # DTensor lists its mesh here too
+        return sum(_stored_bytes(x) for x in inner if isinstance(x, torch.Tensor))
     return t.numel() * t.element_size()
 
 
