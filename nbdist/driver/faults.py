@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 
-from nbdist.driver.oom import OomCounter, oom_counter
+from nbdist.driver.oom import OomCounter, cuda_oom_note, oom_counter
 
 __all__ = ["CellGuard", "RankMonitor", "dead_ranks", "death_cause"]
 
@@ -305,8 +305,13 @@ class CellGuard:
             except Exception as exc:
                 self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
 
-    def note(self) -> str:
-        """The line added to the cell's error: which ranks were released, what happens next."""
+    def note(self, failures=()) -> str:
+        """Lines added to the cell's error: the GPU a rank ran out of, which ranks were released."""
+        oom = cuda_oom_note(failures, self.session.placement)
+        released = self._released_note()
+        return "\n".join(line for line in (oom, released) if line)
+
+    def _released_note(self) -> str:
         if not self.released:
             return ""
         parts = [f"rank {r} from {what}" for r, what in sorted(self.released_from.items())]

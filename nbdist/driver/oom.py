@@ -1,4 +1,4 @@
-"""Kernel side: was a rank killed for running out of memory? Ask the memory cgroup it ran in.
+"""Kernel side: a rank out of memory: killed by the host (its memory cgroup), or out of GPU memory.
 
 The kernel's out-of-memory killer ends a process with SIGKILL, which looks like
 ``kill -9``. Each memory cgroup (a container, a batch job's allocation, a
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["OomCounter", "oom_counter"]
+__all__ = ["OomCounter", "cuda_oom_note", "oom_counter"]
 
 _ROOT = "/sys/fs/cgroup"
 
@@ -92,3 +92,36 @@ def _read_kills(path: str) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+# torch.OutOfMemoryError (torch.cuda.OutOfMemoryError before 2.5) as the rank reports it.
+_CUDA_OOM = {"OutOfMemoryError", "torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError"}
+
+
+def cuda_oom_note(failures, placement) -> str:
+    """A line naming the GPU of each rank that ran out of GPU memory ('' if none did).
+
+    torch says "GPU 0": the rank's own numbering, in which nbdist gives each rank
+    one GPU as ``cuda:0``. The user knows the GPU by its machine-wide index
+    (``nvidia-smi``, CUDA_VISIBLE_DEVICES), so that is named, with the ranks
+    sharing it (their tensors count against the same memory) and the way on.
+    ``placement``: the session's :class:`~nbdist.launch.placement.Placement` (or None).
+    """
+    if placement is None:
+        return ""
+    slots = {s.rank: s for s in placement.slots}
+    shared = placement.shared_gpus
+    lines = []
+    for failure in failures:
+        slot = slots.get(failure.rank)
+        if failure.ename not in _CUDA_OOM or slot is None or slot.gpu is None:
+            continue
+        others = [r for r in shared.get((slot.host, slot.gpu), []) if r != failure.rank]
+        sharing = f", shared with rank {','.join(map(str, others))}" if others else ""
+        where = f" on {slot.host}" if slot.host != "localhost" else ""
+        lines.append(
+            f"rank {failure.rank} ran out of memory on GPU {slot.gpu}{where} (its cuda:0){sharing}: "
+            "what it holds stays; free tensors (del x; torch.cuda.empty_cache()) or use "
+            "smaller batches, and the next cell runs"
+        )
+    return "\n".join(lines)

@@ -327,7 +327,7 @@ class RankRun:
             # itself; the note names those ranks, the failures are the cause.
             failures = genuine
         if failures:
-            note = self._guard.note() if self._guard is not None else ""
+            note = self._guard.note(failures) if self._guard is not None else ""
             raise RankError(failures, world_ranks=self.ranks, note=note)
         return list(self._results)
 

@@ -30,7 +30,14 @@ import os
 import secrets
 import sys
 
-from nbdist.engine.devices import choose_backend, local_device
+from nbdist.engine import backend_support
+from nbdist.engine.devices import (
+    SHARED_GPU_ENV,
+    choose_backend,
+    local_device,
+    nccl_can_share,
+    nccl_version,
+)
 from nbdist.engine.helpers import remember_identity
 from nbdist.engine.netif import address_towards, choose_socket_ifname
 from nbdist.metrics.log import configure, flush, shutdown
@@ -90,11 +97,20 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
     rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
     use_gpus = torch.cuda.is_available()
-    chosen = choose_backend(backend, uses_gpus=use_gpus)
+    # More local ranks than GPUs: they share them round robin (local_device), over
+    # NCCL >= 2.30 or else gloo with CUDA tensors, as ranks in the notebook do.
+    shares = use_gpus and int(env.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
+    if shares and backend is None:
+        chosen = "nccl" if nccl_can_share(nccl_version()) else "gloo"
+    else:
+        chosen = choose_backend(backend, uses_gpus=use_gpus)
     device = "cpu"
-    if chosen == "nccl":
+    if chosen == "nccl" or shares:
         device = local_device(local_rank)
         torch.cuda.set_device(torch.device(device))
+    if shares and chosen == "nccl":
+        os.environ.setdefault(SHARED_GPU_ENV, "1")
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if not dist.is_initialized():
         kwargs = {"device_id": torch.device(device)} if chosen == "nccl" else {}
         if env:
@@ -106,6 +122,9 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
             dist.init_process_group(chosen, **kwargs)
         else:  # plain `python script.py`: a group of one, nothing listens
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    if chosen == "gloo" and device != "cpu":
+        reason = "more ranks than GPUs share them and this torch's NCCL cannot (< 2.30)"
+        backend_support.probe(device, context=reason)
     remember_identity(rank=rank, local_rank=local_rank, world_size=world, device=device)
     _state.update(rank=rank, world_size=world)
     if history is not False:

@@ -1,0 +1,164 @@
+"""Where ranks land on GPUs: NCCL with one rank, one rank per GPU, and two ranks sharing one GPU.
+
+References: the GPU's UUID as a plain process sees it for the same index
+(``gpu_uuids``), a single-process training step, and exact integer sums.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from nbdist.driver.sinks import ListSink
+from tests.gpu.conftest import nccl_shares_gpus, nccl_version, visible_gpu_indices
+
+BINDING = """
+import os
+props = torch.cuda.get_device_properties(0)
+seen = {
+    "mask": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "count": torch.cuda.device_count(),
+    "current": torch.cuda.current_device(),
+    "helper": str(nbdist.device()),
+    "device": str(device),
+    "uuid": str(props.uuid),
+    "backend": dist.get_backend(),
+    "shared_env": os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE"),
+}
+"""
+
+
+def test_nccl_with_one_rank_trains_exactly_like_one_process(start_session):
+    """``%dist_start 1`` on a GPU gives an NCCL group of one, and DDP there is plain training.
+
+    Reference: the same model, data and SGD step without DDP in the same process.
+    Tolerance: none. With one rank the all_reduce is a copy and the average a
+    division by 1, so every bit must match.
+    """
+    s = start_session(1)
+    assert (s.backend, s.world_size, [r.device for r in s.ranks]) == ("nccl", 1, ["cuda:0"])
+    s.run(
+        """
+import copy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+plain = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1)).to(device)
+wrapped = DDP(copy.deepcopy(plain))
+initial = [p.detach().cpu().clone() for p in plain.parameters()]
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(128, 32, generator=g).to(device), torch.randn(128, 1, generator=g).to(device)
+for model in (plain, wrapped):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+pairs = [(a.detach().cpu(), b.detach().cpu())
+         for a, b in zip(plain.parameters(), wrapped.module.parameters())]
+info = (dist.get_backend(), dist.get_world_size(), next(plain.parameters()).device.type)
+""",
+        sink=ListSink(),
+    )
+    assert s.pull("info", rank=0) == ("nccl", 1, "cuda")
+    pairs, initial = s.pull("pairs", rank=0), s.pull("initial", rank=0)
+    for (a, b), before in zip(pairs, initial):
+        assert not torch.equal(a, before)  # the steps moved the weights
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_each_rank_sees_only_its_own_gpu(start_session, gpu_uuids):
+    """``%dist_start`` with no number: one rank per visible GPU, each bound to a different GPU.
+
+    Reference: the UUID a plain process reports for each GPU index. Each rank sees
+    one device (``cuda:0``, its current device, also ``nbdist.device()``) and its
+    CUDA_VISIBLE_DEVICES is the index of a GPU whose UUID matches.
+    """
+    visible = visible_gpu_indices()
+    s = start_session()
+    assert (s.world_size, s.backend) == (len(visible), "nccl")
+    s.run(BINDING, sink=ListSink())
+    seen = s.pull("seen")
+    for rank, (index, got) in enumerate(zip(visible, seen)):
+        assert got["mask"] == str(index), f"rank {rank}"
+        assert (got["count"], got["current"], got["helper"], got["device"]) == (
+            1,
+            0,
+            "cuda:0",
+            "cuda:0",
+        ), f"rank {rank}"
+        assert got["uuid"] == gpu_uuids[index], f"rank {rank} is not on GPU {index}"
+        assert got["backend"] == "nccl"
+    assert len({got["uuid"] for got in seen}) == len(visible)  # no GPU used twice
+
+
+def test_two_ranks_share_the_last_gpu_and_all_reduce_exactly(
+    ipython, capsys, monkeypatch, gpu_uuids
+):
+    """``%dist_start 2`` with one GPU visible (the machine's last one, not only GPU 0) shares it.
+
+    The user sees a start line saying the ranks share GPU k; both ranks run on that GPU
+    (its UUID as a plain process sees it, CUDA_VISIBLE_DEVICES=k, ``cuda:0``); the backend
+    is NCCL when NCCL >= 2.30 (ranks get NCCL_MULTI_RANK_GPU_ENABLE=1), gloo otherwise;
+    and an all_reduce of CUDA tensors gives the exact sum. Reference: the sum computed
+    here; integers below 2**24 are exact in float32, so the tolerance is zero.
+    """
+    last = visible_gpu_indices()[-1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(last))
+    monkeypatch.delenv("NCCL_MULTI_RANK_GPU_ENABLE", raising=False)  # the rule, not the user's say
+    result = ipython.run_cell("%dist_start 2 --timeout 300")
+    assert result.success, result.error_in_exec
+    out = capsys.readouterr().out
+    expected_backend = "nccl" if nccl_shares_gpus() else "gloo"
+    assert f"backend {expected_backend}" in out, out
+    assert re.search(rf"ranks 0,1 share GPU {last}\b", out), out
+
+    session = ipython.magics_manager.registry["DistMagics"].session
+    # Keyed by GPU index, or by (host, GPU index) where hosts are told apart.
+    shared = {
+        (k[-1] if isinstance(k, tuple) else k): v for k, v in session.placement.shared_gpus.items()
+    }
+    assert shared == {last: [0, 1]}
+    assert session.backend == expected_backend, f"NCCL {nccl_version()}"
+
+    result = ipython.run_cell(
+        "%%on_all_ranks\n"
+        + BINDING
+        + "t = torch.arange(4096, dtype=torch.float32, device=device) * (rank + 1)\n"
+        "dist.all_reduce(t)\n"
+        "reduced = t.cpu()\n"
+    )
+    assert result.success, result.error_in_exec
+    seen = session.pull("seen")
+    for got in seen:
+        assert got["mask"] == str(last)
+        assert got["uuid"] == gpu_uuids[last]
+        assert (got["count"], got["current"], got["helper"], got["device"]) == (
+            1,
+            0,
+            "cuda:0",
+            "cuda:0",
+        )
+        assert got["backend"] == expected_backend
+        assert got["shared_env"] == ("1" if expected_backend == "nccl" else None)
+    want = torch.arange(4096, dtype=torch.float32) * (1 + 2)
+    for reduced in session.pull("reduced"):
+        torch.testing.assert_close(reduced, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="choosing a GPU other than the first needs 2 GPUs",
+)
+def test_gpus_option_puts_ranks_on_the_gpus_named(start_session, gpu_uuids):
+    """``%dist_start --gpus k`` on a multi-GPU machine: the rank runs on GPU k, not GPU 0.
+
+    Reference: the UUID a plain process reports for index k.
+    """
+    last = visible_gpu_indices()[-1]
+    s = start_session(gpus=[last])
+    s.run(BINDING, sink=ListSink())
+    [got] = s.pull("seen")
+    assert (got["mask"], got["uuid"], got["device"]) == (str(last), gpu_uuids[last], "cuda:0")
