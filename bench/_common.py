@@ -1,6 +1,8 @@
 """Helpers shared by the benchmark scripts (statistics, machine facts, process hygiene).
 
 Not a benchmark itself; each ``bench/NAME.py`` imports it from its own directory.
+Runs in the benchmark's own process (the notebook kernel's place); the ``SERVE``
+text runs on the ranks of a torchrun job that a :class:`TorchrunJob` starts.
 """
 
 from __future__ import annotations
@@ -9,22 +11,30 @@ import contextlib
 import json
 import os
 import platform
+import queue
+import shutil
 import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
 
 import psutil
 
 __all__ = [
+    "SERVE",
     "CpuMeter",
+    "TorchrunJob",
     "assert_no_children",
+    "balanced_orders",
     "private_history",
     "cores",
     "load",
     "machine",
     "median",
     "p90",
+    "plan_ranks",
     "print_goal_and_cpu",
     "print_summary",
     "ratio",
@@ -42,6 +52,24 @@ def p90(values) -> float:
     ordered = sorted(values)
     index = max(0, -(-len(ordered) * 9 // 10) - 1)  # ceil(0.9 n) - 1
     return ordered[index]
+
+
+def balanced_orders(items: list) -> list[list]:
+    """Orders in which to run ``items`` so that each directly follows every other equally often.
+
+    A Williams design (n orders for an even count, 2n for an odd one). A plain rotation
+    keeps the cyclic order: a job would always run right after the same other one and
+    pay what that one leaves behind (work it finishes after returning, caches it filled).
+
+    >>> balanced_orders(["a", "b", "c", "d"])[:2]
+    [['a', 'b', 'd', 'c'], ['b', 'c', 'a', 'd']]
+    """
+    n = len(items)
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    rows = [[(f + i) % n for f in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[items[j] for j in row] for row in rows]
 
 
 def ratio(value: float, baseline: float) -> float:
@@ -64,17 +92,34 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _gpu_names() -> list[str]:
+    # nvidia-smi, not torch: asking torch for a name would start CUDA in this process.
+    query = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
 def machine() -> dict:
     import torch
 
-    return {
+    cuda = torch.cuda.is_available()  # does not create a CUDA context
+    info = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "cores": cores(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "cuda": torch.cuda.is_available(),
+        "cuda": cuda,
         "load": load(),
     }
+    if cuda:
+        info["gpus"] = _gpu_names()
+        from nbdist.engine.devices import nccl_version
+
+        info["nccl"] = ".".join(map(str, nccl_version() or ())) or None
+    return info
 
 
 def print_goal_and_cpu(goal: str, ok: bool, leftovers, cpu: dict) -> None:
@@ -184,8 +229,6 @@ def private_history():
         yield os.environ["NBDIST_HISTORY"]
     finally:
         os.environ.pop("NBDIST_HISTORY", None)
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -194,3 +237,160 @@ def run_benchmark(main_fn) -> None:
     with private_history():
         code = main_fn()
     sys.exit(code or 0)
+
+
+def plan_ranks(n: int | None, *, cpu: bool, one_gpu_ranks: int) -> dict:
+    """Where a benchmark's ranks run: ``n`` (None: 2) CPU ranks on gloo, or GPU ranks.
+
+    On GPUs ``n`` None is one rank per GPU, or ``one_gpu_ranks`` on a one-GPU machine.
+    More ranks than GPUs share them as nbdist's placement has them: NCCL >= 2.30 with
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1`` and ``NCCL_NVLS_ENABLE=0`` (what nbdist sets on
+    such ranks), else gloo with CUDA tensors. The returned ``env`` must reach both
+    sides alike (put it in ``os.environ`` before either starts).
+    """
+    import torch
+
+    if cpu or not torch.cuda.is_available():
+        why = "--cpu" if cpu else "no CUDA device"
+        return dict(cuda=False, n=n or 2, backend="gloo", env={}, note=f"CPU, gloo ({why})")
+    from nbdist.engine.devices import SHARED_GPU_ENV, nccl_can_share, nccl_version
+
+    gpus = torch.cuda.device_count()
+    version = nccl_version()
+    nccl = ".".join(map(str, version or ())) or "none"
+    n = n or (gpus if gpus > 1 else one_gpu_ranks)
+    plan = dict(cuda=True, n=n, gpus=gpus, backend="nccl", env={}, nccl=nccl)
+    if n <= gpus:
+        return plan | dict(note=f"{n} rank(s), one per GPU, NCCL {nccl}")
+    share = f"{n} ranks share {gpus} GPU(s)"
+    if nccl_can_share(version):
+        env = {SHARED_GPU_ENV: "1", "NCCL_NVLS_ENABLE": "0"}
+        return plan | dict(env=env, note=f"{share}: NCCL {nccl}, {SHARED_GPU_ENV}=1")
+    why = f"NCCL {nccl} < 2.30 refuses two ranks on one GPU"
+    return plan | dict(backend="gloo", note=f"{share}: {why}, so gloo with CUDA tensors")
+
+
+# The torchrun side, appended to a benchmark's code in the script torchrun runs. Each
+# rank waits for a command in a blocking read of its own FIFO: no CPU, no GPU, and no
+# collective (an NCCL one would keep a kernel spinning on the GPU the others measure on).
+SERVE = """
+import json, os, sys
+
+
+def bench_init():
+    # Threads, device (cuda:LOCAL_RANK, round robin) and process group.
+    cfg = json.loads(sys.argv[2])
+    torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+    device = torch.device("cpu")
+    if cfg["cuda"]:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    kwargs = {"device_id": device} if cfg["backend"] == "nccl" else {}
+    dist.init_process_group(cfg["backend"], **kwargs)
+    return cfg, device
+
+
+def bench_serve(handle, info):
+    # handle(*ints) for each line of ints on this rank's FIFO until 0; rank 0 prints results.
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        print("BENCH_READY", flush=True)
+    with open(sys.argv[1] + "." + str(rank), "rb") as fifo:
+        for line in fifo:
+            args = [int(x) for x in line.split()]
+            if not args or args[0] <= 0:
+                break
+            result = handle(*args)
+            if rank == 0:
+                print("BENCH_RESULT " + json.dumps(result), flush=True)
+    result = info()  # on every rank: it may be a collective
+    if rank == 0:
+        print("BENCH_INFO " + json.dumps(result), flush=True)
+"""
+
+
+class TorchrunJob:
+    """A ``torchrun --standalone`` job that runs one command each time it is told to.
+
+    ``code``: the whole script (the benchmark's code, :data:`SERVE`, a main calling
+    ``bench_init`` and ``bench_serve``); ``config`` reaches it as JSON; ``env`` is added
+    to this process's; sockets default to ``lo``, as on nbdist's ranks on one machine.
+    """
+
+    def __init__(self, n: int, code: str, workdir: str, *, config: dict, env: dict):
+        self.script = os.path.join(workdir, "bench_job.py")
+        self.stderr_path = os.path.join(workdir, "stderr.log")
+        self.fifo_paths = [os.path.join(workdir, f"commands.fifo.{r}") for r in range(n)]
+        with open(self.script, "w") as f:
+            f.write(code)
+        for path in self.fifo_paths:
+            os.mkfifo(path)
+        # Read-write (Linux): no open waits for the other end, lines wait in the pipe until
+        # read, and the ranks read EOF (and end) when this process does.
+        self.fifos = [os.open(path, os.O_RDWR) for path in self.fifo_paths]
+        sockets = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+        torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={n}", self.script]
+        cmd += [os.path.join(workdir, "commands.fifo"), json.dumps(config)]
+        with open(self.stderr_path, "w") as err:  # own session, as nbdist's engines: see README
+            self.proc = subprocess.Popen(
+                cmd, env=sockets | dict(os.environ, **env), stdout=subprocess.PIPE,
+                stderr=err, text=True, start_new_session=True,
+            )  # fmt: skip
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _expect(self, prefix: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(self._failure(f"no {prefix} within {timeout:g} s")) from None
+            if line is None:
+                raise RuntimeError(self._failure(f"torchrun ended before {prefix}"))
+            if line.startswith(prefix + " ") or line == prefix:
+                return line[len(prefix) :].strip()
+
+    def _failure(self, what: str) -> str:
+        time.sleep(0.2)
+        with open(self.stderr_path) as f:
+            tail = "".join(f.readlines()[-40:])
+        return f"torchrun job: {what} (exit code {self.proc.poll()}):\n{tail}"
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Until the job is set up (rank 0 says so; the others may read their FIFO later)."""
+        self._expect("BENCH_READY", timeout)
+
+    def call(self, *args: int, timeout: float = 600.0, prefix: str = "BENCH_RESULT"):
+        """Run one command on every rank; rank 0's result."""
+        for fd in self.fifos:  # a short line: one atomic write (< PIPE_BUF)
+            os.write(fd, (" ".join(map(str, args)) + "\n").encode())
+        return json.loads(self._expect(prefix, timeout))
+
+    def finish(self, timeout: float = 120.0) -> dict:
+        """End the job; rank 0's ``info()``."""
+        info = self.call(0, timeout=timeout, prefix="BENCH_INFO")
+        self.proc.wait(timeout=timeout)
+        return info
+
+    def close(self) -> None:
+        """Stop the job if still running (SIGTERM, which torchrun passes on); remove its files."""
+        for fd in self.fifos:
+            os.close(fd)
+        self.fifos = []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for path in [self.script, self.stderr_path, *self.fifo_paths]:
+            with contextlib.suppress(OSError):
+                os.remove(path)
