@@ -21,7 +21,7 @@ import datetime
 import os
 import socket
 
-from nbdist.engine import backend_support, collectives, control
+from nbdist.engine import backend_support, collectives, control, launch_guard
 from nbdist.engine.devices import SHARED_GPU_ENV, device_for, visible_gpus
 from nbdist.engine.helpers import device as rank_device
 from nbdist.engine.helpers import rank as this_rank
@@ -165,6 +165,7 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         world_size=spec["world_size"],
         device=device,
     )
+    launch_guard.install()
     kernel = getattr(shell, "kernel", None)
     if kernel is not None:
         # Answered on the engine's control thread, also while a cell runs or hangs.
