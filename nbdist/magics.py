@@ -9,31 +9,14 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.errors import NbdistError, PlacementError
 from nbdist.launch.options import parse_gpu_list, parse_launch_options
 from nbdist.launch.values import is_digits, parse_count, parse_seconds
+from nbdist.magic_args import parse_magic_line, seconds
 
 __all__ = ["DistMagics", "register"]
-
-
-def _seconds(text: str) -> float:
-    try:
-        return parse_seconds(text)
-    except PlacementError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _parse(magic, line: str):
-    try:
-        return parse_argstring(magic, line)
-    except UsageError:
-        raise
-    except SystemExit as exc:  # argparse's own exit on bad input
-        raise UsageError(f"could not parse {line!r}: see the magic's help (?)") from exc
-    except ValueError as exc:  # the line's quotes do not close
-        raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
 
 
 # Flags several magics share, declared once (each magic's help lists them).
@@ -46,7 +29,7 @@ _CELL_TIMEOUT = argument(
 
 @magics_class
 class DistMagics(Magics):
-    """%dist_start, %%on_all_ranks, %%on_rank, %dist_status, %dist_stop, ..."""
+    """%dist_start, %%on_all_ranks, %%on_rank, %dist_status, %dist_stop, ... (scripts: ScriptMagics)."""
 
     def __init__(self, shell):
         """Magics for ``shell``, with no session yet."""
@@ -106,7 +89,7 @@ class DistMagics(Magics):
         Every rank's namespace starts with torch, dist, nbdist, rank, local_rank,
         world_size and device. Stop with %dist_stop.
         """
-        args = _parse(self.dist_start, line)
+        args = parse_magic_line(self.dist_start, line)
         if self.session is not None and self.session.running:
             raise UsageError(
                 f"a cluster of {self.session.world_size} ranks is already running: "
@@ -207,7 +190,7 @@ class DistMagics(Magics):
         """
         from nbdist.driver.where import format_where
 
-        args = _parse(self.dist_where, line)
+        args = parse_magic_line(self.dist_where, line)
         session = self._running()
         try:
             found = session.where(args.ranks)
@@ -237,7 +220,7 @@ class DistMagics(Magics):
         from nbdist.dashboard import show_run
         from nbdist.metrics.store import pick_run
 
-        args = _parse(self.dist_dashboard, line)
+        args = parse_magic_line(self.dist_dashboard, line)
         if args.run is not None and not is_digits(args.run):
             raise UsageError(
                 f"run {args.run!r}: give a run id, e.g. %dist_dashboard 3 (see nbdist.runs())"
@@ -278,44 +261,12 @@ class DistMagics(Magics):
         Cells run on every rank are recorded for %dist_export, unless run with
         --no-export or marked with the comment ``# nbdist: no-export``.
         """
-        args = _parse(self.on_all_ranks, line)
-        result = self._run_cell(cell, args.ranks, args.noblock, args.timeout)
+        args = parse_magic_line(self.on_all_ranks, line)
+        result = self.run_on_ranks(cell, args.ranks, args.noblock, args.timeout)
         if args.ranks is None and not args.no_export:
             # Reached only if no rank raised: failed cells are not exported.
             self.session.record_cell(cell)
         return result
-
-    @magic_arguments()
-    @argument("path", help="the script to write, e.g. train.py")
-    @argument("--backend", default=None, help="nccl or gloo in the script (default: by device)")
-    @line_magic
-    def dist_export(self, line=""):
-        """Write this session's %%on_all_ranks cells, in order, as a torchrun script.
-
-        The script gives the cells rank, local_rank, world_size, device, torch,
-        dist and nbdist as the ranks had them; nbdist.log writes to the run
-        history. Cells marked ``# nbdist: no-export`` (or run with --no-export),
-        --ranks cells and failed cells are left out. Example::
-
-            %dist_export train.py
-            !torchrun --nproc_per_node 2 train.py
-        """
-        args = _parse(self.dist_export, line)
-        if self.session is None:
-            raise UsageError("nothing to export: %dist_start, then run %%on_all_ranks cells")
-        try:
-            path = self.session.export(args.path, backend=args.backend)
-        except NbdistError as exc:
-            raise UsageError(str(exc)) from None
-        except OSError as exc:  # a missing directory, no permission: the path is the problem
-            raise UsageError(
-                f"%dist_export {args.path!r}: cannot write it ({exc.strerror}): "
-                "choose a path in a directory you can write"
-            ) from None
-        from nbdist.driver.export import exportable_cells
-
-        count = len(exportable_cells(self.session.cells))
-        print(f"nbdist: wrote {path} ({count} cells); run it with torchrun --nproc_per_node N")
 
     @magic_arguments()
     @argument("rank", help="the rank to run on")
@@ -328,14 +279,15 @@ class DistMagics(Magics):
         %%on_rank 0
         print(model)
         """
-        args = _parse(self.on_rank, line)
+        args = parse_magic_line(self.on_rank, line)
         if not is_digits(args.rank):
             raise UsageError(f"rank {args.rank!r}: give one rank number, e.g. %%on_rank 0")
-        return self._run_cell(cell, args.rank, args.noblock, args.timeout)
+        return self.run_on_ranks(cell, args.rank, args.noblock, args.timeout)
 
-    def _run_cell(self, cell, ranks, noblock, timeout):
+    def run_on_ranks(self, cell, ranks, noblock, timeout):
+        """Run ``cell`` on ``ranks`` (None: all); the result of --noblock, else None."""
         session = self._running()
-        timeout_s = _seconds(timeout) if timeout is not None else None
+        timeout_s = seconds(timeout) if timeout is not None else None
         try:
             selected = session.select(ranks)
         except PlacementError as exc:
@@ -375,7 +327,7 @@ class DistMagics(Magics):
         losses = %dist_pull loss
         w0 = %dist_pull weight --rank 0
         """
-        args = _parse(self.dist_pull, line)
+        args = parse_magic_line(self.dist_pull, line)
         if not args.name.isidentifier():
             raise UsageError(
                 f"%dist_pull {args.name!r}: give a variable name, e.g. %dist_pull loss"
@@ -395,6 +347,9 @@ class DistMagics(Magics):
 
 def register(ipython) -> DistMagics:
     """Register nbdist's magics on ``ipython`` (what ``%load_ext nbdist`` does); returns them."""
+    from nbdist.script_magics import ScriptMagics
+
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
+    ipython.register_magics(ScriptMagics(ipython, magics))
     return magics

@@ -120,6 +120,9 @@ def form_group(
     master_addr = infos[rank0_engine]["address"]
     port = client[[rank0_engine]].apply_sync(bootstrap.open_rendezvous, master_addr)[0]
     sharing = {r for ranks in placement.shared_gpus.values() for r in ranks}
+    # torchrun's names: a "group" is a host; the run id ties the ranks of one start.
+    host_index = {host: i for i, host in enumerate(placement.hosts)}
+    run_id = f"nbdist-{secrets.token_hex(6)}"
     gloo_reason = gloo_on_gpu_reason(placement)
     pending = {}
     for eid, slot in slots.items():
@@ -130,7 +133,8 @@ def form_group(
             threads=placement.threads_for(slot), timeout=options.group_timeout,
             loopback_only=master_addr.startswith("127."), metrics_url=metrics_url,
             metrics_key=metrics_key_for_ranks, shares_gpu=slot.rank in sharing,
-            gloo_reason=gloo_reason,
+            gloo_reason=gloo_reason, group_rank=host_index[slot.host],
+            group_world_size=len(host_index), run_id=run_id,
         )  # fmt: skip
         pending[eid] = client[[eid]].apply_async(bootstrap.init_rank, spec, _shell_reference())
     ranks = []
@@ -143,6 +147,7 @@ def form_group(
             interrupt=interrupt,
             sink=None,
             timeout=max(0.1, deadline - time.monotonic()),
+            waiting_for=f"forming the process group (%dist_start --timeout {options.timeout:g})",
         )
         result = run.wait()[0]
         # plan_local says "localhost"; attached hosts keep their placement label
@@ -193,7 +198,14 @@ def reform_group(
         backend=group.backend, timeout=group_timeout,
     )  # fmt: skip
     ar = client[group.engine_ids].apply_async(bootstrap.rejoin_as_this_rank, base)
-    RankRun(ar, [r.rank for r in group.ranks], interrupt=interrupt, timeout=timeout).wait()
+    RankRun(
+        ar,
+        [r.rank for r in group.ranks],
+        interrupt=interrupt,
+        timeout=timeout,
+        waiting_for="forming the process group again (the %dist_start --timeout; "
+        "the next cell tries again, %dist_restart starts fresh ranks)",
+    ).wait()
     group.released = False
 
 

@@ -82,11 +82,13 @@ class RankRun:
         timeout: float | None = None,
         watch: Callable[[], None] | None = None,
         guard=None,
+        waiting_for: str = "",
     ):
         """Follow ``async_result`` (one child per rank of ``ranks``, same order).
 
         ``interrupt(ranks)`` relays Ctrl-C; ``sink`` receives the merged output
-        (default: the cell's output); ``timeout`` in seconds (None: no limit);
+        (default: the cell's output); ``timeout`` in seconds (None: no limit),
+        for a cell's --timeout unless ``waiting_for`` names what nbdist itself waits for;
         ``watch`` is called on each pass of the waiting loop; ``guard`` is the
         cell's :class:`~nbdist.driver.faults.CellGuard`."""
         self._ar = async_result
@@ -98,6 +100,7 @@ class RankRun:
         self._interrupt = interrupt
         self._sink = sink
         self._timeout = timeout
+        self._waiting_for = waiting_for
         self._started = time.monotonic()
         self._wake = threading.Event()
         self._consumed = [{"stdout": "", "stderr": "", "outputs": 0} for _ in self.ranks]
@@ -251,6 +254,11 @@ class RankRun:
             self._stop_ranks()
             where = f"\nwhere the ranks were:\n{self.where_report}" if self.where_report else ""
             note = self._guard.note() if self._guard is not None else ""
+            if self._waiting_for:  # nbdist's own wait, not a cell the user limited
+                raise CellTimeout(
+                    f"{self._waiting_for} took longer than {self._timeout:g} s on "
+                    f"{len(self.ranks)} rank(s) and was interrupted{where}"
+                )
             raise CellTimeout(
                 f"the cell ran longer than --timeout {self._timeout:g} s on "
                 f"{len(self.ranks)} rank(s) and was interrupted; raise --timeout or leave it "

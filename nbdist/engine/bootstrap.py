@@ -21,7 +21,14 @@ import datetime
 import os
 import socket
 
-from nbdist.engine import backend_support, collectives, control, launch_guard
+from nbdist.engine import (
+    backend_support,
+    collectives,
+    control,
+    launch_guard,
+    torchrun_env,
+    user_group,
+)
 from nbdist.engine.devices import SHARED_GPU_ENV, device_for, visible_gpus
 from nbdist.engine.helpers import device as rank_device
 from nbdist.engine.helpers import rank as this_rank
@@ -121,15 +128,20 @@ def init_rank(spec: dict, get_shell=None) -> dict:
     no control requests are served and ``nbdist.log`` is not connected.
     """
     shell = get_shell() if get_shell is not None else None
-    env = {
-        "RANK": spec["rank"],
-        "LOCAL_RANK": spec["local_rank"],
-        "WORLD_SIZE": spec["world_size"],
-        "LOCAL_WORLD_SIZE": spec["local_world_size"],
-        "MASTER_ADDR": spec["master_addr"],
-        "MASTER_PORT": spec["master_port"],
-    }
-    os.environ.update({k: str(v) for k, v in env.items()})
+    # The whole torchrun contract, so code written for torchrun runs unchanged here.
+    torchrun_env.apply(
+        torchrun_env.torchrun_environment(
+            rank=spec["rank"],
+            local_rank=spec["local_rank"],
+            world_size=spec["world_size"],
+            local_world_size=spec["local_world_size"],
+            group_rank=spec.get("group_rank", 0),
+            group_world_size=spec.get("group_world_size", 1),
+            master_addr=spec["master_addr"],
+            master_port=spec["master_port"],
+            run_id=spec.get("run_id", "nbdist"),
+        )
+    )
     if spec.get("loopback_only"):
         # Keep gloo/NCCL's own sockets on loopback too; the user's setting wins.
         ifname = _loopback_ifname()
@@ -209,7 +221,7 @@ def _join_group(spec: dict, device: str) -> None:
     init_kwargs = {}
     if spec["backend"] == "nccl":
         init_kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(
+    user_group.original("init_process_group")(
         spec["backend"],
         store=store,
         rank=spec["rank"],
@@ -232,6 +244,7 @@ def _join_group(spec: dict, device: str) -> None:
     control.remember_group_sockets(control.socket_snapshot() - before)
     collectives.reset()
     collectives.install()
+    user_group.install()
     control.track_subgroups()
 
 
@@ -239,7 +252,7 @@ def _leave_group() -> None:
     import torch.distributed as dist
 
     try:
-        dist.destroy_process_group()
+        user_group.original("destroy_process_group")()
     except Exception:  # a released (broken) group may refuse a clean exit; it is gone anyway
         # torch has no public way to forget a group whose destroy failed.
         c10d = dist.distributed_c10d
@@ -288,5 +301,5 @@ def teardown() -> None:
 
     shutdown()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        user_group.original("destroy_process_group")()
     close_rendezvous()
