@@ -347,9 +347,12 @@ class DistMagics(Magics):
 
 def register(ipython) -> DistMagics:
     """Register nbdist's magics on ``ipython`` (what ``%load_ext nbdist`` does); returns them."""
+    from nbdist.debug_magics import DebugMagics
+    from nbdist.inspect_magics import InspectMagics
     from nbdist.script_magics import ScriptMagics
 
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
-    ipython.register_magics(ScriptMagics(ipython, magics))
+    for more in (ScriptMagics, DebugMagics, InspectMagics):
+        ipython.register_magics(more(ipython, magics))
     return magics
