@@ -1,0 +1,384 @@
+#!/usr/bin/env bash
+# Runs on a GPU server with no package index: a Python (3.12 by default) that already
+# has a CUDA build of torch, this checkout, and a wheelhouse made elsewhere by
+# scripts/wheelhouse.sh. It makes a throw-away venv on top of the system site-packages
+# (the server's torch is used, never reinstalled), installs nbdist and the test tools
+# offline from the wheelhouse, then runs, in order and each under a time limit:
+#   pytest -q tests/gpu · every examples/*.ipynb (scripts/run_notebook.py) ·
+#   bench/nccl.py · bench/train.py · bench/shared_gpu.py (which collectives run with ranks sharing a GPU)
+# It goes on past a failing step, keeps every log under the output directory and ends
+# with a markdown results block (device, date, commit, versions, each step's result and
+# figures) for bench/RESULTS.md. Exit status: 0 only if no step failed.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+STARTED="$(date -u '+%Y-%m-%d %H:%M UTC')"
+
+usage() {
+  cat <<'EOF'
+usage: bash scripts/gpu_check.sh WHEELHOUSE [OUTDIR] [options]
+
+On a GPU server without internet: install nbdist from WHEELHOUSE (made by
+scripts/wheelhouse.sh) into a venv over the system Python's CUDA torch, run
+tests/gpu, every example notebook, bench/nccl.py, bench/train.py and bench/shared_gpu.py, and print a
+results block for bench/RESULTS.md. Exit status 0 only if every step passed.
+
+OUTDIR (logs, executed notebooks, results.md): the argument, else
+$NBDIST_GPU_CHECK_OUT, else $OUT if set, else ./gpu_check_out.
+
+options:
+  --steps LIST    comma-separated subset of: tests,notebooks,nccl,train,shared (default: all)
+  --timeout S     time limit of each step in seconds (default: tests 1800, each
+                  notebook 900, each benchmark 1800)
+  --examples GLOB only the notebooks examples/GLOB.ipynb (default: every one, [0-9][0-9]_*)
+  --venv DIR      make (or reuse) the venv in DIR and keep it; default: a temporary
+                  venv, removed at the end
+  --allow-cpu     go on without CUDA (to try the script itself on a CPU machine)
+  -h, --help      this help
+
+environment: PYTHON (default python3.12 if present, else python3), NBDIST_COMMIT
+(the commit to report when the checkout has no .git).
+EOF
+}
+
+die() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
+
+WH="" OUTDIR="" STEPS="tests,notebooks,nccl,train,shared" LIMIT="" VENV_ARG="" ALLOW_CPU=0
+EXAMPLES='[0-9][0-9]_*'
+while (($#)); do
+  case "$1" in
+    -h | --help) usage; exit 0 ;;
+    --steps) (($# >= 2)) || die "--steps needs a list"; STEPS="$2"; shift 2 ;;
+    --timeout) (($# >= 2)) || die "--timeout needs seconds"; LIMIT="$2"; shift 2 ;;
+    --examples) (($# >= 2)) || die "--examples needs a pattern"; EXAMPLES="$2"; shift 2 ;;
+    --venv) (($# >= 2)) || die "--venv needs a directory"; VENV_ARG="$2"; shift 2 ;;
+    --allow-cpu) ALLOW_CPU=1; shift ;;
+    -*) die "unknown option '$1' (see --help)" ;;
+    *)
+      if [[ -z "$WH" ]]; then WH="$1"
+      elif [[ -z "$OUTDIR" ]]; then OUTDIR="$1"
+      else die "unexpected argument '$1' (see --help)"; fi
+      shift ;;
+  esac
+done
+[[ -n "$WH" ]] || { usage >&2; die "missing WHEELHOUSE"; }
+[[ -d "$WH" ]] || die "wheelhouse '$WH' is not a directory (make one with scripts/wheelhouse.sh)"
+WH="$(cd "$WH" && pwd)"
+NBDIST_WHL=""
+for w in "$WH"/nbdist-*.whl; do [[ -f "$w" ]] && NBDIST_WHL="$w"; done
+[[ -n "$NBDIST_WHL" ]] || die "no nbdist-*.whl in '$WH' (make the wheelhouse with scripts/wheelhouse.sh)"
+if [[ -n "$LIMIT" && ! "$LIMIT" =~ ^[1-9][0-9]*$ ]]; then die "--timeout '$LIMIT': seconds, a positive integer"; fi
+IFS=',' read -r -a STEP_LIST <<<"$STEPS"
+for s in "${STEP_LIST[@]}"; do
+  [[ "$s" =~ ^(tests|notebooks|nccl|train|shared)$ ]] || die "--steps: unknown step '$s' (tests,notebooks,nccl,train,shared)"
+done
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+command -v timeout >/dev/null || die "needs 'timeout' (coreutils)"
+
+if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
+elif command -v python3.12 >/dev/null; then PY="python3.12"
+else PY="python3"; fi
+command -v "$PY" >/dev/null || die "no '$PY' here (set PYTHON=/path/to/python)"
+PYVER="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" || die "'$PY' does not run"
+WHVER="$(sed -n 's/^# nbdist wheelhouse: CPython \([0-9.]*\),.*/\1/p' "$WH/wheelhouse.txt" 2>/dev/null)"
+if [[ -n "$WHVER" && "$WHVER" != "$PYVER" ]]; then
+  die "the wheelhouse is for CPython $WHVER but $PY is $PYVER: make it with scripts/wheelhouse.sh DIR --python $PYVER (or set PYTHON=)"
+fi
+
+OUTDIR="${OUTDIR:-${NBDIST_GPU_CHECK_OUT:-${OUT:-$PWD/gpu_check_out}}}"
+mkdir -p "$OUTDIR/logs" || die "cannot create '$OUTDIR'"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+# Everything printed from here on is also kept in gpu_check.log.
+exec > >(tee "$OUTDIR/gpu_check.log") 2>&1
+
+TMP="$(mktemp -d "${TMPDIR:-/tmp}/nbdist-gpu-check.XXXXXX")"
+CURRENT="" TOKEN=""  # the running step's `timeout` (its PID is its process group) and token
+cleanup() {
+  if [[ -n "$CURRENT" ]]; then
+    kill -INT -- "-$CURRENT" 2>/dev/null
+    local i left pids
+    for i in 1 2 3 4 5 6 7 8 9 10; do
+      left="$(step_pids "$TOKEN")"
+      [[ -n "$left" ]] || break
+      sleep 1
+    done
+    if [[ -n "$left" ]]; then read -r -a pids <<<"$left"; kill -KILL "${pids[@]}" 2>/dev/null; fi
+  fi
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'echo "gpu_check.sh: interrupted"; exit 130' INT TERM
+
+# Results, one entry per step.
+NAMES=() RESULTS=() SECS=() NOTES=() FIGURES=()
+record() { NAMES+=("$1"); RESULTS+=("$2"); SECS+=("$3"); NOTES+=("$4"); FIGURES+=("${5:-}"); }
+
+# run_step NAME LIMIT LOG DIR CMD...: CMD in DIR under `timeout` (SIGINT first, so Python
+# code runs its clean-up; SIGKILL 30 s later), output to LOG; sets RC and ELAPSED.
+# Every process of the step carries a token in its environment: those still alive after
+# it (a job in a session of its own escapes the process group) are stopped, by PID.
+run_step() {
+  local name="$1" limit="$2" log="$3" dir="$4"
+  shift 4
+  echo "== $name  (limit ${limit}s, log ${log#"$OUTDIR"/})"
+  local t0=$SECONDS token="$$-$SECONDS-$RANDOM"
+  TOKEN="$token"
+  (cd "$dir" && NBDIST_GPU_CHECK_STEP="$token" exec timeout -s INT --kill-after=30 "$limit" "$@") \
+    >"$log" 2>&1 </dev/null &
+  CURRENT=$!
+  wait "$CURRENT"
+  RC=$?
+  CURRENT=""
+  ELAPSED=$((SECONDS - t0))
+  local left="" i pids
+  for i in 1 2 3 4 5 6 7 8 9 10 11; do
+    left="$(step_pids "$token")"
+    [[ -n "$left" ]] || break
+    read -r -a pids <<<"$left"
+    case $i in 10) kill -TERM "${pids[@]}" 2>/dev/null ;; 11) kill -KILL "${pids[@]}" 2>/dev/null ;; esac
+    sleep 1
+  done
+  if [[ -n "$left" ]]; then
+    echo "   processes of this step still alive 10 s after it: $left(stopped)" | tee -a "$log"
+    LEFT_BEHIND+="$name: $left; "
+  fi
+  if ((RC == 0)); then echo "   pass (${ELAPSED}s)"
+  elif ((RC == 124 || RC == 137)); then echo "   TIMEOUT after ${limit}s"
+  else echo "   FAIL (exit $RC, ${ELAPSED}s); last lines:"; tail -n 8 "$log" | sed 's/^/   | /'; fi
+}
+step_pids() {  # PIDs whose environment holds this step's token
+  grep -lsxzF "NBDIST_GPU_CHECK_STEP=$1" /proc/[0-9]*/environ 2>/dev/null |
+    cut -d/ -f3 | tr '\n' ' ' | sed 's/ *$//'
+}
+LEFT_BEHIND=""
+status_of() { if (($1 == 0)); then echo pass; elif (($1 == 124 || $1 == 137)); then echo timeout; else echo "fail (exit $1)"; fi; }
+
+echo "== nbdist GPU check, $STARTED"
+echo "   checkout $ROOT · wheelhouse $WH · output $OUTDIR · python $(command -v "$PY")"
+
+# --- the server's torch, before anything is installed --------------------------------
+"$PY" -c 'import torch' 2>/dev/null ||
+  die "'$PY' cannot import torch: install the CUDA build of torch for this Python first (set PYTHON= to pick another)"
+
+# --- venv over the system site-packages, offline install -----------------------------
+if [[ -n "$VENV_ARG" ]]; then VENV="$VENV_ARG"; else VENV="$TMP/venv"; fi
+if [[ ! -x "$VENV/bin/python" ]]; then
+  "$PY" -m venv --system-site-packages "$VENV" ||
+    die "could not create a venv with $PY (on Debian/Ubuntu: apt install python3-venv)"
+fi
+VPY="$VENV/bin/python"
+# --system-site-packages reaches the base interpreter's packages only: where PYTHON is
+# itself a venv (the server's torch installed there), its site-packages come in through
+# a .pth file, after the venv's own (so the venv's packages still win).
+OUTER="$("$PY" -c 'import site, sys; print("\n".join(site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')"
+if [[ -n "$OUTER" ]]; then
+  VSITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$OUTER" >"$VSITE/nbdist_gpu_check_outer.pth"
+fi
+# The server's torch keeps its console scripts in the system's bin: give the venv its own
+# torchrun (what the entry point runs), for whatever looks next to sys.executable.
+if [[ ! -x "$VENV/bin/torchrun" ]]; then
+  printf '#!/bin/sh\n# torchrun of the server torch, for this venv (scripts/gpu_check.sh)\nexec "%s" -m torch.distributed.run "$@"\n' \
+    "$VPY" >"$VENV/bin/torchrun"
+  chmod +x "$VENV/bin/torchrun"
+fi
+export PATH="$VENV/bin:$PATH"
+# Every process (tests, kernels, ranks, benchmarks) runs this checkout's nbdist.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Jupyter and IPython state of this run stays in the temporary directory.
+for v in IPYTHONDIR JUPYTER_RUNTIME_DIR JUPYTER_DATA_DIR JUPYTER_CONFIG_DIR; do
+  export "$v=$TMP/${v,,}"
+  mkdir -p "$TMP/${v,,}"
+done
+
+# nbdist's requirements but torch, read from the wheel: resolving them never involves the
+# server's torch, so pip can neither try to reinstall it nor trip over how it was installed.
+"$VPY" - "$NBDIST_WHL" >"$TMP/requirements.txt" <<'EOF'
+import re
+import sys
+import zipfile
+
+wheel = zipfile.ZipFile(sys.argv[1])
+meta = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+for line in wheel.read(meta).decode().splitlines():
+    if line.startswith("Requires-Dist:"):
+        req = line.split(":", 1)[1].strip()
+        name = re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower()
+        if name != "torch" and "extra ==" not in req:
+            print(req)
+EOF
+PKGS=(-r "$TMP/requirements.txt" pytest pytest-timeout nbclient nbformat)
+if compgen -G "$WH/torchao-*.whl" >/dev/null; then PKGS+=(torchao); fi
+run_step "install (offline)" 900 "$OUTDIR/logs/install.log" "$ROOT" \
+  "$VPY" -m pip install --no-index --find-links "$WH" "${PKGS[@]}"
+INSTALL_RC=$RC
+if ((RC == 0)); then
+  # The nbdist wheel of this wheelhouse (its dependencies are in place now), even over an
+  # nbdist of the same version number already in a reused venv.
+  "$VPY" -m pip install --no-index --no-deps --force-reinstall "$NBDIST_WHL" \
+    >>"$OUTDIR/logs/install.log" 2>&1 || INSTALL_RC=$?
+  "$VPY" -m pip check >>"$OUTDIR/logs/install.log" 2>&1 ||
+    echo "   pip check reports unmet requirements (see logs/install.log)"
+fi
+record "install from the wheelhouse (\`pip install --no-index\`)" "$(status_of "$INSTALL_RC")" "$ELAPSED" \
+  "$(find "$WH" -maxdepth 1 -name '*.whl' | wc -l) wheels in the wheelhouse"
+((INSTALL_RC == 0)) || echo "   the install failed: the steps below will likely fail too"
+
+# --- versions and devices ------------------------------------------------------------
+"$VPY" - >"$OUTDIR/versions.txt" 2>"$OUTDIR/logs/versions.err" <<'EOF'
+import platform
+import sys
+
+import torch
+
+print("python", platform.python_version())
+print("torch", torch.__version__)
+print("torch_path", torch.__file__)
+print("cuda", torch.version.cuda or "none")
+print("cuda_available", torch.cuda.is_available())
+print("gpus", torch.cuda.device_count() if torch.cuda.is_available() else 0)
+nccl = "none"
+try:
+    v = torch.cuda.nccl.version()
+    nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+except Exception as exc:  # no NCCL in this build
+    nccl = f"unavailable ({type(exc).__name__})"
+print("nccl", nccl)
+try:
+    import nbdist
+
+    print("nbdist", getattr(nbdist, "__version__", "?"), nbdist.__file__)
+except Exception as exc:
+    print("nbdist", f"not importable: {exc!r}")
+sys.exit(0 if torch.cuda.is_available() else 3)
+EOF
+CUDA_RC=$?
+val() { awk -v k="$1" '$1 == k { $1 = ""; sub(/^ /, ""); print; exit }' "$OUTDIR/versions.txt"; }
+sed 's/^/   /' "$OUTDIR/versions.txt"
+case "$(val torch_path)" in "$VENV"/*) echo "   WARNING: torch was installed into the venv: not the server's CUDA build" ;; esac
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi -L | tee "$OUTDIR/nvidia-smi-L.txt" | sed 's/^/   /'
+  nvidia-smi >"$OUTDIR/nvidia-smi.txt" 2>&1
+  GPU_NAMES="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
+  DRIVER="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  DEVICE="$(echo "$GPU_NAMES" | sort | uniq -c | awk '{ n = $1; $1 = ""; printf "%s%d ×%s", (NR > 1 ? ", " : ""), n, $0 }')"
+  DEVICE="$DEVICE (driver $DRIVER)"
+else
+  echo "   nvidia-smi: not found"
+  DEVICE="no nvidia-smi"
+fi
+if ((CUDA_RC != 0)); then
+  if ((ALLOW_CPU)); then
+    echo "   torch.cuda.is_available() is False: going on (--allow-cpu)"
+    DEVICE="$DEVICE; torch sees no CUDA device (--allow-cpu)"
+  else
+    cat "$OUTDIR/logs/versions.err" >&2
+    die "torch.cuda.is_available() is False with $PY (torch $(val torch), CUDA $(val cuda)): this check needs the server's CUDA build of torch and a visible GPU"
+  fi
+fi
+
+# --- the steps ------------------------------------------------------------------------
+if want tests; then
+  run_step "pytest -q tests/gpu" "${LIMIT:-1800}" "$OUTDIR/logs/pytest-gpu.log" "$ROOT" \
+    "$VPY" -m pytest -q tests/gpu -p no:cacheprovider --junitxml="$OUTDIR/pytest-gpu.xml"
+  summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)|no tests ran' "$OUTDIR/logs/pytest-gpu.log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')"
+  record "\`pytest -q tests/gpu\`" "$(status_of "$RC")" "$ELAPSED" "${summary:-no summary line}"
+fi
+
+if want notebooks; then
+  mkdir -p "$OUTDIR/notebooks"
+  seen=0
+  for nb in "$ROOT"/examples/$EXAMPLES.ipynb; do
+    [[ -f "$nb" ]] || continue
+    seen=$((seen + 1))
+    base="$(basename "$nb" .ipynb)"
+    # A module a cell imports at its top level (not inside a guard) must be installed here.
+    missing="$("$VPY" - "$nb" <<'EOF'
+import importlib.util
+import json
+import re
+import sys
+
+names = set()
+for cell in json.load(open(sys.argv[1]))["cells"]:
+    if cell["cell_type"] == "code":
+        for line in "".join(cell["source"]).splitlines():
+            m = re.match(r"(?:from|import)\s+([A-Za-z_]\w*)", line)
+            if m:
+                names.add(m.group(1))
+print(" ".join(sorted(n for n in names if importlib.util.find_spec(n) is None)))
+EOF
+)"
+    if [[ -n "$missing" ]]; then
+      echo "== examples/$base.ipynb: SKIP, needs $missing (not installed, not in the wheelhouse)"
+      record "examples/$base.ipynb" "skip" 0 "needs $missing, not installed"
+      continue
+    fi
+    run_step "examples/$base.ipynb" "${LIMIT:-900}" "$OUTDIR/logs/$base.log" "$OUTDIR/notebooks" \
+      "$VPY" "$ROOT/scripts/run_notebook.py" "$nb"
+    last="$(grep -E '^(OK|FAILED):' "$OUTDIR/logs/$base.log" | tail -1)"
+    record "examples/$base.ipynb" "$(status_of "$RC")" "$ELAPSED" "${last:-no OK/FAILED line}"
+  done
+  ((seen)) || record "examples/$EXAMPLES.ipynb" "fail (no such notebook)" 0 "nothing matched"
+fi
+
+bench() {  # bench NAME: bench/NAME.py with no arguments (it picks the GPU itself)
+  local name="$1"
+  if [[ ! -f "$ROOT/bench/$name.py" ]]; then
+    echo "== bench/$name.py: SKIP, not in this checkout"
+    record "\`python bench/$name.py\`" "skip" 0 "bench/$name.py is not in this checkout"
+    return
+  fi
+  run_step "python bench/$name.py" "${LIMIT:-1800}" "$OUTDIR/logs/bench-$name.log" "$ROOT" \
+    "$VPY" "bench/$name.py"
+  record "\`python bench/$name.py\`" "$(status_of "$RC")" "$ELAPSED" "figures below" \
+    "$(tail -n 25 "$OUTDIR/logs/bench-$name.log")"
+}
+want nccl && bench nccl
+want train && bench train
+want shared && bench shared_gpu
+
+# --- results block ----------------------------------------------------------------------
+if [[ -d "$ROOT/.git" ]] && command -v git >/dev/null; then
+  COMMIT="$(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+  [[ -z "$(git -C "$ROOT" status --porcelain 2>/dev/null)" ]] || COMMIT="$COMMIT + uncommitted changes"
+else
+  COMMIT="${NBDIST_COMMIT:-unknown}"
+fi
+FAILED=0
+{
+  echo "### GPU check, $STARTED"
+  echo
+  echo "- device: $DEVICE"
+  echo "- commit: $COMMIT"
+  echo "- Python $(val python) · torch $(val torch) · CUDA $(val cuda) · NCCL $(val nccl)"
+  echo "- \`bash scripts/gpu_check.sh\` (steps: $STEPS); logs in \`$(basename "$OUTDIR")/logs/\`"
+  [[ -z "$LEFT_BEHIND" ]] || echo "- processes left behind (killed): $LEFT_BEHIND"
+  echo
+  echo "| step | result | time | notes |"
+  echo "|---|---|---|---|"
+  for i in "${!NAMES[@]}"; do
+    echo "| ${NAMES[$i]} | ${RESULTS[$i]} | ${SECS[$i]} s | ${NOTES[$i]//|/\\|} |"
+    [[ "${RESULTS[$i]}" == pass || "${RESULTS[$i]}" == skip ]] || FAILED=$((FAILED + 1))
+  done
+  for i in "${!NAMES[@]}"; do
+    [[ -n "${FIGURES[$i]}" ]] || continue
+    echo
+    echo "${NAMES[$i]}, last lines:"
+    echo
+    echo '```'
+    echo "${FIGURES[$i]}"
+    echo '```'
+  done
+} >"$OUTDIR/results.md"
+echo
+echo "== results (also in $OUTDIR/results.md)"
+echo
+cat "$OUTDIR/results.md"
+echo
+if ((FAILED)); then
+  echo "gpu_check: $FAILED step(s) failed"
+  exit 1
+fi
+echo "gpu_check: every step passed (skips are listed above)"

@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# Runs on a machine with internet (Linux, Python >= 3.11 with pip, node for the
+# JupyterLab extension): fills DIR with the manylinux x86_64 wheels that nbdist needs
+# at run time on a GPU server without internet, for one Python version (default 3.12):
+#   - nbdist's dependencies as pyproject.toml lists them, except torch: the server
+#     keeps its own CUDA build, so no torch, nvidia-* (but nvidia-ml-py) or triton wheel
+#     is ever downloaded;
+#   - what scripts/gpu_check.sh runs there: pytest, pytest-timeout, nbclient, nbformat
+#     (versions from the [test] extra); with --with-torchao also torchao (8-bit
+#     optimizers for a GPU test; 3.2 MiB, which takes the set past 60 MB: raise --max-mb);
+#   - an nbdist wheel built from this checkout, with the JupyterLab extension inside.
+# The set is resolved once (pip's resolver, metadata only), then downloaded with
+# --no-deps. DIR ends up holding exactly this set (stale wheels are removed), so
+# running it again is safe. It fails, leaving DIR as it was, if the set would reach
+# 60 MB, decimal (--max-mb).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+LIMIT_MB=60
+# Tools scripts/gpu_check.sh needs on the server, taken from the [test] extra.
+GPU_CHECK_TOOLS=(pytest pytest-timeout nbclient nbformat)
+# Never in the wheelhouse: the server's own torch and what it brings.
+EXCLUDE_RE='^(torch|triton|pytorch-triton.*|nvidia-.*|cuda-.*)$'
+KEEP_RE='^nvidia-ml-py$'
+
+usage() {
+  cat <<EOF
+usage: bash scripts/wheelhouse.sh DIR [--python X.Y] [--with-torchao] [--max-mb N]
+
+Download into DIR the wheels nbdist needs on an offline Linux x86_64 GPU server
+(everything but torch and its CUDA libraries), plus an nbdist wheel built from
+this checkout with its JupyterLab extension. Then, on the server:
+  bash scripts/gpu_check.sh DIR
+or, for daily use:
+  pip install --no-index --find-links DIR nbdist
+
+options:
+  --python X.Y    the server's Python version (default 3.12; 3.10 or newer)
+  --with-torchao  add torchao (8-bit optimizers, for a GPU test)
+  --max-mb N      the size DIR must stay under, in MB of 10^6 bytes (default ${LIMIT_MB})
+  -h, --help      this help
+
+Needs internet, pip >= 23 and node (to build the JupyterLab extension).
+If the set reaches the size limit the script fails and leaves DIR as it was.
+EOF
+}
+
+die() { echo "wheelhouse.sh: error: $*" >&2; exit 2; }
+
+DIR=""
+PYVER="3.12"
+WITH_TORCHAO=0
+while (($#)); do
+  case "$1" in
+    -h | --help) usage; exit 0 ;;
+    --python)
+      (($# >= 2)) || die "--python needs a version such as 3.12"
+      PYVER="$2"; shift 2 ;;
+    --python=*) PYVER="${1#--python=}"; shift ;;
+    --with-torchao) WITH_TORCHAO=1; shift ;;
+    --max-mb)
+      (($# >= 2)) || die "--max-mb needs a number of MB"
+      LIMIT_MB="$2"; shift 2 ;;
+    -*) die "unknown option '$1' (see --help)" ;;
+    *)
+      [[ -z "$DIR" ]] || die "one DIR only (got '$DIR' and '$1')"
+      DIR="$1"; shift ;;
+  esac
+done
+[[ -n "$DIR" ]] || { usage >&2; die "missing DIR"; }
+if [[ ! "$PYVER" =~ ^3\.([0-9]+)$ ]] || ((BASH_REMATCH[1] < 10)); then
+  die "--python '$PYVER': nbdist needs Python 3.10 or newer, given as X.Y (e.g. 3.12)"
+fi
+PYTAG="cp3${BASH_REMATCH[1]}"
+[[ "$LIMIT_MB" =~ ^[1-9][0-9]*$ ]] || die "--max-mb '$LIMIT_MB': a whole number of MB"
+if [[ -e "$DIR" && ! -d "$DIR" ]]; then die "'$DIR' exists and is not a directory"; fi
+
+# The Python that runs pip here (any version; it only resolves and downloads).
+if [[ -n "${PYTHON:-}" ]]; then HOSTPY="$PYTHON"
+elif [[ -x "$ROOT/.venv/bin/python" ]]; then HOSTPY="$ROOT/.venv/bin/python"
+else HOSTPY="python3"; fi
+"$HOSTPY" - <<'EOF' || die "$HOSTPY: need Python >= 3.11 with pip >= 23 (set PYTHON=...)"
+import sys
+import pip
+assert sys.version_info >= (3, 11), "tomllib"
+assert int(pip.__version__.split(".")[0]) >= 23, "pip --dry-run --report"
+EOF
+command -v node >/dev/null || die "node is needed to build nbdist's JupyterLab extension"
+
+mkdir -p "$DIR" || die "cannot create '$DIR'"
+DIR="$(cd "$DIR" && pwd)"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/nbdist-wheelhouse.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+PIP=("$HOSTPY" -m pip --disable-pip-version-check)
+# Every manylinux tag up to glibc 2.28, what torch's own Linux wheels need (so a server
+# that runs CUDA torch has it); pip does not widen a given --platform to older ones.
+TARGET=(--only-binary=:all: --python-version "$PYVER" --implementation cp --abi "$PYTAG")
+for m in $(seq 28 -1 5); do TARGET+=(--platform "manylinux_2_${m}_x86_64"); done
+TARGET+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64)
+
+echo "== reading nbdist's requirements from pyproject.toml"
+EXTRAS=()
+((WITH_TORCHAO)) && EXTRAS=(torchao)
+"$HOSTPY" - "$ROOT/pyproject.toml" "${GPU_CHECK_TOOLS[*]}" "${EXTRAS[*]}" >"$WORK/requirements.txt" <<'EOF' ||
+import re
+import sys
+import tomllib
+
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+tools, extras = sys.argv[2].split(), sys.argv[3].split()
+
+
+def name(req):
+    return re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+for req in project["dependencies"]:
+    if name(req) != "torch":
+        print(req)
+test = {name(r): r for r in project.get("optional-dependencies", {}).get("test", [])}
+for tool in tools:
+    print(test.get(tool, tool))
+for extra in extras:
+    print(extra)
+EOF
+  die "could not read dependencies from $ROOT/pyproject.toml"
+sed 's/^/   /' "$WORK/requirements.txt"
+
+echo "== resolving for CPython $PYVER manylinux x86_64 (metadata only)"
+"${PIP[@]}" install --quiet --dry-run --ignore-installed --target "$WORK/none" \
+  --report "$WORK/report.json" "${TARGET[@]}" -r "$WORK/requirements.txt" ||
+  die "pip could not resolve the requirements for Python $PYVER (output above)"
+"$HOSTPY" - "$WORK/report.json" "$EXCLUDE_RE" "$KEEP_RE" >"$WORK/pinned.txt" 2>"$WORK/excluded.txt" <<'EOF' ||
+import json
+import re
+import sys
+
+report = json.load(open(sys.argv[1]))
+exclude, keep = re.compile(sys.argv[2]), re.compile(sys.argv[3])
+for item in report["install"]:
+    meta = item["metadata"]
+    norm = re.sub(r"[-_.]+", "-", meta["name"]).lower()
+    if exclude.match(norm) and not keep.match(norm):
+        print(f"{meta['name']}=={meta['version']}", file=sys.stderr)
+    else:
+        print(f"{meta['name']}=={meta['version']}")
+EOF
+  die "could not read pip's resolution report"
+if [[ -s "$WORK/excluded.txt" ]]; then
+  echo "   left out (the server's torch provides them): $(tr '\n' ' ' <"$WORK/excluded.txt")"
+fi
+
+echo "== downloading $(wc -l <"$WORK/pinned.txt") wheels (--no-deps; wheels already in DIR are reused)"
+mkdir -p "$WORK/wheels"
+"${PIP[@]}" download --quiet --no-deps --find-links "$DIR" -d "$WORK/wheels" "${TARGET[@]}" \
+  -r "$WORK/pinned.txt" || die "pip download failed (output above)"
+
+echo "== building the nbdist wheel (JupyterLab extension built in a copy of this checkout)"
+SRC="$WORK/src"
+mkdir -p "$SRC"
+if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  # Tracked and untracked-but-not-ignored files: what is in the working tree now.
+  (cd "$ROOT" && git ls-files -co --exclude-standard | while IFS= read -r f; do
+    [[ -f "$f" ]] && printf '%s\0' "$f"
+  done | tar --null -T - -cf -) | tar -xf - -C "$SRC" || die "copying the checkout failed"
+else
+  (cd "$ROOT" && tar -cf - --exclude=./.git --exclude=./.venv --exclude=./wheelhouse \
+    --exclude=./gpu_check_out --exclude=./artifacts --exclude=./build --exclude=./dist \
+    --exclude=./nbdist/labextension --exclude=./labextension/node_modules \
+    --exclude=./labextension/lib --exclude=./labextension/.yarn --exclude=__pycache__ .) |
+    tar -xf - -C "$SRC" || die "copying the checkout failed"
+fi
+# node_modules and the yarn state save the extension build a fresh install (and the npm
+# registry); copied, not linked, so the build never writes into this checkout.
+for d in labextension/node_modules labextension/.yarn; do
+  if [[ -d "$ROOT/$d" ]]; then cp -a "$ROOT/$d" "$SRC/$d" || die "copying $d failed"; fi
+done
+rm -rf "$SRC/nbdist/labextension"
+if ! "${PIP[@]}" wheel --quiet --no-deps -w "$WORK/wheels" "$SRC" >"$WORK/build.log" 2>&1; then
+  tail -40 "$WORK/build.log" >&2
+  die "building the nbdist wheel failed (log above)"
+fi
+NBDIST_WHL=""
+for w in "$WORK"/wheels/nbdist-*.whl; do [[ -f "$w" ]] && NBDIST_WHL="$w"; done
+[[ -n "$NBDIST_WHL" ]] || die "no nbdist wheel was built"
+"$HOSTPY" - "$NBDIST_WHL" <<'EOF' || die "the nbdist wheel lacks the JupyterLab extension"
+import sys
+import zipfile
+
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+need = "/data/share/jupyter/labextensions/nbdist/package.json"
+assert any(n.endswith(need) for n in names), need
+assert any("/labextensions/nbdist/static/" in n for n in names), "static/"
+EOF
+
+echo "== checking the set"
+bad=""
+for w in "$WORK"/wheels/*.whl; do
+  w="${w##*/}"
+  n="$(echo "${w%%-*}" | tr '_A-Z' '-a-z')"
+  if [[ "$n" =~ $EXCLUDE_RE && ! "$n" =~ $KEEP_RE ]]; then bad+="$w "; fi
+done
+[[ -z "$bad" ]] || die "torch-side wheels would land in DIR: $bad"
+
+# The manifest goes with the wheels; the size is that of every file DIR will hold.
+{
+  echo "# nbdist wheelhouse: CPython $PYVER, manylinux x86_64; torch not included"
+  echo "# built $(date -u +%Y-%m-%dT%H:%M:%SZ) by scripts/wheelhouse.sh"
+  for w in "$WORK"/wheels/*.whl; do echo "${w##*/}"; done
+} >"$WORK/wheels/wheelhouse.txt"
+count="$(find "$WORK/wheels" -maxdepth 1 -name '*.whl' | wc -l)"
+bytes="$(find "$WORK/wheels" -maxdepth 1 -type f -printf '%s\n' | awk '{ s += $1 } END { print s }')"
+mib="$(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1048576 }')"
+du -k "$WORK"/wheels/*.whl | sort -k1,1nr | while read -r k w; do printf '   %6d KiB  %s\n' "$k" "${w##*/}"; done
+mb="$(awk -v b="$bytes" 'BEGIN { printf "%.1f", b / 1000000 }')"
+if ((bytes >= LIMIT_MB * 1000000)); then
+  echo "wheelhouse.sh: error: the set is $mb MB ($count wheels), not under the ${LIMIT_MB} MB limit; $DIR left as it was" >&2
+  exit 1
+fi
+
+# DIR becomes exactly the new set.
+find "$DIR" -maxdepth 1 \( -name '*.whl' -o -name wheelhouse.txt \) -delete
+mv "$WORK"/wheels/* "$DIR"/
+echo "wheelhouse: $count wheels, $mb MB = $mib MiB ($bytes bytes) in $DIR"
