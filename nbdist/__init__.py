@@ -44,6 +44,7 @@ __all__ = [
     "checkpoint",
     "current_session",
     "device",
+    "diff",
     "load_ipython_extension",
     "local_rank",
     "log",
@@ -58,7 +59,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``DistSession`` and ``current_session``, imported when first used.
+    """``DistSession``, ``current_session`` and ``diff``, imported when first used.
 
     The kernel-side API pulls in ipyparallel; ranks never need it.
     """
@@ -70,6 +71,10 @@ def __getattr__(name: str):
         from nbdist.driver.live_sessions import current_session
 
         return current_session
+    if name == "diff":
+        from nbdist.driver.diff import diff
+
+        return diff
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
 
 
