@@ -19,6 +19,12 @@ What the merger decides is handed to a *sink*, a duck-typed object with:
     The progress line last shown for ``label`` is finished; its final text
     follows as an ordinary ``line``. Sinks that draw progress in place use it
     to clear the live bar.
+``display_update(label, data, metadata)``, optional
+    A widget display shown before (same ``model_id``), with the ``text/plain``
+    of its latest state: a rank's ``tqdm.auto`` bar as tqdm would print it
+    (``ep: 100%|██████████| 5/5 [...]``), rebuilt from the widget's comm
+    messages (:meth:`OutputMerger.feed_comm`, :mod:`nbdist.driver.widget_text`).
+    Sent once per widget display: when the bar closes, else when the cell ends.
 
 :class:`ListSink` records events (tests, scripts), :class:`StreamSink` writes to
 ``sys.stdout``/``sys.stderr`` and :class:`KernelSink` adds in-place progress
@@ -33,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nbdist.driver.widget_text import WidgetTexts, widget_model_id
 from nbdist.errors import format_ranks
 
 __all__ = ["STREAMS", "OutputMerger"]
@@ -120,6 +127,10 @@ class OutputMerger:
         # (rank, stream) whose progress line changed since the last poll; only
         # these are looked at, so polling costs nothing when no bar is running.
         self._progress_pending: set[tuple[int, str]] = set()
+        self._widgets = {rank: WidgetTexts() for rank in self._ranks}
+        # (rank, model id) -> (label, data, metadata) of a widget display shown
+        # and not yet given its text form (display_update).
+        self._widget_displays: dict[tuple[int, str], tuple[str, dict, dict]] = {}
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -152,12 +163,18 @@ class OutputMerger:
         self._queues[_DISPLAY][rank].append((now, item))
         self._drain(_DISPLAY, now)
 
+    def feed_comm(self, rank: int, msg_type: str, content: dict) -> None:
+        """Take a comm message (a widget's state) published by ``rank``."""
+        self._check_rank(rank)
+        self._widgets[rank].feed(msg_type, content)
+
     def poll(self) -> None:
         """Emit what is due: progress updates and lines that waited long enough."""
         now = self._clock()
         self._show_progress()
         for channel in _CHANNELS:
             self._drain(channel, now)
+        self._update_widgets(final=False)
 
     def close(self) -> None:
         """Flush everything still pending, unterminated last lines included.
@@ -179,6 +196,7 @@ class OutputMerger:
             state.tail = ""
         for channel in _CHANNELS:
             self._drain(channel, now, final=True)
+        self._update_widgets(final=True)
 
     # -- internals -------------------------------------------------------------
 
@@ -209,6 +227,20 @@ class OutputMerger:
         if progress_done is not None:
             progress_done(stream, _rank_label(rank))
 
+    def _update_widgets(self, *, final: bool) -> None:
+        """Give each widget display whose bar closed (all of them if final) its text form."""
+        if not self._widget_displays:
+            return
+        update = getattr(self._sink, "display_update", None)
+        for (rank, model_id), (label, data, metadata) in list(self._widget_displays.items()):
+            texts = self._widgets[rank]
+            if not final and not texts.finished(model_id):
+                continue
+            del self._widget_displays[(rank, model_id)]
+            text = texts.text(model_id)
+            if update is not None:
+                update(label, data if text is None else {**data, "text/plain": text}, metadata)
+
     def _drain(self, channel: str, now: float, *, final: bool = False) -> None:
         """Emit every group of ``channel`` that is ready (all of them if final)."""
         queues = self._queues[channel]
@@ -228,7 +260,12 @@ class OutputMerger:
             heads = [(rank, queues[rank].popleft()[1]) for rank in ready]
             if channel == _DISPLAY:
                 for group, (data, metadata) in _group_displays(heads):
-                    self._sink.display(format_ranks(group), data, metadata)
+                    label = format_ranks(group)
+                    self._sink.display(label, data, metadata)
+                    model_id = widget_model_id(data)
+                    if model_id is not None:
+                        for rank in group:
+                            self._widget_displays[(rank, model_id)] = (label, data, metadata)
             else:
                 for group, text in _group_lines(heads):
                     self._sink.line(channel, format_ranks(group), text)

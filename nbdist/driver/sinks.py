@@ -13,6 +13,7 @@ import sys
 from typing import Any, Protocol
 
 from nbdist.driver.output import STREAMS
+from nbdist.driver.widget_text import widget_model_id
 
 __all__ = ["KernelSink", "ListSink", "Sink", "StreamSink", "default_sink"]
 
@@ -22,7 +23,7 @@ _CLEAR_LINE = "\r\x1b[K"
 
 
 class Sink(Protocol):
-    """What :class:`OutputMerger` writes to (``progress_done`` is optional)."""
+    """What :class:`OutputMerger` writes to (``progress_done``, ``display_update`` are optional)."""
 
     def line(self, stream: str, label: str, text: str) -> None:
         """A complete line of ``stream``, labelled (``label``: 'rank 1', 'ranks 0-3')."""
@@ -38,8 +39,9 @@ class ListSink:
     """Record the merger's events in :attr:`events` (for tests and scripts).
 
     Events are ``("line", stream, label, text)``, ``("progress", stream, label,
-    text)``, ``("progress_done", stream, label)`` and ``("display", label,
-    data, metadata)``.
+    text)``, ``("progress_done", stream, label)``, ``("display", label,
+    data, metadata)`` and ``("display_update", label, data, metadata)`` (a
+    widget display's latest text form, e.g. a tqdm bar at 100 %).
     """
 
     def __init__(self) -> None:
@@ -61,6 +63,10 @@ class ListSink:
     def display(self, label: str, data: dict, metadata: dict) -> None:
         """Record a rich display."""
         self.events.append(("display", label, data, metadata))
+
+    def display_update(self, label: str, data: dict, metadata: dict) -> None:
+        """Record a widget display's latest state."""
+        self.events.append(("display_update", label, data, metadata))
 
 
 def _std_stream(stream: str) -> Any:
@@ -90,7 +96,8 @@ class StreamSink:
 
     Progress updates are drawn in place (``\\r``) on a terminal and dropped
     otherwise, where only the final line is written. A display is written as
-    its ``text/plain`` form.
+    its ``text/plain`` form; a widget (a rank's tqdm bar) once it is final,
+    from ``display_update``.
     """
 
     def __init__(self) -> None:
@@ -121,7 +128,16 @@ class StreamSink:
         pass
 
     def display(self, label: str, data: dict, metadata: dict) -> None:
-        """Print the display's text/plain, labelled."""
+        """Print the display's text/plain, labelled; a widget's waits for its final state."""
+        if widget_model_id(data) is None:
+            self._print_display(label, data)
+
+    def display_update(self, label: str, data: dict, metadata: dict) -> None:
+        """Print a widget display's final text/plain (a tqdm bar: 100 %, n/total)."""
+        if data.get("text/plain") != "":  # "": a bar that erased itself (leave=False)
+            self._print_display(label, data)
+
+    def _print_display(self, label: str, data: dict) -> None:
         text = data.get("text/plain")
         if text is None:
             text = f"<display: {', '.join(sorted(data))}>"
@@ -148,6 +164,8 @@ class KernelSink(StreamSink):
         super().__init__()
         self._n_ranks = n_ranks
         self._bars: dict[tuple[str, str], Any] = {}
+        # widget model id -> (display handle, text/plain published) of a widget display
+        self._widgets: dict[str, tuple[Any, Any]] = {}
 
     def progress(self, stream: str, label: str, text: str) -> None:
         """Draw the bar in place in the cell (a display updated by id)."""
@@ -181,7 +199,29 @@ class KernelSink(StreamSink):
             return
         if self._n_ranks > 1:
             _write(sys.stdout, f"[{label}]\n")
-        publish_display_data(data, metadata)
+        model_id = widget_model_id(data)
+        if model_id is None:
+            publish_display_data(data, metadata)
+            return
+        from IPython.display import display
+
+        # With an id, so that its text/plain can follow the bar (display_update).
+        handle = display(data, raw=True, metadata=metadata, display_id=True)
+        if handle is not None:
+            self._widgets[model_id] = (handle, text)
+
+    def display_update(self, label: str, data: dict, metadata: dict) -> None:
+        """Give a widget display its latest text/plain (what a saved notebook shows)."""
+        model_id = widget_model_id(data)
+        handle, shown = self._widgets.pop(model_id, (None, None))
+        if handle is None or data.get("text/plain") == shown:
+            return
+        if data.get("text/plain") == "":
+            # The widget was closed (tqdm leave=False): nothing stays, live or saved.
+            handle.update({"text/plain": ""}, raw=True)
+        else:
+            # The same model: a notebook keeps showing the widget, live.
+            handle.update(data, raw=True, metadata=metadata)
 
 
 def _in_ipython_kernel() -> bool:

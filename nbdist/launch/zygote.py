@@ -15,6 +15,12 @@ file, which the session reports.
 Children die with the zygote (PR_SET_PDEATHSIG), and the zygote ends its
 children and itself when the kernel that started it disappears (its parent
 pid changes), so a killed kernel leaves nothing behind.
+
+The zygote is a child subreaper (see :mod:`nbdist.launch.process_tree`): what
+the ranks start (forked children, ``multiprocessing``, DataLoader workers,
+daemons that forked twice) stays below it, and when it is asked to stop, or
+its kernel is gone, it ends every process below it, engines included, by PID:
+SIGTERM, then SIGKILL after 3 s. It exits once nothing is left below it.
 """
 
 from __future__ import annotations
@@ -29,11 +35,11 @@ import sys
 import threading
 import time
 
+from nbdist.launch import process_tree
+
 __all__ = ["fork_unsafe_reason", "main"]
 
 _PR_SET_PDEATHSIG = 1
-# How long children get to exit after SIGTERM before SIGKILL.
-_TERM_GRACE_S = 3.0
 
 
 # What every engine imports while it starts, besides ipykernel's debugger module
@@ -168,14 +174,16 @@ def _spawn_engine(slot_env: dict[str, str], engine_argv: list[str]) -> int:
 
 
 class _Children:
-    """The engines this zygote started, and how to end them."""
+    """The engines this zygote started, what is below them, and how to end it all."""
 
     def __init__(self, pids: list[int]):
-        self.pids = set(pids)
-        self.kill_at: float | None = None
+        self.pids = set(pids)  # the engines still running
         self.exit_code = 0
+        self.asked = False  # told to stop (SIGTERM, or the kernel is gone)
+        self.stopping: process_tree.TreeStop | None = None
 
     def signal(self, sig: int) -> None:
+        """``sig`` to every engine (the interrupt relay)."""
         for pid in list(self.pids):
             try:
                 os.kill(pid, sig)
@@ -183,12 +191,12 @@ class _Children:
                 self.pids.discard(pid)
 
     def terminate(self) -> None:
-        if self.kill_at is None:
-            self.kill_at = time.monotonic() + _TERM_GRACE_S
-        self.signal(signal.SIGTERM)
+        """Ask for the stop; the main loop carries it out (safe from a thread or a handler)."""
+        self.asked = True
 
     def reap(self) -> None:
-        while self.pids:
+        """Collect every exited child: engines, and orphans re-parented to this subreaper."""
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -196,10 +204,22 @@ class _Children:
                 return
             if pid == 0:
                 return
+            if pid not in self.pids:
+                continue  # an orphan from below a rank
             self.pids.discard(pid)
             code = os.waitstatus_to_exitcode(status)
-            if code and not self.exit_code and self.kill_at is None:
+            if code and not self.exit_code and not self.asked:
                 self.exit_code = code if code > 0 else 128 - code
+
+    def step(self) -> bool:
+        """One pass of the main loop; False once the zygote may exit."""
+        self.reap()
+        if self.stopping is None and (self.asked or not self.pids):
+            # Asked, or every engine ended by itself: what they left behind goes too.
+            self.stopping = process_tree.TreeStop()
+        if self.stopping is None:
+            return True
+        return self.stopping.step() or bool(self.pids)
 
 
 def _watch_parent(parent_pid: int, children: _Children) -> None:
@@ -254,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         _import_debugger_module()
         _preimport(_ENGINE_MODULES)
         reason = fork_unsafe_reason()
+    # Before the first fork: orphans from below the ranks are re-parented here, not to PID 1.
+    subreaper = process_tree.become_subreaper()
     pids = []
     for slot_env in slots:
         if reason is None:
@@ -267,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         reason=reason,
         pids=pids,
         zygote=os.getpid(),
+        subreaper=subreaper,
     )
 
     signal.signal(signal.SIGTERM, lambda *_: children.terminate())
@@ -275,15 +298,13 @@ def main(argv: list[str] | None = None) -> int:
     _unblock_signals()
     threading.Thread(target=_watch_parent, args=(opts.parent_pid, children), daemon=True).start()
 
-    while children.pids:
-        children.reap()
-        if children.kill_at is not None and time.monotonic() > children.kill_at:
-            children.signal(signal.SIGKILL)
+    while children.step():
         time.sleep(0.1)
+    children.reap()
     # Asked to stop (%dist_stop, %dist_restart): a success, even if a rank had died
     # before; otherwise ipyparallel logs the engines' whole output as a warning in
     # the notebook, on top of nbdist's own report of the dead rank.
-    return 0 if children.kill_at is not None else children.exit_code
+    return 0 if children.asked else children.exit_code
 
 
 if __name__ == "__main__":

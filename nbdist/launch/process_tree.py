@@ -1,0 +1,131 @@
+"""Separate process and kernel side: the processes below the ones nbdist started, ended by PID.
+
+Code on a rank may start processes of its own: a forked child, a
+``multiprocessing.Process``, ``subprocess.Popen``, DataLoader workers, a
+daemon that forked twice and whose parent exited. None of them may outlive
+``%dist_stop`` or the kernel. Two pieces make that hold on Linux:
+
+- The engine zygote is a *child subreaper* (:func:`become_subreaper`,
+  ``prctl(PR_SET_CHILD_SUBREAPER)``, Linux >= 3.4): an orphan anywhere below it
+  is re-parented to the zygote instead of PID 1, so every process the ranks
+  started stays a descendant of the zygote, found by walking the process tree
+  (:func:`descendants`), however it daemonised. The attribute is not inherited
+  across ``fork``, so only the zygote has it; the engines reap their own
+  children as before.
+- Ending goes by PID, SIGTERM first and SIGKILL after a grace period
+  (:func:`end`, :class:`TreeStop`). Each process is held as a
+  ``psutil.Process``, which remembers the process's start time and refuses to
+  signal a PID that was reused by another process since.
+
+Nothing here is found by name, and nothing outside the given roots' trees is
+touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable
+
+import psutil
+
+__all__ = ["TERM_GRACE_S", "TreeStop", "become_subreaper", "descendants", "end"]
+
+# Seconds a process gets between SIGTERM and SIGKILL.
+TERM_GRACE_S = 3.0
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of orphans below it (Linux); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def descendants(roots: Iterable[int]) -> list[psutil.Process]:
+    """Every live process below ``roots`` (the roots themselves left out), as ``psutil.Process``."""
+    roots = set(roots)
+    found: dict[int, psutil.Process] = {}
+    for pid in roots:
+        try:
+            below = psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        for proc in below:
+            if proc.pid not in roots:
+                found.setdefault(proc.pid, proc)
+    return list(found.values())
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Still running and still the same process (a zombie has finished)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _send(proc: psutil.Process, sig: int) -> bool:
+    try:
+        proc.send_signal(sig)  # psutil checks the start time first: no reused PID is hit
+        return True
+    except psutil.Error:
+        return False
+
+
+def end(procs: Iterable[psutil.Process], grace: float = TERM_GRACE_S) -> list[int]:
+    """SIGTERM ``procs``, wait up to ``grace`` s, SIGKILL the rest; the PIDs that had to be killed.
+
+    Returns within ``grace`` + 1 s (a process in uninterruptible sleep may
+    take longer to disappear after SIGKILL; it is not waited for beyond that).
+    """
+    procs = [p for p in procs if _running(p)]
+    if not procs:
+        return []
+    for proc in procs:
+        _send(proc, signal.SIGTERM)
+        _send(proc, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    alive = [p for p in alive if _running(p)]
+    killed = [p.pid for p in alive if _send(p, signal.SIGKILL)]
+    psutil.wait_procs(alive, timeout=1.0)
+    return killed
+
+
+class TreeStop:
+    """Ending every process below this one, a step at a time (the zygote's loop drives it).
+
+    Each :meth:`step` looks at the tree again, so processes started or
+    re-parented during the stop are ended too: SIGTERM once to each, and after
+    ``grace`` seconds SIGKILL to whatever is still there.
+    """
+
+    def __init__(self, grace: float = TERM_GRACE_S) -> None:
+        """Start the clock: SIGKILL follows ``grace`` seconds from now."""
+        self.kill_at = time.monotonic() + grace
+        self._termed: set[tuple[int, float]] = set()
+
+    def step(self) -> bool:
+        """Signal what is below this process; False once nothing is left running there."""
+        kill = time.monotonic() >= self.kill_at
+        left = False
+        for proc in descendants([os.getpid()]):
+            if not _running(proc):
+                continue  # a zombie: its parent (or this process) reaps it
+            left = True
+            try:
+                key = (proc.pid, proc.create_time())
+            except psutil.Error:
+                continue
+            if kill:
+                _send(proc, signal.SIGKILL)
+            elif key not in self._termed:
+                self._termed.add(key)
+                _send(proc, signal.SIGTERM)
+                _send(proc, signal.SIGCONT)
+        return left
