@@ -53,6 +53,7 @@ class DistMagics(Magics):
     @argument("--gpus", default=None, help="GPU indices to use, e.g. 0,1")
     @argument("--threads", default=None, help="torch threads per rank (default: cores / ranks)")
     @argument("--timeout", default="120", help="seconds to wait for the ranks (default 120)")
+    @argument("--group-timeout", default="1800", help="the process group's timeout, s (1800)")
     @argument("--launcher", default=None, help="ipyparallel engine launcher: mpi, ssh, slurm, ...")
     @argument("--profile", default=None, help="ipyparallel profile name (for its launcher config)")
     @argument("--attach", default=None, help="cluster file of a running ipyparallel cluster")
@@ -114,6 +115,7 @@ class DistMagics(Magics):
                 gpus=gpus,
                 threads=threads,
                 timeout=parse_seconds(args.timeout),
+                group_timeout=parse_seconds(args.group_timeout, "--group-timeout"),
                 launcher=args.launcher,
                 profile=args.profile,
                 attach=args.attach,

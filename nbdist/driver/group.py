@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from nbdist.driver.ipp_internals import controller_interface
+from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_without_kernel
 from nbdist.driver.runner import RankRun
 from nbdist.engine import bootstrap
 from nbdist.launch.cluster import serializer_ready
@@ -102,6 +102,7 @@ def form_group(
     Returns the group and the placement it followed.
     """
     serializer_ready()  # the serializer's set-up may still run on its thread: not thread-safe
+    tolerate_shells_without_kernel()  # a terminal IPython drives ranks too
     engine_ids = sorted(client.ids)
     towards = options.ip if owned else controller_host(client)
     infos = dict(zip(engine_ids, client[engine_ids].apply_sync(bootstrap.describe, towards)))

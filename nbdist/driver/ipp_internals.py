@@ -2,7 +2,8 @@
 
 ipyparallel 9 has no public way to send an execute request with a user
 expression, to read one rank's reply or accumulated output from a multi-engine
-result, or to send a custom control message. nbdist needs all four (see
+result, or to send a custom control message, and its client assumes any IPython
+shell is a kernel. nbdist needs all four, and a terminal IPython too (see
 :mod:`nbdist.driver.cells`, :mod:`nbdist.driver.runner`, :mod:`nbdist.driver.where`),
 so they are reached here and nowhere else: an ipyparallel upgrade that renames
 one breaks this module alone, and its tests say which.
@@ -19,6 +20,7 @@ __all__ = [
     "reply_content",
     "send_control",
     "send_execute",
+    "tolerate_shells_without_kernel",
 ]
 
 
@@ -70,3 +72,26 @@ def send_control(client, engine_id: int, msg_type: str, content: dict):
 def controller_interface(client) -> str:
     """The controller's address as the client's connection info gives it (``tcp://host``), or ''."""
     return (client._config or {}).get("interface", "") or ""  # noqa: SLF001
+
+
+def _kernel_shell_or_none():
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    # A terminal IPython (or a plain InteractiveShell) has no `kernel` attribute at all.
+    return shell if shell is not None and hasattr(shell, "kernel") else None
+
+
+def tolerate_shells_without_kernel() -> None:
+    """Let ipyparallel's client run under a terminal IPython (idempotent).
+
+    Its iopub handler reads ``get_ipython().kernel`` for every widget (comm)
+    message from an engine, and a terminal shell has no such attribute: the
+    AttributeError lost the rest of that cell's output (a rank's ``tqdm.auto``
+    bar was enough). The client's module sees no shell there instead, which
+    only costs it what it does for a kernel: forwarding widgets, colours, %px.
+    """
+    import ipyparallel.client.client as client_module
+
+    if client_module.get_ipython is not _kernel_shell_or_none:
+        client_module.get_ipython = _kernel_shell_or_none

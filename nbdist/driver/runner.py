@@ -14,11 +14,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata
 from nbdist.driver.output import OutputMerger
+from nbdist.driver.prompts import PromptServer
 from nbdist.driver.sinks import default_sink
 from nbdist.errors import NbdistError, RankError, RankFailure, RanksInterrupted, format_ranks
 
@@ -29,6 +32,8 @@ _INTERRUPT_GRACE_S = 10.0
 _POLL_S = 0.05
 # iopub messages that change what a cell shows (ipyparallel accumulates them per rank).
 _OUTPUT_MESSAGES = frozenset({"stream", "display_data", "execute_result", "error"})
+# A widget's state (a rank's tqdm.auto bar): kept for the text form of its display.
+_COMM_MESSAGES = frozenset({"comm_open", "comm_msg", "comm_close"})
 # Characters shown per rank and stream in one cell: beyond it a notebook (and
 # the saved .ipynb) becomes unusable, so the rest is counted, not shown.
 _DEFAULT_OUTPUT_LIMIT = 1 << 20
@@ -83,6 +88,7 @@ class RankRun:
         watch: Callable[[], None] | None = None,
         guard=None,
         waiting_for: str = "",
+        prompts: PromptServer | None = None,
     ):
         """Follow ``async_result`` (one child per rank of ``ranks``, same order).
 
@@ -90,7 +96,8 @@ class RankRun:
         (default: the cell's output); ``timeout`` in seconds (None: no limit),
         for a cell's --timeout unless ``waiting_for`` names what nbdist itself waits for;
         ``watch`` is called on each pass of the waiting loop; ``guard`` is the
-        cell's :class:`~nbdist.driver.faults.CellGuard`."""
+        cell's :class:`~nbdist.driver.faults.CellGuard`; ``prompts`` answers the
+        ranks' pdb and ``input()`` prompts (``timeout`` pauses while the user is asked)."""
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
         # nbdist.driver.faults.CellGuard: releases the ranks when one fails, dies or hangs.
@@ -101,6 +108,7 @@ class RankRun:
         self._sink = sink
         self._timeout = timeout
         self._waiting_for = waiting_for
+        self._prompts = prompts
         self._started = time.monotonic()
         self._wake = threading.Event()
         self._consumed = [{"stdout": "", "stderr": "", "outputs": 0} for _ in self.ranks]
@@ -116,13 +124,19 @@ class RankRun:
         self._children = per_engine_futures(async_result)
         # The dicts ipyparallel fills with each rank's output, in place: read on every pass.
         self._metadata = per_engine_metadata(async_result)
-        for child in self._children:
-            child.iopub_callbacks.append(self._on_iopub)
+        self._comms: deque[tuple[int, str, dict]] = deque()  # filled on ipyparallel's IO thread
+        for rank, child in zip(self.ranks, self._children):
+            child.iopub_callbacks.append(partial(self._on_iopub, rank))
             child.add_done_callback(lambda _f: self._wake.set())
         async_result.add_done_callback(lambda _f: self._wake.set())
 
-    def _on_iopub(self, msg: dict) -> None:
-        if msg["header"]["msg_type"] in _OUTPUT_MESSAGES:
+    def _on_iopub(self, rank: int, msg: dict) -> None:
+        kind = msg["header"]["msg_type"]
+        if kind in _OUTPUT_MESSAGES:
+            self._wake.set()
+        elif kind in _COMM_MESSAGES:
+            self._comms.append((rank, kind, msg["content"]))
+        elif self._prompts is not None and self._prompts.offer(rank, msg):
             self._wake.set()
 
     def __repr__(self) -> str:
@@ -159,6 +173,8 @@ class RankRun:
     # -- output -----------------------------------------------------------
     def _drain(self) -> None:
         merger = self._merger
+        while self._comms:
+            merger.feed_comm(*self._comms.popleft())
         # ipyparallel keeps each rank's output accumulated in its metadata dict.
         for i, (rank, md) in enumerate(zip(self.ranks, self._metadata)):
             seen = self._consumed[i]
@@ -223,6 +239,10 @@ class RankRun:
                 self._watch()
             if finished:
                 return True
+            if self._prompts is not None and self._prompts.pending():
+                # One prompt at a time; the user's time moves --timeout's deadline.
+                deadline = self._prompts.serve(deadline, self._drain, self._merger.close)
+                continue
             if deadline is not None and time.monotonic() > deadline:
                 return False
             self._wake.wait(_POLL_S)
@@ -272,6 +292,8 @@ class RankRun:
 
     def _stop_ranks(self) -> None:
         """SIGINT to the ranks; release those that do not stop; form the group again."""
+        if self._prompts is not None:
+            self._prompts.cancel()  # ranks at a prompt stop too; no one is asked again
         self._interrupt(self.ranks)
         if self._guard is not None:
             self._guard.interrupted()
@@ -367,5 +389,12 @@ def submit(
     """
     ar = cell_channel(client).execute(engine_ids, code, silent_if_possible=silent_if_possible)
     return RankRun(
-        ar, ranks, interrupt=interrupt, sink=sink, timeout=timeout, watch=watch, guard=guard
+        ar,
+        ranks,
+        interrupt=interrupt,
+        sink=sink,
+        timeout=timeout,
+        watch=watch,
+        guard=guard,
+        prompts=PromptServer(client, engine_ids, ranks),
     )

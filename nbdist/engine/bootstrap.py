@@ -26,6 +26,7 @@ from nbdist.engine import (
     collectives,
     control,
     launch_guard,
+    stdin_bridge,
     torchrun_env,
     user_group,
 )
@@ -182,6 +183,8 @@ def init_rank(spec: dict, get_shell=None) -> dict:
     if kernel is not None:
         # Answered on the engine's control thread, also while a cell runs or hangs.
         control.install(kernel)
+        # input(), getpass and pdb on this rank ask the notebook (Jupyter's stdin channel).
+        stdin_bridge.install(kernel)
         _fill_namespace(shell, spec, device)
         if spec.get("metrics_url"):
             # The engine's session key is the cluster key the kernel's collector checks.
@@ -226,6 +229,8 @@ def _join_group(spec: dict, device: str) -> None:
         store=store,
         rank=spec["rank"],
         world_size=spec["world_size"],
+        # The group's own timeout (a rank left waiting in a collective), not torch's default.
+        timeout=timeout,
         **init_kwargs,
     )
     # One collective proves every rank can reach every other before we say "ready".
