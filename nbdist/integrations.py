@@ -2,13 +2,12 @@
 
 Lightning, accelerate and HF ``Trainer`` see each rank as a process torchrun
 started (RANK, LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID, ... are set) and use
-nbdist's process group. On CPU ranks ``Trainer(strategy="ddp", devices=N,
-accelerator="cpu")`` works as written. On GPU ranks one thing differs from
-torchrun: each rank sees only its own GPU, as ``cuda:0`` (torchrun shows every
-rank all of the host's GPUs and the rank picks number LOCAL_RANK). accelerate
-and HF ``Trainer`` take that in their stride; Lightning counts the GPUs it sees
-and indexes them by LOCAL_RANK, so on GPU ranks it needs "one device per rank",
-which :func:`lightning_trainer_kwargs` gives::
+nbdist's process group. As under torchrun, every rank of a host sees the same
+GPUs and uses ``cuda:<local rank>``, so ``Trainer(strategy="ddp", devices=N)``
+works as written while there is a GPU per rank. Ranks that share GPUs (more
+ranks than GPUs) are where torchrun code breaks: Lightning refuses ``devices``
+beyond the GPUs it sees. :func:`lightning_trainer_kwargs` gives arguments that
+fit either case::
 
     >>> trainer = L.Trainer(strategy="ddp", max_epochs=3, **nbdist.integrations.lightning_trainer_kwargs())
 
@@ -27,11 +26,12 @@ def _one_gpu_per_rank_environment():
     from lightning.pytorch.plugins.environments import TorchElasticEnvironment
 
     class OneDevicePerRank(TorchElasticEnvironment):
-        """torchrun's environment, seen by a rank that sees one device: its own.
+        """torchrun's environment, for a rank given one device of its own (``devices=[i]``).
 
-        Lightning places a process on device number ``local_rank()`` of those it
-        sees; here that is 0. Each rank counts as a node of one device, so the
-        world (devices x nodes) is still WORLD_SIZE and the global rank is RANK.
+        Lightning places a process on device number ``local_rank()`` of its
+        ``devices``; with one device that is 0. Each rank counts as a node of
+        one device, so the world (devices x nodes) is still WORLD_SIZE and the
+        global rank is RANK.
         """
 
         def local_rank(self) -> int:
@@ -46,10 +46,11 @@ def _one_gpu_per_rank_environment():
 def lightning_trainer_kwargs(*, one_device_per_rank: bool | None = None) -> dict:
     """``accelerator``, ``devices``, ``num_nodes`` (and ``plugins``) for ``lightning.Trainer``.
 
-    CPU ranks: ``accelerator="cpu"``, ``devices=LOCAL_WORLD_SIZE``, ``num_nodes`` the
-    hosts, as under torchrun. GPU ranks (or ``one_device_per_rank=True``):
-    ``accelerator="gpu"``, ``devices=1``, ``num_nodes=WORLD_SIZE`` and an environment
-    plugin that places the rank on the one GPU it sees. Use with ``strategy="ddp"``.
+    A device per rank (CPU ranks; GPU ranks no more than the GPUs):
+    ``devices=LOCAL_WORLD_SIZE``, ``num_nodes`` the hosts, as under torchrun.
+    Ranks sharing GPUs (or ``one_device_per_rank=True``): ``devices=[the rank's
+    GPU index]``, ``num_nodes=WORLD_SIZE`` and an environment plugin that puts
+    the rank on it. Use with ``strategy="ddp"``.
     """
     import torch
 
@@ -57,13 +58,13 @@ def lightning_trainer_kwargs(*, one_device_per_rank: bool | None = None) -> dict
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     gpu = torch.cuda.is_available()
     if one_device_per_rank is None:
-        one_device_per_rank = gpu
+        one_device_per_rank = gpu and local > torch.cuda.device_count()
     accelerator = "gpu" if gpu else "cpu"
     if not one_device_per_rank:
         return {"accelerator": accelerator, "devices": local, "num_nodes": world // local}
     return {
         "accelerator": accelerator,
-        "devices": 1,
+        "devices": [torch.cuda.current_device()] if gpu else 1,
         "num_nodes": world,
         "plugins": [_one_gpu_per_rank_environment()],
     }

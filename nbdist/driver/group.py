@@ -131,6 +131,7 @@ def form_group(
             rank=slot.rank, local_rank=slot.local_rank, world_size=len(slots),
             local_world_size=slot.local_world_size, master_addr=master_addr,
             master_port=port, backend=placement.backend, gpu=slot.gpu,
+            cuda_index=slot.cuda_index,
             threads=placement.threads_for(slot), timeout=options.group_timeout,
             loopback_only=master_addr.startswith("127."), metrics_url=metrics_url,
             metrics_key=metrics_key_for_ranks, shares_gpu=slot.rank in sharing,

@@ -101,9 +101,9 @@ _CUDA_OOM = {"OutOfMemoryError", "torch.OutOfMemoryError", "torch.cuda.OutOfMemo
 def cuda_oom_note(failures, placement) -> str:
     """A line naming the GPU of each rank that ran out of GPU memory ('' if none did).
 
-    torch says "GPU 0": the rank's own numbering, in which nbdist gives each rank
-    one GPU as ``cuda:0``. The user knows the GPU by its machine-wide index
-    (``nvidia-smi``, CUDA_VISIBLE_DEVICES), so that is named, with the ranks
+    torch numbers GPUs within the rank's CUDA_VISIBLE_DEVICES. The user knows
+    the GPU by its host's index (``nvidia-smi``, the CUDA_VISIBLE_DEVICES
+    entry), so that is named with the rank's ``cuda:<i>``, with the ranks
     sharing it (their tensors count against the same memory) and the way on.
     ``placement``: the session's :class:`~nbdist.launch.placement.Placement` (or None).
     """
@@ -120,7 +120,7 @@ def cuda_oom_note(failures, placement) -> str:
         sharing = f", shared with rank {','.join(map(str, others))}" if others else ""
         where = f" on {slot.host}" if slot.host != "localhost" else ""
         lines.append(
-            f"rank {failure.rank} ran out of memory on GPU {slot.gpu}{where} (its cuda:0){sharing}: "
+            f"rank {failure.rank} ran out of memory on GPU {slot.gpu}{where} ({slot.device}){sharing}: "
             "what it holds stays; free tensors (del x; torch.cuda.empty_cache()) or use "
             "smaller batches, and the next cell runs"
         )

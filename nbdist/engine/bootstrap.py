@@ -41,7 +41,6 @@ __all__ = [
     "close_rendezvous",
     "describe",
     "init_rank",
-    "narrow_cuda_mask",
     "open_rendezvous",
     "rejoin",
     "rejoin_as_this_rank",
@@ -106,21 +105,6 @@ def _loopback_ifname() -> str:
     return next((n for n in names if n.startswith("lo")), "lo")
 
 
-def narrow_cuda_mask(mask: str | None, gpu: int) -> str | None:
-    """The CUDA_VISIBLE_DEVICES a rank should have, or None to leave it alone.
-
-    Forked ranks already have exactly their GPU. An engine started elsewhere
-    (attach) that sees several GPUs gets the one at position ``gpu`` of its
-    mask; one that sees all GPUs (no mask) gets ``gpu`` itself.
-    """
-    if mask is None:
-        return str(gpu)
-    entries = [e.strip() for e in mask.split(",") if e.strip()]
-    if len(entries) > 1 and gpu < len(entries):
-        return entries[gpu]
-    return None
-
-
 def init_rank(spec: dict, get_shell=None) -> dict:
     """Join the process group as ``spec['rank']`` and fill the user namespace.
 
@@ -152,11 +136,7 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         # Several hosts: the interface holding this rank's address towards rank 0
         # (the backends' own guess can pick an unreachable one); the user's wins.
         choose_socket_ifname(spec["master_addr"])
-    gpu = spec.get("gpu")
-    if gpu is not None:
-        mask = narrow_cuda_mask(os.environ.get("CUDA_VISIBLE_DEVICES"), gpu)
-        if mask is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = mask
+    cuda_index = spec.get("cuda_index")
     if spec.get("shares_gpu") and spec["backend"] == "nccl":
         # NCCL >= 2.30 lets ranks share a GPU only when asked (experimental);
         # NVLink SHARP buffers are per GPU, so users of the mode turn them off.
@@ -166,9 +146,9 @@ def init_rank(spec: dict, get_shell=None) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    cuda_initialized = gpu is not None and torch.cuda.is_initialized()
-    device = device_for(gpu, cuda_initialized=cuda_initialized)
-    if gpu is not None:
+    # Every rank of a host sees the same GPUs, as under torchrun, and takes its own.
+    device = device_for(cuda_index)
+    if cuda_index is not None:
         torch.cuda.set_device(torch.device(device))
 
     _join_group(spec, device)

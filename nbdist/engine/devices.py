@@ -12,8 +12,8 @@ Example::
     'gloo'
     >>> gpus_from_mask("2,0", 4, already_masked=False)
     [2, 0]
-    >>> device_for(3, cuda_initialized=False)
-    'cuda:0'
+    >>> device_for(3)
+    'cuda:3'
 """
 
 from __future__ import annotations
@@ -65,17 +65,14 @@ def choose_backend(requested: str | None, *, uses_gpus: bool) -> str:
     return backend
 
 
-def device_for(gpu: int | None, *, cuda_initialized: bool) -> str:
-    """The torch device a rank started by nbdist uses (``gpu``: its physical index, or None).
+def device_for(cuda_index: int | None) -> str:
+    """The torch device of a rank nbdist started: ``cpu``, or ``cuda:<its index>``.
 
-    nbdist gives each GPU rank ``CUDA_VISIBLE_DEVICES=<its GPU>`` before CUDA
-    starts, so the rank sees one device, ``cuda:0``. If CUDA was initialised
-    before that could take effect (attaching to engines that already used
-    CUDA), the mask is ignored by CUDA and the physical index is used instead.
+    Every rank of a host sees the GPUs nbdist was given (one CUDA_VISIBLE_DEVICES
+    for all, as torchrun leaves it), so a rank's index is into that list and
+    the same in every process, whether or not CUDA started before.
     """
-    if gpu is None:
-        return "cpu"
-    return f"cuda:{gpu}" if cuda_initialized else "cuda:0"
+    return "cpu" if cuda_index is None else f"cuda:{cuda_index}"
 
 
 def local_device(local_rank: int) -> str:

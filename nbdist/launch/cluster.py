@@ -208,7 +208,7 @@ def start_processes(options, placement) -> ClusterHandle:
         return attach(options.attach, timeout=options.timeout)
     slot_envs = [
         {"NBDIST_SLOT": str(s.local_rank), "LOCAL_RANK": str(s.local_rank)}
-        | ({"CUDA_VISIBLE_DEVICES": str(s.gpu)} if s.gpu is not None else {})
+        | ({"CUDA_VISIBLE_DEVICES": mask} if (mask := placement.visible_mask(s.host)) else {})
         for s in placement.slots
     ]
     launch = options.launch

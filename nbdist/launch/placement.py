@@ -7,8 +7,8 @@ half-started. Everything here is unit-tested without engines.
 Example::
 
     >>> p = plan_local(4, gpus_visible=[0, 1, 2, 3], cores=32)
-    >>> p.backend, [s.gpu for s in p.slots]
-    ('nccl', [0, 1, 2, 3])
+    >>> p.backend, [s.device for s in p.slots]
+    ('nccl', ['cuda:0', 'cuda:1', 'cuda:2', 'cuda:3'])
     >>> plan_local(None, gpus_visible=[], cores=2).world_size
     2
 """
@@ -55,14 +55,21 @@ class RankSlot:
     rank: int
     local_rank: int
     host: str
-    gpu: int | None  # physical GPU index on its host (CUDA_VISIBLE_DEVICES value), None on CPU
+    gpu: int | None  # the GPU as its host numbers it (a CUDA_VISIBLE_DEVICES entry), None on CPU
     local_world_size: int
+    # Its index among the GPUs every rank of the host sees (torch's cuda:<i>), None on CPU.
+    cuda_index: int | None = None
 
     @property
     def device(self) -> str:
-        """The torch device this rank uses: ``cpu``, or ``cuda:0`` (its only visible GPU)."""
-        # Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES=<gpu>), so it is cuda:0.
-        return "cpu" if self.gpu is None else "cuda:0"
+        """The torch device this rank uses: ``cpu``, or ``cuda:<i>``.
+
+        As under torchrun, every rank of a host sees the same GPUs (those nbdist
+        was given) and uses its own: ``cuda:<local_rank>`` while there are
+        enough, round robin beyond. Code written for torchrun that picks
+        ``cuda:LOCAL_RANK`` (accelerate, Lightning) finds the same GPU.
+        """
+        return "cpu" if self.cuda_index is None else f"cuda:{self.cuda_index}"
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,11 @@ class Placement:
     def world_size(self) -> int:
         """The number of ranks."""
         return len(self.slots)
+
+    def visible_mask(self, host: str) -> str | None:
+        """CUDA_VISIBLE_DEVICES for every rank nbdist starts on ``host`` (None: CPU ranks)."""
+        gpus = [s.gpu for s in self.slots if s.host == host and s.gpu is not None]
+        return ",".join(str(g) for g in dict.fromkeys(gpus)) if gpus else None
 
     @property
     def uses_gpus(self) -> bool:
@@ -240,8 +252,16 @@ def plan_local(
         count = DEFAULT_CPU_RANKS if n is None else n
         assigned = [None] * count
     chosen = choose_backend(backend, uses_gpus=use_gpus)
+    pool_order = list(dict.fromkeys(g for g in assigned if g is not None))
     slots = tuple(
-        RankSlot(rank=i, local_rank=i, host=host, gpu=g, local_world_size=count)
+        RankSlot(
+            rank=i,
+            local_rank=i,
+            host=host,
+            gpu=g,
+            local_world_size=count,
+            cuda_index=None if g is None else pool_order.index(g),
+        )
         for i, g in enumerate(assigned)
     )
     return Placement(
@@ -343,8 +363,9 @@ def plan_attached(
             version = nccl() if version is None else version
             backend = share_backend(backend, version, ranks=len(infos), gpus=infos[0].gpus)
         for local_rank, info in enumerate(infos):
+            # An engine started elsewhere keeps the GPUs it sees; it uses the local_rank-th.
             gpu = local_rank % infos[0].gpus if use_gpus else None
-            slot = RankSlot(len(slots), local_rank, host, gpu, len(infos))
+            slot = RankSlot(len(slots), local_rank, host, gpu, len(infos), cuda_index=gpu)
             slots.append(slot)
             by_engine[info.engine_id] = slot
     chosen = choose_backend(backend, uses_gpus=use_gpus)

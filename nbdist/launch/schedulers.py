@@ -68,8 +68,8 @@ def _slurm(n: int, opts: dict) -> dict:
             lines.append(f"#SBATCH --{name}={opts[name]}")
     per_node = opts.get("gpus_per_node")
     if per_node is not None:
-        # One engine per GPU, each seeing all of its node's GPUs: nbdist narrows
-        # CUDA_VISIBLE_DEVICES to the rank's own (by local rank) when it attaches.
+        # One engine per GPU, each seeing all of its node's GPUs, as torchrun's workers
+        # do: a rank uses cuda:<local rank> (nbdist sets the device when it attaches).
         lines += [f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --gpus-per-node={per_node}"]
     if opts.get("nodes") is not None:
         lines.append(f"#SBATCH --nodes={opts['nodes']}")

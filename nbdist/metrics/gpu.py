@@ -10,7 +10,7 @@ CUDA is not initialised is taken to use no GPU and reads nothing. Without NVML
 (no driver, no GPU, nvidia-ml-py missing) every reading is None, never zeros.
 
 NVML numbers GPUs physically (PCI bus order) and ignores ``CUDA_VISIBLE_DEVICES``,
-while a rank started by nbdist sees only its own GPU, as ``cuda:0``. So the rank's
+while a rank counts only the GPUs in its CUDA_VISIBLE_DEVICES (``cuda:<i>``). So the rank's
 CUDA device is matched to its NVML device by UUID (``torch.cuda.get_device_properties``
 has it), and by the rank's ``CUDA_VISIBLE_DEVICES`` entry only when the UUID is
 not available (see :func:`nvml_target`). Several ranks may share one GPU: a

@@ -16,7 +16,7 @@ from tests.gpu.conftest import nccl_shares_gpus, nccl_version, visible_gpu_indic
 
 BINDING = """
 import os
-props = torch.cuda.get_device_properties(0)
+props = torch.cuda.get_device_properties(torch.cuda.current_device())
 seen = {
     "mask": os.environ.get("CUDA_VISIBLE_DEVICES"),
     "count": torch.cuda.device_count(),
@@ -69,26 +69,23 @@ info = (dist.get_backend(), dist.get_world_size(), next(plain.parameters()).devi
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def test_each_rank_sees_only_its_own_gpu(start_session, gpu_uuids):
-    """``%dist_start`` with no number: one rank per visible GPU, each bound to a different GPU.
+def test_each_rank_takes_the_gpu_of_its_local_rank(start_session, gpu_uuids):
+    """``%dist_start`` with no number: one rank per visible GPU, as torchrun would place them.
 
-    Reference: the UUID a plain process reports for each GPU index. Each rank sees
-    one device (``cuda:0``, its current device, also ``nbdist.device()``) and its
-    CUDA_VISIBLE_DEVICES is the index of a GPU whose UUID matches.
+    Every rank sees the same GPUs (CUDA_VISIBLE_DEVICES as the kernel had it) and
+    uses ``cuda:<local rank>``, its current device and ``nbdist.device()``, so code
+    written for torchrun that picks ``cuda:LOCAL_RANK`` finds the same GPU.
+    Reference: the UUID a plain process reports for each GPU index.
     """
     visible = visible_gpu_indices()
     s = start_session()
     assert (s.world_size, s.backend) == (len(visible), "nccl")
-    s.run(BINDING, sink=ListSink())
+    s.run(BINDING + "seen['local_rank'] = int(os.environ['LOCAL_RANK'])\n", sink=ListSink())
     seen = s.pull("seen")
     for rank, (index, got) in enumerate(zip(visible, seen)):
-        assert got["mask"] == str(index), f"rank {rank}"
-        assert (got["count"], got["current"], got["helper"], got["device"]) == (
-            1,
-            0,
-            "cuda:0",
-            "cuda:0",
-        ), f"rank {rank}"
+        assert got["count"] == len(visible), f"rank {rank}"
+        assert (got["current"], got["local_rank"]) == (rank, rank), f"rank {rank}"
+        assert (got["helper"], got["device"]) == (f"cuda:{rank}", f"cuda:{rank}"), f"rank {rank}"
         assert got["uuid"] == gpu_uuids[index], f"rank {rank} is not on GPU {index}"
         assert got["backend"] == "nccl"
     assert len({got["uuid"] for got in seen}) == len(visible)  # no GPU used twice
@@ -100,7 +97,8 @@ def test_two_ranks_share_the_last_gpu_and_all_reduce_exactly(
     """``%dist_start 2`` with one GPU visible (the machine's last one, not only GPU 0) shares it.
 
     The user sees a start line saying the ranks share GPU k; both ranks run on that GPU
-    (its UUID as a plain process sees it, CUDA_VISIBLE_DEVICES=k, ``cuda:0``); the backend
+    (its UUID as a plain process sees it, CUDA_VISIBLE_DEVICES=k, ``cuda:0``: the one GPU
+    they were given); the backend
     is NCCL when NCCL >= 2.30 (ranks get NCCL_MULTI_RANK_GPU_ENABLE=1), gloo otherwise;
     and an all_reduce of CUDA tensors gives the exact sum. Reference: the sum computed
     here; integers below 2**24 are exact in float32, so the tolerance is zero.

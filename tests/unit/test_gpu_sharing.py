@@ -71,9 +71,9 @@ def test_a_cuda_out_of_memory_names_the_machine_wide_gpu_and_who_shares_it():
     other = RankFailure(rank=0, ename="ValueError", evalue="bad", traceback="")
     shared = plan_local(2, gpus_visible=[3], cores=2, nccl=lambda: (2, 30, 7))
     note = cuda_oom_note([other, oom], shared)
-    assert note.startswith("rank 1 ran out of memory on GPU 3 (its cuda:0), shared with rank 0: ")
+    assert note.startswith("rank 1 ran out of memory on GPU 3 (cuda:0), shared with rank 0: ")
     assert "torch.cuda.empty_cache()" in note and "the next cell runs" in note
     own = plan_local(2, gpus_visible=[4, 6], cores=2)
-    assert cuda_oom_note([oom], own).startswith("rank 1 ran out of memory on GPU 6 (its cuda:0): ")
+    assert cuda_oom_note([oom], own).startswith("rank 1 ran out of memory on GPU 6 (cuda:1): ")
     assert cuda_oom_note([oom], plan_local(2, gpus_visible=[], cores=2)) == ""
     assert cuda_oom_note([other], own) == ""

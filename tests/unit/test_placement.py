@@ -35,8 +35,9 @@ def test_one_rank_per_visible_gpu_by_default():
     assert [s.rank for s in p.slots] == [0, 1, 2, 3]
     assert [s.local_rank for s in p.slots] == [0, 1, 2, 3]
     assert {s.local_world_size for s in p.slots} == {4}
-    # Each rank gets CUDA_VISIBLE_DEVICES=<its gpu>, so it only sees cuda:0.
-    assert [s.device for s in p.slots] == ["cuda:0"] * 4
+    # As under torchrun: every rank sees the same GPUs and takes cuda:<local rank>.
+    assert [s.device for s in p.slots] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert p.visible_mask("localhost") == "0,1,2,3"
     assert p.uses_gpus
 
 
@@ -44,6 +45,8 @@ def test_gpus_subset_picks_the_named_gpu():
     p = plan_local(None, gpus_visible=[0, 1], cores=8, gpus=[1])
     assert p.world_size == 1
     assert p.slots[0].gpu == 1
+    # The ranks see only the GPUs asked for (as CUDA_VISIBLE_DEVICES=1 torchrun would).
+    assert (p.visible_mask("localhost"), p.slots[0].device) == ("1", "cuda:0")
     assert p.slots[0].rank == 0
     assert p.backend == "nccl"
 
@@ -102,7 +105,7 @@ def test_more_ranks_than_gpus_share_them_round_robin_over_nccl_230():
     p = plan_local(5, gpus_visible=[0, 1], cores=10, nccl=lambda: NCCL_230)
     assert p.world_size == 5
     assert [s.gpu for s in p.slots] == [0, 1, 0, 1, 0]
-    assert [s.device for s in p.slots] == ["cuda:0"] * 5
+    assert [s.device for s in p.slots] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
     assert p.backend == "nccl"
     assert p.shared_gpus == {("localhost", 0): [0, 2, 4], ("localhost", 1): [1, 3]}
     note = p.sharing_note()

@@ -72,13 +72,10 @@ def test_state_value_zero_is_not_mistaken_for_missing(monkeypatch):
 
 
 def test_device_for():
-    assert device_for(None, cuda_initialized=False) == "cpu"
-    assert device_for(None, cuda_initialized=True) == "cpu"
-    # The rank sees only its own GPU (CUDA_VISIBLE_DEVICES=<gpu>) ...
-    assert device_for(2, cuda_initialized=False) == "cuda:0"
-    assert device_for(0, cuda_initialized=False) == "cuda:0"
-    # ... unless CUDA started before the mask could take effect.
-    assert device_for(2, cuda_initialized=True) == "cuda:2"
+    assert device_for(None) == "cpu"
+    # Every rank of a host sees the same GPUs, as under torchrun: the index is the rank's own.
+    assert device_for(0) == "cuda:0"
+    assert device_for(2) == "cuda:2"
 
 
 def test_device_from_state():
@@ -175,19 +172,3 @@ def test_rank_zero_first_lets_exceptions_through():
     with pytest.raises(RuntimeError, match="download failed"):
         with rank_zero_first():
             raise RuntimeError("download failed")
-
-
-@pytest.mark.parametrize(
-    "mask, gpu, expected",
-    [
-        (None, 3, "3"),  # engine sees every GPU: take ours
-        ("5", 5, None),  # forked rank: already exactly its GPU
-        ("0", 0, None),  # per-engine binding by a scheduler: keep it
-        ("2,3", 1, "3"),  # attached engine seeing a job's GPUs: position in the mask
-        ("GPU-aa,GPU-bb", 0, "GPU-aa"),
-    ],
-)
-def test_cuda_mask_for_a_rank(mask, gpu, expected):
-    from nbdist.engine.bootstrap import narrow_cuda_mask
-
-    assert narrow_cuda_mask(mask, gpu) == expected
