@@ -351,10 +351,11 @@ def register(ipython) -> DistMagics:
     """Register nbdist's magics on ``ipython`` (what ``%load_ext nbdist`` does); returns them."""
     from nbdist.debug_magics import DebugMagics
     from nbdist.inspect_magics import InspectMagics
+    from nbdist.perf_magics import PerfMagics
     from nbdist.script_magics import ScriptMagics
 
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
-    for more in (ScriptMagics, DebugMagics, InspectMagics):
+    for more in (ScriptMagics, DebugMagics, InspectMagics, PerfMagics):
         ipython.register_magics(more(ipython, magics))
     return magics
