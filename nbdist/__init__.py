@@ -30,6 +30,7 @@ from nbdist.engine.helpers import (
     world_size,
 )
 from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError, RankError
+from nbdist.metrics.flops import device_peak, flops_per_step, set_peak, transformer_flops
 from nbdist.metrics.log import log
 from nbdist.metrics.store import runs
 
@@ -44,7 +45,9 @@ __all__ = [
     "checkpoint",
     "current_session",
     "device",
+    "device_peak",
     "diff",
+    "flops_per_step",
     "load_ipython_extension",
     "local_rank",
     "log",
@@ -53,6 +56,8 @@ __all__ = [
     "rank_zero_first",
     "runs",
     "seed_all",
+    "set_peak",
+    "transformer_flops",
     "unload_ipython_extension",
     "world_size",
 ]

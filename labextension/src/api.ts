@@ -30,6 +30,9 @@ export interface IRankRow {
   throughput_series: [number, number][];
   /** The rank's GPU, as its latest reading gave it; absent on a rank without a GPU. */
   gpu?: IGpuReading;
+  /** Latest achieved TFLOP/s and MFU (a fraction of the peak); absent unless the rank logs flops. */
+  tflops?: number;
+  mfu?: number | null;
 }
 
 /** One GPU's figures (the whole GPU's: ranks sharing it show the same); null: not reported. */

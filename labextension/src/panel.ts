@@ -52,11 +52,17 @@ const GPU_COLUMNS: [Column, string][] = [
   ['gpu_temp', 'temp']
 ];
 
+// Shown after samples/s only when some rank of the cluster logged flops.
+const FLOPS_COLUMNS: [Column, string][] = [
+  ['tflops', 'TFLOP/s'],
+  ['mfu', 'MFU']
+];
+
 function columnsFor(cluster: ICluster): [Column, string][] {
-  if (!cluster.ranks.some(r => r.gpu)) {
-    return COLUMNS;
-  }
-  return [...COLUMNS.slice(0, -1), ...GPU_COLUMNS, ...COLUMNS.slice(-1)];
+  const rate = COLUMNS.findIndex(([key]) => key === 'samples_per_s') + 1;
+  const flops = cluster.ranks.some(r => r.tflops !== undefined) ? FLOPS_COLUMNS : [];
+  const gpu = cluster.ranks.some(r => r.gpu) ? GPU_COLUMNS : [];
+  return [...COLUMNS.slice(0, rate), ...flops, ...COLUMNS.slice(rate, -1), ...gpu, ...COLUMNS.slice(-1)];
 }
 
 function figure(value: number | null | undefined, unit: string): string {
@@ -83,6 +89,10 @@ function cell(row: IRankRow, key: string): string {
       return compact(row.loss);
     case 'samples_per_s':
       return compact(row.samples_per_s);
+    case 'tflops':
+      return compact(row.tflops);
+    case 'mfu':
+      return row.mfu === null || row.mfu === undefined ? '–' : `${(100 * row.mfu).toFixed(1)} %`;
     case 'memory_mib':
       return row.memory_mib === null ? '–' : row.memory_mib.toFixed(0);
     case 'gpu':
@@ -230,8 +240,10 @@ export class ClusterPanel extends Widget {
     section.classList.toggle('nbdist-has-dead', cluster.dead.length > 0);
     const columns = columnsFor(cluster);
     const header = section.querySelector('thead')!.rows[0];
-    if (header.cells.length !== columns.length) {
-      // GPU columns come (or go) with the first (or last) GPU reading
+    const keys = columns.map(([key]) => key).join(' ');
+    if (header.dataset.columns !== keys) {
+      // GPU columns come (or go) with the first (or last) GPU reading; TFLOP/s and MFU with flops
+      header.dataset.columns = keys;
       header.replaceChildren(
         ...columns.map(([key, label]) => {
           const th = document.createElement('th');

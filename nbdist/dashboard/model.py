@@ -8,7 +8,8 @@ a trace goes over budget it is re-decimated to half the budget and re-sent
 whole (``reset``), so bytes per update stay proportional to the points added
 (twice that, amortised). No widgets, no threads here: :mod:`.live` adds them.
 GPU readings (:mod:`nbdist.metrics.gpu`) get two panels over time, a trace per
-rank and no mean; a run without them has no GPU panel and no GPU column.
+rank and no mean; a run without them has no GPU panel and no GPU column. TFLOP/s
+and MFU get a panel each against step, like loss, when ``flops`` was logged.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ DEFAULT_BUDGET = 2000  # points per trace, kernel side and browser side
 TOTAL_BIN_S = 1.0  # total throughput: one point per second of the run
 # GPU panels (over time, a trace per rank, no aggregate): key -> title.
 GPU_PANELS = {"gpu_util": "GPU utilisation (%)", "gpu_mem_mib": "GPU memory in use (MiB)"}
+_TITLES = {**GPU_PANELS, "tflops": "TFLOP/s per rank", "mfu": "MFU (% of the device's peak)"}
 
 
 class _Trace:
@@ -135,7 +137,7 @@ class _Panel:
 
     def spec(self) -> dict:
         total = " (per rank and total)" if self.by_time else ""
-        title = GPU_PANELS.get(self.key) or self.key.replace("_per_s", "/s") + total
+        title = _TITLES.get(self.key) or self.key.replace("_per_s", "/s") + total
         return {
             "id": self.key,
             "title": title,
@@ -272,7 +274,7 @@ class DashboardModel:
 
     def _ingest(self, extend: dict) -> None:
         keys = self.run.keys()
-        for key in plotted_keys(keys):
+        for key in plotted_keys(keys) + [k for k in ("tflops", "mfu") if k in keys]:
             self._panel(key, by_time=False)
         if self._rate_key is None and throughput_key(keys):
             self._rate_key = throughput_key(keys)
@@ -346,7 +348,7 @@ class DashboardModel:
         rows = build_rows(self.run, self._step_times, self._history, self._states, now=now)
         self._rows = rows
         keys = self.run.keys()
-        seen_col, gpu = seen_column(keys), has_gpu(keys)
+        seen_col, gpu, flops = seen_column(keys), has_gpu(keys), "tflops" in keys
         table = {
             "headers": headers(keys),
             "seen_col": seen_col,
@@ -354,7 +356,7 @@ class DashboardModel:
                 {
                     "cells": [
                         "" if i == seen_col and row.seen is not None else c
-                        for i, c in enumerate(row.cells(now, gpu=gpu))
+                        for i, c in enumerate(row.cells(now, gpu=gpu, flops=flops))
                     ],
                     "seen": row.seen,
                     "state": row.state,

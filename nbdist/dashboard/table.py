@@ -2,7 +2,8 @@
 
 On ranks that use GPUs the table also has the GPU's number, utilisation, memory
 and temperature (the latest reading a rank sent, :mod:`nbdist.metrics.gpu`);
-a run without GPU readings has no GPU columns at all.
+a run without GPU readings has no GPU columns at all. A run that logs ``flops``
+has TFLOP/s and MFU columns (:mod:`nbdist.metrics.flops`); others have none.
 
 Shared by the live widget and the text summary; pure Python, no widgets.
 
@@ -34,6 +35,9 @@ __all__ = [
     "IDLE_AFTER_S",
     "RankRow",
     "find_stragglers",
+    "fmt_percent",
+    "fmt_tflops",
+    "has_flops",
     "has_gpu",
     "plotted_keys",
     "rank_rows",
@@ -45,7 +49,8 @@ __all__ = [
 IDLE_AFTER_S = 2.0
 RECENT = 20  # step times per rank that make its "recent median"
 HISTORY = 512  # (time, step) points per rank kept for the lag check
-COUNTERS = ("samples", "tokens")  # logged to make throughput; plotted as samples_per_s/tokens_per_s
+# Logged to make throughput and TFLOP/s; plotted as samples_per_s/tokens_per_s, tflops and mfu.
+COUNTERS = ("samples", "tokens", "flops")
 
 
 @dataclass
@@ -63,11 +68,14 @@ class RankRow:
     straggler: str = ""  # why it is flagged, "" when it is not
     host: str = ""  # shown next to the rank when the ranks span several hosts
     gpu: dict[str, float] | None = None  # the latest GPU reading, by GPU_KEYS; None without one
+    tflops: float | None = None  # the latest achieved TFLOP/s
+    mfu: float | None = None  # the latest MFU, a fraction of the device's peak
 
-    def cells(self, now: float, *, gpu: bool = False) -> list[str]:
+    def cells(self, now: float, *, gpu: bool = False, flops: bool = False) -> list[str]:
         """The row as text cells: rank, step, loss, rate, step time, memory, last seen, state, flag.
 
-        ``gpu``: with the GPU columns (gpu, gpu util, gpu memory, gpu temp) after memory.
+        ``flops``: with the TFLOP/s and MFU columns after step time; ``gpu``: with the
+        GPU columns (gpu, gpu util, gpu memory, gpu temp) after memory.
         """
         figures = self.gpu or {}
         index = figures.get("gpu_index")
@@ -83,6 +91,7 @@ class RankRow:
             fmt_value(self.loss),
             fmt_rate(self.rate),
             fmt_seconds(self.step_time),
+            *([fmt_tflops(self.tflops), fmt_percent(self.mfu)] if flops else []),
             fmt_mib(self.memory_mib),
             *(gpu_cells if gpu else []),
             fmt_ago(None if self.seen is None else now - self.seen),
@@ -109,6 +118,11 @@ def has_gpu(keys: Sequence[str]) -> bool:
     return any(k in GPU_KEYS for k in keys)
 
 
+def has_flops(keys: Sequence[str]) -> bool:
+    """True when some rank logged ``flops`` (then the table has TFLOP/s and MFU columns)."""
+    return "tflops" in keys
+
+
 def seen_column(keys: Sequence[str]) -> int:
     """The index of the "last seen" column in :func:`headers` (the browser ticks it)."""
     return headers(keys).index("last seen")
@@ -125,6 +139,7 @@ def headers(keys: Sequence[str]) -> list[str]:
         user[0] if user else "loss",
         rate.replace("_per_s", "/s") if rate else "samples/s",
         "step time",
+        *(["TFLOP/s", "MFU"] if has_flops(keys) else []),
         "memory",
         *gpu,
         "last seen",
@@ -210,6 +225,7 @@ def build_rows(
             row.loss = last.get(user[0]) if user else None
             row.rate = last.get(rate_key) if rate_key else None
             row.memory_mib = last.get("memory_mib")
+            row.tflops, row.mfu = last.get("tflops"), last.get("mfu")
             row.gpu = {k: last[k] for k in GPU_KEYS if k in last} or None
             recent = recent_step_times.get(rank)
             row.step_time = statistics.median(recent) if recent else last.get("step_time")
@@ -278,6 +294,20 @@ def fmt_seconds(v: float | None) -> str:
     if v is None or not math.isfinite(v):
         return "–" if v is None else str(v)
     return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def fmt_tflops(v: float | None) -> str:
+    """Achieved TFLOP/s: ``"312"``, ``"41.7"``, ``"0.0312"``; ``"–"`` when not logged."""
+    if v is None or not math.isfinite(v):
+        return "–"
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def fmt_percent(v: float | None) -> str:
+    """A fraction as a percentage: ``0.4213`` -> ``"42.1 %"``; ``"–"`` when not logged."""
+    if v is None or not math.isfinite(v):
+        return "–"
+    return f"{100 * v:.1f} %"
 
 
 def fmt_mib(v: float | None) -> str:

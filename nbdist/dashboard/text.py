@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from nbdist.dashboard.table import fmt_value, has_gpu, headers, rank_rows
+from nbdist.dashboard.table import fmt_value, has_flops, has_gpu, headers, rank_rows
 
 __all__ = ["summary_text"]
 
@@ -37,7 +37,9 @@ def summary_text(
     keys = run.keys()
     lines = [_title(run)]
     rows = rank_rows(run, states, now=now)
-    table = [headers(keys)] + [row.cells(now, gpu=has_gpu(keys)) for row in rows]
+    table = [headers(keys)] + [
+        row.cells(now, gpu=has_gpu(keys), flops=has_flops(keys)) for row in rows
+    ]
     width = len(table[0])
     lines += _columns(table, left=(width - 2, width - 1))  # state and the straggler flag
     if keys:

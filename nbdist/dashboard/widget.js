@@ -154,7 +154,8 @@ function render({ model, el }) {
       height: 260,
       margin: { l: 50, r: 10, t: 30, b: 35 },
       xaxis: { ...axis, title: { text: panel.xtitle } },
-      yaxis: { ...axis },
+      // MFU is logged as a fraction of the peak: shown as a percentage
+      yaxis: panel.id === "mfu" ? { ...axis, tickformat: ".0%", hoverformat: ".1%" } : { ...axis },
       font: { color, size: 11 },
       paper_bgcolor: "rgba(0,0,0,0)",
       plot_bgcolor: "rgba(0,0,0,0)",

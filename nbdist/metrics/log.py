@@ -10,6 +10,10 @@ are converted at flush time, in one batch per device: turning a CUDA tensor
 into a number is a device sync, so doing it per call would stall the training
 loop.
 
+``flops=`` gives ``tflops`` and ``mfu``, computed at flush like throughput; the
+peak they are measured against is looked up (or measured) once per device,
+at the first such call (:func:`nbdist.metrics.flops.log_peak`).
+
 On a rank that uses a GPU, the last point of a flush also carries the GPU's
 utilisation, memory and temperature (:mod:`nbdist.metrics.gpu`), at most once
 a second; ``NBDIST_LOG_GPU=0`` turns that off, as ``NBDIST_LOG_MEMORY=0`` does
@@ -28,6 +32,8 @@ import os
 import sys
 import threading
 import time
+
+from nbdist.metrics import flops
 
 __all__ = ["configure", "end_of_cell", "flush", "log", "shutdown"]
 
@@ -162,14 +168,28 @@ def log(step: int | None = None, **scalars) -> None:
 
     Values: Python numbers or 0-d tensors (converted later, in batches).
     ``samples`` / ``tokens`` give throughput; the time between calls gives
-    ``step_time``. ``step`` defaults to one more than the previous call's.
+    ``step_time``. ``flops`` (this step's FLOPs on this rank) gives ``tflops``
+    and ``mfu`` against the device's peak, or against ``peak_tflops`` when given
+    (:mod:`nbdist.metrics.flops`). ``step`` defaults to one more than the previous call's.
     Never raises: a bad value is skipped.
     """
     channel = _channel
     if channel is None:
         return
     try:
-        now = time.time()
+        now = resume = time.time()
+        if channel.cuda_index is None:
+            channel.cuda_index = _cuda_device()
+        peak = scalars.pop("peak_tflops", None)
+        if "flops" in scalars:
+            if peak is None:
+                peak = flops.known_peak(channel.cuda_index)
+            if peak is None:  # once per device: the table, or a measurement (<= ~1 s)
+                peak = flops.log_peak(channel.cuda_index)
+                resume = time.time()  # time spent measuring is not the next step's
+            peak = _as_float(peak)
+            if peak is not None and not (peak > 0 and math.isfinite(peak)):
+                peak = None
         with channel.lock:
             channel.step = channel.step + 1 if step is None else int(step)
             values = dict(scalars)
@@ -179,9 +199,11 @@ def log(step: int | None = None, **scalars) -> None:
                 for key in ("samples", "tokens"):
                     if key in values and dt > 0:
                         values[f"{key}_per_s"] = (key, dt)  # resolved at flush (tensor-safe)
-            channel.last_call = now
-            if channel.cuda_index is None:
-                channel.cuda_index = _cuda_device()
+                if "flops" in values and dt > 0:
+                    values["tflops"] = ("flops", dt * 1e12)
+                    if peak:
+                        values["mfu"] = ("flops", dt * 1e12 * float(peak))
+            channel.last_call = resume
             channel.pending.append((channel.step, now, values))
             if len(channel.pending) == 1:
                 channel.wake.set()  # the flush thread sleeps until there is something to send
@@ -212,8 +234,9 @@ def _to_numbers(batch: list[tuple[int, float, dict]]) -> list[list]:
         clean = {}
         for key, value in values.items():
             if isinstance(value, tuple):  # ("samples", dt) -> samples / dt
-                source, dt = value
-                value = _as_float(values.get(source)) / dt
+                source, scale = value
+                value = _as_float(values.get(source))
+                value = None if value is None else value / scale
             number = _as_float(value)
             if number is not None:
                 # NaN is not JSON: sent as null, read back as NaN by the kernel.

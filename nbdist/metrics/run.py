@@ -10,8 +10,11 @@ kernel restarts (:func:`nbdist.metrics.store.load_run`).
 Keys with a meaning, computed on the rank when the point is logged:
 ``step_time`` (seconds since the rank's previous ``log`` call),
 ``samples_per_s`` / ``tokens_per_s`` (from ``samples`` / ``tokens`` and
-``step_time``) and ``memory_mib`` (CUDA peak allocated on a GPU, process RSS on
-CPU; sampled once per flush, so only on some points). On a rank that uses a
+``step_time``), ``tflops`` / ``mfu`` (from ``flops``, the FLOPs of the step:
+``flops / step_time / 1e12``, and that over the device's peak TFLOP/s, a
+fraction; see :mod:`nbdist.metrics.flops`) and ``memory_mib`` (CUDA peak
+allocated on a GPU, process RSS on CPU; sampled once per flush, so only on some
+points). On a rank that uses a
 GPU, at most one point a second also carries ``gpu_util`` (%), ``gpu_mem_mib`` /
 ``gpu_mem_total_mib`` (the whole GPU's memory in use and in all, every process's),
 ``gpu_temp_c`` and ``gpu_index`` (NVML's number of that GPU); see
@@ -29,7 +32,15 @@ from nbdist.metrics.gpu import GPU_KEYS
 
 __all__ = ["DERIVED_KEYS", "Run", "RankSeries"]
 
-DERIVED_KEYS = ("step_time", "samples_per_s", "tokens_per_s", "memory_mib", *GPU_KEYS)
+DERIVED_KEYS = (
+    "step_time",
+    "samples_per_s",
+    "tokens_per_s",
+    "tflops",
+    "mfu",
+    "memory_mib",
+    *GPU_KEYS,
+)
 
 
 @dataclass

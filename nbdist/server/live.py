@@ -3,8 +3,8 @@
 Everything is read without disturbing the ranks or the kernel:
 
 - the clusters and their PIDs from the registry (:mod:`nbdist.driver.registry`);
-- step, loss, samples/s, memory, the GPU's figures (on ranks that use one:
-  :mod:`nbdist.metrics.gpu`) and the recent points of each rank from the
+- step, loss, samples/s, TFLOP/s and MFU (when the ranks log ``flops``),
+  memory, the GPU's figures (on ranks that use one: :mod:`nbdist.metrics.gpu`) and the recent points of each rank from the
   run history (SQLite in WAL mode, opened read-only), incrementally: each poll
   reads only the batches stored since the previous one (by ``rowid``), so a
   poll costs the same after a million steps as after ten;
@@ -243,6 +243,8 @@ class LiveView:
         Also the latest loss and samples/s, memory (MiB), last seen (Unix seconds)
         and the recent loss and throughput points as ``[step, value]`` lists. A rank
         that sent GPU readings also has ``gpu`` (:func:`gpu_payload`); others have none.
+        A rank that logged ``flops`` also has ``tflops`` (its latest achieved TFLOP/s) and
+        ``mfu`` (that as a fraction of its device's peak; null when no peak was had).
         """
         reader = self.reader(entry)
         local = self.is_local(entry)
@@ -286,6 +288,8 @@ class LiveView:
             figures = gpu_payload(last, live.gpu_time if live else None)
             if figures is not None:
                 rows[-1]["gpu"] = figures
+            if "tflops" in last:
+                rows[-1].update(tflops=last["tflops"], mfu=last.get("mfu"))
         return rows
 
     def clusters(self) -> list[dict]:
