@@ -59,7 +59,7 @@ class DistMagics(Magics):
     @argument("--attach", default=None, help="cluster file of a running ipyparallel cluster")
     @argument("--ip", default="127.0.0.1", help="controller address (default loopback only)")
     @argument("--spawn", action="store_true", help="start engines as separate processes, no fork")
-    @argument("--check", action="store_true", help="time each rank's link to rank 0 (~2 s)")
+    @argument("--check", action="store_true", help="time each rank's link to rank 0 (a few seconds at most)")
     @argument("--partition", default=None, help="--launcher slurm: the partition (queue)")
     @argument("--time", default=None, help="--launcher slurm: time limit, e.g. 01:00:00")
     @argument("--account", default=None, help="--launcher slurm: the account to charge")
@@ -80,7 +80,7 @@ class DistMagics(Magics):
             %dist_start              # one rank per GPU, or 2 CPU ranks without GPUs
             %dist_start 2            # on one GPU: both ranks share it (see below)
             %dist_start 4 --cpu      # 4 CPU ranks (gloo), threads shared among them
-            %dist_start 4 --check    # then ~2 s timing each rank's link to rank 0; warns if one is slow
+            %dist_start 4 --check    # then times each link to rank 0; warns if one is slow
             %dist_start --gpus 0,2   # two ranks on GPUs 0 and 2 (NCCL)
             %dist_start --attach ~/.ipython/profile_default/security/cluster-abc.json
             %dist_start 16 --launcher slurm --ip 10.1.0.5 --partition gpu --time 01:00:00 \
