@@ -29,6 +29,7 @@ from nbdist.engine.helpers import (
     seed_all,
     world_size,
 )
+from nbdist.engine.profiling import profile
 from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError, RankError
 from nbdist.metrics.flops import device_peak, flops_per_step, set_peak, transformer_flops
 from nbdist.metrics.log import log
@@ -52,6 +53,7 @@ __all__ = [
     "local_rank",
     "log",
     "print0",
+    "profile",
     "rank",
     "rank_zero_first",
     "runs",

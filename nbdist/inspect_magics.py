@@ -1,7 +1,7 @@
-"""Kernel side: %dist_diff (which ranks' values differ) and other magics that look at the ranks' state.
+"""Kernel side: %dist_diff (which ranks' values differ), %dist_profile and other magics that look at the ranks.
 
 Registered by :func:`nbdist.magics.register`; each magic parses its line and
-calls the library (:mod:`nbdist.driver.diff`).
+calls the library (:mod:`nbdist.driver.diff`, :mod:`nbdist.driver.trace_merge`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 
 from nbdist.errors import PlacementError
 
-__all__ = ["InspectMagics", "split_diff_line"]
+__all__ = ["InspectMagics", "parse_profile_line", "split_diff_line"]
 
 # --ranks / --ref at either end of the line; what is left is the expression.
 _LEADING = re.compile(r"^\s*--(ranks|ref)(?:\s*=\s*|\s+)(\S+)")
@@ -43,6 +43,30 @@ def split_diff_line(line: str) -> tuple[str, str | None, int]:
     return expr, options.get("ranks"), int(ref)
 
 
+def parse_profile_line(line: str) -> tuple[int | None, int, bool]:
+    """``%dist_profile``'s line as (steps or None, skip, collect); bad input: UsageError."""
+    words = line.split()
+    steps, skip, collect = None, 1, False
+    while words:
+        word = words.pop(0)
+        if word == "--collect":
+            collect = True
+        elif word.startswith("--skip"):
+            value = word.partition("=")[2] or (words.pop(0) if words else "")
+            if not value.isdigit():
+                raise UsageError(f"--skip {value!r}: give a number of steps, e.g. --skip 1")
+            skip = int(value)
+        elif word.isdigit() and steps is None and int(word) > 0:
+            steps = int(word)
+        else:
+            raise UsageError(
+                f"%dist_profile: {word!r} not understood: %dist_profile N [--skip K], or --collect"
+            )
+    if steps is None and not collect:
+        raise UsageError("%dist_profile needs a number of steps, e.g. %dist_profile 3")
+    return steps, skip, collect
+
+
 @magics_class
 class InspectMagics(Magics):
     """Magics that reach the session through nbdist's :class:`~nbdist.magics.DistMagics`."""
@@ -51,6 +75,21 @@ class InspectMagics(Magics):
         """Magics for ``shell`` that use ``dist_magics.session`` and ``dist_magics.run_on_ranks``."""
         super().__init__(shell)
         self.dist = dist_magics
+        self._profile_armed = False
+        if shell is not None:
+            # After each cell: gather a profile the ranks finished (cheap unless one may be ready).
+            callbacks = shell.events.callbacks["post_run_cell"]
+            for old in [c for c in callbacks if getattr(c, "__name__", "") == "_gather_profile"]:
+                shell.events.unregister("post_run_cell", old)
+            shell.events.register("post_run_cell", self._gather_profile)
+
+    def _running_session(self):
+        session = self.dist.session
+        if session is None or not session.running:
+            raise UsageError(
+                "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
+            )
+        return session
 
     @line_magic
     def dist_diff(self, line=""):
@@ -80,11 +119,7 @@ class InspectMagics(Magics):
         from nbdist.driver.diff import compare
 
         expr, ranks, ref = split_diff_line(line)
-        session = self.dist.session
-        if session is None or not session.running:
-            raise UsageError(
-                "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
-            )
+        session = self._running_session()
         try:
             result = compare(session, expr, ranks, ref)
         except PlacementError as exc:
@@ -92,3 +127,69 @@ class InspectMagics(Magics):
         except SyntaxError as exc:
             raise UsageError(f"%dist_diff {expr!r} is not a Python expression: {exc.msg}") from None
         print(result.report())
+
+    @line_magic
+    def dist_profile(self, line=""):
+        """Profile the next N steps of a loop that calls nbdist.log, on every rank; one merged trace.
+
+        Usage: ``%dist_profile N [--skip K]`` · ``%dist_profile --collect``
+
+        On every rank, the next ``nbdist.log`` call starts torch.profiler; the
+        following K steps (default 1) are skipped (warm-up), the N after them
+        recorded; each ``nbdist.log`` call ends a step. After the cell in which
+        the ranks finish, the kernel gathers their traces, aligns their clocks
+        and writes ONE Chrome/Perfetto trace, a process row per rank, under
+        ``profiles/run-<id>/`` beside the run history, printing its path and a
+        summary per rank (compute / communication / idle share, their overlap,
+        top operators by self time). ``--collect`` stops profiles still
+        recording (keeping their steps so far) and gathers now. Example::
+
+            %dist_profile 3
+            %%on_all_ranks
+            for step in range(10):
+                train_step()
+                nbdist.log(step=step, loss=loss)
+            # nbdist: merged profile of 2 ranks (rank 0: 3, rank 1: 3 steps): .../profile-1-....json
+            # open it at https://ui.perfetto.dev: 'Open trace file' (or drop the file on the page)
+
+        On the ranks, ``with nbdist.profile(steps=3): ...`` does the same around
+        a block (see nbdist.engine.profiling); its trace is gathered after the
+        cell too. From a script: nbdist.driver.trace_merge.collect(session).
+        """
+        from nbdist.driver.trace_merge import collect
+        from nbdist.engine import profiling
+
+        steps, skip, gather = parse_profile_line(line)
+        session = self._running_session()
+        if gather:
+            merged = collect(session, stop=True)
+            self._profile_armed = False
+            print(merged.report() if merged else "nbdist: no profile recorded on the ranks")
+            return
+        session.apply(profiling.arm, steps, skip)
+        self._profile_armed = True
+        print(
+            f"nbdist: profiling {steps} steps after {skip} skipped, from the next nbdist.log call;"
+            " the merged trace is written after the cell that finishes them"
+        )
+
+    def _gather_profile(self, result=None):
+        # Asks the ranks only after a cell that armed or may have run nbdist.profile.
+        raw = str(getattr(getattr(result, "info", None), "raw_cell", "") or "")
+        if raw.lstrip().startswith("%dist_profile"):
+            return
+        if not (self._profile_armed or "profile(" in raw):
+            return
+        session = self.dist.session
+        if session is None or not session.running:
+            return
+        from nbdist.driver.trace_merge import collect
+
+        try:
+            merged = collect(session)
+        except Exception as exc:  # the cell itself succeeded: say why, do not fail it
+            print(f"nbdist: could not gather the profile: {exc}")
+            return
+        if merged is not None:
+            self._profile_armed = False
+            print(merged.report())

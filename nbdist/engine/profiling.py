@@ -1,0 +1,342 @@
+"""Rank side: ``nbdist.profile``, torch.profiler over a few training steps, one Chrome trace per rank.
+
+On every rank, around a training loop::
+
+    with nbdist.profile(steps=3):            # skip 1 step, then record 3
+        for step, (x, y) in enumerate(loader):
+            ...
+            nbdist.log(step=step, loss=loss)  # each call ends one step
+
+**Steps.** Each ``nbdist.log`` call ends a step, so a loop that logs once per
+step needs nothing more. A loop that logs less often (or not at all) calls
+``prof.step()`` at the end of each step instead (``with nbdist.profile(steps=3)
+as prof:``); from the first explicit ``prof.step()`` on, ``nbdist.log`` calls
+no longer count. The schedule is torch's: the first ``skip`` steps (default 1)
+are traced but thrown away (warm-up: the first step after the profiler starts
+pays its set-up), the next ``steps`` are recorded; steps after those run
+unprofiled. Leaving the block early keeps the steps recorded so far.
+
+**The trace.** When the last recorded step ends (or the block is left), the
+rank writes torch's Chrome trace (``export_chrome_trace``) to a temporary file
+and keeps a record of it (:func:`ready`) until the kernel gathers it
+(``%dist_profile``, :func:`nbdist.driver.trace_merge.collect`), which merges
+every rank's trace into one and deletes the temporary files. Under plain
+``torchrun`` the file stays where ``Profile.trace_path`` says.
+
+``%dist_profile N`` calls :func:`arm` on the ranks: the next ``nbdist.log``
+call starts a profile of the next N steps, without a ``with`` block.
+
+How the steps reach this module: ``nbdist.log`` calls the hooks in
+``nbdist.metrics.log.step_hooks`` when that list exists; otherwise, while a
+profile is armed or running, ``nbdist.log`` (the package attribute) is wrapped
+so that each call also ends a step here (``from nbdist import log``, bound
+earlier, then does not count: use ``nbdist.log`` or ``prof.step()``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import sys
+import tempfile
+import threading
+import time
+import warnings
+
+from nbdist.engine.helpers import rank
+
+__all__ = ["Profile", "arm", "discard", "finish", "on_log", "profile", "read_trace", "ready"]
+
+# Traces larger than this travel to the kernel gzip-compressed (JSON compresses ~10x).
+GZIP_ABOVE_BYTES = 1 << 20
+
+_lock = threading.RLock()
+_active: Profile | None = None  # the profile nbdist.log steps
+_armed: dict | None = None  # %dist_profile's request, started by the next nbdist.log call
+_ready: dict[int, dict] = {}  # sequence number -> record of a finished profile
+_count = 0  # profiles started on this rank: ranks running the same code agree on the numbers
+_wrapped: tuple | None = None  # (package, original log) while nbdist.log is wrapped
+
+
+class Profile:
+    """torch.profiler over ``skip`` + ``steps`` steps of this rank; a context manager.
+
+    ``activities``: torch.profiler activities (default: CPU, and CUDA when a
+    GPU is in use). ``record_shapes``, ``profile_memory``, ``with_stack``:
+    passed to ``torch.profiler.profile``. After the block, ``trace_path`` is
+    the Chrome trace and ``steps_recorded`` how many steps it holds.
+    """
+
+    def __init__(
+        self,
+        steps: int = 5,
+        skip: int = 1,
+        *,
+        activities=None,
+        record_shapes: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+    ):
+        """Profile ``steps`` steps after skipping ``skip``; nothing starts before ``__enter__``."""
+        if int(steps) < 1 or int(skip) < 0:
+            raise ValueError(f"nbdist.profile: steps={steps} must be >= 1 and skip={skip} >= 0")
+        self.steps, self.skip = int(steps), int(skip)
+        self.options = dict(
+            activities=activities,
+            record_shapes=record_shapes,
+            profile_memory=profile_memory,
+            with_stack=with_stack,
+        )
+        self.seq = 0
+        self.seen = 0  # step ends seen
+        self.explicit = False  # prof.step() was called: nbdist.log no longer counts
+        self.done = False
+        self.trace_path: str | None = None
+        self.anchors: list[tuple[int, int]] = []  # (step number, time.time_ns() as it began)
+        self._prof = None
+
+    @property
+    def steps_recorded(self) -> int:
+        """Steps recorded and completed so far (a step cut short by the block's end is in the trace, not here)."""
+        return max(0, min(self.seen - self.skip, self.steps))
+
+    def __enter__(self) -> Profile:
+        """Start the profiler; this rank's ``nbdist.log`` calls now end steps."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Stop the profiler and write the trace (the steps recorded so far)."""
+        self.stop()
+
+    def start(self) -> None:
+        """Start the profiler (``__enter__``); one profile runs at a time on a rank."""
+        global _active, _count
+        import torch
+        from torch.profiler import ProfilerActivity, schedule
+
+        with _lock:
+            if _active is not None and not _active.done:
+                raise RuntimeError(
+                    "nbdist.profile: a profile is already running on this rank (one at a time)"
+                )
+            options = dict(self.options)
+            if options["activities"] is None:
+                options["activities"] = [ProfilerActivity.CPU]
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    options["activities"].append(ProfilerActivity.CUDA)
+            # warmup=0 makes torch warn that results may skew; skip=0 was asked for, so hush it.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sched = schedule(wait=0, warmup=self.skip, active=self.steps, repeat=1)
+                self._prof = torch.profiler.profile(
+                    schedule=sched, on_trace_ready=self._export, **options
+                )
+                self._prof.start()
+            _count += 1
+            self.seq = _count
+            self.anchors.append((0, time.time_ns()))
+            _active = self
+            _install_hook()
+
+    def step(self) -> None:
+        """End one step explicitly (then ``nbdist.log`` calls stop counting)."""
+        self.explicit = True
+        self.end_step()
+
+    def end_step(self) -> None:
+        """One step ended (``nbdist.log`` or :meth:`step`): torch's schedule moves on."""
+        if self.done or self._prof is None:
+            return
+        self.seen += 1
+        self._prof.step()
+        # Taken after step() returned, so just after the ProfilerStep#n event began;
+        # the kernel uses these only when the trace lacks baseTimeNanoseconds.
+        self.anchors.append((self._prof.step_num, time.time_ns()))
+        if self.seen >= self.skip + self.steps:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the profiler now (a window cut short keeps its steps); idempotent."""
+        global _active
+        with _lock:
+            prof, self._prof = self._prof, None
+            if self.done or prof is None:
+                return
+            self.done = True
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter(
+                        "ignore"
+                    )  # "WARMUP followed by NONE": fewer steps than skip
+                    prof.stop()
+            finally:
+                if _active is self:
+                    _active = None
+                _uninstall_hook()
+                self._record()
+
+    def _export(self, prof) -> None:
+        fd, path = tempfile.mkstemp(prefix=f"nbdist-profile-rank{rank()}-", suffix=".json")
+        os.close(fd)
+        prof.export_chrome_trace(path)
+        self.trace_path = path
+
+    def _record(self) -> None:
+        record = {
+            "seq": self.seq,
+            "rank": rank(),
+            "path": self.trace_path,
+            "steps": self.steps,
+            "skip": self.skip,
+            "steps_recorded": self.steps_recorded if self.trace_path else 0,
+            "anchors": self.anchors,
+            "finished_ns": time.time_ns(),
+        }
+        _ready[self.seq] = record
+        if self.trace_path is None:
+            warnings.warn(
+                f"nbdist.profile saw {self.seen} step(s), fewer than skip={self.skip} + 1: nothing"
+                " recorded. Steps end at each nbdist.log(...) call or prof.step()",
+                stacklevel=3,
+            )
+
+
+def profile(steps: int = 5, skip: int = 1, **options) -> Profile:
+    """``with nbdist.profile(steps=3):``: torch.profiler over the next steps; see :class:`Profile`."""
+    return Profile(steps, skip, **options)
+
+
+def on_log(step=None) -> None:
+    """What each ``nbdist.log`` call does here: start an armed profile, or end a step. Never raises."""
+    global _armed
+    if _active is None and _armed is None:
+        return
+    try:
+        with _lock:
+            current = _active
+            if current is None:
+                request, _armed = _armed, None
+                if request is not None:
+                    Profile(**request).start()  # this call is the start of the first step
+                return
+        if not current.explicit:
+            current.end_step()
+    except Exception as exc:  # a broken profile must never break training
+        warnings.warn(f"nbdist.profile stopped: {type(exc).__name__}: {exc}", stacklevel=2)
+        _abandon()
+
+
+def _abandon() -> None:
+    global _active
+    with _lock:
+        current, _active = _active, None
+        if current is not None:
+            try:
+                current.stop()
+            except Exception:
+                current.done = True
+        _uninstall_hook()
+
+
+def arm(steps: int, skip: int = 1) -> dict:
+    """Profile ``steps`` steps (after ``skip``) from the next ``nbdist.log`` call on (``%dist_profile``)."""
+    global _armed
+    with _lock:
+        if _active is not None and not _active.done:
+            raise RuntimeError("a profile is already running on this rank: %dist_profile --collect")
+        Profile(steps, skip)  # checks the numbers
+        _armed = {"steps": int(steps), "skip": int(skip)}
+        _install_hook()
+    return {"rank": rank(), "next_seq": _count + 1}
+
+
+def finish() -> dict:
+    """Stop a running profile now and forget an armed one; what this rank holds (``--collect``)."""
+    global _armed
+    with _lock:
+        _armed = None
+        if _active is not None:
+            _active.stop()
+        _uninstall_hook()
+    return {"rank": rank(), "ready": sorted(_ready)}
+
+
+def ready() -> list[dict]:
+    """Records of the finished profiles not yet gathered: seq, rank, path, steps_recorded, anchors, ...
+
+    Also ``running``: whether a profile is armed or recording now.
+    """
+    with _lock:
+        records = [dict(r) for _, r in sorted(_ready.items())]
+        running = _armed is not None or (_active is not None and not _active.done)
+    for r in records:
+        r["running"] = running
+    return records or [{"seq": 0, "rank": rank(), "running": running}]
+
+
+def read_trace(seq: int):
+    """The Chrome trace of profile ``seq``: JSON text, or gzip bytes when over 1 MiB."""
+    path = _ready[seq]["path"]
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) > GZIP_ABOVE_BYTES:
+        return gzip.compress(data, compresslevel=1)  # level 1: fast, and most of the gain
+    return data.decode("utf-8")
+
+
+def discard(seq: int) -> None:
+    """Forget profile ``seq`` and delete its temporary file (after the kernel gathered it)."""
+    with _lock:
+        record = _ready.pop(seq, None)
+    if record and record.get("path"):
+        try:
+            os.unlink(record["path"])
+        except OSError:
+            pass
+
+
+def _step_hooks():
+    log_module = sys.modules.get("nbdist.metrics.log")
+    if log_module is None:
+        from nbdist.metrics import log as log_module
+    return log_module, getattr(log_module, "step_hooks", None)
+
+
+def _install_hook() -> None:
+    global _wrapped
+    log_module, hooks = _step_hooks()
+    if isinstance(hooks, list):
+        if on_log not in hooks:
+            hooks.append(on_log)
+        return
+    package = sys.modules.get("nbdist")
+    if (
+        _wrapped is not None
+        or package is None
+        or getattr(package, "log", None) is not log_module.log
+    ):
+        return
+    original = log_module.log
+
+    def log(step=None, **scalars):
+        original(step, **scalars)
+        on_log(step)
+
+    log.__doc__, log.__wrapped__ = original.__doc__, original
+    package.log = log
+    _wrapped = (package, original, log)
+
+
+def _uninstall_hook() -> None:
+    global _wrapped
+    if _armed is not None or (_active is not None and not _active.done):
+        return
+    _, hooks = _step_hooks()
+    if isinstance(hooks, list) and on_log in hooks:
+        hooks.remove(on_log)
+    if _wrapped is not None:
+        package, original, wrapper = _wrapped
+        if getattr(package, "log", None) is wrapper:
+            package.log = original
+        _wrapped = None
