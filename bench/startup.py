@@ -24,13 +24,20 @@ Reference row: the same with ``start_method="spawn"`` (separate engine processes
 Every repetition measures all variants back to back (interleaved), and each figure
 is the median over repetitions, so a busy machine slows all of them alike.
 
-Usage: python bench/startup.py [--n 2 4] [--reps 3] [--no-spawn] [--quick]
+Restart ratio (fork rows): within each repetition's session, right after its
+start, ``restart()`` on request, then ``restart()`` after rank 1 was SIGKILLed
+(timed from the call; the death is noticed before). Each is divided by that
+session's own start-to-ready; the figure is the median of those ratios (goal
+<= 0.5: the zygote forks fresh ranks, the controller stays).
+
+Usage: python bench/startup.py [--n 2 4] [--reps 3] [--no-spawn] [--no-restart] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +58,7 @@ from _common import (  # noqa: E402
 )
 
 GOAL_VS_FORK_FLOOR = 1.2
+GOAL_RESTART_VS_START = 0.5
 
 # os._exit: a process that imported torch spends ~0.8 s (2 cores) in interpreter
 # teardown on a normal exit, which the ranks never pay; the floor leaves it out.
@@ -145,10 +153,30 @@ class _PhaseTimer:
         self._session.DistSession._form_group = self._form_group
 
 
-def nbdist_start_stop(n: int, start_method: str, phases: _PhaseTimer) -> dict:
+def _restart(session, n: int) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    session.restart()
+    took = time.perf_counter() - t0
+    if len(session.ranks) != n:
+        raise RuntimeError(f"expected {n} ranks after the restart, got {session.ranks}")
+    return took, session.restarted.note
+
+
+def _kill_rank(session, rank: int) -> None:
+    os.kill(session.ranks[rank].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while rank not in session.dead_ranks():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank} was SIGKILLed but not seen dead within 10 s")
+        time.sleep(0.02)
+
+
+def nbdist_start_stop(n: int, start_method: str, phases: _PhaseTimer, restart=False) -> dict:
     from nbdist import DistSession
 
     phases.phases.clear()
+    restarts: dict = {}
+    start_phases: dict = {}
     t0 = time.perf_counter()
     session = DistSession(n, cpu=True, start_method=start_method)
     try:
@@ -159,6 +187,13 @@ def nbdist_start_stop(n: int, start_method: str, phases: _PhaseTimer) -> dict:
         note = session.cluster.start_note if session.cluster else ""
         if len(ranks) != n:
             raise RuntimeError(f"expected {n} ranks, got {ranks}")
+        start_phases = dict(phases.phases)
+        if restart:
+            restarts["restart_request_s"], restarts["restart_note"] = _restart(session, n)
+            _kill_rank(session, n - 1)
+            restarts["restart_dead_s"], note_dead = _restart(session, n)
+            restarts["restart_note"] = restarts["restart_note"] or note_dead
+            session.run("t = torch.ones(1); dist.all_reduce(t)")  # the group works again
     finally:
         t1 = time.perf_counter()
         killed = session.stop()
@@ -170,7 +205,8 @@ def nbdist_start_stop(n: int, start_method: str, phases: _PhaseTimer) -> dict:
         note=note,
         killed=killed,
         startup_seconds=session.startup_seconds,
-        **phases.phases,
+        **(start_phases or phases.phases),
+        **restarts,
     )
 
 
@@ -180,12 +216,16 @@ def _main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3)")
     parser.add_argument("--no-spawn", action="store_true", help="skip the spawn reference row")
     parser.add_argument(
+        "--no-restart", action="store_true", help="skip the restart ratio (fork rows)"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="smoke run: n=2, 1 repetition, no spawn row"
     )
     args = parser.parse_args(argv)
     ns = args.n or ([2] if args.quick else [2, 4])
     reps = args.reps or (1 if args.quick else 3)
     spawn = not (args.no_spawn or args.quick)
+    restart = not args.no_restart
 
     info = machine()
     meter = CpuMeter()
@@ -226,7 +266,7 @@ def _main(argv=None) -> int:
                 samples["b"].append(reaped)
                 samples["b_exit"].append(exited)
                 samples["b_engine"].append(floor_import_then_fork(n, engine_stack=True)[0])
-                samples["fork"].append(nbdist_start_stop(n, "fork", phases))
+                samples["fork"].append(nbdist_start_stop(n, "fork", phases, restart=restart))
                 if spawn:
                     samples["spawn"].append(nbdist_start_stop(n, "spawn", phases))
                 line = (
@@ -237,6 +277,12 @@ def _main(argv=None) -> int:
                     f"{samples['fork'][-1]['ready_s']:.2f} s "
                     f"(stop {samples['fork'][-1]['stop_s']:.2f} s)"
                 )
+                if restart:
+                    fork = samples["fork"][-1]
+                    line += (
+                        f", restart on request {fork['restart_request_s']:.2f} s, "
+                        f"after a dead rank {fork['restart_dead_s']:.2f} s"
+                    )
                 if spawn:
                     line += (
                         f", spawn {samples['spawn'][-1]['ready_s']:.2f} s "
@@ -278,6 +324,16 @@ def _main(argv=None) -> int:
                 )
                 if runs[-1]["note"]:
                     row["note"] = runs[-1]["note"]
+                if "restart_dead_s" in runs[-1]:
+                    for kind in ("request", "dead"):
+                        took = [r[f"restart_{kind}_s"] for r in runs]
+                        row[f"restart_{kind}_s"] = round(median(took), 3)
+                        row[f"restart_{kind}_ratio"] = round(
+                            median([ratio(t, r["ready_s"]) for t, r in zip(took, runs)]), 3
+                        )
+                        row[f"samples_restart_{kind}_s"] = [round(t, 3) for t in took]
+                    if runs[-1]["restart_note"]:
+                        row["restart_note"] = runs[-1]["restart_note"]
                 rows.append(row)
     finally:
         phases.restore()
@@ -299,6 +355,27 @@ def _main(argv=None) -> int:
             f"{r['engines_registered_s']:>7.2f}s {r['group_formed_s']:>5.2f}s"
         )
     fork_rows = [r for r in rows if r["start_method"] == "fork"]
+    restart_ok = None
+    if restart:
+        print(
+            f"\n{'n':>2} {'start':>7} {'restart (request)':>18} {'x start':>8} "
+            f"{'restart (dead rank)':>20} {'x start':>8}"
+        )
+        for r in fork_rows:
+            print(
+                f"{r['n']:>2} {r['ready_s']:>6.2f}s {r['restart_request_s']:>17.2f}s "
+                f"{r['restart_request_ratio']:>7.2f}x {r['restart_dead_s']:>19.2f}s "
+                f"{r['restart_dead_ratio']:>7.2f}x"
+            )
+        restart_ok = all(
+            r["restart_request_ratio"] <= GOAL_RESTART_VS_START
+            and r["restart_dead_ratio"] <= GOAL_RESTART_VS_START
+            for r in fork_rows
+        )
+        print(
+            f"restart <= {GOAL_RESTART_VS_START}x start (same session, median of ratios): "
+            + ("met" if restart_ok else "not met")
+        )
     # The goal's own figures (floor b 2.2 s, the zygote 2.5 s = 1.12x) timed whole
     # processes, exit included: that is b+exit here. Also said: against the stricter
     # floor that stops at the reap.
@@ -326,6 +403,8 @@ def _main(argv=None) -> int:
             goal_ratio_b=GOAL_VS_FORK_FLOOR,
             goal_met=ok,
             goal_met_strict_floor_b=strict,
+            goal_restart_ratio=GOAL_RESTART_VS_START,
+            goal_restart_met=restart_ok,
             leftover_pids=leftovers,
             rows=rows,
         )

@@ -10,6 +10,11 @@ whole (``reset``), so bytes per update stay proportional to the points added
 GPU readings (:mod:`nbdist.metrics.gpu`) get two panels over time, a trace per
 rank and no mean; a run without them has no GPU panel and no GPU column. TFLOP/s
 and MFU get a panel each against step, like loss, when ``flops`` was logged.
+Memory (``memory_mib``, :mod:`nbdist.metrics.steptime`) gets a panel against step,
+a trace per rank, when logged on every point (with ``memory_peak_mib``, which the
+table shows). The step breakdown
+(:mod:`.breakdown`) travels with the table (``breakdown``: stacked bars of each
+rank's latest steps), as does ``dropped`` (points each rank could not send).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from nbdist.dashboard.decimate import minmax_indices
+from nbdist.dashboard.breakdown import breakdown, chart
 from nbdist.dashboard.table import (
     HISTORY,
     IDLE_AFTER_S,
@@ -34,95 +39,20 @@ from nbdist.dashboard.table import (
     throughput_key,
 )
 from nbdist.dashboard.tail import read_tail
+from nbdist.dashboard.traces import TOTAL_BIN_S, Aligned, Trace, elapsed, merge, wire
 from nbdist.rank_states import DEAD
 
 __all__ = ["DEFAULT_BUDGET", "GPU_PANELS", "DashboardModel", "read_tail"]
 
 DEFAULT_BUDGET = 2000  # points per trace, kernel side and browser side
-TOTAL_BIN_S = 1.0  # total throughput: one point per second of the run
 # GPU panels (over time, a trace per rank, no aggregate): key -> title.
 GPU_PANELS = {"gpu_util": "GPU utilisation (%)", "gpu_mem_mib": "GPU memory in use (MiB)"}
-_TITLES = {**GPU_PANELS, "tflops": "TFLOP/s per rank", "mfu": "MFU (% of the device's peak)"}
-
-
-class _Trace:
-    """What the browser holds of one trace: at most ``budget`` of the logged points."""
-
-    __slots__ = ("pos", "total", "xs", "ys")
-
-    def __init__(self) -> None:
-        self.xs: list = []
-        self.ys: list[float] = []
-        self.pos: list[int] = []  # each kept point's index among all points of this trace
-        self.total = 0
-
-    def extend(self, xs: list, ys: list[float], budget: int) -> bool:
-        """Append; True when that went over budget and the trace was re-decimated (send it whole)."""
-        self.xs += xs
-        self.ys += ys
-        self.pos += range(self.total, self.total + len(xs))
-        self.total += len(xs)
-        if len(self.xs) <= budget:
-            return False
-        keep = minmax_indices(self.ys, budget // 2, self.pos).tolist()
-        self.xs = [self.xs[i] for i in keep]
-        self.ys = [self.ys[i] for i in keep]
-        self.pos = [self.pos[i] for i in keep]
-        return True
-
-
-class _Aligned:
-    """A trace across ranks, point by point once no rank will add to that point.
-
-    Loss-like keys: the mean over ranks at each step (a rank's last value at
-    that step counts). Throughput: the sum over ranks of each rank's mean rate
-    in each ``TOTAL_BIN_S`` window of time, so ranks at different steps still
-    add up. Vectorised (numpy): the history of 8 ranks x 100k steps takes ~0.2 s.
-    """
-
-    def __init__(self, total: bool) -> None:
-        self.total = total
-        self.pending: dict[int, list[tuple]] = {}  # rank -> chunks of (keys, values)
-
-    def add(self, rank: int, steps: list[int], xs: list, values: list[float]) -> None:
-        import numpy as np
-
-        if self.total:  # key: the time bin
-            keys = np.floor(np.asarray(xs, dtype=np.float64) / TOTAL_BIN_S).astype(np.int64)
-        else:  # key: the step
-            keys = np.asarray(steps, dtype=np.int64)
-        self.pending.setdefault(rank, []).append((keys, np.asarray(values, dtype=np.float64)))
-
-    def ready(self, frontier: float) -> tuple[list, list[float]]:
-        """(xs, values) up to ``frontier`` (a step, or a time bin), in order, taken out of pending."""
-        import numpy as np
-
-        parts = []
-        for rank, chunks in self.pending.items():
-            if not chunks:
-                continue
-            keys = np.concatenate([c[0] for c in chunks])
-            values = np.concatenate([c[1] for c in chunks])
-            take = keys <= frontier
-            rest = ~take
-            self.pending[rank] = [(keys[rest], values[rest])] if rest.any() else []
-            if not take.any():
-                continue
-            keys, values = keys[take], values[take]
-            if self.total:  # the rank's mean rate in each bin
-                own, group = np.unique(keys, return_inverse=True)
-                parts.append((own, np.bincount(group, weights=values) / np.bincount(group)))
-            else:  # the same step twice on a rank (a loop re-run): its last value counts
-                _, back = np.unique(keys[::-1], return_index=True)
-                last = len(keys) - 1 - back
-                parts.append((keys[last], values[last]))
-        if not parts:
-            return [], []
-        keys, group = np.unique(np.concatenate([p[0] for p in parts]), return_inverse=True)
-        value = np.bincount(group, weights=np.concatenate([p[1] for p in parts]))
-        if self.total:  # x: the end of the bin, seconds since the run started
-            return np.round((keys + 1) * TOTAL_BIN_S, 3).tolist(), value.tolist()
-        return keys.tolist(), (value / np.bincount(group)).tolist()
+_TITLES = {
+    **GPU_PANELS,
+    "tflops": "TFLOP/s per rank",
+    "mfu": "MFU (% of the device's peak)",
+    "memory_mib": "memory per rank (MiB: allocated on GPU, RSS on CPU)",
+}
 
 
 class _Panel:
@@ -132,8 +62,8 @@ class _Panel:
         self.key, self.index, self.by_time, self.aggregate = key, index, by_time, aggregate
         self.names = [f"rank {r}" for r in range(ranks)] + ["total" if by_time else "mean"]
         del self.names[ranks + aggregate :]  # ranks, then the mean / total if the panel has one
-        self.traces = [_Trace() for _ in self.names]
-        self.aligned = _Aligned(total=by_time)
+        self.traces = [Trace() for _ in self.names]
+        self.aligned = Aligned(total=by_time)
 
     def spec(self) -> dict:
         total = " (per rank and total)" if self.by_time else ""
@@ -144,7 +74,7 @@ class _Panel:
             "xtitle": "time (s)" if self.by_time else "step",
             "names": self.names,
             "aggregate": self.aggregate,
-            "data": [[list(t.xs), _wire(t.ys)] for t in self.traces],  # copies: the mirror moves on
+            "data": [[list(t.xs), wire(t.ys)] for t in self.traces],  # copies: the mirror moves on
         }
 
 
@@ -254,9 +184,9 @@ class DashboardModel:
                     continue  # a new panel comes whole in "panels"
                 trace = self._panels[p].traces[i]
                 if compacted[0]:
-                    reset.append([p, i, list(trace.xs), _wire(trace.ys)])
+                    reset.append([p, i, list(trace.xs), wire(trace.ys)])
                 else:
-                    ext.append([p, i, compacted[1], _wire(compacted[2])])
+                    ext.append([p, i, compacted[1], wire(compacted[2])])
             if ext:
                 msg["extend"] = ext
             if reset:
@@ -282,6 +212,8 @@ class DashboardModel:
         for key in GPU_PANELS:
             if key in keys:
                 self._panel(key, by_time=True, aggregate=False)
+        if "memory_peak_mib" in keys:  # memory on every point (older runs sampled it per flush)
+            self._panel("memory_mib", by_time=False, aggregate=False)
         started = self.run.started
         for rank in self.run.ranks:
             if rank >= self._nranks:
@@ -290,11 +222,11 @@ class DashboardModel:
                 steps, times, values = self._tail(panel.key, rank)
                 if not steps:
                     continue
-                xs = _elapsed(times, started) if panel.by_time else steps
+                xs = elapsed(times, started) if panel.by_time else steps
                 if panel.aggregate:
                     panel.aligned.add(rank, steps, xs, values)
                 compacted = panel.traces[rank].extend(xs, values, self.budget)
-                _merge(extend, (panel.index, rank), compacted, xs, values)
+                merge(extend, (panel.index, rank), compacted, xs, values)
             steps, times, values = self._tail("step_time", rank)
             if steps:
                 self._step_times.setdefault(rank, deque(maxlen=RECENT)).extend(values[-RECENT:])
@@ -342,7 +274,7 @@ class DashboardModel:
             xs, values = panel.aligned.ready(by_bin if panel.by_time else by_step)
             if xs:
                 compacted = panel.traces[-1].extend(xs, values, self.budget)
-                _merge(extend, (panel.index, self._nranks), compacted, xs, values)
+                merge(extend, (panel.index, self._nranks), compacted, xs, values)
 
     def _update_table(self, now: float) -> dict | None:
         rows = build_rows(self.run, self._step_times, self._history, self._states, now=now)
@@ -364,6 +296,8 @@ class DashboardModel:
                 }
                 for row in rows
             ],
+            "breakdown": chart(breakdown(self.run), self._nranks) if "comm_s" in keys else None,
+            "dropped": {str(r): n for r, n in sorted(getattr(self.run, "dropped", {}).items())},
         }
         if {k: self._table.get(k) for k in table} == table:
             return None
@@ -375,26 +309,3 @@ class DashboardModel:
         steps, times, values = read_tail(self.run, key, rank, start)
         self._cursor[(key, rank)] = start + len(steps)
         return steps, times, values
-
-
-def _merge(extend: dict, where: tuple[int, int], compacted: bool, xs: list, ys: list) -> None:
-    # extend[(panel, trace)] = [re-decimated?, new xs, new ys] for one poll
-    # (xs and ys are not modified afterwards: kept by reference, no copy of a large first read)
-    entry = extend.get(where)
-    if entry is None:
-        extend[where] = [compacted, xs, ys]
-    else:
-        entry[0] = entry[0] or compacted
-        entry[1] = entry[1] + xs
-        entry[2] = entry[2] + ys
-
-
-def _elapsed(times: list[float], started: float) -> list[float]:
-    import numpy as np
-
-    return np.round(np.asarray(times, dtype=np.float64) - started, 3).tolist()
-
-
-def _wire(values: list[float]) -> list:
-    # JSON has no NaN/inf (a browser's JSON.parse rejects them): they travel as null, a gap in the line.
-    return [v if v is not None and math.isfinite(v) else None for v in values]

@@ -16,6 +16,10 @@ A rank is a straggler when its recent median step time is more than
 is more than ``max_lag`` steps behind: behind is measured at the same moment
 (the highest step any rank had logged by the time of this rank's last point),
 so points that are merely still in flight (ranks flush every 50 ms) do not count.
+The reason says why when the ranks log the step breakdown
+(:mod:`nbdist.dashboard.breakdown`): "1.4× step time · data loading 41 % of step,
+others 5 %"; in synchronous training, where every rank's step lasts as long as
+the slowest's, a rank whose compute or data share stands out is flagged by that alone.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from nbdist.dashboard.breakdown import breakdown, explain, slow_parts
 from nbdist.metrics.gpu import GPU_KEYS
 from nbdist.metrics.run import DERIVED_KEYS
 from nbdist.rank_states import BUSY, DEAD, IDLE
@@ -63,6 +68,7 @@ class RankRow:
     rate: float | None = None  # samples/s or tokens/s
     step_time: float | None = None  # recent median, seconds
     memory_mib: float | None = None
+    memory_peak_mib: float | None = None
     seen: float | None = None  # time.time() of the latest point
     state: str = IDLE
     straggler: str = ""  # why it is flagged, "" when it is not
@@ -92,7 +98,8 @@ class RankRow:
             fmt_rate(self.rate),
             fmt_seconds(self.step_time),
             *([fmt_tflops(self.tflops), fmt_percent(self.mfu)] if flops else []),
-            fmt_mib(self.memory_mib),
+            fmt_mib(self.memory_mib)
+            + ("" if self.memory_peak_mib is None else f" (peak {fmt_mib(self.memory_peak_mib)})"),
             *(gpu_cells if gpu else []),
             fmt_ago(None if self.seen is None else now - self.seen),
             self.state,
@@ -214,6 +221,13 @@ def build_rows(
     user = plotted_keys(keys)
     rate_key = throughput_key(keys)
     flagged = find_stragglers(recent_step_times, step_lags(history), ratio=ratio, max_lag=max_lag)
+    if "comm_s" in keys:  # why: the part of the step that differs from the other ranks'
+        parts = breakdown(run)
+        for rank, why in flagged.items():
+            detail = explain(parts, rank)
+            flagged[rank] = f"{why} · {detail}" if detail else why
+        for rank, why in slow_parts(parts).items():
+            flagged.setdefault(rank, why)
     rows = []
     ranks = sorted(set(range(run.world_size)) | set(run.ranks) | set(states))
     for rank in ranks:
@@ -225,6 +239,7 @@ def build_rows(
             row.loss = last.get(user[0]) if user else None
             row.rate = last.get(rate_key) if rate_key else None
             row.memory_mib = last.get("memory_mib")
+            row.memory_peak_mib = last.get("memory_peak_mib")
             row.tflops, row.mfu = last.get("tflops"), last.get("mfu")
             row.gpu = {k: last[k] for k in GPU_KEYS if k in last} or None
             recent = recent_step_times.get(rank)

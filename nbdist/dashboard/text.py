@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
+from nbdist.dashboard.breakdown import PARTS, breakdown, shares
 from nbdist.dashboard.table import fmt_value, has_flops, has_gpu, headers, rank_rows
 
 __all__ = ["summary_text"]
@@ -42,6 +43,15 @@ def summary_text(
     ]
     width = len(table[0])
     lines += _columns(table, left=(width - 2, width - 1))  # state and the straggler flag
+    if "comm_s" in keys:
+        lines.append("step breakdown (latest steps):")
+        for rank, frac in shares(breakdown(run)).items():
+            parts = " · ".join(f"{name} {100 * frac[key]:.0f} %" for key, name in PARTS)
+            lines.append(f"  rank {rank}: {parts}")
+    dropped = {r: n for r, n in sorted(getattr(run, "dropped", {}).items()) if n}
+    if dropped:
+        each = ", ".join(f"rank {r}: {n}" for r, n in dropped.items())
+        lines.append(f"{sum(dropped.values())} points dropped on the ranks ({each})")
     if keys:
         series = [["series", "last", "mean", "min", "max"]]
         for key in keys:

@@ -115,7 +115,12 @@ function render({ model, el }) {
   grid.className = "nbdist-plots";
   const tableBox = document.createElement("div");
   tableBox.className = "nbdist-table";
-  root.append(grid, note, tableBox);
+  // The step breakdown (stacked bars, latest steps per rank) and lost points: with the table.
+  const bars = document.createElement("div");
+  bars.className = "nbdist-breakdown";
+  const dropped = document.createElement("div");
+  dropped.className = "nbdist-note nbdist-dropped";
+  root.append(grid, bars, note, dropped, tableBox);
   el.appendChild(root);
 
   let Plotly = null;
@@ -199,6 +204,7 @@ function render({ model, el }) {
     .then((P) => {
       Plotly = P;
       view.reset();
+      drawBars();
     })
     .catch((error) => {
       console.warn("nbdist dashboard:", error);
@@ -241,12 +247,50 @@ function render({ model, el }) {
     tableBox.replaceChildren(t);
     ages();
   }
+  function drawBars() {
+    const data = (model.get("table") || {}).breakdown;
+    if (!Plotly || !data) return;
+    const traces = Object.entries(data.parts).map(([name, ms]) => ({
+      type: "bar",
+      name,
+      x: data.ranks,
+      y: ms,
+      hovertemplate: "%{y:.1f} ms",
+    }));
+    const axis = { gridcolor: gridColor, zerolinecolor: gridColor, automargin: true };
+    Plotly.react(
+      bars,
+      traces,
+      {
+        title: { text: "step breakdown (ms per step, latest steps)", font: { size: 13 } },
+        barmode: "stack",
+        height: 260,
+        margin: { l: 50, r: 10, t: 30, b: 35 },
+        xaxis: axis,
+        yaxis: axis,
+        font: { color, size: 11 },
+        paper_bgcolor: "rgba(0,0,0,0)",
+        plot_bgcolor: "rgba(0,0,0,0)",
+      },
+      { displaylogo: false, responsive: true },
+    );
+  }
+  function drawDropped() {
+    const counts = Object.entries((model.get("table") || {}).dropped || {}).filter(([, n]) => n > 0);
+    const total = counts.reduce((sum, [, n]) => sum + n, 0);
+    dropped.textContent = total
+      ? `${total} points dropped on the ranks (${counts.map(([r, n]) => `rank ${r}: ${n}`).join(", ")})`
+      : "";
+  }
   const onTable = () => {
     const table = model.get("table") || {};
     if (store.seq >= 0 && typeof table.now === "number") store.offset = table.now - Date.now() / 1000;
     drawTable();
+    drawBars();
+    drawDropped();
   };
   model.on("change:table", onTable);
+  drawDropped();
   drawTable();
   const ticker = setInterval(ages, 1000);
 
@@ -254,7 +298,7 @@ function render({ model, el }) {
     clearInterval(ticker);
     model.off("change:table", onTable);
     store.views.delete(view);
-    if (Plotly) for (const div of divs) Plotly.purge(div);
+    if (Plotly) for (const div of [...divs, bars]) Plotly.purge(div);
   };
 }
 

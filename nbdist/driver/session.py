@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from nbdist.driver import live_sessions, registry
 from nbdist.driver.cells import cell_channel
-from nbdist.driver.faults import CellGuard, RankMonitor, dead_ranks
-from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics_key, reform_group
+from nbdist.driver.faults import CellGuard, dead_ranks
+from nbdist.driver.group import Group, RankInfo, form_group, reform_group
+from nbdist.driver.lifecycle import Restarted, Watch, metrics_for, restart_in_place, summary_text
 from nbdist.driver.runner import RankRun, submit
 from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
@@ -84,13 +84,13 @@ class DistSession:
         self.placement: Placement | None = plan_start(opts)
         self.history = history
         self.startup_seconds: float | None = None
+        self.restarted: Restarted | None = None  # the last restart, until the next start
         # Code run on every rank since the group formed, in order: what %dist_export writes.
         self.cells: list[str] = []
         self.group: Group | None = None  # the formed process group, while running
         self._hub = None  # nbdist.metrics.hub.MetricsHub, made at the first start
         self._handle: ClusterHandle | None = None
-        self._monitor: RankMonitor | None = None  # notices local ranks dying
-        self._registry_path: str | None = None
+        self._watch: Watch | None = None  # rank monitor and sidebar entry, while running
 
     # -- what it is -------------------------------------------------------
     @property
@@ -144,42 +144,29 @@ class DistSession:
                 f"this session already runs {self.world_size} ranks: stop() or restart() it first"
             )
         t0 = time.perf_counter()
-        self._handle = handle = start_processes(self.options, self.placement)
+        self.restarted = None
         try:
-            key = metrics_key(handle.client)
-            if self._hub is None:
-                from nbdist.metrics.hub import MetricsHub
-
-                ranks = self.placement.world_size if self.placement else len(handle.client.ids)
-                self._hub = MetricsHub.open(
-                    key,
-                    world_size=ranks,
-                    backend=self.backend or "",
-                    history=self.history,
-                    ip=metrics_ip(handle.client, owned=handle.owned, ip=self.options.ip),
-                )
-            else:
-                # restart(): a new cluster, a new key, and the ranks sign their metrics with it.
-                self._hub.collector.new_cluster(key)
-            self._form_group()
-            if handle.owned:
-                self._monitor = RankMonitor(self.group.ranks)
+            self._ready(start_processes(self.options, self.placement))
         except BaseException:
             self.stop()
             raise
         self.startup_seconds = time.perf_counter() - t0
-        live_sessions.started(self)
-        store = self._hub.store
-        self._registry_path = registry.register(  # the JupyterLab sidebar lists running clusters
-            self,
-            handle=handle,
-            ranks=self.ranks,
-            backend=self.backend,
-            run_id=self._hub.run.id if store is not None else None,
-            history=store.path if store is not None else None,
-            attach=self.options.attach,
-        )
         return self
+
+    def _ready(self, handle: ClusterHandle) -> None:
+        # The engines are up (started, or forked afresh by a restart): the group forms.
+        self._handle = handle
+        try:
+            self._hub = metrics_for(
+                self._hub, handle, backend=self.backend or "", history=self.history,
+                world_size=self.placement.world_size if self.placement else len(handle.client.ids),
+                ip=self.options.ip,
+            )  # fmt: skip
+            self._form_group()
+        except BaseException:
+            self._stop_ranks()
+            raise
+        self._watch = Watch(self, handle, self._hub, attach=self.options.attach)
 
     def _form_group(self) -> None:
         # Kept as a method: the start-up benchmark wraps it to time group formation.
@@ -211,15 +198,9 @@ class DistSession:
         return killed
 
     def _stop_ranks(self) -> list[int]:
-        handle, self._handle = self._handle, None
+        handle = self._unwatch()
         if handle is None:
             return []
-        live_sessions.stopped(self)
-        if self._monitor is not None:
-            self._monitor.stop()
-            self._monitor = None
-        registry.unregister(self._registry_path)
-        self._registry_path = None
         group, self.group = self.group, None
         if handle.client is not None and not handle.owned and group is not None:
             try:  # leave the group so the attached engines can be reused
@@ -228,10 +209,37 @@ class DistSession:
                 pass
         return stop_processes(handle)
 
+    def _unwatch(self) -> ClusterHandle | None:
+        # The handle, taken from the session, which no longer watches its ranks.
+        handle, self._handle = self._handle, None
+        if self._watch is not None:
+            self._watch.end()
+            self._watch = None
+        return handle
+
     def restart(self) -> DistSession:
-        """Fresh engines, the group formed again, same number of ranks; the run continues."""
-        self._stop_ranks()
-        return self.start()
+        """Fresh ranks, the group formed again, same number of ranks; the run continues.
+
+        Forked afresh by the zygote that imported torch, the controller kept
+        (:mod:`nbdist.launch.restart`); else (attached, ``launcher``, spawned) a
+        full stop and start, ``restarted.note`` says why. Cells' names are gone.
+        """
+        t0 = time.perf_counter()
+        why = restart_in_place(
+            self._handle,
+            world_size=self.placement.world_size if self.placement else 0,
+            timeout=self.options.timeout,
+            detach=self._unwatch,
+            rebuild=self._ready,
+            abort=self.stop,
+        )
+        if why:
+            self._stop_ranks()
+            self.start()
+        note = "" if why == "not running" else why
+        self.restarted = Restarted(time.perf_counter() - t0, note, fresh=self._handle.owned)
+        self._hub.mark_restart(self.world_size)
+        return self
 
     def __enter__(self) -> DistSession:
         """Start (unless running) for a ``with`` block, which stops it at the end."""
@@ -328,7 +336,8 @@ class DistSession:
         """{rank: how it died} for ranks whose process ended (or engine vanished); ``among``: ranks."""
         if self._handle is None:
             return {}
-        return dead_ranks(self._monitor, self._handle.client, self.ranks, among)
+        monitor = self._watch.monitor if self._watch is not None else None
+        return dead_ranks(monitor, self._handle.client, self.ranks, among)
 
     def _require_whole(self) -> None:
         dead = self.dead_ranks()
@@ -379,18 +388,9 @@ class DistSession:
         return show_run(self.metrics, states=self.rank_states)
 
     def summary(self) -> str:
-        """One line: ranks, backend, devices, start-up seconds; a second where ranks share GPUs."""
+        """One line: ranks, backend, devices, start-up (or restart) seconds; a second where ranks share GPUs."""
         self._require_running()
-        devices = sorted({r.device for r in self.ranks})
-        hosts = sorted({r.host for r in self.ranks})
-        where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
-        note = f"; {self._handle.start_note}" if self._handle.start_note else ""
-        line = (
-            f"nbdist: {self.world_size} ranks ready{where} · backend {self.backend} · "
-            f"device {', '.join(devices)} · {self.startup_seconds:.1f} s{note}"
-        )
-        sharing = self.placement.sharing_note() if self.placement else ""
-        return f"{line}\nnbdist: {sharing}" if sharing else line
+        return summary_text(self)
 
     def __repr__(self) -> str:
         """``<DistSession: 2 ranks, gloo>``."""

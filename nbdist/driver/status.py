@@ -50,9 +50,19 @@ def _gpu_figures(client, ranks, alive: set[int]) -> dict[int, dict]:
 
 
 def rank_status(
-    handle, ranks, backend: str | None, dead: dict | None = None, *, gpu: bool = True
+    handle,
+    ranks,
+    backend: str | None,
+    dead: dict | None = None,
+    *,
+    gpu: bool = True,
+    dropped: dict[int, int] | None = None,
 ) -> list[dict]:
     """One dict per rank; ``dead``: {rank: how it died}, as the session noticed it.
+
+    ``dropped``: {rank: metrics points it could not send} (the run's
+    :attr:`~nbdist.metrics.run.Run.dropped`); each row's ``dropped`` is that
+    count (0 for a rank not in it), or None when not given.
 
     ``gpu``: ask the ranks on GPUs for their GPU's figures (``row["gpu"]``: ``index``,
     ``name``, ``uuid``, ``util`` %, ``mem_used_mib``, ``mem_total_mib``, ``temp_c``;
@@ -92,6 +102,7 @@ def rank_status(
                 state=state,
                 memory_mib=None if memory is None else round(memory, 1),
                 died=dead.get(info.rank),
+                dropped=None if dropped is None else int(dropped.get(info.rank, 0)),
             )
         )
         if info.rank in gpus and state != DEAD:
@@ -115,6 +126,10 @@ def _gpu_cells(gpu: dict | None) -> list[str]:
 def format_status(rows: list[dict]) -> str:
     """A fixed-width text table of :func:`rank_status` rows."""
     headers = ["rank", "engine", "host", "pid", "device", "backend", "state", "memory"]
+    # Metrics points a rank logged but could not send (normally 0); when the session tells.
+    with_dropped = any(r.get("dropped") is not None for r in rows)
+    if with_dropped:
+        headers.append("dropped")
     with_gpu = any(r.get("gpu") for r in rows)
     if with_gpu:
         headers += ["gpu", "gpu util", "gpu memory", "gpu temp"]
@@ -128,6 +143,7 @@ def format_status(rows: list[dict]) -> str:
             str(r["backend"]),
             r["state"],
             "?" if r["memory_mib"] is None else f"{r['memory_mib']:.0f} MiB",
+            *([str(r.get("dropped", "–"))] if with_dropped else []),
             *(_gpu_cells(r.get("gpu")) if with_gpu else []),
         ]
         for r in rows
@@ -140,6 +156,12 @@ def format_status(rows: list[dict]) -> str:
         lines.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
     if dead:
         lines.append("%dist_restart brings every rank back")
+    lost = sum(r.get("dropped") or 0 for r in rows)
+    if lost:
+        lines.append(
+            f"{lost} metrics points dropped on the ranks: their buffer was full "
+            "(NBDIST_LOG_BUFFER) or a value could not be sent"
+        )
     shared = _shared_gpus(rows)
     if shared:
         lines.append(shared)

@@ -8,7 +8,9 @@ whom ("rank 1 never entered all_reduce #118").
 
 Only calls made through the ``torch.distributed`` namespace are counted (what
 user code and most libraries call); torch's own internal calls and DDP's
-gradient buckets (C++) are not. ``isend``/``irecv`` stay unwrapped: torch
+gradient buckets (C++) are not. The wall time of each outermost call (and, for
+CUDA tensors, a pair of CUDA events around it) goes to the step breakdown's
+``comm_s`` (:mod:`nbdist.metrics.steptime`, which says what that measures). ``isend``/``irecv`` stay unwrapped: torch
 checks their identity (``P2POp(dist.isend, ...)``, used by pipelining). Bookkeeping costs one small object per call,
 about a microsecond next to collectives that take tens of microseconds at least.
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import time
+
+from nbdist.metrics import steptime
 
 __all__ = ["TRACKED_OPS", "install", "last", "reset"]
 
@@ -63,23 +67,37 @@ class _Record:
 
 _seq = 0
 _last: _Record | None = None
+_depth = 0  # > 0 inside a wrapped call: a collective made by another is not timed twice
 
 
 def _tracked(op: str, fn):
     @functools.wraps(fn)
     def tracked(*args, **kwargs):
-        global _seq, _last
+        global _seq, _last, _depth
         _seq += 1
         record = _last = _Record(op, _seq, time.monotonic())
+        outer = _depth == 0
+        end_event = None
+        if outer and args:
+            first = args[0]
+            if isinstance(first, (list, tuple)) and first:
+                first = first[0]
+            end_event = steptime.cuda_comm_events(first)
+        _depth += 1
         try:
             return fn(*args, **kwargs)
         except BaseException:
             record.raised = True  # e.g. a peer died or the group was released
             raise
         finally:
+            _depth -= 1
             # For async_op=True this is when the call returned, not when the
             # work completed: the wait is where such a rank would block.
             record.exited = time.monotonic()
+            if end_event is not None:
+                end_event.record()  # NCCL returns once queued: the device time counts, not this
+            elif outer:
+                steptime.collective_done(record.exited - record.entered)
 
     tracked.nbdist_original = fn
     return tracked

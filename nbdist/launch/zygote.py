@@ -16,6 +16,12 @@ Children die with the zygote (PR_SET_PDEATHSIG), and the zygote ends its
 children and itself when the kernel that started it disappears (its parent
 pid changes), so a killed kernel leaves nothing behind.
 
+Fast restart (SIGUSR1, sent by :mod:`nbdist.launch.restart`): the zygote ends
+every process below it, as for a stop, forks a fresh engine per slot from the
+same imported torch, and rewrites the status file (next ``generation``, new
+PIDs). It stays single-threaded for that (no watcher thread). When every
+engine ended by itself, their leftovers are ended and the zygote waits.
+
 The zygote is a child subreaper (see :mod:`nbdist.launch.process_tree`): what
 the ranks start (forked children, ``multiprocessing``, DataLoader workers,
 daemons that forked twice) stays below it, and when it is asked to stop, or
@@ -29,6 +35,7 @@ import argparse
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -40,6 +47,9 @@ from nbdist.launch import process_tree
 __all__ = ["fork_unsafe_reason", "main"]
 
 _PR_SET_PDEATHSIG = 1
+# Blocked while engines are forked; SIGUSR1 asks for a restart (fresh engines).
+_MASKED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
+_wakeup_fds: tuple[int, int] | None = None  # the signal wakeup pipe of the zygote's loop
 
 
 # What every engine imports while it starts, besides ipykernel's debugger module
@@ -129,6 +139,7 @@ def _fork_engine(slot_env: dict[str, str], engine_argv: list[str], threads: int)
         _set_pdeathsig()
         if os.getppid() != zygote:  # the zygote died before prctl took effect
             os._exit(1)
+        _forget_zygote_signals()
         _unblock_signals()
         os.environ.update(slot_env)
         import random
@@ -155,7 +166,18 @@ def _fork_engine(slot_env: dict[str, str], engine_argv: list[str], threads: int)
 
 def _unblock_signals() -> None:
     # The zygote blocks these while it forks; the mask is inherited by children.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _MASKED)
+
+
+def _forget_zygote_signals() -> None:
+    # A restart forks with the zygote's handlers and wakeup pipe in place: the
+    # engine must not write its signals into the zygote's pipe, nor relay them.
+    if _wakeup_fds is not None:
+        signal.set_wakeup_fd(-1)
+        for fd in _wakeup_fds:
+            os.close(fd)
+    for sig in _MASKED:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _spawned_child_setup() -> None:
@@ -180,7 +202,10 @@ class _Children:
         self.pids = set(pids)  # the engines still running
         self.exit_code = 0
         self.asked = False  # told to stop (SIGTERM, or the kernel is gone)
+        self.restart_asked = False  # SIGUSR1: fresh engines from this zygote
         self.stopping: process_tree.TreeStop | None = None
+        self.sweeping: process_tree.TreeStop | None = None  # leftovers of ranks that all ended
+        self.swept = False  # ... and nothing is left of them
 
     def signal(self, sig: int) -> None:
         """``sig`` to every engine (the interrupt relay)."""
@@ -214,22 +239,94 @@ class _Children:
     def step(self) -> bool:
         """One pass of the main loop; False once the zygote may exit."""
         self.reap()
-        if self.stopping is None and (self.asked or not self.pids):
-            # Asked, or every engine ended by itself: what they left behind goes too.
-            self.stopping = process_tree.TreeStop()
-        if self.stopping is None:
-            return True
-        return self.stopping.step() or bool(self.pids)
+        if self.asked:
+            if self.stopping is None:
+                self.stopping = process_tree.TreeStop()
+            return self.stopping.step() or bool(self.pids)
+        if not self.pids and not self.swept:
+            # Every engine ended by itself: what they left behind goes too, and the
+            # zygote stays for a restart (or a stop).
+            if self.sweeping is None:
+                self.sweeping = process_tree.TreeStop()
+            self.swept = not self.sweeping.step()
+        return True
+
+    def end_all(self, parent_pid: int) -> bool:
+        """End every process below this one (a restart); False if a stop came meanwhile."""
+        ending = process_tree.TreeStop()
+        while True:
+            self.reap()
+            if self.asked or os.getppid() != parent_pid:
+                return False
+            if not ending.step() and not self.pids:
+                self.exit_code = 0  # the ranks that died before belong to the last generation
+                self.sweeping, self.swept = None, False
+                return True
+            time.sleep(0.02)
 
 
-def _watch_parent(parent_pid: int, children: _Children) -> None:
+class _Forker:
+    """How this zygote makes engines: every start and restart forks (or spawns) the same slots."""
+
+    def __init__(self, opts, slots: list[dict], engine_argv: list[str], status: dict):
+        self.opts, self.slots, self.engine_argv = opts, slots, engine_argv
+        self.engine_env = {"OMP_NUM_THREADS": str(opts.threads)}
+        self.status = status  # what the status file says besides the PIDs
+        self.generation = 0
+
+    def start_all(self, reason: str | None) -> list[int]:
+        """One engine per slot, forked when ``reason`` is None (else spawned); writes the status."""
+        # The caller blocks _MASKED: signals arriving while we fork would be lost
+        # or hit half-built children.
+        pids = []
+        for slot_env in self.slots:
+            env = {**self.engine_env, **slot_env}
+            if reason is None:
+                pids.append(_fork_engine(env, self.engine_argv, self.opts.threads))
+            else:
+                pids.append(_spawn_engine(env, self.engine_argv))
+        _write_status(
+            self.opts.status_file,
+            **self.status,
+            method="fork" if reason is None else "spawn",
+            reason=reason,
+            pids=pids,
+            zygote=os.getpid(),
+            generation=self.generation,
+        )
+        return pids
+
+    def restart(self, children: _Children) -> None:
+        """The old engines and their leftovers ended, fresh ones forked: the next generation."""
+        children.restart_asked = False
+        if not children.end_all(self.opts.parent_pid):
+            return  # a stop came first: the main loop finishes it
+        self.generation += 1
+        reason = "spawn requested" if self.opts.start_method == "spawn" else fork_unsafe_reason()
+        signal.pthread_sigmask(signal.SIG_BLOCK, _MASKED)
+        try:
+            children.pids = set(self.start_all(reason))
+        finally:
+            _unblock_signals()
+
+
+def _watch_loop(children: _Children, forker: _Forker, wakeup: int) -> None:
     # Polling the parent pid costs nothing measurable and, unlike PDEATHSIG,
-    # does not depend on which thread of the kernel started us.
-    while True:
-        time.sleep(0.5)
-        if os.getppid() != parent_pid:
+    # does not depend on which thread of the kernel started us. No thread does it:
+    # a restart forks again, which needs this process single-threaded.
+    while children.step():
+        if os.getppid() != forker.opts.parent_pid:
             children.terminate()
-            return
+        elif children.restart_asked and not children.asked:
+            forker.restart(children)
+            continue
+        # A signal (SIGUSR1, SIGTERM) writes to the wakeup pipe: handled at once.
+        if select.select([wakeup], [], [], 0.1)[0]:
+            try:
+                os.read(wakeup, 512)
+            except BlockingIOError:
+                pass
+    children.reap()
 
 
 def _write_status(path: str | None, **fields) -> None:
@@ -262,9 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     # and a process with threads must not fork. So the zygote imports torch
     # single-threaded; each engine gets its thread count after the fork.
     os.environ["OMP_NUM_THREADS"] = "1"
-    engine_env = {"OMP_NUM_THREADS": str(opts.threads)}
     # Signals arriving while we fork would be lost or hit half-built children.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_BLOCK, _MASKED)
     reason = "spawn requested" if opts.start_method == "spawn" else None
     if reason is None:
         import torch  # noqa: F401 - the point of the zygote: imported once, shared by forks
@@ -276,32 +372,19 @@ def main(argv: list[str] | None = None) -> int:
         reason = fork_unsafe_reason()
     # Before the first fork: orphans from below the ranks are re-parented here, not to PID 1.
     subreaper = process_tree.become_subreaper()
-    pids = []
-    for slot_env in slots:
-        if reason is None:
-            pids.append(_fork_engine({**engine_env, **slot_env}, engine_argv, opts.threads))
-        else:
-            pids.append(_spawn_engine({**engine_env, **slot_env}, engine_argv))
-    children = _Children(pids)
-    _write_status(
-        opts.status_file,
-        method="fork" if reason is None else "spawn",
-        reason=reason,
-        pids=pids,
-        zygote=os.getpid(),
-        subreaper=subreaper,
-    )
+    forker = _Forker(opts, slots, engine_argv, {"subreaper": subreaper})
+    children = _Children(forker.start_all(reason))
 
+    global _wakeup_fds
+    _wakeup_fds = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(_wakeup_fds[1])
     signal.signal(signal.SIGTERM, lambda *_: children.terminate())
     # SIGINT is the interrupt relay: forwarded, never fatal to the zygote.
     signal.signal(signal.SIGINT, lambda *_: children.signal(signal.SIGINT))
+    signal.signal(signal.SIGUSR1, lambda *_: setattr(children, "restart_asked", True))
     _unblock_signals()
-    threading.Thread(target=_watch_parent, args=(opts.parent_pid, children), daemon=True).start()
-
-    while children.step():
-        time.sleep(0.1)
-    children.reap()
-    # Asked to stop (%dist_stop, %dist_restart): a success, even if a rank had died
+    _watch_loop(children, forker, _wakeup_fds[0])
+    # Asked to stop (%dist_stop, a full restart): a success, even if a rank had died
     # before; otherwise ipyparallel logs the engines' whole output as a warning in
     # the notebook, on top of nbdist's own report of the dead rank.
     return 0 if children.asked else children.exit_code

@@ -10,6 +10,14 @@ arrived: each points message carries the rank's running count of points sent,
 and the execute reply carries the count the rank had reached at the end of the
 cell. A standalone script (no execute replies) ends with a marker message
 instead; messages from one sender arrive in order, so its points came first.
+
+Wherever a session stops taking points from its ranks (``stop``, and the new
+key of a restart, :meth:`Collector.new_cluster`), the collector first drains
+what is already on its socket: it keeps receiving until one poll interval
+passes without a message, or ``DRAIN_CAP_S`` seconds at most, so stopping never
+waits long and never throws away points that had already arrived. What a rank
+could not send is counted on the rank (``dropped`` in its messages, kept in
+:attr:`Run.dropped <nbdist.metrics.run.Run.dropped>`).
 """
 
 from __future__ import annotations
@@ -22,10 +30,13 @@ from nbdist.metrics.run import Run
 from nbdist.metrics.store import RunStore
 from nbdist.metrics.wire import decode
 
-__all__ = ["Collector"]
+__all__ = ["DRAIN_CAP_S", "Collector"]
 
 # Under a steady stream, the history is committed at least this often.
 _COMMIT_EVERY_S = 1.0
+# The longest a stop (or a restart's new key) waits for points already on their way.
+DRAIN_CAP_S = 2.0
+_POLL_MS = 100
 
 
 class Collector:
@@ -52,6 +63,8 @@ class Collector:
         self._cells: dict[int, int] = {}  # rank -> last cell marker seen
         self._received: dict[int, int] = {}  # rank -> highest running count of points seen
         self._cond = threading.Condition()
+        self._messages = 0  # messages taken since the last new_cluster: nothing to drain if 0
+        self._quiet = 0  # polls that found the socket empty (drain waits for a fresh one)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbdist-collector", daemon=True)
         self._thread.start()
@@ -63,7 +76,11 @@ class Collector:
         poller.register(self._socket, zmq.POLLIN)
         committed, dirty = time.monotonic(), False
         while not self._stopping.is_set():
-            got = poller.poll(100)
+            got = poller.poll(_POLL_MS)
+            if not got:
+                with self._cond:
+                    self._quiet += 1
+                    self._cond.notify_all()
             if got:
                 while True:
                     try:
@@ -93,6 +110,7 @@ class Collector:
 
     def _handle(self, frames: list[bytes]) -> bool:
         """Take one message; True if it added rows to the history."""
+        self._messages += 1
         message = decode(self.key, frames)
         rank = message.get("rank") if message else None
         if not isinstance(rank, int):
@@ -103,13 +121,17 @@ class Collector:
             # Signed by our own ranks, so trusted to be [int, float, {str: float|None}];
             # only JSON's null (a NaN on the rank) needs turning back into NaN.
             points = message.get("points", [])
+            dropped = message.get("dropped")
+            if isinstance(dropped, int) and dropped:
+                self.run.set_dropped(rank, dropped)
             for point in points:
                 values = point[2]
                 if None in values.values():
                     point[2] = {k: (math.nan if v is None else v) for k, v in values.items()}
-            self.run.add(rank, points)
+            if points:
+                self.run.add(rank, points)
             stored = False
-            if self.store is not None:
+            if self.store is not None and points:
                 try:  # stored as it arrived (verified JSON): one row per batch, no re-encoding
                     self.store.append(self.run.id, rank, frames[1].decode(), len(points))
                     stored = True
@@ -136,8 +158,10 @@ class Collector:
         the old ranks had reached would count as arrived for the new ranks, and
         the end of a cell would not wait for their points.
         """
+        self.drain()  # the old ranks' last points, under the old key
         with self._cond:
             self.key = key
+            self._messages = 0
             self._cells.clear()
             self._received.clear()
 
@@ -161,9 +185,31 @@ class Collector:
                 self._cond.wait(remaining)
         return True
 
+    def drain(self, cap: float = DRAIN_CAP_S) -> bool:
+        """Receive what is on the socket already: until one poll finds it empty, ``cap`` s at most.
+
+        True when the socket went quiet; at once when no message ever arrived.
+        """
+        if not self._messages or not self._thread.is_alive():
+            return True
+        deadline = time.monotonic() + cap
+        with self._cond:
+            # A poll that began before this call may end empty while a message waits: two.
+            wanted = self._quiet + 2
+            while self._quiet < wanted:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(remaining, 2 * _POLL_MS / 1000))
+        return True
+
     def stop(self) -> None:
-        """Stop the receiving thread (it commits what it has first), close the socket."""
+        """Drain (at most ``DRAIN_CAP_S``), stop the receiving thread (it commits what it has
+        first), close the socket."""
+        self.drain()
         self._stopping.set()
-        self._thread.join(timeout=2)
+        self._thread.join(timeout=DRAIN_CAP_S)
+        if self._thread.is_alive():  # a stuck commit: closing under it could crash the thread
+            return
         self._socket.close()
         self._context.term()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 
 from nbdist.metrics.collector import Collector
 from nbdist.metrics.run import Run
 from nbdist.metrics.store import RunStore
 
-__all__ = ["MetricsHub"]
+__all__ = ["RESTART_KEY", "MetricsHub"]
+
+# The key of the point :meth:`MetricsHub.mark_restart` adds on every rank: the
+# run's restart count, at the rank's last logged step (an event, not a metric).
+RESTART_KEY = "restart"
 
 # After a cell, how long to wait for the ranks' last points before moving on.
 _SETTLE_TIMEOUT_S = 2.0
@@ -23,6 +28,7 @@ class MetricsHub:
         self.collector = collector
         self.store = store
         self.closed = False
+        self.restarts = 0  # how often the ranks were restarted within this run
 
     @classmethod
     def open(
@@ -58,6 +64,30 @@ class MetricsHub:
         arrived = self.collector.wait_for_points(totals, timeout=_SETTLE_TIMEOUT_S)
         self.collector.commit()  # the cell's points are in the history when it returns
         return arrived
+
+    def mark_restart(self, world_size: int) -> None:
+        """Record that the ranks restarted: one ``restart`` point per rank, in the history too.
+
+        Each point sits at the rank's last logged step (0 if it logged none) and
+        the time of the restart; its value counts the run's restarts (1, 2, ...).
+        The run goes on: the fresh ranks' points follow in the same run.
+        """
+        self.restarts += 1
+        now = time.time()
+        for rank in range(world_size):
+            point = [
+                int(self.run.last(rank).get("step", 0)),
+                now,
+                {RESTART_KEY: float(self.restarts)},
+            ]
+            self.run.add(rank, [point])
+            if self.store is not None:
+                try:
+                    self.store.append(self.run.id, rank, [point])
+                except Exception:  # a full disk must not stop the restart
+                    pass
+        if self.store is not None:
+            self.collector.commit()
 
     def close(self) -> None:
         """Stop the collector, record the run's end in the history and close it; once only."""

@@ -14,10 +14,21 @@ loop.
 peak they are measured against is looked up (or measured) once per device,
 at the first such call (:func:`nbdist.metrics.flops.log_peak`).
 
-On a rank that uses a GPU, the last point of a flush also carries the GPU's
-utilisation, memory and temperature (:mod:`nbdist.metrics.gpu`), at most once
-a second; ``NBDIST_LOG_GPU=0`` turns that off, as ``NBDIST_LOG_MEMORY=0`` does
-``memory_mib``.
+Every point after a rank's first carries the step breakdown (``comm_s``,
+``data_s``, ``compute_s``, summing to ``step_time``) and every point the rank's
+memory (``memory_mib``, ``memory_peak_mib``, on a GPU ``memory_reserved_mib``):
+:mod:`nbdist.metrics.steptime` says what each measures. On a rank that uses a
+GPU, the last point of a flush also carries the GPU's utilisation, memory and
+temperature (:mod:`nbdist.metrics.gpu`), at most once a second;
+``NBDIST_LOG_GPU=0`` turns that off, as ``NBDIST_LOG_MEMORY=0`` does the memory keys.
+
+Never blocking, never dropping silently: ``log`` holds its lock only to append
+to the buffer; tensors are detached there and read on the flush thread, outside
+that lock, so a device sync never stalls a ``log`` call. A rank keeps at most
+``NBDIST_LOG_BUFFER`` points (default 50,000) waiting to be sent; a point logged
+into a full buffer, or lost to an error, is counted, and every message carries
+that count (``dropped``) to the kernel, where ``%dist_status`` and the dashboard
+show it.
 
 Without a kernel listening (a plain script, or before ``%dist_start``),
 ``log`` keeps nothing and costs a dictionary build. A script exported by
@@ -33,14 +44,26 @@ import sys
 import threading
 import time
 
-from nbdist.metrics import flops
+from nbdist.metrics import flops, steptime
+from nbdist.metrics.steptime import data_timer
 
-__all__ = ["configure", "end_of_cell", "flush", "log", "shutdown"]
+__all__ = ["configure", "data_timer", "dropped", "end_of_cell", "flush", "log", "shutdown"]
 
 # <= 5 flushes a second per rank: the dashboard refreshes at most 5 times a second, and
 # every message costs the kernel ~0.3 ms whatever it holds (20 a second per rank cost
 # 4 % of a core at 4 ranks).
 _FLUSH_INTERVAL_S = 0.2
+# Points waiting to be sent, at most (NBDIST_LOG_BUFFER): 250 s of logging at 200 steps/s.
+_DEFAULT_BUFFER = 50_000
+# Encoded messages the kernel has not taken yet, at most; the oldest go first, counted.
+_MAX_UNSENT = 1_000
+
+
+def _buffer_size() -> int:
+    try:
+        return max(1, int(os.environ.get("NBDIST_LOG_BUFFER", _DEFAULT_BUFFER)))
+    except ValueError:
+        return _DEFAULT_BUFFER
 
 
 class _Channel:
@@ -56,16 +79,24 @@ class _Channel:
         self.socket.setsockopt(zmq.SNDHWM, 1_000_000)
         self.socket.setsockopt(zmq.LINGER, 2000)
         self.socket.connect(url)
+        # ``lock`` guards the buffer only (held by ``log`` to append); ``send_lock`` orders
+        # flushes, and is held while tensors are read, which may wait for the device.
         self.lock = threading.Lock()
+        self.send_lock = threading.Lock()
         self.pending: list[tuple[int, float, dict]] = []
-        self.unsent: list[list[bytes]] = []
+        self.unsent: list[tuple[list[bytes], int]] = []  # (frames, points in them)
+        self.max_pending = _buffer_size()
+        self.memory = os.environ.get("NBDIST_LOG_MEMORY", "1") != "0"
         self.total = 0
         self.step = -1
         self.last_call: float | None = None
         # The CUDA device this rank logs from, learnt on the logging thread (CUDA's current
         # device is per thread, and the flush thread's is not the rank's); None until then.
         self.cuda_index: int | None = None
-        self.dropped = 0
+        self.dropped = (
+            0  # points lost on this rank: a full buffer, an error; sent with each message
+        )
+        self.dropped_sent = 0
         self.wake = threading.Event()
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="nbdist-log-flush", daemon=True)
@@ -85,7 +116,7 @@ class _Channel:
             try:
                 self.flush()
             except Exception:  # a broken flush must not kill the thread or the rank
-                self.dropped += 1
+                pass
             if self.unsent:
                 self.wake.set()  # the kernel was slow to take them: retry next interval
 
@@ -95,34 +126,54 @@ class _Channel:
         from nbdist.metrics import gpu
         from nbdist.metrics.wire import encode
 
-        with self.lock:
-            batch, self.pending = self.pending, []
+        with self.send_lock:
+            with self.lock:  # only to take the batch: log() never waits for what follows
+                batch, self.pending = self.pending, []
+            self.max_pending = _buffer_size()
+            points = []
             if batch:
-                points = _to_numbers(batch)
-                if os.environ.get("NBDIST_LOG_MEMORY", "1") != "0" and points:
-                    points[-1][2]["memory_mib"] = _memory_mib()
-                if self.cuda_index is not None and os.environ.get("NBDIST_LOG_GPU", "1") != "0":
-                    # A GPU reading rides along at most once a second, whatever the flush rate:
-                    # each is a few driver calls, and the figures move slower than that.
-                    target = gpu.cuda_target(self.cuda_index)
-                    if target is not None:
-                        reading = gpu.sampler().fresh(target)
-                        points[-1][2].update(gpu.as_point_values(reading))
+                try:
+                    points = _to_numbers(batch)  # reads tensors: may wait for the device
+                except Exception:
+                    with self.lock:
+                        self.dropped += len(batch)
+            if (
+                points
+                and self.cuda_index is not None
+                and os.environ.get("NBDIST_LOG_GPU", "1") != "0"
+            ):
+                # A GPU reading rides along at most once a second, whatever the flush rate:
+                # each is a few driver calls, and the figures move slower than that.
+                target = gpu.cuda_target(self.cuda_index)
+                if target is not None:
+                    reading = gpu.sampler().fresh(target)
+                    points[-1][2].update(gpu.as_point_values(reading))
+            dropped = self.dropped
+            if points or dropped != self.dropped_sent:
                 # "total" counts every point this rank has sent, so the kernel can tell
                 # when it has all of them; counted only once the batch is encoded.
                 total = self.total + len(points)
-                message = {"k": "points", "rank": self.rank, "points": points, "total": total}
-                self.unsent.append(encode(self.key, message))
-                self.total = total
+                message = {
+                    "k": "points", "rank": self.rank, "points": points, "total": total,
+                    "dropped": dropped,
+                }  # fmt: skip
+                self._queue(encode(self.key, message), len(points))
+                self.total, self.dropped_sent = total, dropped
             if marker is not None:
                 marker = dict(marker, k="cell", rank=self.rank, total=self.total)
-                self.unsent.append(encode(self.key, marker))
+                self._queue(encode(self.key, marker), 0)
             while self.unsent:
                 try:
-                    self.socket.send_multipart(self.unsent[0], flags=zmq.NOBLOCK)
+                    self.socket.send_multipart(self.unsent[0][0], flags=zmq.NOBLOCK)
                 except zmq.Again:
                     return  # kept; the next flush retries
                 self.unsent.pop(0)
+
+    def _queue(self, frames: list[bytes], n: int) -> None:
+        if len(self.unsent) >= _MAX_UNSENT:  # the kernel takes nothing: the oldest go, counted
+            with self.lock:
+                self.dropped += self.unsent.pop(0)[1]
+        self.unsent.append((frames, n))
 
     def close(self) -> None:
         self.stopped = True
@@ -166,20 +217,24 @@ def flush(marker: dict | None = None) -> None:
 def log(step: int | None = None, **scalars) -> None:
     """Record metrics for this rank: ``nbdist.log(step=i, loss=loss, samples=len(x))``.
 
-    Values: Python numbers or 0-d tensors (converted later, in batches).
-    ``samples`` / ``tokens`` give throughput; the time between calls gives
-    ``step_time``. ``flops`` (this step's FLOPs on this rank) gives ``tflops``
-    and ``mfu`` against the device's peak, or against ``peak_tflops`` when given
-    (:mod:`nbdist.metrics.flops`). ``step`` defaults to one more than the previous call's.
-    Never raises: a bad value is skipped.
+    Values: Python numbers or 0-d tensors (detached now, read later on the flush
+    thread, in batches). ``samples`` / ``tokens`` give throughput; the time
+    between calls gives ``step_time`` and its breakdown (``comm_s``, ``data_s``,
+    ``compute_s``; ``data_time`` = seconds this step waited for data, else the
+    time inside :func:`data_timer` blocks). ``flops`` (this step's FLOPs on this
+    rank) gives ``tflops`` and ``mfu`` against the device's peak, or against
+    ``peak_tflops`` when given (:mod:`nbdist.metrics.flops`). ``step`` defaults
+    to one more than the previous call's. Never raises: a bad value is skipped.
     """
     channel = _channel
     if channel is None:
         return
     try:
         now = resume = time.time()
+        comm, data, events = steptime.take()
         if channel.cuda_index is None:
             channel.cuda_index = _cuda_device()
+        memory = steptime.memory(channel.cuda_index) if channel.memory else {}
         peak = scalars.pop("peak_tflops", None)
         if "flops" in scalars:
             if peak is None:
@@ -190,12 +245,23 @@ def log(step: int | None = None, **scalars) -> None:
             peak = _as_float(peak)
             if peak is not None and not (peak > 0 and math.isfinite(peak)):
                 peak = None
+        for key, value in scalars.items():
+            if not isinstance(value, (int, float)) and hasattr(value, "detach"):
+                scalars[key] = value.detach()  # no sync; frees the autograd graph now
+        if "data_time" in scalars:
+            data = "data_time"  # resolved at flush: it may be a tensor
         with channel.lock:
+            if len(channel.pending) >= channel.max_pending:
+                channel.dropped += 1
+                channel.last_call = resume
+                return
             channel.step = channel.step + 1 if step is None else int(step)
             values = dict(scalars)
+            values.update(memory)
             if channel.last_call is not None:
                 dt = now - channel.last_call
                 values["step_time"] = dt
+                values[_SPLIT] = (dt, comm, data, events)  # comm_s, data_s, compute_s at flush
                 for key in ("samples", "tokens"):
                     if key in values and dt > 0:
                         values[f"{key}_per_s"] = (key, dt)  # resolved at flush (tensor-safe)
@@ -209,6 +275,10 @@ def log(step: int | None = None, **scalars) -> None:
                 channel.wake.set()  # the flush thread sleeps until there is something to send
     except Exception:
         channel.dropped += 1
+
+
+# The key under which a point waits, until flush, for its step breakdown's parts.
+_SPLIT = "__split"
 
 
 def _to_numbers(batch: list[tuple[int, float, dict]]) -> list[list]:
@@ -232,6 +302,17 @@ def _to_numbers(batch: list[tuple[int, float, dict]]) -> list[list]:
     out = []
     for step, when, values in batch:
         clean = {}
+        split = values.pop(_SPLIT, None)
+        if split is not None:
+            dt, comm, data, events = split
+            if events:  # CUDA collectives: the device time between their events
+                try:
+                    comm += steptime.events_seconds(events)
+                except Exception:
+                    comm = math.nan
+            if isinstance(data, str):
+                data = _as_float(values.get(data))
+            clean.update(steptime.split(dt, comm, data or 0.0))
         for key, value in values.items():
             if isinstance(value, tuple):  # ("samples", dt) -> samples / dt
                 source, scale = value
@@ -267,20 +348,10 @@ def _cuda_device() -> int | None:
     return None
 
 
-def _memory_mib() -> float:
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return torch.cuda.max_memory_allocated() / 2**20
-    except Exception:
-        pass
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return math.nan
+def dropped() -> int:
+    """Points this rank logged but could not send (a full buffer, an error); normally 0."""
+    channel = _channel
+    return 0 if channel is None else channel.dropped
 
 
 def end_of_cell() -> int | None:

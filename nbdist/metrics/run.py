@@ -12,9 +12,11 @@ Keys with a meaning, computed on the rank when the point is logged:
 ``samples_per_s`` / ``tokens_per_s`` (from ``samples`` / ``tokens`` and
 ``step_time``), ``tflops`` / ``mfu`` (from ``flops``, the FLOPs of the step:
 ``flops / step_time / 1e12``, and that over the device's peak TFLOP/s, a
-fraction; see :mod:`nbdist.metrics.flops`) and ``memory_mib`` (CUDA peak
-allocated on a GPU, process RSS on CPU; sampled once per flush, so only on some
-points). On a rank that uses a
+fraction; see :mod:`nbdist.metrics.flops`), the step breakdown ``comm_s`` /
+``data_s`` / ``compute_s`` (summing to ``step_time``) and the memory keys
+``memory_mib`` / ``memory_peak_mib`` (and ``memory_reserved_mib`` on a GPU) on
+every point; see :mod:`nbdist.metrics.steptime`. ``Run.dropped`` holds, per
+rank, the points it could not send (normally none). On a rank that uses a
 GPU, at most one point a second also carries ``gpu_util`` (%), ``gpu_mem_mib`` /
 ``gpu_mem_total_mib`` (the whole GPU's memory in use and in all, every process's),
 ``gpu_temp_c`` and ``gpu_index`` (NVML's number of that GPU); see
@@ -29,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from nbdist.metrics.gpu import GPU_KEYS
+from nbdist.metrics.steptime import BREAKDOWN_KEYS, MEMORY_KEYS
 
 __all__ = ["DERIVED_KEYS", "Run", "RankSeries"]
 
@@ -38,7 +41,9 @@ DERIVED_KEYS = (
     "tokens_per_s",
     "tflops",
     "mfu",
-    "memory_mib",
+    *BREAKDOWN_KEYS,
+    "data_time",
+    *MEMORY_KEYS,
     *GPU_KEYS,
 )
 
@@ -90,6 +95,8 @@ class Run:
         self.label = label
         # rank -> host, set by the session when the ranks span several hosts (the table shows it)
         self.hosts: dict[int, str] = {}
+        # rank -> points the rank logged but could not send (its running count; normally 0)
+        self.dropped: dict[int, int] = {}
         self._ranks: dict[int, RankSeries] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Run], None]] = []
@@ -100,6 +107,18 @@ class Run:
         return f"<Run {self.id}: {self.world_size} ranks, {self.count()} points>"
 
     # -- writing (collector thread) ----------------------------------------
+    def set_dropped(self, rank: int, count: int) -> None:
+        """Record that ``rank`` has dropped ``count`` points in all (a running count)."""
+        with self._lock:
+            if count > self.dropped.get(rank, 0):
+                self.dropped[rank] = count
+                self.version += 1
+
+    def dropped_total(self) -> int:
+        """Points dropped on all ranks together (0 when nothing was lost)."""
+        with self._lock:
+            return sum(self.dropped.values())
+
     def add(self, rank: int, points: Iterable[tuple[int, float, dict[str, float]]]) -> int:
         """Append ``(step, time, scalars)`` points of ``rank``; returns how many."""
         with self._lock:
@@ -163,7 +182,7 @@ class Run:
         """(steps, values) of ``key`` on ``rank``, from that key's ``start``-th point; copies.
 
         ``start`` lets a reader that already has the first points fetch only new
-        ones (a live dashboard would otherwise copy the whole series each update).
+        ones (a negative ``start`` takes the latest ``-start`` points, a live dashboard would otherwise copy the whole series each update).
         """
         return self._column(key, rank, start, by_time=False)
 

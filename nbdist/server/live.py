@@ -245,6 +245,8 @@ class LiveView:
         that sent GPU readings also has ``gpu`` (:func:`gpu_payload`); others have none.
         A rank that logged ``flops`` also has ``tflops`` (its latest achieved TFLOP/s) and
         ``mfu`` (that as a fraction of its device's peak; null when no peak was had).
+        A rank that logs the step breakdown also has ``breakdown``: its latest point's
+        ``compute_s``, ``comm_s`` and ``data_s``; ``memory_peak_mib`` when it was logged.
         """
         reader = self.reader(entry)
         local = self.is_local(entry)
@@ -290,6 +292,11 @@ class LiveView:
                 rows[-1]["gpu"] = figures
             if "tflops" in last:
                 rows[-1].update(tflops=last["tflops"], mfu=last.get("mfu"))
+            if "comm_s" in last:
+                parts = ("compute_s", "comm_s", "data_s")
+                rows[-1]["breakdown"] = {k: last.get(k) for k in parts}
+            if "memory_peak_mib" in last:
+                rows[-1]["memory_peak_mib"] = round(last["memory_peak_mib"], 1)
         return rows
 
     def clusters(self) -> list[dict]:

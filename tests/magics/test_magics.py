@@ -166,7 +166,9 @@ def test_restart_gives_fresh_ranks(started, capsys):
     run(started, "%%on_all_ranks\nleftover = 1")
     old = {r.pid for r in started.magics_manager.registry["DistMagics"].session.ranks}
     started.run_line_magic("dist_restart", "")
-    assert "nbdist: 2 ranks ready" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nbdist: restarted 2 ranks in " in out
+    assert "names defined in cells are gone" in out
     session = started.magics_manager.registry["DistMagics"].session
     assert {r.pid for r in session.ranks}.isdisjoint(old)
     result = run(started, "%%on_all_ranks\nprint('leftover' in globals(), world_size)")

@@ -1,0 +1,157 @@
+"""Kernel side, the processes kept: a fast restart forks fresh ranks from the running zygote.
+
+``%dist_start`` pays for a controller and for a zygote that imports torch and
+the engine stack; a restart needs neither again. :func:`restart_in_place`
+keeps both: it asks the zygote (SIGUSR1, see :mod:`nbdist.launch.zygote`) to
+end every process below it, the old ranks and whatever they started, and to
+fork one fresh engine per slot; the old engines' registrations leave the
+controller at once (an ``unregistration_request``, the message an engine sends
+when it leaves, instead of ten missed heartbeats), and the new engines
+register under new engine ids. The caller forms the group again over them.
+
+:func:`in_place_refusal` says when this cannot be done and a full restart
+(stop, then start) is needed: an attached cluster or one started by another
+launcher (their engines are not forks of a zygote of ours), engines that were
+spawned (nothing imported to fork from), a zygote or controller that is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+
+from nbdist.errors import NbdistError
+from nbdist.launch.cluster import ClusterHandle
+from nbdist.launch.launcher import ZygoteEngineSetLauncher
+
+__all__ = ["in_place_refusal", "restart_in_place"]
+
+# The zygote's own stop grace (3 s) for what ignores SIGTERM, then forking.
+_ZYGOTE_REPLY_S = 10.0
+
+
+def in_place_refusal(handle: ClusterHandle) -> str:
+    """Why ``handle``'s ranks need a full restart ('' when the zygote can fork fresh ones)."""
+    engines = handle.engine_launcher()
+    if not handle.owned:
+        return (
+            "attached cluster: its engines are not nbdist's to end or fork, so they left "
+            "the group and formed it again"
+        )
+    if not isinstance(engines, ZygoteEngineSetLauncher):
+        return (
+            f"engines started by ipyparallel's {handle.start_method} launcher, not forked by "
+            "nbdist's zygote: they are stopped and started again"
+        )
+    if handle.start_method != "fork":
+        return "engines were spawned, not forked (--spawn): nothing imported to fork from"
+    status = engines.read_status()
+    if _zygote(engines, status) is None:
+        return "the engine zygote is gone"
+    controller = getattr(handle.cluster, "controller", None)
+    if controller is None or not _alive(getattr(controller, "pid", None)):
+        return "the controller is gone"
+    return ""
+
+
+def restart_in_place(handle: ClusterHandle, *, n: int, timeout: float) -> list[int]:
+    """End the ranks, fork ``n`` fresh engines from the zygote, wait until they registered.
+
+    Returns the new engines' PIDs (in slot order); ``handle.pids`` then holds
+    them instead of the old ones. Raises :class:`~nbdist.errors.NbdistError`
+    if the zygote does not answer or the engines do not register in ``timeout`` s.
+    """
+    engines = handle.engine_launcher()
+    status = engines.read_status()
+    zygote = _zygote(engines, status)
+    if zygote is None:
+        raise NbdistError("the engine zygote is gone")
+    client = handle.client
+    old_ids, old_pids = set(client.ids), set(status.get("pids", []))
+    generation = status.get("generation", 0) + 1
+    zygote.send_signal(signal.SIGUSR1)  # psutil: never a reused PID
+    deadline = time.monotonic() + _ZYGOTE_REPLY_S
+    while status.get("generation", 0) < generation:
+        if time.monotonic() > deadline or not zygote.is_running():
+            raise NbdistError(
+                f"the engine zygote (pid {zygote.pid}) did not fork fresh ranks within "
+                f"{_ZYGOTE_REPLY_S:g} s"
+            )
+        time.sleep(0.005)
+        status = engines.read_status()
+    # The old engines are gone now (the zygote reaped them): their registrations go too.
+    _unregister(handle, sorted(old_ids & set(client.ids)))
+    handle.pids = {p for p in handle.pids - old_pids if _alive(p)} | set(status["pids"])
+    deadline = time.monotonic() + timeout
+    while True:
+        ids = set(client.ids)
+        if not ids & old_ids and len(ids) >= n:
+            return list(status["pids"])
+        if time.monotonic() > deadline:
+            raise NbdistError(
+                f"the {n} fresh ranks did not all register within {timeout:g} s "
+                f"(registered: {len(ids - old_ids)}; old engines still listed: "
+                f"{sorted(ids & old_ids)}): raise --timeout if the machine is busy"
+            )
+        time.sleep(0.005)
+
+
+def _zygote(engines: ZygoteEngineSetLauncher, status: dict) -> psutil.Process | None:
+    """The running zygote process, as ipyparallel started it (None if it is gone)."""
+    pid = getattr(engines, "pid", None)
+    if not pid or status.get("zygote") != pid:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        return proc if proc.status() != psutil.STATUS_ZOMBIE else None
+    except psutil.Error:
+        return None
+
+
+def _alive(pid) -> bool:
+    try:
+        return bool(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _unregister(handle: ClusterHandle, engine_ids: list[int]) -> None:
+    """Ask the controller to drop ``engine_ids`` now, as a leaving engine does.
+
+    Without this the controller drops a dead engine after ten missed heartbeats
+    (about 1.1 s); where it cannot be sent (CurveZMQ, no connection file), that
+    is what happens, and the caller waits for it.
+    """
+    cluster, session = handle.cluster, handle.client.session
+    if not engine_ids or cluster is None or not session.key:
+        return
+    import zmq
+    from jupyter_client.session import Session
+
+    path = os.path.join(
+        cluster.profile_dir, "security", f"ipcontroller-{cluster.cluster_id}-client.json"
+    )
+    try:
+        with open(path) as f:
+            info = json.load(f)
+        url = f"{info['interface']}:{info['registration']}"
+    except (OSError, ValueError, KeyError):
+        return
+    signer = Session(
+        key=session.key,
+        signature_scheme=session.signature_scheme,
+        packer=session.packer,
+        unpacker=session.unpacker,
+    )
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.linger = 1000
+        sock.connect(url)
+        for eid in engine_ids:
+            signer.send(sock, "unregistration_request", content={"id": eid})
+    finally:
+        sock.close()

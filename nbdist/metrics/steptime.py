@@ -1,0 +1,178 @@
+"""Rank side: where a step's time went (communication, data loading, compute) and the rank's memory.
+
+``nbdist.log`` turns the time between two of its calls (``step_time``) into
+three parts, stored with every point after the first::
+
+    comm_s     wall time inside nbdist's wrapped collectives (dist.all_reduce, ...)
+    data_s     time waiting for data: nbdist.log(data_time=...) or nbdist.data_timer()
+    compute_s  step_time - comm_s - data_s (everything else)
+
+so ``compute_s + comm_s + data_s == step_time`` on every point, to float rounding.
+
+What ``comm_s`` measures, and its limits:
+
+- A collective called through the ``torch.distributed`` namespace
+  (:mod:`nbdist.engine.collectives` wraps them) adds the wall time from its
+  call to its return. For a blocking call on gloo (CPU) that is the whole
+  collective, the wait for slower peers included.
+- With ``async_op=True`` only the launch is counted; the ``work.wait()`` that
+  follows is not wrapped and lands in ``compute_s``.
+- On a GPU, where NCCL collectives return once queued, each collective on CUDA
+  tensors is bracketed by two CUDA events on the current stream; ``comm_s`` is
+  the device time between them (the stream's wait for the collective), read
+  later on the flush thread, never on the training thread.
+- DDP's gradient all-reduces run from its C++ reducer and do not pass through
+  the wrapper: they overlap backward, and what is not hidden shows in
+  ``compute_s``. A DDP comm hook written in Python
+  (``model.register_comm_hook(state, hook)``; torch's ``allreduce_hook`` too)
+  calls ``dist.all_reduce(..., async_op=True)``, so its launches are counted.
+
+``data_s``: waiting for data cannot be told apart from compute without a
+hook, so nbdist counts it only when told: ``nbdist.log(data_time=seconds)``
+(capped at what the step left after communication; the raw value is kept as
+``data_time``), else the time spent inside :func:`data_timer` blocks since the
+previous ``log``, else 0 (the wait, if any, is in ``compute_s``).
+
+Memory (per point unless ``NBDIST_LOG_MEMORY=0``): on a rank that uses CUDA,
+``memory_mib`` (``torch.cuda.memory_allocated``), ``memory_reserved_mib``
+(``memory_reserved``) and ``memory_peak_mib`` (``max_memory_allocated``); these
+read the caching allocator's counters and never sync the device. On CPU,
+``memory_mib`` is the process's resident set (RSS, ``/proc/self/statm``) and
+``memory_peak_mib`` its high-water mark (``getrusage``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import threading
+import time
+
+__all__ = [
+    "BREAKDOWN_KEYS",
+    "MEMORY_KEYS",
+    "collective_done",
+    "cuda_comm_events",
+    "data_timer",
+    "events_seconds",
+    "memory",
+    "split",
+    "take",
+]
+
+BREAKDOWN_KEYS = ("compute_s", "comm_s", "data_s")
+MEMORY_KEYS = ("memory_mib", "memory_reserved_mib", "memory_peak_mib")
+
+# Running sums since the last ``take()``; read and reset by ``nbdist.log`` on the training
+# thread. Collectives from other threads (autograd's, for a comm hook) add without a lock:
+# a float add under the GIL; at worst one collective lands in the next step.
+_comm = 0.0
+_data = 0.0
+_events: list = []  # (start, end) CUDA event pairs of this step's collectives
+_statm: tuple[int, int] | None = None  # (pid, fd): a forked rank must not read its parent's
+_page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
+_local = threading.local()
+
+
+def collective_done(seconds: float) -> None:
+    """Add the wall time of one collective call (called by the collectives wrapper)."""
+    global _comm
+    _comm += seconds
+
+
+def cuda_comm_events(tensor):
+    """A started (start, end) CUDA event pair when ``tensor`` is on a GPU, else None.
+
+    The caller records ``end`` after the collective returns; both are on the
+    current stream, so their elapsed time is how long that stream waited.
+    """
+    try:
+        if not getattr(tensor, "is_cuda", False):
+            return None
+        import torch
+
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        _events.append((start, end))
+        return end
+    except Exception:
+        return None
+
+
+@contextlib.contextmanager
+def data_timer():
+    """Count the time inside this block as waiting for data (``data_s`` of the step).
+
+    ``with nbdist.data_timer(): x, y = next(batches)``. Nested blocks count once.
+    """
+    global _data
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        _local.depth = depth
+        if depth == 0:
+            _data += time.perf_counter() - t0
+
+
+def take() -> tuple[float, float, list]:
+    """(comm seconds, data-timer seconds, CUDA event pairs) since the previous call; resets them."""
+    global _comm, _data, _events
+    comm, data, events = _comm, _data, _events
+    _comm, _data, _events = 0.0, 0.0, []
+    return comm, data, events
+
+
+def split(step_time: float, comm: float, data: float) -> dict[str, float]:
+    """``comm_s``, ``data_s`` and ``compute_s`` of a step, each capped so none is negative.
+
+    Communication is measured inside the step, so it is at most ``step_time``
+    but for float rounding; data time the user logged may be anything, and
+    gets what communication left.
+    """
+    comm = min(max(comm, 0.0), step_time)
+    data = min(max(data, 0.0), step_time - comm)
+    return {"comm_s": comm, "data_s": data, "compute_s": step_time - comm - data}
+
+
+def events_seconds(events: list) -> float:
+    """Device seconds between each (start, end) event pair, summed (flush thread: may wait)."""
+    total = 0.0
+    for start, end in events:
+        end.synchronize()  # the flush thread waits for the device, never the training loop
+        total += start.elapsed_time(end) / 1000.0
+    return total
+
+
+def memory(cuda_index: int | None) -> dict[str, float]:
+    """This rank's memory now, in MiB (the keys of :data:`MEMORY_KEYS`); no device sync."""
+    if cuda_index is not None:
+        torch = sys.modules.get("torch")
+        try:
+            return {
+                "memory_mib": torch.cuda.memory_allocated(cuda_index) / 2**20,
+                "memory_reserved_mib": torch.cuda.memory_reserved(cuda_index) / 2**20,
+                "memory_peak_mib": torch.cuda.max_memory_allocated(cuda_index) / 2**20,
+            }
+        except Exception:
+            return {}
+    global _statm
+    out: dict[str, float] = {}
+    try:
+        if _statm is None or _statm[0] != os.getpid():
+            _statm = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY))
+        out["memory_mib"] = int(os.pread(_statm[1], 128, 0).split()[1]) * _page_mib
+    except (OSError, ValueError, IndexError):
+        out["memory_mib"] = math.nan
+    try:
+        import resource
+
+        out["memory_peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    except (ImportError, OSError):
+        pass
+    return out
