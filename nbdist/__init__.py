@@ -32,7 +32,7 @@ from nbdist.engine.helpers import (
 from nbdist.engine.profiling import profile
 from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError, RankError
 from nbdist.metrics.flops import device_peak, flops_per_step, set_peak, transformer_flops
-from nbdist.metrics.log import log
+from nbdist.metrics.log import data_timer, log
 from nbdist.metrics.store import runs
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "RankError",
     "checkpoint",
     "current_session",
+    "data_timer",
     "device",
     "device_peak",
     "diff",

@@ -372,7 +372,8 @@ class DistSession:
     def status(self) -> list[dict]:
         """One row per rank: rank, engine, host, pid, device, backend, state, memory, GPU figures."""
         self._require_running()
-        return rank_status(self._handle, self.ranks, self.backend, self.dead_ranks())
+        drop = self._hub.run.dropped if self._hub is not None else None
+        return rank_status(self._handle, self.ranks, self.backend, self.dead_ranks(), dropped=drop)
 
     def rank_states(self) -> dict[int, str]:
         """{rank: state} in the words of :mod:`nbdist.rank_states` ({} when not running)."""

@@ -26,18 +26,15 @@ every rank's trace into one and deletes the temporary files. Under plain
 ``%dist_profile N`` calls :func:`arm` on the ranks: the next ``nbdist.log``
 call starts a profile of the next N steps, without a ``with`` block.
 
-How the steps reach this module: ``nbdist.log`` calls the hooks in
-``nbdist.metrics.log.step_hooks`` when that list exists; otherwise, while a
-profile is armed or running, ``nbdist.log`` (the package attribute) is wrapped
-so that each call also ends a step here (``from nbdist import log``, bound
-earlier, then does not count: use ``nbdist.log`` or ``prof.step()``).
+How the steps reach this module: while a profile is armed or running,
+:func:`on_log` is in ``nbdist.metrics.log.step_hooks``, which every
+``nbdist.log`` call runs first.
 """
 
 from __future__ import annotations
 
 import gzip
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -55,7 +52,6 @@ _active: Profile | None = None  # the profile nbdist.log steps
 _armed: dict | None = None  # %dist_profile's request, started by the next nbdist.log call
 _ready: dict[int, dict] = {}  # sequence number -> record of a finished profile
 _count = 0  # profiles started on this rank: ranks running the same code agree on the numbers
-_wrapped: tuple | None = None  # (package, original log) while nbdist.log is wrapped
 
 
 class Profile:
@@ -296,47 +292,17 @@ def discard(seq: int) -> None:
             pass
 
 
-def _step_hooks():
-    log_module = sys.modules.get("nbdist.metrics.log")
-    if log_module is None:
-        from nbdist.metrics import log as log_module
-    return log_module, getattr(log_module, "step_hooks", None)
-
-
 def _install_hook() -> None:
-    global _wrapped
-    log_module, hooks = _step_hooks()
-    if isinstance(hooks, list):
-        if on_log not in hooks:
-            hooks.append(on_log)
-        return
-    package = sys.modules.get("nbdist")
-    if (
-        _wrapped is not None
-        or package is None
-        or getattr(package, "log", None) is not log_module.log
-    ):
-        return
-    original = log_module.log
+    from nbdist.metrics.log import step_hooks
 
-    def log(step=None, **scalars):
-        original(step, **scalars)
-        on_log(step)
-
-    log.__doc__, log.__wrapped__ = original.__doc__, original
-    package.log = log
-    _wrapped = (package, original, log)
+    if on_log not in step_hooks:
+        step_hooks.append(on_log)
 
 
 def _uninstall_hook() -> None:
-    global _wrapped
+    from nbdist.metrics.log import step_hooks
+
     if _armed is not None or (_active is not None and not _active.done):
         return
-    _, hooks = _step_hooks()
-    if isinstance(hooks, list) and on_log in hooks:
-        hooks.remove(on_log)
-    if _wrapped is not None:
-        package, original, wrapper = _wrapped
-        if getattr(package, "log", None) is wrapper:
-            package.log = original
-        _wrapped = None
+    if on_log in step_hooks:
+        step_hooks.remove(on_log)

@@ -6,14 +6,14 @@ import time
 import warnings
 
 from nbdist.metrics.collector import Collector
-from nbdist.metrics.run import Run
+from nbdist.metrics.run import EVENT_KEYS, Run
 from nbdist.metrics.store import RunStore
 
 __all__ = ["RESTART_KEY", "MetricsHub"]
 
 # The key of the point :meth:`MetricsHub.mark_restart` adds on every rank: the
 # run's restart count, at the rank's last logged step (an event, not a metric).
-RESTART_KEY = "restart"
+RESTART_KEY = EVENT_KEYS[0]
 
 # After a cell, how long to wait for the ranks' last points before moving on.
 _SETTLE_TIMEOUT_S = 2.0

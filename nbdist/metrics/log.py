@@ -214,6 +214,11 @@ def flush(marker: dict | None = None) -> None:
         channel.flush(marker)
 
 
+# Called with each log call's ``step`` (None when not given), before anything else:
+# how other rank-side modules (nbdist.engine.profiling) see steps without an import cycle.
+step_hooks: list = []
+
+
 def log(step: int | None = None, **scalars) -> None:
     """Record metrics for this rank: ``nbdist.log(step=i, loss=loss, samples=len(x))``.
 
@@ -226,6 +231,8 @@ def log(step: int | None = None, **scalars) -> None:
     ``peak_tflops`` when given (:mod:`nbdist.metrics.flops`). ``step`` defaults
     to one more than the previous call's. Never raises: a bad value is skipped.
     """
+    for hook in step_hooks:  # e.g. nbdist.profile counting steps; never raises
+        hook(step)
     channel = _channel
     if channel is None:
         return

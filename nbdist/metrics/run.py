@@ -33,8 +33,11 @@ from dataclasses import dataclass, field
 from nbdist.metrics.gpu import GPU_KEYS
 from nbdist.metrics.steptime import BREAKDOWN_KEYS, MEMORY_KEYS
 
-__all__ = ["DERIVED_KEYS", "Run", "RankSeries"]
+__all__ = ["DERIVED_KEYS", "EVENT_KEYS", "Run", "RankSeries"]
 
+# Points that mark an event rather than measure something (MetricsHub.mark_restart):
+# kept in the run and the history, but no chart or table column of their own.
+EVENT_KEYS = ("restart",)
 DERIVED_KEYS = (
     "step_time",
     "samples_per_s",
@@ -175,7 +178,7 @@ class Run:
         with self._lock:
             for series in self._ranks.values():
                 seen.update(dict.fromkeys(series.values))
-        user = [k for k in seen if k not in DERIVED_KEYS]
+        user = [k for k in seen if k not in DERIVED_KEYS and k not in EVENT_KEYS]
         return user + [k for k in DERIVED_KEYS if k in seen]
 
     def series(self, key: str, rank: int, start: int = 0) -> tuple[list[int], list[float]]:
