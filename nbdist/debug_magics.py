@@ -1,8 +1,9 @@
-"""Kernel side: %dist_debug (post-mortem pdb on a rank) and the other debugging magics.
+"""Kernel side: %dist_debug (post-mortem pdb on a rank), %dist_debugpy and the other debugging magics.
 
 Registered by :func:`nbdist.magics.register`; each magic parses its line and
-calls the library (:mod:`nbdist.driver.debugging`). How debugging on the
-ranks works, with a worked session: docs/debugging.md.
+calls the library (:mod:`nbdist.driver.debugging`,
+:mod:`nbdist.engine.debugpy_server`). How debugging on the ranks works, with
+a worked session: docs/debugging.md.
 """
 
 from __future__ import annotations
@@ -80,3 +81,68 @@ class DebugMagics(Magics):
                     "name a rank to debug its last failed cell, e.g. %dist_debug --rank 1"
                 )
         post_mortem(session, rank)
+
+    @magic_arguments()
+    @argument("rank", help="the rank to debug")
+    @argument("--port", default="0", help="the port to listen on (default 0: a free one)")
+    @argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default loopback; any other is reachable from the network)",
+    )
+    @line_magic
+    def dist_debugpy(self, line=""):
+        """Start debugpy listening on one rank and print how to attach a debugger to it.
+
+        debugpy listens on loopback (127.0.0.1) on RANK's host, on --port (0,
+        the default: a free port the OS picks); the address, a VS Code
+        ``launch.json`` configuration ("type": "debugpy", "request": "attach")
+        and, for a rank on another host, the SSH tunnel to open are printed.
+        Calling it again on the same rank shows the same listener (debugpy
+        listens once per process). Cells keep running while nobody is
+        attached; a breakpoint set in the debugger, in a .py file the rank
+        imports, stops that rank when a later cell reaches it, and the cell
+        waits until the debugger continues (or detaches). Code typed in a cell
+        has no file to set a breakpoint in: ``breakpoint()`` there opens pdb in
+        the notebook instead (%dist_debug?). Example::
+
+            %dist_debugpy 1
+            # rank 1: debugpy listening on 127.0.0.1:43517 (pid 8120)
+            # VS Code (Python Debugger extension): add this to .vscode/launch.json's ...
+
+            %%on_all_ranks --noblock
+            loss = train_step(model, batch)   # rank 1 stops at your breakpoint
+
+        JupyterLab's debugger debugs the notebook's own kernel and cannot
+        attach to a port: use VS Code, or another Debug Adapter Protocol client
+        that attaches to a debugpy server by host and port. --host 0.0.0.0
+        listens on every interface (a warning says so): whoever reaches the port
+        can run any code on the rank. See docs/debugging.md.
+        """
+        from nbdist.engine import debugpy_server
+        from nbdist.launch.values import is_digits
+
+        args = parse_magic_line(self.dist_debugpy, line)
+        session = self.dist.session
+        if session is None or not session.running:
+            raise UsageError(
+                "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
+            )
+        if not is_digits(args.rank) or int(args.rank) >= session.world_size:
+            raise UsageError(
+                f"rank {args.rank!r}: give a rank of this cluster, 0..{session.world_size - 1}"
+            )
+        if not is_digits(args.port) or int(args.port) > 65535:
+            raise UsageError(
+                f"--port {args.port!r}: give a TCP port, 1..65535, or 0 for a free one"
+            )
+        rank, port = int(args.rank), int(args.port)
+        if not debugpy_server.is_loopback(args.host):
+            print(
+                f"warning: debugpy on rank {rank} will listen on {args.host}, beyond loopback: "
+                "anyone who can reach that port can run any code on the rank (debugpy asks "
+                "for no password); an SSH tunnel to 127.0.0.1 is the safe way in",
+                file=sys.stderr,
+            )
+        endpoint = session.apply(debugpy_server.listen, port, args.host, ranks=[rank])[0]
+        print(debugpy_server.attach_text(endpoint))
