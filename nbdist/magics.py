@@ -59,7 +59,9 @@ class DistMagics(Magics):
     @argument("--attach", default=None, help="cluster file of a running ipyparallel cluster")
     @argument("--ip", default="127.0.0.1", help="controller address (default loopback only)")
     @argument("--spawn", action="store_true", help="start engines as separate processes, no fork")
-    @argument("--check", action="store_true", help="time each rank's link to rank 0 (a few seconds at most)")
+    @argument(
+        "--check", action="store_true", help="time each rank's link to rank 0 (seconds at most)"
+    )
     @argument("--partition", default=None, help="--launcher slurm: the partition (queue)")
     @argument("--time", default=None, help="--launcher slurm: time limit, e.g. 01:00:00")
     @argument("--account", default=None, help="--launcher slurm: the account to charge")
