@@ -141,9 +141,11 @@ def test_status_table(started, capsys):
         "backend",
         "state",
         "memory",
+        "dropped",
     ]
     assert [row.split()[0] for row in out[1:]] == ["0", "1"]
     assert all(" gloo " in row and " idle " in row for row in out[1:])
+    assert all(row.split()[-1] == "0" for row in out[1:])  # no metrics point lost
 
 
 def test_start_while_running_changes_nothing(started):
