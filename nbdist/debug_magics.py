@@ -11,22 +11,17 @@ from __future__ import annotations
 import sys
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from nbdist.magic_args import parse_magic_line
+from nbdist.magic_args import SessionMagics, parse_magic_line
 
 __all__ = ["DebugMagics"]
 
 
 @magics_class
-class DebugMagics(Magics):
+class DebugMagics(SessionMagics):
     """Magics that reach the session through nbdist's :class:`~nbdist.magics.DistMagics`."""
-
-    def __init__(self, shell, dist_magics):
-        """Magics for ``shell`` that use ``dist_magics.session`` and ``dist_magics.run_on_ranks``."""
-        super().__init__(shell)
-        self.dist = dist_magics
 
     @magic_arguments()
     @argument("--rank", default=None, help="the rank to debug (default: the one that failed)")
@@ -60,11 +55,7 @@ class DebugMagics(Magics):
         from nbdist.launch.values import is_digits
 
         args = parse_magic_line(self.dist_debug, line)
-        session = self.dist.session
-        if session is None or not session.running:
-            raise UsageError(
-                "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
-            )
+        session = self.dist.running_session()
         if args.rank is not None:
             if not is_digits(args.rank) or int(args.rank) >= session.world_size:
                 raise UsageError(
@@ -123,11 +114,7 @@ class DebugMagics(Magics):
         from nbdist.launch.values import is_digits
 
         args = parse_magic_line(self.dist_debugpy, line)
-        session = self.dist.session
-        if session is None or not session.running:
-            raise UsageError(
-                "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
-            )
+        session = self.dist.running_session()
         if not is_digits(args.rank) or int(args.rank) >= session.world_size:
             raise UsageError(
                 f"rank {args.rank!r}: give a rank of this cluster, 0..{session.world_size - 1}"

@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import line_magic, magics_class
 
 from nbdist.errors import PlacementError
+from nbdist.magic_args import SessionMagics
 
 __all__ = ["InspectMagics", "parse_profile_line", "split_diff_line"]
 
@@ -68,13 +69,12 @@ def parse_profile_line(line: str) -> tuple[int | None, int, bool]:
 
 
 @magics_class
-class InspectMagics(Magics):
+class InspectMagics(SessionMagics):
     """Magics that reach the session through nbdist's :class:`~nbdist.magics.DistMagics`."""
 
     def __init__(self, shell, dist_magics):
         """Magics for ``shell`` that use ``dist_magics.session`` and ``dist_magics.run_on_ranks``."""
-        super().__init__(shell)
-        self.dist = dist_magics
+        super().__init__(shell, dist_magics)
         self._profile_armed = False
         if shell is not None:
             # After each cell: gather a profile the ranks finished (cheap unless one may be ready).
@@ -82,14 +82,6 @@ class InspectMagics(Magics):
             for old in [c for c in callbacks if getattr(c, "__name__", "") == "_gather_profile"]:
                 shell.events.unregister("post_run_cell", old)
             shell.events.register("post_run_cell", self._gather_profile)
-
-    def _running_session(self):
-        session = self.dist.session
-        if session is None or not session.running:
-            raise UsageError(
-                "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
-            )
-        return session
 
     @line_magic
     def dist_diff(self, line=""):
@@ -119,7 +111,7 @@ class InspectMagics(Magics):
         from nbdist.driver.diff import compare
 
         expr, ranks, ref = split_diff_line(line)
-        session = self._running_session()
+        session = self.dist.running_session()
         try:
             result = compare(session, expr, ranks, ref)
         except PlacementError as exc:
@@ -160,7 +152,7 @@ class InspectMagics(Magics):
         from nbdist.engine import profiling
 
         steps, skip, gather = parse_profile_line(line)
-        session = self._running_session()
+        session = self.dist.running_session()
         if gather:
             merged = collect(session, stop=True)
             self._profile_armed = False

@@ -7,12 +7,13 @@ words a bad line the same way.
 from __future__ import annotations
 
 from IPython.core.error import UsageError
+from IPython.core.magic import Magics
 from IPython.core.magic_arguments import parse_argstring
 
 from nbdist.errors import PlacementError
 from nbdist.launch.values import parse_seconds
 
-__all__ = ["parse_magic_line", "seconds"]
+__all__ = ["SessionMagics", "parse_magic_line", "seconds"]
 
 
 def seconds(text: str) -> float:
@@ -33,3 +34,12 @@ def parse_magic_line(magic, line: str):
         raise UsageError(f"could not parse {line!r}: see the magic's help (?)") from exc
     except ValueError as exc:  # the line's quotes do not close
         raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
+
+
+class SessionMagics(Magics):
+    """Magics that reach nbdist's session through its :class:`~nbdist.magics.DistMagics`."""
+
+    def __init__(self, shell, dist_magics):
+        """Magics for ``shell`` that use ``dist_magics.session`` and ``dist_magics.run_on_ranks``."""
+        super().__init__(shell)
+        self.dist = dist_magics

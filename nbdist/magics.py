@@ -38,7 +38,8 @@ class DistMagics(Magics):
         self.last_run = None
 
     # -- helpers ----------------------------------------------------------
-    def _running(self):
+    def running_session(self):
+        """The running session; a UsageError naming %dist_start when there is none."""
         if self.session is None or not self.session.running:
             raise UsageError(
                 "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
@@ -164,7 +165,7 @@ class DistMagics(Magics):
         """
         if line.strip():
             raise UsageError(f"%dist_restart takes no arguments, got {line.strip()!r}")
-        self._running().restart()
+        self.running_session().restart()
         print(self.session.summary())
 
     @line_magic
@@ -179,7 +180,7 @@ class DistMagics(Magics):
 
         if line.strip():
             raise UsageError(f"%dist_status takes no arguments, got {line.strip()!r}")
-        print(format_status(self._running().status()))
+        print(format_status(self.running_session().status()))
 
     @magic_arguments()
     @_RANKS
@@ -201,7 +202,7 @@ class DistMagics(Magics):
         from nbdist.driver.where import format_where
 
         args = parse_magic_line(self.dist_where, line)
-        session = self._running()
+        session = self.running_session()
         try:
             found = session.where(args.ranks)
         except PlacementError as exc:
@@ -296,7 +297,7 @@ class DistMagics(Magics):
 
     def run_on_ranks(self, cell, ranks, noblock, timeout):
         """Run ``cell`` on ``ranks`` (None: all); the result of --noblock, else None."""
-        session = self._running()
+        session = self.running_session()
         timeout_s = seconds(timeout) if timeout is not None else None
         try:
             selected = session.select(ranks)
@@ -325,7 +326,7 @@ class DistMagics(Magics):
         missing = [n for n in names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"%dist_push: {missing[0]!r} is not defined in the notebook")
-        self._running().push({n: self.shell.user_ns[n] for n in names})
+        self.running_session().push({n: self.shell.user_ns[n] for n in names})
 
     @magic_arguments()
     @argument("name", help="variable name on the ranks")
@@ -342,7 +343,7 @@ class DistMagics(Magics):
             raise UsageError(
                 f"%dist_pull {args.name!r}: give a variable name, e.g. %dist_pull loss"
             )
-        session = self._running()
+        session = self.running_session()
         rank = None
         if args.rank is not None:
             if not is_digits(args.rank):

@@ -7,24 +7,19 @@ calls the library (:mod:`nbdist.driver.comm_table`).
 from __future__ import annotations
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.errors import PlacementError
 from nbdist.launch.values import parse_count
-from nbdist.magic_args import parse_magic_line
+from nbdist.magic_args import SessionMagics, parse_magic_line
 
 __all__ = ["PerfMagics"]
 
 
 @magics_class
-class PerfMagics(Magics):
+class PerfMagics(SessionMagics):
     """Magics that reach the session through nbdist's :class:`~nbdist.magics.DistMagics`."""
-
-    def __init__(self, shell, dist_magics):
-        """Magics for ``shell`` that use ``dist_magics.session`` and ``dist_magics.run_on_ranks``."""
-        super().__init__(shell)
-        self.dist = dist_magics
 
     @magic_arguments()
     @argument("what", help="what to measure: comm (the collectives between the ranks)")
@@ -66,11 +61,7 @@ class PerfMagics(Magics):
             raise UsageError(
                 f"%dist_bench {args.what!r}: only 'comm' is measured, e.g. %dist_bench comm"
             )
-        session = self.dist.session
-        if session is None or not session.running:
-            raise UsageError(
-                "no nbdist cluster is running: start one with %dist_start (e.g. %dist_start 2)"
-            )
+        session = self.dist.running_session()
         try:
             iters = parse_count(args.iters, "--iters", "20") if args.iters is not None else None
             result = measure_comm(

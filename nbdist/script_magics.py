@@ -15,11 +15,11 @@ import os
 import shlex
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.errors import NbdistError
-from nbdist.magic_args import parse_magic_line
+from nbdist.magic_args import SessionMagics, parse_magic_line
 
 __all__ = ["ScriptMagics", "split_run_line"]
 
@@ -48,13 +48,8 @@ def split_run_line(line: str) -> tuple[str | None, str, list[str]]:
 
 
 @magics_class
-class ScriptMagics(Magics):
+class ScriptMagics(SessionMagics):
     """%dist_run and %dist_export; they use the session of nbdist's :class:`DistMagics`."""
-
-    def __init__(self, shell, dist_magics):
-        """Magics for ``shell`` that reach the session through ``dist_magics``."""
-        super().__init__(shell)
-        self.dist = dist_magics
 
     @line_magic
     def dist_run(self, line=""):

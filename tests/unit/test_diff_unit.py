@@ -184,13 +184,10 @@ def test_bad_magic_lines(line, message):
 
 
 def test_dist_diff_without_a_session_names_dist_start():
-    from IPython.core.interactiveshell import InteractiveShell
-
     from nbdist.inspect_magics import InspectMagics
     from nbdist.magics import DistMagics
 
-    # Magics of their own (no session), whatever the shared shell's session is.
-    shell = InteractiveShell.instance()
-    magics = InspectMagics(shell, DistMagics(shell))
+    # Magics of their own, on no shell: nothing registered on the process-wide one.
+    magics = InspectMagics(None, DistMagics(None))
     with pytest.raises(UsageError, match="%dist_start"):
         magics.dist_diff("w")
