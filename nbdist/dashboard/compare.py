@@ -13,7 +13,11 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["chart", "table"]
+from nbdist.dashboard.palette import rank_colour
+
+__all__ = ["ALL_RANKS", "chart", "table"]
+
+ALL_RANKS = "#5f6b7a"  # the bar of all ranks together: a slate grey, unlike any rank's colour
 
 
 def table(rows: list[dict]):
@@ -57,9 +61,13 @@ def chart(rows: list[dict]):
         cols=3,
         subplot_titles=("throughput (samples/s)", "peak memory (MiB)", "communicated (MiB/step)"),
     )
-    fig.add_trace(go.Bar(x=names, y=[r["samples_per_s"] for r in rows], name="all ranks"), 1, 1)
+    # All ranks together in a grey no rank has; each rank in its colour, as on the dashboard.
+    total = go.Bar(
+        x=names, y=[r["samples_per_s"] for r in rows], name="all ranks", marker_color=ALL_RANKS
+    )
+    fig.add_trace(total, 1, 1)
     for rank in range(len(rows[0]["peak_mib"])):
-        color = f"hsl({(rank * 67) % 360}, 60%, 50%)"
+        color = rank_colour(rank)
         for col, key in ((2, "peak_mib"), (3, "comm_mib")):
             bar = go.Bar(
                 x=names,
@@ -70,5 +78,14 @@ def chart(rows: list[dict]):
                 showlegend=col == 2,  # one legend entry per rank for both charts
             )
             fig.add_trace(bar, 1, col)
-    fig.update_layout(barmode="group", height=360, margin=dict(t=40, b=30, l=40, r=10))
+    fig.update_yaxes(title_text="samples/s", row=1, col=1)
+    fig.update_yaxes(title_text="MiB per rank", row=1, col=2)
+    fig.update_yaxes(title_text="MiB per step", row=1, col=3)
+    # The legend under the charts: beside them it would cover the third chart at narrow widths.
+    fig.update_layout(
+        barmode="group",
+        height=400,
+        margin=dict(t=40, b=30, l=40, r=10),
+        legend=dict(orientation="h", x=0, y=-0.15, yanchor="top"),
+    )
     return fig

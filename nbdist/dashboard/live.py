@@ -6,6 +6,13 @@ mean), throughput per rank and in total, and the per-rank table with states and 
 ``max_hz`` times a second (and at most ~20 % of a core), it sends each delta as
 a custom message and the table as the synced ``table`` trait.
 
+The widget is re-displayed (``display_handle.update``, which makes the browser
+build a new view of it) only when the text summary it carries for viewers
+without widgets would change: after a cell that logged, or once a rank died;
+never after cells that did neither. While a cell runs, the ranks' states are
+re-read every second on the cell's waiting thread, so a rank that dies mid-cell
+is shown dead at once.
+
 Example::
 
     dash = LiveDashboard(run, states=lambda: {0: "idle", 1: "dead"})
@@ -14,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import sys
 import threading
@@ -22,17 +28,21 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
-from pathlib import Path
 
 from nbdist.dashboard.model import DEFAULT_BUDGET, DashboardModel
+from nbdist.dashboard.palette import rank_colours
 from nbdist.dashboard.text import summary_text
-from nbdist.rank_states import BUSY
+from nbdist.dashboard.widget import plotly_version, widget_class
+from nbdist.rank_states import BUSY, DEAD
 
 __all__ = ["LiveDashboard", "cell_watcher", "close_all", "show_run"]
 
 _log = logging.getLogger("nbdist.dashboard")
+# While a cell runs, the live dashboards of its run re-read the ranks' states this often (on the
+# cell's waiting thread, the one that may talk to the controller): a rank that dies mid-cell
+# shows as dead within a second, as in %dist_status and the sidebar.
+STATES_EVERY_S = 1.0
 _LIVE: set[LiveDashboard] = set()
-_WIDGET_CLASS = None
 
 
 class LiveDashboard(DashboardModel):
@@ -65,6 +75,7 @@ class LiveDashboard(DashboardModel):
         self._thread: threading.Thread | None = None
         self._unsubscribe: Callable[[], None] | None = None
         self._shell = None
+        self._published: tuple | None = None  # what the displayed text summary was made from
 
     def __repr__(self) -> str:
         """``<LiveDashboard of run ID: N ranks, live>`` (or ``not live``)."""
@@ -83,9 +94,10 @@ class LiveDashboard(DashboardModel):
         """
         with self._lock:
             if self.widget is None:
-                self.widget = _widget_class()(
+                self.widget = widget_class()(
                     _uid=uuid.uuid4().hex,
-                    _plotly_version=_plotly_version(),
+                    _plotly_version=plotly_version(),
+                    _palette=rank_colours(),
                     table=self._table,
                     text=lambda: summary_text(self.run, self._states),
                     on_close=self.close,
@@ -148,16 +160,32 @@ class LiveDashboard(DashboardModel):
         self._shell = shell
         shell.events.register("post_run_cell", self._after_cell)
 
+    def displayed(self, handle) -> None:
+        """Remember the display (``display(..., display_id=True)``'s handle) that shows the widget."""
+        self.display_handle = handle
+        self._published = self._shown()
+
+    def _shown(self) -> tuple:
+        # What the text summary depends on, bar the "last seen" ages: the points and the dead ranks.
+        return (self.run.version, sorted(r for r, s in self._states.items() if s == DEAD))
+
     def _after_cell(self, result=None) -> None:
         self.refresh_states()
         handle = getattr(self, "display_handle", None)
-        if handle is not None and self.widget is not None and not self._stop.is_set():
-            # Re-publish the same widget so the saved text/plain (what nbconvert and
-            # other viewers without widgets show) is the summary as of this cell's end.
-            try:
-                handle.update(self.widget)
-            except Exception:
-                _log.exception("nbdist dashboard: could not update the text summary")
+        if handle is None or self.widget is None or self._stop.is_set():
+            return
+        shown = self._shown()
+        if shown == self._published:
+            # Nothing the summary shows changed (a cell that did not log): no update. Each
+            # update makes the browser build the widget's view anew.
+            return
+        self._published = shown
+        # Re-publish the same widget so the saved text/plain (what nbconvert and
+        # other viewers without widgets show) is the summary as of this cell's end.
+        try:
+            handle.update(self.widget)
+        except Exception:
+            _log.exception("nbdist dashboard: could not update the text summary")
 
     def is_live(self) -> bool:
         """Still refreshing (not frozen, closed, or finished with its run)."""
@@ -196,57 +224,6 @@ class LiveDashboard(DashboardModel):
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2.0)
         _LIVE.discard(self)
-
-
-def _plotly_version() -> str:
-    try:
-        return importlib.metadata.version("plotly")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
-
-
-def _widget_class():
-    # anywidget / ipywidgets / traitlets are imported here, when a widget is first made.
-    global _WIDGET_CLASS
-    if _WIDGET_CLASS is None:
-        import anywidget
-        import traitlets
-
-        here = Path(__file__).parent
-
-        class DashboardWidget(anywidget.AnyWidget):
-            """The nbdist dashboard in the browser (see widget.js); plotly.js is not in its state."""
-
-            _esm = (here / "widget.js").read_text(encoding="utf-8")
-            _css = (here / "widget.css").read_text(encoding="utf-8")
-            _uid = traitlets.Unicode("").tag(sync=True)
-            _plotly_version = traitlets.Unicode("").tag(sync=True)
-            table = traitlets.Dict().tag(sync=True)  # the per-rank table (widget.js draws it)
-
-            def __init__(self, *, text=None, on_close=None, **kwargs):
-                """``text``: returns the text/plain summary; ``on_close``: called once on close."""
-                self._nbdist_text = text
-                self.nbdist_on_close = on_close
-                super().__init__(**kwargs)
-
-            def _repr_mimebundle_(self, **kwargs):
-                bundle = super()._repr_mimebundle_(**kwargs)
-                if bundle is not None and self._nbdist_text is not None:
-                    data, metadata = bundle
-                    # Where no widget renders (nbconvert, a plain viewer) the summary shows instead.
-                    data = {**data, "text/plain": self._nbdist_text()}
-                    bundle = (data, metadata)
-                return bundle
-
-            def close(self):
-                """Call ``nbdist_on_close`` (once: the dashboard stops updating), then close."""
-                on_close, self.nbdist_on_close = self.nbdist_on_close, None
-                if on_close is not None:
-                    on_close()
-                super().close()
-
-        _WIDGET_CLASS = DashboardWidget
-    return _WIDGET_CLASS
 
 
 def close_all() -> None:
@@ -308,13 +285,16 @@ def show_run(
     try:
         import anywidget  # noqa: F401
     except ImportError:
-        print(summary_text(run, states))
-        print("(pip install anywidget for the live dashboard)")
+        if auto:  # the first points just came: the summary goes after the cell's output
+            _summary_after_cell(shell, run, states)
+        else:
+            print(summary_text(run, states))
+            print("(pip install anywidget for the live dashboard)")
         return None
     from IPython.display import display
 
     dash = LiveDashboard(run, states=states, budget=budget, max_hz=max_hz)
-    dash.display_handle = display(dash.start(), display_id=True)
+    dash.displayed(display(dash.start(), display_id=True))
     dash.watch_cells(shell)
     if auto:
         views.auto = dash
@@ -330,9 +310,17 @@ def cell_watcher(run, states: Callable[[], Mapping[int, str]] | None = None) -> 
     (the first points of the cell trigger it), through :func:`show_run`.
     """
     version = run.version
+    checked = time.monotonic()
 
     def watch() -> None:
-        nonlocal version
+        nonlocal version, checked
+        now = time.monotonic()
+        if now - checked >= STATES_EVERY_S:
+            checked = now
+            views = _VIEWS.get(run)
+            for dash in (views.auto, views.pinned) if views is not None else ():
+                if dash is not None and dash.is_live():
+                    dash.refresh_states()
         if version is None or run.version == version:
             return
         version = None  # once per cell
@@ -344,6 +332,17 @@ def cell_watcher(run, states: Callable[[], Mapping[int, str]] | None = None) -> 
             warnings.warn(f"nbdist: could not show the dashboard ({exc})", stacklevel=2)
 
     return watch
+
+
+def _summary_after_cell(shell, run, states) -> None:
+    # The text dashboard of a kernel without anywidget: printed once the cell is over, after
+    # the rank lines it sums up, and with every point of the cell.
+    def after(result=None) -> None:
+        shell.events.unregister("post_run_cell", after)
+        print(summary_text(run, states))
+        print("(pip install anywidget for the live dashboard)")
+
+    shell.events.register("post_run_cell", after)
 
 
 def _kernel_shell():

@@ -14,7 +14,12 @@ Memory (``memory_mib``, :mod:`nbdist.metrics.steptime`) gets a panel against ste
 a trace per rank, when logged on every point (with ``memory_peak_mib``, which the
 table shows). The step breakdown
 (:mod:`.breakdown`) travels with the table (``breakdown``: stacked bars of each
-rank's latest steps), as does ``dropped`` (points each rank could not send).
+rank's latest steps), as do ``dropped`` (points each rank could not send) and
+``header`` (:mod:`.header`: run, elapsed time, steps, progress, states, GPUs).
+Each panel's spec carries its title, unit, axis titles and default scale
+(:mod:`.labels`). Rank states (:mod:`nbdist.rank_states`) come from the
+``states`` callable (dead; busy while read less than ``STATES_FRESH_S`` ago)
+and from logging recency.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 
 from nbdist.dashboard.breakdown import breakdown, chart
+from nbdist.dashboard.header import header
+from nbdist.dashboard.labels import describe
 from nbdist.dashboard.table import (
     HISTORY,
     IDLE_AFTER_S,
@@ -40,19 +47,15 @@ from nbdist.dashboard.table import (
 )
 from nbdist.dashboard.tail import read_tail
 from nbdist.dashboard.traces import TOTAL_BIN_S, Aligned, Trace, elapsed, merge, wire
-from nbdist.rank_states import DEAD
+from nbdist.rank_states import BUSY, DEAD
 
 __all__ = ["DEFAULT_BUDGET", "GPU_PANELS", "DashboardModel", "read_tail"]
 
 DEFAULT_BUDGET = 2000  # points per trace, kernel side and browser side
+# A "busy" from the states callable counts this long; during a cell it is read every second.
+STATES_FRESH_S = 3.0
 # GPU panels (over time, a trace per rank, no aggregate): key -> title.
-GPU_PANELS = {"gpu_util": "GPU utilisation (%)", "gpu_mem_mib": "GPU memory in use (MiB)"}
-_TITLES = {
-    **GPU_PANELS,
-    "tflops": "TFLOP/s per rank",
-    "mfu": "MFU (% of the device's peak)",
-    "memory_mib": "memory per rank (MiB: allocated on GPU, RSS on CPU)",
-}
+GPU_PANELS = {key: describe(key, by_time=True)["title"] for key in ("gpu_util", "gpu_mem_mib")}
 
 
 class _Panel:
@@ -66,12 +69,9 @@ class _Panel:
         self.aligned = Aligned(total=by_time)
 
     def spec(self) -> dict:
-        total = " (per rank and total)" if self.by_time else ""
-        title = _TITLES.get(self.key) or self.key.replace("_per_s", "/s") + total
         return {
             "id": self.key,
-            "title": title,
-            "xtitle": "time (s)" if self.by_time else "step",
+            **describe(self.key, by_time=self.by_time),  # title, unit, axis titles, log scale
             "names": self.names,
             "aggregate": self.aggregate,
             "data": [[list(t.xs), wire(t.ys)] for t in self.traces],  # copies: the mirror moves on
@@ -107,6 +107,7 @@ class DashboardModel:
         self._clock = clock
         self._states_fn = states
         self._states = call_states(states)
+        self._states_at = clock()  # when they were read: "busy" holds only while fresh
         self._lock = threading.RLock()
         self._nranks = max([run.world_size, *(r + 1 for r in run.ranks)])
         self._panels: list[_Panel] = []
@@ -156,6 +157,7 @@ class DashboardModel:
     def refresh_states(self) -> None:
         """Call the ``states`` callable now (on this thread) and let the next refresh show it."""
         self._states = call_states(self._states_fn)
+        self._states_at = self._clock()
 
     def poll(self) -> tuple[dict | None, dict | None]:
         """Take in what was logged since the last poll: ``(delta message or None, table or None)``.
@@ -277,7 +279,12 @@ class DashboardModel:
                 merge(extend, (panel.index, self._nranks), compacted, xs, values)
 
     def _update_table(self, now: float) -> dict | None:
-        rows = build_rows(self.run, self._step_times, self._history, self._states, now=now)
+        states = self._states
+        if now - self._states_at > STATES_FRESH_S:
+            # "busy" read a while ago (a --noblock cell that may have ended since) no longer
+            # says anything: logging recency decides; "dead" stays dead.
+            states = {r: s for r, s in states.items() if s != BUSY}
+        rows = build_rows(self.run, self._step_times, self._history, states, now=now)
         self._rows = rows
         keys = self.run.keys()
         seen_col, gpu, flops = seen_column(keys), has_gpu(keys), "tflops" in keys
@@ -298,6 +305,7 @@ class DashboardModel:
             ],
             "breakdown": chart(breakdown(self.run), self._nranks) if "comm_s" in keys else None,
             "dropped": {str(r): n for r, n in sorted(getattr(self.run, "dropped", {}).items())},
+            "header": header(self.run, rows),
         }
         if {k: self._table.get(k) for k in table} == table:
             return None

@@ -8,8 +8,9 @@ has TFLOP/s and MFU columns (:mod:`nbdist.metrics.flops`); others have none.
 Shared by the live widget and the text summary; pure Python, no widgets.
 
 States are :mod:`nbdist.rank_states`'s: ``dead`` when the ``states`` callable
-says so (the session knows which engines died), else ``busy`` when the rank
-logged a point in the last ``IDLE_AFTER_S`` seconds, else ``idle``.
+says so (the session knows which engines died), else ``busy`` when it says so
+(running a cell) or when the rank logged a point in the last ``IDLE_AFTER_S``
+seconds, else ``idle``. A dead rank is never flagged as a straggler.
 
 A rank is a straggler when its recent median step time is more than
 ``ratio`` (1.3) times the median of the other ranks' recent medians, or when it
@@ -38,6 +39,7 @@ from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = [
     "IDLE_AFTER_S",
+    "PROGRESS_KEY",
     "RankRow",
     "find_stragglers",
     "fmt_percent",
@@ -56,6 +58,8 @@ RECENT = 20  # step times per rank that make its "recent median"
 HISTORY = 512  # (time, step) points per rank kept for the lag check
 # Logged to make throughput and TFLOP/s; plotted as samples_per_s/tokens_per_s, tflops and mfu.
 COUNTERS = ("samples", "tokens", "flops")
+# How many steps the loop will take: the header's progress bar, not a chart.
+PROGRESS_KEY = "total_steps"
 
 
 @dataclass
@@ -109,7 +113,7 @@ class RankRow:
 
 def plotted_keys(keys: Sequence[str]) -> list[str]:
     """User keys that get a loss-like plot vs step (not the derived ones, not samples/tokens)."""
-    return [k for k in keys if k not in DERIVED_KEYS and k not in COUNTERS]
+    return [k for k in keys if k not in DERIVED_KEYS and k not in COUNTERS and k != PROGRESS_KEY]
 
 
 def throughput_key(keys: Sequence[str]) -> str | None:
@@ -246,9 +250,11 @@ def build_rows(
             row.step_time = statistics.median(recent) if recent else last.get("step_time")
             row.state = BUSY if now - row.seen < IDLE_AFTER_S else IDLE
         if states.get(rank) == DEAD:
-            row.state = DEAD
-        elif rank in flagged:
-            row.straggler = flagged[rank]
+            row.state = DEAD  # behind because it is dead: not flagged as a straggler
+        else:
+            if states.get(rank) == BUSY:  # running a cell (as %dist_status says), logging or not
+                row.state = BUSY
+            row.straggler = flagged.get(rank, "")
         rows.append(row)
     return rows
 

@@ -4,14 +4,36 @@
 // afterwards only "delta" messages holding the new points, appended with Plotly.extendTraces; a
 // trace the kernel re-decimated comes whole in "reset". Messages land in a per-model store (set up in
 // initialize, so none is lost before a view exists); each view draws from the store and then
-// follows the deltas. The per-rank table is the synced `table` trait: it works without Plotly and
-// is kept in saved widget state.
+// follows the deltas. The per-rank table and the header are the synced `table` trait: they work
+// without Plotly and are kept in saved widget state.
+//
+// A view costs nothing while nobody can see it: it draws only while on screen (an
+// IntersectionObserver says so); off screen it notes that it is behind and redraws from the store
+// when it comes back. A view whose element left the page (JupyterLab re-rendering the output, a
+// closed notebook) drops its plots and leaves the store until it is attached again. Plots follow
+// their container's width (ResizeObserver), and colours follow JupyterLab's theme, read from its
+// CSS variables once the view is on the page and again whenever the theme changes.
+//
+// A series that has had one value so far on every rank (a fixed learning rate, a batch size) is
+// shown as that value, not as a flat line; it becomes a plot when it changes.
 //
 // Plotly comes from window.Plotly, else from {baseUrl}nbdist/static/plotly.min.js (the nbdist
 // jupyter_server extension); never from the widget state, which stays a few KB.
 
 const STORES = new Map(); // widget uid -> store
+// Counters a test (or a curious user) can read in the page: views drawing, redraws made.
+const STATS = (globalThis.nbdistDashboardStats ||= {
+  views: 0, // views in a store (attached to the page)
+  redraws: 0, // view updates that touched Plotly
+  deltas: 0, // delta messages received (per model)
+  lastDrawn: 0, // views that drew the latest delta
+  maxDrawn: 0, // the most views that drew one delta
+  renders: {}, // widget uid -> views made of it (one per display, and per re-display)
+  longestUpdateMs: 0, // the longest one delta kept the page busy, every view together
+});
 let plotlyPromise = null;
+const PLOT_HEIGHT = 240;
+const BAR_COLOURS = { "data loading": "#8f6fb5", compute: "#4f8fc0", communication: "#d9912a" };
 
 function loadPlotly(version) {
   if (window.Plotly) return Promise.resolve(window.Plotly);
@@ -49,18 +71,50 @@ function loadPlotly(version) {
   return plotlyPromise;
 }
 
+// -- the store: what the kernel sent, shared by the views of one model ----------------------------
+
 function copyPanel(spec) {
-  return { ...spec, data: spec.data.map(([xs, ys]) => [xs.slice(), ys.slice()]) };
+  const panel = { ...spec, data: spec.data.map(([xs, ys]) => [xs.slice(), ys.slice()]) };
+  scan(panel);
+  return panel;
+}
+
+// The lowest and highest value held: equal means the series is constant so far. Min/max
+// decimation keeps every bucket's extremes, so this holds for the points logged, not just those kept.
+function scan(panel) {
+  panel.lo = Infinity;
+  panel.hi = -Infinity;
+  panel.xlo = Infinity;
+  panel.xhi = -Infinity;
+  for (const [xs, ys] of panel.data) widen(panel, xs, ys);
+}
+
+function widen(panel, xs, ys) {
+  for (const y of ys) {
+    if (y === null) continue;
+    if (y < panel.lo) panel.lo = y;
+    if (y > panel.hi) panel.hi = y;
+  }
+  if (xs.length) {
+    panel.xlo = Math.min(panel.xlo, xs[0]);
+    panel.xhi = Math.max(panel.xhi, xs[xs.length - 1]);
+  }
 }
 
 function applyToStore(store, msg) {
   for (const spec of msg.panels || []) store.panels.push(copyPanel(spec));
-  for (const [p, i, xs, ys] of msg.reset || []) store.panels[p].data[i] = [xs.slice(), ys.slice()];
+  const rescan = new Set();
+  for (const [p, i, xs, ys] of msg.reset || []) {
+    store.panels[p].data[i] = [xs.slice(), ys.slice()];
+    rescan.add(p);
+  }
   for (const [p, i, xs, ys] of msg.extend || []) {
     const trace = store.panels[p].data[i];
     trace[0] = trace[0].concat(xs);
     trace[1] = trace[1].concat(ys);
+    widen(store.panels[p], xs, ys);
   }
+  for (const p of rescan) scan(store.panels[p]);
 }
 
 function initialize({ model }) {
@@ -85,7 +139,13 @@ function initialize({ model }) {
       if (msg.seq !== store.seq + 1) return ask(); // a message went missing: start from a snapshot
       store.seq = msg.seq;
       applyToStore(store, msg);
-      for (const view of store.views) view.apply(msg);
+      STATS.deltas += 1;
+      const began = performance.now();
+      let drawn = 0;
+      for (const view of [...store.views]) drawn += view.apply(msg) ? 1 : 0;
+      STATS.longestUpdateMs = Math.max(STATS.longestUpdateMs, performance.now() - began);
+      STATS.lastDrawn = drawn;
+      STATS.maxDrawn = Math.max(STATS.maxDrawn, drawn);
     }
   };
   model.on("msg:custom", onMessage);
@@ -99,74 +159,258 @@ function initialize({ model }) {
   };
 }
 
-function cssVar(el, name, fallback) {
-  const value = getComputedStyle(el).getPropertyValue(name).trim();
-  return value || fallback;
+// -- theme: JupyterLab's CSS variables, read from the attached element ----------------------------
+
+function readTheme(el) {
+  const style = getComputedStyle(el);
+  const v = (name) => style.getPropertyValue(name).trim();
+  // Outside JupyterLab (VS Code, a static page) the variables are missing: the inherited text
+  // colour is the host's, readable on its background; the grid is that colour, faint.
+  const fg = v("--jp-ui-font-color1") || style.color || "#333";
+  return {
+    fg,
+    muted: v("--jp-ui-font-color2") || fg,
+    grid: v("--jp-border-color2") || "rgba(128, 128, 128, 0.3)",
+    bg: v("--jp-layout-color0") || "",
+    font: v("--jp-ui-font-family") || style.fontFamily || "sans-serif",
+    hoverBg: v("--jp-layout-color1") || "",
+  };
 }
 
+// -- one view ------------------------------------------------------------------------------------
+
 function render({ model, el }) {
-  const store = STORES.get(model.get("_uid")) || { seq: -1, panels: [], views: new Set() };
-  const root = document.createElement("div");
-  root.className = "nbdist-dashboard";
+  const uid = model.get("_uid");
+  const store = STORES.get(uid) || { seq: -1, panels: [], views: new Set() };
+  STATS.renders[uid] = (STATS.renders[uid] || 0) + 1;
+  const palette = model.get("_palette") || [];
+  const colour = (i) => (palette.length ? palette[i % palette.length] : undefined);
+  const make = (tag, cls, parent) => {
+    const node = document.createElement(tag);
+    if (cls) node.className = cls;
+    if (parent) parent.appendChild(node);
+    return node;
+  };
+
+  const root = make("div", "nbdist-dashboard");
   root.dataset.points = "0";
-  const note = document.createElement("div");
-  note.className = "nbdist-note";
-  const grid = document.createElement("div");
-  grid.className = "nbdist-plots";
-  const tableBox = document.createElement("div");
-  tableBox.className = "nbdist-table";
-  // The step breakdown (stacked bars, latest steps per rank) and lost points: with the table.
-  const bars = document.createElement("div");
-  bars.className = "nbdist-breakdown";
-  const dropped = document.createElement("div");
-  dropped.className = "nbdist-note nbdist-dropped";
-  root.append(grid, bars, note, dropped, tableBox);
+  root.dataset.uid = uid;
+  const head = make("div", "nbdist-header", root);
+  const title = make("span", "nbdist-run", head);
+  const facts = make("span", "nbdist-facts", head);
+  const progress = make("div", "nbdist-progress", head);
+  const progressBar = make("div", "nbdist-progress-bar", progress);
+  const gpuLine = make("div", "nbdist-gpu", head);
+  const legend = make("div", "nbdist-legend", root);
+  const tiles = make("div", "nbdist-tiles", root);
+  const grid = make("div", "nbdist-plots", root);
+  const barsCard = make("div", "nbdist-card nbdist-bars-card", grid);
+  const barsHead = make("div", "nbdist-card-head", barsCard);
+  make("span", "nbdist-card-title", barsHead).textContent =
+    "step breakdown: where each rank's steps go";
+  const bars = make("div", "nbdist-breakdown", barsCard);
+  const note = make("div", "nbdist-note", root);
+  const dropped = make("div", "nbdist-note nbdist-dropped", root);
+  const tableBox = make("div", "nbdist-table", root);
   el.appendChild(root);
 
   let Plotly = null;
-  const divs = [];
-  const color = cssVar(el, "--jp-ui-font-color1", "#333");
-  const gridColor = cssVar(el, "--jp-border-color2", "#e0e0e0");
+  let theme = null; // read once attached
+  let themeKey = "";
+  let visible = false;
+  let behind = true; // the plots do not show the store yet
+  let tableBehind = true;
+  let active = false; // in store.views
+  const cards = []; // per panel: { card, plot, tile, mode: "plot" | "tile" | null, log }
+  const hidden = new Set(); // trace names switched off in the legend
+
+  // -- cards: a plot, or a tile for a constant series --------------------------------------------
+  function cardFor(p) {
+    if (cards[p]) return cards[p];
+    const panel = store.panels[p];
+    const card = make("div", "nbdist-card");
+    card.dataset.key = panel.id;
+    const top = make("div", "nbdist-card-head", card);
+    const name = make("span", "nbdist-card-title", top);
+    name.textContent = panel.title;
+    name.title = panel.id; // the key as logged
+    const button = make("button", "nbdist-log", top);
+    button.type = "button";
+    button.textContent = "log y";
+    button.title = "switch the y axis between a linear and a logarithmic scale";
+    const plot = make("div", "nbdist-panel", card);
+    plot.dataset.key = panel.id;
+    const tile = make("div", "nbdist-tile");
+    tile.dataset.key = panel.id;
+    const entry = { card, plot, tile, button, mode: null, log: null };
+    button.addEventListener("click", () => {
+      entry.log = !logScale(p);
+      drawPanel(p, true);
+    });
+    grid.insertBefore(card, barsCard);
+    cards[p] = entry;
+    return entry;
+  }
+
+  function logScale(p) {
+    const panel = store.panels[p];
+    const entry = cards[p];
+    if (!(panel.lo > 0)) return false; // a log axis cannot show zero or less
+    return entry && entry.log !== null ? entry.log : !!panel.log;
+  }
+
+  function traces(p) {
+    const panel = store.panels[p];
+    const last = panel.names.length - 1;
+    return panel.names.map((name, i) => {
+      const mean = i === last && panel.aggregate;
+      return {
+        type: "scatter",
+        mode: "lines",
+        name,
+        x: panel.data[i][0].slice(),
+        y: panel.data[i][1].slice(),
+        visible: hidden.has(name) ? "legendonly" : true,
+        line: mean
+          ? { width: 2.5, color: theme.fg, dash: "dot" }
+          : { width: 1.3, color: colour(i) },
+        hovertemplate: `${name}<br>%{x}: %{y:.4g}<extra></extra>`,
+      };
+    });
+  }
+
+  function layout(p) {
+    const panel = store.panels[p];
+    const axis = {
+      gridcolor: theme.grid,
+      zerolinecolor: theme.grid,
+      linecolor: theme.grid,
+      automargin: true,
+      title: { font: { size: 11 }, standoff: 6 },
+    };
+    const yaxis = { ...axis, title: { ...axis.title, text: panel.ytitle } };
+    if (panel.id === "mfu") Object.assign(yaxis, { tickformat: ".0%", hoverformat: ".1%" });
+    if (logScale(p)) {
+      yaxis.type = "log";
+      // Between one and three decades plotly labels every digit (1, 2, ... 9): they collide on
+      // a plot this high. 1, 2 and 5 per decade do not; beyond three, plotly labels decades.
+      const span = Math.log10(panel.hi / panel.lo);
+      if (span >= 1 && span < 3) yaxis.dtick = "D2";
+    }
+    return {
+      autosize: true,
+      height: PLOT_HEIGHT,
+      margin: { l: 8, r: 12, t: 8, b: 8 },
+      showlegend: false, // one legend for every panel, in HTML above them
+      xaxis: { ...axis, title: { ...axis.title, text: panel.xtitle } },
+      yaxis,
+      font: { color: theme.fg, size: 11, family: theme.font },
+      hoverlabel: theme.hoverBg ? { bgcolor: theme.hoverBg, font: { color: theme.fg } } : {},
+      paper_bgcolor: "rgba(0,0,0,0)",
+      plot_bgcolor: "rgba(0,0,0,0)",
+      uirevision: `${panel.id}:${logScale(p)}`, // keep zoom across updates, not across a scale change
+    };
+  }
+
+  // Draw panel p from the store (whole); force: also when it is already a plot.
+  function drawPanel(p, force) {
+    const panel = store.panels[p];
+    const entry = cardFor(p);
+    const constant = constantOf(panel);
+    if (constant !== null) {
+      if (entry.mode === "plot") Plotly.purge(entry.plot);
+      if (entry.mode !== "tile") {
+        entry.card.remove();
+        tiles.appendChild(entry.tile);
+      }
+      entry.mode = "tile";
+      fillTile(entry.tile, panel, constant);
+      return;
+    }
+    if (entry.mode !== "plot") {
+      entry.tile.remove();
+      grid.insertBefore(entry.card, firstCardAfter(p));
+      force = true;
+    }
+    entry.mode = "plot";
+    entry.button.disabled = !(panel.lo > 0);
+    entry.button.classList.toggle("nbdist-on", logScale(p));
+    entry.button.setAttribute("aria-pressed", String(logScale(p)));
+    if (force) Plotly.react(entry.plot, traces(p), layout(p), { displaylogo: false, responsive: false });
+  }
+
+  function firstCardAfter(p) {
+    for (let k = p + 1; k < cards.length; k++) {
+      if (cards[k] && cards[k].mode === "plot") return cards[k].card;
+    }
+    return barsCard;
+  }
+
+  function fillTile(tile, panel, value) {
+    tile.replaceChildren();
+    make("div", "nbdist-tile-title", tile).textContent = panel.title;
+    const shown = panel.id === "mfu" ? `${(100 * value).toPrecision(3)} %` : formatValue(value);
+    const unit = panel.id === "mfu" || !panel.unit ? "" : ` ${panel.unit}`;
+    make("div", "nbdist-tile-value", tile).textContent = shown + unit;
+    const which = panel.names.length - (panel.aggregate ? 1 : 0);
+    const span = panel.xlo === panel.xhi ? `${panel.xtitle} ${panel.xlo}` : `${panel.xtitle} ${panel.xlo}–${panel.xhi}`;
+    const ranks = which > 2 ? `all ${which} ranks` : which === 2 ? "both ranks" : "the rank";
+    make("div", "nbdist-tile-note", tile).textContent = `the same on ${ranks} so far (${span})`;
+    tile.dataset.points = String(panel.data.reduce((n, [xs]) => n + xs.length, 0));
+  }
 
   function countPoints() {
     let total = 0;
-    for (const div of divs) {
-      const n = (div.data || []).reduce((sum, trace) => sum + trace.x.length, 0);
-      div.dataset.points = String(n);
+    store.panels.forEach((panel, p) => {
+      const n = panel.data.reduce((sum, [xs]) => sum + xs.length, 0);
+      if (cards[p]) cards[p].plot.dataset.points = cards[p].mode === "plot" ? String(n) : "0";
       total += n;
-    }
+    });
     root.dataset.points = String(total);
   }
 
-  function addPanel(panel) {
-    const div = document.createElement("div");
-    div.className = "nbdist-panel";
-    div.dataset.key = panel.id;
-    grid.appendChild(div);
-    divs.push(div);
-    const last = panel.names.length - 1;
-    const traces = panel.names.map((name, i) => ({
-      type: "scatter",
-      mode: "lines",
-      name,
-      x: panel.data[i][0].slice(),
-      y: panel.data[i][1].slice(),
-      line: i === last && panel.aggregate ? { width: 2.5, color, dash: "dot" } : { width: 1.2 },
-    }));
-    const axis = { gridcolor: gridColor, zerolinecolor: gridColor, automargin: true };
-    const layout = {
-      title: { text: panel.title, font: { size: 13 } },
-      height: 260,
-      margin: { l: 50, r: 10, t: 30, b: 35 },
-      xaxis: { ...axis, title: { text: panel.xtitle } },
-      // MFU is logged as a fraction of the peak: shown as a percentage
-      yaxis: panel.id === "mfu" ? { ...axis, tickformat: ".0%", hoverformat: ".1%" } : { ...axis },
-      font: { color, size: 11 },
-      paper_bgcolor: "rgba(0,0,0,0)",
-      plot_bgcolor: "rgba(0,0,0,0)",
-      uirevision: panel.id, // keep zoom across re-decimation
-    };
-    Plotly.newPlot(div, traces, layout, { displaylogo: false, responsive: true });
+  function drawLegend() {
+    const names = [];
+    for (const panel of store.panels) for (const n of panel.names) if (!names.includes(n)) names.push(n);
+    if (legend.dataset.names === names.join("|") && !legend.dataset.stale) return;
+    legend.dataset.names = names.join("|");
+    delete legend.dataset.stale;
+    legend.replaceChildren();
+    names.forEach((name) => {
+      const item = make("button", "nbdist-legend-item", legend);
+      item.type = "button";
+      item.title = `show or hide ${name} in every plot`;
+      const rank = /^rank (\d+)$/.exec(name);
+      const swatch = make("span", rank ? "nbdist-swatch" : "nbdist-swatch nbdist-swatch-mean", item);
+      if (rank) swatch.style.background = colour(Number(rank[1]));
+      make("span", "", item).textContent = name;
+      item.setAttribute("aria-pressed", String(!hidden.has(name)));
+      item.classList.toggle("nbdist-off", hidden.has(name));
+      item.addEventListener("click", () => {
+        if (hidden.has(name)) hidden.delete(name);
+        else hidden.add(name);
+        legend.dataset.stale = "1";
+        drawLegend();
+        store.panels.forEach((panel, p) => {
+          const i = panel.names.indexOf(name);
+          if (i >= 0 && cards[p] && cards[p].mode === "plot") {
+            Plotly.restyle(cards[p].plot, { visible: hidden.has(name) ? "legendonly" : true }, [i]);
+          }
+        });
+      });
+    });
+  }
+
+  // -- drawing: everything, or one delta ---------------------------------------------------------
+  function drawAll() {
+    if (!Plotly || !visible || !theme) return false;
+    store.panels.forEach((_, p) => drawPanel(p, true));
+    drawLegend();
+    drawBars(true);
+    countPoints();
+    behind = false;
+    STATS.redraws += 1;
+    return true;
   }
 
   function group(items) {
@@ -183,28 +427,117 @@ function render({ model, el }) {
 
   const view = {
     reset() {
-      if (!Plotly) return;
-      for (const div of divs) Plotly.purge(div);
-      divs.length = 0;
-      grid.textContent = "";
-      for (const panel of store.panels) addPanel(panel);
-      countPoints();
+      behind = true;
+      drawAll();
     },
+    // Draw one delta; returns whether this view drew (it skips while off screen).
     apply(msg) {
-      if (!Plotly) return;
-      for (let k = divs.length; k < store.panels.length; k++) addPanel(store.panels[k]);
-      for (const [p, g] of group(msg.reset)) Plotly.restyle(divs[p], { x: g.x, y: g.y }, g.idx);
-      for (const [p, g] of group(msg.extend)) Plotly.extendTraces(divs[p], { x: g.x, y: g.y }, g.idx);
+      if (!root.isConnected) {
+        sleep();
+        return false;
+      }
+      if (!Plotly || !visible || !theme || behind) {
+        behind = true;
+        return false;
+      }
+      for (let p = cards.length; p < store.panels.length; p++) drawPanel(p, true);
+      const resets = group(msg.reset);
+      const extends_ = group(msg.extend);
+      for (const p of new Set([...resets.keys(), ...extends_.keys()])) {
+        const entry = cards[p];
+        const wasPlot = entry && entry.mode === "plot";
+        const wasLog = wasPlot && entry.button.classList.contains("nbdist-on");
+        if (!wasPlot || resets.has(p) || constantOf(store.panels[p]) !== null || wasLog !== logScale(p)) {
+          drawPanel(p, true); // a tile, a tile turning into a plot, or a re-decimated trace
+        } else {
+          const g = extends_.get(p);
+          Plotly.extendTraces(entry.plot, { x: g.x, y: g.y }, g.idx);
+          entry.button.disabled = !(store.panels[p].lo > 0);
+        }
+      }
+      drawLegend();
       countPoints();
+      STATS.redraws += 1;
+      return true;
     },
   };
-  store.views.add(view);
+
+  // -- on the page or not: IntersectionObserver, and what it means -------------------------------
+  function wake() {
+    if (!active) {
+      active = true;
+      store.views.add(view);
+      STATS.views += 1;
+      root.dataset.active = "1";
+    }
+    const next = readTheme(root);
+    const key = JSON.stringify(next);
+    if (key !== themeKey) {
+      theme = next;
+      themeKey = key;
+      behind = true;
+    }
+    if (behind) drawAll();
+    if (tableBehind) onTable();
+  }
+
+  function sleep() {
+    // The element left the page (its output was re-rendered, or the notebook closed): drop the
+    // plots, leave the store. Attached again, it is woken by the observer and redraws.
+    if (active) {
+      active = false;
+      store.views.delete(view);
+      STATS.views -= 1;
+      root.dataset.active = "0";
+    }
+    if (Plotly) {
+      for (const entry of cards) if (entry && entry.mode === "plot") Plotly.purge(entry.plot);
+      Plotly.purge(bars);
+    }
+    for (const entry of cards) if (entry) entry.mode = null;
+    behind = true;
+  }
+
+  const seen = new IntersectionObserver(
+    (entries) => {
+      const entry = entries[entries.length - 1];
+      visible = entry.isIntersecting;
+      if (visible) wake();
+      else if (!root.isConnected) sleep();
+    },
+    { rootMargin: "300px" }, // draw a little before it scrolls into view
+  );
+  seen.observe(root);
+
+  // Plots follow their container's width; off screen, they resize when they come back.
+  let resizeFrame = 0;
+  const sized = new ResizeObserver(() => {
+    if (resizeFrame) return;
+    resizeFrame = requestAnimationFrame(() => {
+      resizeFrame = 0;
+      if (!Plotly || !visible || behind) return;
+      const divs = cards.filter((e) => e && e.mode === "plot").map((e) => e.plot);
+      if (bars.data) divs.push(bars);
+      for (const div of divs) {
+        const width = (div._fullLayout || {}).width || 0;
+        // Only a displayed div can be resized (a hidden one is, when it shows again).
+        if (div.offsetParent !== null && div.clientWidth > 0 && Math.abs(div.clientWidth - width) > 1) {
+          Plotly.Plots.resize(div).catch(() => {});
+        }
+      }
+    });
+  });
+  sized.observe(grid);
+  sized.observe(root);
+
+  // The theme: JupyterLab marks a change on <body>; the ticker below catches any other host.
+  const themed = new MutationObserver(() => visible && wake());
+  themed.observe(document.body, { attributes: true, attributeFilter: ["data-jp-theme-name", "data-jp-theme-light", "class"] });
 
   loadPlotly(model.get("_plotly_version"))
     .then((P) => {
       Plotly = P;
-      view.reset();
-      drawBars();
+      if (visible) wake();
     })
     .catch((error) => {
       console.warn("nbdist dashboard:", error);
@@ -212,7 +545,7 @@ function render({ model, el }) {
         "No plots: plotly.js did not load (enable it with `jupyter server extension enable nbdist.server`). The table still updates.";
     });
 
-  // The table: from the synced trait; "last seen" ticks here, against the kernel's clock.
+  // -- the header and the table: from the synced trait -------------------------------------------
   function ages() {
     const table = model.get("table") || {};
     const now = store.offset === null ? table.now : Date.now() / 1000 + store.offset;
@@ -220,6 +553,26 @@ function render({ model, el }) {
       cell.textContent = formatAgo(now - Number(cell.dataset.seen));
     }
   }
+
+  function drawHeader() {
+    const h = (model.get("table") || {}).header;
+    if (!h) return;
+    title.textContent = h.name;
+    const parts = [h.detail];
+    if (h.last !== null && h.last !== undefined) parts.push(`${formatSpan((h.ended || h.last) - h.started)} elapsed`);
+    if (h.step !== null && h.step !== undefined) {
+      const of = h.total ? ` of ${h.total}` : "";
+      parts.push(`step ${h.step}${of}${h.steps ? ` (ranks at ${h.steps})` : ""}`);
+    }
+    parts.push(`${Number(h.points).toLocaleString("en")} points`);
+    if (h.states) parts.push(h.states);
+    facts.textContent = parts.join(" · ");
+    progress.hidden = h.progress === null || h.progress === undefined;
+    progressBar.style.width = `${100 * (h.progress || 0)}%`;
+    progress.title = progress.hidden ? "" : `${(100 * h.progress).toFixed(0)} % of ${h.total} steps`;
+    gpuLine.textContent = h.gpu || "";
+  }
+
   function drawTable() {
     const table = model.get("table") || {};
     if (!table.headers) {
@@ -228,9 +581,9 @@ function render({ model, el }) {
     }
     const t = document.createElement("table");
     const head = t.createTHead().insertRow();
-    for (const title of table.headers) {
+    for (const name of table.headers) {
       const th = document.createElement("th");
-      th.textContent = title;
+      th.textContent = name;
       head.appendChild(th);
     }
     const body = t.createTBody();
@@ -240,41 +593,56 @@ function render({ model, el }) {
       if (row.flag) tr.title = row.flag;
       row.cells.forEach((text, i) => {
         const td = tr.insertCell();
-        td.textContent = text;
+        if (i === 0) {
+          // The rank's colour, as in the plots and the legend.
+          const rank = Number.parseInt(text, 10);
+          const swatch = make("span", "nbdist-swatch", td);
+          if (Number.isFinite(rank)) swatch.style.background = colour(rank);
+        }
+        td.appendChild(document.createTextNode(text));
         if (i === table.seen_col && row.seen !== null) td.dataset.seen = String(row.seen);
       });
     }
     tableBox.replaceChildren(t);
     ages();
   }
-  function drawBars() {
+
+  function drawBars(force) {
     const data = (model.get("table") || {}).breakdown;
-    if (!Plotly || !data) return;
+    barsCard.hidden = !data;
+    if (!Plotly || !data || !theme || !visible) return;
+    const key = JSON.stringify(data);
+    if (!force && bars.dataset.drawn === key) return;
+    bars.dataset.drawn = key;
     const traces = Object.entries(data.parts).map(([name, ms]) => ({
       type: "bar",
       name,
       x: data.ranks,
       y: ms,
-      hovertemplate: "%{y:.1f} ms",
+      marker: { color: BAR_COLOURS[name] },
+      hovertemplate: `${name}: %{y:.1f} ms<extra>%{x}</extra>`,
     }));
-    const axis = { gridcolor: gridColor, zerolinecolor: gridColor, automargin: true };
+    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true };
     Plotly.react(
       bars,
       traces,
       {
-        title: { text: "step breakdown (ms per step, latest steps)", font: { size: 13 } },
+        autosize: true,
         barmode: "stack",
-        height: 260,
-        margin: { l: 50, r: 10, t: 30, b: 35 },
-        xaxis: axis,
-        yaxis: axis,
-        font: { color, size: 11 },
+        height: PLOT_HEIGHT,
+        margin: { l: 8, r: 12, t: 8, b: 8 },
+        // Above the plot, in a row: Plotly makes room for it (the margin grows), it covers nothing.
+        legend: { orientation: "h", x: 0, xanchor: "left", y: 1.02, yanchor: "bottom" },
+        xaxis: { ...axis, title: { text: "rank (mean of its latest 20 steps)", font: { size: 11 }, standoff: 6 } },
+        yaxis: { ...axis, title: { text: "ms per step", font: { size: 11 }, standoff: 6 } },
+        font: { color: theme.fg, size: 11, family: theme.font },
         paper_bgcolor: "rgba(0,0,0,0)",
         plot_bgcolor: "rgba(0,0,0,0)",
       },
-      { displaylogo: false, responsive: true },
+      { displaylogo: false, responsive: false },
     );
   }
+
   function drawDropped() {
     const counts = Object.entries((model.get("table") || {}).dropped || {}).filter(([, n]) => n > 0);
     const total = counts.reduce((sum, [, n]) => sum + n, 0);
@@ -282,31 +650,67 @@ function render({ model, el }) {
       ? `${total} points dropped on the ranks (${counts.map(([r, n]) => `rank ${r}: ${n}`).join(", ")})`
       : "";
   }
-  const onTable = () => {
+
+  function onTable() {
     const table = model.get("table") || {};
     if (store.seq >= 0 && typeof table.now === "number") store.offset = table.now - Date.now() / 1000;
+    if (!visible) {
+      tableBehind = true; // drawn when it comes on screen
+      return;
+    }
+    tableBehind = false;
+    drawHeader();
     drawTable();
-    drawBars();
+    drawBars(false);
     drawDropped();
-  };
+  }
   model.on("change:table", onTable);
-  drawDropped();
+  // Drawn once now, so a saved notebook's view and a view without Plotly show the table at once.
+  drawHeader();
   drawTable();
-  const ticker = setInterval(ages, 1000);
+  drawDropped();
+  const ticker = setInterval(() => {
+    if (!visible) return;
+    ages();
+    // A theme whose change no attribute announced (another host): compare the colours.
+    if (themeKey && JSON.stringify(readTheme(root)) !== themeKey) wake();
+  }, 1000);
 
   return () => {
     clearInterval(ticker);
+    seen.disconnect();
+    sized.disconnect();
+    themed.disconnect();
+    if (resizeFrame) cancelAnimationFrame(resizeFrame);
     model.off("change:table", onTable);
-    store.views.delete(view);
-    if (Plotly) for (const div of [...divs, bars]) Plotly.purge(div);
+    sleep();
   };
 }
 
-function formatAgo(seconds) {
+// -- formatting ----------------------------------------------------------------------------------
+
+function constantOf(panel) {
+  // The value of a series that has had one value so far (null values aside), else null.
+  return panel.lo === panel.hi && Number.isFinite(panel.lo) ? panel.lo : null;
+}
+
+function formatValue(v) {
+  if (v === 0) return "0";
+  const a = Math.abs(v);
+  if (a >= 1e5 || a < 1e-3) return v.toExponential(3).replace(/\.?0+e/, "e");
+  if (Number.isInteger(v)) return v.toLocaleString("en");
+  return String(Number(v.toPrecision(4)));
+}
+
+function formatSpan(seconds) {
   const s = Math.max(0, seconds);
-  if (s < 60) return `${s.toFixed(1)} s ago`;
-  if (s < 3600) return `${Math.floor(s / 60)}m${String(Math.floor(s % 60)).padStart(2, "0")}s ago`;
-  return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, "0")}m ago`;
+  if (s < 60) return `${s.toFixed(1)} s`;
+  if (s < 3600) return `${Math.floor(s / 60)}m${String(Math.floor(s % 60)).padStart(2, "0")}s`;
+  return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, "0")}m`;
+}
+
+function formatAgo(seconds) {
+  return `${formatSpan(seconds)} ago`;
 }
 
 export default { initialize, render };

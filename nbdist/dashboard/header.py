@@ -1,0 +1,83 @@
+"""Kernel side: the dashboard's header line: which run, how long, how far, the ranks' states, the GPUs.
+
+The widget draws it above the plots and ticks the elapsed time itself (from
+``started``, against the kernel's clock); a run that logs ``total_steps`` (the
+number of steps the loop will take, e.g. ``nbdist.log(step=i, loss=l,
+total_steps=n)``) gets a progress bar.
+
+Example::
+
+    >>> from nbdist.metrics.run import Run
+    >>> run = Run(4, world_size=2, backend="gloo", started=100.0)
+    >>> run.add(0, [(9, 101.0, {"loss": 1.0, "total_steps": 100})])
+    1
+    >>> h = header(run, [])
+    >>> h["name"], h["step"], h["progress"]
+    ('run 4', 9, 0.1)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from nbdist.dashboard.table import PROGRESS_KEY, fmt_gpu_memory, fmt_gpu_util
+from nbdist.rank_states import DEAD, RANK_STATES
+
+__all__ = ["header"]
+
+
+def header(run, rows: Sequence) -> dict:
+    """The header's fields: ``name``, ``detail``, ``started``, ``ended``, ``last`` (newest
+    point's time), ``step`` (the furthest rank's), ``steps`` ("min–max" over ranks),
+    ``points``, ``progress`` (0..1, or None), ``total`` (``total_steps`` or None),
+    ``states`` ("2 busy · 1 dead") and ``gpu`` (a line, or None without GPU readings).
+
+    ``rows``: the table's :class:`~nbdist.dashboard.table.RankRow` list.
+    """
+    lasts = [last for last in (run.last(r) for r in run.ranks) if last]
+    steps = [int(last["step"]) for last in lasts]
+    totals = [last[PROGRESS_KEY] for last in lasts if _finite(last.get(PROGRESS_KEY))]
+    total = max(totals) if totals else None
+    step = max(steps) if steps else None
+    progress = None
+    if total and total > 0 and step is not None:
+        # Steps count from 0: step s of n done means s + 1 of n.
+        progress = round(min(1.0, (step + 1) / total), 4)
+    name = f"run {run.id}" + (f" · {run.label}" if run.label else "")
+    detail = f"{run.world_size} ranks" + (f" · {run.backend}" if run.backend else "")
+    counts = Counter(row.state for row in rows)
+    states = " · ".join(f"{counts[s]} {s}" for s in RANK_STATES if counts[s])
+    return {
+        "name": name,
+        "detail": detail,
+        "started": run.started,
+        "ended": run.ended,
+        "last": max((last["time"] for last in lasts), default=None),
+        "step": step,
+        "steps": "" if not steps else f"{min(steps)}–{max(steps)}" if min(steps) != step else "",
+        "points": run.count(),
+        "progress": progress,
+        "total": None if total is None else int(total),
+        "states": states,
+        "gpu": _gpu_line([row.gpu for row in rows if row.gpu and row.state != DEAD]),
+    }
+
+
+def _gpu_line(readings: list[dict]) -> str | None:
+    if not readings:
+        return None
+    # Ranks sharing a GPU report the same device: count each GPU (by its index) once.
+    readings = list({g.get("gpu_index", i): g for i, g in enumerate(readings)}.values())
+    utils = [g["gpu_util"] for g in readings if _finite(g.get("gpu_util"))]
+    used = [g["gpu_mem_mib"] for g in readings if _finite(g.get("gpu_mem_mib"))]
+    total = [g["gpu_mem_total_mib"] for g in readings if _finite(g.get("gpu_mem_total_mib"))]
+    util = fmt_gpu_util(sum(utils) / len(utils) if utils else None)
+    memory = fmt_gpu_memory(sum(used) if used else None, sum(total) if total else None)
+    n = len(readings)
+    return f"{n} GPU{'s' if n > 1 else ''}: utilisation {util} (mean) · memory {memory}"
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
