@@ -25,7 +25,16 @@ from dataclasses import dataclass, field
 from nbdist.driver.ipp_internals import send_control
 from nbdist.engine.control import REQUEST
 
-__all__ = ["RankWhere", "ask", "control_request", "diagnose", "format_where", "locate"]
+__all__ = [
+    "RankWhere",
+    "ask",
+    "behind",
+    "control_request",
+    "diagnose",
+    "format_flight",
+    "format_where",
+    "locate",
+]
 
 # How long an unanswered rank is waited for: a rank that holds the GIL in native code never answers.
 _ANSWER_TIMEOUT_S = 3.0
@@ -41,6 +50,8 @@ class RankWhere:
     stack: list[dict] = field(default_factory=list)
     collective: dict | None = None
     note: str = ""
+    # The process group's flight recorder: its last collectives, oldest first (None: not recorded).
+    flight: list[dict] | None = None
 
 
 def control_request(client, engine_ids: Sequence[int], action: str, timeout: float) -> list:
@@ -84,7 +95,14 @@ def ask(client, ranks: Sequence, *, timeout: float = _ANSWER_TIMEOUT_S) -> list[
             continue
         w = reply["where"]
         found.append(
-            RankWhere(info.rank, True, busy=w["busy"], stack=w["stack"], collective=w["collective"])
+            RankWhere(
+                info.rank,
+                True,
+                busy=w["busy"],
+                stack=w["stack"],
+                collective=w["collective"],
+                flight=w.get("flight"),
+            )
         )
     return found
 
@@ -136,4 +154,47 @@ def format_where(found: Sequence[RankWhere], *, frames: int = 6) -> str:
         for f in w.stack[-frames:]:
             code = f": {f['code']}" if f["code"] else ""
             out.append(f'  File "{f["file"]}", line {f["line"]}, in {f["name"]}{code}')
+    out.extend(format_flight(found))
     return "\n".join(out)
+
+
+def behind(found: Sequence[RankWhere]) -> dict[int, tuple[int, int]]:
+    """Ranks whose flight recorder is behind another's, per group: {rank: (its seq, the max)}.
+
+    The sequence number counts a group's collectives on each rank, so a rank with a
+    lower last number has not yet issued a collective the others are waiting in.
+    """
+    last: dict[str, dict[int, int]] = {}
+    for w in found:
+        for entry in w.flight or []:
+            seqs = last.setdefault(entry["group"], {})
+            seqs[w.rank] = max(seqs.get(w.rank, 0), entry["seq"])
+    lagging: dict[int, tuple[int, int]] = {}
+    for seqs in last.values():
+        top = max(seqs.values())
+        for rank, seq in seqs.items():
+            if seq < top and rank not in lagging:
+                lagging[rank] = (seq, top)
+    return lagging
+
+
+def format_flight(found: Sequence[RankWhere], *, entries: int = 3) -> list[str]:
+    """The flight-recorder lines of the report (none when no rank recorded any)."""
+    if not any(w.flight for w in found):
+        return []
+    out = ["flight recorder (the process group's last collectives, C++-issued ones included):"]
+    for w in found:
+        if not w.flight:
+            continue
+        shown = []
+        for e in w.flight[-entries:]:
+            size = "×".join(str(d) for d in e["sizes"][0]) if e["sizes"] and e["sizes"][0] else ""
+            # gloo reports every entry as "scheduled": only NCCL's states say anything.
+            state = f" {e['state']}" if e["state"] in ("started", "completed") else ""
+            shown.append(f"#{e['seq']} {e['op']}" + (f" [{size}]" if size else "") + state)
+        out.append(f"  rank {w.rank}: " + " · ".join(shown))
+    for rank, (seq, top) in sorted(behind(found).items()):
+        out.append(
+            f"  rank {rank} is behind: its last collective is #{seq}, another rank's is #{top}"
+        )
+    return out

@@ -25,6 +25,7 @@ from nbdist.engine import (
     backend_support,
     collectives,
     control,
+    flight_recorder,
     launch_guard,
     stdin_bridge,
     torchrun_env,
@@ -201,6 +202,9 @@ def _join_group(spec: dict, device: str) -> None:
         timeout=timeout,
         master_listen_fd=listen_fd,
     )
+    # The group records its last collectives (what %dist_where shows of a hang) only
+    # when asked before it forms.
+    flight_recorder.enable()
     init_kwargs = {}
     if spec["backend"] == "nccl":
         init_kwargs["device_id"] = torch.device(device)

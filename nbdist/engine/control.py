@@ -31,7 +31,7 @@ import sys
 import threading
 import traceback
 
-from nbdist.engine import collectives
+from nbdist.engine import collectives, flight_recorder
 from nbdist.engine.helpers import device, rank
 from nbdist.metrics.gpu import read_this_rank
 
@@ -181,6 +181,8 @@ def where() -> dict:
             for f in frames
         ],
         "collective": collectives.last(),
+        # The group's own record (C++-issued collectives too: DDP buckets, FSDP gathers).
+        "flight": flight_recorder.recent(),
         "released": _released,
     }
 

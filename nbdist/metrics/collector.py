@@ -131,7 +131,9 @@ class Collector:
             if points:
                 self.run.add(rank, points)
             stored = False
-            if self.store is not None and points:
+            # A message that only raises the dropped count is stored too (n = 0), so the
+            # history keeps what was lost, not only what arrived.
+            if self.store is not None and (points or dropped):
                 try:  # stored as it arrived (verified JSON): one row per batch, no re-encoding
                     self.store.append(self.run.id, rank, frames[1].decode(), len(points))
                     stored = True

@@ -197,6 +197,9 @@ def load_run(run_id: int, *, path: str | None = None) -> Run:
     for rank, text in rows:
         batch = json.loads(text)
         if isinstance(batch, dict):
+            # The rank's running count of points it could not send rides on its messages.
+            if isinstance(batch.get("dropped"), int) and batch["dropped"]:
+                run.set_dropped(rank, batch["dropped"])
             batch = batch.get("points", [])
         by_rank.setdefault(rank, []).extend(
             (step, when, {k: math.nan if v is None else v for k, v in values.items()})

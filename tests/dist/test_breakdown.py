@@ -10,6 +10,7 @@ import nbdist
 from nbdist.dashboard.table import rank_rows
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.status import format_status, rank_status
+from nbdist.metrics.store import load_run
 
 EPS = sys.float_info.epsilon
 
@@ -114,3 +115,5 @@ mine = dropped()
     )
     assert [r["dropped"] for r in rows] == mine
     assert f"{sum(mine)} metrics points dropped" in format_status(rows)
+    # The history keeps the count: a run read back later says what was lost too.
+    assert load_run(session.metrics.id, path=session.history).dropped == {0: mine[0], 1: mine[1]}

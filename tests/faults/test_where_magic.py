@@ -49,6 +49,37 @@ def test_dist_where_names_the_rank_that_never_entered(shell, capsys):
             run.wait()
 
 
+def test_dist_where_shows_the_flight_recorder_of_a_ddp_hang(shell, capsys):
+    """A hang inside DDP's backward: the all-reduce is issued from C++, which only the
+    process group's flight recorder sees; the report names the rank that is behind."""
+    shell.run_cell(
+        "%%on_all_ranks\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "ddp = DDP(torch.nn.Linear(4, 2))\n"
+    )
+    result = shell.run_cell(
+        "%%on_all_ranks --noblock\nimport time\nloss = ddp(torch.ones(3, 4)).sum()\n"
+        "if rank == 1:\n    time.sleep(60)\nloss.backward()\n"
+    )
+    run = result.result
+    try:
+        text = ""
+        for _ in range(200):  # until rank 0 has issued its gradient all-reduce
+            capsys.readouterr()
+            shell.run_line_magic("dist_where", "")
+            text = capsys.readouterr().out
+            if "rank 1 is behind" in text:
+                break
+        assert "flight recorder (the process group's last collectives" in text
+        # The bucket: Linear(4, 2)'s 8 weights and 2 biases, reduced as one flat tensor.
+        rank0 = next(line for line in text.splitlines() if line.startswith("  rank 0: #"))
+        assert rank0.rstrip().endswith("all_reduce [10]")
+        assert "rank 1 is behind: its last collective is #" in text
+    finally:
+        shell.magics_manager.registry["DistMagics"].session.interrupt([1])
+        with pytest.raises(RankError):
+            run.wait()
+
+
 def test_dist_where_bad_input(shell):
     with pytest.raises(UsageError, match="rank 7 does not exist: this cluster has ranks 0..1"):
         shell.run_line_magic("dist_where", "--ranks 7")

@@ -127,6 +127,9 @@ def test_a_hung_rank_is_named_within_the_cell_timeout_over_nccl(nccl_pair):
     seq = int(found.group(1))
     assert f"rank 1: never entered barrier #{seq} (last: barrier #{seq - 1}," in text, text
     assert "time.sleep(600)" in text  # where rank 1 was
+    # NCCL's flight recorder, read from the group itself, agrees: rank 1 is behind.
+    assert "flight recorder (the process group's last collectives" in text, text
+    assert "rank 1 is behind: its last collective is #" in text, text
     assert s.dead_ranks() == {}
     assert [r.pid for r in s.ranks] == pids
     _reduce_works(s)
@@ -155,3 +158,22 @@ def test_a_failing_rank_releases_the_other_from_nccl_and_state_survives(nccl_pai
     assert "the others were released: rank 0 from" in str(info.value)
     s.run("t = kept.clone()\ndist.all_reduce(t)\ntotal = t.sum().item()", sink=ListSink())
     assert s.pull("total") == [4.0, 4.0]  # 4 × (0 + 1): rank 0's zeros and rank 1's ones
+
+
+def test_the_flight_recorder_records_nccl_collectives_with_their_state(start_session):
+    """One NCCL rank (any one-GPU machine): after two all_reduces, the rank's flight recorder
+    lists them in order with their sizes, and NCCL reports the finished one as completed."""
+    s = start_session(1)
+    assert s.backend == "nccl"
+    s.run(
+        "from nbdist.engine import flight_recorder\n"
+        "t = torch.ones(1000, device=device)\n"
+        "dist.all_reduce(t)\ndist.all_reduce(t)\ntorch.cuda.synchronize()\n"
+        "fr = flight_recorder.recent(2)\n",
+        sink=ListSink(),
+    )
+    (fr,) = s.pull("fr")
+    assert [e["op"] for e in fr] == ["all_reduce", "all_reduce"]
+    assert fr[1]["seq"] == fr[0]["seq"] + 1
+    assert fr[0]["sizes"] == [[1000]]
+    assert fr[0]["state"] == "completed"
