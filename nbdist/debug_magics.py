@@ -9,6 +9,7 @@ a worked session: docs/debugging.md.
 from __future__ import annotations
 
 import sys
+import traceback
 
 from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
@@ -133,3 +134,43 @@ class DebugMagics(SessionMagics):
             )
         endpoint = session.apply(debugpy_server.listen, port, args.host, ranks=[rank])[0]
         print(debugpy_server.attach_text(endpoint))
+
+    @magic_arguments()
+    @argument(
+        "--full",
+        action="store_true",
+        help="the whole kernel-side traceback, nbdist's frames included, and every rank's own",
+    )
+    @line_magic
+    def dist_last_error(self, line=""):
+        """Show the last error of this kernel again; --full with every frame.
+
+        nbdist's errors (a cell's ``--timeout``, a dead rank, a bad placement)
+        print what happened and what to do, without the frames of nbdist's own
+        magics and waits in between. ``--full`` prints those frames, and for a
+        failed cell each failing rank's traceback (not grouped), e.g. for a bug
+        report. Example::
+
+            %%on_all_ranks --timeout 5
+            ...                      # CellTimeout: the cell ran longer than --timeout 5 s ...
+
+            %dist_last_error --full
+        """
+        from nbdist.errors import RankError, RanksInterrupted
+
+        args = parse_magic_line(self.dist_last_error, line)
+        error = getattr(sys, "last_value", None)
+        if error is None:
+            print("no error yet in this kernel")
+            return
+        if not args.full:
+            render = getattr(error, "_render_traceback_", None)
+            lines = render() if render else traceback.format_exception_only(type(error), error)
+            print("\n".join(x.rstrip("\n") for x in lines))
+            return
+        print("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+        ranks = error.stopped if isinstance(error, RanksInterrupted) else error
+        if isinstance(ranks, RankError):
+            for failure in ranks.failures:
+                print(f"--- rank {failure.rank} ---")
+                print(failure.traceback)

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "FULL_HINT",
     "ClusterNotRunning",
     "NbdistError",
     "PlacementError",
@@ -63,8 +64,20 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return f"rank {text}" if len(unique) == 1 else f"ranks {text}"
 
 
+# Shown under a short error: nbdist's own frames are hidden, not lost.
+FULL_HINT = "(%dist_last_error --full shows the whole traceback)"
+
+
 class NbdistError(Exception):
     """Base class of nbdist's exceptions."""
+
+    def _render_traceback_(self) -> list[str]:
+        """For IPython: what happened and what to do, first; nbdist's own frames left out.
+
+        The frames of nbdist's magics and waits say nothing a user can act on and
+        used to push the message 30 lines down; ``%dist_last_error --full`` prints them.
+        """
+        return [f"{type(self).__name__}: {self}", FULL_HINT]
 
 
 class ClusterNotRunning(NbdistError):

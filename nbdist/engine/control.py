@@ -163,7 +163,11 @@ def _cell_frames(frame) -> list:
                 start = i + 1
     frames = [] if start is None else stack[start:]
     # nbdist's own wrapper around each collective is noise in a user's stack.
-    return [f for f in frames if not f.filename.endswith(os.path.join("nbdist", "collectives.py"))]
+    return [
+        f
+        for f in frames
+        if not f.filename.endswith(os.path.join("nbdist", "engine", "collectives.py"))
+    ]
 
 
 def where() -> dict:

@@ -9,8 +9,8 @@ state (scheduled / started / completed). ``%dist_where`` and a cell's
 backward names the bucket the ranks disagree on.
 
 It records only when its buffer size is set before the group forms:
-:func:`enable` sets ``TORCH_FR_BUFFER_SIZE`` (and NCCL's older name
-``TORCH_NCCL_TRACE_BUFFER_SIZE``) unless the user set one. Recording costs a
+:func:`enable` sets ``TORCH_FR_BUFFER_SIZE`` (NCCL's older name
+``TORCH_NCCL_TRACE_BUFFER_SIZE`` before torch 2.8) unless the user set one. Recording costs a
 ring-buffer entry per collective (no stack capture by default): within the noise
 of a 16-float gloo all-reduce here (~0.8 ms either way, 3,000 calls).
 
@@ -37,8 +37,12 @@ def enable(entries: int = DEFAULT_ENTRIES) -> None:
     """Ask the next process group to record its collectives (kept if the user set a size)."""
     if any(name in os.environ for name in _ENV_NAMES):
         return
-    for name in _ENV_NAMES:
-        os.environ[name] = str(entries)
+    import torch
+
+    # torch >= 2.8 reads TORCH_FR_BUFFER_SIZE and warns on every rank when it finds
+    # the older NCCL name; before 2.8 only NCCL recorded, under the older name.
+    modern = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+    os.environ[_ENV_NAMES[0] if modern else _ENV_NAMES[1]] = str(entries)
 
 
 def _dump() -> dict | None:

@@ -95,7 +95,17 @@ def test_timeout_shows_where_and_the_next_cell_works(shell, capsys):
     assert "where the ranks were:" in text
     assert "rank 0: never entered all_reduce #" in text
     assert "rank 1: inside all_reduce #" in text
-    capsys.readouterr()
+    # What the user sees: the error first, no nbdist frames; they are one magic away.
+    shown = capsys.readouterr().out
+    first = next(line for line in shown.splitlines() if line.strip())
+    assert first.startswith("CellTimeout: the cell ran longer than --timeout 2 s"), shown
+    assert "nbdist/driver/runner.py" not in shown and "nbdist/magics.py" not in shown
+    assert "%dist_last_error --full shows the whole traceback" in shown
+    # The wrapper nbdist puts around each collective is not part of the user's stack.
+    assert "nbdist/engine/collectives.py" not in shown
+    shell.run_line_magic("dist_last_error", "--full")
+    full = capsys.readouterr().out
+    assert "nbdist/driver/runner.py" in full and "CellTimeout: the cell ran longer" in full
     result = shell.run_cell("%%on_all_ranks\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t)")
     assert result.success, result.error_in_exec
     assert "[ranks 0-1] tensor([2.])" in capsys.readouterr().out
