@@ -33,6 +33,7 @@ __all__ = ["TRACKED_OPS", "install", "last", "reset"]
 TRACKED_OPS = (
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",  # torch 2.13's name for all_gather_into_tensor
     "all_gather_object",
     "all_reduce",
     "all_to_all",
@@ -47,6 +48,7 @@ TRACKED_OPS = (
     "recv",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_single",  # and for reduce_scatter_tensor
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",

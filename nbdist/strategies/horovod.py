@@ -1,4 +1,4 @@
-"""Rank side: Horovod's data-parallel recipe with ``torch.distributed`` alone.
+"""Rank side: Horovod's data-parallel recipe, with real Horovod when it is installed, else emulated.
 
 Horovod (Sergeev & Del Balso 2018) made data parallelism a two-line change to a
 single-process script::
@@ -9,29 +9,208 @@ single-process script::
 The optimizer wrapper starts an all-reduce of each gradient *as soon as backward
 has produced it* (a hook per parameter), so communication of late layers
 overlaps the backward pass of early ones, and ``step()`` waits for all of them
-and averages before updating. This module does the same with
-``torch.distributed`` (any backend: gloo on CPU, NCCL on GPUs), for code written
-in Horovod's style or as a readable model of what DDP's C++ reducer does
-(DDP adds gradient bucketing on top). Horovod itself (0.28.1, 2023) no longer
-builds against current PyTorch without patches.
+and averages before updating.
 
-Example::
+**Real Horovod** (0.28.1, its last release) builds against torch 2.13 only with
+C++17 patches: ``scripts/build_horovod.sh`` does that. When ``horovod.torch``
+imports, :func:`init_horovod` runs a real ``hvd.init()`` on nbdist's ranks: a
+:class:`Rendezvous` (Horovod's HTTP rendezvous server, started in the kernel,
+on loopback) replaces ``horovodrun``, and each rank gets the ``HOROVOD_*``
+environment ``horovodrun`` would have set. Running it again (after
+``%dist_restart``, or to re-initialise) shuts the previous Horovod down first.
 
-    from nbdist.strategies.horovod import DistributedOptimizer, broadcast_parameters
-    broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                               named_parameters=model.named_parameters())
+**The emulation** (this module's own :func:`DistributedOptimizer`,
+:func:`broadcast_parameters`, ...) does the same with ``torch.distributed``
+(any backend: gloo on CPU, NCCL on GPUs): for code written in Horovod's style
+without Horovod, or as a readable model of what DDP's C++ reducer does (DDP
+adds gradient bucketing on top). :func:`init_horovod` returns it, with
+``rank()``, ``size()`` and ``local_rank()``, when Horovod is not installed, so
+the same loop runs either way.
+
+Example (the kernel holds the server, the ranks initialise)::
+
+    rendezvous = start_rendezvous(2) if horovod_status()[0] else None   # in the kernel
+    hvd = init_horovod(port)           # on each rank: horovod.torch, or this module
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
     loss_fn(model(x), y).backward()      # all-reduces start here, one per gradient
     opt.step()                           # waits, averages, updates
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters"]
+__all__ = [
+    "DistributedOptimizer",
+    "Rendezvous",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "horovod_status",
+    "init_horovod",
+    "local_rank",
+    "rank",
+    "size",
+    "start_rendezvous",
+]
+
+# Horovod reads these in hvd.init(); horovodrun would set them for each process it starts.
+_HOROVOD_ENV = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+_HOST = "localhost"  # the host name in the rendezvous plan and in HOROVOD_HOSTNAME
+
+
+def horovod_status() -> tuple[bool, str]:
+    """``(True, "horovod 0.28.1 ...")`` when ``horovod.torch`` imports here, else ``(False, why)``.
+
+    Example::
+
+        real, why = horovod_status()
+        print("Horovod:", why)
+    """
+    try:
+        import horovod
+        import horovod.torch as hvd
+    except Exception as exc:  # ImportError, or a build that does not load (an OSError)
+        return False, f"not importable ({type(exc).__name__}: {exc}); using nbdist's emulation"
+    if not hvd.gloo_built():
+        return (
+            False,
+            f"horovod {horovod.__version__} was built without gloo; using nbdist's emulation",
+        )
+    return True, f"horovod {horovod.__version__} (gloo), real hvd.init() on the ranks"
+
+
+class Rendezvous:
+    """Kernel side: Horovod's HTTP rendezvous server for one machine's ``world_size`` ranks.
+
+    What ``horovodrun`` runs in its own process: the ranks' gloo contexts find
+    each other through it in ``hvd.init()``. Bound to ``host`` (loopback by
+    default) on a free port (``.port``). :meth:`reset` starts a new round (it
+    is called at start; call it again after ranks died mid-initialisation);
+    :meth:`stop` ends the server.
+    """
+
+    def __init__(self, world_size: int, *, host: str = "127.0.0.1", verbose: int = 0) -> None:
+        """Start serving on ``host``; needs Horovod installed in the kernel's environment."""
+        from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: the number of ranks, at least 1")
+        self.world_size = world_size
+        self.host = host
+        # horovod.runner's RendezvousServer binds every interface; this one binds only `host`.
+        self._httpd = RendezvousHTTPServer((host, 0), RendezvousHandler, verbose)
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="horovod-rendezvous", daemon=True
+        )
+        self._thread.start()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every key: the next ``hvd.init()`` on the ranks is a fresh round."""
+        from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+
+        plan = get_host_assignments(parse_hosts(f"{_HOST}:{self.world_size}"), self.world_size)
+        self._httpd.init(plan)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()
+
+    def __repr__(self) -> str:
+        """Where it listens."""
+        return f"Rendezvous({self.world_size} ranks at {self.host}:{self.port})"
+
+
+def start_rendezvous(world_size: int, *, host: str = "127.0.0.1") -> Rendezvous:
+    """Kernel side: start a :class:`Rendezvous` for ``world_size`` ranks on this machine.
+
+    Example::
+
+        rendezvous = start_rendezvous(2)
+        %dist_push rendezvous_port       # after rendezvous_port = rendezvous.port
+    """
+    return Rendezvous(world_size, host=host)
+
+
+def init_horovod(
+    port: int | None, *, addr: str = "127.0.0.1", iface: str = "lo", timeout_s: int = 30
+):
+    """On each rank: real ``hvd.init()`` through the kernel's rendezvous at ``addr:port``.
+
+    Returns ``horovod.torch``, initialised with the rank and size of nbdist's
+    process group (shut down first if it already was: re-running the cell
+    re-initialises). ``port=None`` (no Horovod in the kernel) returns this
+    module, the emulation, with the same ``rank()``, ``size()``,
+    ``DistributedOptimizer`` and ``broadcast_parameters``. ``iface``: the
+    network interface gloo uses (``lo`` on one machine); ``timeout_s``: how long
+    ``hvd.init()`` waits for every rank.
+
+    Example::
+
+        hvd = init_horovod(rendezvous_port)
+        print(hvd.rank(), hvd.size())
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "init_horovod runs on nbdist's ranks (%%on_all_ranks), inside their process group"
+        )
+    if port is None:
+        return sys.modules[__name__]
+    import horovod.torch as hvd
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local_size != world:
+        raise RuntimeError(
+            f"real Horovod through nbdist runs on one machine: {world} ranks, {local_size} on this "
+            "one; use horovodrun across machines, or port=None for nbdist's emulation"
+        )
+    values = (me, world, int(os.environ.get("LOCAL_RANK", me)), local_size, 0, 1)
+    env = {f"HOROVOD_{k}": str(v) for k, v in zip(_HOROVOD_ENV, values)}
+    env.update(
+        HOROVOD_HOSTNAME=_HOST,
+        HOROVOD_GLOO_RENDEZVOUS_ADDR=addr,
+        HOROVOD_GLOO_RENDEZVOUS_PORT=str(int(port)),
+        HOROVOD_CONTROLLER="gloo",
+        HOROVOD_CPU_OPERATIONS="gloo",
+        HOROVOD_GLOO_IFACE=iface,
+        HOROVOD_GLOO_TIMEOUT_SECONDS=str(int(timeout_s)),
+    )
+    os.environ.update(env)
+    if hvd.is_initialized():
+        hvd.shutdown()
+    hvd.init()
+    if (hvd.rank(), hvd.size()) != (me, world):
+        raise RuntimeError(
+            f"hvd.init() gave rank {hvd.rank()} of {hvd.size()}, nbdist's group says {me} of {world}"
+        )
+    return hvd
+
+
+def rank() -> int:
+    """Emulation of ``hvd.rank()``: this rank in the process group."""
+    return dist.get_rank()
+
+
+def size() -> int:
+    """Emulation of ``hvd.size()``: the number of ranks."""
+    return dist.get_world_size()
+
+
+def local_rank() -> int:
+    """Emulation of ``hvd.local_rank()``: this rank's index on its machine (``LOCAL_RANK``)."""
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
 
 
 def _broadcast(tensor: torch.Tensor, root_rank: int) -> None:
