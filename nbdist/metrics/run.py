@@ -33,11 +33,13 @@ from dataclasses import dataclass, field
 from nbdist.metrics.gpu import GPU_KEYS
 from nbdist.metrics.steptime import BREAKDOWN_KEYS, MEMORY_KEYS
 
-__all__ = ["DERIVED_KEYS", "EVENT_KEYS", "Run", "RankSeries"]
+__all__ = ["COUNT_KEYS", "DERIVED_KEYS", "EVENT_KEYS", "Run", "RankSeries"]
 
 # Points that mark an event rather than measure something (MetricsHub.mark_restart):
 # kept in the run and the history, but no chart or table column of their own.
 EVENT_KEYS = ("restart",)
+# Keys that count things: integers in to_pandas() when every value logged is whole.
+COUNT_KEYS = ("samples", "tokens", "epoch", "total_steps", "restart")
 DERIVED_KEYS = (
     "step_time",
     "samples_per_s",
@@ -231,6 +233,9 @@ class Run:
     def to_pandas(self):
         """A DataFrame with one row per (rank, step): ``rank``, ``step``, ``time`` and a column per metric.
 
+        ``time`` is when the point was logged (a UTC datetime); counts (``samples``,
+        ``tokens``, ``epoch``...) are integers when every value is whole.
+
         Several points logged with the same step on a rank are merged (last value wins).
         That is also how a resumed run reads: training restarted from a checkpoint
         logs the steps after it again, and the later points replace the earlier
@@ -244,4 +249,14 @@ class Run:
             return pd.DataFrame(columns=["rank", "step", "time", *self.keys()])
         frame = frame.groupby(["rank", "step"], as_index=False, sort=True).last()
         ordered = ["rank", "step", "time", *[k for k in self.keys() if k in frame.columns]]
-        return frame[ordered].reset_index(drop=True)
+        frame = frame[ordered].reset_index(drop=True)
+        # When each point was logged, as a date (UTC) rather than an epoch float.
+        frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+        for key in COUNT_KEYS:
+            # Counts travel as floats (JSON numbers); whole ones read back as integers,
+            # with <NA> where a rank did not log them.
+            if key in frame.columns:
+                values = frame[key].dropna()
+                if len(values) and bool((values == values.round()).all()):
+                    frame[key] = frame[key].round().astype("Int64")
+        return frame

@@ -233,7 +233,7 @@ def test_without_a_given_peak_mfu_is_against_the_measured_one(logged):
     # The first call measured the peak (its timing loop runs at least 0.3 s) after taking its
     # time stamp; the next step's time starts after the measurement, so it is shorter than
     # the time between the two points' stamps by at least that much.
-    gap = frame.iloc[1]["time"] - frame.iloc[0]["time"]
+    gap = (frame.iloc[1]["time"] - frame.iloc[0]["time"]).total_seconds()
     assert gap - frame.iloc[1]["step_time"] >= 0.3
 
 

@@ -144,3 +144,25 @@ def test_the_end_of_a_cell_waits_until_a_ranks_points_are_in_the_history(tmp_pat
         push.close()
         collector.stop()
         store.close()
+
+
+def test_to_pandas_has_dates_and_whole_counts(tmp_path):
+    """Times read as dates, counts as integers (with <NA> where a rank did not log them),
+    measurements stay floats; the same from the history as from memory."""
+    store = RunStore(str(tmp_path / "h.sqlite"))
+    run = store.new_run(world_size=2)
+    t0 = 1_790_000_000.0  # 2026-09-21 UTC
+    points = {
+        0: [[0, t0, {"loss": 2.5, "samples": 64.0}], [1, t0 + 1.5, {"loss": 1.5, "samples": 64.0}]],
+        1: [[0, t0 + 0.1, {"loss": 2.25}], [1, t0 + 1.6, {"loss": 1.25, "samples": 32.0}]],
+    }
+    for rank, batch in points.items():
+        run.add(rank, [tuple(p) for p in batch])
+        store.append(run.id, rank, batch)
+    store.close()
+    for frame in (run.to_pandas(), load_run(run.id, path=store.path).to_pandas()):
+        assert str(frame["time"].dtype) == "datetime64[ns, UTC]"
+        assert frame["time"].iloc[0].isoformat() == "2026-09-21T14:13:20+00:00"
+        assert str(frame["samples"].dtype) == "Int64"
+        assert frame["samples"].tolist()[:2] == [64, 64] and frame["samples"].isna().sum() == 1
+        assert frame["loss"].dtype == float
