@@ -130,7 +130,10 @@ class DistMagics(Magics):
             )
         except PlacementError as exc:
             raise UsageError(str(exc)) from None
-        session.start()
+        try:
+            session.start()
+        except PlacementError as exc:  # what a launcher refused before starting anything
+            raise UsageError(str(exc)) from None
         self.session = session
         print(session.summary())
         if args.check:  # warns about a link far slower than the others (comm_check)

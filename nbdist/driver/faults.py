@@ -48,6 +48,8 @@ FAILURE_GRACE_S = 0.5
 INTERRUPT_GRACE_S = 0.5
 # Once released, how long a rank outside any collective may take to finish by itself.
 UNWIND_GRACE_S = 0.3
+# A release because ranks died: the words name every rank dead by the time they are read.
+_DIED = object()
 
 
 def death_cause(status: int | None, oom: OomCounter | None = None) -> str:
@@ -81,7 +83,14 @@ def death_cause(status: int | None, oom: OomCounter | None = None) -> str:
         if sig == signal.SIGSEGV:
             return f"crashed: segmentation fault ({name}, signal {sig}) in native code"
         return f"killed by {name} (signal {sig})"
-    return f"exited with code {(status >> 8) & 0xFF}"
+    code = (status >> 8) & 0xFF
+    if code == 128 + signal.SIGTERM:
+        # Engines a scheduler started end themselves on its SIGTERM (nbdist.launch.task_engine).
+        return (
+            f"exited with code {code} on SIGTERM: its job was cancelled (scancel), ran out "
+            "of time, or was preempted"
+        )
+    return f"exited with code {code}"
 
 
 def _exit_status(pid: int) -> int | None:
@@ -175,12 +184,29 @@ class CellGuard:
         """Guard one cell of ``session`` running on ``ranks`` (RankInfo, in run order)."""
         self.session = session
         self.ranks = list(ranks)  # RankInfo of the cell's ranks, in run order
-        self.released_from: dict[int, str] = {}  # rank -> what it was released from
-        self.release_reason = ""
+        self._released_from: dict[int, str] = {}  # rank -> what it was released from
+        self._release_reason = ""
         self.released = False
         self._first_failure: float | None = None
         self._interrupted_at: float | None = None
         self.reformed = ""  # what happened to the group after a release
+
+    @property
+    def released_from(self) -> dict[int, str]:
+        """{rank: what it was released from}, for ranks still alive.
+
+        Ranks of a cancelled job or a lost host die a few milliseconds apart: one
+        released while alive and dead a moment later is named among the dead.
+        """
+        dead = self.dead() if self._released_from else {}
+        return {r: what for r, what in self._released_from.items() if r not in dead}
+
+    @property
+    def release_reason(self) -> str:
+        """Why the ranks were released ('' if they were not); deaths as known now."""
+        if self._release_reason == _DIED:
+            return f"{', '.join(f'rank {r}' for r in sorted(self.dead()))} died"
+        return self._release_reason
 
     # -- what the waiting loop calls ----------------------------------------
     def dead(self) -> dict[int, str]:
@@ -193,8 +219,7 @@ class CellGuard:
             return
         dead = self.dead()
         if dead:
-            which = ", ".join(f"rank {r}" for r in sorted(dead))
-            self.release(run, f"{which} died")
+            self.release(run, _DIED)
             return
         states = run.child_states()
         failed = [r for r, s in states.items() if s == "error"]
@@ -227,7 +252,7 @@ class CellGuard:
 
         session = self.session
         self.released = True
-        self.release_reason = reason
+        self._release_reason = reason
         dead = session.dead_ranks()
         live = [r for r in session.ranks if r.rank not in dead]
         running = set(r for r, s in run.child_states().items() if s == "running") - set(dead)
@@ -244,7 +269,7 @@ class CellGuard:
             if c is not None and (c["inside"] or c.get("raised")):
                 # Inside, or already failing out of it (gloo noticed a dead peer):
                 # the release ends it; SIGINT would only cut its traceback short.
-                self.released_from[rank] = f"{c['op']} #{c['seq']}"
+                self._released_from[rank] = f"{c['op']} #{c['seq']}"
             else:
                 computing[rank] = c
         # A rank may be unwinding already (gloo noticed a dead peer itself):
@@ -254,10 +279,10 @@ class CellGuard:
             states = run.child_states()
             for rank in [r for r in computing if states.get(r) != "running"]:
                 c = computing.pop(rank)
-                self.released_from[rank] = f"{c['op']} #{c['seq']}" if c else "its running code"
+                self._released_from[rank] = f"{c['op']} #{c['seq']}" if c else "its running code"
             time.sleep(0.02)
         for rank in computing:
-            self.released_from[rank] = "its running code (interrupted)"
+            self._released_from[rank] = "its running code (interrupted)"
         if computing:
             session.interrupt(sorted(computing))
 
@@ -297,7 +322,7 @@ class CellGuard:
                 )
                 session.group.released = True
                 self.released = True
-                self.release_reason = "the ranks stopped at different collectives"
+                self._release_reason = "the ranks stopped at different collectives"
         if session.group is not None and session.group.released:
             try:
                 session.reform_group()

@@ -23,14 +23,16 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 
 import psutil
 
 from nbdist.errors import NbdistError
-from nbdist.launch import process_tree
+from nbdist.launch import launched, process_tree
+
+# Re-exported: the serializer's head start belongs to a start, as it always did.
+from nbdist.launch.serializer import serializer_ready, warm_serializer
 
 __all__ = [
     "ClusterHandle",
@@ -148,7 +150,7 @@ def start_local(
             # Engines on other hosts (a batch job) cannot read this machine's private
             # profile dir: they get the connection info in their environment (the
             # SSH launcher copies the connection file over SSH instead).
-            send_engines_connection_env=launcher not in (None, "ssh"),
+            send_engines_connection_env=launcher not in (None, launched.SSHEngines),
             engine_launcher_class=engine_launcher_class,
             engine_timeout=int(max(1, timeout)),
             shutdown_atexit=True,
@@ -167,8 +169,13 @@ def start_local(
             cluster.start_cluster_sync(n=n)
             handle.client = cluster.connect_client_sync()
             warm_serializer()  # the controller is up; the engines are still importing torch
-            # Not start_and_connect: in a notebook it draws a progress bar of its own.
-            handle.client.wait_for_engines(n, timeout=timeout, interactive=False, block=True)
+            if launcher is None:
+                # Not start_and_connect: in a notebook it draws a progress bar of its own.
+                handle.client.wait_for_engines(n, timeout=timeout, interactive=False, block=True)
+            else:  # watches the job/mpiexec/ssh too: a start that cannot succeed fails now
+                launched.wait_for_engines(
+                    handle.client, handle.engine_launcher(), n, timeout=timeout
+                )
             break
         except BaseException as exc:
             clash = _port_clash(cluster)  # read before stop() removes the log
@@ -193,7 +200,8 @@ def start_local(
             handle.start_note = f"engines spawned separately ({status['reason']})"
         handle.pids.update(status.get("pids", []))
     else:
-        handle.start_method = launcher or "ipyparallel"
+        handle.start_method = launched.launcher_name(launcher)
+        handle.start_note = launched.start_note(engines)
     _secure_connection_files(cluster.profile_dir)
     return handle
 
@@ -212,12 +220,16 @@ def start_processes(options, placement) -> ClusterHandle:
         for s in placement.slots
     ]
     launch = options.launch
+    if launch is not None:  # Slurm would run the job, every SSH host answers: or nothing starts
+        launched.check_before_start(launch)
     return start_local(
         n=placement.world_size,
         slot_environments=slot_envs,
         threads=placement.threads_for(placement.slots[0]),
         timeout=options.timeout,
-        launcher=launch.engine_launcher if launch else options.launcher,
+        launcher=launched.engine_launcher_class(
+            launch.engine_launcher if launch else options.launcher
+        ),
         launcher_config=launch.config if launch else None,
         profile=options.profile,
         ip=options.ip,
@@ -226,8 +238,12 @@ def start_processes(options, placement) -> ClusterHandle:
 
 
 def interrupt_engines(handle: ClusterHandle, pids: list[int], engine_ids: list[int]) -> None:
-    """SIGINT to engines: by PID where nbdist started them, else through the controller."""
-    if handle.owned:
+    """SIGINT to engines: by PID where nbdist forked them, else through the controller.
+
+    Engines a launcher started (Slurm, MPI, SSH) may be on other hosts, where
+    their PIDs name other processes: the controller relays the signal.
+    """
+    if handle.owned and handle.start_method in ("fork", "spawn"):
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGINT)
@@ -294,39 +310,6 @@ def _secure_connection_files(profile_dir: str) -> None:
     os.chmod(security, 0o700)
     for name in os.listdir(security):
         os.chmod(os.path.join(security, name), 0o600)
-
-
-_warm_thread: threading.Thread | None = None
-
-
-def warm_serializer() -> None:
-    """Pay ipyparallel's one-time serializer set-up now, on a thread, while engines start.
-
-    The first ``apply`` of a process imports numpy (ipyparallel registers how to
-    send arrays): 0.17 s, which used to fall between "engines registered" and
-    "group formed". Started once the controller is up, it runs while the engines
-    are still importing torch. That set-up is not thread-safe: call
-    :func:`serializer_ready` before the first ``apply``.
-    """
-    global _warm_thread
-    if _warm_thread is None:
-        _warm_thread = threading.Thread(target=_import_serializer, name="nbdist-warm", daemon=True)
-        _warm_thread.start()
-
-
-def serializer_ready() -> None:
-    """Wait for :func:`warm_serializer` (if it was started) to finish."""
-    if _warm_thread is not None:
-        _warm_thread.join()
-
-
-def _import_serializer() -> None:
-    try:
-        from ipyparallel.serialize import canning
-
-        canning.can(None)  # the first call imports the types named in its mapping
-    except Exception:  # an optional head start: the first apply does it anyway
-        pass
 
 
 def attach(path: str, *, timeout: float) -> ClusterHandle:

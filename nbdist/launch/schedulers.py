@@ -4,12 +4,13 @@ nbdist does not manage clusters itself: ipyparallel's launchers start the
 engines (an ``sbatch`` job, ``ssh`` to each host, ``mpiexec``) and its
 controller stays here, in the notebook's machine. :func:`plan_launch` turns
 the few options a user gives (partition, time, account, hosts, ...) into that
-launcher's traitlets configuration, checked first. Pure: tested on the
-configuration (and the batch script ipyparallel writes from it) without Slurm.
+launcher's traitlets configuration, checked first. It asks nothing of the
+cluster but where its hosts are (``sinfo``, ``ssh -G``: no job, no login).
 
 Engines on other hosts must reach the controller, so these launchers need
 ``--ip``: an address of this machine on the cluster's network. Loopback is
-refused with that fix; nothing listens beyond loopback unless asked.
+refused with that fix, unless every engine runs on this machine (a one-node
+Slurm cluster, ``ssh localhost``); nothing listens beyond loopback unless asked.
 
 Example::
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import shlex
+import shutil
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,8 +49,13 @@ _LAUNCHER_OPTIONS = {
     "slurm": ("partition", "time", "account", "qos", "nodes", "gpus_per_node", "cpus_per_task",
               "sbatch"),
     "ssh": ("hosts", "python", "ssh_args"),
-    "mpi": ("hosts", "mpi_args", "mpi_cmd"),
+    "mpi": ("hosts", "mpi_args", "mpi_cmd", "python"),
 }  # fmt: skip
+
+
+# mpiexec options that put ranks on other hosts (Open MPI's and MPICH's spellings).
+_MPI_HOST_FLAGS = {"--host", "-host", "-H", "--hostfile", "-hostfile", "--machinefile",
+                   "-machinefile", "-f", "--default-hostfile"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,8 @@ def _slurm(n: int, opts: dict) -> dict:
         lines.append(f"#SBATCH --nodes={opts['nodes']}")
     if opts.get("cpus_per_task"):
         lines.append(f"#SBATCH --cpus-per-task={opts['cpus_per_task']}")
+    if opts.get("output_here"):  # the nodes are this machine: they can write the profile's log
+        lines.append("#SBATCH --output={output_file}")
     lines += [f"#SBATCH {extra}" for extra in opts.get("sbatch", [])]
     lines.append("srun {program_and_args}")
     return {"SlurmEngineSetLauncher": {"batch_template": "\n".join(lines) + "\n"}}
@@ -99,6 +108,8 @@ def _mpi(opts: dict) -> dict:
         config["mpi_args"] = args
     if opts.get("mpi_cmd"):
         config["mpi_cmd"] = list(opts["mpi_cmd"])
+    if opts.get("python"):  # the interpreter on every host (default: the notebook's path)
+        config["engine_cmd"] = [opts["python"], "-m", "nbdist.launch.task_engine"]
     return {"MPIEngineSetLauncher": config}
 
 
@@ -144,8 +155,35 @@ def parse_hosts(text: str | Mapping[str, int]) -> dict[str, int]:
     return hosts
 
 
-def _check_remote_ip(launcher: str, ip: str) -> None:
-    """Engines on other hosts dial ``ip``: it must not be loopback."""
+def _is_loopback(ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return ip == "localhost"
+
+
+def _slurm_here(partition: str | None) -> bool:
+    """Whether a controller on loopback will do: Slurm's nodes are all this machine."""
+    if shutil.which("sinfo") is None:
+        return False
+    from nbdist.launch.slurm_job import loopback_will_do
+
+    return loopback_will_do(partition)
+
+
+def _hosts_here(hosts, ssh_args=None) -> bool:
+    from nbdist.launch.hosts import is_this_machine, ssh_hostname
+
+    if ssh_args is None:
+        return all(is_this_machine(h) for h in hosts)
+    return all(is_this_machine(ssh_hostname(h, ssh_args)) for h in hosts)
+
+
+def _check_remote_ip(launcher: str, ip: str, *, here: bool = False) -> None:
+    """Engines on other hosts dial ``ip``: it must not be loopback (unless ``here``:
+    every engine runs on this machine)."""
+    if here and _is_loopback(ip):
+        return
     try:
         address = ipaddress.ip_address(ip)
     except ValueError:
@@ -247,11 +285,13 @@ def _check_launcher_options(launcher, n: int | None, ip: str, options: Mapping) 
         )
     checked: dict = {}
     if name == "slurm":
-        if n is not None:
-            _check_remote_ip(name, ip)
         checked = _check_slurm(n, opts)
+        # Loopback only where Slurm's nodes are this machine (sinfo says): then the
+        # job's output can go to the session's private log directory as well.
+        here = _is_loopback(ip) and _slurm_here(checked.get("partition"))
+        _check_remote_ip(name, ip, here=here)
+        checked["output_here"] = here
     elif name == "ssh":
-        _check_remote_ip(name, ip)
         if not opts.get("hosts"):
             raise PlacementError(
                 "--launcher ssh needs the hosts and ranks on each: e.g. hosts=node1:4,node2:4"
@@ -263,14 +303,22 @@ def _check_launcher_options(launcher, n: int | None, ip: str, options: Mapping) 
             checked["python"] = _word("python", opts["python"])
         if opts.get("ssh_args"):
             checked["ssh_args"] = shlex.split(str(opts["ssh_args"]))
+        # `ssh -G` resolves the host as ssh will (aliases in ~/.ssh/config included).
+        ssh_args = checked.get("ssh_args", [])
+        here = _is_loopback(ip) and _hosts_here(checked["hosts"], ssh_args)
+        _check_remote_ip(name, ip, here=here)
     else:  # mpi: on this machine only (mpiexec without hosts) loopback is fine.
-        if opts.get("hosts") or opts.get("mpi_args"):
-            _check_remote_ip(name, ip)
         if opts.get("hosts"):
             checked["hosts"], n = _hosts_total(n, opts["hosts"], "make them agree")
+        mpi_args = shlex.split(str(opts.get("mpi_args") or ""))
+        if opts.get("hosts") or any(a.split("=")[0] in _MPI_HOST_FLAGS for a in mpi_args):
+            here = "hosts" in checked and _hosts_here(checked["hosts"])
+            _check_remote_ip(name, ip, here=here)
+        if opts.get("python"):
+            checked["python"] = _word("python", opts["python"])
         if n is None:
             raise PlacementError("--launcher mpi needs the number of ranks, e.g. %dist_start 8")
-        checked["mpi_args"] = shlex.split(str(opts.get("mpi_args") or ""))
+        checked["mpi_args"] = mpi_args
         if opts.get("mpi_cmd"):
             checked["mpi_cmd"] = shlex.split(str(opts["mpi_cmd"]))
     return _launch_plan(name, n, checked)

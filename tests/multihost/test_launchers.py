@@ -33,7 +33,7 @@ def shell():
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("16 --launcher slurm", "pass --ip with this machine's address"),
+        ("--launcher ssh --hosts node1:2", "pass --ip with this machine's address"),
         ("16 --launcher slurm --ip {ADDR} --time soon", "time 'soon' is not a Slurm time limit"),
         ("--launcher slurm --ip {ADDR}", "needs the number of ranks"),
         ("--launcher ssh --ip {ADDR}", "needs the hosts"),

@@ -93,7 +93,10 @@ def test_slurm_needs_a_rank_count():
         plan_launch("slurm", None, ip=IP)
 
 
-@pytest.mark.parametrize("launcher, options", [("slurm", {}), ("ssh", {"hosts": "a:2"})])
+# Hosts elsewhere (a Slurm whose nodes are this machine may stay on loopback: tests/cluster).
+@pytest.mark.parametrize(
+    "launcher, options", [("ssh", {"hosts": "a:2"}), ("mpi", {"hosts": "a:2"})]
+)
 def test_engines_elsewhere_need_an_address_beyond_loopback(launcher, options):
     with pytest.raises(PlacementError, match="pass --ip with this machine's address"):
         plan_launch(launcher, 2, ip="127.0.0.1", **options)
@@ -163,4 +166,4 @@ def test_parse_launch_options():
 
 def test_a_host_name_resolving_to_loopback_is_refused_too():
     with pytest.raises(PlacementError, match="cannot reach a controller on localhost"):
-        plan_launch("slurm", 2, ip="localhost")
+        plan_launch("ssh", 2, ip="localhost", hosts="a:2")
