@@ -173,17 +173,21 @@ class DistMagics(Magics):
 
     @line_magic
     def dist_status(self, line=""):
-        """A table of ranks: rank, engine, host, pid, device, backend, state, memory.
+        """A table of ranks: rank, host, pid, device, backend, state, memory (and GPU figures).
 
-        Example::
+        An HTML table in a notebook (each rank in its dashboard colour), the same
+        table as text in a terminal or a saved notebook's plain text; dead ranks
+        and how they died are listed under it. Example::
 
             %dist_status
         """
-        from nbdist.driver.status import format_status
+        from IPython.display import display
+
+        from nbdist.driver.status import StatusTable
 
         if line.strip():
             raise UsageError(f"%dist_status takes no arguments, got {line.strip()!r}")
-        print(format_status(self.running_session().status()))
+        display(StatusTable(self.running_session().status()))
 
     @magic_arguments()
     @_RANKS

@@ -16,7 +16,7 @@ from nbdist.dashboard.table import fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
 from nbdist.driver.where import control_request
 from nbdist.rank_states import BUSY, DEAD, IDLE
 
-__all__ = ["format_status", "rank_status"]
+__all__ = ["StatusTable", "format_status", "rank_status", "status_html"]
 
 # A rank holding the GIL in native code does not answer; its GPU figures are then left out.
 _GPU_ANSWER_TIMEOUT_S = 1.0
@@ -123,9 +123,13 @@ def _gpu_cells(gpu: dict | None) -> list[str]:
     ]
 
 
-def format_status(rows: list[dict]) -> str:
-    """A fixed-width text table of :func:`rank_status` rows."""
-    headers = ["rank", "engine", "host", "pid", "device", "backend", "state", "memory"]
+def _table(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
+    """The headers, cells and notes both forms of the table show.
+
+    The ipyparallel engine id is left out: it is nbdist's plumbing, differs from
+    the rank after a restart, and read as a second rank number (it stays in the rows).
+    """
+    headers = ["rank", "host", "pid", "device", "backend", "state", "memory"]
     # Metrics points a rank logged but could not send (normally 0); when the session tells.
     with_dropped = any(r.get("dropped") is not None for r in rows)
     if with_dropped:
@@ -136,7 +140,6 @@ def format_status(rows: list[dict]) -> str:
     table = [
         [
             str(r["rank"]),
-            str(r["engine"]),
             r["host"],
             str(r["pid"]),
             r["device"],
@@ -148,24 +151,73 @@ def format_status(rows: list[dict]) -> str:
         ]
         for r in rows
     ]
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
+    notes = []
     dead = [r for r in rows if r["state"] == DEAD]
     for r in dead:
-        lines.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
+        notes.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
     if dead:
-        lines.append("%dist_restart brings every rank back")
+        notes.append("%dist_restart brings every rank back")
     lost = sum(r.get("dropped") or 0 for r in rows)
     if lost:
-        lines.append(
+        notes.append(
             f"{lost} metrics points dropped on the ranks: their buffer was full "
             "(NBDIST_LOG_BUFFER) or a value could not be sent"
         )
     shared = _shared_gpus(rows)
     if shared:
-        lines.append(shared)
-    return "\n".join(line.rstrip() for line in lines)
+        notes.append(shared)
+    return headers, table, notes
+
+
+def format_status(rows: list[dict]) -> str:
+    """A fixed-width text table of :func:`rank_status` rows, then its notes (dead ranks...)."""
+    headers, table, notes = _table(rows)
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
+    return "\n".join(line.rstrip() for line in lines + notes)
+
+
+def status_html(rows: list[dict]) -> str:
+    """The same table as HTML: each rank in its dashboard colour, a dead rank's state in red."""
+    from html import escape
+
+    from nbdist.dashboard.palette import rank_colour
+
+    headers, table, notes = _table(rows)
+    head = "".join(f"<th style='text-align:left'>{escape(h)}</th>" for h in headers)
+    body = []
+    for r, cells in zip(rows, table):
+        tds = []
+        for h, c in zip(headers, cells):
+            text = escape(c)
+            if h == "rank":
+                swatch = f"<span style='color:{rank_colour(int(r['rank']))}'>&#9632;</span> "
+                text = swatch + text
+            elif h == "state" and c == DEAD:
+                text = f"<b style='color:#c62828'>{text}</b>"
+            tds.append(f"<td style='text-align:left'>{text}</td>")
+        body.append("<tr>" + "".join(tds) + "</tr>")
+    foot = "".join(f"<div>{escape(n)}</div>" for n in notes)
+    return (
+        f"<table class='nbdist-status'><thead><tr>{head}</tr></thead>"
+        f"<tbody>{''.join(body)}</tbody></table>{foot}"
+    )
+
+
+class StatusTable:
+    """What ``%dist_status`` displays: HTML in a notebook, the text table elsewhere."""
+
+    def __init__(self, rows: list[dict]):
+        """``rows``: :func:`rank_status`'s."""
+        self.rows = rows
+
+    def __repr__(self) -> str:
+        """The text table (a terminal, a saved notebook's text/plain)."""
+        return format_status(self.rows)
+
+    def _repr_html_(self) -> str:
+        return status_html(self.rows)
 
 
 def _shared_gpus(rows: list[dict]) -> str:

@@ -128,3 +128,24 @@ def test_oom_counter_reads_cgroup_v2_and_v1_files(tmp_path):
     words = death_cause(signal.SIGKILL, counter)
     assert words.startswith("killed by the kernel's out-of-memory killer (SIGKILL): its memory")
     assert str(v1) in words
+
+
+def test_status_html_colours_ranks_and_marks_the_dead():
+    """The notebook's %dist_status: the text table's cells, each rank in its dashboard colour,
+    a dead rank's state in red and how it died under the table."""
+    from nbdist.dashboard.palette import rank_colour
+    from nbdist.driver.status import StatusTable
+
+    rows = [
+        dict(rank=0, engine=5, host="h", pid=10, device="cpu", backend="gloo", state="idle",
+             memory_mib=200.0, died=None),
+        dict(rank=1, engine=6, host="h", pid=11, device="cpu", backend="gloo", state="dead",
+             memory_mib=None, died="pid 11 killed by SIGKILL (signal 9)"),
+    ]  # fmt: skip
+    table = StatusTable(rows)
+    html = table._repr_html_()
+    assert f"color:{rank_colour(0)}" in html and f"color:{rank_colour(1)}" in html
+    assert "<b style='color:#c62828'>dead</b>" in html
+    assert "<div>rank 1 died: pid 11 killed by SIGKILL (signal 9)</div>" in html
+    assert ">engine<" not in html and "engine" not in repr(table)
+    assert repr(table) == format_status(rows)

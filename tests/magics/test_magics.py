@@ -134,7 +134,6 @@ def test_status_table(started, capsys):
         time.sleep(0.2)
     assert out[0].split() == [
         "rank",
-        "engine",
         "host",
         "pid",
         "device",

@@ -64,7 +64,18 @@ def test_quickstart_runs(tmp_path):
     steps = [line for line in lines if " step " in line]
     assert len(steps) == 4 and all(s.startswith("[rank 0] step ") for s in steps), steps
     assert any(line.startswith("[rank 0] identical on all 2 ranks") for line in lines)
-    assert any(line.startswith("rank  engine  host  pid") for line in lines)  # %dist_status
+    # %dist_status: an HTML table in a notebook, the same table as text beside it.
+    status = [
+        o["data"]
+        for c in nb.cells
+        if c.cell_type == "code" and c.source.strip() == "%dist_status"
+        for o in c.get("outputs", [])
+        if o.output_type == "display_data"
+    ]
+    assert len(status) == 1
+    assert status[0]["text/plain"].split()[:6] == "rank host pid device backend state".split()
+    html = status[0]["text/html"]
+    assert html.startswith("<table class='nbdist-status'>") and html.count("<tr>") == 3
     assert lines[-1] == "nbdist: stopped 2 ranks"
     print(f"quick start executed in {seconds:.1f} s")  # shown with -s; timings belong in bench/
 

@@ -157,8 +157,8 @@ def test_status_shows_each_rank_s_gpu_and_which_ranks_share_one():
         [_row(0, gpu_figures=H100), _row(1, gpu_figures=H100), _row(2, gpu_figures=other)]
     )
     lines = text.splitlines()
-    assert lines[0].split()[:9] == [
-        *"rank engine host pid device backend state memory".split(),
+    assert lines[0].split()[:8] == [
+        *"rank host pid device backend state memory".split(),
         "gpu",
     ]
     assert "gpu util" in lines[0] and "gpu memory" in lines[0] and "gpu temp" in lines[0]
