@@ -33,6 +33,8 @@ export interface IRankRow {
   /** Latest achieved TFLOP/s and MFU (a fraction of the peak); absent unless the rank logs flops. */
   tflops?: number;
   mfu?: number | null;
+  /** Why the rank is a straggler, by the dashboard's rule; '' when it is not (a dead rank never is). */
+  straggler: string;
 }
 
 /** One GPU's figures (the whole GPU's: ranks sharing it show the same); null: not reported. */
@@ -54,8 +56,13 @@ export interface ICluster {
   owned: boolean;
   started: number | null;
   ranks: IRankRow[];
-  step: number | null;
+  /** Lowest and highest step of the ranks that are not dead: a lagging rank shows. */
+  step_min: number | null;
+  step_max: number | null;
+  /** Total rate of the ranks that logged in the last seconds; null once training stops. */
   samples_per_s: number | null;
+  /** What the rates count. */
+  rate_key: 'samples_per_s' | 'tokens_per_s';
   dead: number[];
 }
 
@@ -68,6 +75,19 @@ export interface IRunRecord {
   label: string;
   host: string;
   points: number;
+  /** True while a live cluster logs to it; a run whose kernel died is finished (ended may be null). */
+  running: boolean;
+}
+
+/** A metric's chart titles, as the notebook dashboard writes them. */
+export interface IPanel {
+  title: string;
+  unit: string;
+  ytitle: string;
+  xtitle: string;
+  log: boolean;
+  /** Plotted against seconds since the run started (throughput, GPU), not step. */
+  by_time: boolean;
 }
 
 export interface IRunSeries {
@@ -78,6 +98,8 @@ export interface IRunSeries {
   backend: string;
   keys: string[];
   series: { [key: string]: { [rank: string]: [number, number][] } };
+  panels: { [key: string]: IPanel };
+  running: boolean;
 }
 
 export type Action = 'interrupt' | 'restart' | 'stop';
@@ -108,6 +130,37 @@ export function act(clusterId: string, action: Action): Promise<any> {
   });
 }
 
+/**
+ * The rank colours, from the server (``nbdist/api/palette``): the notebook dashboard
+ * and the comparison chart draw ranks in the same ones. Until the list arrives, a rank
+ * is drawn in the text colour.
+ */
+export class Palette {
+  /** Rank ``rank``'s colour; the list repeats. */
+  colour(rank: number): string {
+    const n = this._colours.length;
+    return n ? this._colours[rank % n] : 'currentColor';
+  }
+
+  get loaded(): boolean {
+    return this._colours.length > 0;
+  }
+
+  /** Read the palette once (again after a failure); resolves to whether it is loaded. */
+  async load(): Promise<boolean> {
+    if (!this._colours.length) {
+      try {
+        this._colours = (await requestAPI<{ colours: string[] }>('palette')).colours;
+      } catch {
+        return false; // the next poll tries again
+      }
+    }
+    return true;
+  }
+
+  private _colours: string[] = [];
+}
+
 /** The live clusters, polled once for every view that shows them. */
 export class ClusterModel {
   constructor() {
@@ -119,6 +172,9 @@ export class ClusterModel {
       standby: 'when-hidden'
     });
   }
+
+  /** The rank colours every view of this page uses. */
+  readonly palette = new Palette();
 
   get clusters(): ICluster[] {
     return this._clusters;
@@ -151,6 +207,7 @@ export class ClusterModel {
 
   private async _refresh(): Promise<void> {
     try {
+      await this.palette.load();
       const reply = await requestAPI<{ clusters: ICluster[] }>('clusters');
       this._clusters = reply.clusters;
       this._error = '';

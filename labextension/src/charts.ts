@@ -1,37 +1,25 @@
 /**
- * Small SVG line charts: one polyline per rank, no chart library.
+ * The sidebar's small SVG line charts (one line per rank, axis titles, hover read-out)
+ * and the rank legend they share. No chart library.
  *
- * The sidebar redraws a few hundred points per rank once a second; plain SVG
- * does that in well under a millisecond and keeps the extension small (the
- * notebook dashboard uses plotly.js, served by the server extension, for its
- * richer charts).
+ * The sidebar redraws a few hundred points per rank once a second; plain SVG does that
+ * in well under a millisecond and keeps the extension small. The past-run view in the
+ * main area uses plotly.js (see runchart.ts), as the notebook dashboard does. Text is
+ * coloured by CSS (JupyterLab's theme variables), lines by the server's rank palette.
  */
 
 const SVG = 'http://www.w3.org/2000/svg';
 
-/** Colours of ranks 0, 1, ... (plotly's default palette, so both views agree). */
-export const RANK_COLOURS = [
-  '#1f77b4',
-  '#ff7f0e',
-  '#2ca02c',
-  '#d62728',
-  '#9467bd',
-  '#8c564b',
-  '#e377c2',
-  '#7f7f7f',
-  '#bcbd22',
-  '#17becf'
-];
-
-export function rankColour(rank: number): string {
-  return RANK_COLOURS[rank % RANK_COLOURS.length];
-}
+export type Series = Map<number, [number, number][]>;
 
 export interface ILineChartOptions {
   title: string;
+  xtitle: string;
+  ytitle: string;
   width: number;
   height: number;
   className: string;
+  colour: (rank: number) => string;
 }
 
 /** Format a number compactly: 3100 -> "3.1k", 12 -> "12", 0.01234 -> "0.0123". */
@@ -55,24 +43,54 @@ export function compact(value: number | null | undefined): string {
   return value.toPrecision(3);
 }
 
+function svgText(x: number, y: number, text: string, cls: string, anchor = 'start'): SVGTextElement {
+  const el = document.createElementNS(SVG, 'text');
+  el.setAttribute('x', String(x));
+  el.setAttribute('y', String(y));
+  el.setAttribute('text-anchor', anchor);
+  el.setAttribute('class', cls);
+  el.textContent = text;
+  return el;
+}
+
+/** The point of ``points`` (sorted by x) nearest to ``x``. */
+function nearest(points: [number, number][], x: number): [number, number] | null {
+  if (!points.length) {
+    return null;
+  }
+  let lo = 0;
+  let hi = points.length - 1;
+  while (hi - lo > 1) {
+    const mid = (lo + hi) >> 1;
+    if (points[mid][0] < x) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return Math.abs(points[lo][0] - x) <= Math.abs(points[hi][0] - x) ? points[lo] : points[hi];
+}
+
 /**
- * Draw ``series`` (rank -> [x, y] points) into a new SVG element.
+ * A chart of ``series`` (rank -> [x, y] points): a box holding the SVG and its hover read-out.
  *
- * Each polyline carries ``data-rank``, ``data-points`` (how many points it
- * drew) and ``data-last-x`` (its newest x), which is also what the end-to-end
- * test reads to see a chart advance.
+ * The SVG gets ``options.className``; each polyline carries ``data-rank``,
+ * ``data-points`` (how many points it drew) and ``data-last-x`` (its newest x), which is
+ * what the end-to-end test reads to see a chart advance.
  */
-export function lineChart(
-  series: Map<number, [number, number][]>,
-  options: ILineChartOptions
-): SVGSVGElement {
+export function lineChart(series: Series, options: ILineChartOptions): HTMLElement {
   const { width, height } = options;
-  const pad = { left: 40, right: 6, top: 16, bottom: 14 };
+  const pad = { left: 44, right: 8, top: 16, bottom: 28 };
+  const box = document.createElement('div');
+  box.className = 'nbdist-chart-box';
   const svg = document.createElementNS(SVG, 'svg');
   svg.setAttribute('class', `nbdist-chart ${options.className}`);
   svg.setAttribute('width', String(width));
   svg.setAttribute('height', String(height));
   svg.setAttribute('viewBox', `0 0 ${width} ${height}`);
+  svg.setAttribute('role', 'img');
+  svg.setAttribute('aria-label', `${options.title}: ${options.ytitle} against ${options.xtitle}, one line per rank`);
+  box.appendChild(svg);
 
   let xmin = Infinity;
   let xmax = -Infinity;
@@ -86,21 +104,17 @@ export function lineChart(
       ymax = Math.max(ymax, y);
     }
   }
-  const title = document.createElementNS(SVG, 'text');
-  title.setAttribute('x', String(pad.left));
-  title.setAttribute('y', '11');
-  title.setAttribute('class', 'nbdist-chart-title');
-  title.textContent = options.title;
-  svg.appendChild(title);
+  svg.appendChild(svgText(pad.left, 11, options.title, 'nbdist-chart-title'));
+  const plotW = width - pad.left - pad.right;
+  const plotH = height - pad.top - pad.bottom;
+  // Axis titles: x under the tick labels, y rotated along the left edge.
+  svg.appendChild(svgText(pad.left + plotW / 2, height - 2, options.xtitle, 'nbdist-chart-axis-title nbdist-chart-xtitle', 'middle'));
+  const ytitle = svgText(0, 0, options.ytitle, 'nbdist-chart-axis-title nbdist-chart-ytitle', 'middle');
+  ytitle.setAttribute('transform', `translate(10 ${pad.top + plotH / 2}) rotate(-90)`);
+  svg.appendChild(ytitle);
   if (!isFinite(xmin)) {
-    const empty = document.createElementNS(SVG, 'text');
-    empty.setAttribute('x', String(width / 2));
-    empty.setAttribute('y', String(height / 2));
-    empty.setAttribute('text-anchor', 'middle');
-    empty.setAttribute('class', 'nbdist-chart-empty');
-    empty.textContent = 'no points yet';
-    svg.appendChild(empty);
-    return svg;
+    svg.appendChild(svgText(pad.left + plotW / 2, pad.top + plotH / 2, 'no points yet', 'nbdist-chart-empty', 'middle'));
+    return box;
   }
   if (xmax === xmin) {
     xmax = xmin + 1;
@@ -108,47 +122,94 @@ export function lineChart(
   if (ymax === ymin) {
     ymax = ymin + Math.max(1e-9, Math.abs(ymin) * 0.01);
   }
-  const sx = (x: number) => pad.left + ((x - xmin) / (xmax - xmin)) * (width - pad.left - pad.right);
-  const sy = (y: number) =>
-    height - pad.bottom - ((y - ymin) / (ymax - ymin)) * (height - pad.top - pad.bottom);
+  const sx = (x: number) => pad.left + ((x - xmin) / (xmax - xmin)) * plotW;
+  const sy = (y: number) => pad.top + plotH - ((y - ymin) / (ymax - ymin)) * plotH;
 
   const frame = document.createElementNS(SVG, 'rect');
   frame.setAttribute('x', String(pad.left));
   frame.setAttribute('y', String(pad.top));
-  frame.setAttribute('width', String(width - pad.left - pad.right));
-  frame.setAttribute('height', String(height - pad.top - pad.bottom));
+  frame.setAttribute('width', String(plotW));
+  frame.setAttribute('height', String(plotH));
   frame.setAttribute('class', 'nbdist-chart-frame');
   svg.appendChild(frame);
+  svg.appendChild(svgText(pad.left - 3, pad.top + 8, compact(ymax), 'nbdist-chart-label', 'end'));
+  svg.appendChild(svgText(pad.left - 3, pad.top + plotH, compact(ymin), 'nbdist-chart-label', 'end'));
+  svg.appendChild(svgText(pad.left, pad.top + plotH + 11, compact(xmin), 'nbdist-chart-label'));
+  svg.appendChild(svgText(width - pad.right, pad.top + plotH + 11, compact(xmax), 'nbdist-chart-label', 'end'));
 
-  const labels: [string, number, number, string][] = [
-    [compact(ymax), pad.left - 3, pad.top + 8, 'end'],
-    [compact(ymin), pad.left - 3, height - pad.bottom, 'end'],
-    [compact(xmin), pad.left, height - 2, 'start'],
-    [compact(xmax), width - pad.right, height - 2, 'end']
-  ];
-  for (const [text, x, y, anchor] of labels) {
-    const label = document.createElementNS(SVG, 'text');
-    label.setAttribute('x', String(x));
-    label.setAttribute('y', String(y));
-    label.setAttribute('text-anchor', anchor);
-    label.setAttribute('class', 'nbdist-chart-label');
-    label.textContent = text;
-    svg.appendChild(label);
-  }
-
-  for (const [rank, points] of [...series.entries()].sort((a, b) => a[0] - b[0])) {
+  const ranks = [...series.keys()].sort((a, b) => a - b);
+  for (const rank of ranks) {
+    const points = series.get(rank)!;
     const line = document.createElementNS(SVG, 'polyline');
     line.setAttribute('points', points.map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join(' '));
     line.setAttribute('fill', 'none');
-    line.setAttribute('stroke', rankColour(rank));
+    line.setAttribute('stroke', options.colour(rank));
     line.setAttribute('stroke-width', '1.5');
     line.setAttribute('data-rank', String(rank));
     line.setAttribute('data-points', String(points.length));
     line.setAttribute('data-last-x', points.length ? String(points[points.length - 1][0]) : '');
-    const tip = document.createElementNS(SVG, 'title');
-    tip.textContent = `rank ${rank}`;
-    line.appendChild(tip);
     svg.appendChild(line);
   }
-  return svg;
+
+  // Hover: a cursor line and, beside the chart, each rank's point nearest to it.
+  const cursor = document.createElementNS(SVG, 'line');
+  cursor.setAttribute('class', 'nbdist-chart-cursor');
+  cursor.setAttribute('y1', String(pad.top));
+  cursor.setAttribute('y2', String(pad.top + plotH));
+  cursor.style.display = 'none';
+  svg.appendChild(cursor);
+  const readout = document.createElement('div');
+  readout.className = 'nbdist-chart-readout';
+  readout.hidden = true;
+  box.appendChild(readout);
+  svg.addEventListener('mousemove', (event: MouseEvent) => {
+    const rect = svg.getBoundingClientRect();
+    const px = ((event.clientX - rect.left) / rect.width) * width;
+    if (px < pad.left || px > pad.left + plotW) {
+      cursor.style.display = 'none';
+      readout.hidden = true;
+      return;
+    }
+    const x = xmin + ((px - pad.left) / plotW) * (xmax - xmin);
+    cursor.setAttribute('x1', px.toFixed(1));
+    cursor.setAttribute('x2', px.toFixed(1));
+    cursor.style.display = '';
+    const rows: HTMLElement[] = [];
+    for (const rank of ranks) {
+      const point = nearest(series.get(rank)!, x);
+      if (point) {
+        const row = document.createElement('div');
+        const swatch = document.createElement('span');
+        swatch.className = 'nbdist-swatch';
+        swatch.style.background = options.colour(rank);
+        row.append(swatch, `rank ${rank} · ${options.xtitle} ${point[0]}: ${compact(point[1])}`);
+        rows.push(row);
+      }
+    }
+    readout.replaceChildren(...rows);
+    readout.hidden = rows.length === 0;
+  });
+  svg.addEventListener('mouseleave', () => {
+    cursor.style.display = 'none';
+    readout.hidden = true;
+  });
+  return box;
+}
+
+/** The legend every chart of a cluster shares: a colour swatch and "rank N" per rank. */
+export function rankLegend(ranks: number[], colour: (rank: number) => string): HTMLElement {
+  const legend = document.createElement('div');
+  legend.className = 'nbdist-legend';
+  for (const rank of ranks) {
+    const item = document.createElement('span');
+    item.className = 'nbdist-legend-item';
+    item.dataset.rank = String(rank);
+    const swatch = document.createElement('span');
+    swatch.className = 'nbdist-swatch';
+    swatch.style.background = colour(rank);
+    item.dataset.colour = colour(rank);
+    item.append(swatch, `rank ${rank}`);
+    legend.appendChild(item);
+  }
+  return legend;
 }

@@ -49,7 +49,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         app.shell.activateById(existing.id);
         return;
       }
-      const widget = runChartWidget(record);
+      const widget = runChartWidget(record, model.palette);
       void runs.add(widget);
       app.shell.add(widget, 'main');
       app.shell.activateById(widget.id);

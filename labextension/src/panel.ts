@@ -6,8 +6,9 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { ServiceManager } from '@jupyterlab/services';
 import { Widget } from '@lumino/widgets';
 
-import { act, Action, ClusterModel, ICluster, IRankRow, IRunRecord, requestAPI } from './api';
-import { compact, lineChart } from './charts';
+import { act, Action, ClusterModel, ICluster, IRunRecord, requestAPI } from './api';
+import { lineChart, rankLegend } from './charts';
+import { rankTable, updateRankTable } from './ranks';
 
 const ACTIONS: { action: Action; label: string; title: string; body: string }[] = [
   {
@@ -30,85 +31,11 @@ const ACTIONS: { action: Action; label: string; title: string; body: string }[] 
   }
 ];
 
-type Column = keyof IRankRow | 'seen' | 'gpu_util' | 'gpu_mem' | 'gpu_temp';
+// How long a message such as "SIGINT sent to 2 rank processes" stays under the cluster's title.
+const MESSAGE_MS = 8000;
 
-const COLUMNS: [Column, string][] = [
-  ['rank', 'rank'],
-  ['host', 'host'],
-  ['device', 'device'],
-  ['state', 'state'],
-  ['step', 'step'],
-  ['loss', 'loss'],
-  ['samples_per_s', 'samples/s'],
-  ['memory_mib', 'MiB'],
-  ['seen', 'seen']
-];
-
-// Shown before "seen" only when some rank of the cluster reported a GPU.
-const GPU_COLUMNS: [Column, string][] = [
-  ['gpu', 'GPU'],
-  ['gpu_util', 'util'],
-  ['gpu_mem', 'GPU mem'],
-  ['gpu_temp', 'temp']
-];
-
-// Shown after samples/s only when some rank of the cluster logged flops.
-const FLOPS_COLUMNS: [Column, string][] = [
-  ['tflops', 'TFLOP/s'],
-  ['mfu', 'MFU']
-];
-
-function columnsFor(cluster: ICluster): [Column, string][] {
-  const rate = COLUMNS.findIndex(([key]) => key === 'samples_per_s') + 1;
-  const flops = cluster.ranks.some(r => r.tflops !== undefined) ? FLOPS_COLUMNS : [];
-  const gpu = cluster.ranks.some(r => r.gpu) ? GPU_COLUMNS : [];
-  return [...COLUMNS.slice(0, rate), ...flops, ...COLUMNS.slice(rate, -1), ...gpu, ...COLUMNS.slice(-1)];
-}
-
-function figure(value: number | null | undefined, unit: string): string {
-  return value === null || value === undefined ? '?' : `${value.toFixed(0)}${unit}`;
-}
-
-function gib(mib: number | null): string {
-  return mib === null ? '?' : (mib / 1024).toFixed(1);
-}
-
-function ago(seconds: number | null): string {
-  if (seconds === null) {
-    return '–';
-  }
-  const dt = Math.max(0, Date.now() / 1000 - seconds);
-  return dt < 60 ? `${dt.toFixed(0)} s` : dt < 3600 ? `${(dt / 60).toFixed(0)} min` : `${(dt / 3600).toFixed(1)} h`;
-}
-
-function cell(row: IRankRow, key: string): string {
-  switch (key) {
-    case 'seen':
-      return ago(row.last_seen);
-    case 'loss':
-      return compact(row.loss);
-    case 'samples_per_s':
-      return compact(row.samples_per_s);
-    case 'tflops':
-      return compact(row.tflops);
-    case 'mfu':
-      return row.mfu === null || row.mfu === undefined ? '–' : `${(100 * row.mfu).toFixed(1)} %`;
-    case 'memory_mib':
-      return row.memory_mib === null ? '–' : row.memory_mib.toFixed(0);
-    case 'gpu':
-      return row.gpu ? figure(row.gpu.index, '') : '–';
-    case 'gpu_util':
-      return row.gpu ? figure(row.gpu.util, ' %') : '–';
-    case 'gpu_mem':
-      return row.gpu ? `${gib(row.gpu.mem_used_mib)}/${gib(row.gpu.mem_total_mib)} GiB` : '–';
-    case 'gpu_temp':
-      return row.gpu ? figure(row.gpu.temp_c, ' °C') : '–';
-    default: {
-      const value = (row as any)[key];
-      return value === null || value === undefined ? '–' : String(value);
-    }
-  }
-}
+// Charts go side by side from this width of the panel's content (px), one per line below.
+const TWO_CHARTS_PX = 460;
 
 export class ClusterPanel extends Widget {
   constructor(
@@ -139,6 +66,11 @@ export class ClusterPanel extends Widget {
     this.node.append(heading, this._status, this._list, runsHead, this._runs);
     model.changed.connect(this._render, this);
     this._render();
+  }
+
+  protected onResize(msg: Widget.ResizeMessage): void {
+    super.onResize(msg);
+    this._render(); // the charts take the new width now, not at the next poll
   }
 
   protected onAfterShow(): void {
@@ -190,7 +122,7 @@ export class ClusterPanel extends Widget {
         this._sections.delete(id);
       }
     }
-    // A new run (a cluster started or restarted) belongs in "Past runs" too.
+    // A cluster that starts, restarts or stops changes which runs run: list them again.
     const runs = clusters.map(c => String(c.run_id)).join(',');
     if (runs !== this._runIds) {
       this._runIds = runs;
@@ -218,16 +150,21 @@ export class ClusterPanel extends Widget {
     head.append(title, buttons);
     const message = document.createElement('div');
     message.className = 'nbdist-message';
-    const table = document.createElement('table');
-    table.className = 'nbdist-ranks';
-    table.createTHead().insertRow();
-    table.createTBody();
+    message.setAttribute('role', 'status');
     const wrap = document.createElement('div');
-    wrap.className = 'nbdist-ranks-wrap'; // a narrow sidebar scrolls the table sideways
-    wrap.appendChild(table);
+    wrap.className = 'nbdist-ranks-wrap';
+    wrap.appendChild(rankTable());
+    const legend = document.createElement('div');
+    legend.className = 'nbdist-legend-slot';
     const charts = document.createElement('div');
     charts.className = 'nbdist-charts';
-    section.append(head, message, wrap, charts);
+    // Where the pointer is over the charts: each redraw replaces them, and then shows the
+    // hover read-out again at the same place.
+    charts.addEventListener('mousemove', e => {
+      charts.dataset.pointer = `${e.clientX},${e.clientY}`;
+    });
+    charts.addEventListener('mouseleave', () => delete charts.dataset.pointer);
+    section.append(head, message, wrap, legend, charts);
     return section;
   }
 
@@ -238,60 +175,50 @@ export class ClusterPanel extends Widget {
     section.querySelector('.nbdist-cluster-title')!.textContent =
       `${where} · ${cluster.world_size} ranks · ${cluster.backend ?? '?'}${run}`;
     section.classList.toggle('nbdist-has-dead', cluster.dead.length > 0);
-    const columns = columnsFor(cluster);
-    const header = section.querySelector('thead')!.rows[0];
-    const keys = columns.map(([key]) => key).join(' ');
-    if (header.dataset.columns !== keys) {
-      // GPU columns come (or go) with the first (or last) GPU reading; TFLOP/s and MFU with flops
-      header.dataset.columns = keys;
-      header.replaceChildren(
-        ...columns.map(([key, label]) => {
-          const th = document.createElement('th');
-          th.className = `nbdist-col-${key}`;
-          th.textContent = label;
-          return th;
-        })
-      );
+    const message = section.querySelector<HTMLElement>('.nbdist-message')!;
+    if (message.textContent && Date.now() - Number(message.dataset.shownAt ?? 0) > MESSAGE_MS) {
+      message.textContent = ''; // a message is news once, not a state
     }
-    const body = section.querySelector('tbody')!;
-    while (body.rows.length > cluster.ranks.length) {
-      body.deleteRow(-1);
+    const colour = (rank: number) => this.model.palette.colour(rank);
+    updateRankTable(section.querySelector('table')!, cluster, colour);
+
+    const ranks = cluster.ranks.map(r => r.rank);
+    const slot = section.querySelector<HTMLElement>('.nbdist-legend-slot')!;
+    const legendKey = `${ranks.join(',')}|${ranks.map(colour).join(',')}`;
+    if (slot.dataset.key !== legendKey) {
+      slot.dataset.key = legendKey;
+      slot.replaceChildren(rankLegend(ranks, colour));
     }
-    cluster.ranks.forEach((row, i) => {
-      const tr = body.rows[i] ?? body.insertRow();
-      tr.className = `nbdist-rank nbdist-state-${row.state}`;
-      tr.dataset.rank = String(row.rank);
-      tr.dataset.state = row.state;
-      while (tr.cells.length > columns.length) {
-        tr.deleteCell(-1);
-      }
-      columns.forEach(([key], j) => {
-        const td = tr.cells[j] ?? tr.insertCell();
-        td.className = `nbdist-col-${key}`;
-        td.textContent = cell(row, key);
-        if (key.startsWith('gpu') && row.gpu && row.gpu.time !== null) {
-          td.title = `GPU ${figure(row.gpu.index, '')}, read ${ago(row.gpu.time)} ago (the whole GPU's figures)`;
-        } else {
-          td.removeAttribute('title');
-        }
-      });
-    });
-    const charts = section.querySelector('.nbdist-charts')!;
-    const width = Math.max(180, Math.min(320, this.node.clientWidth - 24));
+    const charts = section.querySelector<HTMLElement>('.nbdist-charts')!;
+    const room = Math.max(160, charts.clientWidth || this.node.clientWidth - 24);
+    const width = room >= TWO_CHARTS_PX ? Math.floor((room - 8) / 2) : room;
+    const rate = cluster.rate_key === 'tokens_per_s' ? 'tokens/s' : 'samples/s';
     charts.replaceChildren(
       lineChart(new Map(cluster.ranks.map(r => [r.rank, r.loss_series])), {
-        title: 'loss',
+        title: 'loss per rank',
+        xtitle: 'step',
+        ytitle: 'loss',
         width,
-        height: 90,
-        className: 'nbdist-chart-loss'
+        height: 120,
+        className: 'nbdist-chart-loss',
+        colour
       }),
       lineChart(new Map(cluster.ranks.map(r => [r.rank, r.throughput_series])), {
-        title: 'samples/s',
+        title: 'throughput per rank',
+        xtitle: 'step',
+        ytitle: rate,
         width,
-        height: 90,
-        className: 'nbdist-chart-throughput'
+        height: 120,
+        className: 'nbdist-chart-throughput',
+        colour
       })
     );
+    if (charts.dataset.pointer) {
+      const [clientX, clientY] = charts.dataset.pointer.split(',').map(Number);
+      document
+        .elementFromPoint(clientX, clientY)
+        ?.dispatchEvent(new MouseEvent('mousemove', { clientX, clientY, bubbles: true }));
+    }
   }
 
   private async _confirm(clusterId: string, spec: (typeof ACTIONS)[number]): Promise<void> {
@@ -308,19 +235,22 @@ export class ClusterPanel extends Widget {
     if (!result.button.accept) {
       return;
     }
-    const message = this._sections.get(clusterId)?.querySelector('.nbdist-message');
+    const message = this._sections.get(clusterId)?.querySelector<HTMLElement>('.nbdist-message');
+    const show = (text: string) => {
+      if (message) {
+        message.textContent = text;
+        message.dataset.shownAt = String(Date.now());
+      }
+    };
     try {
       const reply = await act(clusterId, spec.action);
-      if (message) {
-        message.textContent =
-          reply.via === 'pid'
-            ? `SIGINT sent to ${reply.pids.length} rank processes`
-            : `${spec.label} requested through the notebook’s kernel`;
-      }
+      show(
+        reply.via === 'pid'
+          ? `SIGINT sent to ${reply.pids.length} rank processes`
+          : `${spec.label} requested through the notebook’s kernel`
+      );
     } catch (err) {
-      if (message) {
-        message.textContent = `${spec.label} failed: ${(err as Error).message}`;
-      }
+      show(`${spec.label} failed: ${(err as Error).message}`);
     }
     void this.model.refresh();
   }
@@ -345,7 +275,9 @@ export class ClusterPanel extends Widget {
       link.className = 'nbdist-run-link';
       link.dataset.runId = String(run.id);
       const when = new Date(run.started * 1000).toLocaleString();
-      link.textContent = `run ${run.id} · ${run.world_size} ranks · ${run.backend || '?'} · ${run.points} points · ${when}${run.ended ? '' : ' · running'}`;
+      // Running only while a live cluster logs to it: a run whose kernel died is finished.
+      link.dataset.state = run.running ? 'running' : 'finished';
+      link.textContent = `run ${run.id} · ${run.world_size} ranks · ${run.backend || '?'} · ${run.points} points · ${when} · ${run.running ? 'running' : 'finished'}`;
       link.onclick = () => this.openRun(run);
       li.appendChild(link);
       this._runs.appendChild(li);

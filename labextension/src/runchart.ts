@@ -1,61 +1,285 @@
 /**
- * A past run of the history in the main area: one chart per logged metric, a line per rank.
+ * A past run of the history in the main area: one interactive chart per logged metric
+ * (hover read-out, drag to zoom, double-click to reset, a legend to hide ranks), a line
+ * per rank, drawn with the plotly.js the nbdist server extension serves, as the notebook
+ * dashboard draws its live charts. Titles and axes come from the server (the dashboard's
+ * names for each metric), rank colours from its palette, and every other colour from
+ * JupyterLab's theme variables, read again whenever the theme changes.
+ *
+ * Without plotly.js (the server extension could not find plotly) the charts are the
+ * sidebar's static SVG ones, and a line says why.
  */
 import { MainAreaWidget } from '@jupyterlab/apputils';
+import { PageConfig, URLExt } from '@jupyterlab/coreutils';
+import type { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
-import { IRunRecord, IRunSeries, requestAPI } from './api';
-import { lineChart, rankColour } from './charts';
+import { IRunRecord, IRunSeries, Palette, requestAPI } from './api';
+import { lineChart, rankLegend, Series } from './charts';
+
+const PLOT_HEIGHT = 300;
+
+let plotlyPromise: Promise<any> | null = null;
+
+/** plotly.js: the page's, else the one the nbdist server extension serves. */
+export function loadPlotly(): Promise<any> {
+  const w = window as any;
+  if (w.Plotly) {
+    return Promise.resolve(w.Plotly);
+  }
+  if (!plotlyPromise) {
+    plotlyPromise = new Promise((resolve, reject) => {
+      const script = document.createElement('script');
+      script.src = URLExt.join(PageConfig.getBaseUrl(), 'nbdist', 'static', 'plotly.min.js');
+      // An AMD loader on the page would take the UMD bundle instead of window.Plotly.
+      const amd = w.define;
+      w.define = undefined;
+      const finish = (error: Error | null) => {
+        w.define = amd;
+        if (!error && w.Plotly) {
+          resolve(w.Plotly);
+        } else {
+          plotlyPromise = null; // the next view tries again
+          reject(error ?? new Error('plotly.min.js did not define window.Plotly'));
+        }
+      };
+      script.onload = () => finish(null);
+      script.onerror = () => finish(new Error(`could not load ${script.src}`));
+      document.head.appendChild(script);
+    });
+  }
+  return plotlyPromise;
+}
+
+interface ITheme {
+  fg: string;
+  grid: string;
+  hoverBg: string;
+  font: string;
+}
+
+/** JupyterLab's theme colours, as they apply to ``el`` now. */
+function readTheme(el: HTMLElement): ITheme {
+  const style = getComputedStyle(el);
+  const v = (name: string) => style.getPropertyValue(name).trim();
+  return {
+    fg: v('--jp-ui-font-color1') || style.color,
+    grid: v('--jp-border-color2') || 'rgba(128, 128, 128, 0.3)',
+    hoverBg: v('--jp-layout-color1') || style.backgroundColor,
+    font: v('--jp-ui-font-family') || style.fontFamily
+  };
+}
 
 class RunChart extends Widget {
-  constructor(private record: IRunRecord) {
+  constructor(
+    private record: IRunRecord,
+    private palette: Palette
+  ) {
     super();
     this.addClass('nbdist-run-chart');
     this.node.textContent = `Loading run ${record.id}…`;
     void this._load();
   }
 
+  dispose(): void {
+    this._themeWatch.disconnect();
+    window.clearTimeout(this._retry);
+    if (this._plotly) {
+      for (const plot of this._plots) {
+        this._plotly.purge(plot);
+      }
+    }
+    super.dispose();
+  }
+
+  protected onResize(msg: Widget.ResizeMessage): void {
+    super.onResize(msg);
+    this._resize();
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    this._resize();
+  }
+
+  private _resize(): void {
+    if (this._plotly && this.isVisible) {
+      for (const plot of this._plots) {
+        this._plotly.Plots.resize(plot);
+      }
+    }
+  }
+
   private async _load(): Promise<void> {
     let run: IRunSeries;
     try {
-      run = await requestAPI<IRunSeries>(`runs/${this.record.id}`);
+      [run] = await Promise.all([requestAPI<IRunSeries>(`runs/${this.record.id}`), this.palette.load()]);
     } catch (err) {
       this.node.textContent = `Cannot read run ${this.record.id}: ${(err as Error).message}`;
       return;
     }
+    this._run = run;
     const head = document.createElement('div');
     head.className = 'nbdist-run-head';
     const started = new Date(run.started * 1000).toLocaleString();
-    const ended = run.ended ? new Date(run.ended * 1000).toLocaleString() : 'still running';
+    const ended = run.running
+      ? 'still running'
+      : run.ended
+        ? new Date(run.ended * 1000).toLocaleString()
+        : 'finished (its kernel ended it without a time)';
     head.textContent = `run ${run.id} · ${run.world_size} ranks · ${run.backend || '?'} · ${started} → ${ended}`;
-    const legend = document.createElement('div');
-    legend.className = 'nbdist-legend';
-    for (let rank = 0; rank < run.world_size; rank++) {
-      const item = document.createElement('span');
-      item.textContent = `■ rank ${rank}`;
-      item.style.color = rankColour(rank);
-      legend.appendChild(item);
-    }
+    const note = document.createElement('div');
+    note.className = 'nbdist-run-note';
     const grid = document.createElement('div');
     grid.className = 'nbdist-run-grid';
+    this.node.replaceChildren(head, note, grid);
+    if (!run.keys.length) {
+      grid.textContent = 'This run logged no points.';
+      return;
+    }
+    try {
+      this._plotly = await loadPlotly();
+    } catch (err) {
+      note.textContent = `Static charts: plotly.js did not load (${(err as Error).message}).`;
+      this._drawStatic(grid, run);
+      return;
+    }
+    note.textContent = 'Hover for values, drag to zoom, double-click to zoom out, click a rank to hide or show it.';
+    // One legend for every chart (as on the dashboard); a click hides or shows the rank everywhere.
+    const ranks = Array.from({ length: run.world_size }, (_, i) => i);
+    const legend = rankLegend(ranks, rank => this.palette.colour(rank));
+    legend.querySelectorAll<HTMLElement>('.nbdist-legend-item').forEach(item => {
+      item.setAttribute('role', 'button');
+      item.setAttribute('aria-pressed', 'false');
+      item.tabIndex = 0;
+      item.onclick = () => this._toggle(Number(item.dataset.rank), item);
+      item.onkeydown = (e: KeyboardEvent) => {
+        if (e.key === 'Enter' || e.key === ' ') {
+          this._toggle(Number(item.dataset.rank), item);
+        }
+      };
+    });
+    grid.before(legend);
     for (const key of run.keys) {
-      const series = new Map<number, [number, number][]>();
+      const plot = document.createElement('div');
+      plot.className = `nbdist-run-plot nbdist-run-plot-${key}`;
+      plot.dataset.key = key;
+      grid.appendChild(plot);
+      this._plots.push(plot);
+    }
+    this._draw();
+    // JupyterLab marks a theme change on <body>; the new theme's CSS may land a moment later,
+    // so the colours are compared until they change.
+    this._themeWatch.observe(document.body, {
+      attributes: true,
+      attributeFilter: ['data-jp-theme-name', 'data-jp-theme-light']
+    });
+  }
+
+  private _traces(key: string): any[] {
+    const run = this._run!;
+    const perRank = run.series[key] ?? {};
+    const x = run.panels[key]?.by_time ? '%{x:.1f} s' : 'step %{x}';
+    return Object.keys(perRank)
+      .map(Number)
+      .sort((a, b) => a - b)
+      .map(rank => ({
+        type: 'scatter',
+        mode: 'lines',
+        name: `rank ${rank}`,
+        visible: this._hidden.has(rank) ? 'legendonly' : true,
+        x: perRank[String(rank)].map(p => p[0]),
+        y: perRank[String(rank)].map(p => p[1]),
+        line: { color: this.palette.colour(rank), width: 1.5 },
+        hovertemplate: `rank ${rank}<br>${x}: %{y:.4g}<extra></extra>`
+      }));
+  }
+
+  private _plotLayout(key: string, theme: ITheme): any {
+    const panel = this._run!.panels[key];
+    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true };
+    const positive = Object.values(this._run!.series[key] ?? {}).every(points => points.every(p => p[1] > 0));
+    return {
+      title: { text: panel?.title ?? key, font: { size: 13 } },
+      height: PLOT_HEIGHT,
+      autosize: true,
+      margin: { l: 8, r: 12, t: 40, b: 8 },
+      xaxis: { ...axis, title: { text: panel?.xtitle ?? 'step' } },
+      yaxis: { ...axis, title: { text: panel?.ytitle ?? key }, type: panel?.log && positive ? 'log' : 'linear' },
+      showlegend: false, // the one HTML legend above the charts
+      font: { color: theme.fg, size: 11, family: theme.font },
+      hoverlabel: { bgcolor: theme.hoverBg, font: { color: theme.fg } },
+      paper_bgcolor: 'rgba(0,0,0,0)',
+      plot_bgcolor: 'rgba(0,0,0,0)',
+      uirevision: key // a theme change keeps the user's zoom
+    };
+  }
+
+  private _draw(): void {
+    const theme = readTheme(this.node);
+    this._themeKey = JSON.stringify(theme);
+    for (const plot of this._plots) {
+      const key = plot.dataset.key!;
+      void this._plotly.react(plot, this._traces(key), this._plotLayout(key, theme), {
+        displaylogo: false,
+        responsive: true
+      });
+    }
+  }
+
+  private _toggle(rank: number, item: HTMLElement): void {
+    if (!this._hidden.delete(rank)) {
+      this._hidden.add(rank);
+    }
+    item.classList.toggle('nbdist-legend-off', this._hidden.has(rank));
+    item.setAttribute('aria-pressed', String(this._hidden.has(rank)));
+    this._draw();
+  }
+
+  private _onThemeChange(tries = 20): void {
+    window.clearTimeout(this._retry);
+    if (JSON.stringify(readTheme(this.node)) !== this._themeKey) {
+      this._draw();
+    } else if (tries > 0) {
+      this._retry = window.setTimeout(() => this._onThemeChange(tries - 1), 150);
+    }
+  }
+
+  private _drawStatic(grid: HTMLElement, run: IRunSeries): void {
+    const colour = (rank: number) => this.palette.colour(rank);
+    const ranks = Array.from({ length: run.world_size }, (_, i) => i);
+    grid.before(rankLegend(ranks, colour));
+    for (const key of run.keys) {
+      const series: Series = new Map();
       for (const [rank, points] of Object.entries(run.series[key] ?? {})) {
         series.set(Number(rank), points);
       }
+      const panel = run.panels[key];
       grid.appendChild(
-        lineChart(series, { title: `${key} vs step`, width: 460, height: 220, className: `nbdist-chart-${key}` })
+        lineChart(series, {
+          title: panel?.title ?? key,
+          xtitle: panel?.xtitle ?? 'step',
+          ytitle: panel?.ytitle ?? key,
+          width: 460,
+          height: 220,
+          className: `nbdist-chart-${key}`,
+          colour
+        })
       );
     }
-    if (!run.keys.length) {
-      grid.textContent = 'This run logged no points.';
-    }
-    this.node.replaceChildren(head, legend, grid);
   }
+
+  private _run: IRunSeries | null = null;
+  private _plotly: any = null;
+  private _plots: HTMLElement[] = [];
+  private _hidden = new Set<number>();
+  private _themeKey = '';
+  private _retry = 0;
+  private _themeWatch = new MutationObserver(() => this._onThemeChange());
 }
 
-export function runChartWidget(record: IRunRecord): MainAreaWidget<Widget> {
-  const widget = new MainAreaWidget({ content: new RunChart(record) });
+export function runChartWidget(record: IRunRecord, palette: Palette): MainAreaWidget<Widget> {
+  const widget = new MainAreaWidget({ content: new RunChart(record, palette) });
   widget.id = `nbdist-run-${record.id}`;
   widget.title.label = `nbdist run ${record.id}`;
   widget.title.closable = true;

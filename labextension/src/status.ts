@@ -1,6 +1,10 @@
 /**
  * The status-bar item of the active notebook's kernel:
- * "nbdist · 2 ranks · gloo · step 1200 · 3.1k samples/s", or a dead-rank warning.
+ * "nbdist · 2 ranks · gloo · step 1180–1200 · 3.1k samples/s", or a dead-rank warning.
+ *
+ * The step is the range over the live ranks (a lagging rank shows as a range, not hidden
+ * behind the highest step); the rate is the server's total of the ranks that logged in
+ * the last seconds, so it disappears once training stops instead of going stale.
  */
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ISignal, Signal } from '@lumino/signaling';
@@ -18,11 +22,13 @@ export function statusText(cluster: ICluster | null): string {
     return `nbdist · ⚠ ${cluster.dead.length === 1 ? 'rank' : 'ranks'} ${ranks} dead of ${cluster.world_size}`;
   }
   const parts = [`nbdist · ${cluster.world_size} ranks · ${cluster.backend ?? '?'}`];
-  if (cluster.step !== null) {
-    parts.push(`step ${cluster.step}`);
+  const { step_min: lo, step_max: hi } = cluster;
+  if (lo !== null && hi !== null) {
+    parts.push(lo === hi ? `step ${hi}` : `step ${lo}–${hi}`);
   }
   if (cluster.samples_per_s !== null) {
-    parts.push(`${compact(cluster.samples_per_s)} samples/s`);
+    const unit = cluster.rate_key === 'tokens_per_s' ? 'tokens/s' : 'samples/s';
+    parts.push(`${compact(cluster.samples_per_s)} ${unit}`);
   }
   return parts.join(' · ');
 }
@@ -55,7 +61,9 @@ export class StatusItem extends Widget {
     const kernel = this.tracker.currentWidget?.sessionContext.session?.kernel;
     const cluster = this.model.forKernel(kernel?.id);
     this.node.textContent = statusText(cluster);
-    this.node.title = cluster ? 'nbdist cluster of this notebook: see the nbdist sidebar' : '';
+    this.node.title = cluster
+      ? 'nbdist cluster of this notebook (steps: lowest–highest of the live ranks): see the nbdist sidebar'
+      : '';
     this.node.classList.toggle('nbdist-status-dead', !!cluster && cluster.dead.length > 0);
     const active = cluster !== null;
     if (active !== this._active) {

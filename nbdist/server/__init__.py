@@ -1,7 +1,9 @@
 """Jupyter server: nbdist's extension, plotly.js for the dashboard widget and REST for the sidebar.
 
 The JupyterLab sidebar's REST API (clusters, rank states, live metrics,
-interrupt/restart/stop, past runs) is in :mod:`nbdist.server.handlers`.
+interrupt/restart/stop, past runs, the rank palette) is in :mod:`nbdist.server.handlers`.
+Loading the extension also keeps JupyterLab's kernel indicators Busy while a cell
+that opens widgets runs (:mod:`nbdist.server.busy`).
 
 ``GET {base_url}nbdist/static/plotly.min.js`` (logged-in users only) returns the
 ``plotly.min.js`` of the installed plotly package, cached by the browser for a
@@ -42,10 +44,12 @@ def plotly_js_dir() -> str | None:
 def _load_jupyter_server_extension(serverapp) -> None:
     from jupyter_server.utils import url_path_join
 
+    from nbdist.server.busy import untrack_subshell_messages
     from nbdist.server.handlers import handlers
     from nbdist.server.live import LiveView
 
     web_app = serverapp.web_app
+    untrack_subshell_messages(serverapp)
     # One view per server: it remembers how far it read each run's history.
     web_app.settings["nbdist_live_view"] = LiveView()
     web_app.add_handlers(".*$", handlers(web_app.settings["base_url"]))

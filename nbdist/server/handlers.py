@@ -6,8 +6,9 @@ Routes, under the server's base URL::
     POST nbdist/api/clusters/<id>/interrupt       SIGINT to the cluster's engine PIDs
     POST nbdist/api/clusters/<id>/restart         restart the ranks, through the cluster's kernel
     POST nbdist/api/clusters/<id>/stop            stop the cluster, through the cluster's kernel
-    GET  nbdist/api/runs                          runs in the history
+    GET  nbdist/api/runs                          runs in the history, and which still run
     GET  nbdist/api/runs/<run id>                 one run's series, decimated for a chart
+    GET  nbdist/api/palette                       the rank colours every view draws ranks in
 
 The front end polls ``clusters`` about once a second while the sidebar is
 visible and backs off when it is hidden (the dask-labextension/ipyparallel
@@ -41,7 +42,6 @@ __all__ = ["ACTIONS", "API_PREFIX", "ROUTES", "handlers"]
 API_PREFIX = "nbdist/api"
 ACTIONS = ("interrupt", "restart", "stop")
 _KERNEL_REPLY_TIMEOUT_S = 600.0  # a restart may wait behind a running cell, then start ranks
-RUN_CHART_POINTS = 2000
 
 
 class _Base(APIHandler):
@@ -161,6 +161,15 @@ async def _close_after_reply(client, msg_id: str, log) -> None:
         client.stop_channels()
 
 
+def _live_runs(view: LiveView) -> set[tuple[str, int]]:
+    """(history file, run id) of the runs a live cluster still logs to."""
+    return {
+        (entry["history"], int(entry["run_id"]))
+        for entry in view.entries()
+        if entry.get("history") and entry.get("run_id") is not None
+    }
+
+
 def _history_paths(view: LiveView) -> list[str]:
     paths = [store.history_path()]
     for entry in view.entries():
@@ -173,6 +182,9 @@ class RunsHandler(_Base):
     @web.authenticated
     @authorized
     def get(self) -> None:
+        # A run is running while a live cluster logs to it. ``ended`` stays null for a run
+        # whose kernel died or was killed before it could end the run: finished all the same.
+        live = _live_runs(self.view)
         out = []
         for path in _history_paths(self.view):
             for record in store.runs(path):
@@ -181,6 +193,7 @@ class RunsHandler(_Base):
                         id=record.id, started=record.started, ended=record.ended,
                         world_size=record.world_size, backend=record.backend,
                         label=record.label, host=record.host, points=record.points,
+                        running=(path, record.id) in live,
                     )
                 )  # fmt: skip
         self.write_json({"runs": out})
@@ -190,7 +203,7 @@ class RunHandler(_Base):
     @web.authenticated
     @authorized
     def get(self, run_id: str) -> None:
-        from nbdist.dashboard.decimate import decimate
+        from nbdist.server.runview import run_payload
 
         for path in _history_paths(self.view):
             try:
@@ -200,25 +213,17 @@ class RunHandler(_Base):
                 continue
         else:
             raise web.HTTPError(404, f"run {run_id} is not in the history: see GET nbdist/api/runs")
-        series = {}
-        for key in run.keys():
-            per_rank = {}
-            for rank in run.ranks:
-                steps, values = run.series(key, rank)
-                if steps:
-                    xs, ys = decimate(steps, values, budget=RUN_CHART_POINTS)
-                    per_rank[str(rank)] = [
-                        [int(x), float(y)]
-                        for x, y in zip(xs, ys)
-                        if y == y and abs(y) != float("inf")
-                    ]
-            series[key] = per_rank
-        self.write_json(
-            dict(
-                id=run.id, started=run.started, ended=run.ended, world_size=run.world_size,
-                backend=run.backend, keys=run.keys(), series=series,
-            )
-        )  # fmt: skip
+        self.write_json(run_payload(run, running=(path, run.id) in _live_runs(self.view)))
+
+
+class PaletteHandler(_Base):
+    @web.authenticated
+    @authorized
+    def get(self) -> None:
+        # The dashboard's palette, read by name: one list of rank colours for every view.
+        from nbdist.dashboard.palette import rank_colours
+
+        self.write_json({"colours": rank_colours()})
 
 
 ROUTES = [
@@ -226,6 +231,7 @@ ROUTES = [
     (r"clusters/([\w.-]+)/(" + "|".join(ACTIONS) + ")", ClusterActionHandler),
     (r"runs", RunsHandler),
     (r"runs/(\d+)", RunHandler),
+    (r"palette", PaletteHandler),
 ]
 
 

@@ -39,6 +39,7 @@ import psutil
 from nbdist.driver import registry
 from nbdist.metrics.gpu import GPU_KEYS
 from nbdist.rank_states import BUSY, DEAD, IDLE
+from nbdist.server.stragglers import RecentPoints, flag
 
 __all__ = ["CHART_POINTS", "LiveView", "RankLive", "RunReader", "gpu_payload"]
 
@@ -69,6 +70,7 @@ class RankLive:
     gpu_time: float | None = None  # when the latest GPU reading was taken (Unix seconds)
     loss: deque = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
     throughput: deque = field(default_factory=lambda: deque(maxlen=CHART_POINTS))
+    recent: RecentPoints = field(default_factory=RecentPoints)  # what the straggler rule reads
 
 
 def gpu_payload(last: dict[str, float], when: float | None) -> dict | None:
@@ -162,6 +164,7 @@ class RunReader:
             for step, when, values in batch:
                 live.points += 1
                 live.step, live.time = step, when
+                live.recent.add(step, when, values)
                 for key, value in values.items():
                     number = _number(value)
                     if number is not None:
@@ -247,6 +250,8 @@ class LiveView:
         ``mfu`` (that as a fraction of its device's peak; null when no peak was had).
         A rank that logs the step breakdown also has ``breakdown``: its latest point's
         ``compute_s``, ``comm_s`` and ``data_s``; ``memory_peak_mib`` when it was logged.
+        ``straggler`` says why the rank is one by the dashboard's rule
+        (:mod:`nbdist.server.stragglers`), "" when it is not (a dead rank never is).
         """
         reader = self.reader(entry)
         local = self.is_local(entry)
@@ -297,10 +302,21 @@ class LiveView:
                 rows[-1]["breakdown"] = {k: last.get(k) for k in parts}
             if "memory_peak_mib" in last:
                 rows[-1]["memory_peak_mib"] = round(last["memory_peak_mib"], 1)
+        dead = {row["rank"] for row in rows if row["state"] == DEAD}
+        flagged = flag({r: live.recent for r, live in reader.ranks.items()}, dead) if reader else {}
+        for row in rows:
+            row["straggler"] = flagged.get(row["rank"], "")
         return rows
 
     def clusters(self) -> list[dict]:
-        """Every live cluster with its ranks' rows (see :meth:`rank_rows`)."""
+        """Every live cluster with its ranks' rows (see :meth:`rank_rows`).
+
+        ``step_min`` and ``step_max``: the lowest and highest step of the ranks that
+        are not dead (all ranks when every one is), so a lagging rank shows;
+        ``samples_per_s``: the total of the ranks that logged in the last 5 s (None
+        once training stops: an old rate is not a rate now); ``rate_key``: what the
+        ranks' rates count, ``"tokens_per_s"`` or ``"samples_per_s"``.
+        """
         out = []
         now = time.time()
         for entry in self.entries():
@@ -313,7 +329,15 @@ class LiveView:
                 and r["last_seen"] is not None
                 and now - r["last_seen"] < _RECENT_RATE_S
             ]
-            steps = [r["step"] for r in ranks if r["step"] is not None]
+            alive = [r for r in ranks if r["state"] != DEAD] or ranks
+            steps = [r["step"] for r in alive if r["step"] is not None]
+            run_id = entry.get("run_id")
+            reader = self._readers.get(
+                (entry.get("history"), None if run_id is None else int(run_id))
+            )
+            tokens = reader is not None and any(
+                "tokens_per_s" in live.last for live in reader.ranks.values()
+            )
             out.append(
                 {
                     "id": entry["id"],
@@ -324,8 +348,10 @@ class LiveView:
                     "owned": bool(entry.get("owned")),
                     "started": entry.get("started"),
                     "ranks": ranks,
-                    "step": max(steps) if steps else None,
+                    "step_min": min(steps) if steps else None,
+                    "step_max": max(steps) if steps else None,
                     "samples_per_s": sum(rates) if rates else None,
+                    "rate_key": "tokens_per_s" if tokens else "samples_per_s",
                     "dead": [r["rank"] for r in ranks if r["state"] == DEAD],
                 }
             )

@@ -18,6 +18,8 @@ import pytest
 from tornado.httpclient import HTTPClientError
 
 from nbdist import DistSession, RankError
+from nbdist.dashboard.palette import rank_colours
+from nbdist.dashboard.table import rank_rows
 from nbdist.driver import registry
 from nbdist.metrics.store import RunStore
 from tests.conftest import wait_gone
@@ -30,6 +32,7 @@ SAMPLE_PATHS = {
     "nbdist/api/clusters/cluster-1-0/stop": "POST",
     "nbdist/api/runs": "GET",
     "nbdist/api/runs/1": "GET",
+    "nbdist/api/palette": "GET",
     "nbdist/static/plotly.min.js": "GET",
 }
 
@@ -92,28 +95,52 @@ async def test_every_nbdist_route_requires_login(jp_fetch, jp_web_app, jp_base_u
 async def test_runs_list_and_chart_series(jp_fetch, history):
     store = RunStore(history)
     run = store.new_run(world_size=2, backend="gloo")
+    t0 = time.time()
     for rank in (0, 1):
         store.append(
             run.id,
             rank,
             [
-                [s, 1000.0 + s, {"loss": 2.0 - s / 10, "samples_per_s": 50.0 + rank}]
+                [
+                    s,
+                    t0 + s,
+                    {
+                        "loss": 2.0 - s / 10,
+                        "samples": 64,
+                        "samples_per_s": 50.0 + rank,
+                        "comm_s": 0.0,
+                    },
+                ]
                 for s in range(10)
             ],
         )
     store.commit()
     store.end_run(run.id)
+    # A run whose kernel was killed before it could end it: no end time, and no cluster.
+    orphan = store.new_run(world_size=1, backend="gloo")
     store.close()
 
     code, body = await _json(jp_fetch, "nbdist", "api", "runs")
     assert code == 200
     [record] = [r for r in body["runs"] if r["id"] == run.id]
     assert record["points"] == 20 and record["world_size"] == 2 and record["backend"] == "gloo"
+    assert record["running"] is False and record["ended"] is not None
+    [gone] = [r for r in body["runs"] if r["id"] == orphan.id]
+    assert gone["running"] is False and gone["ended"] is None  # shown finished, not running
 
     code, chart = await _json(jp_fetch, "nbdist", "api", "runs", str(run.id))
-    assert chart["keys"][:1] == ["loss"]
+    assert chart["running"] is False
+    # The dashboard's panels: the user's key, then throughput; a counter is no chart, nor is
+    # a metric that stayed 0 (no collectives: no communication time).
+    assert chart["keys"] == ["loss", "samples_per_s"]
     assert chart["series"]["loss"]["1"][-1] == [9, pytest.approx(1.1)]
-    assert chart["series"]["samples_per_s"]["0"][0] == [0, 50.0]
+    loss, rate = chart["panels"]["loss"], chart["panels"]["samples_per_s"]
+    assert (loss["xtitle"], loss["ytitle"], loss["by_time"]) == ("step", "loss", False)
+    # Throughput against seconds since the run started, as on the dashboard.
+    assert rate["ytitle"] == "samples/s" and rate["by_time"] is True
+    assert rate["xtitle"] == "time since the run started (s)"
+    x0, y0 = chart["series"]["samples_per_s"]["0"][0]
+    assert y0 == 50.0 and x0 == pytest.approx(t0 - chart["started"], abs=1e-3)
     with pytest.raises(HTTPClientError) as err:
         await jp_fetch("nbdist", "api", "runs", "9999")
     assert err.value.code == 404
@@ -144,7 +171,12 @@ async def test_live_cluster_metrics_interrupt_and_dead_rank(jp_fetch, history):
             assert [p[0] for p in row["loss_series"]] == list(range(6))
             assert row["points"] == 6
             assert row["memory_mib"] > 0
-        assert cluster["step"] == 5 and cluster["dead"] == []
+        assert (cluster["step_min"], cluster["step_max"]) == (5, 5) and cluster["dead"] == []
+        assert cluster["rate_key"] == "samples_per_s"
+        # The run in "Past runs" is running while its cluster lives.
+        _, body = await _json(jp_fetch, "nbdist", "api", "runs")
+        [record] = [r for r in body["runs"] if r["id"] == cluster["run_id"]]
+        assert record["running"] is True
         # The next poll reads only what was stored since, and adds it.
         await asyncio.to_thread(
             session.run, "for i in range(6, 10):\n    nbdist.log(step=i, loss=0.5, samples=8)"
@@ -154,9 +186,16 @@ async def test_live_cluster_metrics_interrupt_and_dead_rank(jp_fetch, history):
             assert row["step"] == 9 and row["points"] == 10 and row["loss"] == 0.5
             assert [p[0] for p in row["loss_series"]] == list(range(10))
 
-        # Interrupt from the sidebar: SIGINT to the engine PIDs stops a running cell.
-        run = session.run("import time\nfor _ in range(600):\n    time.sleep(0.1)", block=False)
-        await asyncio.sleep(1.0)
+        # Interrupt from the sidebar: SIGINT to the engine PIDs stops a running cell. While it
+        # runs, the cluster's rate is a number; once the ranks stop logging it is gone.
+        run = session.run(
+            "import time\nfor i in range(10, 610):\n"
+            "    nbdist.log(step=i, samples=8)\n    time.sleep(0.1)",
+            block=False,
+        )
+        await _wait_for(
+            jp_fetch, lambda cs: cs and cs[0]["samples_per_s"] and cs[0]["step_min"] > 10
+        )
         code, reply = await _json(
             jp_fetch, "nbdist", "api", "clusters", cluster["id"], "interrupt", method="POST"
         )
@@ -165,17 +204,55 @@ async def test_live_cluster_metrics_interrupt_and_dead_rank(jp_fetch, history):
             await asyncio.to_thread(run.wait)
         assert {f.ename for f in err.value.failures} == {"KeyboardInterrupt"}
         assert await asyncio.to_thread(session.pull, "rank") == [0, 1]  # ranks still usable
+        await _wait_for(jp_fetch, lambda cs: cs[0]["samples_per_s"] is None)
 
-        # A rank killed outright shows as dead.
+        # Rank 1 steps 5x slower and logs 10 steps fewer: the sidebar flags it as the
+        # dashboard does (same rule, same reason), and shows the range of steps.
+        await asyncio.to_thread(
+            session.run,
+            "import time\nfor i in range(1000, 1030 if rank == 0 else 1020):\n"
+            "    time.sleep(0.01 if rank == 0 else 0.05)\n    nbdist.log(step=i, samples=8)",
+        )
+        [cluster] = await _clusters(jp_fetch)
+        assert (cluster["step_min"], cluster["step_max"]) == (1019, 1029)
+        flags = {row["rank"]: row["straggler"] for row in cluster["ranks"]}
+        dashboard = {row.rank: row.straggler for row in rank_rows(session.metrics)}
+        assert flags[0] == "" and "step time" in flags[1], flags
+        assert flags == dashboard
+
+        # A rank killed outright shows as dead, and is not a straggler (nor on the dashboard).
         os.kill(pids[1], signal.SIGKILL)
         assert wait_gone([pids[1]]) == []
         [cluster] = await _clusters(jp_fetch)
         assert [r["state"] for r in cluster["ranks"]][1] == "dead"
-        assert cluster["dead"] == [1]
+        assert cluster["dead"] == [1] and cluster["ranks"][1]["straggler"] == ""
+        assert (cluster["step_min"], cluster["step_max"]) == (1029, 1029)  # the live ranks'
+        dashboard = rank_rows(session.metrics, {0: "idle", 1: "dead"})
+        assert [(row.state, row.straggler) for row in dashboard][1] == ("dead", "")
     finally:
         await asyncio.to_thread(session.stop)
     assert await _clusters(jp_fetch) == []  # stop() removed its entry
     assert wait_gone(pids) == []
+    _, body = await _json(jp_fetch, "nbdist", "api", "runs")
+    [record] = [r for r in body["runs"] if r["id"] == cluster["run_id"]]
+    assert record["running"] is False and record["ended"] is not None
+
+
+async def test_palette_route_serves_the_dashboard_palette(jp_fetch):
+    code, body = await _json(jp_fetch, "nbdist", "api", "palette")
+    assert code == 200 and body == {"colours": rank_colours()}
+    assert len(set(body["colours"])) == len(body["colours"]) >= 8
+
+
+def test_subshell_messages_do_not_set_the_kernel_state(jp_serverapp, jp_web_app):
+    """JupyterLab shows Idle on any status whose parent is not untracked: a widget's
+    create_subshell_request (control channel) must not make a running kernel read Idle.
+    The browser test samples the indicators themselves."""
+    untracked = jp_serverapp.kernel_manager.untracked_message_types
+    page = jp_web_app.settings["page_config_data"]["untracked_message_types"]
+    for kind in ("create_subshell_request", "delete_subshell_request", "list_subshell_request"):
+        assert kind in untracked and kind in page
+    assert "execute_request" not in untracked and "execute_request" not in page
 
 
 async def test_restart_and_stop_go_through_the_kernel(jp_fetch, jp_serverapp, history):

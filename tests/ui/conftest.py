@@ -6,6 +6,13 @@ and Debian's Chromium (``/usr/bin/chromium``) driven by Playwright with a new,
 empty profile. Tests skip (saying why) when Chromium or Playwright is missing;
 ``scripts/install_browser.sh`` installs both.
 
+The JupyterLab extension under test is this checkout's build (``nbdist/labextension``),
+rebuilt first when its sources (``labextension/``) are newer: a venv also holds an
+installed copy (``share/jupyter/labextensions/nbdist``, from the last ``pip install``),
+which JupyterLab would otherwise find first. Every server gets the build on
+``LabApp.extra_labextensions_path`` (searched before every other folder), and
+:func:`served_labextension` checks that the page loads exactly that build.
+
 Teardown shuts the kernels down through the REST API, then the server, and
 fails if any process the server started (sampled during the test, so
 reparented ones count too) or the browser is still alive.
@@ -16,21 +23,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import secrets
-import socket
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.conftest import wait_gone
+from tests.ui.lab import LabServer, start_lab, stop_lab
+from tests.ui.labbuild import BUILT, labextension_build, link_labextension, served_labextension
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = [
@@ -102,249 +103,47 @@ def artifacts_dir() -> Path:
     return ARTIFACTS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def nbdist_extension_config() -> Path | None:
-    """The installed config file enabling ``nbdist.server`` (hatch shared-data), if any."""
-    conf_d = Path(sys.prefix) / "etc" / "jupyter" / "jupyter_server_config.d"
-    for path in sorted(conf_d.glob("*.json")):
-        try:
-            enabled = json.loads(path.read_text())["ServerApp"]["jpserver_extensions"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if enabled.get("nbdist.server"):
-            return path
-    return None
-
-
-class _TreeSampler(threading.Thread):
-    """Records every descendant of one process, every 0.2 s, until stopped."""
-
-    def __init__(self, pid: int):
-        super().__init__(name="ui-process-sampler", daemon=True)
-        self.root = psutil.Process(pid)
-        self.seen: dict[int, tuple[float, str]] = {}  # pid -> (create_time, cmdline)
-        self._stop_event = threading.Event()
-
-    def sample(self) -> None:
-        try:
-            children = self.root.children(recursive=True)
-        except psutil.Error:
-            return
-        for child in children:
-            if child.pid in self.seen:
-                continue
-            try:
-                self.seen[child.pid] = (child.create_time(), " ".join(child.cmdline())[:160])
-            except psutil.Error:
-                pass
-
-    def run(self) -> None:
-        while not self._stop_event.wait(0.2):
-            self.sample()
-
-    def stop(self) -> None:
-        self.sample()
-        self._stop_event.set()
-        self.join(5)
-
-    def alive(self) -> list[int]:
-        """Recorded PIDs that are still the same (non-zombie) process."""
-        out = []
-        for pid, (created, _) in self.seen.items():
-            try:
-                proc = psutil.Process(pid)
-                if proc.create_time() == created and proc.status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.Error:
-                pass
-        return out
-
-
-@dataclass
-class LabServer:
-    url: str  # base URL, ends with "/"
-    token: str
-    root_dir: Path
-    proc: subprocess.Popen
-    log_path: Path
-    extension: str  # how nbdist.server was enabled (for the report)
-    sampler: _TreeSampler = field(repr=False)
-
-    def api(self, method: str, path: str, body: dict | None = None, timeout: float = 10):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path.lstrip("/"),
-            data=data,
-            method=method,
-            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-            return resp.status, (json.loads(raw) if raw.strip()[:1] in (b"{", b"[") else raw)
-
-    def get(self, path: str, timeout: float = 10) -> tuple[int, bytes]:
-        req = urllib.request.Request(
-            self.url + path.lstrip("/"), headers={"Authorization": f"token {self.token}"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, b""
-
-    def kernels(self) -> list[dict]:
-        status, body = self.get("api/kernels")
-        return json.loads(body) if status == 200 else []
-
-    def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-def _start_lab(tmp: Path, root_dir: Path, log_path: Path) -> LabServer:
-    env = dict(os.environ)
-    dirs = {
-        "JUPYTER_CONFIG_DIR": tmp / "config",
-        "JUPYTER_DATA_DIR": tmp / "data",
-        "JUPYTER_RUNTIME_DIR": tmp / "runtime",
-        "IPYTHONDIR": tmp / "ipython",
-    }
-    for var, path in dirs.items():
-        path.mkdir(parents=True, exist_ok=True)
-        env[var] = str(path)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.setdefault("OMP_NUM_THREADS", "1")
-
-    # No "news"/update pop-up: never fetch news, never check for updates.
-    settings = tmp / "lab-user-settings"
-    notif = settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
-    notif.parent.mkdir(parents=True, exist_ok=True)
-    notif.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
-
-    # The nbdist server extension is enabled by a config file the wheel installs into
-    # {prefix}/etc/jupyter/jupyter_server_config.d; an editable install may lack it.
-    # Then enable it the same way, from the isolated config dir.
-    if importlib.util.find_spec("nbdist.server") is None:
-        extension = "absent (no nbdist.server module)"
-    elif (installed := nbdist_extension_config()) is not None:
-        extension = f"enabled by {installed}"
-    else:
-        conf_d = dirs["JUPYTER_CONFIG_DIR"] / "jupyter_server_config.d"
-        conf_d.mkdir(parents=True, exist_ok=True)
-        (conf_d / "nbdist.json").write_text(
-            json.dumps({"ServerApp": {"jpserver_extensions": {"nbdist.server": True}}})
-        )
-        extension = "enabled by the test (no installed config file in the venv)"
-
-    port = _free_port()
-    token = secrets.token_hex(16)
-    cmd = [
-        sys.executable,
-        "-m",
-        "jupyterlab",
-        "--no-browser",
-        "--allow-root",
-        "--ip=127.0.0.1",
-        f"--port={port}",
-        "--ServerApp.port_retries=0",
-        f"--IdentityProvider.token={token}",
-        f"--ServerApp.root_dir={root_dir}",
-        f"--LabApp.user_settings_dir={settings}",
-        f"--LabApp.workspaces_dir={tmp / 'lab-workspaces'}",
-        "--LabApp.news_url=None",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-    ]
-    log = open(log_path, "wb")  # noqa: SIM115 - closed with the server
-    proc = subprocess.Popen(cmd, env=env, cwd=root_dir, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    sampler = _TreeSampler(proc.pid)
-    sampler.start()
-    server = LabServer(
-        url=f"http://127.0.0.1:{port}/",
-        token=token,
-        root_dir=root_dir,
-        proc=proc,
-        log_path=log_path,
-        extension=extension,
-        sampler=sampler,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        if proc.poll() is not None:
-            sampler.stop()
-            pytest.fail(f"jupyter lab exited with {proc.returncode}:\n{server.log_tail()}")
-        try:
-            if server.get("api/status", timeout=2)[0] == 200:
-                return server
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            _stop_lab(server)
-            pytest.fail(f"jupyter lab did not answer within 60 s:\n{server.log_tail()}")
-        time.sleep(0.2)
-
-
-def _stop_lab(server: LabServer) -> list[str]:
-    """Kernels via REST, then the server (REST, then SIGTERM); returns leftover processes."""
-    problems = []
-    server.sampler.sample()
-    if server.proc.poll() is None:
-        for kernel in server.kernels():
-            try:
-                server.api("DELETE", f"api/kernels/{kernel['id']}", timeout=30)
-            except OSError as exc:
-                problems.append(f"could not shut down kernel {kernel['id']}: {exc}")
-        try:
-            server.api("POST", "api/shutdown", timeout=10)
-        except OSError:
-            pass
-        try:
-            server.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            problems.append("jupyter lab ignored /api/shutdown; sent SIGTERM")
-            server.proc.terminate()
-            try:
-                server.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                server.proc.kill()
-                server.proc.wait(5)
-    server.sampler.stop()
-    still = wait_gone(server.sampler.alive(), timeout=20)
-    for pid in still:
-        problems.append(f"left behind: {pid} {server.sampler.seen[pid][1]}")
-        try:
-            psutil.Process(pid).kill()  # our own descendant, by PID
-        except psutil.Error:
-            pass
-    return problems
+@pytest.fixture(scope="session")
+def labextension_entry() -> str:
+    """This checkout's extension build (rebuilt if stale); its entry point names it."""
+    _require_browser()
+    return labextension_build()
 
 
 @pytest.fixture
-def lab_factory(tmp_path, artifacts_dir):
-    """``start(notebook_name, nb_json)``: a running JupyterLab with that notebook in its root."""
-    _require_browser()
+def lab_factory(tmp_path, artifacts_dir, labextension_entry):
+    """``start(notebook_name, nb_json)``: a running JupyterLab with that notebook in its root.
+
+    The server loads this checkout's extension build; the fixture fails if its page
+    would load any other.
+    """
     started: list[LabServer] = []
 
     def start(name: str, notebook: dict) -> LabServer:
         root = tmp_path / "root"
         root.mkdir(exist_ok=True)
         (root / name).write_text(json.dumps(notebook, indent=1))
-        server = _start_lab(tmp_path / "jupyter", root, artifacts_dir / "jupyter-server.log")
+        labextensions = link_labextension(tmp_path / "labextensions-under-test")
+        server = start_lab(
+            tmp_path / "jupyter", root, artifacts_dir / "jupyter-server.log", labextensions
+        )
         started.append(server)
+        status, page = server.get(f"lab?token={server.token}")
+        served = served_labextension(page.decode()) if status == 200 else None
+        if served and server.get(f"lab/extensions/nbdist/{served}")[0] != 200:
+            served = f"{served} (named by the page, but not served)"
+        if served != labextension_entry:
+            pytest.fail(
+                f"JupyterLab serves the nbdist extension {served!r}, not this checkout's build "
+                f"{labextension_entry!r} ({BUILT})"
+            )
         return server
 
     yield start
     problems = []
     for server in started:
         began = time.monotonic()
-        problems += _stop_lab(server)
+        problems += stop_lab(server)
         print(
             f"\nJupyterLab teardown: {len(server.sampler.seen)} processes it started tracked, "
             f"{time.monotonic() - began:.1f} s"

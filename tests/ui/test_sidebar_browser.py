@@ -1,21 +1,28 @@
-"""The JupyterLab sidebar in a real browser: JupyterLab + headless Chromium + 2 CPU ranks.
+"""The JupyterLab sidebar, status bar and kernel indicators in a real browser.
 
-The notebook loads nbdist, starts 2 ranks (gloo) and runs a long logging
-cell. While it runs, the test checks in the page that:
+JupyterLab + headless Chromium + 2 CPU ranks. The notebook loads nbdist, starts 2 ranks
+(gloo) and runs a long logging cell in which rank 1 steps twice as slowly as rank 0. While
+it runs, the test checks in the page that:
 
-- the nbdist sidebar lists the cluster with 2 ranks whose step advances, and
-  its loss chart gains points (``polyline[data-points]``);
-- the status bar shows "nbdist · 2 ranks · gloo · step N · ... samples/s";
-- Interrupt in the sidebar (after its confirmation dialog) stops the running
-  cell: it ends with KeyboardInterrupt on the ranks, the ranks stay up;
-- the run opens from "Past runs" as a main-area chart with one line per rank;
-- a rank killed outright shows as dead, and the status bar warns about it;
-- no uncaught page error and no console error about nbdist;
-- in Notebook 7 (no JupyterLab shell) the command palette opens the same panel, and
-  nothing about nbdist fails in the console.
+- JupyterLab's own kernel indicators (the notebook toolbar's and the status bar's) read
+  Busy in every sample taken while the cell runs, also after the cell's dashboard widget
+  opened (opening a first widget used to flip them to Idle);
+- the sidebar lists the cluster, its 2 ranks' steps and charts advance; at the default
+  width (and at a wide one) every figure of every rank is inside the sidebar; the charts
+  have axis titles and a legend, in the server's rank palette (the dashboard's); rank 1
+  carries the straggler flag; hovering a chart reads out each rank's value;
+- the status bar shows "step <lowest>–<highest>" (the lagging rank shows) and the rate;
+- all text of the sidebar and the status bar item reads at 4.5:1 or more in the light
+  and the dark theme; screenshots at two widths in both themes go to ``artifacts/ui/``;
+- Interrupt (after its dialog) stops the cell, the ranks stay up, "SIGINT sent" clears
+  after a while, and the rate leaves the status bar once the ranks stop logging;
+- the run opens from "Past runs" as interactive plotly charts (hover shows values, a drag
+  zooms) with a line per rank in the palette, following the theme at 4.5:1;
+- a killed rank shows as dead (and no straggler); Stop ends the cluster and the run is
+  then listed as finished; no uncaught page error and no console error about nbdist;
+- in Notebook 7 the command palette opens the same panel, without console errors.
 
-The extension under test is the one built into ``nbdist/labextension`` (the
-package build puts it there); screenshots go to ``artifacts/ui/``.
+The extension under test is this checkout's build (see ``tests/ui/labbuild.py``).
 """
 
 from __future__ import annotations
@@ -33,58 +40,35 @@ from pathlib import Path
 import pytest
 
 from tests.ui.conftest import notebook_json, poll
-
-ROOT = Path(__file__).resolve().parents[2]
-BUILT = ROOT / "nbdist" / "labextension"
+from tests.ui.labbuild import link_labextension, served_labextension
+from tests.ui.sidebar_page import (
+    KERNEL_SAMPLER,
+    OUTSIDE,
+    chart_last_x,
+    plot_state,
+    readable,
+    set_sidebar_width,
+    set_theme,
+    shoot,
+    sidebar_width,
+    steps,
+)
 
 LOG_CELL = """%%on_all_ranks
 import time
-for i in range(3000):
+for i in range(100_000):  # stopped by the sidebar's Interrupt
     nbdist.log(step=i, loss=1.0 / (1.0 + 0.01 * i) + 0.1 * rank, samples=32)
-    time.sleep(0.03)
+    time.sleep(0.03 if rank == 0 else 0.06)  # rank 1: twice the step time, a straggler
 print("finished " + "all steps")"""
 
 
-def _use_built_extension(data_dir: Path) -> str:
-    """Make the lab server load the extension built from this checkout.
-
-    A link in the server's (isolated) data dir wins over an installed copy in
-    ``sys.prefix``, so the test always sees the current build.
-    """
-    if (BUILT / "package.json").exists():
-        link = data_dir / "labextensions" / "nbdist"
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(BUILT, target_is_directory=True)
-        return f"built at {BUILT}"
-    installed = Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "nbdist"
-    if (installed / "package.json").exists():
-        return f"installed at {installed}"
-    pytest.fail(
-        f"the JupyterLab extension is not built ({BUILT} is missing): run "
-        "`pip install -e .` (builds it) or `cd labextension && jlpm install && jlpm build`"
-    )
-
-
-def _steps(page) -> list[int]:
-    texts = page.locator(".nbdist-cluster tr.nbdist-rank td.nbdist-col-step").all_inner_texts()
-    return [int(t) if t.strip().isdigit() else -1 for t in texts]
-
-
-def _chart_last_x(page) -> list[int]:
-    """The newest step drawn by each rank's line of the sidebar's loss chart."""
-    lines = page.locator(".nbdist-cluster svg.nbdist-chart-loss polyline")
-    return [int(lines.nth(i).get_attribute("data-last-x") or -1) for i in range(lines.count())]
-
-
-@pytest.mark.timeout(240)
-def test_sidebar_shows_live_ranks_and_interrupts(
-    lab_factory, browser_page, tmp_path, artifacts_dir
-):
-    where = _use_built_extension(tmp_path / "jupyter" / "data")
+@pytest.mark.timeout(420)
+def test_sidebar_status_bar_and_kernel_indicators(lab_factory, browser_page, artifacts_dir):
     server = lab_factory(
         "sidebar.ipynb", notebook_json(["%load_ext nbdist", "%dist_start 2 --cpu", LOG_CELL])
     )
-    print(f"nbdist labextension {where}; nbdist.server {server.extension}")
+    print(f"nbdist.server {server.extension}")
+    palette = server.api("GET", "nbdist/api/palette")[1]["colours"]
     page = browser_page
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
@@ -110,7 +94,9 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     sidebar = page.locator("#nbdist-sidebar")
     sidebar.wait_for(state="visible")
     assert "No nbdist cluster is running" in sidebar.inner_text()
+    default_width = sidebar_width(page)
 
+    page.evaluate(KERNEL_SAMPLER)
     page.locator("li.lm-MenuBar-item", has_text="Run").click()
     page.locator("li.lm-Menu-item[data-command='runmenu:run-all']").click()
 
@@ -118,30 +104,78 @@ def test_sidebar_shows_live_ranks_and_interrupts(
     page.wait_for_selector(".nbdist-cluster tr.nbdist-rank", timeout=90_000)
     assert page.locator(".nbdist-cluster").count() == 1
     assert page.locator(".nbdist-cluster tr.nbdist-rank").count() == 2
-    assert poll(lambda: min(_steps(page)) >= 0, timeout=60), _steps(page)
-    first_steps, first_x = _steps(page), _chart_last_x(page)
-    assert poll(lambda: all(b > a for a, b in zip(first_steps, _steps(page))), timeout=30), (
-        f"steps did not advance: {first_steps} -> {_steps(page)}"
+    assert poll(lambda: min(steps(page)) >= 0, timeout=60), steps(page)
+    first_steps, first_x = steps(page), chart_last_x(page)
+    assert poll(lambda: all(b > a for a, b in zip(first_steps, steps(page))), timeout=30), (
+        f"steps did not advance: {first_steps} -> {steps(page)}"
     )
     assert poll(
         lambda: (
-            len(_chart_last_x(page)) == 2
-            and all(b > a for a, b in zip(first_x, _chart_last_x(page)))
+            len(chart_last_x(page)) == 2 and all(b > a for a, b in zip(first_x, chart_last_x(page)))
         ),
         timeout=30,
-    ), f"the loss chart did not advance: {first_x} -> {_chart_last_x(page)}"
+    ), f"the loss chart did not advance: {first_x} -> {chart_last_x(page)}"
     title = page.locator(".nbdist-cluster-title").inner_text()
     assert "sidebar.ipynb · 2 ranks · gloo" in title, title
     states = page.locator(".nbdist-cluster tr.nbdist-rank td.nbdist-col-state").all_inner_texts()
     assert states == ["busy", "busy"], states
+
+    # Rank colours: the palette's, the same in the legend, the lines and the rows' swatches.
+    legend = page.locator(".nbdist-cluster .nbdist-legend-item")
+    assert legend.all_inner_texts() == ["rank 0", "rank 1"]
+    assert [legend.nth(i).get_attribute("data-colour") for i in range(2)] == palette[:2]
+    lines = page.locator(".nbdist-cluster svg.nbdist-chart-loss polyline")
+    assert [lines.nth(i).get_attribute("stroke") for i in range(2)] == palette[:2]
+    axis = page.locator(".nbdist-cluster .nbdist-chart-axis-title").all_text_contents()
+    assert axis == ["step", "loss", "step", "samples/s"], axis
+    # The straggler, flagged by the dashboard's rule; the other rank is not.
+    rows = page.locator(".nbdist-cluster tr.nbdist-rank")
+    assert poll(lambda: rows.nth(1).get_attribute("data-straggler"), timeout=30)
+    assert rows.nth(0).get_attribute("data-straggler") == ""
+    assert "⚠" in rows.nth(1).locator("td.nbdist-col-flag").inner_text()
+    # The status bar: the range of steps (rank 1 lags) and the rate.
     status = page.locator(".nbdist-statusbar")
-    assert poll(
-        lambda: re.search(
-            r"nbdist · 2 ranks · gloo · step \d+ · \S+ samples/s", status.inner_text()
-        ),
-        timeout=20,
-    ), status.inner_text()
-    page.screenshot(path=str(artifacts_dir / "sidebar-live.png"))
+    pattern = r"nbdist · 2 ranks · gloo · step (\d+)–(\d+) · \S+ samples/s"
+    assert poll(lambda: re.search(pattern, status.inner_text()), timeout=30), status.inner_text()
+    low, high = map(int, re.search(pattern, status.inner_text()).groups())
+    assert low < high
+
+    # Hovering the loss chart reads out both ranks' values.
+    chart = page.locator(".nbdist-cluster svg.nbdist-chart-loss")
+    chart.hover(position={"x": 150, "y": 60})  # inside the plot at any sidebar width
+    readout = page.locator(".nbdist-cluster .nbdist-chart-readout").first
+    both = re.compile(r"rank 0 · step \d+: \S+.*rank 1 · step \d+: \S+", re.S)
+    assert poll(lambda: both.search(readout.inner_text()), 10), readout.inner_text()
+    drawn = chart_last_x(page)  # and after the next redraw (one per poll), still there
+    assert poll(lambda: chart_last_x(page) != drawn, 10)
+    assert both.search(readout.inner_text()), readout.inner_text()
+    page.mouse.move(0, 0)
+
+    # Readable at the default width and at a wide one, light theme.
+    assert page.evaluate(OUTSIDE) == [], f"at {default_width:.0f} px"
+    readable(page, "light")
+    shoot(page, artifacts_dir, f"light-{default_width:.0f}px")
+    set_sidebar_width(page, 600)
+    assert page.locator(".nbdist-cluster thead th").first.is_visible()  # a table from here
+    assert poll(lambda: page.evaluate(OUTSIDE) == [], 10), page.evaluate(OUTSIDE)
+    shoot(page, artifacts_dir, "light-600px")
+    set_theme(page, "JupyterLab Dark", light=False)
+    readable(page, "dark")
+    shoot(page, artifacts_dir, "dark-600px")
+    set_sidebar_width(page, round(default_width))
+    assert poll(lambda: page.evaluate(OUTSIDE) == [], 10), page.evaluate(OUTSIDE)
+    shoot(page, artifacts_dir, f"dark-{default_width:.0f}px")
+
+    # Every sample taken while the cell ran read Busy, including after its widget opened.
+    samples = page.evaluate(
+        "() => { clearInterval(window.__kernelSampler); return window.__kernelSamples; }"
+    )
+    running = [
+        s for s in samples if s["prompts"][2:3] == ["[*]:"] and s["prompts"][1][1:-2].isdigit()
+    ]
+    assert len(running) > 20 and any(s["dashboard"] for s in running), (len(running), samples[-3:])
+    idle = [s for s in running if s["toolbar"] != "busy" or not s["statusbar"].endswith("| Busy")]
+    assert idle == [], f"{len(idle)} of {len(running)} samples not Busy, e.g. {idle[:3]}"
 
     # Interrupt from the sidebar, confirmed in the dialog: the running cell stops.
     log_prompt = page.locator(".jp-NotebookPanel .jp-Cell .jp-InputPrompt").nth(2)
@@ -155,8 +189,9 @@ def test_sidebar_shows_live_ranks_and_interrupts(
         page.locator(".jp-NotebookPanel .jp-Cell").nth(2).locator(".jp-OutputArea").inner_text()
     )
     assert "KeyboardInterrupt" in output and "finished all steps" not in output, output
-    assert "SIGINT sent to 2 rank processes" in page.locator(".nbdist-message").inner_text()
-    # The ranks are still up: not dead, and their steps stop advancing.
+    message = page.locator(".nbdist-message")
+    assert "SIGINT sent to 2 rank processes" in message.inner_text()
+    # The ranks are still up: not dead, and idle; the message and the stale rate go away.
     assert poll(
         lambda: (
             page.locator(".nbdist-cluster tr.nbdist-rank td.nbdist-col-state").all_inner_texts()
@@ -164,36 +199,72 @@ def test_sidebar_shows_live_ranks_and_interrupts(
         ),
         timeout=30,
     )
-    page.screenshot(path=str(artifacts_dir / "sidebar-interrupted.png"))
+    assert poll(lambda: message.inner_text().strip() == "", timeout=30), message.inner_text()
+    assert poll(lambda: "samples/s" not in status.inner_text(), timeout=30), status.inner_text()
+    assert re.search(r"step \d+–\d+$", status.inner_text()), status.inner_text()
 
-    # The run, from the history, as a chart in the main area.
+    # The run, from the history: interactive charts in the main area, in the palette.
     page.locator(".nbdist-runs-refresh").click()
-    page.locator(".nbdist-run-link").first.click()
-    chart = page.locator(".nbdist-run-chart svg.nbdist-chart-loss polyline")
-    chart.first.wait_for(timeout=30_000)
-    assert chart.count() == 2
-    assert all(int(chart.nth(i).get_attribute("data-points")) > 10 for i in range(2))
+    link = page.locator(".nbdist-run-link").first
+    assert poll(lambda: link.inner_text().endswith("· running"), timeout=10), link.inner_text()
+    link.click()
+    page.wait_for_selector(".nbdist-run-plot-loss .main-svg", timeout=60_000)
+    dark = plot_state(page, "loss")
+    assert [(name, colour) for name, colour, _ in dark["traces"]] == [
+        ("rank 0", palette[0]),
+        ("rank 1", palette[1]),
+    ]
+    assert all(n > 10 for *_, n in dark["traces"]), dark["traces"]
+    assert (dark["xtitle"], dark["ytitle"]) == ("step", "loss")
+    area = page.locator(".nbdist-run-plot-loss .nsewdrag").bounding_box()
+    page.mouse.move(area["x"] + area["width"] * 0.5, area["y"] + area["height"] * 0.5)
+    assert poll(lambda: page.locator(".nbdist-run-plot-loss .hoverlayer .hovertext").count(), 10)
+    y = area["y"] + area["height"] * 0.5
+    page.mouse.move(area["x"] + area["width"] * 0.3, y)
+    page.mouse.down()
+    page.mouse.move(area["x"] + area["width"] * 0.6, y, steps=8)
+    page.mouse.up()
+    assert poll(lambda: plot_state(page, "loss")["x"] != dark["x"], timeout=10)
+    zoomed = plot_state(page, "loss")["x"]
+    assert dark["x"][0] < zoomed[0] < zoomed[1] < dark["x"][1], (dark["x"], zoomed)
+    # One legend for all charts: a click hides a rank everywhere, another shows it again.
+    rank1 = page.locator(".nbdist-run-chart .nbdist-legend-item[data-rank='1']")
+    rank1.click()
+    assert poll(lambda: plot_state(page, "loss")["visible"] == [True, "legendonly"], timeout=10)
+    rank1.click()
+    assert poll(lambda: plot_state(page, "loss")["visible"] == [True, True], timeout=10)
+    readable(page, "dark, with the run chart")
+    set_theme(page, "JupyterLab Light", light=True)
+    assert poll(lambda: plot_state(page, "loss")["titleFill"] != dark["titleFill"], timeout=10)
+    assert plot_state(page, "loss")["x"] == zoomed  # a theme change keeps the zoom
+    readable(page, "light, with the run chart")
     page.screenshot(path=str(artifacts_dir / "sidebar-run-chart.png"))
 
-    # A rank that dies: its row says dead and the status bar warns.
+    # A rank that dies: its row says dead (no straggler) and the status bar warns.
     _, body = server.api("GET", "nbdist/api/clusters")
     rank1_pid = body["clusters"][0]["ranks"][1]["pid"]
     os.kill(rank1_pid, signal.SIGKILL)  # an engine this test's notebook started, by PID
     assert poll(lambda: "rank 1 dead of 2" in status.inner_text(), timeout=30), status.inner_text()
-    assert (
-        page.locator(".nbdist-cluster tr.nbdist-rank").nth(1).get_attribute("data-state") == "dead"
-    )
-    page.screenshot(path=str(artifacts_dir / "sidebar-dead-rank.png"))
+    assert rows.nth(1).get_attribute("data-state") == "dead"
+    assert rows.nth(1).get_attribute("data-straggler") == ""
+    readable(page, "light, a dead rank")
+    shoot(page, artifacts_dir, "dead-rank")
+
+    # Stop, from the sidebar: the cluster goes, and its run is listed as finished.
+    page.locator(".nbdist-cluster button.nbdist-stop").click()
+    page.locator(".jp-Dialog button.jp-mod-accept").click()
+    assert poll(lambda: page.locator(".nbdist-cluster").count() == 0, timeout=60)
+    assert poll(lambda: link.inner_text().endswith("· finished"), timeout=30), link.inner_text()
     assert errors == [], errors
 
 
-def _start_notebook7(tmp: Path) -> tuple[subprocess.Popen, str]:
-    """Notebook 7 (``python -m notebook``) on a free loopback port, isolated dirs; (process, url)."""
+def _start_notebook7(tmp: Path) -> tuple[subprocess.Popen, str, str]:
+    """Notebook 7 on a free loopback port, isolated dirs, this checkout's extension build."""
     env = dict(os.environ)
     for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR", "IPYTHONDIR"):
         (tmp / var).mkdir(parents=True, exist_ok=True)
         env[var] = str(tmp / var)
-    _use_built_extension(tmp / "JUPYTER_DATA_DIR")
+    labextensions = link_labextension(tmp / "labextensions-under-test")
     (tmp / "root").mkdir(exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -203,7 +274,10 @@ def _start_notebook7(tmp: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "notebook", "--no-browser", "--allow-root", "--ip=127.0.0.1",
          f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={tmp / 'root'}"],
+         f"--ServerApp.root_dir={tmp / 'root'}",
+         # The notebook app's pages name the extensions; jupyterlab's serves their files.
+         f"--JupyterNotebookApp.extra_labextensions_path={labextensions}",
+         f"--LabApp.extra_labextensions_path={labextensions}"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     log.close()
@@ -219,14 +293,22 @@ def _start_notebook7(tmp: Path) -> tuple[subprocess.Popen, str]:
     poll(up, timeout=60)
     if proc.poll() is not None:
         pytest.fail(f"notebook exited: {(tmp / 'notebook7.log').read_text()[-2000:]}")
-    return proc, f"{url}tree?token={token}"
+    with urllib.request.urlopen(f"{url}tree?token={token}", timeout=10) as resp:
+        served = served_labextension(resp.read().decode())
+    # and the file it names is there (a 404 would leave the page without the extension)
+    with urllib.request.urlopen(f"{url}lab/extensions/nbdist/{served}?token={token}", timeout=10):
+        pass
+    return proc, f"{url}tree?token={token}", served
 
 
 @pytest.mark.timeout(120)
-def test_notebook7_opens_the_panel_without_errors(browser_page, tmp_path, artifacts_dir):
+def test_notebook7_opens_the_panel_without_errors(
+    browser_page, tmp_path, artifacts_dir, labextension_entry
+):
     pytest.importorskip("notebook", reason="Notebook 7 is not installed")
-    proc, url = _start_notebook7(tmp_path / "nb7")
+    proc, url, served = _start_notebook7(tmp_path / "nb7")
     try:
+        assert served == labextension_entry, "Notebook 7 serves another nbdist build"
         page = browser_page
         ours: list[str] = []
         page.on(
