@@ -1,0 +1,220 @@
+"""2D (FSDP2 × tensor parallel, 4 ranks) and 3D (data × tensor × pipeline, 8 ranks) on one DeviceMesh.
+
+A tiny transformer trained on real gloo engines must end with the parameters
+one process gets on the whole batch, and each rank must store only its share.
+
+Tolerances: float32, SGD for 3 steps; the sharded runs differ from the
+reference only in the order of sums (partial products added by all-reduce or
+reduce-scatter instead of in one matmul). Sums here have at most 64 terms of
+size O(1), so the reordering error is ~64 × float32 unit roundoff (6e-8) ≈
+4e-6 per gradient entry, times lr 0.1 per step: ``assert_close``'s float32
+defaults (atol 1e-5, rtol 1.3e-6) hold it with room.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nbdist
+from nbdist.driver.sinks import ListSink
+from nbdist.errors import RankError
+from nbdist.strategies.mesh import ParallelDims
+from nbdist.strategies.pipeline import split_sequential
+
+# Defined on the ranks and in this process alike, so both build the same model.
+COMMON = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.hd = d // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+    def forward(self, x):
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds heads / tp of them.
+        q, k, v = (l(x).view(B, T, -1, self.hd).transpose(1, 2) for l in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
+
+class MLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(d), Attention(d, heads)
+        self.norm2, self.mlp = nn.LayerNorm(d), MLP(d)
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+class Embed(nn.Module):
+    def __init__(self, vocab, d, t):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+def make_gpt(seed=0, vocab=32, d=16, heads=4, t=8, n_blocks=2):
+    torch.manual_seed(seed)
+    return nn.Sequential(Embed(vocab, d, t), *[Block(d, heads) for _ in range(n_blocks)],
+                         nn.LayerNorm(d), nn.Linear(d, vocab))
+
+def make_tokens(n=8, t=8, vocab=32):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(vocab, (n, t + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+COLWISE, ROWWISE = ["attn.q", "attn.k", "attn.v", "mlp.up"], ["attn.o", "mlp.down"]
+"""
+exec(COMMON)  # noqa: S102 - the same definitions as on the ranks
+STEPS, LR = 3, 0.1
+
+
+@pytest.fixture(scope="module")
+def session():
+    s = nbdist.DistSession(4, cpu=True, timeout=120)
+    s.start()
+    try:
+        s.run(COMMON, sink=ListSink())
+        yield s
+    finally:
+        s.stop()
+
+
+def _reference(dp: int):
+    """One process, whole batch: the mean of the dp replicas' losses on their shares."""
+    net = make_gpt()  # noqa: F821 - from COMMON
+    X, Y = make_tokens()  # noqa: F821
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        per_replica = [lm_loss(net(X[r::dp]), Y[r::dp]) for r in range(dp)]  # noqa: F821
+        loss = sum(per_replica) / dp
+        loss.backward()
+        opt.step()
+        losses.append([x.item() for x in per_replica])
+    return net, losses
+
+
+def _assert_same(state: dict, want: nn.Module, who: str) -> None:
+    expected = want.state_dict()
+    assert state.keys() == expected.keys(), who
+    for name, value in state.items():
+        torch.testing.assert_close(value, expected[name], msg=lambda m, n=name: f"{who} {n}: {m}")
+
+
+def test_fsdp_tp_2d_trains_like_one_process_and_shards_four_ways(session):
+    session.run(
+        f"""
+from nbdist.strategies.fsdp import full_state_dict
+from nbdist.strategies.mesh import ParallelDims, apply_fsdp_tp
+from nbdist.strategies.tensor_parallel import local_param_bytes
+dims = ParallelDims(world_size, dp=2, tp=2)
+mesh = dims.build_mesh()
+model = apply_fsdp_tp(make_gpt(), mesh, blocks=Block, colwise=COLWISE, rowwise=ROWWISE)
+dp_rank = dims.coordinates(rank)["dp"]
+# Both tp ranks of a replica see the same samples; the two replicas see different ones.
+X, Y = make_tokens()
+opt = torch.optim.SGD(model.parameters(), lr={LR})
+losses = []
+for _ in range({STEPS}):
+    opt.zero_grad()
+    loss = lm_loss(model(X[dp_rank::2]), Y[dp_rank::2])
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+local_shapes = {{n: tuple(v.to_local().shape) for n, v in model.named_parameters()}}
+mesh_dims = {{n: v.device_mesh.mesh_dim_names for n, v in model.named_parameters()}}
+stored = local_param_bytes(model)
+state = full_state_dict(model)
+""",
+        sink=ListSink(),
+    )
+    net, want_losses = _reference(dp=2)
+    for r, state in enumerate(session.pull("state")):
+        _assert_same(state, net, f"rank {r}")
+    coords = [ParallelDims(4, dp=2, tp=2).coordinates(r)["dp"] for r in range(4)]
+    for r, got in enumerate(session.pull("losses")):
+        # float32 losses: compared as float32 tensors (Python floats would get float64 tolerances).
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor([s[coords[r]] for s in want_losses])
+        )
+    shapes, mesh_dims = session.pull("local_shapes", rank=0), session.pull("mesh_dims", rank=0)
+    # Block matrices are 2D DTensors: split over tp (q by rows, o by columns), then FSDP
+    # splits the rows of that over dp: a quarter of each 16 x 16 weight per rank.
+    assert mesh_dims["1.attn.q.weight"] == ("dp", "tp")
+    assert shapes["1.attn.q.weight"] == (4, 16) and shapes["1.attn.o.weight"] == (8, 8)
+    # Outside the blocks (embeddings, head) only FSDP shards, over dp.
+    assert mesh_dims["0.tok.weight"] == ("dp",) and shapes["0.tok.weight"] == (16, 16)
+    full = sum(p.numel() * 4 for p in net.parameters())
+    stored = session.pull("stored")
+    # Every block matrix is split 4 ways; only biases of row-parallel layers and LayerNorms
+    # (replicated over tp) and the non-block layers (split 2 ways) keep more than a quarter.
+    assert all(full / 4 <= s < 0.4 * full for s in stored), (stored, full)
+
+
+def test_build_mesh_names_the_world_size_it_was_made_for(session):
+    with pytest.raises(RankError, match=r"made for world size 8, but the process group has 4"):
+        session.run(
+            "from nbdist.strategies.mesh import ParallelDims\n"
+            "ParallelDims(8, dp=2, tp=2, pp=2).build_mesh()",
+            sink=ListSink(),
+        )
+
+
+def test_3d_data_tensor_pipeline_on_eight_ranks_trains_like_one_process():
+    """dp 2 × tp 2 × pp 2: each stage is 2D-parallel, stages pass activations (1F1B)."""
+    with nbdist.DistSession(8, cpu=True, timeout=180) as s:
+        s.run(
+            COMMON
+            + f"""
+from nbdist.strategies.fsdp import full_state_dict
+from nbdist.strategies.mesh import ParallelDims, apply_fsdp_tp_pp
+dims = ParallelDims(world_size, dp=2, tp=2, pp=2)
+dims.check_model(n_heads=4, hidden=16, n_layers=5, batch=8, n_microbatches=2)
+mesh = dims.build_mesh()
+c = dims.coordinates(rank)
+stage, schedule = apply_fsdp_tp_pp(make_gpt(), mesh, blocks=Block, colwise=COLWISE,
+                                   rowwise=ROWWISE, n_microbatches=2, loss_fn=lm_loss)
+X, Y = make_tokens()
+opt = torch.optim.SGD(stage.submod.parameters(), lr={LR})
+losses = []
+for _ in range({STEPS}):
+    opt.zero_grad()
+    micro = []
+    if stage.is_first:
+        schedule.step(X[c["dp"]::2])
+    else:
+        schedule.step(target=Y[c["dp"]::2], losses=micro)
+        losses.append(torch.stack(micro).mean().item())
+    opt.step()
+state = full_state_dict(stage.submod)
+""",
+            sink=ListSink(),
+        )
+        states, losses = s.pull("state"), s.pull("losses")
+    net, want_losses = _reference(dp=2)
+    parts = split_sequential(net, 2)
+    dims = ParallelDims(8, dp=2, tp=2, pp=2)
+    for r, (state, got) in enumerate(zip(states, losses)):
+        c = dims.coordinates(r)
+        _assert_same(state, parts[c["pp"]], f"rank {r} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})")
+        if c["pp"] == 0:
+            assert got == []  # only the last stage computes the loss
+        else:
+            want = torch.tensor([step[c["dp"]] for step in want_losses])
+            torch.testing.assert_close(torch.tensor(got), want)
