@@ -25,7 +25,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Checkpointed", "SavedBytes", "apply_ac", "find_blocks", "saved_activation_bytes"]
+__all__ = [
+    "Checkpointed",
+    "SavedBytes",
+    "apply_ac",
+    "find_blocks",
+    "local_tensors",
+    "saved_activation_bytes",
+]
 
 
 class Checkpointed(nn.Module):
@@ -122,6 +129,21 @@ def apply_ac(model: nn.Module, *, blocks, every: int = 1) -> nn.Module:
     return model
 
 
+def local_tensors(t: torch.Tensor):
+    """The tensors that own ``t``'s memory on this rank: ``t`` itself, or for a DTensor (or
+    another wrapper subclass, which owns no storage) its inner local tensors."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if hasattr(inner, "untyped_storage"):
+                yield from local_tensors(inner)
+    else:
+        yield t
+
+
 class SavedBytes:
     """What :func:`saved_activation_bytes` counted: ``bytes`` and ``tensors`` (distinct storages)."""
 
@@ -133,18 +155,20 @@ class SavedBytes:
 
     def exclude(self, t: torch.Tensor) -> None:
         """Never count ``t``'s storage (a parameter: saved by autograd, but not an activation)."""
-        self._seen.add(t.untyped_storage().data_ptr())
+        for local in local_tensors(t):
+            self._seen.add(local.untyped_storage().data_ptr())
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """The saved-tensor hook: count ``t``'s storage once, keep ``t`` as it is."""
-        storage = t.untyped_storage()
-        # Saved tensors stay alive until backward, so a storage pointer is not reused
-        # meanwhile; counting storages once avoids counting a weight saved by two ops twice.
-        key = storage.data_ptr()
-        if key not in self._seen:
-            self._seen.add(key)
-            self.bytes += storage.nbytes()
-            self.tensors += 1
+        for local in local_tensors(t):
+            storage = local.untyped_storage()
+            # Saved tensors stay alive until backward, so a storage pointer is not reused
+            # meanwhile; counting storages once avoids counting a weight saved by two ops twice.
+            key = storage.data_ptr()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+                self.tensors += 1
         return t
 
     def __repr__(self) -> str:
@@ -154,6 +178,8 @@ class SavedBytes:
 
 class saved_activation_bytes:  # noqa: N801 - used as a context manager, like torch.no_grad
     """Count the bytes autograd saves for backward inside the block (on any device).
+
+    A DTensor (tensor, sequence parallel) counts by its local shard: what this rank holds.
 
     Parameters saved by the ops count too, when they are saved; pass
     ``exclude=model.parameters()`` to leave them out and see activations alone.

@@ -33,6 +33,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from nbdist.strategies.checkpointing import saved_activation_bytes
+
 __all__ = ["apply_sequence_parallel", "saved_local_bytes"]
 
 
@@ -157,57 +159,14 @@ def apply_sequence_parallel(
     return model
 
 
-class saved_local_bytes:  # noqa: N801 - used as a context manager, like torch.no_grad
+class saved_local_bytes(saved_activation_bytes):  # noqa: N801 - a context manager
     """Bytes autograd saves for backward inside the block on this rank, DTensors by their local shard.
 
-    Like :func:`~nbdist.strategies.checkpointing.saved_activation_bytes`, for
-    models whose tensors are DTensors (tensor and sequence parallel): a
-    DTensor counts the storage of its local shard. ``exclude``: tensors not to
-    count (``model.parameters()``, to see activations alone).
-
-    Example::
+    The same as :func:`~nbdist.strategies.checkpointing.saved_activation_bytes`
+    (which counts DTensors by their local shard too), under the name this
+    module's examples use. Example::
 
         with saved_local_bytes(exclude=model.parameters()) as saved:
             loss = loss_fn(model(x), y)
         saved.bytes
     """
-
-    def __init__(self, exclude: Iterable = ()) -> None:
-        """Count what autograd saves inside the block, leaving out ``exclude``."""
-        import torch
-
-        from nbdist.strategies.checkpointing import SavedBytes
-
-        self.result = SavedBytes()
-        for t in exclude:
-            for local in _locals(t):
-                self.result.exclude(local)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t):
-        for local in _locals(t):
-            self.result.pack(local)
-        return t
-
-    def __enter__(self):
-        """Start counting; the ``SavedBytes`` fills in as the forward runs."""
-        self._hooks.__enter__()
-        return self.result
-
-    def __exit__(self, *exc) -> None:
-        """Stop counting."""
-        self._hooks.__exit__(*exc)
-
-
-def _locals(t):
-    # A DTensor (or another wrapper subclass) owns no storage: its inner tensors do.
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            inner = getattr(t, name)
-            if hasattr(inner, "untyped_storage"):
-                yield from _locals(inner)
-    else:
-        yield t
