@@ -253,8 +253,10 @@ def log(step: int | None = None, **scalars) -> None:
             if peak is not None and not (peak > 0 and math.isfinite(peak)):
                 peak = None
         for key, value in scalars.items():
-            if not isinstance(value, (int, float)) and hasattr(value, "detach"):
-                scalars[key] = value.detach()  # no sync; frees the autograd graph now
+            # No sync; frees the autograd graph now. A tensor outside autograd is kept as
+            # it is: detach() would share its storage all the same, for ~2 us a call.
+            if not isinstance(value, (int, float)) and getattr(value, "requires_grad", False):
+                scalars[key] = value.detach()
         if "data_time" in scalars:
             data = "data_time"  # resolved at flush: it may be a tensor
         with channel.lock:
