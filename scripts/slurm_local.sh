@@ -168,8 +168,10 @@ start() {
   for _ in $(seq 150); do
     if sinfo -h -o '%t' 2>/dev/null | grep -qx 'idle'; then
       log "node $NODE idle: $(nproc) CPUs, partition debug, account local"
-      [[ -n "${SLURM_CONF:-}" ]] && log "clients need: export SLURM_CONF=$CONF"
-      return
+      if [[ -n "${SLURM_CONF:-}" ]]; then
+        log "clients need: export SLURM_CONF=$CONF"
+      fi
+      return 0
     fi
     sleep 0.2
   done
