@@ -48,6 +48,11 @@ __all__ = [
 _counter = itertools.count()
 # Where a heartbeat of 100 ms stays reliable under full CPU load (30 ms missed beats).
 _HEARTBEAT_MS = 100
+# Beats an engine may miss before the controller drops it: 3 s. ipyparallel's 10 (1 s at
+# this period) dropped a live rank of a training notebook on a 2-core machine under load
+# (load average ~8). A local rank's death is seen at once by its pidfd (driver/faults.py);
+# only ranks on other hosts wait for this, and 3 s keeps them named within 5 s.
+_HEARTBEAT_MISSES = 30
 
 
 @dataclass
@@ -145,7 +150,10 @@ def start_local(
             n=n,
             cluster_id=f"nbdist-{os.getpid()}-{next(_counter)}",
             controller_ip=ip,
-            controller_args=[f"--HeartMonitor.period={_HEARTBEAT_MS}"],
+            controller_args=[
+                f"--HeartMonitor.period={_HEARTBEAT_MS}",
+                f"--HeartMonitor.max_heartmonitor_misses={_HEARTBEAT_MISSES}",
+            ],
             delay=0,
             # Engines on other hosts (a batch job) cannot read this machine's private
             # profile dir: they get the connection info in their environment (the
