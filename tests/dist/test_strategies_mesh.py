@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+# Defined on the ranks and in this process alike, so both build the same model.
+# pytest puts this test directory on sys.path (no __init__.py here).
+from tiny_transformer import TRANSFORMER_BLOCKS
 from torch import nn
 
 import nbdist
@@ -23,39 +27,9 @@ from nbdist.errors import RankError
 from nbdist.strategies.mesh import ParallelDims
 from nbdist.strategies.pipeline import split_sequential
 
-# Defined on the ranks and in this process alike, so both build the same model.
-COMMON = """
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-class Attention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.hd = d // heads
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-    def forward(self, x):
-        B, T, _ = x.shape
-        # -1 heads: under tensor parallel each rank holds heads / tp of them.
-        q, k, v = (l(x).view(B, T, -1, self.hd).transpose(1, 2) for l in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, -1))
-
-class MLP(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-    def forward(self, x):
-        return self.down(F.gelu(self.up(x)))
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(d), Attention(d, heads)
-        self.norm2, self.mlp = nn.LayerNorm(d), MLP(d)
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+COMMON = (
+    TRANSFORMER_BLOCKS
+    + """
 
 class Embed(nn.Module):
     def __init__(self, vocab, d, t):
@@ -79,6 +53,7 @@ def lm_loss(logits, y):
 
 COLWISE, ROWWISE = ["attn.q", "attn.k", "attn.v", "mlp.up"], ["attn.o", "mlp.down"]
 """
+)
 exec(COMMON)  # noqa: S102 - the same definitions as on the ranks
 STEPS, LR = 3, 0.1
 
