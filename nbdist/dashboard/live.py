@@ -33,7 +33,7 @@ from nbdist.dashboard.model import DEFAULT_BUDGET, DashboardModel
 from nbdist.dashboard.palette import rank_colours
 from nbdist.dashboard.text import summary_text
 from nbdist.dashboard.widget import plotly_version, widget_class
-from nbdist.rank_states import BUSY, DEAD
+from nbdist.rank_states import BUSY
 
 __all__ = ["LiveDashboard", "cell_watcher", "close_all", "show_run"]
 
@@ -166,8 +166,10 @@ class LiveDashboard(DashboardModel):
         self._published = self._shown()
 
     def _shown(self) -> tuple:
-        # What the text summary depends on, bar the "last seen" ages: the points and the dead ranks.
-        return (self.run.version, sorted(r for r, s in self._states.items() if s == DEAD))
+        # What the text summary depends on, bar the "last seen" ages: the points and the rank
+        # states. A short cell's points can all arrive before its dashboard is first shown,
+        # with its ranks still "busy": the states alone must then bring the update to "idle".
+        return (self.run.version, sorted(self._states.items()))
 
     def _after_cell(self, result=None) -> None:
         self.refresh_states()

@@ -47,7 +47,7 @@ from nbdist.dashboard.table import (
 )
 from nbdist.dashboard.tail import read_tail
 from nbdist.dashboard.traces import TOTAL_BIN_S, Aligned, Trace, elapsed, merge, wire
-from nbdist.rank_states import BUSY, DEAD
+from nbdist.rank_states import DEAD
 
 __all__ = ["DEFAULT_BUDGET", "GPU_PANELS", "DashboardModel", "read_tail"]
 
@@ -281,9 +281,9 @@ class DashboardModel:
     def _update_table(self, now: float) -> dict | None:
         states = self._states
         if now - self._states_at > STATES_FRESH_S:
-            # "busy" read a while ago (a --noblock cell that may have ended since) no longer
-            # says anything: logging recency decides; "dead" stays dead.
-            states = {r: s for r, s in states.items() if s != BUSY}
+            # "busy" or "idle" read a while ago (a --noblock cell may have started or ended
+            # since) no longer says anything: logging recency decides; "dead" stays dead.
+            states = {r: s for r, s in states.items() if s == DEAD}
         rows = build_rows(self.run, self._step_times, self._history, states, now=now)
         self._rows = rows
         keys = self.run.keys()

@@ -8,9 +8,10 @@ has TFLOP/s and MFU columns (:mod:`nbdist.metrics.flops`); others have none.
 Shared by the live widget and the text summary; pure Python, no widgets.
 
 States are :mod:`nbdist.rank_states`'s: ``dead`` when the ``states`` callable
-says so (the session knows which engines died), else ``busy`` when it says so
-(running a cell) or when the rank logged a point in the last ``IDLE_AFTER_S``
-seconds, else ``idle``. A dead rank is never flagged as a straggler.
+says so (the session knows which engines died); else what it says (``busy``
+running a cell, ``idle`` between cells, as ``%dist_status`` shows); without the
+session's word (a past run), ``busy`` when the rank logged a point in the last
+``IDLE_AFTER_S`` seconds of a run that has not ended, else ``idle``. A dead rank is never flagged as a straggler.
 
 A rank is a straggler when its recent median step time is more than
 ``ratio`` (1.3) times the median of the other ranks' recent medians, or when it
@@ -248,12 +249,13 @@ def build_rows(
             row.gpu = {k: last[k] for k in GPU_KEYS if k in last} or None
             recent = recent_step_times.get(rank)
             row.step_time = statistics.median(recent) if recent else last.get("step_time")
-            row.state = BUSY if now - row.seen < IDLE_AFTER_S else IDLE
+            recent = now - row.seen < IDLE_AFTER_S and getattr(run, "ended", None) is None
+            row.state = BUSY if recent else IDLE
         if states.get(rank) == DEAD:
             row.state = DEAD  # behind because it is dead: not flagged as a straggler
         else:
-            if states.get(rank) == BUSY:  # running a cell (as %dist_status says), logging or not
-                row.state = BUSY
+            if states.get(rank) in (BUSY, IDLE):  # the session's word (as %dist_status says)
+                row.state = states[rank]
             row.straggler = flagged.get(rank, "")
         rows.append(row)
     return rows

@@ -71,6 +71,8 @@ def _title(run) -> str:
         parts.append(run.label)
     count = run.count()
     parts.append(f"{count:,} points" if count else "no points yet")
+    if getattr(run, "ended", None) is not None:
+        parts.append("finished")  # the sidebar's word for a run whose session stopped
     return " · ".join(parts)
 
 

@@ -95,6 +95,8 @@ class MetricsHub:
             return
         self.closed = True
         self.collector.stop()
+        if self.run.ended is None:  # the live views say "ended", as the history will
+            self.run.ended = time.time()
         if self.store is not None:
             self.store.end_run(self.run.id)
             self.store.close()

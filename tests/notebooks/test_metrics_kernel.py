@@ -95,3 +95,6 @@ def test_a_notebook_without_widgets_shows_the_final_summary(tmp_path):
     text = widget["data"]["text/plain"]
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert [row[:2] for row in rows] == [["0", "199"], ["1", "199"]], text
+    # As %dist_status says after the cell (idle), and the run is over after %dist_stop.
+    assert [row[-1] for row in rows] == ["idle", "idle"], text
+    assert text.splitlines()[0].endswith(" · finished"), text

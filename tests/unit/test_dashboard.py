@@ -369,6 +369,21 @@ def test_states_running_idle_and_dead():
     assert text.splitlines()[4].split()[-1] == "dead"
 
 
+def test_the_sessions_idle_wins_over_a_point_just_logged():
+    # A short cell: its last point came 0.1 s ago, but the cell is over (%dist_status: idle).
+    run = Run(1, world_size=2, started=T0)
+    run.add(0, [_point(0, T0 + 9.9, 1.0)])
+    run.add(1, [_point(0, T0 + 9.9, 1.0)])
+    assert [r.state for r in rank_rows(run, now=T0 + 10.0)] == ["busy", "busy"]  # no word
+    assert [r.state for r in rank_rows(run, {0: "idle", 1: "busy"}, now=T0 + 10.0)] == [
+        "idle",
+        "busy",
+    ]
+    run.ended = T0 + 9.95  # the session stopped: nothing runs, however recent the points
+    assert [r.state for r in rank_rows(run, now=T0 + 10.0)] == ["idle", "idle"]
+    assert summary_text(run, now=T0 + 10.0).splitlines()[0].endswith(" · finished")
+
+
 def test_text_summary_has_a_row_per_rank_and_a_line_per_series():
     run = Run(3, world_size=2, backend="gloo", started=T0)
     run.add(0, [_point(s, T0 + s, loss) for s, loss in enumerate([4.0, 2.0, 1.0])])
