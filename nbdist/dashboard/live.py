@@ -31,9 +31,10 @@ from collections.abc import Callable, Mapping
 
 from nbdist.dashboard.model import DEFAULT_BUDGET, DashboardModel
 from nbdist.dashboard.palette import rank_colours
+from nbdist.dashboard.table import rank_rows
 from nbdist.dashboard.text import summary_text
 from nbdist.dashboard.widget import plotly_version, widget_class
-from nbdist.rank_states import BUSY
+from nbdist.rank_states import BUSY, DEAD
 
 __all__ = ["LiveDashboard", "cell_watcher", "close_all", "show_run"]
 
@@ -166,10 +167,11 @@ class LiveDashboard(DashboardModel):
         self._published = self._shown()
 
     def _shown(self) -> tuple:
-        # What the text summary depends on, bar the "last seen" ages: the points and the rank
-        # states. A short cell's points can all arrive before its dashboard is first shown,
-        # with its ranks still "busy": the states alone must then bring the update to "idle".
-        return (self.run.version, sorted(self._states.items()))
+        # What the text summary depends on, bar the "last seen" ages: the points, the dead
+        # ranks, the run's end; and whether it shows a rank busy.
+        dead = sorted(r for r, s in self._states.items() if s == DEAD)
+        busy = any(row.state == BUSY for row in rank_rows(self.run, self._states))
+        return (self.run.version, dead, self.run.ended is not None), busy
 
     def _after_cell(self, result=None) -> None:
         self.refresh_states()
@@ -177,9 +179,12 @@ class LiveDashboard(DashboardModel):
         if handle is None or self.widget is None or self._stop.is_set():
             return
         shown = self._shown()
-        if shown == self._published:
-            # Nothing the summary shows changed (a cell that did not log): no update. Each
-            # update makes the browser build the widget's view anew.
+        (facts, busy), (published, published_busy) = shown, self._published
+        if facts == published and (busy or not published_busy):
+            # Nothing the summary shows changed (a cell that did not log), or only a rank
+            # turned busy (a --noblock cell): no update. Each update makes the browser build
+            # the widget's view anew. A short cell's points can all arrive before its
+            # dashboard is first shown, ranks still busy: that turning idle is an update.
             return
         self._published = shown
         # Re-publish the same widget so the saved text/plain (what nbconvert and
