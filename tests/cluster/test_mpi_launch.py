@@ -75,3 +75,20 @@ def test_an_unreachable_host_is_mpiexecs_error_and_nothing_is_left():
     assert "mpiexec exited" in message
     assert "Could not resolve hostname" in message  # ssh's words, through mpiexec
     assert not session.running
+
+
+@pytest.mark.skipif(_address() is None, reason="this machine has no non-loopback IPv4")
+def test_a_refused_login_is_mpiexecs_error_and_nothing_is_left(sshd):
+    # mpiexec reaches other hosts over ssh: a host whose sshd never authorized our key.
+    config = sshd.client_config("stranger", sshd.other_key)
+    session = _session(
+        ip=_address(),
+        hosts="stranger:2",
+        mpi_args=f"{AS_ROOT}--oversubscribe --mca plm_rsh_args '-F {config}'",
+    )
+    with pytest.raises(NbdistError) as info:
+        session.start()
+    message = str(info.value)
+    assert "mpiexec exited" in message
+    assert "Permission denied" in message  # ssh's words, through mpiexec
+    assert not session.running
