@@ -20,6 +20,10 @@ The goal (<= 1.2 x floor b) is checked against b+exit: the goal's own reference
 figures (floor b 2.2 s, a fork-after-import launcher 2.5 s = 1.12 x) timed whole
 processes, exit included. The ratio to the stricter floor b is printed as well.
 
+The debugging loop's goal (<= 1.3 x floor a) is printed too: floor (a) is the same
+work as n ranks importing torch each, so it grows with n / cores on a machine with
+fewer cores than ranks, where a zygote that imports once gains.
+
 Reference row: the same with ``start_method="spawn"`` (separate engine processes).
 Every repetition measures all variants back to back (interleaved), and each figure
 is the median over repetitions, so a busy machine slows all of them alike.
@@ -58,6 +62,7 @@ from _common import (  # noqa: E402
 )
 
 GOAL_VS_FORK_FLOOR = 1.2
+GOAL_VS_PARALLEL_IMPORTS = 1.3
 GOAL_RESTART_VS_START = 0.5
 
 # os._exit: a process that imported torch spends ~0.8 s (2 cores) in interpreter
@@ -376,6 +381,17 @@ def _main(argv=None) -> int:
             f"restart <= {GOAL_RESTART_VS_START}x start (same session, median of ratios): "
             + ("met" if restart_ok else "not met")
         )
+    # The debugging loop's goal: start-to-ready <= 1.3x n bare `python -c "import torch"` in
+    # parallel (floor a). On fewer cores than ranks floor (a) pays the import n / cores
+    # times over while the zygote imports once, so (a) is easy there and hard at n <= cores.
+    loop_ok = all(r["ratio_a"] <= GOAL_VS_PARALLEL_IMPORTS for r in fork_rows)
+    print(
+        f"nbdist (fork) <= {GOAL_VS_PARALLEL_IMPORTS}x floor (a), n parallel imports: "
+        + ("met" if loop_ok else "not met")
+        + " ("
+        + ", ".join(f"n={r['n']} {r['ratio_a']:.2f}x" for r in fork_rows)
+        + ")"
+    )
     # The goal's own figures (floor b 2.2 s, the zygote 2.5 s = 1.12x) timed whole
     # processes, exit included: that is b+exit here. Also said: against the stricter
     # floor that stops at the reap.
