@@ -61,6 +61,9 @@ class DistMagics(Magics):
     @argument("--ip", default="127.0.0.1", help="controller address (default loopback only)")
     @argument("--spawn", action="store_true", help="start engines as separate processes, no fork")
     @argument(
+        "--name", default=None, help="a name: the session outlives the kernel (%%dist_attach NAME)"
+    )
+    @argument(
         "--check", action="store_true", help="time each rank's link to rank 0 (seconds at most)"
     )
     @argument("--partition", default=None, help="--launcher slurm: the partition (queue)")
@@ -89,6 +92,7 @@ class DistMagics(Magics):
             %dist_start 16 --launcher slurm --ip 10.1.0.5 --partition gpu --time 01:00:00 \
                 --launch-opt gpus_per_node=8
             %dist_start --launcher ssh --ip 10.1.0.5 --hosts node1:4,node2:4
+            %dist_start 4 --name train1   # outlives the kernel: %dist_attach train1 from another
 
         More ranks than GPUs share them round robin, over NCCL >= 2.30 (nbdist sets
         NCCL_MULTI_RANK_GPU_ENABLE=1) or else gloo, which stops a strategy it cannot serve.
@@ -103,6 +107,13 @@ class DistMagics(Magics):
             )
         from nbdist.driver.session import DistSession
 
+        make = DistSession
+        if args.name is not None:
+            from functools import partial
+
+            from nbdist.driver.named import NamedSession
+
+            make = partial(NamedSession, name=args.name)
         try:
             n = parse_count(args.n, "number of ranks", "4") if args.n is not None else None
             threads = None
@@ -113,7 +124,7 @@ class DistMagics(Magics):
             for name in ("partition", "time", "account", "hosts"):
                 if getattr(args, name) is not None:
                     launch_options[name] = getattr(args, name)
-            session = DistSession(
+            session = make(
                 n,
                 backend=args.backend,
                 cpu=args.cpu,
@@ -145,12 +156,15 @@ class DistMagics(Magics):
     def dist_stop(self, line=""):
         """Stop the ranks (and the controller) nbdist started; nothing is left running.
 
-        Example::
+        With a name: end that named session, wherever it was started. Examples::
 
             %dist_stop
+            %dist_stop train1
         """
         if line.strip():
-            raise UsageError(f"%dist_stop takes no arguments, got {line.strip()!r}")
+            from nbdist.named_magics import stop_named_session
+
+            return stop_named_session(self, line.strip())
         if self.session is None or not self.session.running:
             print("nbdist: no cluster running")
             return
@@ -367,11 +381,12 @@ def register(ipython) -> DistMagics:
     """Register nbdist's magics on ``ipython`` (what ``%load_ext nbdist`` does); returns them."""
     from nbdist.debug_magics import DebugMagics
     from nbdist.inspect_magics import InspectMagics
+    from nbdist.named_magics import NamedMagics
     from nbdist.perf_magics import PerfMagics
     from nbdist.script_magics import ScriptMagics
 
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
-    for more in (ScriptMagics, DebugMagics, InspectMagics, PerfMagics):
+    for more in (ScriptMagics, DebugMagics, InspectMagics, PerfMagics, NamedMagics):
         ipython.register_magics(more(ipython, magics))
     return magics

@@ -15,6 +15,7 @@ import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { ClusterModel, IRunRecord } from './api';
+import { NamedSessionsView } from './named';
 import { ClusterPanel } from './panel';
 import { runChartWidget } from './runchart';
 import { StatusItem } from './status';
@@ -56,6 +57,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     };
     const panel = new ClusterPanel(model, app.serviceManager, openRun);
     panel.title.icon = nbdistIcon;
+    // Named sessions outlive their kernel: listed with Attach (into the active notebook) and Stop.
+    panel.addSection(new NamedSessionsView(notebooks).node);
 
     // JupyterLab: a tab of the left sidebar. Notebook 7 has a collapsible left panel in its
     // own shell (no ILabShell); a shell with no left area at all gets the panel in the

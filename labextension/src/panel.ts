@@ -68,6 +68,11 @@ export class ClusterPanel extends Widget {
     this._render();
   }
 
+  /** Add another section (e.g. the named sessions) above the past runs. */
+  addSection(node: HTMLElement): void {
+    this.node.insertBefore(node, this._runs.previousSibling);
+  }
+
   protected onResize(msg: Widget.ResizeMessage): void {
     super.onResize(msg);
     this._render(); // the charts take the new width now, not at the next poll

@@ -2,7 +2,8 @@
 
 :meth:`nbdist.DistSession.start` and ``stop`` report here; ``nbdist.current_session()``
 and ``%unload_ext nbdist`` read it, and so does the kernel's exit: a kernel that
-shuts down or restarts stops every session's processes first.
+shuts down or restarts stops every session's processes first, except a named
+session's (``outlives_kernel``, :mod:`nbdist.driver.named`), which it only detaches from.
 """
 
 from __future__ import annotations
@@ -42,9 +43,15 @@ def current_session():
 
 @atexit.register
 def stop_all() -> None:
-    """Stop every running session of this process (kernel shutdown, ``%unload_ext nbdist``)."""
+    """Stop every running session of this process (kernel shutdown, ``%unload_ext nbdist``).
+
+    Named sessions are detached from, not stopped: they outlive the kernel.
+    """
     for session in list(_live):
         try:
-            session.stop()
+            if getattr(session, "outlives_kernel", False):
+                session.detach()
+            else:
+                session.stop()
         except Exception:
             pass

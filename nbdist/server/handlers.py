@@ -9,6 +9,8 @@ Routes, under the server's base URL::
     GET  nbdist/api/runs                          runs in the history, and which still run
     GET  nbdist/api/runs/<run id>                 one run's series, decimated for a chart
     GET  nbdist/api/palette                       the rank colours every view draws ranks in
+    GET  nbdist/api/sessions                      named sessions (nbdist.server.named)
+    POST nbdist/api/sessions/<name>/stop          end a named session, wherever it runs
 
 The front end polls ``clusters`` about once a second while the sidebar is
 visible and backs off when it is hidden (the dask-labextension/ipyparallel
@@ -35,6 +37,7 @@ from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
 from nbdist.metrics import store
+from nbdist.server import named
 from nbdist.server.live import LiveView
 
 __all__ = ["ACTIONS", "API_PREFIX", "ROUTES", "handlers"]
@@ -92,11 +95,12 @@ class ClusterActionHandler(_Base):
             await _maybe_await(kernel.interrupt_kernel())
             return {"action": "interrupt", "via": "kernel", "pids": []}
         sent = []
+        kept = named.session_pids()  # a named session's ranks are its keeper's, not the kernel's
         for info in entry["ranks"]:
             pid = info["pid"]
-            # Only PIDs the cluster's own kernel started (its descendants): a PID reused by
-            # another process since the entry was written is left alone.
-            if not _descends_from(pid, entry["kernel_pid"]):
+            # Only PIDs the cluster's own kernel started (its descendants), or a named session
+            # recorded (checked by start time): a PID reused by another process is left alone.
+            if not (_descends_from(pid, entry["kernel_pid"]) or pid in kept):
                 continue
             try:
                 os.kill(pid, signal.SIGINT)
@@ -232,6 +236,7 @@ ROUTES = [
     (r"runs", RunsHandler),
     (r"runs/(\d+)", RunHandler),
     (r"palette", PaletteHandler),
+    *named.ROUTES,
 ]
 
 

@@ -170,5 +170,7 @@ def python() -> str:
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: starts real Slurm jobs, mpiexec or an sshd (seconds each; in CI)"
+        "markers",
+        "slow: starts real Slurm jobs, mpiexec, an sshd, or named sessions with real kernels "
+        "(seconds each; in CI)",
     )

@@ -33,6 +33,8 @@ SAMPLE_PATHS = {
     "nbdist/api/runs": "GET",
     "nbdist/api/runs/1": "GET",
     "nbdist/api/palette": "GET",
+    "nbdist/api/sessions": "GET",
+    "nbdist/api/sessions/train1/stop": "POST",
     "nbdist/static/plotly.min.js": "GET",
 }
 
