@@ -26,6 +26,9 @@ noisier momentum, so it may need a few more steps for the same loss.
 DDP (DDP would all-reduce the gradients again). :func:`apply_onebit_adam`
 broadcasts rank 0's parameters and returns the optimizer. ``opt.counter``
 counts the bytes sent (a :class:`~nbdist.strategies.compression.CommCounter`).
+:class:`OneBitOptimizer` holds what the 1-bit optimizers share (the warm-up
+all-reduce, the per-tensor compressed momentum, the byte counter);
+:mod:`nbdist.strategies.onebit_lamb` builds 1-bit LAMB on it.
 
 Example::
 
@@ -47,10 +50,13 @@ from nbdist.strategies.compression import CommCounter
 
 __all__ = [
     "OneBitAdam",
+    "OneBitOptimizer",
     "apply_onebit_adam",
     "compressed_allreduce",
     "onebit_compress",
     "pack_signs",
+    "padded_length",
+    "share_rank0_parameters",
     "unpack_signs",
 ]
 
@@ -133,7 +139,8 @@ def compressed_allreduce(
     if padded % (8 * world) or padded < n or server_error.numel() != chunk:
         raise ValueError(
             f"error buffers of {padded} and {server_error.numel()} numbers do not fit a tensor of "
-            f"{n} on {world} ranks: use {_padded(n, world)} and {_padded(n, world) // world}"
+            f"{n} on {world} ranks: use {padded_length(n, world)} and "
+            f"{padded_length(n, world) // world}"
         )
     flat = torch.zeros(padded, dtype=tensor.dtype, device=tensor.device)
     flat[:n] = tensor.reshape(-1)
@@ -169,12 +176,106 @@ def _gather(output: torch.Tensor, mine: torch.Tensor, group=None) -> None:
     gather(output, mine, group=group)
 
 
-def _padded(n: int, world: int) -> int:
+def padded_length(n: int, world: int) -> int:
+    """Length of the error buffer for ``n`` numbers on ``world`` ranks: a multiple of ``8 world``.
+
+    Example::
+
+        padded_length(50, 2)   # 64; the server error buffer is 64 // 2 = 32
+    """
     step = 8 * world
     return max(step, -(-n // step) * step)
 
 
-class OneBitAdam(torch.optim.Optimizer):
+class OneBitOptimizer(torch.optim.Optimizer):
+    """Base of the 1-bit optimizers: warm-up all-reduce, compressed momentum, bytes counted.
+
+    A subclass's ``step`` calls :meth:`begin_step` for the parameters and the
+    gradients to use (averaged over the ranks during the warm-up, this rank's
+    own after it) and :meth:`average_momentum` for each momentum once the
+    warm-up is over. Keeps ``freeze_step``, ``steps`` (taken so far),
+    ``counter`` (bytes sent) and ``process_group``.
+
+    Example::
+
+        pairs, grads, warmup = self.begin_step()   # in a subclass's step
+    """
+
+    def __init__(
+        self, params, defaults: dict, *, freeze_step: int, group=None, counter=None, name: str
+    ) -> None:
+        """Check ``freeze_step``, ``defaults["betas"]`` and the process group; ``name`` is for errors."""
+        if freeze_step < 1:
+            raise ValueError(
+                f"freeze_step={freeze_step}: the variance needs at least one warm-up step "
+                "before it is frozen; use 10-25 % of the training steps"
+            )
+        betas = defaults["betas"]
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"betas={betas}: each must be in [0, 1)")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"{name} needs a process group: run it on the ranks (%%on_all_ranks) "
+                "or call torch.distributed.init_process_group first"
+            )
+        super().__init__(params, defaults)
+        self.freeze_step = freeze_step
+        self.process_group = group
+        self.counter = counter if counter is not None else CommCounter()
+        self.steps = 0
+        self._world = dist.get_world_size(group)
+
+    @property
+    def compressing(self) -> bool:
+        """True once the warm-up is over: the next steps send 1-bit momentum."""
+        return self.steps >= self.freeze_step
+
+    def begin_step(self) -> tuple[list, list[torch.Tensor], bool]:
+        """Count the step; return ``(pairs, grads, warmup)``: (parameter, its group) pairs,
+        their gradients, and whether this step is a warm-up step.
+
+        Warm-up gradients are averaged over the ranks (one fp32 all-reduce of
+        all of them, as DDP would do, counted); afterwards they are this
+        rank's own. A missing gradient counts as zero, so the ranks' calls match.
+        """
+        pairs = [(p, g) for g in self.param_groups for p in g["params"]]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p, _ in pairs]
+        self.steps += 1
+        warmup = self.steps <= self.freeze_step
+        if warmup:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.process_group)
+            flat.div_(self._world)
+            self.counter.add(flat.numel() * flat.element_size())
+            grads = [
+                g.view(p.shape)
+                for g, (p, _) in zip(torch.split(flat, [p.numel() for p, _ in pairs]), pairs)
+            ]
+        return pairs, grads, warmup
+
+    def average_momentum(self, p: torch.Tensor, exp_avg: torch.Tensor) -> None:
+        """Average ``p``'s momentum over the ranks at one bit per number, in place.
+
+        Each tensor on its own (its own scales), with its error buffers kept in
+        ``self.state[p]`` (``worker_error``, ``server_error``).
+        """
+        state = self.state[p]
+        if "worker_error" not in state:
+            padded = padded_length(p.numel(), self._world)
+            state["worker_error"] = torch.zeros(padded, dtype=p.dtype, device=p.device)
+            state["server_error"] = torch.zeros(
+                padded // self._world, dtype=p.dtype, device=p.device
+            )
+        compressed_allreduce(
+            exp_avg,
+            state["worker_error"],
+            state["server_error"],
+            group=self.process_group,
+            counter=self.counter,
+        )
+
+
+class OneBitAdam(OneBitOptimizer):
     """Adam for ``freeze_step`` steps, then frozen variance and 1-bit compressed momentum.
 
     ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled, as AdamW) as in
@@ -204,30 +305,15 @@ class OneBitAdam(torch.optim.Optimizer):
         counter: CommCounter | None = None,
     ) -> None:
         """See the class docstring; ``group``: the process group (default: all ranks)."""
-        if freeze_step < 1:
-            raise ValueError(
-                f"freeze_step={freeze_step}: Adam's variance needs at least one warm-up step "
-                "before it is frozen; use 10-25 % of the training steps"
-            )
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"betas={betas}: each must be in [0, 1)")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "OneBitAdam needs a process group: run it on the ranks (%%on_all_ranks) "
-                "or call torch.distributed.init_process_group first"
-            )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
-        self.freeze_step = freeze_step
-        self.process_group = group
-        self.counter = counter if counter is not None else CommCounter()
-        self.steps = 0
-        self._world = dist.get_world_size(group)
-
-    @property
-    def compressing(self) -> bool:
-        """True once the warm-up is over: the next steps send 1-bit momentum."""
-        return self.steps >= self.freeze_step
+        super().__init__(
+            params,
+            defaults,
+            freeze_step=freeze_step,
+            group=group,
+            counter=counter,
+            name="OneBitAdam",
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -236,19 +322,7 @@ class OneBitAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pairs = [(p, g) for g in self.param_groups for p in g["params"]]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p, _ in pairs]
-        self.steps += 1
-        warmup = self.steps <= self.freeze_step
-        if warmup:  # one all-reduce of all gradients, as DDP would do
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.process_group)
-            flat.div_(self._world)
-            self.counter.add(flat.numel() * flat.element_size())
-            grads = [
-                g.view(p.shape)
-                for g, (p, _) in zip(torch.split(flat, [p.numel() for p, _ in pairs]), pairs)
-            ]
+        pairs, grads, warmup = self.begin_step()
         variance_steps = min(self.steps, self.freeze_step)
         for (p, group), grad in zip(pairs, grads):
             state = self.state[p]
@@ -262,25 +336,35 @@ class OneBitAdam(torch.optim.Optimizer):
             if warmup:
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             else:
-                if "worker_error" not in state:
-                    padded = _padded(p.numel(), self._world)
-                    state["worker_error"] = torch.zeros(padded, dtype=p.dtype, device=p.device)
-                    state["server_error"] = torch.zeros(
-                        padded // self._world, dtype=p.dtype, device=p.device
-                    )
-                compressed_allreduce(
-                    exp_avg,
-                    state["worker_error"],
-                    state["server_error"],
-                    group=self.process_group,
-                    counter=self.counter,
-                )
+                self.average_momentum(p, exp_avg)
             step_size = group["lr"] / (1 - beta1**self.steps)
             denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**variance_steps)).add_(group["eps"])
             if group["weight_decay"]:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
             p.addcdiv_(exp_avg, denom, value=-step_size)
         return loss
+
+
+def share_rank0_parameters(model: nn.Module, *, group=None, caller: str) -> None:
+    """Copy rank 0's parameters and buffers to every rank; refuse a DDP-wrapped ``model``.
+
+    The 1-bit optimizers average across ranks themselves: under DDP the
+    gradients would be all-reduced twice. ``caller`` names the function in the error.
+
+    Example::
+
+        share_rank0_parameters(model, caller="apply_onebit_adam")
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"{caller} got a DistributedDataParallel model: DDP would all-reduce the "
+            "gradients that the 1-bit optimizer compresses; pass the plain module (model.module)"
+        )
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, root, group=group)
 
 
 def apply_onebit_adam(
@@ -301,23 +385,9 @@ def apply_onebit_adam(
 
         opt = apply_onebit_adam(model, lr=1e-3, freeze_step=50)
     """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel):
-        raise TypeError(
-            "apply_onebit_adam got a DistributedDataParallel model: DDP would all-reduce the "
-            "gradients that 1-bit Adam compresses; pass the plain module (model.module)"
-        )
     opt = OneBitAdam(
-        model.parameters(),
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        freeze_step=freeze_step,
-        group=group,
-    )
-    root = dist.get_global_rank(group, 0) if group is not None else 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.data, root, group=group)
+        model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        freeze_step=freeze_step, group=group,
+    )  # fmt: skip
+    share_rank0_parameters(model, group=group, caller="apply_onebit_adam")
     return opt
