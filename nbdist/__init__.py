@@ -43,6 +43,7 @@ __all__ = [
     "NbdistError",
     "PlacementError",
     "RankError",
+    "autoplan",
     "checkpoint",
     "current_session",
     "data_timer",
@@ -67,9 +68,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``DistSession``, ``current_session`` and ``diff``, imported when first used.
+    """``DistSession``, ``current_session``, ``diff`` and ``autoplan``, imported when first used.
 
-    The kernel-side API pulls in ipyparallel; ranks never need it.
+    The kernel-side API pulls in ipyparallel; ranks never need it. ``autoplan`` (rank
+    side) builds on most strategies: a rank that never plans does not import them.
     """
     if name == "DistSession":
         from nbdist.driver.session import DistSession
@@ -83,6 +85,10 @@ def __getattr__(name: str):
         from nbdist.driver.diff import diff
 
         return diff
+    if name == "autoplan":
+        from nbdist.strategies.autoplan import autoplan
+
+        return autoplan
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
 
 

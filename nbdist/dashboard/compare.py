@@ -1,21 +1,23 @@
-"""Kernel side: the rows of ``nbdist.strategies.compare.compare`` as a table and a chart.
+"""Kernel side: the rows of ``nbdist.strategies.compare.compare`` as a table and a chart, and
+``autoplan``'s ranked plans as a table.
 
-``compare`` runs on the ranks; its rows come back to the notebook
-(``%dist_pull rows --rank 0``) and are shown here: pandas for the table,
-plotly for the chart (imported when called, never on the ranks).
+``compare`` and ``autoplan`` run on the ranks; their rows come back to the
+notebook (``%dist_pull rows --rank 0``) and are shown here: pandas for the
+tables, plotly for the chart (imported when called, never on the ranks).
 
 Example::
 
     rows = %dist_pull rows --rank 0
-    from nbdist.dashboard.compare import chart, table
+    from nbdist.dashboard.compare import chart, plans_table, table
     table(rows); chart(rows)
+    plans_table(%dist_pull plan.table --rank 0)
 """
 
 from __future__ import annotations
 
 from nbdist.dashboard.palette import rank_colour
 
-__all__ = ["ALL_RANKS", "chart", "table"]
+__all__ = ["ALL_RANKS", "chart", "plans_table", "table"]
 
 ALL_RANKS = "#5f6b7a"  # the bar of all ranks together: a slate grey, unlike any rank's colour
 
@@ -31,8 +33,10 @@ def table(rows: list[dict]):
 
     records = []
     for row in rows:
-        record = {
-            "strategy": row["strategy"],
+        record = {"strategy": row["strategy"]}
+        if "layout" in row:
+            record["layout"] = row["layout"]
+        record |= {
             "samples/s": round(row["samples_per_s"], 1),
             "step ms": round(row["step_ms"], 2),
         }
@@ -43,6 +47,51 @@ def table(rows: list[dict]):
         record["loss"] = row["loss"]
         records.append(record)
     return pd.DataFrame.from_records(records).set_index("strategy")
+
+
+# autoplan's row keys and the column each becomes; estimate and measurement side by side.
+_PLAN_COLUMNS = (
+    ("dp", "dp"),
+    ("tp", "tp"),
+    ("pp", "pp"),
+    ("shard", "shard"),
+    ("ac", "AC"),
+    ("est_mib", "est. MiB"),
+    ("peak_mib", "peak MiB"),
+    ("est_comm_mib", "est. comm MiB"),
+    ("comm_mib", "comm MiB"),
+    ("steps_per_s", "steps/s"),
+    ("samples_per_s", "samples/s"),
+    ("step_ms", "step ms"),
+    ("loss", "loss"),
+    ("rank", "rank"),
+    ("status", "status"),
+)
+
+
+def plans_table(rows: list[dict]):
+    """``autoplan``'s table as a pandas DataFrame, one line per plan, the chosen one first.
+
+    Memory and communication appear twice: as estimated before anything ran
+    (``est.``) and as measured on the busiest rank (empty for plans not
+    measured); ``status`` says why a plan was dropped or not measured.
+
+    Example::
+
+        plans_table(plan.table)   # plan | dp | tp | pp | shard | AC | est. MiB | peak MiB | ...
+    """
+    import pandas as pd
+
+    def cell(value):
+        return round(value, 3) if isinstance(value, float) else value
+
+    records = [
+        {"plan": row["plan"], **{col: cell(row.get(key)) for key, col in _PLAN_COLUMNS}}
+        for row in rows
+    ]
+    df = pd.DataFrame.from_records(records).set_index("plan")
+    df["rank"] = df["rank"].astype("Int64")  # whole numbers, <NA> for plans not measured
+    return df
 
 
 def chart(rows: list[dict]):

@@ -1,4 +1,5 @@
-"""Rank side: train one model under DDP, ZeRO-1, FSDP2, tensor and pipeline parallelism; measure each.
+"""Rank side: train one model under DDP, ZeRO-1, FSDP2, tensor, pipeline, 2D/3D parallelism and
+compressed communication; measure each.
 
 :func:`compare` runs on every rank (in ``%%on_all_ranks``). For each strategy it
 builds the model afresh (same seed on every rank), trains a few steps on the
@@ -9,10 +10,30 @@ losses agree; the costs differ. Each plan is made by the function a user would
 call (:func:`~nbdist.strategies.fsdp.apply_fsdp`, ...).
 ``nbdist.dashboard.compare.table`` and ``chart`` show the rows in the notebook.
 
+The default five (:data:`DEFAULT_STRATEGIES`) are ``ddp``, ``zero``, ``fsdp``,
+``tp`` and ``pp``. On request (``strategies=...``) come:
+
+- ``fsdp_tp``: 2D, tensor parallel over ``tp_size`` neighbouring ranks, FSDP2
+  over the ``world / tp_size`` replicas;
+- ``3d``: ``dp × tp × pp`` with ``tp_size`` and ``pp_size`` (``dp`` takes the
+  rest: 8 ranks give 2 × 2 × 2, 4 ranks 1 × 2 × 2), a 1F1B schedule;
+- ``ddp_fp16``, ``ddp_bf16``, ``ddp_powersgd``: DDP with a compressed
+  communication hook (:func:`~nbdist.strategies.compression.apply_comm_hook`);
+- ``onebit_adam``: Adam's momentum all-reduced as signs
+  (:func:`~nbdist.strategies.onebit_adam.apply_onebit_adam`; needs Adam).
+
+PowerSGD and 1-bit Adam start compressing after ``compress_after`` steps
+(default ``warmup``: the timed steps are compressed, so their bytes show the
+saving, and their losses drift a little from DDP's). 2D and 3D are built by
+:func:`~nbdist.strategies.autoplan_build.build_plan`, the builder ``autoplan``
+uses; ``blocks``/``colwise``/``rowwise`` tell it a transformer's layout,
+otherwise tensor parallel pairs the ``nn.Linear`` layers.
+
 How each strategy sees the data: ``make_batch(step, rank)`` gives one rank's
-share; DDP, ZeRO and FSDP give rank ``r`` its own share; tensor and pipeline
-parallelism (over all ranks) feed every rank / the first stage the concatenated
-global batch (the pipeline splits it into micro-batches).
+share; DDP, ZeRO, FSDP and the compressed ones give rank ``r`` its own share;
+tensor and pipeline parallelism (over all ranks) feed every rank / the first
+stage the concatenated global batch (the pipeline splits it into
+micro-batches); 2D/3D cut the global batch into one chunk per ``dp`` replica.
 
 How it measures:
 
@@ -51,27 +72,79 @@ import torch.distributed as dist
 from torch import nn
 
 from nbdist.metrics.log import log as _log_metric
+from nbdist.strategies.autoplan_build import Plan, build_plan, reduce_loss
 from nbdist.strategies.fsdp import apply_fsdp
 from nbdist.strategies.measure import CommBytes, peak_bytes, resident_bytes
 from nbdist.strategies.pipeline import pipeline_schedule
 from nbdist.strategies.tensor_parallel import apply_tp, device_mesh, linear_pairs
 from nbdist.strategies.zero import zero_optimizer
 
-__all__ = ["STRATEGIES", "compare"]
+__all__ = ["DEFAULT_STRATEGIES", "STRATEGIES", "compare", "measure_steps"]
 
-STRATEGIES = ("ddp", "zero", "fsdp", "tp", "pp")
+DEFAULT_STRATEGIES = ("ddp", "zero", "fsdp", "tp", "pp")
+_LAYERED, _COMPRESSED = ("fsdp_tp", "3d"), ("ddp_fp16", "ddp_bf16", "ddp_powersgd", "onebit_adam")
+STRATEGIES = DEFAULT_STRATEGIES + _LAYERED + _COMPRESSED
 
 
-def _setup(name, build, device, optimizer, optimizer_kwargs, tp_plan, microbatches, loss_fn):
+def _layered(name, build, device, optimizer, kwargs, loss_fn, microbatches, layout):
+    # 2D / 3D: the plan autoplan would build, on the global batch cut per dp replica.
+    from nbdist.strategies.mesh import ParallelDims
+
+    world = dist.get_world_size()
+    tp, pp = layout["tp_size"], layout["pp_size"] if name == "3d" else 1
+    dims = ParallelDims(world, dp=-1, tp=tp, pp=pp)  # its error shows the numbers and a fit
+    tensor_layout = {k: layout[k] for k in ("blocks", "colwise", "rowwise")}
+    built = build_plan(
+        build, Plan(dp=dims.dp, tp=tp, pp=pp), loss_fn=loss_fn, optimizer=optimizer,
+        optimizer_kwargs=kwargs, microbatches=microbatches, device=device, **tensor_layout,
+    )  # fmt: skip
+    return built.params, built.optimizer, lambda x, y, xg, yg: built.forward_backward(xg, yg)
+
+
+def _setup(
+    name, build, device, optimizer, optimizer_kwargs, tp_plan, microbatches, loss_fn, layout
+):
     """(params, optimizer, forward_backward(x, y, xg, yg) -> loss or None) for one strategy.
 
     Each plan is made by the same function a user calls (``apply_fsdp``,
-    ``apply_tp``, ``zero_optimizer``, ``pipeline_schedule``).
+    ``apply_tp``, ``zero_optimizer``, ``pipeline_schedule``, ``build_plan``,
+    ``apply_comm_hook``, ``apply_onebit_adam``).
     """
+    if name in _LAYERED:
+        return _layered(
+            name, build, device, optimizer, optimizer_kwargs, loss_fn, microbatches, layout
+        )
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build().to(device)
     feed_global = False  # tensor parallel: every rank gets the whole batch
-    if name in ("ddp", "zero"):
+    counter = None  # what a compressed strategy's own counter says it sent
+    if name.startswith("ddp_"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from nbdist.strategies.compression import apply_comm_hook
+
+        # One bucket for PowerSGD: on gloo the P and Q all-reduces of two buckets' hooks
+        # interleave differently on each rank and gloo aborts ("Received data size doesn't
+        # match expected size"; torch 2.13, any model over DDP's 1 MiB first bucket).
+        grads_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        model = DDP(model, bucket_cap_mb=2 * grads_mib + 1 if name == "ddp_powersgd" else None)
+        # PowerSGD's plain all-reduce steps: at least 2 (DDP rebuilds its buckets after step 1).
+        counter = apply_comm_hook(model, name[4:], start_iter=max(2, layout["compress_after"]))
+        opt = optimizer(model.parameters(), **optimizer_kwargs)
+    elif name == "onebit_adam":
+        from nbdist.strategies.onebit_adam import apply_onebit_adam
+
+        if optimizer is not torch.optim.Adam:
+            raise ValueError(
+                f"onebit_adam is Adam with 1-bit momentum, but optimizer={optimizer.__name__}: "
+                "pass optimizer=torch.optim.Adam, or leave 'onebit_adam' out"
+            )
+        adam = {
+            k: v for k, v in optimizer_kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")
+        }
+        opt = apply_onebit_adam(model, freeze_step=max(1, layout["compress_after"]), **adam)
+        counter = opt.counter
+    elif name in ("ddp", "zero"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model)
@@ -129,14 +202,14 @@ def _setup(name, build, device, optimizer, optimizer_kwargs, tp_plan, microbatch
         loss.backward()
         return loss.detach()
 
-    return list(model.parameters()), opt, fb
+    return list(model.parameters()), opt, fb, counter
 
 
 def compare(
     build_model: Callable[[], nn.Module],
     make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
     *,
-    strategies: Sequence[str] = STRATEGIES,
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
     steps: int = 5,
     warmup: int = 2,
     loss_fn: Callable = nn.functional.mse_loss,
@@ -144,6 +217,12 @@ def compare(
     optimizer_kwargs: dict | None = None,
     tp_plan: dict | None = None,
     microbatches: int | None = None,
+    blocks: type | None = None,
+    colwise: Sequence[str] | None = None,
+    rowwise: Sequence[str] | None = None,
+    tp_size: int = 2,
+    pp_size: int = 2,
+    compress_after: int | None = None,
     seed: int = 0,
     device: torch.device | str | None = None,
     log: bool = True,
@@ -158,11 +237,16 @@ def compare(
     pairs the model's ``nn.Linear`` layers column- then row-parallel (or uses
     ``tp_plan``, a ``parallelize_module`` plan); ``'pp'`` needs an
     ``nn.Sequential`` and splits it into one stage per rank, ``microbatches``
-    micro-batches (default ``2 * world_size``). With ``log=True`` each timed
-    step goes to the live dashboard (``nbdist.log``: ``loss_<strategy>``, ``samples``).
+    micro-batches (default ``2 * world_size``; ``2 * pp_size`` for ``'3d'``).
+    ``'fsdp_tp'`` and ``'3d'`` use ``tp_size``/``pp_size`` and, for a
+    transformer, ``blocks`` (its block class) with ``colwise``/``rowwise``
+    (layer names inside one block); ``compress_after``: plain steps before
+    PowerSGD and 1-bit Adam compress (default ``warmup``). With ``log=True``
+    each timed step goes to the live dashboard (``nbdist.log``:
+    ``loss_<strategy>``, ``samples``).
 
-    Each row: ``strategy``, ``samples_per_s``, ``step_ms``, ``peak_mib`` (list,
-    per rank), ``comm_mib`` (list: payload per rank and step), ``comm_ops``
+    Each row: ``strategy``, ``layout`` (``dp × tp × pp``), ``samples_per_s``,
+    ``step_ms``, ``peak_mib`` (list, per rank), ``comm_mib`` (list: payload per rank and step), ``comm_ops``
     (collective counts on this rank), ``loss`` (global-batch loss after the last
     timed step). Every rank returns the same rows.
 
@@ -181,6 +265,7 @@ def compare(
 
     device = torch.device(device) if device is not None else rank_device()
     rank, world = dist.get_rank(), dist.get_world_size()
+    micro_3d = microbatches or 2 * pp_size  # per dp replica, over pp_size stages
     microbatches = microbatches or 2 * world
     kwargs = dict(optimizer_kwargs or {"lr": 1e-3})
 
@@ -197,12 +282,26 @@ def compare(
     run = dict(
         warmup=warmup, steps=steps, batches=batches, global_batch=global_batch, log_every=log
     )
+    after = warmup if compress_after is None else compress_after
+    layout = dict(blocks=blocks, colwise=colwise, rowwise=rowwise, tp_size=tp_size)
+    layout.update(pp_size=pp_size, compress_after=after)
     rows = []
     for name in strategies:
         _reset(device, seed)
-        built = _setup(name, build_model, device, optimizer, kwargs, tp_plan, microbatches, loss_fn)
-        rows.append(_measure(name, built, device, **run))
+        m = micro_3d if name == "3d" else microbatches
+        built = _setup(name, build_model, device, optimizer, kwargs, tp_plan, m, loss_fn, layout)
+        params, opt, fb, *counter = built
+        row = measure_steps(
+            name, params, opt, fb, device=device, counter=(counter or [None])[0], **run
+        )
+        rows.append({"strategy": name, "layout": _layout(name, world, layout), **row})
     return rows
+
+
+def _layout(name: str, world: int, layout: dict) -> str:
+    tp = layout["tp_size"] if name in ("fsdp_tp", "3d") else world if name == "tp" else 1
+    pp = layout["pp_size"] if name == "3d" else world if name == "pp" else 1
+    return f"dp {world // (tp * pp)} × tp {tp} × pp {pp}"
 
 
 def _reset(device: torch.device, seed: int) -> None:
@@ -212,9 +311,40 @@ def _reset(device: torch.device, seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _measure(name, built, device, *, warmup, steps, batches, global_batch, log_every) -> dict:
-    params, opt, fb = built
-    rank, world = dist.get_rank(), dist.get_world_size()
+def measure_steps(
+    name: str,
+    params: list,
+    opt,
+    fb: Callable,
+    *,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    batches: Sequence[tuple],
+    global_batch: int,
+    log_every: bool = True,
+    counter=None,
+) -> dict:
+    """Time, bytes and peak memory of one built plan: what :func:`compare` reports for each.
+
+    ``fb(*batches[i])`` runs forward and backward of step ``i`` and returns
+    this rank's loss (a tensor, or ``None`` where the rank computes none);
+    ``opt.step()`` follows. ``warmup`` untimed steps, ``steps`` timed ones, one
+    under :class:`~nbdist.strategies.measure.CommBytes`, one under
+    :func:`~nbdist.strategies.measure.peak_bytes`: ``batches`` needs
+    ``warmup + steps + 2`` entries. Call it on every rank; all ranks return
+    the same ``samples_per_s``, ``step_ms``, ``peak_mib`` and ``comm_mib``
+    (lists per rank) and ``loss`` (mean over the ranks that have one);
+    ``comm_ops`` is this rank's. With ``log_every`` each timed step is logged
+    as ``loss_<name>`` (non-word characters of ``name`` become ``_``).
+    ``counter``: a :class:`~nbdist.strategies.compression.CommCounter` that the
+    plan's compression fills; its bytes replace ``CommBytes``' (PowerSGD's
+    all-reduce of ``Q`` runs in a callback on another thread, unseen there).
+    """
+    import re
+
+    world = dist.get_world_size()
+    key = "loss_" + re.sub(r"\W", "_", name)
 
     def step(i):
         opt.zero_grad(set_to_none=True)
@@ -231,36 +361,34 @@ def _measure(name, built, device, *, warmup, steps, batches, global_batch, log_e
         if log_every:
             # The live dashboard: each strategy's loss as its own series, and
             # samples/s of every phase on one throughput chart.
-            values = {f"loss_{name}": loss} if loss is not None else {}
+            values = {key: loss} if loss is not None else {}
             _log_metric(step=i, samples=global_batch // world, **values)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     # On the rank's device: NCCL reduces only GPU tensors.
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    # The final loss lives on the last pipeline stage; elsewhere every rank has one.
-    loss_t = torch.zeros(1, dtype=torch.float64, device=device)
-    if name != "pp" or rank == world - 1:
-        loss_t[0] = float(loss)
+    if counter is not None:
+        counter.take()
     with CommBytes() as comm:
         step(warmup + steps)
+    sent = counter.take() if counter is not None else comm.bytes
     opt.zero_grad(set_to_none=True)
     resident = resident_bytes(params, opt)
     peak = peak_bytes(lambda: step(warmup + steps + 1), resident=resident, device=device)
-    stats = torch.tensor([peak, comm.bytes], dtype=torch.float64, device=device)
+    stats = torch.tensor([peak, sent], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(gathered, stats)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    dist.all_reduce(loss_t, op=dist.ReduceOp.SUM)
-    if name != "pp":
-        loss_t /= world  # mean of the ranks' shares = the global batch's loss
+    # The last timed step's loss: mean of the ranks' shares = the global batch's loss (a
+    # pipeline's lives on its last stages only).
+    final_loss = reduce_loss(loss, device)
     seconds = elapsed.item()
     dist.barrier()
     return {
-        "strategy": name,
         "samples_per_s": global_batch * steps / seconds,
         "step_ms": 1000 * seconds / steps,
         "peak_mib": [round(g[0].item() / 2**20, 3) for g in gathered],
         "comm_mib": [round(g[1].item() / 2**20, 3) for g in gathered],
         "comm_ops": dict(sorted(comm.ops.items())),
-        "loss": loss_t.item(),
+        "loss": final_loss,
     }

@@ -141,6 +141,31 @@ def _counted_powersgd(inner, counter: CommCounter):
     return hook
 
 
+def _one_bucket_on_gloo(model, group) -> None:
+    """PowerSGD over gloo: DDP's gradients must fit one bucket, or a rank aborts (or the cell hangs).
+
+    With two or more buckets, the buckets' PowerSGD all-reduces interleave in a
+    different order on each rank and gloo fails ("Received data size doesn't match
+    expected size"; reproduced with torch 2.13's own ``powerSGD_hook`` and no nbdist
+    code). One bucket has one order. NCCL was not checked: the rule applies to gloo only.
+    """
+    import torch.distributed as dist
+
+    pg = group if group is not None else getattr(model, "process_group", None)
+    if dist.get_backend(pg) != "gloo":
+        return
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    cap = int(getattr(model, "bucket_bytes_cap", 0) or 0)
+    if cap and grad_bytes > cap:
+        need = -(-grad_bytes // 2**20) + 1
+        raise ValueError(
+            f"PowerSGD over gloo needs DDP's gradients in one bucket: this model's are "
+            f"{grad_bytes / 2**20:.1f} MiB over bucket_cap_mb={cap / 2**20:g} (several buckets "
+            f"make gloo's all-reduces interleave differently per rank and abort). Build "
+            f"DistributedDataParallel(model, bucket_cap_mb={need}), or use 'fp16'/'bf16'"
+        )
+
+
 def apply_comm_hook(
     model: nn.Module,
     compression: str = "fp16",
@@ -163,6 +188,8 @@ def apply_comm_hook(
     ``min_compression_rate``, ``error_feedback``, ``warm_start``, ``seed`` (the
     random start of ``Q``, the same on every rank). ``group``: the process group
     (default: DDP's). Returns the :class:`CommCounter` (``counter`` if given).
+    PowerSGD over gloo needs the gradients in one DDP bucket (``bucket_cap_mb``
+    at least their size): a clear error says so before anything runs.
 
     Example::
 
@@ -188,6 +215,7 @@ def apply_comm_hook(
                 f"start_iter={start_iter}: PowerSGD with error feedback or warm start needs "
                 "start_iter >= 2 (DDP rebuilds its buckets after step 1); pass start_iter=2 or more"
             )
+        _one_bucket_on_gloo(model, group)
     counter = counter if counter is not None else CommCounter()
     if compression == "powersgd":
         state = powerSGD_hook.PowerSGDState(

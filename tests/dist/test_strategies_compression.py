@@ -417,7 +417,9 @@ for call in (lambda: apply_comm_hook(build(), "fp16"),
              lambda: apply_onebit_adam(DDP(build())),
              lambda: OneBitAdam(build().parameters(), freeze_step=0),
              lambda: apply_onebit_lamb(DDP(build())),
-             lambda: OneBitLamb(build().parameters(), factor_min=2.0)):
+             lambda: OneBitLamb(build().parameters(), factor_min=2.0),
+             # 4.0 MiB of gradients in 1 MiB buckets: several buckets, PowerSGD over gloo aborts.
+             lambda: apply_comm_hook(DDP(nn.Linear(1024, 1024), bucket_cap_mb=1), "powersgd")):
     try:
         call()
         messages.append(None)
@@ -433,6 +435,35 @@ for call in (lambda: apply_comm_hook(build(), "fp16"),
     assert "freeze_step=0" in messages[4]
     assert "apply_onebit_lamb" in messages[5] and "model.module" in messages[5]
     assert "factor_min=2.0" in messages[6] and "factor_min <= 1" in messages[6]
+    assert "4.0 MiB over bucket_cap_mb=1" in messages[7] and "bucket_cap_mb=6" in messages[7]
+
+
+def test_powersgd_with_the_buckets_the_error_asks_for_trains(session):
+    # The fix the error above names: the same 4 MiB model in one bucket trains past the
+    # plain steps into compression on both ranks (several buckets would abort or hang here).
+    run(
+        session,
+        """
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from nbdist.strategies.compression import apply_comm_hook
+torch.manual_seed(0)
+big = DDP(nn.Linear(1024, 1024), bucket_cap_mb=6)
+sent = apply_comm_hook(big, "powersgd", start_iter=2)
+opt = torch.optim.SGD(big.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(rank)
+per_step = []
+for i in range(4):
+    opt.zero_grad()
+    big(torch.randn(4, 1024, generator=g)).pow(2).mean().backward()
+    opt.step()
+    per_step.append(sent.take())
+""",
+    )
+    per_step = session.pull("per_step", rank=0)
+    # Plain all-reduce first (the whole 4 MiB), then rank-1 factors: far fewer bytes.
+    assert per_step[0] >= 1024 * 1025 * 4, per_step
+    assert 0 < per_step[3] < per_step[0] / 10, per_step
 
 
 def test_onebit_adam_refuses_to_run_without_a_group():
