@@ -4,7 +4,8 @@ When a kernel dies while a named session's ranks run one of its cells, the
 ranks go on: the cell's execute requests stay queued on the controller
 (:meth:`ipyparallel.Client.queue_status` lists them per engine), and the
 controller's hub keeps each request's record, with everything the rank printed
-so far (``stdout``/``stderr``) and, once it is done, its reply. A kernel that
+so far (``stdout``/``stderr``), the cell's value and, once it is done, its reply
+(of displays the hub keeps only the latest, so they are not replayed). A kernel that
 attaches (:meth:`nbdist.driver.named.NamedSession.follow_unfinished`) finds
 those requests and polls their records: it shows the output printed before it
 attached, then the rest as it comes, merged by rank as any cell's, and fails
@@ -31,7 +32,7 @@ _POLL_S = 0.1
 _OUTPUT_GRACE_S = 2.0
 _INTERRUPT_GRACE_S = 10.0
 _QUIET_S = 0.3
-_KEYS = ["msg_id", "stdout", "stderr", "completed", "result_content"]
+_KEYS = ["msg_id", "stdout", "stderr", "completed", "result_content", "execute_result"]
 
 
 def unfinished_cells(client, group) -> list[dict[int, str]]:
@@ -78,6 +79,12 @@ def _follow(client, cell: dict[int, str], hub, interrupt, sink) -> list:
                 quiet = not changed and time.monotonic() - done_at > _QUIET_S if done else False
                 if done and (quiet or time.monotonic() > deadline):
                     # Replies in, and no new output for a while: the output is complete.
+                    # The cell's value last, as after any cell. (The hub keeps each rank's
+                    # printed text whole but only its latest display: displays are not replayed.)
+                    for rank in ranks:
+                        value = records[rank].get("execute_result") or {}
+                        if value.get("data"):
+                            merger.feed_display(rank, value["data"], value.get("metadata", {}))
                     break
                 if interrupted and deadline is not None and time.monotonic() > deadline:
                     break

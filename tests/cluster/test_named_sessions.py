@@ -41,6 +41,7 @@ for step in range({steps}):
     while step == {steps} // 2 and not os.path.exists({gate!r}):
         time.sleep(0.05)
 print("cell done", flush=True)
+f"value of rank {{rank}}"
 """
 
 
@@ -162,6 +163,8 @@ def test_session_survives_a_killed_kernel_and_a_new_kernel_attaches(
         attached += second.collect(attaching)
         # The cell the dead kernel left running streams its output here until it ends.
         assert "step 59" in attached and "cell done" in attached, attached
+        # And its value, shown as after any cell.
+        assert "value of rank 0" in attached and "value of rank 1" in attached, attached
         state = second.ok("%%on_all_ranks\nprint(state)")
         assert "[0, 1, 2]" in state and "[0, 2, 4]" in state, state
         # Every step of both ranks is in the run, also those logged while no kernel was there;
