@@ -77,6 +77,7 @@ class LiveDashboard(DashboardModel):
         self._unsubscribe: Callable[[], None] | None = None
         self._shell = None
         self._published: tuple | None = None  # what the displayed text summary was made from
+        self._first_cell_end = False  # True from display until the end of its cell
 
     def __repr__(self) -> str:
         """``<LiveDashboard of run ID: N ranks, live>`` (or ``not live``)."""
@@ -165,6 +166,7 @@ class LiveDashboard(DashboardModel):
         """Remember the display (``display(..., display_id=True)``'s handle) that shows the widget."""
         self.display_handle = handle
         self._published = self._shown()
+        self._first_cell_end = True  # the end of the cell under which it was shown is next
 
     def _shown(self) -> tuple:
         # What the text summary depends on, bar the "last seen" ages: the points, the dead
@@ -180,11 +182,13 @@ class LiveDashboard(DashboardModel):
             return
         shown = self._shown()
         (facts, busy), (published, published_busy) = shown, self._published
-        if facts == published and (busy or not published_busy):
-            # Nothing the summary shows changed (a cell that did not log), or only a rank
-            # turned busy (a --noblock cell): no update. Each update makes the browser build
-            # the widget's view anew. A short cell's points can all arrive before its
-            # dashboard is first shown, ranks still busy: that turning idle is an update.
+        first, self._first_cell_end = self._first_cell_end, False
+        if facts == published and not (first and published_busy and not busy):
+            # Nothing the summary shows changed (a cell that did not log, a rank busy or idle
+            # in a later cell): no update. Each update makes the browser build the widget's
+            # view anew. One exception, at the end of the cell it was shown under: a short
+            # cell's points can all arrive before its dashboard is first shown, ranks still
+            # busy; that cell ending turns them idle, and the saved summary should say so.
             return
         self._published = shown
         # Re-publish the same widget so the saved text/plain (what nbconvert and
