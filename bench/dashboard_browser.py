@@ -39,16 +39,7 @@ from _common import load, machine  # noqa: E402
 from tests.ui.conftest import CHROMIUM, CHROMIUM_FLAGS, notebook_json  # noqa: E402
 from tests.ui.lab import start_lab, stop_lab  # noqa: E402
 from tests.ui.labbuild import labextension_build, link_labextension  # noqa: E402
-
-# In the page: the longest the main thread went without running a 50 ms timer.
-STALL_MONITOR = """() => {
-    const s = window.__nbdistStall = {max: 0, last: performance.now()};
-    setInterval(() => {
-        const now = performance.now();
-        s.max = Math.max(s.max, now - s.last - 50);
-        s.last = now;
-    }, 50);
-}"""
+from tests.ui.test_dashboard_browser import STALL_MONITOR  # noqa: E402
 
 LOSS_TRACES = """() => {
     const div = document.querySelector('.nbdist-dashboard .nbdist-panel[data-key="loss"]');

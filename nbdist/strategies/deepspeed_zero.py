@@ -36,9 +36,10 @@ import gc
 import os
 import types
 import warnings
-from contextlib import contextmanager
 
 import torch
+
+from nbdist.strategies.measure import quiet_stderr_fd
 
 __all__ = ["apply_deepspeed", "deepspeed_available", "held_bytes"]
 
@@ -97,20 +98,8 @@ def _quiet_ops_probe() -> None:
     import deepspeed.ops
 
     if "__compatible_ops__" not in vars(deepspeed.ops):
-        with _fd2_silenced():
+        with quiet_stderr_fd():
             deepspeed.ops.__compatible_ops__  # noqa: B018 - computed and cached on first access
-
-
-@contextmanager
-def _fd2_silenced():
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 def apply_deepspeed(

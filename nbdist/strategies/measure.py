@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["CommBytes", "local_bytes", "peak_bytes", "resident_bytes"]
+__all__ = ["CommBytes", "local_bytes", "peak_bytes", "quiet_stderr_fd", "resident_bytes"]
 
 _COMM_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 _NOT_COMM = {"wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}
@@ -87,9 +87,12 @@ class CommBytes(TorchDispatchMode):
 
 
 @contextmanager
-def _quiet_stderr_fd():
-    # The profiler's C++ side (kineto) prints start/stop lines on fd 2, which
-    # a notebook would show under the cell; Python's own stderr is untouched.
+def quiet_stderr_fd():
+    """Silence file descriptor 2 inside the block (C/C++ code's stderr); Python's ``sys.stderr`` is untouched.
+
+    The profiler's C++ side (kineto) prints start/stop lines on fd 2, and DeepSpeed's
+    op probes print linker errors there: a notebook would show them under the cell.
+    """
     sys.stderr.flush()
     saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
@@ -122,7 +125,7 @@ def peak_bytes(step: Callable[[], object], *, resident: int = 0, device=None) ->
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     # Quiet for the whole step: the profiler also warns from C++ about each
     # tensor allocated before it started and freed during the step.
-    with _quiet_stderr_fd():
+    with quiet_stderr_fd():
         prof.start()
         try:
             step()

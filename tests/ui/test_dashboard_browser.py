@@ -298,7 +298,7 @@ def test_dashboard_grows_live_and_matches_logged(
 # In the page: the longest the main thread went without running a 50 ms timer (a page that is
 # busy redrawing hidden plots answers nothing: clicks, keys and this timer all wait). Printed
 # beside the page answers the test asserts on: it counts JupyterLab's own work too.
-_STALL_MONITOR = """() => {
+STALL_MONITOR = """() => {
     if (window.__nbdistStall) return;
     const s = window.__nbdistStall = {max: 0, last: performance.now()};
     setInterval(() => {
@@ -369,7 +369,7 @@ def test_a_long_walkthrough_keeps_the_page_responsive(lab_factory, browser_page,
     page = browser_page
     log = PageLog(page)
     _open_and_run_all(page, server, "walkthrough.ipynb")
-    page.evaluate(_STALL_MONITOR)
+    page.evaluate(STALL_MONITOR)
     answers: list[float] = []
 
     def watch(until, timeout: float, what: str):
