@@ -44,6 +44,7 @@ from torch import nn
 
 from nbdist.strategies.compression import CommCounter
 from nbdist.strategies.onebit_adam import OneBitOptimizer, share_rank0_parameters
+from nbdist.strategies.optimizers import lamb_update
 
 __all__ = ["OneBitLamb", "apply_onebit_lamb"]
 
@@ -137,18 +138,10 @@ class OneBitLamb(OneBitOptimizer):
         return loss
 
     def _lamb_update(self, p, group, grad, state) -> torch.Tensor:
-        # The same operations as optimizers.LAMB (bias-corrected at step t).
-        beta1, beta2 = group["betas"]
-        t = self.steps
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        if t == self.freeze_step:  # the fresh variance starts from the frozen one
-            state["exp_avg_sq_fresh"] = v.clone()
-        denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-        update = (m / (1 - beta1**t)).div_(denom)
-        if group["weight_decay"]:
-            update.add_(p, alpha=group["weight_decay"])
+        # optimizers.LAMB's own update (bias-corrected at step t), then a clipped ratio.
+        update = lamb_update(p, grad, state["exp_avg"], state["exp_avg_sq"], self.steps, group)
+        if self.steps == self.freeze_step:  # the fresh variance starts from the frozen one
+            state["exp_avg_sq_fresh"] = state["exp_avg_sq"].clone()
         if group["trust_ratio"]:
             w_norm, u_norm = _norm(p), _norm(update)
             ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0

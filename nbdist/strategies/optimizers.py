@@ -34,7 +34,7 @@ from torch import nn
 
 from nbdist.strategies.measure import local_bytes
 
-__all__ = ["LAMB", "LARS", "exclude_bias_and_norm", "state_bytes"]
+__all__ = ["LAMB", "LARS", "exclude_bias_and_norm", "lamb_update", "state_bytes"]
 
 
 def _trust(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,6 @@ class LAMB(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -168,19 +167,31 @@ class LAMB(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                t = state["step"]
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                m.mul_(beta1).add_(g, alpha=1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                update = (m / (1 - beta1**t)).div_(denom)
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
+                update = lamb_update(
+                    p, g, state["exp_avg"], state["exp_avg_sq"], state["step"], group
+                )
                 if group["trust_ratio"]:
                     ratio = _trust(torch.linalg.vector_norm(p), torch.linalg.vector_norm(update))
                     update.mul_(ratio)
                 p.sub_(update, alpha=group["lr"])
         return loss
+
+
+def lamb_update(p, grad, m, v, t: int, group: dict) -> torch.Tensor:
+    """LAMB's update for ``p`` at step ``t``, before the trust ratio; advances ``m`` and ``v`` in place.
+
+    ``m``/``v``: Adam's moments of ``p``; ``group``: its ``betas``, ``eps`` and
+    ``weight_decay``. Returns ``m̂ / (sqrt(v̂) + eps) + weight_decay * p`` (bias-corrected),
+    a new tensor. Shared by :class:`LAMB` and 1-bit LAMB's warm-up, which must match it.
+    """
+    beta1, beta2 = group["betas"]
+    m.mul_(beta1).add_(grad, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
+    update = (m / (1 - beta1**t)).div_(denom)
+    if group["weight_decay"]:
+        update.add_(p, alpha=group["weight_decay"])
+    return update
 
 
 def exclude_bias_and_norm(model: nn.Module, *, weight_decay: float) -> list[dict]:
