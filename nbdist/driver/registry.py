@@ -25,7 +25,6 @@ read the registry without importing torch or ipyparallel.
 
 from __future__ import annotations
 
-import glob
 import itertools
 import json
 import os
@@ -81,15 +80,7 @@ def _connection_file() -> str | None:
 
 def _client_file(handle, attach: str | None) -> str | None:
     """The ipyparallel client connection file of the cluster (0600), if known."""
-    if attach:
-        return os.path.abspath(attach)
-    controller = getattr(handle.cluster, "controller", None)
-    path = getattr(controller, "connection_files", {}).get("client")
-    if path and os.path.exists(path):
-        return path
-    security = os.path.join(handle.profile_dir or "", "security")
-    found = sorted(glob.glob(os.path.join(security, "ipcontroller*client.json")))
-    return found[0] if found else None
+    return os.path.abspath(attach) if attach else handle.client_file()
 
 
 def _create_time(pid: int) -> float | None:

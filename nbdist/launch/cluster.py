@@ -17,6 +17,7 @@ nanny process per engine.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -74,6 +75,16 @@ class ClusterHandle:
             return None
         sets = list(self.cluster.engines.values())
         return sets[0] if sets else None
+
+    def client_file(self) -> str | None:
+        """The cluster's client connection file (0600; it holds the key), if known."""
+        controller = getattr(self.cluster, "controller", None)
+        path = getattr(controller, "connection_files", {}).get("client")
+        if path and os.path.exists(path):
+            return path
+        security = os.path.join(self.profile_dir or "", "security")
+        found = sorted(glob.glob(os.path.join(security, "ipcontroller*client.json")))
+        return found[0] if found else None
 
 
 def _quiet_log():

@@ -114,7 +114,7 @@ class _Keeper:
             n=placement.world_size,
             backend=placement.backend,
             pids=[e for e in map(named_records.pid_entry, pids) if e],
-            connection_file=_client_file(handle),
+            connection_file=handle.client_file(),
             profile_dir=handle.profile_dir,
             start_method=handle.start_method,
             start_note=handle.start_note,
@@ -149,18 +149,6 @@ class _Keeper:
                 pass
         if self.handle is not None:
             stop_processes(self.handle)
-
-
-def _client_file(handle) -> str | None:
-    controller = getattr(handle.cluster, "controller", None)
-    path = getattr(controller, "connection_files", {}).get("client")
-    if path and os.path.exists(path):
-        return path
-    import glob
-
-    security = os.path.join(handle.profile_dir or "", "security")
-    found = sorted(glob.glob(os.path.join(security, "ipcontroller*client.json")))
-    return found[0] if found else None
 
 
 def _controller_alive(handle) -> bool:

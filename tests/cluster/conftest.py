@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+
+from tests.conftest import wait_gone
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -57,20 +58,7 @@ def slurm():
 
 def gone(pids, timeout: float = 30.0) -> list[int]:
     """Those of ``pids`` still running after ``timeout`` s (zombies count as gone)."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _running(p)]
-        if alive:
-            time.sleep(0.1)
-    return alive
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    return wait_gone(pids, timeout=timeout)
 
 
 def free_port() -> int:

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 # Defined on the ranks and in this process alike (pytest puts this directory on sys.path).
+from ranks_with import ranks_with
 from tiny_transformer import TRANSFORMER_BLOCKS
 from torch import nn
 
-import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
 from nbdist.strategies.autoplan_estimate import NotAdmitted, enumerate_plans, model_facts
@@ -30,13 +30,6 @@ from nbdist.strategies.autoplan_estimate import NotAdmitted, enumerate_plans, mo
 COMMON = (
     TRANSFORMER_BLOCKS
     + """
-
-class Embed(nn.Module):
-    def __init__(self, vocab, d, t):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
-    def forward(self, idx):
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
 
 def make_gpt(vocab=32, d=16, heads=4, t=8, n_blocks=2):
     return nn.Sequential(Embed(vocab, d, t), *[Block(d, heads) for _ in range(n_blocks)],
@@ -139,16 +132,7 @@ def test_the_budget_reads_bytes_or_units_and_names_the_fix():
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(4, cpu=True, timeout=120)
-    s.start()
-    try:
-        s.run(
-            COMMON + "from nbdist.strategies.autoplan import autoplan\n",
-            sink=ListSink(),
-        )
-        yield s
-    finally:
-        s.stop()
+    yield from ranks_with(4, COMMON + "from nbdist.strategies.autoplan import autoplan\n")
 
 
 def _reference(steps: int) -> list[float]:

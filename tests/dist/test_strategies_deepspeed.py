@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ranks_with import ranks_with
 
-import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
 from nbdist.strategies.deepspeed_zero import deepspeed_available
@@ -86,13 +86,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, cpu=True, timeout=120)
-    s.start()
-    try:
-        s.run(COMMON, sink=ListSink())
-        yield s
-    finally:
-        s.stop()
+    yield from ranks_with(2, COMMON)
 
 
 def _assert_states_close(got_per_rank, want, *, rtol, atol):

@@ -18,6 +18,7 @@ import torch
 
 # Defined on the ranks and in this process alike, so both build the same model.
 # pytest puts this test directory on sys.path (no __init__.py here).
+from ranks_with import ranks_with
 from tiny_transformer import TRANSFORMER_BLOCKS
 from torch import nn
 
@@ -30,13 +31,6 @@ from nbdist.strategies.pipeline import split_sequential
 COMMON = (
     TRANSFORMER_BLOCKS
     + """
-
-class Embed(nn.Module):
-    def __init__(self, vocab, d, t):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
-    def forward(self, idx):
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
 
 def make_gpt(seed=0, vocab=32, d=16, heads=4, t=8, n_blocks=2):
     torch.manual_seed(seed)
@@ -60,13 +54,7 @@ STEPS, LR = 3, 0.1
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(4, cpu=True, timeout=120)
-    s.start()
-    try:
-        s.run(COMMON, sink=ListSink())
-        yield s
-    finally:
-        s.stop()
+    yield from ranks_with(4, COMMON)
 
 
 def _reference(dp: int):

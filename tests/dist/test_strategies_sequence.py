@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 # pytest puts this test directory on sys.path (no __init__.py here).
+from ranks_with import ranks_with
 from tiny_transformer import TRANSFORMER_BLOCKS
 
-import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
 
@@ -63,13 +63,7 @@ STEPS, LR = 3, 0.1
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(4, cpu=True, timeout=120)
-    s.start()
-    try:
-        s.run(COMMON, sink=ListSink())
-        yield s
-    finally:
-        s.stop()
+    yield from ranks_with(4, COMMON)
 
 
 def _train_reference():

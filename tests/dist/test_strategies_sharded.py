@@ -11,9 +11,9 @@ import copy
 
 import pytest
 import torch
+from ranks_with import ranks_with
 from torch import nn
 
-import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
 from nbdist.strategies.checkpointing import Checkpointed, apply_ac, saved_activation_bytes
@@ -45,13 +45,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def session():
-    s = nbdist.DistSession(2, cpu=True, timeout=120)
-    s.start()
-    try:
-        s.run(COMMON, sink=ListSink())
-        yield s
-    finally:
-        s.stop()
+    yield from ranks_with(2, COMMON)
 
 
 def _reference(opt_class, lr, steps=STEPS):

@@ -1,4 +1,5 @@
-"""The tiny transformer block the 2D/3D and sequence/context-parallel tests train.
+"""The tiny transformer block (and token + position embedding) the 2D/3D, sequence/context-parallel
+and auto-parallel tests train.
 
 Source text, not a module of classes: each test runs it on the ranks (``session.run``)
 and ``exec``s it in the test process, so both build the same model. Imported by its
@@ -37,4 +38,11 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+class Embed(nn.Module):
+    def __init__(self, vocab, d, t):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(t, d)
+    def forward(self, idx):
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
 """
