@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 
 from nbdist.dashboard.model import DEFAULT_BUDGET, DashboardModel
 from nbdist.dashboard.palette import rank_colours
-from nbdist.dashboard.table import rank_rows
+from nbdist.dashboard.table import rank_state
 from nbdist.dashboard.text import summary_text
 from nbdist.dashboard.widget import plotly_version, widget_class
 from nbdist.rank_states import BUSY, DEAD
@@ -172,7 +172,9 @@ class LiveDashboard(DashboardModel):
         # What the text summary depends on, bar the "last seen" ages: the points, the dead
         # ranks, the run's end; and whether it shows a rank busy.
         dead = sorted(r for r, s in self._states.items() if s == DEAD)
-        busy = any(row.state == BUSY for row in rank_rows(self.run, self._states))
+        now = time.time()
+        ranks = set(range(self.run.world_size)) | set(self.run.ranks) | set(self._states)
+        busy = any(rank_state(self.run, r, self._states, now=now) == BUSY for r in ranks)
         return (self.run.version, dead, self.run.ended is not None), busy
 
     def _after_cell(self, result=None) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "has_gpu",
     "plotted_keys",
     "rank_rows",
+    "rank_state",
     "seen_column",
     "step_lags",
     "throughput_key",
@@ -249,16 +250,25 @@ def build_rows(
             row.gpu = {k: last[k] for k in GPU_KEYS if k in last} or None
             recent = recent_step_times.get(rank)
             row.step_time = statistics.median(recent) if recent else last.get("step_time")
-            recent = now - row.seen < IDLE_AFTER_S and getattr(run, "ended", None) is None
-            row.state = BUSY if recent else IDLE
-        if states.get(rank) == DEAD:
-            row.state = DEAD  # behind because it is dead: not flagged as a straggler
-        else:
-            if states.get(rank) in (BUSY, IDLE):  # the session's word (as %dist_status says)
-                row.state = states[rank]
+        row.state = rank_state(run, rank, states, now=now, last=last)
+        if row.state != DEAD:  # a dead rank is behind because it is dead: never a straggler
             row.straggler = flagged.get(rank, "")
         rows.append(row)
     return rows
+
+
+def rank_state(run, rank: int, states: Mapping[int, str], *, now: float, last=None) -> str:
+    """``rank``'s state: the session's word when it has one, else by its last point's age.
+
+    ``last``: ``run.last(rank)`` if the caller has it already. Cheap (no series read).
+    """
+    said = states.get(rank)
+    if said in (BUSY, IDLE, DEAD):
+        return said
+    last = run.last(rank) if last is None else last
+    if last and now - last["time"] < IDLE_AFTER_S and getattr(run, "ended", None) is None:
+        return BUSY
+    return IDLE
 
 
 def rank_rows(
