@@ -10,6 +10,12 @@ strategy asks before it starts (:func:`require`), so the user gets an error
 naming the strategy, the missing collective and the fix, instead of a gloo
 error from deep inside FSDP or a hang.
 
+send/recv is the exception, never tried on a CUDA device: gloo's send/recv
+hand a CUDA tensor's device address to the socket, and the failed write closes
+the connection between the ranks, breaking the group for every later
+collective. nbdist copies those through host memory itself
+(:mod:`nbdist.engine.p2p_staging`), so send/recv is there.
+
 Example (on CPU everything is there)::
 
     >>> require("FSDP2 (apply_fsdp)", ("reduce_scatter_tensor",))  # no error
@@ -22,8 +28,9 @@ from collections.abc import Callable, Iterable
 
 __all__ = ["COLLECTIVES", "StrategyUnavailable", "missing", "probe", "require"]
 
-# A missing collective raises at once on every rank alike (gloo checks the
-# device before it sends anything); the bound only guards against a surprise.
+# A missing collective raises at once on every rank alike (gloo checks the device
+# before it sends anything, except send/recv: not probed on CUDA, see the module
+# docstring); the bound only guards against a surprise.
 _PROBE_WAIT = datetime.timedelta(seconds=30)
 # What was found missing on this rank's device, by the last probe (empty: all there).
 _missing: dict[str, str] = {}
@@ -107,8 +114,8 @@ def probe(device: str, *, context: str = "") -> dict[str, str]:
     _context.update(context=context, device=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     for name, attempt in COLLECTIVES.items():
-        if name == "send/recv" and world < 2:
-            continue
+        if name == "send/recv" and (world < 2 or device.startswith("cuda")):
+            continue  # on CUDA: trying breaks the group; p2p_staging serves it instead
         try:
             works, correct = attempt(dist, torch, device, rank, world)
             for work in works:

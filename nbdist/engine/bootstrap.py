@@ -27,6 +27,7 @@ from nbdist.engine import (
     control,
     flight_recorder,
     launch_guard,
+    p2p_staging,
     stdin_bridge,
     torchrun_env,
     user_group,
@@ -228,6 +229,7 @@ def _join_group(spec: dict, device: str) -> None:
         # gloo on a GPU copies through host memory, for some collectives only:
         # measure which, so strategies can say so before they start.
         backend_support.probe(device, context=spec.get("gloo_reason", ""))
+        p2p_staging.install()  # gloo's own send/recv of CUDA tensors break the group
 
     # The sockets the group opened (store, gloo pairs): what release() shuts down.
     control.remember_group_sockets(control.socket_snapshot() - before)

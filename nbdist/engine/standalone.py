@@ -30,7 +30,7 @@ import os
 import secrets
 import sys
 
-from nbdist.engine import backend_support
+from nbdist.engine import backend_support, p2p_staging
 from nbdist.engine.devices import (
     SHARED_GPU_ENV,
     choose_backend,
@@ -125,6 +125,7 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
     if chosen == "gloo" and device != "cpu":
         reason = "more ranks than GPUs share them and this torch's NCCL cannot (< 2.30)"
         backend_support.probe(device, context=reason)
+        p2p_staging.install()  # gloo's own send/recv of CUDA tensors break the group
     remember_identity(rank=rank, local_rank=local_rank, world_size=world, device=device)
     _state.update(rank=rank, world_size=world)
     if history is not False:

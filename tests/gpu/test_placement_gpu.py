@@ -160,3 +160,56 @@ def test_gpus_option_puts_ranks_on_the_gpus_named(start_session, gpu_uuids):
     s.run(BINDING, sink=ListSink())
     [got] = s.pull("seen")
     assert (got["mask"], got["uuid"], got["device"]) == (str(last), gpu_uuids[last], "cuda:0")
+
+
+P2P_CELL = """
+from nbdist.strategies import scratch
+
+# Plain send/recv, isend/irecv through P2POp, and a ring of them (example 03).
+mine = torch.full((1000,), float(rank + 1), device=device)
+other = torch.empty(1000, device=device)
+if rank == 0:
+    dist.send(mine, dst=1)
+    dist.recv(other, src=1)
+else:
+    dist.recv(other, src=0)
+    dist.send(mine, dst=0)
+peer = 1 - rank
+posted = torch.empty(1000, device=device)
+works = dist.batch_isend_irecv(
+    [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, posted, peer)]
+)
+for work in works:
+    work.wait()
+ring = torch.arange(4097, dtype=torch.float32, device=device) * (rank + 1)
+scratch.ring_all_reduce(ring)
+after = torch.ones(3, device=device)
+dist.all_reduce(after)  # the group still works after all of it
+p2p = {
+    "other": other.cpu(),
+    "posted": posted.cpu(),
+    "ring": ring.cpu(),
+    "after": after.cpu(),
+    "devices": {str(t.device) for t in (other, posted, ring)},
+}
+"""
+
+
+def test_point_to_point_of_cuda_tensors_works_on_a_shared_gpu(pair):
+    """send/recv, batched isend/irecv and a send/recv ring of CUDA tensors give exact results.
+
+    Over gloo (two ranks on one GPU, NCCL < 2.30) torch's own send/recv of a CUDA tensor
+    fails with "writev ... Bad address" and closes the ranks' connection, so every later
+    collective fails (seen on an H200 with torch 2.11); nbdist copies them through host
+    memory. With NCCL the same cell checks NCCL's own send/recv. Reference: the values
+    each rank sent; small integers are exact in float32, so the tolerance is zero.
+    """
+    pair.run(P2P_CELL, sink=ListSink())
+    want_ring = torch.arange(4097, dtype=torch.float32) * (1 + 2)
+    for rank, got in enumerate(pair.pull("p2p")):
+        peer_value = float(2 - rank)  # what the other rank sent: its rank + 1
+        assert torch.equal(got["other"], torch.full((1000,), peer_value)), got["other"][:4]
+        assert torch.equal(got["posted"], torch.full((1000,), peer_value)), got["posted"][:4]
+        torch.testing.assert_close(got["ring"], want_ring, rtol=0, atol=0)
+        assert torch.equal(got["after"], torch.full((3,), 2.0))
+        assert all(d.startswith("cuda") for d in got["devices"]), got["devices"]

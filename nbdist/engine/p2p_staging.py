@@ -1,0 +1,137 @@
+"""Rank side: send/recv of CUDA tensors over gloo, copied through host memory by nbdist.
+
+Where several ranks share one GPU and torch's NCCL is older than 2.30, nbdist's
+group is gloo with CUDA tensors. gloo copies CUDA tensors through host memory
+for its collectives (all_reduce, broadcast, all_gather, reduce_scatter,
+all_to_all, DDP: all measured to work with torch 2.11 on an H200), but not for
+send/recv: it hands the tensor's device address to the socket, the write fails
+("writev ... Bad address") and the failure closes the connection between the
+two ranks, so every later collective of the group fails too. Hand-written
+all-reduces (example 03), pipeline parallelism and ring attention all use
+send/recv.
+
+:func:`install` (called when such a group forms, never otherwise) replaces
+``send``, ``recv``, ``isend``, ``irecv`` and ``batch_isend_irecv`` of
+``torch.distributed`` (and ``isend``/``irecv`` of ``distributed_c10d`` too, where
+``P2POp`` checks that its op is one of them) with versions that send a CPU copy
+and receive into a CPU buffer, copying it into the CUDA tensor when the receive
+completes (for ``irecv``, when its work's ``wait()`` returns). CPU tensors go
+straight through. What it costs: one device-to-host copy per send and one
+host-to-device copy per receive, on top of gloo's own host-memory transfer.
+A reference to the original function stays in each replacement's ``nbdist_plain``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["install", "installed"]
+
+_installed = False
+
+
+def installed() -> bool:
+    """Whether point-to-point calls are staged through host memory on this rank."""
+    return _installed
+
+
+class _ReceivedWork:
+    """A receive's work: ``wait()`` waits for gloo, then copies the host buffer into the tensor."""
+
+    def __init__(self, work, pairs: list) -> None:
+        self._work = work
+        self._pairs = pairs  # [(cuda tensor, host buffer)], copied once
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        pairs, self._pairs = self._pairs, []
+        for tensor, buffer in pairs:
+            tensor.copy_(buffer)
+        return result
+
+    def __getattr__(self, name):  # is_completed, exception, source_rank, ...: gloo's work
+        return getattr(self._work, name)
+
+
+def _host(tensor):
+    return tensor.detach().to("cpu") if tensor.is_cuda else tensor
+
+
+def _host_buffer(tensor):
+    import torch
+
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+
+def _staged(plain_send, plain_recv, plain_isend, plain_irecv):
+    @functools.wraps(plain_send)
+    def send(tensor, *args, **kwargs):
+        return plain_send(_host(tensor), *args, **kwargs)
+
+    @functools.wraps(plain_recv)
+    def recv(tensor, *args, **kwargs):
+        if not tensor.is_cuda:
+            return plain_recv(tensor, *args, **kwargs)
+        buffer = _host_buffer(tensor)
+        source = plain_recv(buffer, *args, **kwargs)
+        tensor.copy_(buffer)
+        return source
+
+    @functools.wraps(plain_isend)
+    def isend(tensor, *args, **kwargs):
+        # The work holds the host copy until the send completes.
+        return plain_isend(_host(tensor), *args, **kwargs)
+
+    @functools.wraps(plain_irecv)
+    def irecv(tensor, *args, **kwargs):
+        if not tensor.is_cuda:
+            return plain_irecv(tensor, *args, **kwargs)
+        buffer = _host_buffer(tensor)
+        work = plain_irecv(buffer, *args, **kwargs)
+        return _ReceivedWork(work, [(tensor, buffer)])
+
+    return send, recv, isend, irecv
+
+
+def install() -> None:
+    """Stage point-to-point calls of CUDA tensors through host memory (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    plain = {name: getattr(c10d, name) for name in ("send", "recv", "isend", "irecv")}
+    send, recv, isend, irecv = _staged(plain["send"], plain["recv"], plain["isend"], plain["irecv"])
+    sending = {isend, plain["isend"]}
+    plain_batch = c10d.batch_isend_irecv
+
+    @functools.wraps(plain_batch)
+    def batch_isend_irecv(p2p_op_list):
+        # Each op posted on its own (gloo's CPU path does the same): both sides are
+        # posted before any is waited on, so a ring cannot deadlock.
+        works = []
+        for p2p in p2p_op_list:
+            # P2POp keeps the peer both ways (global and group rank): pass the group one.
+            if p2p.op in sending:
+                work = isend(p2p.tensor, group=p2p.group, tag=p2p.tag, group_dst=p2p.group_peer)
+            else:
+                work = irecv(p2p.tensor, group=p2p.group, tag=p2p.tag, group_src=p2p.group_peer)
+            if work is not None:
+                works.append(work)
+        return works
+
+    replacements = {
+        "send": send,
+        "recv": recv,
+        "isend": isend,
+        "irecv": irecv,
+        "batch_isend_irecv": batch_isend_irecv,
+    }
+    for name, replacement in replacements.items():
+        replacement.nbdist_plain = getattr(c10d, name)
+        setattr(dist, name, replacement)
+        if name in ("isend", "irecv"):
+            # P2POp (and pipelining's own checks) compare ops with these by identity.
+            setattr(c10d, name, replacement)
+    _installed = True
