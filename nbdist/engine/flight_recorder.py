@@ -46,19 +46,43 @@ def enable(entries: int = DEFAULT_ENTRIES) -> None:
 
 
 def _dump() -> dict | None:
+    """Every recorder's entries in one ``{"entries": [...]}`` (None when torch has none).
+
+    torch keeps a recorder per kind of device: on a CUDA build NCCL's entries come
+    from ``_dump_nccl_trace_json``, while ``_dump_fr_trace_json`` (torch >= 2.8) holds
+    the CPU recorder gloo writes to (seen with torch 2.11 on an H200: the latter had
+    no NCCL entries). Both are read; an entry is kept once.
+    """
     try:
         from torch._C import _distributed_c10d as c10d  # the only entry point torch offers
     except ImportError:
         return None
-    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(
-        c10d, "_dump_nccl_trace_json", None
-    )
-    if dump is None:
+    entries, seen, found = [], set(), False
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            part = json.loads(dump(True, False))
+        except Exception:  # no group yet, or a backend without a recorder
+            continue
+        found = True
+        for entry in part.get("entries", []):
+            key = (
+                str(entry.get("process_group")),
+                entry.get("record_id"),
+                entry.get("profiling_name"),
+                entry.get("collective_seq_id"),
+            )
+            if key not in seen:
+                seen.add(key)
+                entries.append(entry)
+    if not found:
         return None
-    try:
-        return json.loads(dump(True, False))
-    except Exception:  # no group yet, or a backend without a recorder
-        return None
+    # Two recorders interleave in time: order by creation where torch says when.
+    if all("time_created_ns" in e for e in entries):
+        entries.sort(key=lambda e: e["time_created_ns"])
+    return {"entries": entries}
 
 
 def recent(n: int = 8) -> list[dict] | None:
