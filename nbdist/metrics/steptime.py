@@ -74,6 +74,7 @@ _events: list = []  # (start, end) CUDA event pairs of this step's collectives
 _statm: tuple[int, int] | None = None  # (pid, fd): a forked rank must not read its parent's
 _RSS_EVERY_S = 0.02
 _last_rss: tuple[int, float, dict] | None = None  # (pid, when, reading)
+_last_gpu: tuple[int, float, dict] | None = None  # (CUDA index, when, reading)
 _page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
 _local = threading.local()
 
@@ -152,17 +153,37 @@ def events_seconds(events: list) -> float:
 
 
 def memory(cuda_index: int | None) -> dict[str, float]:
-    """This rank's memory now, in MiB (the keys of :data:`MEMORY_KEYS`); no device sync."""
+    """This rank's memory now, in MiB (the keys of :data:`MEMORY_KEYS`); no device sync.
+
+    Read at most every 20 ms (a step-by-step chart needs no finer grain); between
+    readings the last one is repeated. On a GPU one ``memory_stats_as_nested_dict``
+    gives all three figures: ``torch.cuda.memory_allocated`` and its siblings each
+    build, flatten and sort the allocator's whole statistics table, three times per
+    ``nbdist.log`` call (logging every step of a 1.4 ms step cost 33 % on an H200,
+    bench/RESULTS.md).
+    """
+    global _last_gpu
     if cuda_index is not None:
+        now = time.monotonic()
+        if (
+            _last_gpu is not None
+            and _last_gpu[0] == cuda_index
+            and now - _last_gpu[1] < _RSS_EVERY_S
+        ):
+            return dict(_last_gpu[2])
         torch = sys.modules.get("torch")
         try:
-            return {
-                "memory_mib": torch.cuda.memory_allocated(cuda_index) / 2**20,
-                "memory_reserved_mib": torch.cuda.memory_reserved(cuda_index) / 2**20,
-                "memory_peak_mib": torch.cuda.max_memory_allocated(cuda_index) / 2**20,
+            stats = torch.cuda.memory_stats_as_nested_dict(cuda_index)
+            allocated = stats["allocated_bytes"]["all"]
+            reading = {
+                "memory_mib": allocated["current"] / 2**20,
+                "memory_reserved_mib": stats["reserved_bytes"]["all"]["current"] / 2**20,
+                "memory_peak_mib": allocated["peak"] / 2**20,
             }
         except Exception:
             return {}
+        _last_gpu = (cuda_index, now, reading)
+        return dict(reading)
     global _statm, _last_rss
     now = time.monotonic()
     # RSS read at most every 20 ms: a step-by-step chart needs no finer grain, and two
