@@ -1,8 +1,8 @@
 """Kernel side: how a cell travels to the ranks, and what each rank's execute reply says back.
 
-One execute request per rank, as ipyparallel's ``DirectView.execute`` sends it,
-plus one Jupyter *user expression*, :data:`AFTER_CELL`, that every rank
-evaluates right after the cell and answers in its execute reply:
+One execute request per rank, as ipyparallel's ``DirectView.execute`` sends it.
+Each rank's execute reply carries, under the content key ``nbdist`` (put there
+by :func:`nbdist.engine.cell_reply.install`, failed cells included):
 
 - the rank's running count of metrics points sent (it sends what the cell
   logged first), so the kernel knows how many points to wait for without an
@@ -11,7 +11,12 @@ evaluates right after the cell and answers in its execute reply:
   expression to show may be sent *silent* (see :meth:`CellChannel.execute`).
 
 Both answers ride on the reply the kernel waits for anyway; a no-op cell's round
-trip is ~10 ms, so one more message per rank and cell would be measurable.
+trip is a few ms, so one more message per rank and cell would be measurable. An
+engine whose replies do not carry them yet (its first cell, or an engine nbdist
+did not set up) is asked through a Jupyter *user expression*, :data:`AFTER_CELL`,
+instead, which IPython compiles, evaluates and formats on every cell: dropping
+it once the replies answer made a no-op ``%%on_all_ranks`` 1.07x raw
+``DirectView.execute`` at 2 ranks instead of 1.10-1.15x (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 
 from nbdist.driver.ipp_internals import reply_content, send_execute
+from nbdist.engine.cell_reply import REPLY_KEY
 
 __all__ = ["AFTER_CELL", "CellChannel", "cell_channel", "displays_nothing"]
 
@@ -29,17 +35,25 @@ AFTER_CELL = "__import__('nbdist.engine.cell_reply', fromlist=['_']).after_cell(
 _KEY = "nbdist"
 
 
-def _answer(result) -> tuple[int | None, str | None]:
-    """(points sent or None, interactivity or None) from one rank's execute reply."""
+def _answer(result) -> tuple[int | None, str | None, bool]:
+    """(points sent or None, interactivity or None, whether the answer came in the reply's
+    content) from one rank's execute reply."""
+    content = reply_content(result)
+    answer = content.get(REPLY_KEY) if isinstance(content, dict) else None
+    if answer is None:  # a failed cell: ipyparallel's error keeps the reply's engine_info
+        answer = (getattr(result, "engine_info", None) or {}).get(REPLY_KEY)
+    in_content = isinstance(answer, str)
     try:
-        reply = reply_content(result)["user_expressions"][_KEY]
-        if reply["status"] != "ok":
-            return None, None
-        total, interactivity = ast.literal_eval(reply["data"]["text/plain"]).split(" ", 1)
+        if not in_content:
+            reply = content["user_expressions"][_KEY]
+            if reply["status"] != "ok":
+                return None, None, False
+            answer = ast.literal_eval(reply["data"]["text/plain"])
+        total, interactivity = answer.split(" ", 1)
         total = int(total)
-        return (total if total >= 0 else None), interactivity
+        return (total if total >= 0 else None), interactivity, in_content
     except (AttributeError, KeyError, TypeError, ValueError, SyntaxError):
-        return None, None  # an error reply: user expressions are not evaluated then
+        return None, None, in_content  # an error reply: user expressions are not evaluated then
 
 
 def displays_nothing(code: str) -> bool:
@@ -68,6 +82,9 @@ class CellChannel:
         # Engines whose last reply said 'last_expr' (IPython's default): for them
         # displays_nothing() matches what their shell would show.
         self._last_expr: set[int] = set()
+        # Engines whose execute replies carry nbdist's answer (nbdist.engine.cell_reply.install):
+        # they are sent no user expression.
+        self._answers_in_reply: set[int] = set()
 
     def view(self, engine_ids: Sequence[int]):
         """The ``DirectView`` of these engines, made once and reused by every cell."""
@@ -98,16 +115,20 @@ class CellChannel:
         silent = (
             silent_if_possible and self._last_expr.issuperset(engine_ids) and displays_nothing(code)
         )
-        # What DirectView.execute sends, plus the user expression it has no argument for.
-        content = dict(code=code, silent=silent, user_expressions={_KEY: AFTER_CELL})
+        # What DirectView.execute sends, plus (for an engine whose replies have not yet
+        # carried nbdist's answer) the user expression it has no argument for.
+        asks = {} if self._answers_in_reply.issuperset(engine_ids) else {_KEY: AFTER_CELL}
+        content = dict(code=code, silent=silent, user_expressions=asks)
         return send_execute(client, view, engine_ids, content)
 
     def learn(self, engine_ids: Iterable[int], results: Iterable) -> list[int | None]:
         """Take what each engine's reply said about its shell; the points each had sent."""
         sent = []
         for engine_id, result in zip(engine_ids, results):
-            points, interactivity = _answer(result)
+            points, interactivity, in_reply = _answer(result)
             sent.append(points)
+            if in_reply:
+                self._answers_in_reply.add(engine_id)
             if interactivity == "last_expr":
                 self._last_expr.add(engine_id)
             else:  # another setting, or not answered (an error): loud until it says again

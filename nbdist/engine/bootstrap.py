@@ -23,6 +23,7 @@ import socket
 
 from nbdist.engine import (
     backend_support,
+    cell_reply,
     collectives,
     control,
     flight_recorder,
@@ -167,6 +168,8 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         control.install(kernel)
         # input(), getpass and pdb on this rank ask the notebook (Jupyter's stdin channel).
         stdin_bridge.install(kernel)
+        # Each execute reply says what the kernel needs to know after a cell.
+        cell_reply.install(kernel, shell)
         _fill_namespace(shell, spec, device)
         if spec.get("metrics_url"):
             # The engine's session key is the cluster key the kernel's collector checks.

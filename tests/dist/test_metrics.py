@@ -109,3 +109,24 @@ def test_after_a_restart_a_cell_returns_with_its_points_in_the_run(session):
     # the stopped cluster's client (and its sockets' state) go.
     if old_client() is not session.client:
         assert old_client() is None, "the stopped cluster's client (and its sockets' state) is kept"
+
+
+def test_a_failing_cell_returns_with_every_point_it_logged_before_the_error(session):
+    """The points a cell logged before it raised are all in the run when the error shows.
+
+    Each rank's execute reply says how many points it has sent, failed cells included
+    (nbdist.engine.cell_reply), and the kernel waits for that many before the cell ends.
+    3,000 points per rank without pauses: far more than one flush (5 a second) takes.
+    """
+    before = [session.metrics.count(r) for r in (0, 1)]
+    with pytest.raises(nbdist.RankError) as info:
+        session.run(
+            "for i in range(3000):\n    nbdist.log(step=i, loss=float(i))\n"
+            "raise ValueError('after the points')\n",
+            sink=ListSink(),
+        )
+    assert "after the points" in str(info.value)
+    after = [session.metrics.count(r) for r in (0, 1)]
+    assert [a - b for a, b in zip(after, before)] == [3000, 3000]
+    steps, losses = session.metrics.series("loss", 0)
+    assert steps[-1] == 2999 and losses[-1] == 2999.0
