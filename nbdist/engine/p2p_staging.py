@@ -38,14 +38,15 @@ def installed() -> bool:
 class _ReceivedWork:
     """A receive's work: ``wait()`` waits for gloo, then copies the host buffer into the tensor."""
 
-    def __init__(self, work, pairs: list) -> None:
+    def __init__(self, work, tensor, buffer) -> None:
         self._work = work
-        self._pairs = pairs  # [(cuda tensor, host buffer)], copied once
+        self._copy = (tensor, buffer)  # done once, at the first wait()
 
     def wait(self, *args, **kwargs):
         result = self._work.wait(*args, **kwargs)
-        pairs, self._pairs = self._pairs, []
-        for tensor, buffer in pairs:
+        if self._copy is not None:
+            tensor, buffer = self._copy
+            self._copy = None
             tensor.copy_(buffer)
         return result
 
@@ -53,44 +54,33 @@ class _ReceivedWork:
         return getattr(self._work, name)
 
 
-def _host(tensor):
-    return tensor.detach().to("cpu") if tensor.is_cuda else tensor
+def _sender(plain):
+    """``plain`` (send or isend) given a host copy of a CUDA tensor; the work holds the copy."""
 
-
-def _host_buffer(tensor):
-    import torch
-
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-
-
-def _staged(plain_send, plain_recv, plain_isend, plain_irecv):
-    @functools.wraps(plain_send)
+    @functools.wraps(plain)
     def send(tensor, *args, **kwargs):
-        return plain_send(_host(tensor), *args, **kwargs)
+        return plain(tensor.detach().to("cpu") if tensor.is_cuda else tensor, *args, **kwargs)
 
-    @functools.wraps(plain_recv)
+    return send
+
+
+def _receiver(plain, *, asynchronous: bool):
+    """``plain`` (recv or irecv) into a host buffer, copied into the CUDA tensor once it arrived."""
+
+    @functools.wraps(plain)
     def recv(tensor, *args, **kwargs):
         if not tensor.is_cuda:
-            return plain_recv(tensor, *args, **kwargs)
-        buffer = _host_buffer(tensor)
-        source = plain_recv(buffer, *args, **kwargs)
+            return plain(tensor, *args, **kwargs)
+        import torch
+
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        result = plain(buffer, *args, **kwargs)
+        if asynchronous:  # irecv: the data is there only after the work's wait()
+            return _ReceivedWork(result, tensor, buffer)
         tensor.copy_(buffer)
-        return source
+        return result
 
-    @functools.wraps(plain_isend)
-    def isend(tensor, *args, **kwargs):
-        # The work holds the host copy until the send completes.
-        return plain_isend(_host(tensor), *args, **kwargs)
-
-    @functools.wraps(plain_irecv)
-    def irecv(tensor, *args, **kwargs):
-        if not tensor.is_cuda:
-            return plain_irecv(tensor, *args, **kwargs)
-        buffer = _host_buffer(tensor)
-        work = plain_irecv(buffer, *args, **kwargs)
-        return _ReceivedWork(work, [(tensor, buffer)])
-
-    return send, recv, isend, irecv
+    return recv
 
 
 def install() -> None:
@@ -101,9 +91,9 @@ def install() -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    plain = {name: getattr(c10d, name) for name in ("send", "recv", "isend", "irecv")}
-    send, recv, isend, irecv = _staged(plain["send"], plain["recv"], plain["isend"], plain["irecv"])
-    sending = {isend, plain["isend"]}
+    isend = _sender(c10d.isend)
+    irecv = _receiver(c10d.irecv, asynchronous=True)
+    sending = {isend, c10d.isend}
     plain_batch = c10d.batch_isend_irecv
 
     @functools.wraps(plain_batch)
@@ -122,8 +112,8 @@ def install() -> None:
         return works
 
     replacements = {
-        "send": send,
-        "recv": recv,
+        "send": _sender(c10d.send),
+        "recv": _receiver(c10d.recv, asynchronous=False),
         "isend": isend,
         "irecv": irecv,
         "batch_isend_irecv": batch_isend_irecv,

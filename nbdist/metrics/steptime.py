@@ -72,7 +72,7 @@ _comm = 0.0
 _data = 0.0
 _events: list = []  # (start, end) CUDA event pairs of this step's collectives
 _statm: tuple[int, int] | None = None  # (pid, fd): a forked rank must not read its parent's
-_RSS_EVERY_S = 0.02
+_MEMORY_EVERY_S = 0.02  # memory read at most this often (RSS on CPU, the allocator on a GPU)
 _last_rss: tuple[int, float, dict] | None = None  # (pid, when, reading)
 _last_gpu: tuple[int, float, dict] | None = None  # (CUDA index, when, reading)
 _page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
@@ -168,7 +168,7 @@ def memory(cuda_index: int | None) -> dict[str, float]:
         if (
             _last_gpu is not None
             and _last_gpu[0] == cuda_index
-            and now - _last_gpu[1] < _RSS_EVERY_S
+            and now - _last_gpu[1] < _MEMORY_EVERY_S
         ):
             return dict(_last_gpu[2])
         torch = sys.modules.get("torch")
@@ -189,7 +189,7 @@ def memory(cuda_index: int | None) -> dict[str, float]:
     # RSS read at most every 20 ms: a step-by-step chart needs no finer grain, and two
     # system calls per log call were a third of its cost on short steps.
     pid = os.getpid()  # a forked rank must not reuse its parent's reading
-    if _last_rss is not None and _last_rss[0] == pid and now - _last_rss[1] < _RSS_EVERY_S:
+    if _last_rss is not None and _last_rss[0] == pid and now - _last_rss[1] < _MEMORY_EVERY_S:
         return dict(_last_rss[2])
     out: dict[str, float] = {}
     try:
