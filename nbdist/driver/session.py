@@ -23,12 +23,7 @@ from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
 from nbdist.engine import bootstrap
 from nbdist.errors import ClusterNotRunning, NbdistError
-from nbdist.launch.cluster import (
-    ClusterHandle,
-    interrupt_engines,
-    start_processes,
-    stop_processes,
-)
+from nbdist.launch.cluster import ClusterHandle, interrupt_engines, start_processes, stop_processes
 from nbdist.launch.options import StartOptions, check_start_options
 from nbdist.launch.placement import Placement, plan_start
 
@@ -276,6 +271,7 @@ class DistSession:
         if self.group.released:  # an earlier attempt to form the group again failed
             self.reform_group()
         client, engine_ids = self._handle.client, [r.engine_id for r in chosen]
+        watch = cell_watcher(self._hub.run, self.rank_states)
         run = submit(
             client,
             engine_ids,
@@ -284,7 +280,7 @@ class DistSession:
             interrupt=self.interrupt,
             sink=sink,
             timeout=timeout,
-            watch=cell_watcher(self._hub.run, self.rank_states),
+            watch=watch,
             guard=CellGuard(self, chosen),
             silent_if_possible=block,
         )
@@ -295,6 +291,9 @@ class DistSession:
         finally:
             sent = cell_channel(client).learn(engine_ids, run.results or [])
             self._hub.settle(dict(zip(run.ranks, sent)))
+            # A short cell's points can all arrive while the kernel settles, after the
+            # waiting loop ended: its dashboard still appears under it.
+            watch()
 
     def record_cell(self, code: str) -> None:
         """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""
