@@ -19,6 +19,13 @@ completes (for ``irecv``, when its work's ``wait()`` returns). CPU tensors go
 straight through. What it costs: one device-to-host copy per send and one
 host-to-device copy per receive, on top of gloo's own host-memory transfer.
 A reference to the original function stays in each replacement's ``nbdist_plain``.
+
+The copy into the received tensor runs without autograd, as NCCL's own receive
+writes: torch's pipelining receives into leaf tensors that require grad, where
+an in-place copy under autograd raises ("a leaf Variable that requires grad is
+being used in an in-place operation"; seen on an H200 with examples 12 and 18).
+``install(stage_cpu_tensors=True)`` stages CPU tensors through a host copy as
+well, so machines without a GPU run every line of the staging path (tests).
 """
 
 from __future__ import annotations
@@ -28,6 +35,18 @@ import functools
 __all__ = ["install", "installed"]
 
 _installed = False
+_stage_cpu_tensors = False  # install(stage_cpu_tensors=True): the staging path on CPU too
+
+
+def _staged(tensor) -> bool:
+    return tensor.is_cuda or _stage_cpu_tensors
+
+
+def _copy_received(tensor, buffer) -> None:
+    import torch
+
+    with torch.no_grad():  # a receive writes data, as NCCL's does: no autograd record
+        tensor.copy_(buffer)
 
 
 def installed() -> bool:
@@ -47,7 +66,7 @@ class _ReceivedWork:
         if self._copy is not None:
             tensor, buffer = self._copy
             self._copy = None
-            tensor.copy_(buffer)
+            _copy_received(tensor, buffer)
         return result
 
     def __getattr__(self, name):  # is_completed, exception, source_rank, ...: gloo's work
@@ -59,7 +78,8 @@ def _sender(plain):
 
     @functools.wraps(plain)
     def send(tensor, *args, **kwargs):
-        return plain(tensor.detach().to("cpu") if tensor.is_cuda else tensor, *args, **kwargs)
+        staged = tensor.detach().to("cpu", copy=True) if _staged(tensor) else tensor
+        return plain(staged, *args, **kwargs)
 
     return send
 
@@ -69,7 +89,7 @@ def _receiver(plain, *, asynchronous: bool):
 
     @functools.wraps(plain)
     def recv(tensor, *args, **kwargs):
-        if not tensor.is_cuda:
+        if not _staged(tensor):
             return plain(tensor, *args, **kwargs)
         import torch
 
@@ -77,15 +97,20 @@ def _receiver(plain, *, asynchronous: bool):
         result = plain(buffer, *args, **kwargs)
         if asynchronous:  # irecv: the data is there only after the work's wait()
             return _ReceivedWork(result, tensor, buffer)
-        tensor.copy_(buffer)
+        _copy_received(tensor, buffer)
         return result
 
     return recv
 
 
-def install() -> None:
-    """Stage point-to-point calls of CUDA tensors through host memory (idempotent)."""
-    global _installed
+def install(*, stage_cpu_tensors: bool = False) -> None:
+    """Stage point-to-point calls of CUDA tensors through host memory (idempotent).
+
+    ``stage_cpu_tensors=True`` copies CPU tensors through a host buffer too (for tests
+    of the staging path on machines without a GPU; no use otherwise).
+    """
+    global _installed, _stage_cpu_tensors
+    _stage_cpu_tensors = _stage_cpu_tensors or stage_cpu_tensors
     if _installed:
         return
     import torch.distributed as dist

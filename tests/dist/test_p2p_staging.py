@@ -8,7 +8,11 @@ homogeneous batches through ``p2p.op`` itself), nbdist's send/recv ring, and
 ``%dist_where``'s record of the last collective. Here they are installed on CPU
 ranks, where the same code runs with CPU tensors, and each caller's numbers are
 compared with a reference: exact integers in float32 (tolerance zero), and a
-pipeline's loss against the same model trained in one process.
+pipeline's loss and gradients against the same model trained in one process.
+They are installed with ``stage_cpu_tensors=True``: CPU tensors then take the
+path CUDA tensors take (copy out, receive into a buffer, copy back), which is
+what broke torch's pipelining on an H200 (the copy into a received leaf that
+requires grad ran under autograd).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from tests.dist.ranks_with import ranks_with
 
 STAGED = """
 from nbdist.engine import p2p_staging, collectives
-p2p_staging.install()
+p2p_staging.install(stage_cpu_tensors=True)  # every send/recv through host copies, as on a GPU
 p2p_staging.install()  # idempotent
 collectives.install()  # the order a group on a shared GPU forms in: staged, then tracked
 """
@@ -71,11 +75,16 @@ scratch.ring_all_reduce(ring)
 
 
 def test_a_pipeline_trains_through_the_staged_calls(session):
-    """torch's pipelining (1F1B) over 2 stages: the loss equals one process's on the same model.
+    """torch's pipelining (GPipe and 1F1B) over 2 stages, 3 steps of SGD each: every
+    step's loss and the final weights equal one process training the same model.
 
-    Reference: float32 forward and backward of the same 2-layer model in one process;
-    the pipeline sums 4 micro-batch losses in another order, so a relative tolerance
-    of a few float32 units (1e-5) bounds the difference.
+    Several steps matter: from the second step on, the receiving stage receives
+    into buffers that already require grad (the first step set it), which is where
+    a receive's copy under autograd raised on a GPU. Reference: float32 forward and
+    backward of the same 2-layer model in one process on the mean of 4 micro-batch
+    losses; the pipeline sums the same products in another order, so a relative
+    tolerance of a few float32 units (1e-5; atol 1e-6 for weights near zero) bounds
+    the difference.
     """
     session.run(
         """
@@ -83,17 +92,25 @@ import torch.nn.functional as F
 from torch import nn
 from nbdist.strategies.pipeline import pipeline_schedule
 
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
 x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
 y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
-stage, schedule = pipeline_schedule(model, n_microbatches=4, loss_fn=F.mse_loss)
-losses = []
-if stage.is_first:
-    schedule.step(x)
-else:
-    schedule.step(target=y, losses=losses)
-pipe_loss = sum(float(l) for l in losses) / 4 if losses else None
+pipe_losses, pipe_weights = {}, {}
+for kind in ("gpipe", "1f1b"):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    stage, schedule = pipeline_schedule(model, n_microbatches=4, loss_fn=F.mse_loss, schedule=kind)
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+    pipe_losses[kind] = []
+    for step in range(3):
+        opt.zero_grad()
+        losses = []
+        if stage.is_first:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+            pipe_losses[kind].append(sum(float(l) for l in losses) / 4)
+        opt.step()
+    pipe_weights[kind] = [p.detach().clone() for p in stage.submod.parameters()]
 """,
         sink=ListSink(),
     )
@@ -101,10 +118,20 @@ pipe_loss = sum(float(l) for l in losses) / 4 if losses else None
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
-    want = sum(
-        torch.nn.functional.mse_loss(model(xs), ys).item()
-        for xs, ys in zip(x.chunk(4), y.chunk(4))
-    ) / 4
-    first, last = session.pull("pipe_loss")
-    assert first is None
-    assert last == pytest.approx(want, rel=1e-5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want_losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)  # = mean of the 4 micro-batch losses
+        loss.backward()
+        opt.step()
+        want_losses.append(loss.item())
+    want_weights = [p.detach() for p in model.parameters()]
+    first, last = session.pull("pipe_losses")
+    weights = session.pull("pipe_weights")
+    for kind in ("gpipe", "1f1b"):
+        assert first[kind] == []
+        assert last[kind] == pytest.approx(want_losses, rel=1e-5), kind
+        got = weights[0][kind] + weights[1][kind]  # stage 0 holds layer 0, stage 1 layer 1
+        for g, w in zip(got, want_weights):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind}: {m}")
