@@ -136,6 +136,9 @@ def form_group(
             loopback_only=master_addr.startswith("127."), metrics_url=metrics_url,
             metrics_key=metrics_key_for_ranks, shares_gpu=slot.rank in sharing,
             gloo_reason=gloo_reason, group_rank=host_index[slot.host],
+            # gloo serves where NCCL was the choice but cannot share a GPU: a script's
+            # init_process_group("nccl") is then served by it (user_group).
+            gloo_for_nccl=gloo_reason if placement.shared_gpus else "",
             group_world_size=len(host_index), run_id=run_id,
         )  # fmt: skip
         pending[eid] = client[[eid]].apply_async(bootstrap.init_rank, spec, _shell_reference())

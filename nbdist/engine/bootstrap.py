@@ -238,7 +238,9 @@ def _join_group(spec: dict, device: str) -> None:
     control.remember_group_sockets(control.socket_snapshot() - before)
     collectives.reset()
     collectives.install()
-    user_group.install()
+    user_group.install(
+        gloo_for_nccl=spec.get("gloo_for_nccl", "") if device.startswith("cuda") else ""
+    )
     control.track_subgroups()
 
 

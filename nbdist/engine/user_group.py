@@ -7,7 +7,11 @@ it at the end. On a rank, nbdist formed it already, and the next cell needs it:
   the group serves, when the call asks for nothing else (same backend, world
   size and rank, or none given); a call that asks for something else fails
   with :class:`GroupConflict`, naming the argument and the fix. Without a
-  group up (a plain process), the call goes to torch.
+  group up (a plain process), the call goes to torch. One exception: where
+  nbdist's group is gloo only because ranks share a GPU that this torch's NCCL
+  cannot share (< 2.30), a script's ``init_process_group("nccl")`` is served by
+  it (the script's collectives run on its CUDA tensors over gloo) and says so
+  once: a torchrun script written for one GPU per rank then runs unchanged.
 - ``destroy_process_group()`` of the default group leaves nbdist's group up
   (the next cell needs it; ``%dist_stop`` ends it) and says so once. Other
   groups (``new_group`` subgroups) are destroyed as asked.
@@ -22,6 +26,8 @@ import sys
 __all__ = ["GroupConflict", "install", "original"]
 
 _said: set[str] = set()
+# Why gloo stands in for NCCL on this rank's group ('' where it does not): set by install().
+_gloo_for_nccl = ""
 
 
 class GroupConflict(RuntimeError):
@@ -48,10 +54,21 @@ def _backend_matches(asked: str, current: str) -> bool:
     return current.lower() in wanted or not wanted
 
 
-def check_conflict(*, backend, world_size, rank, current: tuple[str, int, int]) -> str:
-    """What of a script's init arguments conflicts with the group up now ('' if nothing)."""
+def _asks_nccl(backend) -> bool:
+    return backend is not None and "nccl" in str(backend).lower()
+
+
+def check_conflict(
+    *, backend, world_size, rank, current: tuple[str, int, int], gloo_for_nccl: str = ""
+) -> str:
+    """What of a script's init arguments conflicts with the group up now ('' if nothing).
+
+    ``gloo_for_nccl``: why a gloo group stands in for NCCL here; an NCCL request is then
+    no conflict.
+    """
     have_backend, have_world, have_rank = current
-    if backend is not None and not _backend_matches(str(backend), have_backend):
+    stands_in = bool(gloo_for_nccl) and have_backend == "gloo" and _asks_nccl(backend)
+    if backend is not None and not stands_in and not _backend_matches(str(backend), have_backend):
         return (
             f"backend={backend!r}, but nbdist's group uses {have_backend!r}: drop the argument "
             f"(or pass {have_backend!r}), or %dist_stop and %dist_start --backend {backend}"
@@ -75,9 +92,19 @@ def _init_process_group(backend=None, init_method=None, timeout=None, world_size
             backend, init_method, timeout, world_size, rank, *args, **kwargs
         )
     current = (str(dist.get_backend()), dist.get_world_size(), dist.get_rank())
-    conflict = check_conflict(backend=backend, world_size=world_size, rank=rank, current=current)
+    conflict = check_conflict(
+        backend=backend, world_size=world_size, rank=rank, current=current,
+        gloo_for_nccl=_gloo_for_nccl,
+    )  # fmt: skip
     if conflict:
         raise GroupConflict(f"init_process_group: nbdist's process group is already up; {conflict}")
+    if _gloo_for_nccl and current[0] == "gloo" and _asks_nccl(backend):
+        _say_once(
+            "init-nccl",
+            f"init_process_group(backend={backend!r}): nbdist's group is gloo with CUDA tensors "
+            f"here ({_gloo_for_nccl}); it serves this script",
+        )
+        return None
     _say_once("init", "init_process_group: nbdist's process group is already up and serves this")
     return None
 
@@ -95,8 +122,14 @@ def _destroy_process_group(group=None):
     return original("destroy_process_group")(group)
 
 
-def install() -> None:
-    """Wrap both functions in ``torch.distributed`` and its ``distributed_c10d`` (idempotent)."""
+def install(*, gloo_for_nccl: str = "") -> None:
+    """Wrap both functions in ``torch.distributed`` and its ``distributed_c10d`` (idempotent).
+
+    ``gloo_for_nccl``: why this group is gloo where NCCL would be, if it is (every
+    group formation sets it again).
+    """
+    global _gloo_for_nccl
+    _gloo_for_nccl = gloo_for_nccl
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 

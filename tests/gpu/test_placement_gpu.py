@@ -213,3 +213,75 @@ def test_point_to_point_of_cuda_tensors_works_on_a_shared_gpu(pair):
         torch.testing.assert_close(got["ring"], want_ring, rtol=0, atol=0)
         assert torch.equal(got["after"], torch.full((3,), 2.0))
         assert all(d.startswith("cuda") for d in got["devices"]), got["devices"]
+
+
+def test_a_torchrun_script_asking_for_nccl_is_served_on_a_shared_gpu(pair):
+    """A script's own ``init_process_group("nccl")`` runs unchanged where two ranks share a GPU.
+
+    With NCCL < 2.30 nbdist's group there is gloo with CUDA tensors; the script asked for
+    NCCL only because it saw a GPU, and gloo serves it (example 23 failed with
+    GroupConflict on an H200 before). Reference: exact integer sum of the ranks' values.
+    """
+    pair.run(
+        """
+dist.init_process_group("nccl")
+served = torch.full((4,), float(rank + 1), device=device)
+dist.all_reduce(served)
+served = served.cpu()
+""",
+        sink=ListSink(),
+    )
+    for got in pair.pull("served"):
+        assert torch.equal(got, torch.full((4,), 3.0))
+
+
+def test_a_pipeline_trains_on_a_shared_gpu(pair):
+    """torch's pipelining (GPipe, 2 stages) on CUDA tensors, 3 SGD steps: the losses equal
+    one process's on the same model.
+
+    From its second step the receiving stage receives into buffers that require grad;
+    nbdist's host staging copied into them under autograd and raised (examples 12 and 18
+    on an H200). Reference: the same float32 model trained on the whole batch in one
+    process on the same GPU; the pipeline sums 4 micro-batch losses in another order,
+    so rel 1e-5 (a few float32 units).
+    """
+    pair.run(
+        """
+import torch.nn.functional as F
+from torch import nn
+from nbdist.strategies.pipeline import pipeline_schedule
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(device)
+y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2)).to(device)
+stage, schedule = pipeline_schedule(model, n_microbatches=4, loss_fn=F.mse_loss, schedule="gpipe")
+opt = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+pipe_losses = []
+for step in range(3):
+    opt.zero_grad()
+    losses = []
+    if stage.is_first:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+        pipe_losses.append(sum(float(l) for l in losses) / 4)
+    opt.step()
+""",
+        sink=ListSink(),
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).cuda()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).cuda()
+    y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    first, last = pair.pull("pipe_losses")
+    assert first == []
+    assert last == pytest.approx(want, rel=1e-5)
