@@ -43,7 +43,18 @@ def main(path: str) -> int:
     nbformat.write(nb, out)
     print(f"\nexecuted notebook written to {out}")
     if failed is not None:
-        print(f"FAILED: {str(failed).splitlines()[0] if str(failed) else failed}", file=sys.stderr)
+        # One line that says which cell failed and why: what a log's tail shows.
+        where = next(
+            (
+                (i, cell)
+                for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code")
+                if any(o.output_type == "error" for o in cell.get("outputs", []))
+            ),
+            None,
+        )
+        cell_text = f"code cell {where[0]} ({where[1].source.splitlines()[:2]})" if where else "a cell"
+        reason = f"{getattr(failed, 'ename', type(failed).__name__)}: {getattr(failed, 'evalue', failed)}"
+        print(f"FAILED: {cell_text} raised {reason[:1500]}", file=sys.stderr)
         return 1
     print("OK: every cell ran")
     return 0

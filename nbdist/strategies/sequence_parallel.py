@@ -95,6 +95,7 @@ def apply_sequence_parallel(
 
     from nbdist.engine.backend_support import require
     from nbdist.strategies.checkpointing import find_blocks
+    from nbdist.strategies.tensor_parallel import replicate_unsharded
 
     # Sequence shards are all-gathered before colwise layers and reduce-scattered after rowwise ones.
     require(
@@ -156,6 +157,8 @@ def apply_sequence_parallel(
             output_layouts=(shard,), desired_output_layouts=(Replicate(),), use_local_output=True
         ),
     )
+    # Embeddings, the final norm, the head: replicated DTensors too (foreach optimizers).
+    replicate_unsharded(model, mesh, caller="apply_sequence_parallel")
     return model
 
 

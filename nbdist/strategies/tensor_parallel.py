@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["apply_tp", "device_mesh", "linear_pairs", "local_param_bytes"]
+__all__ = ["apply_tp", "device_mesh", "linear_pairs", "local_param_bytes", "replicate_unsharded"]
 
 
 def device_mesh(
@@ -117,7 +117,9 @@ def apply_tp(
     styles = {name: ColwiseParallel() for name in colwise}
     styles.update({name: RowwiseParallel() for name in rowwise})
     styles.update(plan or {})
-    return parallelize_module(model, mesh, styles)
+    parallelize_module(model, mesh, styles)
+    replicate_unsharded(model, mesh, caller="apply_tp")
+    return model
 
 
 def linear_pairs(model: nn.Module, world: int) -> tuple[list[str], list[str]]:
@@ -148,3 +150,93 @@ def local_param_bytes(model: nn.Module) -> int:
     from nbdist.strategies.measure import local_bytes
 
     return local_bytes(model.parameters())
+
+
+# Layers whose forward uses only their inputs, parameters and buffers: as replicated
+# DTensors they compute exactly what they did (their inputs made replicated DTensors,
+# their outputs plain again).
+_REPLICABLE = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
+
+
+def replicate_unsharded(model: nn.Module, mesh, *, caller: str = "replicate_unsharded") -> list[str]:
+    """Make the parameters a tensor-parallel plan left alone replicated DTensors on ``mesh``.
+
+    Why: on GPUs torch's optimizers default to foreach kernels, which refuse a list
+    mixing DTensors and plain tensors ("got mixed torch.Tensor and DTensor"), so a
+    model whose sharded layers are DTensors and whose other layers (embeddings,
+    norms, the head) are not fails at its first ``opt.step()`` there (on CPU the
+    default per-parameter loop hides it). Each ``nn.Linear``, ``nn.Embedding``,
+    ``nn.LayerNorm`` or ``nn.RMSNorm`` with plain parameters gets them as
+    ``Replicate()`` DTensors; its plain tensor inputs enter as replicated DTensors
+    and its outputs leave as plain tensors again, so the code around it sees what
+    it saw before. Their gradients need no communication: in tensor parallelism
+    every rank computes the same ones. Parameters of other modules, and weights
+    tied between modules (replicating one would untie them), stay plain: a warning
+    names them and the fix (``foreach=False`` for the optimizer). Returns the names
+    of the parameters made replicated.
+    """
+    from torch.distributed.tensor import DTensor
+
+    def plain(module: nn.Module) -> list[str]:
+        return [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    replicated, left = [], []
+    for name, module in model.named_modules():
+        names = plain(module)
+        if not names:
+            continue
+        prefix = f"{name}." if name else ""
+        tied = any(owners[id(p)] > 1 for p in module.parameters(recurse=False))
+        if isinstance(module, _REPLICABLE) and not tied and len(names) == len(
+            list(module.parameters(recurse=False))
+        ):
+            _replicate(module, mesh)
+            replicated += [prefix + n for n in names]
+        else:
+            left += [prefix + n for n in names]
+    if left and any(isinstance(p, DTensor) for p in model.parameters()):
+        import warnings
+
+        shown = ", ".join(left[:6]) + (f" and {len(left) - 6} more" if len(left) > 6 else "")
+        warnings.warn(
+            f"{caller}: {shown} stay plain tensors next to DTensor parameters (a module "
+            f"nbdist cannot replicate safely, or a tied weight); on GPUs torch's optimizers "
+            f"refuse that mix at their first step: pass foreach=False to the optimizer, or "
+            f"give those modules a style in plan=",
+            stacklevel=3,
+        )
+    return replicated
+
+
+def _replicate(module: nn.Module, mesh) -> None:
+    """``module``'s parameters replicated on ``mesh``; plain tensors in, plain tensors out."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    replicate = [Replicate()] * mesh.ndim
+
+    def inputs_in(_module, inputs, device_mesh):
+        converted = tuple(
+            DTensor.from_local(x, device_mesh, replicate, run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+        # Outputs go back to plain tensors only where the inputs came in plain.
+        _module.nbdist_plain_inputs = any(a is not b for a, b in zip(converted, inputs))
+        return converted
+
+    def outputs_out(_module, outputs, device_mesh):
+        if not getattr(_module, "nbdist_plain_inputs", False):
+            return outputs
+        if isinstance(outputs, DTensor):
+            return outputs.to_local()
+        if isinstance(outputs, tuple):
+            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+        return outputs
+
+    distribute_module(module, mesh, None, input_fn=inputs_in, output_fn=outputs_out)
