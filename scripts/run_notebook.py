@@ -52,7 +52,9 @@ def main(path: str) -> int:
             ),
             None,
         )
-        cell_text = f"code cell {where[0]} ({where[1].source.splitlines()[:2]})" if where else "a cell"
+        cell_text = (
+            f"code cell {where[0]} ({where[1].source.splitlines()[:2]})" if where else "a cell"
+        )
         reason = f"{getattr(failed, 'ename', type(failed).__name__)}: {getattr(failed, 'evalue', failed)}"
         print(f"FAILED: {cell_text} raised {reason[:1500]}", file=sys.stderr)
         return 1

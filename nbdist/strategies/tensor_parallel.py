@@ -158,7 +158,9 @@ def local_param_bytes(model: nn.Module) -> int:
 _REPLICABLE = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
 
 
-def replicate_unsharded(model: nn.Module, mesh, *, caller: str = "replicate_unsharded") -> list[str]:
+def replicate_unsharded(
+    model: nn.Module, mesh, *, caller: str = "replicate_unsharded"
+) -> list[str]:
     """Make the parameters a tensor-parallel plan left alone replicated DTensors on ``mesh``.
 
     Why: on GPUs torch's optimizers default to foreach kernels, which refuse a list
@@ -191,8 +193,10 @@ def replicate_unsharded(model: nn.Module, mesh, *, caller: str = "replicate_unsh
             continue
         prefix = f"{name}." if name else ""
         tied = any(owners[id(p)] > 1 for p in module.parameters(recurse=False))
-        if isinstance(module, _REPLICABLE) and not tied and len(names) == len(
-            list(module.parameters(recurse=False))
+        if (
+            isinstance(module, _REPLICABLE)
+            and not tied
+            and len(names) == len(list(module.parameters(recurse=False)))
         ):
             _replicate(module, mesh)
             replicated += [prefix + n for n in names]
