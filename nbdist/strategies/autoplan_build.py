@@ -201,7 +201,7 @@ def build_plan(
     from nbdist.engine.helpers import device as rank_device
     from nbdist.strategies.fsdp import apply_fsdp
     from nbdist.strategies.pipeline import split_sequential
-    from nbdist.strategies.tensor_parallel import apply_tp, linear_pairs
+    from nbdist.strategies.tensor_parallel import apply_tp, linear_pairs, replicate_unsharded
     from nbdist.strategies.zero import zero_optimizer
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -240,6 +240,8 @@ def build_plan(
         else:
             for _, block in units:
                 apply_tp(block, mesh["tp"], colwise=colwise or (), rowwise=rowwise or ())
+            if plan.dp == 1:  # no FSDP to make the rest DTensors (foreach optimizers need it)
+                replicate_unsharded(part, mesh["tp"], caller="build_plan")
     if plan.ac and units:
         apply_ac(part, blocks=[n for n, _ in units])
         units = plan_units(part, blocks)  # now the Checkpointed wrappers' blocks

@@ -188,7 +188,7 @@ class ParallelDims:
 def _tp_fsdp(part, mesh, blocks, colwise, rowwise, reshard_after_forward, *, stage=False):
     from nbdist.strategies.checkpointing import find_blocks
     from nbdist.strategies.fsdp import apply_fsdp
-    from nbdist.strategies.tensor_parallel import apply_tp
+    from nbdist.strategies.tensor_parallel import apply_tp, replicate_unsharded
 
     colwise, rowwise = list(colwise), list(rowwise)
     if stage and isinstance(blocks, type):
@@ -200,6 +200,10 @@ def _tp_fsdp(part, mesh, blocks, colwise, rowwise, reshard_after_forward, *, sta
         # Tensor parallel first: FSDP2 then shards the TP shards over dp (2D DTensors).
         for _, block in units:
             apply_tp(block, mesh["tp"], colwise=colwise, rowwise=rowwise)
+        if mesh["dp"].size() == 1:
+            # No FSDP to make the layers outside the blocks DTensors: replicate them on
+            # tp, or foreach optimizers (CUDA's default) refuse the mix at their first step.
+            replicate_unsharded(part, mesh["tp"], caller="apply_fsdp_tp")
     if mesh["dp"].size() > 1:
         apply_fsdp(
             part,

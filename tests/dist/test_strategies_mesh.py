@@ -130,6 +130,38 @@ state = full_state_dict(model)
     assert all(full / 4 <= s < 0.4 * full for s in stored), (stored, full)
 
 
+def test_tp_only_2d_layout_trains_with_a_foreach_optimizer(session):
+    """dp 1 × tp 4: no FSDP makes the layers outside the blocks DTensors, so nbdist
+    replicates them on tp; a foreach optimizer (CUDA's default) then steps the whole
+    model (it refused the mix of DTensors and plain tensors: example 18's "3d" plan on an
+    H200) and the model trains like one process. Tolerances: module docstring."""
+    session.run(
+        f"""
+from torch.distributed.tensor import DTensor
+from nbdist.strategies.mesh import ParallelDims, apply_fsdp_tp
+model = apply_fsdp_tp(make_gpt(), ParallelDims(world_size, dp=1, tp=4).build_mesh(), blocks=Block,
+                      colwise=COLWISE, rowwise=ROWWISE)
+tp_plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+X, Y = make_tokens()
+opt = torch.optim.SGD(model.parameters(), lr={LR}, foreach=True)
+tp_losses = []
+for _ in range({STEPS}):
+    opt.zero_grad()
+    loss = lm_loss(model(X), Y)
+    loss.backward()
+    opt.step()
+    tp_losses.append(loss.item())
+tp_state = {{k: v.full_tensor().detach() for k, v in model.state_dict().items()}}
+""",
+        sink=ListSink(),
+    )
+    net, want_losses = _reference(dp=1)
+    assert session.pull("tp_plain") == [[]] * 4
+    for r, (state, losses) in enumerate(zip(session.pull("tp_state"), session.pull("tp_losses"))):
+        _assert_same(state, net, f"rank {r}")
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor([s[0] for s in want_losses]))
+
+
 def test_build_mesh_names_the_world_size_it_was_made_for(session):
     with pytest.raises(RankError, match=r"made for world size 8, but the process group has 4"):
         session.run(
