@@ -153,8 +153,10 @@ def _reference(steps: int) -> list[float]:
 def test_the_chosen_plan_trains_like_one_process(session):
     session.run(
         """
+# foreach=True: what torch's optimizers use on CUDA, where they refuse DTensors mixed with
+# plain tensors; every plan must give its optimizer DTensors only (or plain tensors only).
 plan = autoplan(make_gpt, (X, Y), world_size=world_size, memory_per_rank="64 MiB",
-                optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, top_k=3, steps=3,
+                optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1, "foreach": True}, top_k=3, steps=3,
                 warmup=1, **LAYOUT)
 table, best = plan.table, plan.best
 losses = [plan.step(X, Y) for _ in range(3)]
@@ -257,7 +259,7 @@ def share(step, r):
     return X.tensor_split(world_size)[r], Y.tensor_split(world_size)[r]
 kw = dict(steps=2, warmup=1, **LAYOUT)
 sgd = compare(make_gpt, share, strategies=("ddp", "fsdp_tp", "3d", "ddp_fp16", "ddp_bf16"),
-              optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, **kw)
+              optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1, "foreach": True}, **kw)
 # Compression held back past the last step: the same Adam as DDP's.
 plain = compare(make_gpt, share, strategies=("ddp", "ddp_powersgd", "onebit_adam"),
                 compress_after=10, **kw)
