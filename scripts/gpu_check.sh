@@ -30,7 +30,8 @@ options:
   --steps LIST    comma-separated subset of: tests,notebooks,nccl,train,shared (default: all)
   --timeout S     time limit of each step in seconds (default: tests 1800, each
                   notebook 900, each benchmark 1800)
-  --examples GLOB only the notebooks examples/GLOB.ipynb (default: every one, [0-9][0-9]_*)
+  --examples GLOB only the notebooks examples/GLOB.ipynb (default: every one, [0-9][0-9]_*);
+                  several, comma-separated: --examples '02_*,09_*,1[12]_*'
   --venv DIR      make (or reuse) the venv in DIR and keep it; default: a temporary
                   venv, removed at the end
   --allow-cpu     go on without CUDA (to try the script itself on a CPU machine)
@@ -289,7 +290,12 @@ fi
 if want notebooks; then
   mkdir -p "$OUTDIR/notebooks"
   seen=0
-  for nb in "$ROOT"/examples/$EXAMPLES.ipynb; do
+  IFS=',' read -r -a PATTERNS <<<"$EXAMPLES"
+  NOTEBOOKS=()
+  for pat in "${PATTERNS[@]}"; do
+    for nb in "$ROOT"/examples/$pat.ipynb; do NOTEBOOKS+=("$nb"); done
+  done
+  for nb in "${NOTEBOOKS[@]}"; do
     [[ -f "$nb" ]] || continue
     seen=$((seen + 1))
     base="$(basename "$nb" .ipynb)"
