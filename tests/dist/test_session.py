@@ -55,6 +55,30 @@ def test_state_persists_between_cells(session):
     assert session.pull("counter", rank=1) == 11
 
 
+def test_ranks_collect_their_own_cyclic_garbage(session):
+    """The zygote imports torch with the cyclic collector off and freezes what it imported
+    before forking; each rank must collect its own cycles again, unprompted (a rank that
+    never did would grow with every cell)."""
+    session.run(
+        """
+import gc, weakref
+class Node:
+    pass
+a, b = Node(), Node()
+a.other, b.other = b, a  # a cycle: only the collector frees it
+alive = weakref.ref(a)
+del a, b
+# Containers kept alive (as a training loop keeps losses, batches): allocations alone
+# trigger collections, 100,000 of them well over the young generations' thresholds.
+kept = [[] for _ in range(100_000)]
+del kept
+gc_state = (gc.isenabled(), gc.get_freeze_count() > 0, alive() is None)
+"""
+    )
+    # Enabled, the zygote's imports frozen (the default fork start), the cycle gone.
+    assert session.pull("gc_state") == [(True, True, True)] * 2
+
+
 def test_identical_output_is_shown_once(session):
     sink = ListSink()
     session.run("print('same on every rank')\nprint('rank says', rank)", sink=sink)
