@@ -107,13 +107,27 @@ def _exit_status(pid: int) -> int | None:
     return int(fields[49])
 
 
+def _wait_for_record(exit_record, pid: int, timeout: float = 0.5) -> int | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = exit_record(pid)
+        if status is not None or time.monotonic() > deadline:
+            return status
+        time.sleep(0.02)
+
+
 class RankMonitor:
     """Notices local ranks dying, at once, and records how (``dead``: {rank: cause})."""
 
-    def __init__(self, ranks, on_death=None) -> None:
-        """Watch the local ``ranks`` (RankInfo); ``on_death(rank)`` is called on the watcher thread."""
+    def __init__(self, ranks, on_death=None, exit_record=None) -> None:
+        """Watch the local ``ranks`` (RankInfo); ``on_death(rank)`` is called on the watcher thread.
+
+        ``exit_record(pid)``: the wait status the ranks' parent kept, or None (for a
+        rank reaped before its zombie could be read).
+        """
         self.dead: dict[int, str] = {}
         self._on_death = on_death
+        self._exit_record = exit_record
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
         self._oom: dict[int, OomCounter | None] = {}  # rank -> its memory cgroup's OOM kills
         here = {socket.gethostname(), "localhost"}
@@ -142,8 +156,12 @@ class RankMonitor:
                     return
                 rank, pid = self._fds.pop(fd)
                 poller.unregister(fd)
-                # Read before the engine's parent reaps it (it polls every 0.1 s).
-                cause = death_cause(_exit_status(pid), self._oom.get(rank))
+                # From the zombie if its parent has not reaped it yet, else from the
+                # parent's record (the zygote reaps within 0.1 s, then writes it).
+                status = _exit_status(pid)
+                if status is None and self._exit_record is not None:
+                    status = _wait_for_record(self._exit_record, pid)
+                cause = death_cause(status, self._oom.get(rank))
                 self.dead[rank] = f"pid {pid} {cause}"
                 os.close(fd)
                 if self._on_death is not None:

@@ -12,12 +12,13 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from nbdist.driver import live_sessions, registry
 from nbdist.driver.faults import RankMonitor
 from nbdist.driver.group import metrics_ip, metrics_key
-from nbdist.launch import restart
+from nbdist.launch import restart, zygote
 from nbdist.launch.cluster import stop_processes
 
 __all__ = ["Restarted", "Watch", "metrics_for", "restart_in_place", "summary_text"]
@@ -40,7 +41,11 @@ class Watch:
 
     def __init__(self, session, handle, hub, *, attach) -> None:
         """Start watching ``session``'s ranks on ``handle`` (a ``ClusterHandle``); ``hub``: its metrics."""
-        self.monitor = RankMonitor(session.group.ranks) if handle.owned else None
+        self.monitor = None
+        if handle.owned:
+            status_file = getattr(handle.engine_launcher(), "status_file", None)
+            record = functools.partial(zygote.read_exit, status_file) if status_file else None
+            self.monitor = RankMonitor(session.group.ranks, exit_record=record)
         live_sessions.started(session)
         self.session = session
         store = hub.store

@@ -43,64 +43,14 @@ import sys
 import threading
 import time
 
-from nbdist.launch import process_tree
+from nbdist.launch import process_tree, zygote_imports
 
-__all__ = ["fork_unsafe_reason", "main"]
+__all__ = ["fork_unsafe_reason", "main", "read_exit", "record_exit"]
 
 _PR_SET_PDEATHSIG = 1
 # Blocked while engines are forked; SIGUSR1 asks for a restart (fresh engines).
 _MASKED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
 _wakeup_fds: tuple[int, int] | None = None  # the signal wakeup pipe of the zygote's loop
-
-
-# What every engine imports while it starts, besides ipykernel's debugger module
-# (see _import_debugger_module): imported once here, shared by the forks instead of
-# paid per rank. None of them starts a thread at import; fork_unsafe_reason() checks.
-_ENGINE_MODULES = (
-    "sqlite3",
-    "IPython.extensions.storemagic",
-    # Imported by each engine after registering (measured with -X importtime):
-    "tornado.platform.asyncio",
-    "IPython.core.oinspect",
-    "IPython.core.completerlib",
-    "argcomplete",
-    # Imported by each rank while the group forms.
-    "nbdist.engine.bootstrap",  # with control, collectives, devices, helpers, netif, metrics.log
-    "nbdist.engine.cell_reply",
-)
-
-
-def _preimport(names) -> None:
-    import importlib
-
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # an optional speed-up: the engine imports what it needs anyway
-            pass
-
-
-def _import_debugger_module() -> None:
-    """Import ipykernel's debugger module without debugpy.
-
-    ipykernel imports debugpy (~0.1 s, ~150 modules) for a debugger that an
-    ipyparallel engine never enables (it has no debug channel; its log says
-    "debugging will not be enabled"). Hidden while ipykernel looks, debugpy
-    counts as missing there; afterwards a rank can still ``import debugpy``
-    (e.g. ``debugpy.listen`` to attach an IDE to one rank).
-    """
-    import importlib
-
-    hidden = "debugpy" not in sys.modules
-    if hidden:
-        sys.modules["debugpy"] = None  # makes "import debugpy" raise ImportError
-    try:
-        importlib.import_module("ipykernel.debugger")
-    except Exception:  # an optional speed-up: the engine imports what it needs anyway
-        pass
-    finally:
-        if hidden and sys.modules.get("debugpy", False) is None:
-            del sys.modules["debugpy"]
 
 
 def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
@@ -200,8 +150,9 @@ def _spawn_engine(slot_env: dict[str, str], engine_argv: list[str]) -> int:
 class _Children:
     """The engines this zygote started, what is below them, and how to end it all."""
 
-    def __init__(self, pids: list[int]):
+    def __init__(self, pids: list[int], status_file: str | None = None):
         self.pids = set(pids)  # the engines still running
+        self.status_file = status_file  # where each engine's wait status is recorded
         self.exit_code = 0
         self.asked = False  # told to stop (SIGTERM, or the kernel is gone)
         self.restart_asked = False  # SIGUSR1: fresh engines from this zygote
@@ -234,6 +185,7 @@ class _Children:
             if pid not in self.pids:
                 continue  # an orphan from below a rank
             self.pids.discard(pid)
+            record_exit(self.status_file, pid, status)
             code = os.waitstatus_to_exitcode(status)
             if code and not self.exit_code and not self.asked:
                 self.exit_code = code if code > 0 else 128 - code
@@ -336,13 +288,37 @@ def _watch_loop(children: _Children, forker: _Forker, wakeup: int) -> None:
     children.reap()
 
 
+def record_exit(status_file: str | None, pid: int, status: int) -> None:
+    """Keep an engine's wait status where the kernel finds it (:func:`read_exit`).
+
+    The kernel reads a dead rank's status from its zombie; this zygote may reap
+    the zombie first (its loop wakes every 0.1 s), so it writes the status too.
+    """
+    if status_file:
+        try:
+            _write_atomically(f"{status_file}.exit.{pid}", str(status))
+        except OSError:
+            pass
+
+
+def read_exit(status_file: str, pid: int) -> int | None:
+    """The wait status :func:`record_exit` kept for ``pid`` (None if none yet)."""
+    try:
+        with open(f"{status_file}.exit.{pid}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_atomically(path: str, text: str) -> None:
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
 def _write_status(path: str | None, **fields) -> None:
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(fields, f)
-    os.replace(tmp, path)
+    if path:
+        _write_atomically(path, json.dumps(fields))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,17 +350,12 @@ def main(argv: list[str] | None = None) -> int:
         # made so far, and the imports trigger several (~0.15 s of a 2-rank start on
         # 2 cores). start_all freezes what was imported, the children collect again.
         gc.disable()
-        import torch  # noqa: F401 - the point of the zygote: imported once, shared by forks
-        import torch.distributed  # noqa: F401
-        from ipyparallel.engine.app import IPEngine  # noqa: F401
-
-        _import_debugger_module()
-        _preimport(_ENGINE_MODULES)
+        zygote_imports.import_all()
         reason = fork_unsafe_reason()
     # Before the first fork: orphans from below the ranks are re-parented here, not to PID 1.
     subreaper = process_tree.become_subreaper()
     forker = _Forker(opts, slots, engine_argv, {"subreaper": subreaper})
-    children = _Children(forker.start_all(reason))
+    children = _Children(forker.start_all(reason), opts.status_file)
     gc.enable()  # in the zygote too, now that its imports are frozen
 
     global _wakeup_fds

@@ -1,0 +1,39 @@
+"""A dead rank's exit status survives its parent reaping it before the kernel looked.
+
+The kernel reads a dead rank's wait status from its zombie; the zygote (the ranks'
+parent) reaps zombies within 0.1 s, and when it won that race the kernel said "exit
+status not available" instead of "killed by SIGKILL" (seen once in CI). The zygote
+now records each engine's status; the kernel's monitor falls back to the record.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from nbdist.driver.faults import RankMonitor, death_cause
+from nbdist.launch.zygote import read_exit, record_exit
+
+
+def test_a_reaped_rank_is_still_named_killed_by_its_signal(tmp_path):
+    status_file = str(tmp_path / "engines.status.json")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    class Info:  # what the monitor reads of a RankInfo
+        rank, pid, host = 1, child.pid, "localhost"
+
+    monitor = RankMonitor([Info()], exit_record=lambda pid: read_exit(status_file, pid))
+    try:
+        assert read_exit(status_file, child.pid) is None
+        os.kill(child.pid, signal.SIGKILL)
+        # Reaped at once by its parent (this process, as the zygote would), then recorded.
+        _, status = os.waitpid(child.pid, 0)
+        record_exit(status_file, child.pid, status)
+        assert read_exit(status_file, child.pid) == status
+        monitor._thread.join(timeout=5)
+        assert monitor.dead[1].startswith(f"pid {child.pid} killed by SIGKILL (signal 9)")
+    finally:
+        monitor.stop()
+    assert death_cause(None) == "exited (exit status not available)"
