@@ -2,7 +2,7 @@
 
 1. Training steps/s of one DDP MLP (3 Linear 512 wide, batch 64, SGD, gloo) with
    ``nbdist.log(step=, loss=, samples=)`` every step, and with ``flops=`` added (TFLOP/s
-   and MFU; FLOPs counted once by ``nbdist.flops_per_step``, the peak looked up before
+   and MFU; FLOPs counted once by ``nbdist.metrics.flops_per_step``, the peak looked up before
    the rounds), against the same loop without logging, in the same session; the three
    take turns in rotated order each round. Goal >= 0.98x for each.
 2. Kernel CPU time spent collecting + on the dashboard while 4 ranks log 10k steps
@@ -41,8 +41,8 @@ model = DDP(nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), n
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 g = torch.Generator().manual_seed(rank)
 X, Y = torch.randn(64, 512, generator=g), torch.randn(64, 1, generator=g)
-F = nbdist.flops_per_step(model, X)
-PEAK = nbdist.device_peak()  # measured here (CPU), not inside a timed round
+F = nbdist.metrics.flops_per_step(model, X)
+PEAK = nbdist.metrics.device_peak()  # measured here (CPU), not inside a timed round
 
 def train(steps, mode, start=0):
     dist.barrier()

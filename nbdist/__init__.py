@@ -10,8 +10,11 @@ In a notebook::
     dist.all_reduce(t)
     print(rank, t)
 
-From a script: :class:`DistSession`. On a rank: :func:`rank`, :func:`device`,
-:func:`print0`, :func:`rank_zero_first`, :func:`seed_all`.
+From a script: :class:`DistSession`. On a rank: :func:`log`, :func:`print0`,
+:func:`rank_zero_first`, :func:`seed_all`, :func:`profile`, :mod:`nbdist.checkpoint`,
+and ``nbdist.rank()``, ``nbdist.device()`` (also injected as values on every rank).
+FLOP helpers: :mod:`nbdist.metrics`; parallel strategies and planning:
+:mod:`nbdist.strategies`.
 
 Rank-side names import with torch alone; the session, IPython and ipyparallel
 are imported only when used.
@@ -19,59 +22,65 @@ are imported only when used.
 
 from __future__ import annotations
 
-from nbdist import checkpoint
-from nbdist.engine.helpers import (
-    device,
-    local_rank,
-    print0,
-    rank,
-    rank_zero_first,
-    seed_all,
-    world_size,
-)
+import warnings
+
+# Public as attributes (``nbdist.rank()``, ``nbdist.checkpoint.save``) but kept out of
+# ``__all__`` (below): the redundant aliases say so to the linter.
+from nbdist import checkpoint as checkpoint
+from nbdist.engine.helpers import device as device
+from nbdist.engine.helpers import local_rank as local_rank
+from nbdist.engine.helpers import print0, rank_zero_first, seed_all
+from nbdist.engine.helpers import rank as rank
+from nbdist.engine.helpers import world_size as world_size
 from nbdist.engine.profiling import profile
 from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError, RankError
-from nbdist.metrics.flops import device_peak, flops_per_step, set_peak, transformer_flops
 from nbdist.metrics.log import data_timer, log
 from nbdist.metrics.store import runs
 
 __version__ = "0.1.0"
 
+# What ``from nbdist import *`` brings. ``rank``, ``local_rank``, ``world_size`` and
+# ``device`` are left out on purpose: every rank's namespace already holds them as
+# values (ints and a torch.device), and a star import must not replace those with the
+# functions of the same name; call them as ``nbdist.rank()`` etc. ``checkpoint`` is a
+# module (``nbdist.checkpoint.save``), FLOP helpers live in :mod:`nbdist.metrics`,
+# planning in :mod:`nbdist.strategies`.
 __all__ = [
     "ClusterNotRunning",
     "DistSession",
     "NbdistError",
     "PlacementError",
     "RankError",
-    "autoplan",
-    "checkpoint",
     "current_session",
     "data_timer",
-    "device",
-    "device_peak",
     "diff",
-    "flops_per_step",
     "load_ipython_extension",
-    "local_rank",
     "log",
     "print0",
     "profile",
-    "rank",
     "rank_zero_first",
     "runs",
     "seed_all",
-    "set_peak",
-    "transformer_flops",
     "unload_ipython_extension",
-    "world_size",
 ]
+
+# Names that moved out of the top level, kept for one release with a DeprecationWarning:
+# old name -> (module it lives in now, its name there).
+_MOVED = {
+    "autoplan": ("nbdist.strategies", "autoplan"),
+    "device_peak": ("nbdist.metrics", "device_peak"),
+    "flops_per_step": ("nbdist.metrics", "flops_per_step"),
+    "set_peak": ("nbdist.metrics", "set_peak"),
+    "transformer_flops": ("nbdist.metrics", "transformer_flops"),
+}
 
 
 def __getattr__(name: str):
-    """``DistSession``, ``current_session``, ``diff`` and ``autoplan``, imported when first used.
+    """``DistSession``, ``current_session`` and ``diff``, imported when first used.
 
-    The kernel-side API pulls in ipyparallel; ranks never need it. ``autoplan`` (rank
-    side) builds on most strategies: a rank that never plans does not import them.
+    The kernel-side API pulls in ipyparallel; ranks never need it. The names that
+    moved (``nbdist.flops_per_step`` and the other FLOP helpers, ``nbdist.autoplan``)
+    still resolve, with a DeprecationWarning that names their new home.
     """
     if name == "DistSession":
         from nbdist.driver.session import DistSession
@@ -85,10 +94,17 @@ def __getattr__(name: str):
         from nbdist.driver.diff import diff
 
         return diff
-    if name == "autoplan":
-        from nbdist.strategies.autoplan import autoplan
+    if name in _MOVED:
+        import importlib
 
-        return autoplan
+        home, attr = _MOVED[name]
+        warnings.warn(
+            f"nbdist.{name} moved to {home}.{attr}; nbdist.{name} goes away in the next "
+            f"release (use `from {home} import {attr}`)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(home), attr)
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
 
 

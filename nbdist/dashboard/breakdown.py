@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping
 
-__all__ = ["PARTS", "WINDOW", "breakdown", "chart", "explain", "shares", "slow_parts"]
+__all__ = ["PARTS", "WINDOW", "breakdown", "breakdown_chart", "explain", "shares", "slow_parts"]
 
 # (key, what the flag and the chart call it); comm last: a rank waiting there is not the cause.
 PARTS = (("data_s", "data loading"), ("compute_s", "compute"), ("comm_s", "communication"))
@@ -84,7 +84,7 @@ def slow_parts(parts: Mapping[int, Mapping[str, float]], *, margin: float = 0.2)
     return flagged
 
 
-def chart(parts: Mapping[int, Mapping[str, float]], nranks: int) -> dict | None:
+def breakdown_chart(parts: Mapping[int, Mapping[str, float]], nranks: int) -> dict | None:
     """The stacked bars' data: ``{"ranks": [...], "parts": {name: [ms per rank]}}``; None if empty."""
     if not parts:
         return None

@@ -4,20 +4,20 @@ Keys nbdist derives (throughput, TFLOP/s, MFU, memory, GPU readings) have fixed
 names and units; a user's key is spelled out (``grad_norm`` -> "grad norm") and
 gets its unit from a suffix (``_s``: seconds, ``_ms``, ``_mib``, ``_gib``,
 ``_pct``/``_percent``, ``_per_s``: per second). A key made of a known key and a
-suffix, as :func:`nbdist.strategies.compare.compare` logs them
+suffix, as :func:`nbdist.strategies.plan.compare.compare` logs them
 (``loss_ddp``), reads "loss · ddp". Loss-like keys get a log scale by default.
 
 Example::
 
-    >>> describe("loss_ddp", by_time=False)["title"]
+    >>> describe_key("loss_ddp", by_time=False)["title"]
     'loss · ddp'
-    >>> describe("samples_per_s", by_time=True)["ytitle"]
+    >>> describe_key("samples_per_s", by_time=True)["ytitle"]
     'samples/s'
 """
 
 from __future__ import annotations
 
-__all__ = ["describe", "title"]
+__all__ = ["describe_key", "title"]
 
 # key -> (title, unit, y axis title)
 _KNOWN = {
@@ -54,7 +54,7 @@ def title(key: str) -> str:
     return _split(key)[0]
 
 
-def describe(key: str, *, by_time: bool) -> dict:
+def describe_key(key: str, *, by_time: bool) -> dict:
     """``{"title", "unit", "ytitle", "xtitle", "log"}`` of ``key``'s panel.
 
     ``by_time``: plotted against seconds since the run started (throughput, GPU

@@ -2,8 +2,9 @@
 
 Per trace the kernel keeps what the browser holds (at most ``budget`` points, a
 min/max-decimated subset of the logged ones). :meth:`DashboardModel.poll`
-reads the points added since the previous poll and returns them as one
-``delta`` message that ``widget.js`` appends with ``Plotly.extendTraces``. When
+reads the points added since the previous poll (:func:`read_tail`, from where it
+left off) and returns them as one ``delta`` message that ``widget.js`` appends
+with ``Plotly.extendTraces``. When
 a trace goes over budget it is re-decimated to half the budget and re-sent
 whole (``reset``), so bytes per update stay proportional to the points added
 (twice that, amortised). No widgets, no threads here: :mod:`.live` adds them.
@@ -30,9 +31,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
-from nbdist.dashboard.breakdown import breakdown, chart
+from nbdist.dashboard.breakdown import breakdown, breakdown_chart
 from nbdist.dashboard.header import header
-from nbdist.dashboard.labels import describe
+from nbdist.dashboard.labels import describe_key
 from nbdist.dashboard.table import (
     HISTORY,
     IDLE_AFTER_S,
@@ -45,7 +46,6 @@ from nbdist.dashboard.table import (
     seen_column,
     throughput_key,
 )
-from nbdist.dashboard.tail import read_tail
 from nbdist.dashboard.traces import TOTAL_BIN_S, Aligned, Trace, elapsed, merge, wire
 from nbdist.rank_states import DEAD
 
@@ -55,7 +55,7 @@ DEFAULT_BUDGET = 2000  # points per trace, kernel side and browser side
 # A "busy" from the states callable counts this long; during a cell it is read every second.
 STATES_FRESH_S = 3.0
 # GPU panels (over time, a trace per rank, no aggregate): key -> title.
-GPU_PANELS = {key: describe(key, by_time=True)["title"] for key in ("gpu_util", "gpu_mem_mib")}
+GPU_PANELS = {key: describe_key(key, by_time=True)["title"] for key in ("gpu_util", "gpu_mem_mib")}
 
 
 class _Panel:
@@ -71,7 +71,7 @@ class _Panel:
     def spec(self) -> dict:
         return {
             "id": self.key,
-            **describe(self.key, by_time=self.by_time),  # title, unit, axis titles, log scale
+            **describe_key(self.key, by_time=self.by_time),  # title, unit, axis titles, log scale
             "names": self.names,
             "aggregate": self.aggregate,
             "data": [[list(t.xs), wire(t.ys)] for t in self.traces],  # copies: the mirror moves on
@@ -303,7 +303,9 @@ class DashboardModel:
                 }
                 for row in rows
             ],
-            "breakdown": chart(breakdown(self.run), self._nranks) if "comm_s" in keys else None,
+            "breakdown": breakdown_chart(breakdown(self.run), self._nranks)
+            if "comm_s" in keys
+            else None,
             "dropped": {str(r): n for r, n in sorted(getattr(self.run, "dropped", {}).items())},
             "header": header(self.run, rows),
         }
@@ -313,7 +315,20 @@ class DashboardModel:
         return self._table
 
     def _tail(self, key: str, rank: int) -> tuple[list[int], list[float], list[float]]:
+        # Where the previous poll left off, so a refresh copies only what is new.
         start = self._cursor.get((key, rank), 0)
         steps, times, values = read_tail(self.run, key, rank, start)
         self._cursor[(key, rank)] = start + len(steps)
         return steps, times, values
+
+
+def read_tail(run, key: str, rank: int, start: int) -> tuple[list[int], list[float], list[float]]:
+    """(steps, times, values) of ``key`` on ``rank`` from its ``start``-th point on.
+
+    ``run``'s ``series`` and ``timeline`` take ``start=`` (:class:`~nbdist.metrics.run.Run`),
+    so a refresh copies only the points added since the previous one.
+    """
+    steps, values = run.series(key, rank, start=start)
+    times, _ = run.timeline(key, rank, start=start)
+    n = min(len(steps), len(times))  # a point may land between the two reads
+    return steps[:n], times[:n], values[:n]

@@ -2,7 +2,7 @@
 
 Rank ``r`` is drawn in ``rank_colours()[r % len(rank_colours())]`` everywhere: the
 live dashboard's traces and legend, the comparison chart
-(:mod:`nbdist.dashboard.compare`), and the JupyterLab sidebar and status bar (which
+(:mod:`nbdist.dashboard.plan_comparison`), and the JupyterLab sidebar and status bar (which
 read this list from the server). The colours are plotly's default ten ("category10"),
 with the five that are too light on a white page darkened to the same hue, so that
 every line stands out at least 3:1 (the WCAG contrast for graphics) on a light

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 
 from nbdist.dashboard.breakdown import PARTS, breakdown, shares
 from nbdist.dashboard.table import fmt_value, has_flops, has_gpu, headers, rank_rows
+from nbdist.text_table import format_table
 
 __all__ = ["summary_text"]
 
@@ -38,11 +39,10 @@ def summary_text(
     keys = run.keys()
     lines = [_title(run)]
     rows = rank_rows(run, states, now=now)
-    table = [headers(keys)] + [
-        row.cells(now, gpu=has_gpu(keys), flops=has_flops(keys)) for row in rows
-    ]
-    width = len(table[0])
-    lines += _columns(table, left=(width - 2, width - 1))  # state and the straggler flag
+    header = headers(keys)
+    cells = [row.cells(now, gpu=has_gpu(keys), flops=has_flops(keys)) for row in rows]
+    # Numbers align right; the state and the straggler flag (the last two columns), left.
+    lines.append(format_table(header, cells, right=range(len(header) - 2)))
     if "comm_s" in keys:
         lines.append("step breakdown (latest steps):")
         for rank, frac in shares(breakdown(run)).items():
@@ -53,13 +53,15 @@ def summary_text(
         each = ", ".join(f"rank {r}: {n}" for r, n in dropped.items())
         lines.append(f"{sum(dropped.values())} points dropped on the ranks ({each})")
     if keys:
-        series = [["series", "last", "mean", "min", "max"]]
-        for key in keys:
-            if key == "gpu_index":  # a GPU's number, not a figure to average
-                continue
-            series.append([key, *(fmt_value(v) for v in _stats(run, key))])
+        series = [
+            [key, *(fmt_value(v) for v in _stats(run, key))]
+            for key in keys
+            if key != "gpu_index"  # a GPU's number, not a figure to average
+        ]
         lines.append("")
-        lines += _columns(series, left=(0,))
+        lines.append(
+            format_table(["series", "last", "mean", "min", "max"], series, right={1, 2, 3, 4})
+        )
     return "\n".join(lines)
 
 
@@ -92,16 +94,3 @@ def _stats(run, key: str) -> tuple[float | None, ...]:
         return (None, None, None, None)
     every = np.concatenate(chunks)
     return (sum(lasts) / len(lasts), float(every.mean()), float(every.min()), float(every.max()))
-
-
-def _columns(table: list[list[str]], left: tuple[int, ...]) -> list[str]:
-    # Text columns (given by index) align left, numbers right; trailing blanks trimmed.
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    out = []
-    for row in table:
-        cells = [
-            cell.ljust(w) if i in left else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths))
-        ]
-        out.append("  ".join(cells).rstrip())
-    return out

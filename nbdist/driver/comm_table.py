@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from nbdist.engine import comm_bench
 from nbdist.errors import PlacementError, format_ranks
+from nbdist.text_table import format_table
 
 __all__ = [
     "COLUMNS",
@@ -166,15 +167,20 @@ def format_gbs(value: float) -> str:
     return f"{value:.2f}" if value >= 0.01 else f"{value:.1e}"
 
 
-def _table(rows: list[dict]) -> list[str]:
-    head = f"{'op':<15}{'ranks':<8}{'size':>10}{'µs':>12}{'algBW GB/s':>13}{'busBW GB/s':>13}"
-    lines = [head]
-    for r in rows:
-        lines.append(
-            f"{r['op']:<15}{r['ranks']:<8}{r['size']:>10}{r['time_us']:>12.1f}"
-            f"{format_gbs(r['algbw_gbs']):>13}{format_gbs(r['busbw_gbs']):>13}"
-        )
-    return lines
+def _table(rows: list[dict]) -> str:
+    header = ["op", "ranks", "size", "µs", "algBW GB/s", "busBW GB/s"]
+    cells = [
+        [
+            r["op"],
+            r["ranks"],
+            r["size"],
+            f"{r['time_us']:.1f}",
+            format_gbs(r["algbw_gbs"]),
+            format_gbs(r["busbw_gbs"]),
+        ]
+        for r in rows
+    ]
+    return format_table(header, cells, right={2, 3, 4, 5})
 
 
 @dataclass
@@ -204,7 +210,7 @@ class CommResult:
         first = (
             f"nbdist: comm bench · {self.world} ranks · backend {self.backend} · device {devices}"
         )
-        lines = [f"{first} · {self.note}", *_table(self.rows)]
+        lines = [f"{first} · {self.note}", _table(self.rows)]
         for op, why in self.skipped.items():
             lines.append(f"{op}: skipped, the {self.backend} group cannot run it here ({why})")
         return "\n".join(lines)

@@ -37,7 +37,7 @@ __all__ = [
     "DiffResult",
     "Difference",
     "apply_measurement",
-    "compare",
+    "compare_values",
     "compare_records",
     "diff",
 ]
@@ -62,7 +62,7 @@ class Difference:
 
 @dataclass
 class DiffResult:
-    """What :func:`compare` found: the differences, and what was compared."""
+    """What :func:`compare_values` found: the differences, and what was compared."""
 
     expr: str
     ref: int
@@ -232,7 +232,7 @@ def _display(path: tuple[str, ...], expr: str) -> str:
 
 
 def compare_records(records: dict, ref: int, expr: str):
-    """Compare fingerprints: {rank: [(path, record)]} from :func:`~nbdist.engine.rank_diff.fingerprints`.
+    """Compare fingerprints: {rank: [(path, record)]} from :func:`~nbdist.engine.rank_diff.held_fingerprints`.
 
     Returns (differences, pending, values): every difference found, in path
     order, ranks that hold the same value grouped; ``pending``, the differences
@@ -290,13 +290,13 @@ def _measure(session, token: str, ref: int, pending: list) -> list[Difference]:
     equal = []
     for batch in _batches(pending, BATCH_BYTES):
         paths = list(dict.fromkeys(path for _, path, _, _ in batch))
-        data = session.apply(rank_diff.reference_data, token, paths, ranks=[ref])[0]
+        data = session.apply(rank_diff.held_reference_data, token, paths, ranks=[ref])[0]
         wanted: dict[int, list] = {}
         for _, path, rank, _ in batch:
             wanted.setdefault(rank, []).append(path)
         reps = sorted(wanted)
         found = dict(
-            zip(reps, session.apply(rank_diff.compare_with, token, data, wanted, ranks=reps))
+            zip(reps, session.apply(rank_diff.compare_held, token, data, wanted, ranks=reps))
         )
         del data  # the batch's reference bytes, before the next batch arrives
         for diff, path, rank, _ in batch:
@@ -305,7 +305,7 @@ def _measure(session, token: str, ref: int, pending: list) -> list[Difference]:
     return equal
 
 
-def compare(session, expr: str, ranks=None, ref: int = 0) -> DiffResult:
+def compare_values(session, expr: str, ranks=None, ref: int = 0) -> DiffResult:
     """Evaluate ``expr`` on ``ranks`` (all by default) and compare each with rank ``ref``.
 
     The reference rank is always evaluated, also when ``ranks`` leaves it out.
@@ -322,14 +322,14 @@ def compare(session, expr: str, ranks=None, ref: int = 0) -> DiffResult:
     )
     try:
         session.run(code, chosen)
-        found = session.apply(rank_diff.fingerprints, token, ranks=chosen)
+        found = session.apply(rank_diff.held_fingerprints, token, ranks=chosen)
         records = dict(zip(chosen, found))
         differences, pending, values = compare_records(records, ref, expr)
         equal = _measure(session, token, ref, pending)
         differences = [d for d in differences if all(d is not e for e in equal)]
     finally:
         try:
-            session.apply(rank_diff.release, token, ranks=chosen)
+            session.apply(rank_diff.forget, token, ranks=chosen)
         except Exception:  # a rank that died above; its value went with it
             pass
     return DiffResult(expr, ref, chosen, values, differences)
@@ -354,4 +354,4 @@ def diff(expr: str, ranks=None, ref: int = 0, *, session=None):
         from nbdist.driver.live_sessions import current_session
 
         session = current_session()
-    return compare(session, expr, ranks, ref).table()
+    return compare_values(session, expr, ranks, ref).table()

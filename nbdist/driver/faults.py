@@ -85,7 +85,7 @@ def death_cause(status: int | None, oom: OomCounter | None = None) -> str:
         return f"killed by {name} (signal {sig})"
     code = (status >> 8) & 0xFF
     if code == 128 + signal.SIGTERM:
-        # Engines a scheduler started end themselves on its SIGTERM (nbdist.launch.task_engine).
+        # Engines a scheduler started end themselves on its SIGTERM (nbdist.launch.batch_task_engine).
         return (
             f"exited with code {code} on SIGTERM: its job was cancelled (scancel), ran out "
             "of time, or was preempted"

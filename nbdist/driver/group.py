@@ -105,7 +105,7 @@ def form_group(
     tolerate_shells_without_kernel()  # a terminal IPython drives ranks too
     engine_ids = sorted(client.ids)
     towards = options.ip if owned else controller_host(client)
-    infos = dict(zip(engine_ids, client[engine_ids].apply_sync(bootstrap.describe, towards)))
+    infos = dict(zip(engine_ids, client[engine_ids].apply_sync(bootstrap.describe_rank, towards)))
     if owned and placement is not None and all(i["slot"] is not None for i in infos.values()):
         by_slot = {info["slot"]: eid for eid, info in infos.items()}
         slots = {by_slot[slot.local_rank]: slot for slot in placement.slots}
@@ -128,19 +128,29 @@ def form_group(
     pending = {}
     for eid, slot in slots.items():
         spec = dict(
-            rank=slot.rank, local_rank=slot.local_rank, world_size=len(slots),
-            local_world_size=slot.local_world_size, master_addr=master_addr,
-            master_port=port, backend=placement.backend, gpu=slot.gpu,
+            rank=slot.rank,
+            local_rank=slot.local_rank,
+            world_size=len(slots),
+            local_world_size=slot.local_world_size,
+            master_addr=master_addr,
+            master_port=port,
+            backend=placement.backend,
+            gpu=slot.gpu,
             cuda_index=slot.cuda_index,
-            threads=placement.threads_for(slot), timeout=options.group_timeout,
-            loopback_only=master_addr.startswith("127."), metrics_url=metrics_url,
-            metrics_key=metrics_key_for_ranks, shares_gpu=slot.rank in sharing,
-            gloo_reason=gloo_reason, group_rank=host_index[slot.host],
+            threads=placement.threads_for(slot),
+            timeout=options.group_timeout,
+            loopback_only=master_addr.startswith("127."),
+            metrics_url=metrics_url,
+            metrics_key=metrics_key_for_ranks,
+            shares_gpu=slot.rank in sharing,
+            gloo_reason=gloo_reason,
+            group_rank=host_index[slot.host],
             # gloo serves where NCCL was the choice but cannot share a GPU: a script's
             # init_process_group("nccl") is then served by it (user_group).
             gloo_for_nccl=gloo_reason if placement.shared_gpus else "",
-            group_world_size=len(host_index), run_id=run_id,
-        )  # fmt: skip
+            group_world_size=len(host_index),
+            run_id=run_id,
+        )
         pending[eid] = client[[eid]].apply_async(bootstrap.init_rank, spec, _shell_reference())
     ranks = []
     deadline = time.monotonic() + options.timeout
@@ -199,9 +209,12 @@ def reform_group(
     )
     port = RankRun(rendezvous, [0], interrupt=interrupt).wait()[0]
     base = dict(
-        world_size=len(group.ranks), master_addr=group.rendezvous_addr, master_port=port,
-        backend=group.backend, timeout=group_timeout,
-    )  # fmt: skip
+        world_size=len(group.ranks),
+        master_addr=group.rendezvous_addr,
+        master_port=port,
+        backend=group.backend,
+        timeout=group_timeout,
+    )
     ar = client[group.engine_ids].apply_async(bootstrap.rejoin_as_this_rank, base)
     RankRun(
         ar,

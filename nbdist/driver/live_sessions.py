@@ -3,7 +3,7 @@
 :meth:`nbdist.DistSession.start` and ``stop`` report here; ``nbdist.current_session()``
 and ``%unload_ext nbdist`` read it, and so does the kernel's exit: a kernel that
 shuts down or restarts stops every session's processes first, except a named
-session's (``outlives_kernel``, :mod:`nbdist.driver.named`), which it only detaches from.
+session's (``outlives_kernel``, :mod:`nbdist.driver.named_sessions`), which it only detaches from.
 """
 
 from __future__ import annotations

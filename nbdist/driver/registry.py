@@ -34,7 +34,15 @@ import weakref
 
 import psutil
 
-__all__ = ["FORMAT", "act", "clusters", "kernel_id", "register", "registry_dir", "unregister"]
+__all__ = [
+    "FORMAT",
+    "act",
+    "clusters",
+    "kernel_id",
+    "register_cluster",
+    "registry_dir",
+    "unregister_cluster",
+]
 
 FORMAT = 1  # bumped if an entry's fields change meaning
 _counter = itertools.count()
@@ -78,9 +86,9 @@ def _connection_file() -> str | None:
         return None
 
 
-def _client_file(handle, attach: str | None) -> str | None:
+def _client_file(handle, connection_file: str | None) -> str | None:
     """The ipyparallel client connection file of the cluster (0600), if known."""
-    return os.path.abspath(attach) if attach else handle.client_file()
+    return os.path.abspath(connection_file) if connection_file else handle.client_file()
 
 
 def _create_time(pid: int) -> float | None:
@@ -90,7 +98,7 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
-def register(
+def register_cluster(
     owner,
     *,
     handle,
@@ -98,19 +106,20 @@ def register(
     backend: str | None,
     run_id: int | None = None,
     history: str | None = None,
-    attach: str | None = None,
+    connection_file: str | None = None,
     path: str | None = None,
 ) -> str | None:
     """Write a started cluster's entry; returns its path (pass it back as ``path`` to rewrite it).
 
     ``owner``: what :func:`act` restarts or stops (the :class:`~nbdist.DistSession`),
     held weakly. ``handle``: its :class:`~nbdist.launch.cluster.ClusterHandle`;
-    ``ranks``: its :class:`~nbdist.driver.group.RankInfo` list. Never raises: the
+    ``ranks``: its :class:`~nbdist.driver.group.RankInfo` list; ``connection_file``: the
+    cluster file a session connected through (None: the one its cluster wrote). Never raises: the
     sidebar is a convenience, a cluster that started must not fail because its
     entry could not be written (a warning says why).
     """
     try:
-        entry = _entry(handle, ranks, backend, run_id, history, attach)
+        entry = _entry(handle, ranks, backend, run_id, history, connection_file)
         path = _write(entry, path)
     except Exception as exc:
         import warnings
@@ -123,7 +132,7 @@ def register(
     return path
 
 
-def _entry(handle, ranks, backend, run_id, history, attach) -> dict:
+def _entry(handle, ranks, backend, run_id, history, connection_file) -> dict:
     cluster = handle.cluster
     controller = getattr(cluster, "controller", None) if cluster is not None else None
     pid = os.getpid()
@@ -136,7 +145,7 @@ def _entry(handle, ranks, backend, run_id, history, attach) -> dict:
         "owned": bool(handle.owned),
         "profile_dir": handle.profile_dir,
         "cluster_file": getattr(cluster, "cluster_file", None) if cluster is not None else None,
-        "connection_file": _client_file(handle, attach),
+        "connection_file": _client_file(handle, connection_file),
         "controller_pid": getattr(controller, "pid", None),
         "pids": sorted(handle.pids),
         "backend": backend,
@@ -170,7 +179,7 @@ def _write(entry: dict, path: str | None) -> str:
     return path
 
 
-def unregister(path: str | None) -> None:
+def unregister_cluster(path: str | None) -> None:
     """Remove the entry at ``path`` (None: nothing to do); idempotent, never raises."""
     if not path:
         return

@@ -56,6 +56,35 @@ class CellTimeout(NbdistError, TimeoutError):
     """A cell ran past its ``--timeout``; the ranks were interrupted."""
 
 
+class _NoGuard:
+    """The guard of a run that has none (nbdist's own calls): it watches nothing, releases nothing."""
+
+    @property
+    def released_from(self) -> dict[int, str]:
+        return {}
+
+    def poll(self, run) -> None:
+        pass
+
+    def finished(self, run) -> bool:
+        return False
+
+    def dead(self) -> dict[int, str]:
+        return {}
+
+    def interrupted(self) -> None:
+        pass
+
+    def where_report(self, *, only_if_waiting: bool = False) -> str:
+        return ""
+
+    def recover(self, run, *, interrupted: bool = False) -> None:
+        pass
+
+    def note(self, failures=()) -> str:
+        return ""
+
+
 def _stream_delta(old: str, new: str) -> str:
     """What to feed the merger so that it sees ``new`` after having seen ``old``.
 
@@ -96,12 +125,13 @@ class RankRun:
         (default: the cell's output); ``timeout`` in seconds (None: no limit),
         for a cell's --timeout unless ``waiting_for`` names what nbdist itself waits for;
         ``watch`` is called on each pass of the waiting loop; ``guard`` is the
-        cell's :class:`~nbdist.driver.faults.CellGuard`; ``prompts`` answers the
-        ranks' pdb and ``input()`` prompts (``timeout`` pauses while the user is asked)."""
+        cell's :class:`~nbdist.driver.faults.CellGuard` (None: nothing is guarded);
+        ``prompts`` answers the ranks' pdb and ``input()`` prompts (``timeout``
+        pauses while the user is asked)."""
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
         # nbdist.driver.faults.CellGuard: releases the ranks when one fails, dies or hangs.
-        self._guard = guard
+        self._guard = guard if guard is not None else _NoGuard()
         self.where_report = ""  # what the ranks were doing when --timeout expired
         self.ranks = list(ranks)
         self._interrupt = interrupt
@@ -168,7 +198,7 @@ class RankRun:
     def _all_done(self) -> bool:
         if self._ar.ready():
             return True
-        return self._guard is not None and self._guard.finished(self)
+        return self._guard.finished(self)
 
     # -- output -----------------------------------------------------------
     def _drain(self) -> None:
@@ -215,7 +245,7 @@ class RankRun:
     def _finish_output(self) -> None:
         # The result can arrive before the last output message; wait briefly for it.
         # A dead rank's output never completes: do not wait for it.
-        dead = self._guard is not None and self._guard.dead()
+        dead = self._guard.dead()
         self._ar.wait_for_output(timeout=0.5 if dead else 5)
         self._drain()
         for rank, md in zip(self.ranks, self._metadata):
@@ -230,8 +260,7 @@ class RankRun:
     def _loop(self, deadline: float | None) -> bool:
         """Stream until done; False if the deadline passed first."""
         while True:
-            if self._guard is not None:
-                self._guard.poll(self)
+            self._guard.poll(self)
             finished = self._all_done()
             self._drain()
             self._merger.poll()
@@ -262,18 +291,16 @@ class RankRun:
         try:
             completed = self._loop(deadline)
         except KeyboardInterrupt:
-            if self._guard is not None:
-                # A rank waiting in a collective explains a hang: keep where they were.
-                self.where_report = self._guard.where_report(only_if_waiting=True)
+            # A rank waiting in a collective explains a hang: keep where they were.
+            self.where_report = self._guard.where_report(only_if_waiting=True)
             self._stop_ranks()
             raise self._interrupted() from None
         if not completed:
-            if self._guard is not None:
-                # Before anything is interrupted: where every rank is, and in which collective.
-                self.where_report = self._guard.where_report()
+            # Before anything is interrupted: where every rank is, and in which collective.
+            self.where_report = self._guard.where_report()
             self._stop_ranks()
             where = f"\nwhere the ranks were:\n{self.where_report}" if self.where_report else ""
-            note = self._guard.note() if self._guard is not None else ""
+            note = self._guard.note()
             if self._waiting_for:  # nbdist's own wait, not a cell the user limited
                 raise CellTimeout(
                     f"{self._waiting_for} took longer than {self._timeout:g} s on "
@@ -286,8 +313,7 @@ class RankRun:
             )
         self._finished = True
         self._finish_output()
-        if self._guard is not None:
-            self._guard.recover(self)
+        self._guard.recover(self)
         return self._result_or_raise()
 
     def _stop_ranks(self) -> None:
@@ -295,10 +321,9 @@ class RankRun:
         if self._prompts is not None:
             self._prompts.cancel()  # ranks at a prompt stop too; no one is asked again
         self._interrupt(self.ranks)
-        if self._guard is not None:
-            self._guard.interrupted()
+        self._guard.interrupted()
         self._settle()
-        if self._guard is not None and self._finished:
+        if self._finished:
             self._guard.recover(self, interrupted=True)
 
     def _settle(self) -> None:
@@ -315,9 +340,7 @@ class RankRun:
             self._merger.close()
 
     def _interrupted(self) -> RanksInterrupted:
-        context = dict(
-            where=self.where_report, note=self._guard.note() if self._guard is not None else ""
-        )
+        context = dict(where=self.where_report, note=self._guard.note())
         if not self._finished:
             running = [r for r, s in self.child_states().items() if s == "running"]
             return RanksInterrupted(None, running, **context)
@@ -334,7 +357,7 @@ class RankRun:
                 self._results = self._ar.get(return_exceptions=True)
             else:  # a dead rank's reply may never come: each live rank's own
                 self._results = [_child_result(child) for child in self._children]
-        dead = self._guard.dead() if self._guard is not None else {}
+        dead = self._guard.dead()
         failures = [
             RankFailure(rank=rank, ename="RankDied", evalue=cause, traceback="")
             for rank, cause in sorted(dead.items())
@@ -350,14 +373,14 @@ class RankRun:
             for rank, res in zip(self.ranks, self._results)
             if isinstance(res, BaseException) and rank not in dead
         ]
-        released = self._guard.released_from if self._guard is not None else {}
+        released = self._guard.released_from
         genuine = [f for f in failures if f.rank not in released]
         if genuine:
             # A released rank's error ("Connection closed by peer") is the release
             # itself; the note names those ranks, the failures are the cause.
             failures = genuine
         if failures:
-            note = self._guard.note(failures) if self._guard is not None else ""
+            note = self._guard.note(failures)
             raise RankError(failures, world_ranks=self.ranks, note=note)
         return list(self._results)
 

@@ -7,27 +7,83 @@ Example::
     with DistSession(2) as s:                       # 2 CPU ranks (gloo) on a machine without GPUs
         s.run("t = torch.ones(1) * rank; dist.all_reduce(t); print(t)")
         print(s.pull("t"))                          # [tensor([1.]), tensor([1.])]
+
+A session starts its ranks (or connects to a running cluster, ``connect=``), forms
+the group, watches the ranks while they run (a ``pidfd`` per local rank, an
+entry in the JupyterLab sidebar), restarts them (forked afresh by the zygote
+that is already running when it can, :mod:`nbdist.launch.restart`) and stops
+them. :meth:`DistSession.summary` is the line ``%dist_start`` and
+``%dist_restart`` print; a restart gives fresh processes, and the line says so::
+
+    nbdist: restarted 2 ranks in 1.2 s · backend gloo · device cpu (fresh processes: names defined in cells are gone)
 """
 
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
+from nbdist.driver import live_sessions, registry
 from nbdist.driver.cells import cell_channel
-from nbdist.driver.faults import CellGuard, dead_ranks
-from nbdist.driver.group import Group, RankInfo, form_group, reform_group
-from nbdist.driver.lifecycle import Restarted, Watch, metrics_for, restart_in_place, summary_text
+from nbdist.driver.faults import CellGuard, RankMonitor, dead_ranks
+from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics_key, reform_group
 from nbdist.driver.runner import RankRun, submit
 from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
 from nbdist.engine import bootstrap
 from nbdist.errors import ClusterNotRunning, NbdistError
+from nbdist.launch import restart, zygote
 from nbdist.launch.cluster import ClusterHandle, interrupt_engines, start_processes, stop_processes
 from nbdist.launch.options import StartOptions, check_start_options
 from nbdist.launch.placement import Placement, plan_start
 
-__all__ = ["DistSession", "RankInfo"]
+__all__ = ["DistSession", "RankInfo", "Restarted"]
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """A session's last restart: its seconds, why it was a full one ('' if not), fresh processes or not.
+
+    ``fresh`` is False for a cluster the session connected to: its engines are
+    the same processes, the group formed again on them, and their names are kept.
+    """
+
+    seconds: float
+    note: str = ""
+    fresh: bool = True
+
+
+class _Watch:
+    """A running session's watchers: the rank monitor (local ranks), its live entry, its sidebar entry."""
+
+    def __init__(self, session, handle, hub, *, connection_file: str | None) -> None:
+        self.monitor = None
+        if handle.owned:
+            status_file = getattr(handle.engine_launcher(), "status_file", None)
+            record = functools.partial(zygote.read_exit, status_file) if status_file else None
+            self.monitor = RankMonitor(session.group.ranks, exit_record=record)
+        live_sessions.started(session)
+        self.session = session
+        store = hub.store
+        self.registry_path = registry.register_cluster(
+            session,
+            handle=handle,
+            ranks=session.ranks,
+            backend=session.backend,
+            run_id=hub.run.id if store is not None else None,
+            history=store.path if store is not None else None,
+            connection_file=connection_file,
+        )
+
+    def end(self) -> None:
+        # The ranks are about to stop, or to be replaced.
+        live_sessions.stopped(self.session)
+        if self.monitor is not None:
+            self.monitor.stop()
+        registry.unregister_cluster(self.registry_path)
 
 
 class DistSession:
@@ -38,13 +94,15 @@ class DistSession:
     ``cpu`` to ignore GPUs, ``gpus`` (indices) to choose GPUs, ``threads``
     torch threads per rank (default: cores shared among the ranks),
     ``timeout`` seconds to wait for the ranks to be ready, ``launcher``/
-    ``profile`` passed to ipyparallel, ``attach`` a cluster file of a running
-    cluster, ``ip`` the controller address (loopback by default),
+    ``profile`` passed to ipyparallel, ``connect`` the connection file
+    (cluster file) of a running ipyparallel cluster to use instead of starting
+    one, ``ip`` the controller address (loopback by default),
     ``start_method`` 'fork' (engines forked after importing torch) or 'spawn',
     ``group_timeout`` the process group's own timeout, ``history`` where the
     run's metrics are kept (a path, None for the default, False for none),
     ``launch_options`` for ``launcher`` 'slurm', 'ssh' or 'mpi' (partition,
-    time, account, hosts...: :mod:`nbdist.launch.schedulers`).
+    time, account, hosts...: :mod:`nbdist.launch.launcher_options`).
+    ``attach`` is the former name of ``connect`` (deprecated).
     Every option is checked here, before anything starts
     (:func:`nbdist.launch.options.check_start_options`).
     """
@@ -60,22 +118,43 @@ class DistSession:
         timeout: float = 120.0,
         launcher: str | None = None,
         profile: str | None = None,
-        attach: str | None = None,
+        connect: str | None = None,
         ip: str = "127.0.0.1",
         start_method: str = "fork",
         group_timeout: float = 1800.0,
         history: str | bool | None = None,
         launch_options: Mapping[str, object] | None = None,
+        attach: str | None = None,
     ):
         """Check the options and plan the ranks (nothing starts until :meth:`start`)."""
-        # fmt: off
-        self.options = opts = check_start_options(StartOptions(
-            n, backend=backend, cpu=cpu, gpus=gpus, threads=threads, timeout=timeout,
-            launcher=launcher, profile=profile, attach=attach, ip=ip, start_method=start_method,
-            group_timeout=group_timeout, launch_options=launch_options,
-        ))
-        # fmt: on
-        # Attached: None until the engines describe themselves (plan_attached).
+        if attach is not None:
+            warnings.warn(
+                "DistSession(attach=...) is deprecated: use connect= (the connection file of "
+                "a running ipyparallel cluster)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if connect is not None and connect != attach:
+                raise TypeError("DistSession: pass connect= alone (attach= is its former name)")
+            connect = attach
+        self.options = opts = check_start_options(
+            StartOptions(
+                n,
+                backend=backend,
+                cpu=cpu,
+                gpus=gpus,
+                threads=threads,
+                timeout=timeout,
+                launcher=launcher,
+                profile=profile,
+                connect=connect,
+                ip=ip,
+                start_method=start_method,
+                group_timeout=group_timeout,
+                launch_options=launch_options,
+            )
+        )
+        # Connected: None until the engines describe themselves (plan_attached).
         self.placement: Placement | None = plan_start(opts)
         self.history = history
         self.startup_seconds: float | None = None
@@ -85,7 +164,7 @@ class DistSession:
         self.group: Group | None = None  # the formed process group, while running
         self._hub = None  # nbdist.metrics.hub.MetricsHub, made at the first start
         self._handle: ClusterHandle | None = None
-        self._watch: Watch | None = None  # rank monitor and sidebar entry, while running
+        self._watch: _Watch | None = None  # rank monitor and sidebar entry, while running
 
     # -- what it is -------------------------------------------------------
     @property
@@ -133,7 +212,7 @@ class DistSession:
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> DistSession:
-        """Start (or attach to) the engines and form the process group; returns self."""
+        """Start (or connect to) the engines and form the process group; returns self."""
         if self.running:
             raise NbdistError(
                 f"this session already runs {self.world_size} ranks: stop() or restart() it first"
@@ -152,16 +231,29 @@ class DistSession:
         # The engines are up (started, or forked afresh by a restart): the group forms.
         self._handle = handle
         try:
-            self._hub = metrics_for(
-                self._hub, handle, backend=self.backend or "", history=self.history,
-                world_size=self.placement.world_size if self.placement else len(handle.client.ids),
-                ip=self.options.ip,
-            )  # fmt: skip
+            self._open_metrics(handle)
             self._form_group()
         except BaseException:
             self._stop_ranks()
             raise
-        self._watch = Watch(self, handle, self._hub, attach=self.options.attach)
+        self._start_watching(handle, connection_file=self.options.connect)
+
+    def _open_metrics(self, handle: ClusterHandle) -> None:
+        # The MetricsHub is opened at the first start; at a restart it is told of fresh ranks.
+        key = metrics_key(handle.client)
+        if self._hub is not None:
+            # Fresh ranks count their points from 0 (under a new key if the cluster is new).
+            self._hub.collector.new_cluster(key)
+            return
+        from nbdist.metrics.hub import MetricsHub
+
+        self._hub = MetricsHub.open(
+            key,
+            world_size=self.placement.world_size if self.placement else len(handle.client.ids),
+            backend=self.backend or "",
+            history=self.history,
+            ip=metrics_ip(handle.client, owned=handle.owned, ip=self.options.ip),
+        )
 
     def _form_group(self) -> None:
         # Kept as a method: the start-up benchmark wraps it to time group formation.
@@ -181,8 +273,12 @@ class DistSession:
             self._hub.run.hosts = dict(self.group.hosts)
         self.cells = []  # fresh namespaces: earlier cells no longer describe them
 
+    def _start_watching(self, handle: ClusterHandle, *, connection_file: str | None) -> None:
+        # The group is formed: watch the ranks, count as live, appear in the sidebar.
+        self._watch = _Watch(self, handle, self._hub, connection_file=connection_file)
+
     def stop(self) -> list[int]:
-        """Stop the ranks nbdist started (detach from an attached cluster); idempotent.
+        """Stop the ranks nbdist started (disconnect from a connected cluster); idempotent.
 
         Returns the PIDs that had to be force-killed (normally none). The run's
         metrics stay readable (``session.metrics``, ``nbdist.runs()``).
@@ -198,7 +294,7 @@ class DistSession:
             return []
         group, self.group = self.group, None
         if handle.client is not None and not handle.owned and group is not None:
-            try:  # leave the group so the attached engines can be reused
+            try:  # leave the group so the engines of a connected cluster can be reused
                 handle.client[group.engine_ids].apply_async(bootstrap.teardown).get(5)
             except Exception:
                 pass
@@ -216,18 +312,11 @@ class DistSession:
         """Fresh ranks, the group formed again, same number of ranks; the run continues.
 
         Forked afresh by the zygote that imported torch, the controller kept
-        (:mod:`nbdist.launch.restart`); else (attached, ``launcher``, spawned) a
+        (:mod:`nbdist.launch.restart`); else (connected, ``launcher``, spawned) a
         full stop and start, ``restarted.note`` says why. Cells' names are gone.
         """
         t0 = time.perf_counter()
-        why = restart_in_place(
-            self._handle,
-            world_size=self.placement.world_size if self.placement else 0,
-            timeout=self.options.timeout,
-            detach=self._unwatch,
-            rebuild=self._ready,
-            abort=self.stop,
-        )
+        why = self._restart_in_place()
         if why:
             self._stop_ranks()
             self.start()
@@ -235,6 +324,32 @@ class DistSession:
         self.restarted = Restarted(time.perf_counter() - t0, note, fresh=self._handle.owned)
         self._hub.mark_restart(self.world_size)
         return self
+
+    def _restart_in_place(self) -> str:
+        # Fresh ranks forked by the running zygote: '' when done, else why a full
+        # restart is needed. On failure the processes are stopped.
+        handle = self._handle
+        why = restart.in_place_refusal(handle) if handle is not None else "not running"
+        if why:
+            return why
+        world_size = self.placement.world_size if self.placement else 0
+        self._unwatch()
+        try:
+            restart.restart_in_place(handle, n=world_size, timeout=self.options.timeout)
+        except BaseException as exc:
+            stop_processes(handle)
+            if not isinstance(exc, Exception):  # an interrupt midway: stop everything
+                self.stop()
+                raise
+            return f"restarting in place failed ({exc})"
+        try:
+            self._ready(handle)  # which stops the processes itself if it fails
+        except Exception as exc:
+            return f"restarting in place failed ({exc})"
+        except BaseException:
+            self.stop()
+            raise
+        return ""
 
     def __enter__(self) -> DistSession:
         """Start (unless running) for a ``with`` block, which stops it at the end."""
@@ -390,7 +505,30 @@ class DistSession:
     def summary(self) -> str:
         """One line: ranks, backend, devices, start-up (or restart) seconds; a second where ranks share GPUs."""
         self._require_running()
-        return summary_text(self)
+        ranks = self.ranks
+        devices = ", ".join(sorted({r.device for r in ranks}))
+        hosts = sorted({r.host for r in ranks})
+        where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
+        what = f"backend {self.backend} · device {devices}"
+        restarted = self.restarted
+        if restarted is not None:
+            if restarted.fresh:
+                how = f"full restart: {restarted.note}; " if restarted.note else ""
+                how += "fresh processes: names defined in cells are gone"
+            else:
+                how = f"{restarted.note}; the same processes: names defined in cells are kept"
+            line = (
+                f"nbdist: restarted {len(ranks)} ranks{where} in {restarted.seconds:.1f} s · {what} "
+                f"({how})"
+            )
+        else:
+            start_note = self._handle.start_note
+            line = (
+                f"nbdist: {len(ranks)} ranks ready{where} · {what} · "
+                f"{self.startup_seconds:.1f} s{f'; {start_note}' if start_note else ''}"
+            )
+        sharing = self.placement.sharing_note() if self.placement else ""
+        return f"{line}\nnbdist: {sharing}" if sharing else line
 
     def __repr__(self) -> str:
         """``<DistSession: 2 ranks, gloo>``."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from nbdist.dashboard.table import fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
 from nbdist.driver.where import control_request
 from nbdist.rank_states import BUSY, DEAD, IDLE
+from nbdist.text_table import format_table
 
 __all__ = ["StatusTable", "format_status", "rank_status", "status_html"]
 
@@ -172,10 +173,7 @@ def _table(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
 def format_status(rows: list[dict]) -> str:
     """A fixed-width text table of :func:`rank_status` rows, then its notes (dead ranks...)."""
     headers, table, notes = _table(rows)
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
-    return "\n".join(line.rstrip() for line in lines + notes)
+    return "\n".join([format_table(headers, table), *notes])
 
 
 def status_html(rows: list[dict]) -> str:

@@ -233,7 +233,7 @@ def collect(session, *, stop: bool = False, out_dir: str | None = None) -> Merge
     deleted once merged.
     """
     if stop:
-        session.apply(profiling.finish)
+        session.apply(profiling.disarm)
     records = session.apply(profiling.ready)
     seq = _choose(records)
     if seq is None:

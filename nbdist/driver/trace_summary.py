@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nbdist.text_table import format_table
+
 __all__ = ["RankSummary", "format_summary", "hta_breakdown", "is_comm", "summarize"]
 
 _COMM_PREFIXES = ("c10d::", "gloo:", "nccl", "record_param_comms", "mpi:", "ucc:")
@@ -191,15 +193,20 @@ def _pct(value) -> str:
 
 def format_summary(rows: list[RankSummary]) -> str:
     """The summary as a text table, then each rank's top operators by self time."""
-    lines = [
-        f"{'rank':>4}  {'window':>10}  {'steps':>5}  {'compute':>8}  {'comm':>8}  {'idle':>8}"
-        f"  {'overlap':>8}"
+    header = ["rank", "window", "steps", "compute", "comm", "idle", "overlap"]
+    cells = [
+        [
+            r.rank,
+            f"{r.window_ms:.1f} ms",
+            r.steps,
+            _pct(r.compute),
+            _pct(r.communication),
+            _pct(r.idle),
+            _pct(r.overlap),
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"{r.rank:>4}  {r.window_ms:>7.1f} ms  {r.steps:>5}  {_pct(r.compute):>8}"
-            f"  {_pct(r.communication):>8}  {_pct(r.idle):>8}  {_pct(r.overlap):>8}"
-        )
+    lines = [format_table(header, cells, right=range(len(header)))]
     for r in rows:
         if r.top_ops:
             top = ", ".join(f"{n} {ms:.2f} ms ×{calls}" for n, ms, calls in r.top_ops)

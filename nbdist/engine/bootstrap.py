@@ -1,13 +1,14 @@
 """Rank side: the steps of forming the process group, called by the kernel with ``apply``.
 
 Order (each a round trip from the kernel):
-1. :func:`describe` on every engine: pid, host, address, GPUs, cores, slot.
+1. :func:`describe_rank` on every engine: pid, host, address, GPUs, cores, slot.
 2. :func:`open_rendezvous` on rank 0's engine: a listening socket on the
    rendezvous address, port chosen by the OS (no race for a "free" port, and
    it listens only where asked: loopback for a single machine).
 3. :func:`init_rank` on every engine at once: environment, threads, device,
    ``init_process_group`` over a TCPStore that uses rank 0's socket, one
-   all_reduce to prove the group works, and the user namespace.
+   all_reduce to prove the group works, nbdist's patches
+   (:mod:`nbdist.engine.patches`), and the user namespace.
 
 The engine's IPython shell is handed in by the kernel
 (``ipyparallel.Reference("get_ipython")``, resolved in the rank's namespace), so
@@ -23,13 +24,10 @@ import socket
 
 from nbdist.engine import (
     backend_support,
-    cell_reply,
     collectives,
     control,
     flight_recorder,
-    launch_guard,
-    p2p_staging,
-    stdin_bridge,
+    patches,
     torchrun_env,
     user_group,
 )
@@ -42,7 +40,7 @@ from nbdist.metrics.log import configure, shutdown
 
 __all__ = [
     "close_rendezvous",
-    "describe",
+    "describe_rank",
     "init_rank",
     "open_rendezvous",
     "rejoin",
@@ -53,7 +51,7 @@ __all__ = [
 _listener: socket.socket | None = None
 
 
-def describe(controller_host: str = "127.0.0.1") -> dict:
+def describe_rank(controller_host: str = "127.0.0.1") -> dict:
     """Facts about this engine; touches neither torch nor CUDA."""
     return {
         "pid": os.getpid(),
@@ -161,15 +159,9 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         world_size=spec["world_size"],
         device=device,
     )
-    launch_guard.install()
     kernel = getattr(shell, "kernel", None)
+    patches.install_on_rank(kernel, shell)
     if kernel is not None:
-        # Answered on the engine's control thread, also while a cell runs or hangs.
-        control.install(kernel)
-        # input(), getpass and pdb on this rank ask the notebook (Jupyter's stdin channel).
-        stdin_bridge.install(kernel)
-        # Each execute reply says what the kernel needs to know after a cell.
-        cell_reply.install(kernel, shell)
         _fill_namespace(shell, spec, device)
         if spec.get("metrics_url"):
             # The engine's session key is the cluster key the kernel's collector checks.
@@ -228,20 +220,20 @@ def _join_group(spec: dict, device: str) -> None:
     if probe.item() != expected:
         raise RuntimeError(f"all_reduce check gave {probe.item()}, expected {expected}")
 
-    if spec["backend"] == "gloo" and device.startswith("cuda"):
+    gloo_on_cuda = spec["backend"] == "gloo" and device.startswith("cuda")
+    if gloo_on_cuda:
         # gloo on a GPU copies through host memory, for some collectives only:
         # measure which, so strategies can say so before they start.
         backend_support.probe(device, context=spec.get("gloo_reason", ""))
-        p2p_staging.install()  # gloo's own send/recv of CUDA tensors break the group
 
     # The sockets the group opened (store, gloo pairs): what release() shuts down.
     control.remember_group_sockets(control.socket_snapshot() - before)
     collectives.reset()
-    collectives.install()
-    user_group.install(
-        gloo_for_nccl=spec.get("gloo_for_nccl", "") if device.startswith("cuda") else ""
+    # gloo's own send/recv of CUDA tensors break the group: staged through host memory.
+    patches.install_on_group(
+        stage_p2p=gloo_on_cuda,
+        gloo_for_nccl=spec.get("gloo_for_nccl", "") if device.startswith("cuda") else "",
     )
-    control.track_subgroups()
 
 
 def _leave_group() -> None:

@@ -42,7 +42,7 @@ import warnings
 
 from nbdist.engine.helpers import rank
 
-__all__ = ["Profile", "arm", "discard", "finish", "on_log", "profile", "read_trace", "ready"]
+__all__ = ["Profile", "arm", "disarm", "discard", "on_log", "profile", "read_trace", "ready"]
 
 # Traces larger than this travel to the kernel gzip-compressed (JSON compresses ~10x).
 GZIP_ABOVE_BYTES = 1 << 20
@@ -247,7 +247,7 @@ def arm(steps: int, skip: int = 1) -> dict:
     return {"rank": rank(), "next_seq": _count + 1}
 
 
-def finish() -> dict:
+def disarm() -> dict:
     """Stop a running profile now and forget an armed one; what this rank holds (``--collect``)."""
     global _armed
     with _lock:

@@ -30,7 +30,7 @@ import os
 import secrets
 import sys
 
-from nbdist.engine import backend_support, p2p_staging
+from nbdist.engine import backend_support, patches
 from nbdist.engine.devices import (
     SHARED_GPU_ENV,
     choose_backend,
@@ -122,10 +122,12 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
             dist.init_process_group(chosen, **kwargs)
         else:  # plain `python script.py`: a group of one, nothing listens
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    if chosen == "gloo" and device != "cpu":
+    gloo_on_cuda = chosen == "gloo" and device != "cpu"
+    if gloo_on_cuda:
         reason = "more ranks than GPUs share them and this torch's NCCL cannot (< 2.30)"
         backend_support.probe(device, context=reason)
-        p2p_staging.install()  # gloo's own send/recv of CUDA tensors break the group
+    # gloo's own send/recv of CUDA tensors break the group: staged through host memory.
+    patches.install_in_script(stage_p2p=gloo_on_cuda)
     remember_identity(rank=rank, local_rank=local_rank, world_size=world, device=device)
     _state.update(rank=rank, world_size=world)
     if history is not False:

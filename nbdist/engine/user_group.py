@@ -83,8 +83,9 @@ def check_conflict(
     return ""
 
 
-def _init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1,
-                        *args, **kwargs):  # fmt: skip
+def _init_process_group(
+    backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, *args, **kwargs
+):
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -93,9 +94,12 @@ def _init_process_group(backend=None, init_method=None, timeout=None, world_size
         )
     current = (str(dist.get_backend()), dist.get_world_size(), dist.get_rank())
     conflict = check_conflict(
-        backend=backend, world_size=world_size, rank=rank, current=current,
+        backend=backend,
+        world_size=world_size,
+        rank=rank,
+        current=current,
         gloo_for_nccl=_gloo_for_nccl,
-    )  # fmt: skip
+    )
     if conflict:
         raise GroupConflict(f"init_process_group: nbdist's process group is already up; {conflict}")
     if _gloo_for_nccl and current[0] == "gloo" and _asks_nccl(backend):

@@ -3,7 +3,7 @@
 Two ways in:
 - :func:`start_local` starts a controller (on loopback unless told otherwise)
   and the engines, by default through the torch-importing zygote.
-- :func:`attach` connects to a cluster somebody else started (other hosts,
+- :func:`connect` connects to a cluster somebody else started (other hosts,
   a batch job); nbdist then owns no processes and stops none.
 
 :func:`stop_processes` ends only processes this module started and those below
@@ -13,6 +13,9 @@ group, these 2.5 s):
 heartbeat period 50 ms instead of 3 s (an engine counts as registered on the
 first beat after its ping reply, up to two periods after it asked), no delay
 between controller and engines, no nanny process per engine.
+
+ipyparallel's one-time serializer set-up is paid on a thread while the
+engines still import torch (:func:`warm_serializer`, :func:`serializer_ready`).
 """
 
 from __future__ import annotations
@@ -24,20 +27,19 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
 import psutil
 
 from nbdist.errors import NbdistError
-from nbdist.launch import launched, process_tree
-
-# Re-exported: the serializer's head start belongs to a start, as it always did.
-from nbdist.launch.serializer import serializer_ready, warm_serializer
+from nbdist.launch import process_tree, remote_engines
+from nbdist.launch.ssh_engines import SSHEngines
 
 __all__ = [
     "ClusterHandle",
-    "attach",
+    "connect",
     "interrupt_engines",
     "serializer_ready",
     "start_local",
@@ -57,6 +59,7 @@ _HEARTBEAT_MS = 50
 # (load average ~8). A local rank's death is seen at once by its pidfd (driver/faults.py);
 # only ranks on other hosts wait for this, and 3 s keeps them named within 5 s.
 _HEARTBEAT_MISSES = 3000 // _HEARTBEAT_MS
+_warm_thread: threading.Thread | None = None
 
 
 @dataclass
@@ -103,10 +106,10 @@ def _quiet_log():
 def _base_config(controller_ip: str):
     from traitlets.config import Config
 
-    from nbdist.launch.launcher import guarded_controller_cmd
+    from nbdist.launch.local_engines import watched_controller_cmd
 
     config = Config()
-    config.LocalControllerLauncher.controller_cmd = guarded_controller_cmd()
+    config.LocalControllerLauncher.controller_cmd = watched_controller_cmd()
     config.LocalControllerLauncher.stop_seconds_until_kill = 3
     config.LocalEngineLauncher.stop_seconds_until_kill = 5  # the zygote's 3 s grace fits
     return config
@@ -131,7 +134,7 @@ def start_local(
     """
     import ipyparallel as ipp
 
-    from nbdist.launch.launcher import ZygoteEngineSetLauncher
+    from nbdist.launch.local_engines import ZygoteEngineSetLauncher
 
     # The options were checked before (nbdist.launch.options): nothing here refuses them.
     config = _base_config(ip)
@@ -172,7 +175,7 @@ def start_local(
             # Engines on other hosts (a batch job) cannot read this machine's private
             # profile dir: they get the connection info in their environment (the
             # SSH launcher copies the connection file over SSH instead).
-            send_engines_connection_env=launcher not in (None, launched.SSHEngines),
+            send_engines_connection_env=launcher not in (None, SSHEngines),
             engine_launcher_class=engine_launcher_class,
             engine_timeout=int(max(1, timeout)),
             shutdown_atexit=True,
@@ -195,7 +198,7 @@ def start_local(
                 # Not start_and_connect: in a notebook it draws a progress bar of its own.
                 handle.client.wait_for_engines(n, timeout=timeout, interactive=False, block=True)
             else:  # watches the job/mpiexec/ssh too: a start that cannot succeed fails now
-                launched.wait_for_engines(
+                remote_engines.wait_for_engines(
                     handle.client, handle.engine_launcher(), n, timeout=timeout
                 )
             break
@@ -222,20 +225,20 @@ def start_local(
             handle.start_note = f"engines spawned separately ({status['reason']})"
         handle.pids.update(status.get("pids", []))
     else:
-        handle.start_method = launched.launcher_name(launcher)
-        handle.start_note = launched.start_note(engines)
+        handle.start_method = remote_engines.launcher_name(launcher)
+        handle.start_note = remote_engines.start_note(engines)
     _secure_connection_files(cluster.profile_dir)
     return handle
 
 
 def start_processes(options, placement) -> ClusterHandle:
-    """The processes of one start: attach to ``options.attach``, or start the ``placement``.
+    """The processes of one start: connect to ``options.connect``, or start the ``placement``.
 
     ``options``: a checked :class:`~nbdist.launch.options.StartOptions`. Each
     local engine gets its slot's environment (its GPU, LOCAL_RANK) before it starts.
     """
-    if options.attach:
-        return attach(options.attach, timeout=options.timeout)
+    if options.connect:
+        return connect(options.connect, timeout=options.timeout)
     slot_envs = [
         {"NBDIST_SLOT": str(s.local_rank), "LOCAL_RANK": str(s.local_rank)}
         | ({"CUDA_VISIBLE_DEVICES": mask} if (mask := placement.visible_mask(s.host)) else {})
@@ -243,13 +246,13 @@ def start_processes(options, placement) -> ClusterHandle:
     ]
     launch = options.launch
     if launch is not None:  # Slurm would run the job, every SSH host answers: or nothing starts
-        launched.check_before_start(launch)
+        remote_engines.check_before_start(launch)
     return start_local(
         n=placement.world_size,
         slot_environments=slot_envs,
         threads=placement.threads_for(placement.slots[0]),
         timeout=options.timeout,
-        launcher=launched.engine_launcher_class(
+        launcher=remote_engines.engine_launcher_class(
             launch.engine_launcher if launch else options.launcher
         ),
         launcher_config=launch.config if launch else None,
@@ -334,13 +337,13 @@ def _secure_connection_files(profile_dir: str) -> None:
         os.chmod(os.path.join(security, name), 0o600)
 
 
-def attach(path: str, *, timeout: float) -> ClusterHandle:
+def connect(path: str, *, timeout: float) -> ClusterHandle:
     """Connect to a running cluster from its cluster file or client connection file."""
     import ipyparallel as ipp
 
     if not os.path.exists(path):
         raise NbdistError(
-            f"--attach {path!r}: no such file. Pass the cluster file (cluster-*.json) or the "
+            f"--connect {path!r}: no such file. Pass the cluster file (cluster-*.json) or the "
             "client connection file (ipcontroller-client.json) of a running ipyparallel cluster"
         )
     try:
@@ -348,7 +351,7 @@ def attach(path: str, *, timeout: float) -> ClusterHandle:
             content = json.load(f)
     except (OSError, ValueError) as exc:
         raise NbdistError(
-            f"--attach {path!r} is not a readable JSON connection file: {exc}"
+            f"--connect {path!r} is not a readable JSON connection file: {exc}"
         ) from exc
     if "cluster" in content:
         cluster = ipp.Cluster.from_file(path)
@@ -362,7 +365,7 @@ def attach(path: str, *, timeout: float) -> ClusterHandle:
         client.close()
         raise NbdistError(
             f"the cluster in {path!r} has no engines after {timeout:g} s: start engines "
-            "(ipengine) for it, then attach again"
+            "(ipengine) for it, then connect again"
         )
     return ClusterHandle(client=client, cluster=None, owned=False, start_method="attached")
 
@@ -398,3 +401,33 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
     if handle.remove_profile_dir and handle.profile_dir:
         shutil.rmtree(handle.profile_dir, ignore_errors=True)
     return killed
+
+
+def warm_serializer() -> None:
+    """Pay ipyparallel's one-time serializer set-up now, on a thread, while engines start.
+
+    The first ``apply`` of a process imports numpy (ipyparallel registers how to
+    send arrays): 0.17 s, which used to fall between "engines registered" and
+    "group formed". Started once the controller is up, it runs while the engines
+    are still importing torch. That set-up is not thread-safe: call
+    :func:`serializer_ready` before the first ``apply``.
+    """
+    global _warm_thread
+    if _warm_thread is None:
+        _warm_thread = threading.Thread(target=_import_serializer, name="nbdist-warm", daemon=True)
+        _warm_thread.start()
+
+
+def serializer_ready() -> None:
+    """Wait for :func:`warm_serializer` (if it was started) to finish."""
+    if _warm_thread is not None:
+        _warm_thread.join()
+
+
+def _import_serializer() -> None:
+    try:
+        from ipyparallel.serialize import canning
+
+        canning.can(None)  # the first call imports the types named in its mapping
+    except Exception:  # an optional head start: the first apply does it anyway
+        pass

@@ -2,13 +2,13 @@
 
 One place refuses what could only fail after processes started, with the
 value it saw and the fix: the rank count, threads, timeouts, start method,
-``--ip``, ``--launcher``, ``--profile``, ``--attach``, ``--gpus``, and the
+``--ip``, ``--launcher``, ``--profile``, ``--connect``, ``--gpus``, and the
 options of the Slurm, SSH and MPI launchers (partition, time, hosts, ...).
 :func:`check_start_options` returns a :class:`StartOptions` that the session,
 the placement planner (:mod:`nbdist.launch.placement`) and the launcher
 configuration take as it is. Single values are checked by
 :mod:`nbdist.launch.values`, the Slurm, SSH and MPI options by
-:mod:`nbdist.launch.schedulers`; this module is where a whole start is checked.
+:mod:`nbdist.launch.launcher_options`; this module is where a whole start is checked.
 
 Example::
 
@@ -31,7 +31,7 @@ import socket
 from collections.abc import Mapping
 
 from nbdist.errors import PlacementError
-from nbdist.launch.schedulers import LAUNCHERS, LaunchPlan, plan_launch
+from nbdist.launch.launcher_options import LAUNCHERS, LaunchPlan, plan_launch
 from nbdist.launch.values import check_count, check_seconds, check_threads, is_digits, is_whole
 
 __all__ = ["StartOptions", "check_start_options", "parse_gpu_list", "parse_launch_options"]
@@ -46,7 +46,7 @@ class StartOptions:
 
     ``launch_options``: the Slurm/SSH/MPI launcher's options, as given;
     ``launch``: their checked plan (None for engines on this machine, or an
-    attached cluster), set by the check.
+    cluster the session connects to), set by the check.
     """
 
     n: int | None = None
@@ -57,7 +57,7 @@ class StartOptions:
     timeout: float = 120.0
     launcher: str | None = None
     profile: str | None = None
-    attach: str | None = None
+    connect: str | None = None
     ip: str = "127.0.0.1"
     start_method: str = "fork"
     group_timeout: float = 1800.0
@@ -97,7 +97,7 @@ def parse_launch_options(items: list[str] | None) -> dict[str, str]:
 # -- where the processes go ----------------------------------------------------------------
 
 
-def _check_where(ip, launcher, profile, attach) -> None:
+def _check_where(ip, launcher, profile, connect) -> None:
     if not isinstance(ip, str) or not _bindable(ip):
         raise PlacementError(
             f"--ip {ip!r} is not an IP address or a host name of this machine: give e.g. "
@@ -117,9 +117,9 @@ def _check_where(ip, launcher, profile, attach) -> None:
                 f"--profile {profile!r}: no such IPython profile in {get_ipython_dir()}; create "
                 f"it with `ipython profile create --parallel {profile}`, or leave --profile out"
             ) from None
-    if attach is not None and not os.path.isfile(os.path.expanduser(str(attach))):
+    if connect is not None and not os.path.isfile(os.path.expanduser(str(connect))):
         raise PlacementError(
-            f"--attach {attach!r}: no such file. Pass the cluster file (cluster-*.json) or the "
+            f"--connect {connect!r}: no such file. Pass the cluster file (cluster-*.json) or the "
             "client connection file (ipcontroller-client.json) of a running ipyparallel cluster"
         )
 
@@ -190,11 +190,11 @@ def check_start_options(requested: StartOptions) -> StartOptions:
         raise PlacementError(f"gpus {gpus!r}: give GPU indices, e.g. [0, 1]")
     if o.start_method not in START_METHODS:
         raise PlacementError(f"start_method {o.start_method!r}: use 'fork' or 'spawn'")
-    if o.attach and (o.launcher or o.profile):
-        raise PlacementError("--attach uses a running cluster: leave out --launcher/--profile")
-    _check_where(o.ip, o.launcher, o.profile, o.attach)
+    if o.connect and (o.launcher or o.profile):
+        raise PlacementError("--connect uses a running cluster: leave out --launcher/--profile")
+    _check_where(o.ip, o.launcher, o.profile, o.connect)
     launch = None
-    if not o.attach and (o.launch_options or str(o.launcher).lower() in LAUNCHERS):
+    if not o.connect and (o.launch_options or str(o.launcher).lower() in LAUNCHERS):
         launch = plan_launch(o.launcher, o.n, ip=o.ip, **dict(o.launch_options or {}))
     return dataclasses.replace(
         o,

@@ -298,9 +298,10 @@ def share_backend(
 def plan_start(options) -> Placement | None:
     """The placement of a checked :class:`~nbdist.launch.options.StartOptions`.
 
-    None for an attached cluster (planned when its engines report, :func:`plan_attached`).
+    None for a cluster the session connects to (planned when its engines report,
+    :func:`plan_attached`).
     """
-    if options.attach:
+    if options.connect:
         return None
     if options.launch is not None:
         # Engines start on other hosts, whose GPUs this machine cannot see: a

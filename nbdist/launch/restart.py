@@ -26,7 +26,7 @@ import psutil
 
 from nbdist.errors import NbdistError
 from nbdist.launch.cluster import ClusterHandle
-from nbdist.launch.launcher import ZygoteEngineSetLauncher
+from nbdist.launch.local_engines import ZygoteEngineSetLauncher
 
 __all__ = ["in_place_refusal", "restart_in_place"]
 

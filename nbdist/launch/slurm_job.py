@@ -1,8 +1,8 @@
 """Kernel side: the Slurm job behind ``--launcher slurm``: checked, submitted, watched, cancelled.
 
 One job whose tasks are the engines (``srun`` in an ``sbatch`` script, see
-:mod:`nbdist.launch.schedulers` for the script and
-:mod:`nbdist.launch.task_engine` for what each task runs):
+:mod:`nbdist.launch.launcher_options` for the script and
+:mod:`nbdist.launch.batch_task_engine` for what each task runs):
 
 - before anything starts, :func:`check_job` asks Slurm (``sbatch --test-only``)
   whether it would run it: a partition, account or size Slurm refuses is a
@@ -108,9 +108,14 @@ def check_job(template: str, n: int) -> None:
     from IPython.utils.text import EvalFormatter  # what ipyparallel formats the script with
 
     script = EvalFormatter().format(
-        template, n=n, cluster_id="nbdist-check", program_and_args="true",
-        output_file="/dev/null", queue="", profile_dir="",
-    )  # fmt: skip
+        template,
+        n=n,
+        cluster_id="nbdist-check",
+        program_and_args="true",
+        output_file="/dev/null",
+        queue="",
+        profile_dir="",
+    )
     with tempfile.NamedTemporaryFile("w", prefix="nbdist-check-", suffix=".sbatch") as f:
         f.write(script)
         f.flush()
@@ -141,7 +146,7 @@ def _slurm_words(text: str) -> str:
 class SlurmEngineJob(SlurmEngineSetLauncher):
     """ipyparallel's Slurm engine launcher, with nbdist's task engine and clear errors.
 
-    Differences: each task runs :mod:`nbdist.launch.task_engine` (engine id =
+    Differences: each task runs :mod:`nbdist.launch.batch_task_engine` (engine id =
     ``SLURM_PROCID``); the batch script goes to the profile's log directory,
     not the notebook's; Slurm's error text reaches the exception; ``stop``
     waits until the job has left the queue and tolerates a job that already ended.
@@ -149,7 +154,7 @@ class SlurmEngineJob(SlurmEngineSetLauncher):
 
     @default("engine_cmd")
     def _engine_cmd_default(self):
-        return [sys.executable, "-m", "nbdist.launch.task_engine"]
+        return [sys.executable, "-m", "nbdist.launch.batch_task_engine"]
 
     def __init__(self, *args, **kwargs):
         """As ipyparallel's; the batch script is kept with the profile's logs."""

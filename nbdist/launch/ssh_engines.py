@@ -177,8 +177,11 @@ class SSHEngines(SSHEngineSetLauncher):
         try:
             result = subprocess.run(
                 [*self.ssh_cmd, *self.ssh_args, location, script],
-                capture_output=True, text=True, timeout=60, check=False,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
             texts = result.stdout.split(_MARK + "\n")[1:]
         except (OSError, subprocess.TimeoutExpired):  # the host is gone: so are its engines
             texts = []

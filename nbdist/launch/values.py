@@ -1,6 +1,6 @@
 """Kernel side, before anything starts: the checks of single option values.
 
-Shared by :mod:`nbdist.launch.options` (a whole start), :mod:`nbdist.launch.schedulers`
+Shared by :mod:`nbdist.launch.options` (a whole start), :mod:`nbdist.launch.launcher_options`
 (Slurm, SSH and MPI options) and :mod:`nbdist.launch.placement`, so that a value is
 refused with the same words wherever it comes in. The ``parse_*`` functions turn
 a magic's words into values; the ``check_*`` functions refuse bad values

@@ -43,14 +43,76 @@ import sys
 import threading
 import time
 
-from nbdist.launch import process_tree, zygote_imports
+from nbdist.launch import process_tree
 
-__all__ = ["fork_unsafe_reason", "main", "read_exit", "record_exit"]
+__all__ = ["ENGINE_MODULES", "fork_unsafe_reason", "import_all", "main", "read_exit", "record_exit"]
 
 _PR_SET_PDEATHSIG = 1
 # Blocked while engines are forked; SIGUSR1 asks for a restart (fresh engines).
 _MASKED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
 _wakeup_fds: tuple[int, int] | None = None  # the signal wakeup pipe of the zygote's loop
+
+# What every engine imports while it starts, besides torch and ipykernel's debugger
+# module: imported once in the zygote, shared by the forks instead of paid per rank.
+# None of them starts a thread at import; fork_unsafe_reason() checks.
+ENGINE_MODULES = (
+    "sqlite3",
+    "IPython.extensions.storemagic",
+    # Imported by each engine after registering (measured with -X importtime):
+    "tornado.platform.asyncio",
+    "IPython.core.oinspect",
+    "IPython.core.completerlib",
+    "argcomplete",
+    # Imported by each rank while the group forms.
+    "nbdist.engine.bootstrap",  # with patches (every patch module), devices, netif, metrics.log
+)
+
+
+def import_all() -> None:
+    """torch, torch.distributed, ipyparallel's engine, ipykernel's debugger module, the rest.
+
+    What the forks share copy-on-write instead of importing each; called with
+    Python's cyclic collector off (see :func:`main`).
+    """
+    import torch  # noqa: F401 - the point of the zygote: imported once, shared by forks
+    import torch.distributed  # noqa: F401
+    from ipyparallel.engine.app import IPEngine  # noqa: F401
+
+    _import_debugger_module()
+    _preimport(ENGINE_MODULES)
+
+
+def _preimport(names) -> None:
+    import importlib
+
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # an optional speed-up: the engine imports what it needs anyway
+            pass
+
+
+def _import_debugger_module() -> None:
+    """Import ipykernel's debugger module without debugpy.
+
+    ipykernel imports debugpy (~0.1 s, ~150 modules) for a debugger that an
+    ipyparallel engine never enables (it has no debug channel; its log says
+    "debugging will not be enabled"). Hidden while ipykernel looks, debugpy
+    counts as missing there; afterwards a rank can still ``import debugpy``
+    (e.g. ``debugpy.listen`` to attach an IDE to one rank).
+    """
+    import importlib
+
+    hidden = "debugpy" not in sys.modules
+    if hidden:
+        sys.modules["debugpy"] = None  # makes "import debugpy" raise ImportError
+    try:
+        importlib.import_module("ipykernel.debugger")
+    except Exception:  # an optional speed-up: the engine imports what it needs anyway
+        pass
+    finally:
+        if hidden and sys.modules.get("debugpy", False) is None:
+            del sys.modules["debugpy"]
 
 
 def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
@@ -350,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         # made so far, and the imports trigger several (~0.15 s of a 2-rank start on
         # 2 cores). start_all freezes what was imported, the children collect again.
         gc.disable()
-        zygote_imports.import_all()
+        import_all()
         reason = fork_unsafe_reason()
     # Before the first fork: orphans from below the ranks are re-parented here, not to PID 1.
     subreaper = process_tree.become_subreaper()

@@ -348,9 +348,14 @@ def _as_loss(output):
 
 
 def transformer_flops(
-    params, tokens: int, *, layers: int = 0, seq_len: int = 0, width: int = 0,
+    params,
+    tokens: int,
+    *,
+    layers: int = 0,
+    seq_len: int = 0,
+    width: int = 0,
     backward: bool = True,
-) -> int:  # fmt: skip
+) -> int:
     """FLOPs of a decoder transformer step on ``tokens`` tokens: ``6 * params * tokens``.
 
     ``params``: the parameter count, or the model (its parameters, tied ones

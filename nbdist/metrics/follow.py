@@ -1,7 +1,7 @@
 """Kernel side: a named session's metrics, followed in the run history its keeper writes.
 
 A named session's collector lives in its keeper process
-(:mod:`nbdist.launch.keeper`), not in a kernel: the ranks' points reach the
+(:mod:`nbdist.launch.named_session_keeper`), not in a kernel: the ranks' points reach the
 history whether or not a kernel is attached, and none is lost when a kernel
 dies. A kernel attached to the session reads the run from the history: first
 everything stored so far, then, on a thread, each batch as the keeper commits
@@ -127,7 +127,7 @@ class FollowHub:
         return True
 
     def mark_restart(self, world_size: int) -> None:
-        """Named sessions do not restart (see :mod:`nbdist.driver.named`)."""
+        """Named sessions do not restart (see :mod:`nbdist.driver.named_sessions`)."""
         raise NotImplementedError("a named session's ranks are not restarted from a kernel")
 
     def close(self) -> None:

@@ -154,9 +154,12 @@ class _Channel:
                 # when it has all of them; counted only once the batch is encoded.
                 total = self.total + len(points)
                 message = {
-                    "k": "points", "rank": self.rank, "points": points, "total": total,
+                    "k": "points",
+                    "rank": self.rank,
+                    "points": points,
+                    "total": total,
                     "dropped": dropped,
-                }  # fmt: skip
+                }
                 self._queue(encode(self.key, message), len(points))
                 self.total, self.dropped_sent = total, dropped
             if marker is not None:

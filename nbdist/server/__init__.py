@@ -46,7 +46,7 @@ def _load_jupyter_server_extension(serverapp) -> None:
 
     from nbdist.server.busy import untrack_subshell_messages
     from nbdist.server.handlers import handlers
-    from nbdist.server.live import LiveView
+    from nbdist.server.sidebar_state import LiveView
 
     web_app = serverapp.web_app
     untrack_subshell_messages(serverapp)

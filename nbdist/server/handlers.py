@@ -9,7 +9,7 @@ Routes, under the server's base URL::
     GET  nbdist/api/runs                          runs in the history, and which still run
     GET  nbdist/api/runs/<run id>                 one run's series, decimated for a chart
     GET  nbdist/api/palette                       the rank colours every view draws ranks in
-    GET  nbdist/api/sessions                      named sessions (nbdist.server.named)
+    GET  nbdist/api/sessions                      named sessions (nbdist.server.named_session_handlers)
     POST nbdist/api/sessions/<name>/stop          end a named session, wherever it runs
 
 The front end polls ``clusters`` about once a second while the sidebar is
@@ -37,8 +37,8 @@ from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
 from nbdist.metrics import store
-from nbdist.server import named
-from nbdist.server.live import LiveView
+from nbdist.server import named_session_handlers
+from nbdist.server.sidebar_state import LiveView
 
 __all__ = ["ACTIONS", "API_PREFIX", "ROUTES", "handlers"]
 
@@ -95,7 +95,8 @@ class ClusterActionHandler(_Base):
             await _maybe_await(kernel.interrupt_kernel())
             return {"action": "interrupt", "via": "kernel", "pids": []}
         sent = []
-        kept = named.session_pids()  # a named session's ranks are its keeper's, not the kernel's
+        # A named session's ranks are its keeper's, not the kernel's.
+        kept = named_session_handlers.session_pids()
         for info in entry["ranks"]:
             pid = info["pid"]
             # Only PIDs the cluster's own kernel started (its descendants), or a named session
@@ -194,12 +195,17 @@ class RunsHandler(_Base):
             for record in store.runs(path):
                 out.append(
                     dict(
-                        id=record.id, started=record.started, ended=record.ended,
-                        world_size=record.world_size, backend=record.backend,
-                        label=record.label, host=record.host, points=record.points,
+                        id=record.id,
+                        started=record.started,
+                        ended=record.ended,
+                        world_size=record.world_size,
+                        backend=record.backend,
+                        label=record.label,
+                        host=record.host,
+                        points=record.points,
                         running=(path, record.id) in live,
                     )
-                )  # fmt: skip
+                )
         self.write_json({"runs": out})
 
 
@@ -236,7 +242,7 @@ ROUTES = [
     (r"runs", RunsHandler),
     (r"runs/(\d+)", RunHandler),
     (r"palette", PaletteHandler),
-    *named.ROUTES,
+    *named_session_handlers.ROUTES,
 ]
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from nbdist.dashboard.decimate import decimate
-from nbdist.dashboard.labels import describe
+from nbdist.dashboard.labels import describe_key
 from nbdist.dashboard.table import COUNTERS, PROGRESS_KEY, plotted_keys, throughput_key
 
 __all__ = ["BY_TIME_GPU_KEYS", "RUN_CHART_POINTS", "panel_keys", "run_payload"]
@@ -54,7 +54,7 @@ def run_payload(run, *, running: bool) -> dict:
     panels, series = {}, {}
     for key in keys:
         by_time = key == rate or key in BY_TIME_GPU_KEYS
-        panel = describe(key, by_time=by_time)
+        panel = describe_key(key, by_time=by_time)
         if key == rate:
             panel["title"] = f"throughput per rank ({panel['unit']})"  # no total drawn here
         panels[key] = {**panel, "by_time": by_time}
@@ -76,6 +76,13 @@ def run_payload(run, *, running: bool) -> dict:
             del panels[key]
     keys = [k for k in keys if k in series]
     return dict(
-        id=run.id, started=run.started, ended=run.ended, world_size=run.world_size,
-        backend=run.backend, keys=keys, panels=panels, series=series, running=running,
-    )  # fmt: skip
+        id=run.id,
+        started=run.started,
+        ended=run.ended,
+        world_size=run.world_size,
+        backend=run.backend,
+        keys=keys,
+        panels=panels,
+        series=series,
+        running=running,
+    )

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from nbdist.errors import PlacementError
-from nbdist.launch.schedulers import plan_launch
+from nbdist.launch.launcher_options import plan_launch
 
 needs_ssh = pytest.mark.skipif(shutil.which("ssh") is None, reason="no ssh client")
 

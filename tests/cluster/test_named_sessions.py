@@ -18,9 +18,9 @@ import pytest
 from jupyter_client import KernelManager
 
 from nbdist.driver import live_sessions
-from nbdist.driver.named import NamedSession, named_sessions, stop_named
+from nbdist.driver.named_sessions import NamedSession, named_sessions, stop_named
 from nbdist.errors import NbdistError, PlacementError
-from nbdist.launch import named_records
+from nbdist.launch import named_session_records
 from tests.conftest import wait_gone
 
 pytestmark = pytest.mark.slow  # real kernels, engines, servers: 3-15 s each on 2 cores; in CI
@@ -112,7 +112,7 @@ def history_env(tmp_path):
 
 
 def _session_pids(name: str) -> list[int]:
-    record = named_records.read(name)
+    record = named_session_records.read(name)
     assert record is not None, f"no record for {name!r}"
     return [record["keeper"]["pid"], *(e["pid"] for e in record["pids"])]
 
@@ -123,7 +123,7 @@ def cleanup_named():
     names: list[str] = []
     yield names
     for name in names:
-        if named_records.read(name) is not None:
+        if named_session_records.read(name) is not None:
             stop_named(name)
 
 
@@ -153,8 +153,8 @@ def test_session_survives_a_killed_kernel_and_a_new_kernel_attaches(
     try:
         second.ok("%load_ext nbdist")
         listing = second.ok("%dist_sessions")
-        assert any(line.split()[:2] == ["kept", "2"] and "running" in line
-                   for line in listing.splitlines()), listing  # fmt: skip
+        rows = [line.split() for line in listing.splitlines()]
+        assert any(row[:2] == ["kept", "2"] and "running" in row for row in rows), listing
         attaching = second.kc.execute("%dist_attach kept")
         attached = second.collect(attaching, until=lambda text: "attached to session" in text)
         assert "attached to session 'kept'" in attached
@@ -179,7 +179,7 @@ def test_session_survives_a_killed_kernel_and_a_new_kernel_attaches(
         stopped = second.ok("%dist_stop kept")
         assert "stopped session 'kept'" in stopped
         assert wait_gone(pids) == []
-        assert named_records.read("kept") is None
+        assert named_session_records.read("kept") is None
         assert "no named sessions" in second.ok("%dist_sessions")
     finally:
         second.shutdown()
@@ -191,8 +191,8 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
     session.run("x = rank + 40")
     pids = _session_pids("api")
     # Only this user may read what reaches the session: its records and connection file.
-    folder = named_records.session_dir("api")
-    record = named_records.read("api")
+    folder = named_session_records.session_dir("api")
+    record = named_session_records.read("api")
     assert os.stat(folder).st_mode & 0o777 == 0o700
     for path in (os.path.join(folder, "session.json"), os.path.join(folder, "group.json"),
                  record["connection_file"]):  # fmt: skip
@@ -213,14 +213,14 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
     with pytest.raises(NbdistError, match="%dist_stop api removes what is left"):
         NamedSession.attach("api")
     stop_named("api")
-    assert named_records.read("api") is None
+    assert named_session_records.read("api") is None
 
 
 def test_bad_names_and_options_are_refused_before_anything_starts():
     with pytest.raises(PlacementError, match="'no/slash'.*--name train1"):
         NamedSession(2, cpu=True, name="no/slash")
-    with pytest.raises(PlacementError, match="--attach"):
-        NamedSession(2, cpu=True, name="ok", attach="/tmp/cluster.json")
+    with pytest.raises(PlacementError, match="--connect"):
+        NamedSession(2, cpu=True, name="ok", connect="/tmp/cluster.json")
     with pytest.raises(NbdistError, match="no named session 'absent'"):
         NamedSession.attach("absent")
     with pytest.raises(NbdistError, match="no named session 'absent'"):
@@ -371,7 +371,7 @@ def test_sidebar_lists_attaches_and_stops_a_named_session(
         page.locator(".jp-Dialog button.jp-mod-accept").click()
         assert poll(lambda: page.locator(".nbdist-named-session").count() == 0, timeout=60)
         assert wait_gone(pids) == []
-        assert named_records.read("ui1") is None
+        assert named_session_records.read("ui1") is None
     finally:
-        if named_records.read("ui1") is not None:
+        if named_session_records.read("ui1") is not None:
             stop_named("ui1")

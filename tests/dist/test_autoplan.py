@@ -25,7 +25,7 @@ from torch import nn
 
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
-from nbdist.strategies.autoplan_estimate import NotAdmitted, enumerate_plans, model_facts
+from nbdist.strategies.plan.estimate import NotAdmitted, enumerate_plans, model_facts
 
 COMMON = (
     TRANSFORMER_BLOCKS
@@ -117,7 +117,7 @@ def test_estimates_are_the_byte_arithmetic_of_the_model():
 
 
 def test_the_budget_reads_bytes_or_units_and_names_the_fix():
-    from nbdist.strategies.autoplan import parse_bytes
+    from nbdist.strategies.plan.autoplan import parse_bytes
 
     assert parse_bytes("512 MiB") == 512 * 2**20 and parse_bytes("2GB") == 2e9
     assert parse_bytes(1024) == 1024.0
@@ -132,7 +132,7 @@ def test_the_budget_reads_bytes_or_units_and_names_the_fix():
 
 @pytest.fixture(scope="module")
 def session():
-    yield from ranks_with(4, COMMON + "from nbdist.strategies.autoplan import autoplan\n")
+    yield from ranks_with(4, COMMON + "from nbdist.strategies.plan.autoplan import autoplan\n")
 
 
 def _reference(steps: int) -> list[float]:
@@ -179,7 +179,7 @@ losses = [plan.step(X, Y) for _ in range(3)]
             torch.tensor(row["loss"], dtype=torch.float32), torch.tensor(want[3])
         )
     # The kernel's view: the chosen plan first, estimate and measurement side by side.
-    from nbdist.dashboard.compare import plans_table
+    from nbdist.dashboard.plan_comparison import plans_table
 
     df = plans_table(tables[0])
     assert df.index[0] == measured[0]["plan"] and df["rank"].iloc[0] == 1
@@ -254,7 +254,7 @@ autoplan(Net, (torch.randn(3, 4), torch.randn(3, 2)), world_size=world_size, mem
 def test_compare_runs_the_new_plans_and_their_losses_agree_with_ddp(session):
     session.run(
         """
-from nbdist.strategies.compare import compare
+from nbdist.strategies.plan.compare import compare
 def share(step, r):
     return X.tensor_split(world_size)[r], Y.tensor_split(world_size)[r]
 kw = dict(steps=2, warmup=1, **LAYOUT)

@@ -17,7 +17,7 @@ import torch
 
 import nbdist
 from nbdist.driver.sinks import ListSink
-from nbdist.strategies.horovod import horovod_status, start_rendezvous
+from nbdist.strategies.parallel.horovod import horovod_status, start_rendezvous
 
 _REAL, _WHY = horovod_status()
 pytestmark = [
@@ -59,7 +59,7 @@ def run(session, code: str) -> None:
 
 
 INIT_AND_SUM = """
-from nbdist.strategies.horovod import init_horovod
+from nbdist.strategies.parallel.horovod import init_horovod
 hvd = init_horovod(rendezvous_port, timeout_s=60)
 who = (hvd.__name__, hvd.rank(), hvd.size(), hvd.local_rank())
 total = hvd.allreduce(torch.tensor([rank + 1.0]), op=hvd.Sum).item()

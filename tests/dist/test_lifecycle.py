@@ -83,9 +83,9 @@ def test_a_killed_driver_leaves_no_process(tmp_path):
     assert wait_gone(pids, timeout=15) == []
 
 
-def test_attach_forms_the_group_and_leaves_the_engines_running(external_cluster):
+def test_connect_forms_the_group_and_leaves_the_engines_running(external_cluster):
     client_file, procs = external_cluster
-    s = nbdist.DistSession(attach=str(client_file), cpu=True, timeout=60).start()
+    s = nbdist.DistSession(connect=str(client_file), cpu=True, timeout=60).start()
     try:
         assert s.world_size == 2
         assert {r.host for r in s.ranks} == {s.ranks[0].host}

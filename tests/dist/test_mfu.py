@@ -1,4 +1,4 @@
-"""TFLOP/s and MFU from real ranks: ``nbdist.flops_per_step`` on a DDP model, then
+"""TFLOP/s and MFU from real ranks: ``nbdist.metrics.flops_per_step`` on a DDP model, then
 ``nbdist.log(..., flops=F)`` every step, read back from the run history."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ torch.manual_seed(0)
 model = DDP(nn.Sequential(nn.Linear({D_IN}, {HIDDEN}), nn.ReLU(), nn.Linear({HIDDEN}, {D_OUT})))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 x, y = torch.randn({BATCH}, {D_IN}), torch.randn({BATCH}, {D_OUT})
-F = nbdist.flops_per_step(model, x)
+F = nbdist.metrics.flops_per_step(model, x)
 extra = {{"peak_tflops": {GIVEN_PEAK}}} if rank == 0 else {{}}
 for step in range(8):
     opt.zero_grad()
@@ -27,7 +27,7 @@ for step in range(8):
     loss.backward()
     opt.step()
     nbdist.log(step=step, loss=loss.detach(), samples={BATCH}, flops=F, **extra)
-measured = nbdist.device_peak().tflops
+measured = nbdist.metrics.device_peak().tflops
 """
 
 

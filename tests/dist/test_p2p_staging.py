@@ -40,7 +40,7 @@ def test_send_recv_and_batched_p2p_keep_working_once_staged(session):
     session.run(
         """
 import torch.distributed.distributed_c10d as c10d
-from nbdist.strategies import scratch
+from nbdist.strategies.teaching import data_parallel_by_hand as by_hand
 
 replaced = [hasattr(dist.send, "nbdist_original"), dist.isend is c10d.isend,
             hasattr(dist.isend, "nbdist_plain"), p2p_staging.installed()]
@@ -58,7 +58,7 @@ works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 1 - rank), dist.P2P
 for w in works:
     w.wait()
 ring = torch.arange(1001, dtype=torch.float32) * (rank + 1)
-scratch.ring_all_reduce(ring)
+by_hand.ring_all_reduce(ring)
 """,
         sink=ListSink(),
     )
@@ -90,7 +90,7 @@ def test_a_pipeline_trains_through_the_staged_calls(session):
         """
 import torch.nn.functional as F
 from torch import nn
-from nbdist.strategies.pipeline import pipeline_schedule
+from nbdist.strategies.parallel.pipeline import pipeline_schedule
 
 x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
 y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2))

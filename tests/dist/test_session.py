@@ -286,3 +286,24 @@ def test_a_rank_can_import_debugpy_to_attach_a_debugger(session):
     """The zygote keeps debugpy out of ipykernel's start-up; a rank that wants it still gets it."""
     session.run("import debugpy\nhas_listen = callable(debugpy.listen)")
     assert session.pull("has_listen") == [True, True]
+
+
+def test_the_rank_patches_are_in_place_once_and_installing_again_changes_nothing(session):
+    """Every patch of nbdist.engine.patches is on the ranks, each wrapping the original once."""
+    names = "(k.do_execute, k.raw_input, k.getpass, pdb.Pdb, dist.all_reduce, dist.send)"
+    session.run(
+        "import pdb\n"
+        "from nbdist.engine import patches, stdin_bridge\n"
+        "k = get_ipython().kernel\n"
+        f"before = {names}\n"
+        "patches.install_on_rank(k, get_ipython())\n"
+        "patches.install_on_group(stage_p2p=False)\n"
+        f"unchanged = before == {names}\n"
+        "in_place = (pdb.Pdb is stdin_bridge.RankPdb, 'nbdist_request' in k.control_handlers,\n"
+        "            not hasattr(k.do_execute.nbdist_plain, 'nbdist_plain'),\n"
+        "            not hasattr(dist.all_reduce.nbdist_original, 'nbdist_original'))"
+    )
+    assert session.pull("unchanged") == [True, True]
+    assert session.pull("in_place") == [(True, True, True, True)] * 2
+    session.run("t = torch.ones(1)\ndist.all_reduce(t)")
+    assert [t.item() for t in session.pull("t")] == [2.0, 2.0]

@@ -57,7 +57,7 @@ def test_cast_hooks_round_the_average_once_per_cast(session):
         session,
         MODEL
         + """
-from nbdist.strategies.compression import apply_comm_hook
+from nbdist.strategies.optim.compression import apply_comm_hook
 results = {}
 for kind in ("none", "fp16", "bf16"):
     ddp = DDP(build())
@@ -105,7 +105,7 @@ def test_powersgd_sends_rank_one_factors_after_plain_steps(session):
         session,
         MODEL
         + """
-from nbdist.strategies.compression import apply_comm_hook
+from nbdist.strategies.optim.compression import apply_comm_hook
 ddp = DDP(build())
 sent = apply_comm_hook(ddp, "powersgd", matrix_rank=1, start_iter=2)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -149,7 +149,7 @@ def test_onebit_adam_warmup_is_adam_then_momentum_goes_at_one_bit(session):
         session,
         MODEL
         + """
-from nbdist.strategies.onebit_adam import apply_onebit_adam
+from nbdist.strategies.optim.onebit_adam import apply_onebit_adam
 model = build()
 if rank == 1:  # a different start: apply_onebit_adam copies rank 0's weights
     with torch.no_grad():
@@ -201,8 +201,8 @@ def test_onebit_lamb_warmup_is_lamb_then_momentum_goes_at_one_bit(session):
         session,
         MODEL
         + """
-from nbdist.strategies.optimizers import LAMB
-from nbdist.strategies.onebit_lamb import apply_onebit_lamb
+from nbdist.strategies.optim.optimizers import LAMB
+from nbdist.strategies.optim.onebit_lamb import apply_onebit_lamb
 model = build()
 opt = apply_onebit_lamb(model, lr=0.01, freeze_step=3, weight_decay=0.01)
 reference = build()
@@ -266,7 +266,7 @@ def test_compressed_allreduce_loses_nothing_over_time(session):
     run(
         session,
         """
-from nbdist.strategies.onebit_adam import compressed_allreduce
+from nbdist.strategies.optim.onebit_adam import compressed_allreduce
 n, T = 50, 200
 xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
 worker = torch.zeros(64)        # 50 rounded up to 8 bits x 2 ranks
@@ -297,8 +297,8 @@ errors = (worker.clone(), server.clone())
 TASK = """
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.compression import apply_comm_hook, dense_bytes
-from nbdist.strategies.onebit_adam import apply_onebit_adam
+from nbdist.strategies.optim.compression import apply_comm_hook, dense_bytes
+from nbdist.strategies.optim.onebit_adam import apply_onebit_adam
 g = torch.Generator().manual_seed(0)
 X = torch.randn(2048, 16, generator=g)
 torch.manual_seed(0)
@@ -374,8 +374,8 @@ def test_onebit_lamb_converges_near_uncompressed_lamb_and_logs_bytes(session):
         session,
         TASK
         + """
-from nbdist.strategies.optimizers import LAMB
-from nbdist.strategies.onebit_lamb import apply_onebit_lamb
+from nbdist.strategies.optim.optimizers import LAMB
+from nbdist.strategies.optim.onebit_lamb import apply_onebit_lamb
 initial = nn.functional.mse_loss(build()(X), Y).item()
 ddp = DDP(build())
 sent = apply_comm_hook(ddp, "none")
@@ -407,9 +407,9 @@ def test_bad_input_names_the_value_and_the_fix(session):
         session,
         MODEL
         + """
-from nbdist.strategies.compression import apply_comm_hook
-from nbdist.strategies.onebit_adam import OneBitAdam, apply_onebit_adam
-from nbdist.strategies.onebit_lamb import OneBitLamb, apply_onebit_lamb
+from nbdist.strategies.optim.compression import apply_comm_hook
+from nbdist.strategies.optim.onebit_adam import OneBitAdam, apply_onebit_adam
+from nbdist.strategies.optim.onebit_lamb import OneBitLamb, apply_onebit_lamb
 messages = []
 for call in (lambda: apply_comm_hook(build(), "fp16"),
              lambda: apply_comm_hook(DDP(build()), "int8"),
@@ -446,7 +446,7 @@ def test_powersgd_with_the_buckets_the_error_asks_for_trains(session):
         """
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.compression import apply_comm_hook
+from nbdist.strategies.optim.compression import apply_comm_hook
 torch.manual_seed(0)
 big = DDP(nn.Linear(1024, 1024), bucket_cap_mb=6)
 sent = apply_comm_hook(big, "powersgd", start_iter=2)
@@ -467,7 +467,7 @@ for i in range(4):
 
 
 def test_onebit_adam_refuses_to_run_without_a_group():
-    from nbdist.strategies.onebit_adam import OneBitAdam
+    from nbdist.strategies.optim.onebit_adam import OneBitAdam
 
     with pytest.raises(RuntimeError, match="process group"):
         OneBitAdam([torch.nn.Parameter(torch.zeros(3))], freeze_step=5)
@@ -478,6 +478,6 @@ def test_a_rank_error_surfaces(session):
     with pytest.raises(RankError, match="use 64 and 32"):
         run(
             session,
-            "from nbdist.strategies.onebit_adam import compressed_allreduce\n"
+            "from nbdist.strategies.optim.onebit_adam import compressed_allreduce\n"
             "compressed_allreduce(torch.zeros(50), torch.zeros(50), torch.zeros(25))",
         )

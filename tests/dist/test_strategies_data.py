@@ -21,16 +21,16 @@ def session():
 
 def test_ring_and_rank0_all_reduce_equal_dist_all_reduce(session):
     session.run("""
-from nbdist.strategies import scratch
+from nbdist.strategies.teaching import data_parallel_by_hand as by_hand
 results = []
 for shape in [(1,), (3,), (7, 5), (1000,)]:
     t = torch.randn(shape, generator=torch.Generator().manual_seed(rank * 100 + len(shape)))
     expected = t.clone(); dist.all_reduce(expected)
-    ring = t.clone(); scratch.ring_all_reduce(ring)
-    via0 = t.clone(); scratch.all_reduce_via_rank0(via0)
+    ring = t.clone(); by_hand.ring_all_reduce(ring)
+    via0 = t.clone(); by_hand.all_reduce_via_rank0(via0)
     results.append((t, expected, ring, via0))
 ints = torch.arange(11) * (rank + 1)
-ring_ints = scratch.ring_all_reduce(ints.clone())
+ring_ints = by_hand.ring_all_reduce(ints.clone())
 """)
     per_rank = session.pull("results")
     for i in range(4):
@@ -76,18 +76,18 @@ def test_training_with_the_hand_written_ring_matches_one_process(session):
         DATA
         + """
 from torch import nn
-from nbdist.strategies import scratch
-torch.manual_seed(rank)   # different starts: broadcast_parameters must fix that
+from nbdist.strategies.teaching import data_parallel_by_hand as by_hand
+torch.manual_seed(rank)   # different starts: broadcast_model must fix that
 model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 if rank == 0:
     torch.manual_seed(0); model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-scratch.broadcast_parameters(model)
+by_hand.broadcast_model(model)
 opt = torch.optim.SGD(model.parameters(), lr=0.5)
 for _ in range(4):
     opt.zero_grad()
-    x, y = scratch.split_batch(X, Y)
+    x, y = by_hand.split_batch(X, Y)
     nn.functional.cross_entropy(model(x), y).backward()
-    scratch.average_gradients(model)          # the ring, by default
+    by_hand.average_gradients(model)          # the ring, by default
     opt.step()
 weights = [p.detach().clone() for p in model.parameters()]
 """
@@ -106,7 +106,7 @@ def test_no_sync_accumulation_equals_one_step_on_the_k_times_batch(session):
         + """
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.accumulation import AllReduceCounter, accumulate
+from nbdist.strategies.parallel.accumulation import AllReduceCounter, accumulate
 torch.manual_seed(0)
 ddp = DDP(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
 counter = AllReduceCounter(ddp)
@@ -144,7 +144,7 @@ def test_distributed_eval_is_exactly_the_single_process_metric(session):
     """1001 samples on 2 ranks: no duplicate, no reordering, the same accuracy and predictions."""
     session.run("""
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from nbdist.strategies.evaluation import SequentialDistributedSampler, all_gather_uneven, all_reduce_sums
+from nbdist.strategies.training.evaluation import SequentialDistributedSampler, all_gather_uneven, all_reduce_sums
 g = torch.Generator().manual_seed(3)
 data = TensorDataset(torch.randn(1001, 5, generator=g), torch.randint(0, 4, (1001,), generator=g))
 torch.manual_seed(0)
@@ -182,7 +182,7 @@ torch_count = len(DistributedSampler(data, shuffle=False))   # pads: 501 per ran
 
 def test_all_gather_uneven_keeps_trailing_shape_and_order(session):
     session.run(
-        "from nbdist.strategies.evaluation import all_gather_uneven\n"
+        "from nbdist.strategies.training.evaluation import all_gather_uneven\n"
         "mine = torch.arange(6 * (rank + 1), dtype=torch.float64).reshape(-1, 2, 3) + 100 * rank\n"
         "gathered = all_gather_uneven(mine)"
     )
@@ -199,7 +199,7 @@ def test_all_gather_uneven_keeps_trailing_shape_and_order(session):
 
 SYNCBN_CASE = """
 from torch import nn
-from nbdist.strategies.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from nbdist.strategies.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
 g = torch.Generator().manual_seed(5)
 X = torch.randn({shape}, generator=g) * 3 + 1
 R = torch.randn({shape}, generator=g)      # loss = sum(y * R): a gradient that differs per element
@@ -228,7 +228,7 @@ def test_cpu_syncbn_equals_batchnorm_on_the_full_batch(session, cls, shape, mome
     """Forward, input/weight/bias gradients and running statistics, local batches 5 + 4 or 3 + 3."""
     c = shape[1]
     session.run(SYNCBN_CASE.format(shape=shape, cls=cls, c=c, momentum=momentum))
-    assert session.pull("kind") == ["nbdist.strategies.syncbn.SyncBatchNorm"] * 2
+    assert session.pull("kind") == ["nbdist.strategies.parallel.syncbn.SyncBatchNorm"] * 2
 
     g = torch.Generator().manual_seed(5)
     X = torch.randn(shape, generator=g) * 3 + 1
@@ -267,7 +267,7 @@ def test_cpu_syncbn_under_ddp_trains_like_batchnorm_on_the_full_batch(session):
         + """
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.syncbn import convert_sync_batchnorm
+from nbdist.strategies.parallel.syncbn import convert_sync_batchnorm
 def net():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
@@ -304,7 +304,7 @@ def test_bf16_autocast_under_ddp_tracks_float32(session):
         + """
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.amp import autocast, grad_scaler, pick_dtype
+from nbdist.strategies.training.amp import autocast, grad_scaler, pick_dtype
 torch.manual_seed(0)
 ddp = DDP(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
 opt = torch.optim.SGD(ddp.parameters(), lr=0.5)

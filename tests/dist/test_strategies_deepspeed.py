@@ -22,7 +22,7 @@ from ranks_with import ranks_with
 
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
-from nbdist.strategies.deepspeed_zero import deepspeed_available
+from nbdist.strategies.parallel.deepspeed_zero import deepspeed_available
 
 _REASON = deepspeed_available()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"DeepSpeed not importable: {_REASON}")
@@ -55,7 +55,7 @@ def reference(optimizer_class, kwargs, steps, lr, clip=0.0):
 
 def train_deepspeed(stage, optimizer_class, kwargs, steps, lr, **ds_kwargs):
     import deepspeed
-    from nbdist.strategies.deepspeed_zero import apply_deepspeed, held_bytes
+    from nbdist.strategies.parallel.deepspeed_zero import apply_deepspeed, held_bytes
     X, Y = make_data()
     engine, opt = apply_deepspeed(
         make_net(), stage=stage, lr=lr, micro_batch_size=8,
@@ -185,14 +185,14 @@ if rank == 0:
 def test_bad_arguments_are_refused_with_the_value(session, call, message):
     with pytest.raises(RankError, match=message):
         session.run(
-            "from nbdist.strategies.deepspeed_zero import apply_deepspeed\n"
+            "from nbdist.strategies.parallel.deepspeed_zero import apply_deepspeed\n"
             f"apply_deepspeed(make_net(), {call})",
             sink=ListSink(),
         )
 
 
 def test_refuses_outside_a_process_group():
-    from nbdist.strategies.deepspeed_zero import apply_deepspeed
+    from nbdist.strategies.parallel.deepspeed_zero import apply_deepspeed
 
     with pytest.raises(RuntimeError, match="needs a torch.distributed process group"):
         apply_deepspeed(make_net(), stage=1, lr=0.1)  # noqa: F821 - from COMMON

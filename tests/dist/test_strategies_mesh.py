@@ -25,8 +25,8 @@ from torch import nn
 import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
-from nbdist.strategies.mesh import ParallelDims
-from nbdist.strategies.pipeline import split_sequential
+from nbdist.strategies.parallel.mesh import ParallelDims
+from nbdist.strategies.parallel.pipeline import split_sequential
 
 COMMON = (
     TRANSFORMER_BLOCKS
@@ -83,9 +83,10 @@ def _assert_same(state: dict, want: nn.Module, who: str) -> None:
 def test_fsdp_tp_2d_trains_like_one_process_and_shards_four_ways(session):
     session.run(
         f"""
-from nbdist.strategies.fsdp import full_state_dict
-from nbdist.strategies.mesh import ParallelDims, apply_fsdp_tp
-from nbdist.strategies.tensor_parallel import local_param_bytes
+from nbdist.strategies.parallel.fsdp import full_state_dict
+from nbdist.strategies.parallel.mesh import ParallelDims
+from nbdist.strategies.parallel.parallelize import apply_fsdp_tp
+from nbdist.strategies.parallel.tensor_parallel import local_param_bytes
 dims = ParallelDims(world_size, dp=2, tp=2)
 mesh = dims.build_mesh()
 model = apply_fsdp_tp(make_gpt(), mesh, blocks=Block, colwise=COLWISE, rowwise=ROWWISE)
@@ -138,7 +139,8 @@ def test_tp_only_2d_layout_trains_with_a_foreach_optimizer(session):
     session.run(
         f"""
 from torch.distributed.tensor import DTensor
-from nbdist.strategies.mesh import ParallelDims, apply_fsdp_tp
+from nbdist.strategies.parallel.mesh import ParallelDims
+from nbdist.strategies.parallel.parallelize import apply_fsdp_tp
 model = apply_fsdp_tp(make_gpt(), ParallelDims(world_size, dp=1, tp=4).build_mesh(), blocks=Block,
                       colwise=COLWISE, rowwise=ROWWISE)
 tp_plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
@@ -162,10 +164,78 @@ tp_state = {{k: v.full_tensor().detach() for k, v in model.state_dict().items()}
         torch.testing.assert_close(torch.tensor(losses), torch.tensor([s[0] for s in want_losses]))
 
 
+def test_parallelize_applies_tp_then_checkpointing_then_fsdp(session):
+    """dp 2 × tp 2 with activation checkpointing: the steps come in the fixed order.
+
+    The order shows in the result: FSDP2's units are the Checkpointed wrappers (AC before
+    FSDP2), and a block's weights are 2D DTensors on ("dp", "tp"), FSDP2 having sharded the
+    tensor-parallel shards (TP before FSDP2). Recomputing activations changes no gradient:
+    the model trains like one process (tolerances: module docstring)."""
+    session.run(
+        f"""
+from torch.distributed.fsdp import FSDPModule
+from nbdist.strategies.parallel.checkpointing import Checkpointed
+from nbdist.strategies.parallel.fsdp import full_state_dict
+from nbdist.strategies.parallel.mesh import ParallelDims
+from nbdist.strategies.parallel.parallelize import STEPS, parallelize
+dims = ParallelDims(world_size, dp=2, tp=2)
+done = parallelize(make_gpt(), dims, blocks=Block, colwise=COLWISE, rowwise=ROWWISE, ac=True)
+model = done.model
+applied, all_steps = done.steps, STEPS
+units = [(isinstance(m, Checkpointed), isinstance(m, FSDPModule)) for m in model[1:3]]
+inner = type(model[1].block).__name__
+q_mesh = model[1].block.attn.q.weight.device_mesh.mesh_dim_names
+dp_rank = dims.coordinates(rank)["dp"]
+X, Y = make_tokens()
+opt = torch.optim.SGD(model.parameters(), lr={LR})
+for _ in range({STEPS}):
+    opt.zero_grad()
+    lm_loss(model(X[dp_rank::2]), Y[dp_rank::2]).backward()
+    opt.step()
+# Checkpointed adds ".block" to its block's keys.
+state = {{k.replace(".block.", "."): v for k, v in full_state_dict(model).items()}}
+""",
+        sink=ListSink(),
+    )
+    assert session.pull("applied", rank=0) == ("tp", "ac", "fsdp")
+    assert session.pull("all_steps", rank=0) == ("pp_split", "tp", "ac", "fsdp", "pp_stage")
+    assert session.pull("units", rank=0) == [(True, True)] * 2  # Checkpointed, FSDP2 units
+    assert session.pull("inner", rank=0) == "Block"
+    assert session.pull("q_mesh", rank=0) == ("dp", "tp")
+    net, _ = _reference(dp=2)
+    for r, state in enumerate(session.pull("state")):
+        _assert_same(state, net, f"rank {r}")
+
+
+def test_parallelize_dp1_layout_has_only_dtensor_parameters(session):
+    """dp 1 × tp 4 with checkpointing: no FSDP2, and still every parameter a DTensor
+    (the layers outside the blocks replicated on tp), so a foreach optimizer steps it."""
+    session.run(
+        f"""
+from torch.distributed.tensor import DTensor
+from nbdist.strategies.parallel.mesh import ParallelDims
+from nbdist.strategies.parallel.parallelize import parallelize
+done = parallelize(make_gpt(), ParallelDims(world_size, dp=1, tp=4), blocks=Block,
+                   colwise=COLWISE, rowwise=ROWWISE, ac=True)
+applied = done.steps
+plain = [n for n, p in done.model.named_parameters() if not isinstance(p, DTensor)]
+X, Y = make_tokens()
+opt = torch.optim.SGD(done.model.parameters(), lr={LR}, foreach=True)
+for _ in range({STEPS}):
+    opt.zero_grad()
+    lm_loss(done.model(X), Y).backward()
+    opt.step()
+""",
+        sink=ListSink(),
+    )
+    assert session.pull("applied") == [("tp", "ac")] * 4
+    assert session.pull("plain") == [[]] * 4
+
+
 def test_build_mesh_names_the_world_size_it_was_made_for(session):
     with pytest.raises(RankError, match=r"made for world size 8, but the process group has 4"):
         session.run(
-            "from nbdist.strategies.mesh import ParallelDims\n"
+            "from nbdist.strategies.parallel.mesh import ParallelDims\n"
             "ParallelDims(8, dp=2, tp=2, pp=2).build_mesh()",
             sink=ListSink(),
         )
@@ -177,8 +247,9 @@ def test_3d_data_tensor_pipeline_on_eight_ranks_trains_like_one_process():
         s.run(
             COMMON
             + f"""
-from nbdist.strategies.fsdp import full_state_dict
-from nbdist.strategies.mesh import ParallelDims, apply_fsdp_tp_pp
+from nbdist.strategies.parallel.fsdp import full_state_dict
+from nbdist.strategies.parallel.mesh import ParallelDims
+from nbdist.strategies.parallel.parallelize import apply_fsdp_tp_pp
 dims = ParallelDims(world_size, dp=2, tp=2, pp=2)
 dims.check_model(n_heads=4, hidden=16, n_layers=5, batch=8, n_microbatches=2)
 mesh = dims.build_mesh()

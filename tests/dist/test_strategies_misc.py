@@ -37,7 +37,7 @@ def test_distributed_optimizer_matches_ddp(session):
         MODEL
         + """
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.horovod import DistributedOptimizer, broadcast_parameters
+from nbdist.strategies.parallel.horovod import DistributedOptimizer, broadcast_parameters
 
 def train(model, opt, steps=3):
     for step in range(steps):
@@ -78,7 +78,7 @@ def test_broadcast_optimizer_state_copies_rank_zeros_moments(session):
         session,
         MODEL
         + """
-from nbdist.strategies.horovod import broadcast_optimizer_state
+from nbdist.strategies.parallel.horovod import broadcast_optimizer_state
 m = build()
 adam = torch.optim.Adam(m.parameters(), lr=0.1)
 x, y = shard(0, rank)  # each rank its own data: different moments
@@ -103,7 +103,7 @@ def test_distributed_optimizer_needs_a_step_per_backward(session):
             session,
             MODEL
             + """
-from nbdist.strategies.horovod import DistributedOptimizer
+from nbdist.strategies.parallel.horovod import DistributedOptimizer
 m = build()
 o = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
 try:
@@ -122,7 +122,7 @@ def test_compare_every_strategy_trains_the_same_model(session):
         session,
         MODEL
         + """
-from nbdist.strategies.compare import compare
+from nbdist.strategies.plan.compare import compare
 rows = compare(build, shard, steps=2, warmup=1, optimizer=torch.optim.SGD,
                optimizer_kwargs={"lr": 0.1})
 """,
@@ -151,7 +151,7 @@ def test_compare_names_the_bad_strategy(session):
         run(
             session,
             MODEL
-            + "from nbdist.strategies.compare import compare\ncompare(build, shard, strategies=('dp',))",
+            + "from nbdist.strategies.plan.compare import compare\ncompare(build, shard, strategies=('dp',))",
         )
 
 
@@ -161,7 +161,7 @@ def test_compare_says_which_strategy_cannot_take_the_model(session):
         run(
             session,
             MODEL
-            + "from nbdist.strategies.compare import compare\n"
+            + "from nbdist.strategies.plan.compare import compare\n"
             + "class Net(nn.Module):\n"
             + "    def __init__(self):\n"
             + "        super().__init__(); self.body = build()\n"
@@ -175,7 +175,7 @@ def test_prepare_once_builds_on_rank_zero_only(session, tmp_path):
     target = tmp_path / "cache" / "data.pt"
     session.push({"target": str(target), "log": str(tmp_path / "built.txt")})
     code = """
-from nbdist.strategies.practical import prepare_once
+from nbdist.strategies.training.practical import prepare_once
 def build_data():
     with open(log, "a") as f:
         f.write(f"built on {rank}\\n")

@@ -90,8 +90,8 @@ def _assert_same(state, net, who):
 def test_sequence_parallel_trains_like_one_process(session):
     session.run(
         f"""
-from nbdist.strategies.sequence_parallel import apply_sequence_parallel
-from nbdist.strategies.tensor_parallel import device_mesh
+from nbdist.strategies.parallel.sequence_parallel import apply_sequence_parallel
+from nbdist.strategies.parallel.tensor_parallel import device_mesh
 model = apply_sequence_parallel(make_gpt(), device_mesh(), **SP)
 X, Y = make_tokens()
 with torch.no_grad():
@@ -136,8 +136,8 @@ def test_tensor_and_sequence_parallel_gpts_train_with_foreach_optimizers(session
         f"""
 import warnings
 from torch.distributed.tensor import DTensor
-from nbdist.strategies.sequence_parallel import apply_sequence_parallel
-from nbdist.strategies.tensor_parallel import apply_tp, device_mesh
+from nbdist.strategies.parallel.sequence_parallel import apply_sequence_parallel
+from nbdist.strategies.parallel.tensor_parallel import apply_tp, device_mesh
 names = [f"blocks.{{i}}.{{n}}" for i in range(2) for n in SP["colwise"] + SP["rowwise"]]
 X, Y = make_tokens()
 foreach_states, foreach_losses, plain_params, caught = {{}}, {{}}, {{}}, []
@@ -182,7 +182,7 @@ def test_tensor_parallel_names_the_parameters_it_cannot_replicate(session):
     session.run(
         """
 import warnings
-from nbdist.strategies.tensor_parallel import apply_tp, device_mesh
+from nbdist.strategies.parallel.tensor_parallel import apply_tp, device_mesh
 class Scale(nn.Module):
     def __init__(self):
         super().__init__()
@@ -218,8 +218,8 @@ def test_sequence_parallel_saves_a_quarter_of_the_norm_activations(session):
     session.run(
         """
 import copy
-from nbdist.strategies.sequence_parallel import apply_sequence_parallel, saved_local_bytes
-from nbdist.strategies.tensor_parallel import apply_tp, device_mesh
+from nbdist.strategies.parallel.sequence_parallel import apply_sequence_parallel, saved_local_bytes
+from nbdist.strategies.parallel.tensor_parallel import apply_tp, device_mesh
 net = make_gpt()
 names = [f"blocks.{i}.{n}" for i in range(2) for n in SP["colwise"] + SP["rowwise"]]
 tp = apply_tp(copy.deepcopy(net), device_mesh(), colwise=names[0:4] + names[6:10],
@@ -248,16 +248,16 @@ for m in (tp, sp):
 def test_sequence_parallel_names_a_missing_layer(session):
     with pytest.raises(RankError, match=r"block 'blocks.0' has no submodule 'attn.qq'"):
         session.run(
-            "from nbdist.strategies.sequence_parallel import apply_sequence_parallel\n"
-            "from nbdist.strategies.tensor_parallel import device_mesh\n"
+            "from nbdist.strategies.parallel.sequence_parallel import apply_sequence_parallel\n"
+            "from nbdist.strategies.parallel.tensor_parallel import device_mesh\n"
             "apply_sequence_parallel(make_gpt(), device_mesh(), blocks=Block, colwise=['attn.qq'],"
             " rowwise=['attn.o'], norms=['norm1'])",
             sink=ListSink(),
         )
     with pytest.raises(RankError, match=r"blocks.0.attn is a Attention; norms must be LayerNorm"):
         session.run(
-            "from nbdist.strategies.sequence_parallel import apply_sequence_parallel\n"
-            "from nbdist.strategies.tensor_parallel import device_mesh\n"
+            "from nbdist.strategies.parallel.sequence_parallel import apply_sequence_parallel\n"
+            "from nbdist.strategies.parallel.tensor_parallel import device_mesh\n"
             "apply_sequence_parallel(make_gpt(), device_mesh(), blocks=Block, colwise=['attn.q'],"
             " rowwise=['attn.o'], norms=['attn'])",
             sink=ListSink(),
@@ -268,7 +268,7 @@ def test_sequence_parallel_names_a_missing_layer(session):
 def test_ring_attention_equals_full_attention_with_gradients(session, load_balance):
     session.run(
         f"""
-from nbdist.strategies.context_parallel import ring_attention, shard_sequence, unshard_sequence
+from nbdist.strategies.parallel.context_parallel import ring_attention, shard_sequence, unshard_sequence
 g = torch.Generator().manual_seed(2)
 q, k, v, grad_out = (torch.randn(2, 3, 32, 8, generator=g) for _ in range(4))
 results = {{}}
@@ -300,7 +300,7 @@ def test_context_parallel_trains_like_one_process_and_restores_its_buffers(sessi
     session.run(
         f"""
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.context_parallel import context_parallel
+from nbdist.strategies.parallel.context_parallel import context_parallel
 model = DDP(make_gpt())
 X, Y = make_tokens()
 pos = torch.arange(X.shape[1]).unsqueeze(0)
@@ -357,7 +357,7 @@ except NotImplementedError as e:
 def test_context_parallel_refuses_what_the_ring_cannot_do(session):
     with pytest.raises(RankError, match=r"drop attn_mask, dropout_p and enable_gqa"):
         session.run(
-            "from nbdist.strategies.context_parallel import ring_sdpa\n"
+            "from nbdist.strategies.parallel.context_parallel import ring_sdpa\n"
             "q = torch.randn(1, 1, 4, 8)\n"
             "with ring_sdpa():\n"
             "    F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))",
@@ -371,7 +371,7 @@ def test_context_parallel_refuses_what_the_ring_cannot_do(session):
     ):
         with pytest.raises(RankError, match=pattern):
             session.run(
-                "from nbdist.strategies.context_parallel import context_parallel\n"
+                "from nbdist.strategies.parallel.context_parallel import context_parallel\n"
                 "tokens = torch.zeros(2, 8)\n"
                 f"b = {buffers}\n"
                 "with context_parallel(buffers=b, seq_dims=[b[0].dim() - 1] * len(b)):\n"
@@ -380,7 +380,7 @@ def test_context_parallel_refuses_what_the_ring_cannot_do(session):
             )
     with pytest.raises(RankError, match=r"sequence length 12 is not divisible by 8; pad it to 16"):
         session.run(
-            "from nbdist.strategies.context_parallel import context_parallel\n"
+            "from nbdist.strategies.parallel.context_parallel import context_parallel\n"
             "x = torch.zeros(1, 12)\n"
             "with context_parallel(buffers=[x], seq_dims=[1]):\n"
             "    pass",

@@ -16,8 +16,8 @@ from torch import nn
 
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
-from nbdist.strategies.checkpointing import Checkpointed, apply_ac, saved_activation_bytes
-from nbdist.strategies.pipeline import bubble_fraction, render_timeline, split_sequential
+from nbdist.strategies.parallel.checkpointing import Checkpointed, apply_ac, saved_activation_bytes
+from nbdist.strategies.parallel.pipeline import bubble_fraction, render_timeline, split_sequential
 
 # Defined on the ranks and in this process alike, so both build the same model.
 COMMON = """
@@ -73,7 +73,7 @@ def test_zero_matches_one_process_and_shards_adam_state(session):
     session.run(
         f"""
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.zero import zero_optimizer, optimizer_state_bytes
+from nbdist.strategies.parallel.zero import zero_optimizer, optimizer_state_bytes
 X, Y = make_data()
 def train(make_opt):
     model = DDP(make_net())
@@ -99,7 +99,7 @@ state = {{k: v.detach().clone() for k, v in net.state_dict().items()}}
 def test_zero_optimizer_refuses_a_non_optimizer(session):
     with pytest.raises(RankError, match="torch.optim.Optimizer subclass"):
         session.run(
-            "from nbdist.strategies.zero import zero_optimizer\n"
+            "from nbdist.strategies.parallel.zero import zero_optimizer\n"
             "zero_optimizer(make_net().parameters(), 'adam', lr=0.1)",
             sink=ListSink(),
         )
@@ -108,7 +108,7 @@ def test_zero_optimizer_refuses_a_non_optimizer(session):
 def test_fsdp_matches_one_process_and_stores_half_the_parameters(session):
     session.run(
         f"""
-from nbdist.strategies.fsdp import apply_fsdp, full_state_dict, param_bytes
+from nbdist.strategies.parallel.fsdp import apply_fsdp, full_state_dict, param_bytes
 X, Y = make_data()
 model = apply_fsdp(make_net(), blocks=Block)
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -129,7 +129,7 @@ sizes = param_bytes(model)
 
 
 def test_fsdp_names_a_block_class_the_model_lacks():
-    from nbdist.strategies.fsdp import apply_fsdp
+    from nbdist.strategies.parallel.fsdp import apply_fsdp
 
     # Checked before any collective: no process group is needed to see the mistake.
     with pytest.raises(ValueError, match="no submodule of type <class 'torch.nn.modules.conv"):
@@ -150,7 +150,7 @@ def test_fsdp_cpu_offload_is_refused_on_cpu_ranks_with_the_fix(session):
     assert all(e and "accelerator" in e for e in session.pull("torch_error"))
     with pytest.raises(RankError, match=r"offload=True\) needs GPU ranks.*offload=False"):
         session.run(
-            "from nbdist.strategies.fsdp import apply_fsdp\napply_fsdp(make_net(), offload=True)",
+            "from nbdist.strategies.parallel.fsdp import apply_fsdp\napply_fsdp(make_net(), offload=True)",
             sink=ListSink(),
         )
 
@@ -158,7 +158,7 @@ def test_fsdp_cpu_offload_is_refused_on_cpu_ranks_with_the_fix(session):
 def test_tensor_parallel_mlp_equals_the_dense_mlp(session):
     session.run(
         f"""
-from nbdist.strategies.tensor_parallel import apply_tp, device_mesh, local_param_bytes
+from nbdist.strategies.parallel.tensor_parallel import apply_tp, device_mesh, local_param_bytes
 class MLP(nn.Module):
     def __init__(self, d=8, h=32):
         super().__init__()
@@ -213,13 +213,13 @@ tp_bytes = local_param_bytes(mlp)
 def test_tensor_parallel_names_a_missing_layer(session):
     with pytest.raises(RankError, match="no submodule named 'upp'"):
         session.run(
-            "from nbdist.strategies.tensor_parallel import apply_tp, device_mesh\n"
+            "from nbdist.strategies.parallel.tensor_parallel import apply_tp, device_mesh\n"
             "apply_tp(make_net(), device_mesh(), colwise=['upp'])",
             sink=ListSink(),
         )
     with pytest.raises(RankError, match=r"mesh shape 4 = 4 != world size 2"):
         session.run(
-            "from nbdist.strategies.tensor_parallel import device_mesh\ndevice_mesh(4)",
+            "from nbdist.strategies.parallel.tensor_parallel import device_mesh\ndevice_mesh(4)",
             sink=ListSink(),
         )
 
@@ -228,7 +228,7 @@ def test_tensor_parallel_names_a_missing_layer(session):
 def test_pipeline_loss_and_parameters_equal_the_sequential_model(session, schedule):
     session.run(
         f"""
-from nbdist.strategies.pipeline import StageTimer, pipeline_schedule
+from nbdist.strategies.parallel.pipeline import StageTimer, pipeline_schedule
 X, Y = make_data()
 stage, sched = pipeline_schedule(make_net(n_blocks=3), n_microbatches=4,
                                  loss_fn=nn.functional.mse_loss, schedule={schedule!r})
@@ -273,7 +273,7 @@ chunks = sorted((kind, i) for kind, i, start, end in timer.events if end >= star
 def test_pipeline_refuses_too_few_microbatches_for_1f1b(session):
     with pytest.raises(RankError, match=r"n_microbatches=1 < 2 stages"):
         session.run(
-            "from nbdist.strategies.pipeline import pipeline_schedule\n"
+            "from nbdist.strategies.parallel.pipeline import pipeline_schedule\n"
             "pipeline_schedule(make_net(), n_microbatches=1, loss_fn=nn.functional.mse_loss)",
             sink=ListSink(),
         )

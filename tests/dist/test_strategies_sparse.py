@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.strategies.measure import peak_bytes
-from nbdist.strategies.sparse_attention import (
+from nbdist.strategies.training.sparse_attention import (
     block_mask,
     block_sparse,
     computed_fraction,
@@ -113,7 +113,7 @@ COMMON = """
 import torch
 import torch.nn.functional as F
 from torch import nn
-from nbdist.strategies.sparse_attention import block_mask, sliding_window, sparse_attention
+from nbdist.strategies.training.sparse_attention import block_mask, sliding_window, sparse_attention
 
 class Net(nn.Module):
     def __init__(self, vocab=16, d=16, heads=2):

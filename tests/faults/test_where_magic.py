@@ -99,7 +99,7 @@ def test_timeout_shows_where_and_the_next_cell_works(shell, capsys):
     shown = capsys.readouterr().out
     first = next(line for line in shown.splitlines() if line.strip())
     assert first.startswith("CellTimeout: the cell ran longer than --timeout 2 s"), shown
-    assert "nbdist/driver/runner.py" not in shown and "nbdist/magics.py" not in shown
+    assert "nbdist/driver/runner.py" not in shown and "nbdist/magics/" not in shown
     assert "%dist_last_error --full shows the whole traceback" in shown
     # The wrapper nbdist puts around each collective is not part of the user's stack.
     assert "nbdist/engine/collectives.py" not in shown

@@ -16,7 +16,7 @@ import nbdist
 from nbdist.dashboard.model import DashboardModel
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.status import format_status
-from nbdist.server.live import LiveView
+from nbdist.server.sidebar_state import LiveView
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
 

@@ -163,7 +163,7 @@ def test_gpus_option_puts_ranks_on_the_gpus_named(start_session, gpu_uuids):
 
 
 P2P_CELL = """
-from nbdist.strategies import scratch
+from nbdist.strategies.teaching import data_parallel_by_hand as by_hand
 
 # Plain send/recv, isend/irecv through P2POp, and a ring of them (example 03).
 mine = torch.full((1000,), float(rank + 1), device=device)
@@ -182,7 +182,7 @@ works = dist.batch_isend_irecv(
 for work in works:
     work.wait()
 ring = torch.arange(4097, dtype=torch.float32, device=device) * (rank + 1)
-scratch.ring_all_reduce(ring)
+by_hand.ring_all_reduce(ring)
 after = torch.ones(3, device=device)
 dist.all_reduce(after)  # the group still works after all of it
 p2p = {
@@ -249,7 +249,7 @@ def test_a_pipeline_trains_on_a_shared_gpu(pair):
         """
 import torch.nn.functional as F
 from torch import nn
-from nbdist.strategies.pipeline import pipeline_schedule
+from nbdist.strategies.parallel.pipeline import pipeline_schedule
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))

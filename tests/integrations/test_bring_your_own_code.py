@@ -260,7 +260,7 @@ def test_multiprocessing_with_a_cell_function(session):
     # Helpers that join no group may use torch's launcher when asked for explicitly.
     session.run(
         "import torch.multiprocessing as mp\n"
-        "from nbdist.engine.launch_guard import allow_launchers\n"
+        "from nbdist.engine.launcher_refusal import allow_launchers\n"
         "def helper(i, q):\n"
         "    q.put(i)\n"
         "q = fork.Queue()\n"

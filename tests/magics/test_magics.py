@@ -55,6 +55,33 @@ def test_bad_dist_start_input_is_a_usage_error(shell, line, message):
     assert shell.magics_manager.registry["DistMagics"].session is None
 
 
+def test_connect_names_the_file_and_attach_is_its_deprecated_name(shell):
+    before = shell.magics_manager.registry["DistMagics"].session
+    missing = "--connect '/nonexistent/cluster-x.json': no such file"
+    with pytest.raises(UsageError, match=missing):
+        shell.run_line_magic("dist_start", "--connect /nonexistent/cluster-x.json")
+    # --attach FILE still works for one release, and says what replaces it.
+    with pytest.warns(FutureWarning, match="use %dist_start --connect /nonexistent/cluster-x.json"):
+        with pytest.raises(UsageError, match=missing):
+            shell.run_line_magic("dist_start", "--attach /nonexistent/cluster-x.json")
+    with pytest.raises(UsageError, match="give the connection file once, with --connect FILE"):
+        shell.run_line_magic("dist_start", "--attach a.json --connect b.json")
+    assert "--connect" in shell.find_line_magic("dist_start").__doc__
+    assert shell.magics_manager.registry["DistMagics"].session is before
+
+
+def test_dist_attach_bad_timeout_is_a_usage_error_naming_it(shell):
+    before = shell.magics_manager.registry["DistMagics"].session
+    with pytest.raises(
+        UsageError, match="--timeout 'abc' is not a number of seconds, e.g. --timeout 60"
+    ):
+        shell.run_line_magic("dist_attach", "train1 --timeout abc")
+    for value in ("0", "-1", "nan"):
+        with pytest.raises(UsageError, match=f"--timeout '{value}' must be more than 0 seconds"):
+            shell.run_line_magic("dist_attach", f"train1 --timeout {value}")
+    assert shell.magics_manager.registry["DistMagics"].session is before
+
+
 def test_cells_before_start_are_refused(shell):
     if shell.magics_manager.registry["DistMagics"].session is not None:
         pytest.skip("a cluster is already running in this shell")

@@ -1,7 +1,7 @@
 """Four ranks on two "hosts" (network namespaces sharing one hostname), attached from a real shell.
 
 The controller listens on the bridge address only; two engines run inside each
-namespace and register in the order A, B, A, B. ``%dist_start --attach`` must
+namespace and register in the order A, B, A, B. ``%dist_start --connect`` must
 number ranks host by host, choose the interface gloo uses on every rank, train
 DDP over the bridge, and receive every rank's metrics on the bridge address. The controller
 encrypts with CurveZMQ, as docs/multihost.md recommends beyond one machine.
@@ -122,7 +122,7 @@ def test_four_ranks_over_two_namespaces_train_ddp_and_log(two_hosts):
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext nbdist")
     magics = shell.magics_manager.registry["DistMagics"]
-    result = shell.run_cell(f"%dist_start --attach {client_file} --timeout 120 --cpu")
+    result = shell.run_cell(f"%dist_start --connect {client_file} --timeout 120 --cpu")
     assert result.success, result.error_in_exec
     session = magics.session
     try:

@@ -4,7 +4,7 @@ Checked by PID on every process below the kernel, found independently of
 nbdist (psutil), while the ranks are idle, running a cell, or blocked in a
 collective. The 10 s count from the moment the kernel process ended. What
 makes it hold: nbdist's shutdown hook stops the cluster; and when the kernel is
-killed outright, the controller (``nbdist.launch.guard``) and the engine zygote
+killed outright, the controller (``nbdist.launch.parent_watchdog``) and the engine zygote
 (``nbdist.launch.zygote``) notice their parent is gone and end themselves and the
 engines, which also die with the zygote (PR_SET_PDEATHSIG).
 """

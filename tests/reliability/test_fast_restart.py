@@ -149,7 +149,7 @@ def test_spawned_engines_get_a_full_restart_that_says_so():
 
 def test_an_attached_cluster_is_attached_again_and_keeps_its_processes(external_cluster):
     client_file, procs = external_cluster
-    s = nbdist.DistSession(attach=str(client_file), cpu=True, timeout=60, history=False).start()
+    s = nbdist.DistSession(connect=str(client_file), cpu=True, timeout=60, history=False).start()
     try:
         s.run("kept = rank", sink=ListSink())
         pids = [r.pid for r in s.ranks]

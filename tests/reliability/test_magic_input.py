@@ -150,7 +150,7 @@ def shell():
 
 
 START_OPTIONS = ["--backend", "--cpu", "--gpus", "--threads", "--timeout", "--launcher",
-                 "--profile", "--attach", "--ip", "--spawn", "--help"]  # fmt: skip
+                 "--profile", "--connect", "--attach", "--ip", "--spawn", "--help"]  # fmt: skip
 
 
 @st.composite
@@ -164,7 +164,7 @@ def bad_start_lines(draw):
             BAD_GPUS.map(lambda v: f"--gpus {_quote(v)}"),
             BAD_BACKEND.map(lambda v: f"--backend {_quote(v)}"),
             BAD_IP.map(lambda v: f"--ip {_quote(v)}"),
-            WORD.map(lambda v: f"--attach {_quote('/nonexistent/' + v)}"),
+            WORD.map(lambda v: f"--connect {_quote('/nonexistent/' + v)}"),
             WORD.filter(lambda v: "." not in v).map(lambda v: f"--launcher {_quote(v + 'zz')}"),
             WORD.map(lambda v: f"--profile {_quote('nbdist-missing-' + v)}"),
             _unknown_option(START_OPTIONS),

@@ -339,7 +339,7 @@ async def test_interrupt_of_an_attached_cluster_goes_through_its_kernel(
     client.start_channels()
     try:
         reply = await client.execute_interactive(
-            f"%load_ext nbdist\n%dist_start --attach {client_file} --cpu", timeout=180
+            f"%load_ext nbdist\n%dist_start --connect {client_file} --cpu", timeout=180
         )
         assert reply["content"]["status"] == "ok", reply["content"]
         [cluster] = await _clusters(jp_fetch)

@@ -88,9 +88,9 @@ print("LOGGED " + json.dumps({"total": _run.count(), "per_rank": {str(r): _run.c
 
 def _dashboard_cell() -> str:
     """``%dist_dashboard`` where nbdist has it, else the API it stands for."""
-    from nbdist.magics import DistMagics
+    from nbdist.magics.inspect import InspectMagics
 
-    if hasattr(DistMagics, "dist_dashboard"):
+    if hasattr(InspectMagics, "dist_dashboard"):
         return "%dist_dashboard"
     return "import nbdist\nimport nbdist.dashboard\nnbdist.current_session().dashboard();"
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from nbdist.dashboard.breakdown import breakdown, chart, explain, slow_parts
+from nbdist.dashboard.breakdown import breakdown, breakdown_chart, explain, slow_parts
 from nbdist.dashboard.model import DashboardModel
 from nbdist.dashboard.table import rank_rows
 from nbdist.dashboard.text import summary_text
@@ -204,7 +204,7 @@ def test_a_rank_waiting_for_data_is_flagged_with_the_reason():
     assert rows[1].straggler == "data loading 41 % of step, others 5 %"
     assert rows[0].straggler == rows[2].straggler == ""
     assert rows[0].cells(200.0)[5] == "300 MiB (peak 400 MiB)"
-    bars = chart(parts, 3)
+    bars = breakdown_chart(parts, 3)
     assert bars["ranks"] == ["rank 0", "rank 1", "rank 2"]
     assert bars["parts"]["data loading"] == [5.0, 41.0, 5.0]
 

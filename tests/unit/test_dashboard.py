@@ -289,7 +289,7 @@ def test_bytes_per_update_grow_with_the_points_added():
     assert 6 < sizes[100] / sizes[10] < 12, sizes
 
 
-def test_reads_use_start_when_the_run_offers_it():
+def test_reads_start_where_the_previous_poll_left_off():
     class IncrementalRun(Run):
         calls: list = []
 

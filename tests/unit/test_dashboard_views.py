@@ -14,7 +14,7 @@ import pytest
 
 from nbdist.dashboard import live
 from nbdist.dashboard.header import header
-from nbdist.dashboard.labels import describe, title
+from nbdist.dashboard.labels import describe_key, title
 from nbdist.dashboard.live import LiveDashboard, cell_watcher
 from nbdist.dashboard.model import STATES_FRESH_S
 from nbdist.dashboard.palette import RANK_COLOURS, contrast, rank_colour, rank_colours
@@ -62,13 +62,13 @@ def test_contrast_is_the_wcag_ratio():
 
 
 def test_the_comparison_chart_draws_each_rank_in_its_palette_colour():
-    from nbdist.dashboard.compare import ALL_RANKS, chart
+    from nbdist.dashboard.plan_comparison import ALL_RANKS, comparison_chart
 
     rows = [
         {"strategy": s, "samples_per_s": 100.0, "peak_mib": [1.0, 2.0, 3.0], "comm_mib": [1, 1, 1]}
         for s in ("ddp", "fsdp")
     ]
-    fig = chart(rows)
+    fig = comparison_chart(rows)
     by_name = {}
     for trace in fig.data:
         by_name.setdefault(trace.name, set()).add(trace.marker.color)
@@ -95,7 +95,7 @@ def test_the_comparison_chart_draws_each_rank_in_its_palette_colour():
     ],
 )
 def test_panels_have_readable_titles_units_and_axis_titles(key, by_time, want):
-    got = describe(key, by_time=by_time)
+    got = describe_key(key, by_time=by_time)
     name, unit, ytitle, xtitle, log = want
     assert got["title"] == (name or got["title"]) and "_" not in got["title"]
     assert (got["unit"], got["ytitle"], got["log"]) == (unit, ytitle, log)

@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 
 from nbdist.driver.diff import COLUMNS, DiffResult, apply_measurement, compare_records
 from nbdist.engine import fingerprint
-from nbdist.inspect_magics import split_diff_line
+from nbdist.magics.inspect import split_diff_line
 
 
 def local_diff(values: dict, ref: int = 0, expr: str = "x") -> DiffResult:
@@ -184,8 +184,8 @@ def test_bad_magic_lines(line, message):
 
 
 def test_dist_diff_without_a_session_names_dist_start():
-    from nbdist.inspect_magics import InspectMagics
-    from nbdist.magics import DistMagics
+    from nbdist.magics.inspect import InspectMagics
+    from nbdist.magics.lifecycle import DistMagics
 
     # Magics of their own, on no shell: nothing registered on the process-wide one.
     magics = InspectMagics(None, DistMagics(None))

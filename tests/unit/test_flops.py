@@ -20,7 +20,7 @@ from nbdist.metrics import log as metrics_log
 from nbdist.metrics.collector import Collector
 from nbdist.metrics.run import Run
 from nbdist.metrics.store import RunStore, load_run
-from nbdist.server.live import LiveView
+from nbdist.server.sidebar_state import LiveView
 
 T0 = 1_700_000_000.0
 WIDTHS = [64, 128, 32, 10]  # an nn.Linear stack: 64 -> 128 -> 32 -> 10
@@ -44,13 +44,17 @@ def test_a_linear_stack_counts_2_in_out_batch_forward_and_the_same_per_gradient(
     forward = sum(2 * BATCH * n_in * n_out for n_in, n_out in pairs)
     first = 2 * BATCH * WIDTHS[0] * WIDTHS[1]
     model, x = _stack(), torch.randn(BATCH, WIDTHS[0])
-    assert nbdist.flops_per_step(model, x, backward=False) == forward
+    assert nbdist.metrics.flops_per_step(model, x, backward=False) == forward
     # Backward: the weight's gradient (x^T @ grad_out) costs the forward again, and so does
     # the input's (grad_out @ W), except for the first layer: nothing needs the batch's gradient.
-    assert nbdist.flops_per_step(model, x) == 3 * forward - first
+    assert nbdist.metrics.flops_per_step(model, x) == 3 * forward - first
     # A batch that needs its gradient: exactly 3x forward, i.e. 6 * (weights) * batch.
     weights = sum(n_in * n_out for n_in, n_out in pairs)
-    assert nbdist.flops_per_step(model, x.requires_grad_()) == 3 * forward == 6 * weights * BATCH
+    assert (
+        nbdist.metrics.flops_per_step(model, x.requires_grad_())
+        == 3 * forward
+        == 6 * weights * BATCH
+    )
 
 
 def test_counting_leaves_the_model_its_gradients_buffers_and_the_rng_as_they_were():
@@ -60,7 +64,7 @@ def test_counting_leaves_the_model_its_gradients_buffers_and_the_rng_as_they_wer
     grads = [p.grad.clone() for p in model.parameters()]
     stats = [b.clone() for b in model.buffers()]
     rng = torch.get_rng_state()
-    assert nbdist.flops_per_step(model, (x,), loss_fn=lambda out: out.pow(2).mean()) > 0
+    assert nbdist.metrics.flops_per_step(model, (x,), loss_fn=lambda out: out.pow(2).mean()) > 0
     for p, g in zip(model.parameters(), grads):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0)
     for b, s in zip(model.buffers(), stats):
@@ -79,22 +83,22 @@ def test_keyword_inputs_and_outputs_with_a_loss_are_understood():
             return {"logits": out, "loss": nn.functional.cross_entropy(out, target)}
 
     x, y = torch.randn(BATCH, WIDTHS[0]), torch.randint(0, WIDTHS[-1], (BATCH,))
-    assert nbdist.flops_per_step(WithLoss(), {"features": x, "target": y}) == nbdist.flops_per_step(
-        _stack(), x
-    )
+    assert nbdist.metrics.flops_per_step(
+        WithLoss(), {"features": x, "target": y}
+    ) == nbdist.metrics.flops_per_step(_stack(), x)
 
 
 def test_the_transformer_rule_is_6_params_tokens_plus_attention():
-    assert nbdist.transformer_flops(124_000_000, 8 * 1024) == 6 * 124_000_000 * 8192
+    assert nbdist.metrics.transformer_flops(124_000_000, 8 * 1024) == 6 * 124_000_000 * 8192
     # GPT-2 small shape: 12 layers, 1024 positions, width 768; 12*L*s*d per token for attention.
     per_token = 6 * 124_000_000 + 12 * 12 * 1024 * 768
-    assert nbdist.transformer_flops(124_000_000, 4096, layers=12, seq_len=1024, width=768) == (
-        per_token * 4096
-    )
-    assert nbdist.transformer_flops(124_000_000, 3, backward=False) == 2 * 124_000_000 * 3
+    assert nbdist.metrics.transformer_flops(
+        124_000_000, 4096, layers=12, seq_len=1024, width=768
+    ) == (per_token * 4096)
+    assert nbdist.metrics.transformer_flops(124_000_000, 3, backward=False) == 2 * 124_000_000 * 3
     model = _stack()
     n = sum(p.numel() for p in model.parameters())
-    assert nbdist.transformer_flops(model, 10) == 6 * n * 10
+    assert nbdist.metrics.transformer_flops(model, 10) == 6 * n * 10
 
 
 # -- peaks -------------------------------------------------------------------------------------
@@ -158,23 +162,23 @@ def test_dtypes_are_named_as_torch_or_short_names():
 
 
 def test_the_cpu_peak_is_measured_once_and_positive():
-    first = nbdist.device_peak("cpu")
+    first = nbdist.metrics.device_peak("cpu")
     assert first.tflops > 0 and first.source.startswith("measured: best of timed 1024x1024")
     assert (first.device, first.dtype) == ("cpu", "fp32")
-    assert nbdist.device_peak("cpu") is first  # cached: not measured again
-    assert nbdist.device_peak() is first  # no CUDA in use here: the CPU
+    assert nbdist.metrics.device_peak("cpu") is first  # cached: not measured again
+    assert nbdist.metrics.device_peak() is first  # no CUDA in use here: the CPU
 
 
 def test_set_peak_replaces_the_peak_until_reset():
     try:
-        nbdist.set_peak(2.5)
-        assert nbdist.device_peak("cpu").tflops == 2.5
-        assert nbdist.device_peak("cpu").source == "set by set_peak"
+        nbdist.metrics.set_peak(2.5)
+        assert nbdist.metrics.device_peak("cpu").tflops == 2.5
+        assert nbdist.metrics.device_peak("cpu").source == "set by set_peak"
         with pytest.raises(ValueError, match="positive"):
-            nbdist.set_peak(0)
+            nbdist.metrics.set_peak(0)
     finally:
-        nbdist.set_peak()
-    assert nbdist.device_peak("cpu").source.startswith("measured")
+        nbdist.metrics.set_peak()
+    assert nbdist.metrics.device_peak("cpu").source.startswith("measured")
 
 
 # -- through nbdist.log, the collector and the history -----------------------------------------
@@ -201,11 +205,11 @@ def logged(tmp_path):
         metrics_log.shutdown()
         collector.stop()
         store.close()
-        nbdist.set_peak()
+        nbdist.metrics.set_peak()
 
 
 def test_history_has_tflops_and_mfu_from_the_step_time_and_the_peak(logged):
-    flop_count = nbdist.flops_per_step(_stack(), torch.randn(BATCH, WIDTHS[0]))
+    flop_count = nbdist.metrics.flops_per_step(_stack(), torch.randn(BATCH, WIDTHS[0]))
     peak = 0.02
     for step in range(4):
         time.sleep(0.01)  # a step that takes some time
@@ -223,11 +227,11 @@ def test_history_has_tflops_and_mfu_from_the_step_time_and_the_peak(logged):
 
 def test_without_a_given_peak_mfu_is_against_the_measured_one(logged):
     flops._measure.cache_clear()  # the first flops= call measures, as on a fresh rank
-    nbdist.set_peak()
+    nbdist.metrics.set_peak()
     for step in range(3):
         nbdist.log(step=step, flops=1e9)
     frame = logged()
-    peak = nbdist.device_peak("cpu").tflops
+    peak = nbdist.metrics.device_peak("cpu").tflops
     later = frame.iloc[1:]
     assert later["mfu"].tolist() == pytest.approx((later["tflops"] / peak).tolist(), rel=1e-12)
     # The first call measured the peak (its timing loop runs at least 0.3 s) after taking its

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from nbdist.driver.group import gloo_on_gpu_reason
 from nbdist.engine import backend_support
 from nbdist.launch.placement import plan_local
-from nbdist.strategies.fsdp import apply_fsdp
+from nbdist.strategies.parallel.fsdp import apply_fsdp
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from nbdist.driver.where import control_request
 from nbdist.metrics import gpu
 from nbdist.metrics.run import Run
 from nbdist.metrics.store import RunStore
-from nbdist.server.live import LiveView
+from nbdist.server.sidebar_state import LiveView
 
 T0 = 1_700_000_000.0
 NO_GPU = not torch.cuda.is_available() and shutil.which("nvidia-smi") is None

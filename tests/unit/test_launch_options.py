@@ -15,8 +15,8 @@ from ipyparallel.cluster.launcher import (
 from traitlets.config import Config
 
 from nbdist.errors import PlacementError
+from nbdist.launch.launcher_options import parse_hosts, plan_launch
 from nbdist.launch.options import parse_launch_options
-from nbdist.launch.schedulers import parse_hosts, plan_launch
 
 IP = "10.1.0.5"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbdist.strategies.mesh import ParallelDims
+from nbdist.strategies.parallel.mesh import ParallelDims
 
 
 def test_product_not_equal_to_world_size_shows_the_numbers_and_a_layout_that_fits():
@@ -79,3 +79,14 @@ def test_check_model_names_the_number_that_does_not_fit():
         dims.check_model(batch=7)
     with pytest.raises(ValueError, match=r"each dp replica gets 4 samples .* 3 micro-batches"):
         dims.check_model(batch=8, n_microbatches=3)
+
+
+def test_parallelize_wants_a_parallel_dims_and_a_process_group():
+    from torch import nn
+
+    from nbdist.strategies.parallel.parallelize import parallelize
+
+    with pytest.raises(TypeError, match="dims must be a ParallelDims, got dict"):
+        parallelize(nn.Linear(2, 2), {"dp": 1})
+    with pytest.raises(RuntimeError, match="parallelize runs on the ranks.*no process group"):
+        parallelize(nn.Linear(2, 2), ParallelDims(1))

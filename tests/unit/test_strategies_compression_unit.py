@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from nbdist.strategies.compression import CommCounter, apply_comm_hook, dense_bytes
-from nbdist.strategies.onebit_adam import onebit_compress, pack_signs, unpack_signs
+from nbdist.strategies.optim.compression import CommCounter, apply_comm_hook, dense_bytes
+from nbdist.strategies.optim.onebit_adam import onebit_compress, pack_signs, unpack_signs
 
 
 def test_signs_pack_eight_to_a_byte_and_come_back():

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from nbdist.strategies import accumulation, amp, evaluation, scratch, syncbn
+from nbdist.strategies.parallel import accumulation, syncbn
+from nbdist.strategies.teaching import data_parallel_by_hand as by_hand
+from nbdist.strategies.training import amp, evaluation
 
 
 @pytest.mark.parametrize("length", [0, 1, 5, 1001])
@@ -27,23 +29,23 @@ def test_bad_rank_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"rank 2 is not in range\(world_size=2\)"):
         evaluation.block_range(10, 2, 2)
     with pytest.raises(ValueError, match=r"rank 3 is not in range\(world_size=2\)"):
-        scratch.split_batch(torch.zeros(4), rank=3, world_size=2)
+        by_hand.split_batch(torch.zeros(4), rank=3, world_size=2)
 
 
 def test_split_batch_gives_contiguous_shares():
     X, Y = torch.arange(10).reshape(5, 2), torch.arange(5)
-    x0, y0 = scratch.split_batch(X, Y, rank=0, world_size=2)
-    x1, y1 = scratch.split_batch(X, Y, rank=1, world_size=2)
+    x0, y0 = by_hand.split_batch(X, Y, rank=0, world_size=2)
+    x1, y1 = by_hand.split_batch(X, Y, rank=1, world_size=2)
     assert y0.tolist() == [0, 1, 2] and y1.tolist() == [3, 4]
     assert torch.equal(torch.cat([x0, x1]), X)
-    assert torch.equal(scratch.split_batch(Y), Y)  # no process group: the whole batch
+    assert torch.equal(by_hand.split_batch(Y), Y)  # no process group: the whole batch
     with pytest.raises(ValueError, match=r"differ in length.*\[5, 4\]"):
-        scratch.split_batch(X, Y[:4], rank=0, world_size=2)
+        by_hand.split_batch(X, Y[:4], rank=0, world_size=2)
 
 
 def test_collectives_need_a_process_group():
     with pytest.raises(RuntimeError, match="%dist_start"):
-        scratch.ring_all_reduce(torch.ones(3))
+        by_hand.ring_all_reduce(torch.ones(3))
 
 
 def test_sync_steps_are_the_last_of_each_group():

@@ -8,8 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from nbdist.strategies.large_batch import global_batch, scaled_lr, warmup_factor, warmup_schedule
-from nbdist.strategies.optimizers import LAMB, LARS, exclude_bias_and_norm, state_bytes
+from nbdist.strategies.optim.large_batch import (
+    global_batch,
+    scaled_lr,
+    warmup_factor,
+    warmup_schedule,
+)
+from nbdist.strategies.optim.optimizers import LAMB, LARS, exclude_bias_and_norm, state_bytes
 
 
 def _grads(shape, steps, seed=0):
@@ -149,7 +154,7 @@ def test_warmup_schedule_drives_the_optimizer():
 
 
 def test_tensor_parallel_pairs_linears_and_names_the_indivisible_layer():
-    from nbdist.strategies.tensor_parallel import linear_pairs
+    from nbdist.strategies.parallel.tensor_parallel import linear_pairs
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4), nn.Linear(4, 2))
     assert linear_pairs(model, 2) == (["0"], ["2"])  # the odd last layer stays whole
@@ -160,7 +165,7 @@ def test_tensor_parallel_pairs_linears_and_names_the_indivisible_layer():
 
 
 def test_find_blocks_takes_classes_names_and_submodules():
-    from nbdist.strategies.checkpointing import find_blocks
+    from nbdist.strategies.parallel.checkpointing import find_blocks
 
     model = nn.Sequential(nn.Linear(2, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 2)))
     assert [n for n, _ in find_blocks(model, nn.Linear)] == ["0", "1.1"]
@@ -178,10 +183,10 @@ def test_find_blocks_takes_classes_names_and_submodules():
 
 
 def test_one_byte_count_serves_params_and_optimizer_state():
-    from nbdist.strategies.fsdp import param_bytes
     from nbdist.strategies.measure import local_bytes
-    from nbdist.strategies.tensor_parallel import local_param_bytes
-    from nbdist.strategies.zero import optimizer_state_bytes
+    from nbdist.strategies.parallel.fsdp import param_bytes
+    from nbdist.strategies.parallel.tensor_parallel import local_param_bytes
+    from nbdist.strategies.parallel.zero import optimizer_state_bytes
 
     model = nn.Linear(8, 4)  # 36 float32 parameters
     assert local_bytes([torch.zeros(3, dtype=torch.float64), "not a tensor", None]) == 24
@@ -207,7 +212,7 @@ def test_peak_bytes_sees_a_temporary_and_comm_bytes_ignores_local_ops():
 
 
 def test_table_and_chart_show_every_rank():
-    from nbdist.dashboard.compare import chart, table
+    from nbdist.dashboard.plan_comparison import comparison_chart, comparison_table
 
     rows = [
         {
@@ -221,8 +226,8 @@ def test_table_and_chart_show_every_rank():
         }
         for i, s in enumerate(("ddp", "fsdp"))
     ]
-    df = table(rows)
+    df = comparison_table(rows)
     assert list(df.index) == ["ddp", "fsdp"]
     assert df.loc["fsdp", "peak MiB r1"] == 2.0 and "comm MiB/step r0" in df.columns
-    fig = chart(rows)
+    fig = comparison_chart(rows)
     assert [t.name for t in fig.data] == ["all ranks", "rank 0", "rank 0", "rank 1", "rank 1"]

@@ -1,0 +1,168 @@
+"""Rank side: every patch nbdist makes to torch, the standard library and the engine kernel, in one list.
+
+A rank is an ordinary torchrun-style process, but a few functions behave
+differently there, each for a reason a user meets sooner or later: a script's
+own ``init_process_group`` must find nbdist's group, ``input()`` must reach the
+notebook, a hang must say which collective each rank is in. Each patch lives in
+its own module (what it does and why is explained there); :data:`PATCHES`
+lists them all, in the order they go in, with what each wraps, why and how to
+turn it off, and this module is the one place that installs them:
+
+- :func:`install_on_group` each time the process group forms (a rejoin too);
+- :func:`install_on_rank` once the rank joined it (and the engine kernel's
+  patches where there is one);
+- :func:`install_in_script` in a script ``%dist_export`` wrote, under torchrun.
+
+Every ``install`` is idempotent: installing twice wraps nothing twice. Each
+wrapper keeps the function it replaced (``nbdist_original``, or
+``nbdist_plain`` for p2p staging and the execute reply).
+
+Not patches, and so not listed: the environment a rank gets (torchrun's,
+:mod:`nbdist.engine.torchrun_env`; ``TORCH_FR_BUFFER_SIZE`` from
+:mod:`nbdist.engine.flight_recorder`, kept when the user sets one) and the
+profiler's hook in ``nbdist.log``'s own step hooks.
+
+Example (on a rank)::
+
+    >>> from nbdist.engine import patches
+    >>> [p.name for p in patches.PATCHES if p.stage == "group"]
+    ['p2p_staging', 'collectives', 'user_group', 'control.track_subgroups']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nbdist.engine import (
+    cell_reply,
+    collectives,
+    control,
+    launcher_refusal,
+    p2p_staging,
+    stdin_bridge,
+    user_group,
+)
+
+__all__ = ["PATCHES", "Patch", "install_in_script", "install_on_group", "install_on_rank"]
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch: the function that installs it, when, what it wraps, why, how to turn it off."""
+
+    name: str  # ``module`` (its ``install``) or ``module.function``, in nbdist.engine
+    stage: str  # "group": each formation; "rank": once joined; "kernel": with an engine kernel
+    wraps: str
+    why: str
+    turn_off: str
+
+
+# In install order within each stage. p2p staging goes before the collectives wrapper,
+# which then counts the staged send/recv like any other collective.
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "p2p_staging",
+        "group",
+        wraps="torch.distributed send, recv, isend, irecv, batch_isend_irecv (and "
+        "distributed_c10d's isend/irecv): CUDA tensors copied through host memory",
+        why="gloo with CUDA tensors (ranks sharing a GPU, NCCL < 2.30) breaks the whole "
+        "group on a send/recv of a CUDA tensor",
+        turn_off="only installed for gloo on CUDA, where it cannot be done without",
+    ),
+    Patch(
+        "collectives",
+        "group",
+        wraps="torch.distributed's collectives (TRACKED_OPS): each call counted and timed",
+        why="%dist_where and a cell's --timeout name the collective each rank is in; the "
+        "step breakdown's comm_s",
+        # ~1 us per call; a user timing single collectives could want a switch (there is none).
+        turn_off="no switch; dist.<op>.nbdist_original is torch's own function",
+    ),
+    Patch(
+        "user_group",
+        "group",
+        wraps="torch.distributed init_process_group and destroy_process_group (and "
+        "distributed_c10d's)",
+        why="a torchrun script's own init finds nbdist's group up; its destroy leaves the "
+        "group up for the next cell",
+        turn_off="no switch; user_group.original(name) is torch's own function",
+    ),
+    Patch(
+        "control.track_subgroups",
+        "group",
+        wraps="torch.distributed.distributed_c10d._new_process_group_helper: the sockets "
+        "of each new_group / DeviceMesh group remembered",
+        why="%dist_release shuts down a gloo group's sockets, subgroups' included",
+        turn_off="no switch; it only records socket numbers",
+    ),
+    Patch(
+        "launcher_refusal",
+        "rank",
+        wraps="torch.multiprocessing spawn/start_processes, torch's elastic launch_agent, "
+        "accelerate's notebook_launcher/debug_launcher (at its import), the _Popen of "
+        "multiprocessing's spawn and forkserver processes",
+        why="those launchers would start ranks of their own inside a rank (a hang, "
+        "orphans); a spawned child cannot import a function defined in a cell",
+        turn_off="with nbdist.engine.launcher_refusal.allow_launchers(): ... (this thread, "
+        "this block)",
+    ),
+    Patch(
+        "control",
+        "kernel",
+        wraps="the engine kernel's control handlers: one added (nbdist_request)",
+        why="where / release / gpu answered while the rank is busy or hangs",
+        turn_off="no switch; it only adds a message type",
+    ),
+    Patch(
+        "stdin_bridge",
+        "kernel",
+        wraps="the engine kernel's raw_input and getpass (builtins.input, getpass.getpass "
+        "in a cell), pdb.Pdb (replaced by RankPdb), one control handler",
+        why="input(), getpass and pdb on a rank ask the notebook; Ctrl-C stays nbdist's "
+        "interrupt at a pdb prompt",
+        turn_off="no switch; stdin_bridge.RankPdb's base class is the standard pdb.Pdb",
+    ),
+    Patch(
+        "cell_reply",
+        "kernel",
+        wraps="the engine kernel's do_execute: each execute reply carries the rank's "
+        "end-of-cell answer",
+        why="the kernel learns how many nbdist.log points to wait for without a user "
+        "expression per cell",
+        turn_off="no switch; without it the kernel asks with a user expression (slower)",
+    ),
+)
+
+
+def install_on_group(*, stage_p2p: bool, gloo_for_nccl: str = "") -> None:
+    """The ``group`` patches, each time the process group forms (a rejoin too).
+
+    ``stage_p2p``: the group is gloo with CUDA tensors. ``gloo_for_nccl``: why gloo
+    stands in for NCCL here ('' where it does not).
+    """
+    if stage_p2p:
+        p2p_staging.install()
+    collectives.install()
+    user_group.install(gloo_for_nccl=gloo_for_nccl)
+    control.track_subgroups()
+
+
+def install_on_rank(kernel=None, shell=None) -> None:
+    """The ``rank`` patches, then, given the engine's ``kernel`` and ``shell``, the ``kernel`` ones."""
+    launcher_refusal.install()
+    if kernel is not None:
+        # Answered on the engine's control thread, also while a cell runs or hangs.
+        control.install(kernel)
+        # input(), getpass and pdb on this rank ask the notebook (Jupyter's stdin channel).
+        stdin_bridge.install(kernel)
+        # Each execute reply says what the kernel needs to know after a cell.
+        cell_reply.install(kernel, shell)
+
+
+def install_in_script(*, stage_p2p: bool) -> None:
+    """What a script under torchrun gets: p2p staging where its group needs it, nothing else.
+
+    The script's own ``init_process_group`` and launchers are its business there.
+    """
+    if stage_p2p:
+        p2p_staging.install()

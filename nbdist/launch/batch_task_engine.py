@@ -1,0 +1,82 @@
+"""Separate process: the batch-task engine, an ipyparallel engine started as one task of a Slurm job or an MPI run.
+
+``srun`` (Slurm) or ``mpiexec`` (Open MPI, MPICH) start this module once per
+task; the scheduler numbers the tasks. The engine asks the controller for that
+number as its engine id, so the kernel numbers the ranks as the scheduler did
+(host by host, engines by id: rank == ``SLURM_PROCID``), and ``LOCAL_RANK``
+is the scheduler's local task number, as torchrun's would be.
+
+Without ``mpi4py``: ipyparallel's own ``--mpi`` flag (which imports it) is
+dropped, the numbers come from the environment the launcher sets. SIGTERM
+(``scancel``, a time limit, ``%dist_stop``) ends the engine at once, even in
+the middle of a cell.
+
+Run as ``python -m nbdist.launch.batch_task_engine [ipengine arguments]``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+__all__ = ["task_numbers"]
+
+# (rank, local rank) variables, by launcher: Slurm, Open MPI, MPICH/Hydra (and Intel MPI).
+_SOURCES = (
+    ("SLURM_PROCID", "SLURM_LOCALID"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "MPI_LOCALRANKID"),
+)
+
+
+def task_numbers(environ=os.environ) -> tuple[int, int] | None:
+    """This task's (rank, local rank) from the launcher's environment; None outside one.
+
+    Example::
+
+        >>> task_numbers({"SLURM_PROCID": "3", "SLURM_LOCALID": "1"})
+        (3, 1)
+        >>> task_numbers({}) is None
+        True
+    """
+    for rank_var, local_var in _SOURCES:
+        if rank_var in environ:
+            rank = int(environ[rank_var])
+            return rank, int(environ.get(local_var, rank))
+    return None
+
+
+def main(argv: list[str]) -> None:
+    """Start the engine with the task's number as its engine id."""
+    args = [a for a in argv if a != "--mpi"]
+    numbers = task_numbers()
+    if numbers is not None:
+        rank, local_rank = numbers
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        args.append(f"--IPEngine.id={rank}")
+    # As the engines nbdist forks itself: no nanny process per engine (the kernel
+    # watches the engine's PID, and the controller its heartbeat), and no input
+    # history written to SQLite by every rank.
+    args += ["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False"]
+    from ipyparallel.engine.app import IPEngine
+
+    class TaskEngine(IPEngine):
+        def init_signal(self):
+            super().init_signal()
+            # ipyparallel stops on SIGTERM through its event loop, which waits for
+            # the running cell; from a scheduler, SIGTERM means the job ends now
+            # (cancelled, out of time), and the kernel is told at once that the
+            # rank died (instead of after the scheduler's SIGKILL).
+            signal.signal(signal.SIGTERM, _end_now)
+
+    sys.argv = [sys.argv[0], *args]
+    TaskEngine.launch_instance()
+
+
+def _end_now(signum, frame) -> None:
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,215 @@
+"""Kernel side and separate process (read by the Jupyter server too): the records of named sessions.
+
+A named session (``%dist_start N --name NAME``) outlives the kernel that
+started it, so what a later kernel needs to reach it is kept on disk, in
+``<jupyter runtime dir>/nbdist/sessions/NAME/``:
+
+- ``session.json``: written by the session's keeper process
+  (:mod:`nbdist.launch.named_session_keeper`): its state, the PIDs it started (each with its
+  start time, so a reused PID is never taken for it), the controller's client
+  connection file, the metrics collector's address, the run id and history.
+- ``group.json``: written by the kernel that formed the process group: the
+  ranks (rank, engine, PID, host, device), so a kernel that attaches while the
+  ranks are busy with a cell needs nothing from them.
+- ``keeper.log``: the keeper's own output.
+
+The directories are ``0700`` and the files ``0600``: only the user who started
+a session can read its connection file and attach (ipyparallel's HMAC key is
+in that file, unchanged). Only the standard library and psutil are imported
+here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import psutil
+
+from nbdist.errors import NbdistError
+
+__all__ = [
+    "FORMAT",
+    "alive",
+    "check_name",
+    "describe_session",
+    "pid_entry",
+    "read",
+    "read_group",
+    "records",
+    "remove",
+    "session_dir",
+    "sessions_dir",
+    "state_of",
+    "stop",
+    "write_json",
+]
+
+FORMAT = 1
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+RECORD, GROUP, LOG = "session.json", "group.json", "keeper.log"
+
+
+def check_name(name: object) -> str:
+    """``name`` if it can name a session (letters, digits, ``_ . -``, <= 64), else NbdistError."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise NbdistError(
+            f"session name {name!r}: use letters, digits, '_', '.' or '-' (at most 64, "
+            "starting with a letter or digit), e.g. --name train1"
+        )
+    return name
+
+
+def sessions_dir(create: bool = False) -> str:
+    """``<jupyter runtime dir>/nbdist/sessions``; ``create`` makes it ``0700`` (and narrows it)."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    path = os.path.join(jupyter_runtime_dir(), "nbdist", "sessions")
+    if create:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(os.path.dirname(path), 0o700)
+        os.chmod(path, 0o700)
+    return path
+
+
+def session_dir(name: str, create: bool = False) -> str:
+    """The directory of session ``name`` (checked); ``create`` makes it ``0700``."""
+    path = os.path.join(sessions_dir(create=create), check_name(name))
+    if create:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
+    return path
+
+
+def write_json(path: str, content: dict) -> None:
+    """Write ``content`` to ``path`` as ``0600`` JSON, atomically (a reader never sees half)."""
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(content, f)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        if os.stat(path).st_uid != os.getuid():
+            return None  # another user's file is never trusted (nor attached to)
+        with open(path) as f:
+            content = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return content if isinstance(content, dict) else None
+
+
+def read(name: str) -> dict | None:
+    """Session ``name``'s record (``session.json``), or None when there is none."""
+    record = _read_json(os.path.join(session_dir(name), RECORD))
+    if record is None or record.get("format") != FORMAT:
+        return None
+    return record
+
+
+def read_group(name: str) -> dict | None:
+    """The process group the first kernel formed for ``name`` (``group.json``), or None."""
+    return _read_json(os.path.join(session_dir(name), GROUP))
+
+
+def pid_entry(pid: int) -> dict | None:
+    """``{"pid", "created"}`` of a running process (its start time tells it from a reused PID)."""
+    try:
+        return {"pid": pid, "created": psutil.Process(pid).create_time()}
+    except psutil.Error:
+        return None
+
+
+def alive(entry: dict | None) -> psutil.Process | None:
+    """The process of a :func:`pid_entry` if it still runs (same PID, same start time), else None."""
+    if not entry or not entry.get("pid"):
+        return None
+    try:
+        proc = psutil.Process(int(entry["pid"]))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        if abs(proc.create_time() - float(entry.get("created") or 0)) >= 1.0:
+            return None  # the PID now names another process
+        return proc
+    except (psutil.Error, TypeError, ValueError):
+        return None
+
+
+def state_of(record: dict) -> str:
+    """'starting', 'running', 'failed', 'stopping' or 'gone' (its keeper process ended)."""
+    if alive(record.get("keeper")) is None:
+        return "gone"
+    state = record.get("state", "")
+    return "running" if state == "ready" else state
+
+
+def describe_session(record: dict) -> dict:
+    """The row ``%dist_sessions`` and the sidebar show for one record."""
+    return {
+        "name": record.get("name"),
+        "ranks": record.get("n"),
+        "launcher": record.get("launcher") or "local",
+        "started": record.get("started"),
+        "state": state_of(record),
+        "last_step": record.get("last_step"),
+        "run_id": record.get("run_id"),
+        "error": record.get("error") or "",
+    }
+
+
+def records() -> list[dict]:
+    """Every named session's record of this user, oldest first (gone ones included)."""
+    folder = sessions_dir()
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not _NAME.match(name):
+            continue
+        record = read(name)
+        if record is not None:
+            out.append(record)
+    out.sort(key=lambda r: (r.get("started") or 0, r.get("name") or ""))
+    return out
+
+
+def remove(name: str) -> None:
+    """Remove session ``name``'s directory (its record, group and log); never raises."""
+    shutil.rmtree(session_dir(name), ignore_errors=True)
+
+
+def stop(name: str, *, wait: float = 20.0) -> list[int]:
+    """End session ``name`` wherever it runs; the PIDs that had to be killed.
+
+    SIGTERM to its keeper, which stops its ranks and controller and removes its
+    record; if the keeper is gone or does not finish within ``wait`` s, the
+    recorded processes (each checked by its start time) and everything below
+    them are ended by PID, and the record removed. NbdistError if there is no such session.
+    """
+    from nbdist.launch import process_tree
+
+    record = read(check_name(name))
+    if record is None:
+        if os.path.isdir(session_dir(name)):
+            remove(name)  # a keeper that never wrote its record
+            return []
+        raise NbdistError(f"no named session {name!r}: %dist_sessions lists them")
+    keeper = alive(record.get("keeper"))
+    if keeper is not None:
+        try:
+            keeper.terminate()
+            keeper.wait(wait)
+        except psutil.Error:  # gone meanwhile, or still there after ``wait``: ended below
+            pass
+    procs = [p for p in map(alive, record.get("pids", [])) if p is not None]
+    if alive(record.get("keeper")) is not None:
+        procs.append(keeper)
+    killed = process_tree.end(procs + process_tree.descendants([p.pid for p in procs]))
+    remove(name)
+    return killed

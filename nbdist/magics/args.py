@@ -1,0 +1,61 @@
+"""Kernel side: how nbdist's magics read their lines; bad input becomes IPython's UsageError.
+
+Shared by every module of :mod:`nbdist.magics`, so every magic words a bad line
+the same way: the flags several magics take (``--ranks``, ``--noblock``, a cell's
+``--timeout``) are declared here once, and :class:`SessionMagics` is the base of
+every group of magics that reaches the session of :class:`~nbdist.magics.lifecycle.DistMagics`.
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics
+from IPython.core.magic_arguments import argument, parse_argstring
+
+from nbdist.errors import PlacementError
+from nbdist.launch.values import parse_seconds
+
+__all__ = [
+    "CELL_TIMEOUT",
+    "NOBLOCK",
+    "RANKS",
+    "SessionMagics",
+    "parse_magic_line",
+    "seconds",
+]
+
+# Flags several magics share, declared once (each magic's help lists them).
+RANKS = argument("--ranks", default=None, help="ranks: 0,2 or 0-3 (default: all)")
+NOBLOCK = argument("--noblock", action="store_true", help="return at once; .wait() on the result")
+CELL_TIMEOUT = argument(
+    "--timeout", default=None, help="interrupt the ranks after this many seconds (default: none)"
+)
+
+
+def seconds(text: str, flag: str = "--timeout") -> float:
+    """``text`` as seconds (e.g. '90', '1.5'); a UsageError naming it and ``flag`` otherwise."""
+    try:
+        return parse_seconds(text, flag)
+    except PlacementError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def parse_magic_line(magic, line: str):
+    """``line`` parsed by ``magic``'s declared arguments; bad input is a UsageError."""
+    try:
+        return parse_argstring(magic, line)
+    except UsageError:
+        raise
+    except SystemExit as exc:  # argparse's own exit on bad input
+        raise UsageError(f"could not parse {line!r}: see the magic's help (?)") from exc
+    except ValueError as exc:  # the line's quotes do not close
+        raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
+
+
+class SessionMagics(Magics):
+    """Magics that reach nbdist's session through its :class:`~nbdist.magics.lifecycle.DistMagics`."""
+
+    def __init__(self, shell, dist_magics):
+        """Magics for ``shell`` that use ``dist_magics.session`` and ``dist_magics.running_session()``."""
+        super().__init__(shell)
+        self.dist = dist_magics

@@ -1,0 +1,141 @@
+"""Kernel side: the magics that run code and move values: %%on_all_ranks, %%on_rank, %dist_push, %dist_pull.
+
+Each parses its flags and calls the running :class:`nbdist.DistSession`
+(``run``, ``push``, ``pull``); :func:`run_on_ranks` is the one way a magic sends
+code to the ranks (``%dist_run`` in :mod:`nbdist.magics.scripts` uses it too).
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from nbdist.errors import PlacementError
+from nbdist.launch.values import is_digits
+from nbdist.magics.args import (
+    CELL_TIMEOUT,
+    NOBLOCK,
+    RANKS,
+    SessionMagics,
+    parse_magic_line,
+    seconds,
+)
+
+__all__ = ["CellMagics", "run_on_ranks"]
+
+
+def run_on_ranks(dist_magics, cell: str, ranks, noblock: bool, timeout):
+    """Run ``cell`` on ``ranks`` (None: all) of ``dist_magics``' session; the result of --noblock, else None.
+
+    ``timeout``: the magic's ``--timeout`` word (seconds), or None for no limit.
+    """
+    session = dist_magics.running_session()
+    timeout_s = seconds(timeout) if timeout is not None else None
+    try:
+        selected = session.select(ranks)
+    except PlacementError as exc:
+        raise UsageError(str(exc)) from None
+    ranks = [r.rank for r in selected]
+    if noblock:
+        dist_magics.last_run = session.run(cell, ranks, block=False, timeout=timeout_s)
+        return dist_magics.last_run
+    # Blocking through the session: the cell returns with its metrics points in
+    # the run, and may be sent silent when it has nothing to show.
+    session.run(cell, ranks, timeout=timeout_s)
+    return None
+
+
+@magics_class
+class CellMagics(SessionMagics):
+    """%%on_all_ranks, %%on_rank, %dist_push, %dist_pull: on the session ``self.dist`` holds."""
+
+    @magic_arguments()
+    @RANKS
+    @NOBLOCK
+    @CELL_TIMEOUT
+    @argument("--no-export", action="store_true", help="leave this cell out of %%dist_export")
+    @cell_magic
+    def on_all_ranks(self, line, cell):
+        """Run the cell on every rank (or --ranks); state persists between cells.
+
+        Output streams live, labelled by rank; lines every rank printed alike are
+        shown once. If any rank raises, the cell fails with tracebacks grouped by
+        rank. Interrupting the kernel interrupts every rank. No time limit unless
+        --timeout is given. Examples::
+
+            %%on_all_ranks
+            t = torch.ones(2) * rank
+            dist.all_reduce(t)
+            print(rank, t)
+
+            %%on_all_ranks --ranks 0,1 --timeout 60
+            print(rank)
+
+        Cells run on every rank are recorded for %dist_export, unless run with
+        --no-export or marked with the comment ``# nbdist: no-export``.
+        """
+        args = parse_magic_line(self.on_all_ranks, line)
+        result = run_on_ranks(self.dist, cell, args.ranks, args.noblock, args.timeout)
+        if args.ranks is None and not args.no_export:
+            # Reached only if no rank raised: failed cells are not exported.
+            self.dist.session.record_cell(cell)
+        return result
+
+    @magic_arguments()
+    @argument("rank", help="the rank to run on")
+    @NOBLOCK
+    @CELL_TIMEOUT
+    @cell_magic
+    def on_rank(self, line, cell):
+        """Run the cell on one rank. Example::
+
+        %%on_rank 0
+        print(model)
+        """
+        args = parse_magic_line(self.on_rank, line)
+        if not is_digits(args.rank):
+            raise UsageError(f"rank {args.rank!r}: give one rank number, e.g. %%on_rank 0")
+        return run_on_ranks(self.dist, cell, args.rank, args.noblock, args.timeout)
+
+    @line_magic
+    def dist_push(self, line=""):
+        """Copy variables from the notebook to every rank. Example::
+
+        lr = 0.1
+        %dist_push lr
+        """
+        names = line.split()
+        if not names:
+            raise UsageError("%dist_push needs variable names, e.g. %dist_push lr batch_size")
+        missing = [n for n in names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"%dist_push: {missing[0]!r} is not defined in the notebook")
+        self.dist.running_session().push({n: self.shell.user_ns[n] for n in names})
+
+    @magic_arguments()
+    @argument("name", help="variable name on the ranks")
+    @argument("--rank", default=None, help="one rank's value (default: a list by rank)")
+    @line_magic
+    def dist_pull(self, line=""):
+        """A variable's value from the ranks: a list by rank, or one rank's. Examples::
+
+        losses = %dist_pull loss
+        w0 = %dist_pull weight --rank 0
+        """
+        args = parse_magic_line(self.dist_pull, line)
+        if not args.name.isidentifier():
+            raise UsageError(
+                f"%dist_pull {args.name!r}: give a variable name, e.g. %dist_pull loss"
+            )
+        session = self.dist.running_session()
+        rank = None
+        if args.rank is not None:
+            if not is_digits(args.rank):
+                raise UsageError(f"--rank {args.rank!r}: give a rank number, e.g. --rank 0")
+            rank = int(args.rank)
+            if rank >= session.world_size:
+                raise UsageError(
+                    f"rank {rank} does not exist: this cluster has ranks 0..{session.world_size - 1}"
+                )
+        return session.pull(args.name, rank=rank)

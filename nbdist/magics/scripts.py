@@ -1,0 +1,112 @@
+"""Kernel side: the magics that carry scripts in and out of the ranks: %dist_run, %dist_export.
+
+``%dist_run train.py --lr 0.1`` runs a torchrun-style script on every rank as
+``__main__`` with its own ``sys.argv`` (:mod:`nbdist.engine.scripts`), so
+its ``if __name__ == "__main__":`` block runs, its argparse reads its own
+arguments, its ``init_process_group`` meets the group nbdist formed and its
+``destroy_process_group`` leaves it up (:mod:`nbdist.engine.user_group`);
+afterwards its globals are in the ranks' namespaces for the next cell.
+``%dist_export`` goes the other way: the session's cells as a torchrun script.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+from IPython.core.error import UsageError
+from IPython.core.magic import line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from nbdist.errors import NbdistError
+from nbdist.magics.args import SessionMagics, parse_magic_line
+from nbdist.magics.cells import run_on_ranks
+
+__all__ = ["ScriptMagics", "split_run_line"]
+
+
+def split_run_line(line: str) -> tuple[str | None, str, list[str]]:
+    """``[--timeout S] script.py [args…]`` -> (timeout or None, script, the script's arguments).
+
+    The script's arguments are passed on untouched (quotes included), so
+    options of the script never collide with those of the magic.
+    """
+    rest = line.strip()
+    timeout = None
+    if rest.startswith("--timeout"):
+        parts = rest.split(None, 2)
+        if len(parts) < 2:
+            raise UsageError("%dist_run --timeout needs seconds, e.g. %dist_run --timeout 600 x.py")
+        timeout, rest = parts[1], parts[2] if len(parts) > 2 else ""
+    if not rest:
+        raise UsageError("%dist_run needs a script, e.g. %dist_run train.py --epochs 2")
+    try:
+        tokens = shlex.split(rest)
+    except ValueError as exc:
+        raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
+    script, args = tokens[0], tokens[1:]
+    return timeout, script, args
+
+
+@magics_class
+class ScriptMagics(SessionMagics):
+    """%dist_run and %dist_export: on the session ``self.dist`` holds."""
+
+    @line_magic
+    def dist_run(self, line=""):
+        """Run a torchrun-style script on every rank, as ``__main__`` with its own arguments.
+
+        Output streams like a cell's; an error on any rank fails it. Inside the
+        script, ``init_process_group`` is served by the group nbdist formed and
+        ``destroy_process_group()`` leaves it up; the torchrun variables (RANK,
+        LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID, ...) are set. Its globals
+        stay on the ranks for the next cell. ``--timeout S`` (before the script)
+        interrupts the ranks after S seconds. Examples::
+
+            %dist_run train.py --epochs 2 --lr 0.1
+            %dist_run --timeout 600 scripts/pretrain.py --config small.yaml
+        """
+        timeout, script, args = split_run_line(line)
+        path = os.path.abspath(os.path.expanduser(script))
+        if not os.path.isfile(path):
+            raise UsageError(
+                f"%dist_run: no file {script!r} (looked for {path}): give the path of a script"
+            )
+        cell = (
+            "__import__('nbdist.engine.scripts', fromlist=['run_script']).run_script("
+            f"{path!r}, {args!r}, get_ipython().user_ns)"
+        )
+        return run_on_ranks(self.dist, cell, None, False, timeout)
+
+    @magic_arguments()
+    @argument("path", help="the script to write, e.g. train.py")
+    @argument("--backend", default=None, help="nccl or gloo in the script (default: by device)")
+    @line_magic
+    def dist_export(self, line=""):
+        """Write this session's %%on_all_ranks cells, in order, as a torchrun script.
+
+        The script gives the cells rank, local_rank, world_size, device, torch,
+        dist and nbdist as the ranks had them; nbdist.log writes to the run
+        history. Cells marked ``# nbdist: no-export`` (or run with --no-export),
+        --ranks cells and failed cells are left out. Example::
+
+            %dist_export train.py
+            !torchrun --nproc_per_node 2 train.py
+        """
+        args = parse_magic_line(self.dist_export, line)
+        session = self.dist.session
+        if session is None:
+            raise UsageError("nothing to export: %dist_start, then run %%on_all_ranks cells")
+        try:
+            path = session.export(args.path, backend=args.backend)
+        except NbdistError as exc:
+            raise UsageError(str(exc)) from None
+        except OSError as exc:  # a missing directory, no permission: the path is the problem
+            raise UsageError(
+                f"%dist_export {args.path!r}: cannot write it ({exc.strerror}): "
+                "choose a path in a directory you can write"
+            ) from None
+        from nbdist.driver.export import exportable_cells
+
+        count = len(exportable_cells(session.cells))
+        print(f"nbdist: wrote {path} ({count} cells); run it with torchrun --nproc_per_node N")
