@@ -3,12 +3,16 @@
 # has a CUDA build of torch, this checkout, and a wheelhouse made elsewhere by
 # scripts/wheelhouse.sh. It makes a throw-away venv on top of the system site-packages
 # (the server's torch is used, never reinstalled), installs nbdist and the test tools
-# offline from the wheelhouse, then runs, in order and each under a time limit:
-#   pytest -q tests/gpu · every examples/*.ipynb (scripts/run_notebook.py) ·
-#   bench/nccl.py · bench/train.py · bench/shared_gpu.py (which collectives run with ranks sharing a GPU)
-# It goes on past a failing step, keeps every log under the output directory and ends
-# with a markdown results block (device, date, commit, versions, each step's result and
-# figures) for bench/RESULTS.md. Exit status: 0 only if no step failed.
+# offline from the wheelhouse, then runs, side by side where the cores allow (each job
+# under its own time limit, all within a time budget; scripts/gpu_check_steps.py):
+#   pytest tests/gpu (one process per test file and layout) · every examples/*.ipynb
+#   (scripts/run_notebook.py) · then, alone: bench/nccl.py --quick · bench/train.py
+#   --quick · bench/shared_gpu.py
+# It goes on past a failing job, keeps every log under the output directory and ends
+# with a markdown results block (device, date, commit, versions, each job's result, and
+# for a failure its cell or tests, exception and last lines) for bench/RESULTS.md, and
+# results.json, from which --only-failed re-runs what did not pass. Exit status: 0 only
+# if no job failed.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,18 +24,29 @@ usage: bash scripts/gpu_check.sh WHEELHOUSE [OUTDIR] [options]
 
 On a GPU server without internet: install nbdist from WHEELHOUSE (made by
 scripts/wheelhouse.sh) into a venv over the system Python's CUDA torch, run
-tests/gpu, every example notebook, bench/nccl.py, bench/train.py and bench/shared_gpu.py, and print a
-results block for bench/RESULTS.md. Exit status 0 only if every step passed.
+tests/gpu and every example notebook side by side, then bench/nccl.py --quick,
+bench/train.py --quick and bench/shared_gpu.py alone, within a time budget, and
+print a results block for bench/RESULTS.md. Exit status 0 only if every job passed.
 
-OUTDIR (logs, executed notebooks, results.md): the argument, else
+OUTDIR (logs, executed notebooks, results.md, results.json): the argument, else
 $NBDIST_GPU_CHECK_OUT, else $OUT if set, else ./gpu_check_out.
 
 options:
   --steps LIST    comma-separated subset of: tests,notebooks,nccl,train,shared (default: all)
-  --timeout S     time limit of each step in seconds (default: tests 1800, each
-                  notebook 900, each benchmark 1800)
+  --timeout S     time limit of each job in seconds (default: a pytest shard 540, a
+                  notebook 420, a benchmark 240)
+  --budget S      start no job that would not end within S seconds of the first
+                  (default 540: with install and start-up the check fits 10 minutes)
+  --slots N       ranks (plus one per kernel or pytest) running at once (default: cores)
   --examples GLOB only the notebooks examples/GLOB.ipynb (default: every one, [0-9][0-9]_*);
                   several, comma-separated: --examples '02_*,09_*,1[12]_*'
+  --only-failed   only the jobs that did not pass in the previous results.json (a
+                  pytest shard narrowed to its failed tests)
+  --since COMMIT  those, plus the jobs whose own files (a notebook, a GPU test file,
+                  a benchmark) changed since COMMIT
+  --previous FILE the earlier results.json (default: OUTDIR/results.json)
+  --dry-run       list the jobs that would run, with their commands, and stop
+                  (no wheelhouse, venv or GPU needed)
   --venv DIR      make (or reuse) the venv in DIR and keep it; default: a temporary
                   venv, removed at the end
   --allow-cpu     go on without CUDA (to try the script itself on a CPU machine)
@@ -45,7 +60,7 @@ EOF
 die() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 
 WH="" OUTDIR="" STEPS="tests,notebooks,nccl,train,shared" LIMIT="" VENV_ARG="" ALLOW_CPU=0
-EXAMPLES='[0-9][0-9]_*'
+EXAMPLES='[0-9][0-9]_*' BUDGET=540 SLOTS="" ONLY_FAILED=0 SINCE="" PREVIOUS="" DRY_RUN=0
 while (($#)); do
   case "$1" in
     -h | --help) usage; exit 0 ;;
@@ -54,6 +69,12 @@ while (($#)); do
     --examples) (($# >= 2)) || die "--examples needs a pattern"; EXAMPLES="$2"; shift 2 ;;
     --venv) (($# >= 2)) || die "--venv needs a directory"; VENV_ARG="$2"; shift 2 ;;
     --allow-cpu) ALLOW_CPU=1; shift ;;
+    --budget) (($# >= 2)) || die "--budget needs seconds"; BUDGET="$2"; shift 2 ;;
+    --slots) (($# >= 2)) || die "--slots needs a number"; SLOTS="$2"; shift 2 ;;
+    --only-failed) ONLY_FAILED=1; shift ;;
+    --since) (($# >= 2)) || die "--since needs a commit"; SINCE="$2"; shift 2 ;;
+    --previous) (($# >= 2)) || die "--previous needs a results.json"; PREVIOUS="$2"; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
     -*) die "unknown option '$1' (see --help)" ;;
     *)
       if [[ -z "$WH" ]]; then WH="$1"
@@ -62,24 +83,50 @@ while (($#)); do
       shift ;;
   esac
 done
-[[ -n "$WH" ]] || { usage >&2; die "missing WHEELHOUSE"; }
-[[ -d "$WH" ]] || die "wheelhouse '$WH' is not a directory (make one with scripts/wheelhouse.sh)"
-WH="$(cd "$WH" && pwd)"
-NBDIST_WHL=""
-for w in "$WH"/nbdist-*.whl; do [[ -f "$w" ]] && NBDIST_WHL="$w"; done
-[[ -n "$NBDIST_WHL" ]] || die "no nbdist-*.whl in '$WH' (make the wheelhouse with scripts/wheelhouse.sh)"
+if ((DRY_RUN == 0)); then
+  [[ -n "$WH" ]] || { usage >&2; die "missing WHEELHOUSE"; }
+  [[ -d "$WH" ]] || die "wheelhouse '$WH' is not a directory (make one with scripts/wheelhouse.sh)"
+  WH="$(cd "$WH" && pwd)"
+  NBDIST_WHL=""
+  for w in "$WH"/nbdist-*.whl; do [[ -f "$w" ]] && NBDIST_WHL="$w"; done
+  [[ -n "$NBDIST_WHL" ]] || die "no nbdist-*.whl in '$WH' (make the wheelhouse with scripts/wheelhouse.sh)"
+fi
 if [[ -n "$LIMIT" && ! "$LIMIT" =~ ^[1-9][0-9]*$ ]]; then die "--timeout '$LIMIT': seconds, a positive integer"; fi
+[[ "$BUDGET" =~ ^[1-9][0-9]*$ ]] || die "--budget '$BUDGET': seconds, a positive integer"
+[[ -z "$SLOTS" || "$SLOTS" =~ ^[1-9][0-9]*$ ]] || die "--slots '$SLOTS': a positive integer"
 IFS=',' read -r -a STEP_LIST <<<"$STEPS"
 for s in "${STEP_LIST[@]}"; do
   [[ "$s" =~ ^(tests|notebooks|nccl|train|shared)$ ]] || die "--steps: unknown step '$s' (tests,notebooks,nccl,train,shared)"
 done
-want() { [[ ",$STEPS," == *",$1,"* ]]; }
+if [[ -n "$SINCE" ]]; then
+  git -C "$ROOT" rev-parse --verify --quiet "$SINCE^{commit}" >/dev/null ||
+    die "--since '$SINCE': not a commit of this checkout"
+fi
 command -v timeout >/dev/null || die "needs 'timeout' (coreutils)"
 
 if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
 elif command -v python3.12 >/dev/null; then PY="python3.12"
 else PY="python3"; fi
 command -v "$PY" >/dev/null || die "no '$PY' here (set PYTHON=/path/to/python)"
+
+# The jobs' planner and runner; the same arguments for --dry-run and the real run.
+steps_args() {
+  local out="$1"
+  STEP_ARGS=(--root "$ROOT" --out "$out" --steps "$STEPS" --examples "$EXAMPLES" --budget "$BUDGET")
+  [[ -n "$LIMIT" ]] && STEP_ARGS+=(--timeout "$LIMIT")
+  [[ -n "$SLOTS" ]] && STEP_ARGS+=(--slots "$SLOTS")
+  ((ONLY_FAILED)) && STEP_ARGS+=(--only-failed)
+  [[ -n "$SINCE" ]] && STEP_ARGS+=(--since "$SINCE")
+  local prev="${PREVIOUS:-$out/results.json}"
+  if [[ -n "$PREVIOUS" || -f "$prev" ]]; then STEP_ARGS+=(--previous "$prev"); fi
+  return 0
+}
+if ((DRY_RUN)); then
+  DRY_OUT="${OUTDIR:-${NBDIST_GPU_CHECK_OUT:-${OUT:-$PWD/gpu_check_out}}}"
+  steps_args "$DRY_OUT"
+  echo "== gpu_check.sh --dry-run: the jobs a run would start (python: \$VPY, the check's venv)"
+  exec "$PY" "$ROOT/scripts/gpu_check_steps.py" plan --python '$VPY' "${STEP_ARGS[@]}"
+fi
 PYVER="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" || die "'$PY' does not run"
 WHVER="$(sed -n 's/^# nbdist wheelhouse: CPython \([0-9.]*\),.*/\1/p' "$WH/wheelhouse.txt" 2>/dev/null)"
 if [[ -n "$WHVER" && "$WHVER" != "$PYVER" ]]; then
@@ -279,71 +326,13 @@ if ((CUDA_RC != 0)); then
   fi
 fi
 
-# --- the steps ------------------------------------------------------------------------
-if want tests; then
-  run_step "pytest -q tests/gpu" "${LIMIT:-1800}" "$OUTDIR/logs/pytest-gpu.log" "$ROOT" \
-    "$VPY" -m pytest -q tests/gpu -p no:cacheprovider --junitxml="$OUTDIR/pytest-gpu.xml"
-  summary="$(grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error)|no tests ran' "$OUTDIR/logs/pytest-gpu.log" | tail -1 | sed 's/=//g; s/^ *//; s/ *$//')"
-  record "\`pytest -q tests/gpu\`" "$(status_of "$RC")" "$ELAPSED" "${summary:-no summary line}"
-fi
-
-if want notebooks; then
-  mkdir -p "$OUTDIR/notebooks"
-  seen=0
-  IFS=',' read -r -a PATTERNS <<<"$EXAMPLES"
-  NOTEBOOKS=()
-  for pat in "${PATTERNS[@]}"; do
-    for nb in "$ROOT"/examples/$pat.ipynb; do NOTEBOOKS+=("$nb"); done
-  done
-  for nb in "${NOTEBOOKS[@]}"; do
-    [[ -f "$nb" ]] || continue
-    seen=$((seen + 1))
-    base="$(basename "$nb" .ipynb)"
-    # A module a cell imports at its top level (not inside a guard) must be installed here.
-    missing="$("$VPY" - "$nb" <<'EOF'
-import importlib.util
-import json
-import re
-import sys
-
-names = set()
-for cell in json.load(open(sys.argv[1]))["cells"]:
-    if cell["cell_type"] == "code":
-        for line in "".join(cell["source"]).splitlines():
-            m = re.match(r"(?:from|import)\s+([A-Za-z_]\w*)", line)
-            if m:
-                names.add(m.group(1))
-print(" ".join(sorted(n for n in names if importlib.util.find_spec(n) is None)))
-EOF
-)"
-    if [[ -n "$missing" ]]; then
-      echo "== examples/$base.ipynb: SKIP, needs $missing (not installed, not in the wheelhouse)"
-      record "examples/$base.ipynb" "skip" 0 "needs $missing, not installed"
-      continue
-    fi
-    run_step "examples/$base.ipynb" "${LIMIT:-900}" "$OUTDIR/logs/$base.log" "$OUTDIR/notebooks" \
-      "$VPY" "$ROOT/scripts/run_notebook.py" "$nb"
-    last="$(grep -E '^(OK|FAILED):' "$OUTDIR/logs/$base.log" | tail -1)"
-    record "examples/$base.ipynb" "$(status_of "$RC")" "$ELAPSED" "${last:-no OK/FAILED line}"
-  done
-  ((seen)) || record "examples/$EXAMPLES.ipynb" "fail (no such notebook)" 0 "nothing matched"
-fi
-
-bench() {  # bench NAME: bench/NAME.py with no arguments (it picks the GPU itself)
-  local name="$1"
-  if [[ ! -f "$ROOT/bench/$name.py" ]]; then
-    echo "== bench/$name.py: SKIP, not in this checkout"
-    record "\`python bench/$name.py\`" "skip" 0 "bench/$name.py is not in this checkout"
-    return
-  fi
-  run_step "python bench/$name.py" "${LIMIT:-1800}" "$OUTDIR/logs/bench-$name.log" "$ROOT" \
-    "$VPY" "bench/$name.py"
-  record "\`python bench/$name.py\`" "$(status_of "$RC")" "$ELAPSED" "figures below" \
-    "$(tail -n 25 "$OUTDIR/logs/bench-$name.log")"
-}
-want nccl && bench nccl
-want train && bench train
-want shared && bench shared_gpu
+# --- the jobs ---------------------------------------------------------------------------
+# A previous results.json in OUTDIR is kept for --only-failed: moved aside before this run.
+steps_args "$OUTDIR"
+JOBS_T0=$SECONDS
+"$VPY" "$ROOT/scripts/gpu_check_steps.py" run --python "$VPY" "${STEP_ARGS[@]}"
+JOBS_RC=$?
+JOBS_S=$((SECONDS - JOBS_T0))
 
 # --- results block ----------------------------------------------------------------------
 if [[ -d "$ROOT/.git" ]] && command -v git >/dev/null; then
@@ -359,7 +348,7 @@ FAILED=0
   echo "- device: $DEVICE"
   echo "- commit: $COMMIT"
   echo "- Python $(val python) · torch $(val torch) · CUDA $(val cuda) · NCCL $(val nccl)"
-  echo "- \`bash scripts/gpu_check.sh\` (steps: $STEPS); logs in \`$(basename "$OUTDIR")/logs/\`"
+  echo "- \`bash scripts/gpu_check.sh\` (steps: $STEPS); jobs ${JOBS_S} s; logs in \`$(basename "$OUTDIR")/logs/\`"
   [[ -z "$LEFT_BEHIND" ]] || echo "- processes left behind (killed): $LEFT_BEHIND"
   echo
   echo "| step | result | time | notes |"
@@ -368,23 +357,19 @@ FAILED=0
     echo "| ${NAMES[$i]} | ${RESULTS[$i]} | ${SECS[$i]} s | ${NOTES[$i]//|/\\|} |"
     [[ "${RESULTS[$i]}" == pass || "${RESULTS[$i]}" == skip ]] || FAILED=$((FAILED + 1))
   done
-  for i in "${!NAMES[@]}"; do
-    [[ -n "${FIGURES[$i]}" ]] || continue
-    echo
-    echo "${NAMES[$i]}, last lines:"
-    echo
-    echo '```'
-    echo "${FIGURES[$i]}"
-    echo '```'
-  done
+  if [[ -f "$OUTDIR/results-table.md" ]]; then
+    tail -n +3 "$OUTDIR/results-table.md"
+  else
+    echo "| jobs | fail (exit $JOBS_RC) | ${JOBS_S} s | no results-table.md: see gpu_check.log |"
+  fi
 } >"$OUTDIR/results.md"
 echo
 echo "== results (also in $OUTDIR/results.md)"
 echo
 cat "$OUTDIR/results.md"
 echo
-if ((FAILED)); then
-  echo "gpu_check: $FAILED step(s) failed"
+if ((FAILED || JOBS_RC)); then
+  echo "gpu_check: a step failed (exit $JOBS_RC from the jobs; $FAILED set-up step(s) failed)"
   exit 1
 fi
 echo "gpu_check: every step passed (skips are listed above)"

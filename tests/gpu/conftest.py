@@ -41,6 +41,15 @@ def pytest_report_header(config):
     return [f"tests/gpu: {torch.cuda.device_count()} GPU(s) visible, NCCL {nccl_version()}"]
 
 
+def pytest_configure(config):
+    """The ``example`` marker: the README strategies-table rows (notebook numbers) a test covers."""
+    config.addinivalue_line(
+        "markers",
+        "example(*numbers): the examples/NN_*.ipynb rows of README's strategies table this "
+        "GPU test covers (tests/unit/test_gpu_coverage.py checks every row has one)",
+    )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _needs_cuda():
     """Skip every test of this directory without CUDA (session scope: before any session starts)."""
@@ -161,6 +170,43 @@ def pair():
         yield session
     finally:
         stop_cleanly(session)
+
+
+# The two ways ONE GPU is used by ranks, each a parametrisation of ``one_gpu`` (its id is
+# the key, which scripts/gpu_check_steps.py selects with -k to run them side by side):
+# two ranks sharing GPU 0 over gloo with CUDA tensors (what ``%dist_start 2`` gives with
+# NCCL < 2.30: point-to-point staged through host memory, where the first GPU run's bugs
+# were), and one rank on GPU 0 over NCCL (NCCL's own collectives and DTensor paths).
+ONE_GPU_LAYOUTS = {
+    "gloo2": dict(n=2, gpus=[0], backend="gloo"),
+    "nccl1": dict(n=1, gpus=[0], backend="nccl"),
+}
+
+
+def ranks_on_one_gpu(layout: str | dict, common: str = ""):
+    """Start the ranks of ``layout`` (a key of ONE_GPU_LAYOUTS, or DistSession's options) on
+    GPU 0, run ``common`` on them, yield the session, stop it cleanly afterwards."""
+    options = ONE_GPU_LAYOUTS[layout] if isinstance(layout, str) else layout
+    session = nbdist.DistSession(**options, timeout=300, history=False)
+    try:
+        session.start()
+        if common:
+            from nbdist.driver.sinks import ListSink
+
+            session.run(common, sink=ListSink())
+        yield session
+    finally:
+        stop_cleanly(session)
+
+
+@pytest.fixture(scope="module", params=list(ONE_GPU_LAYOUTS))
+def one_gpu(request):
+    """Ranks on GPU 0 in each layout of ONE_GPU_LAYOUTS, for a module's tests.
+
+    A module that needs definitions on the ranks sets ``COMMON`` (source run once
+    on them after the start).
+    """
+    yield from ranks_on_one_gpu(request.param, getattr(request.module, "COMMON", ""))
 
 
 def dist_stop_cleanly(shell) -> None:

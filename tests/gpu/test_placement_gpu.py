@@ -195,6 +195,7 @@ p2p = {
 """
 
 
+@pytest.mark.example(3)
 def test_point_to_point_of_cuda_tensors_works_on_a_shared_gpu(pair):
     """send/recv, batched isend/irecv and a send/recv ring of CUDA tensors give exact results.
 
@@ -215,6 +216,7 @@ def test_point_to_point_of_cuda_tensors_works_on_a_shared_gpu(pair):
         assert all(d.startswith("cuda") for d in got["devices"]), got["devices"]
 
 
+@pytest.mark.example(23)
 def test_a_torchrun_script_asking_for_nccl_is_served_on_a_shared_gpu(pair):
     """A script's own ``init_process_group("nccl")`` runs unchanged where two ranks share a GPU.
 
@@ -235,6 +237,7 @@ served = served.cpu()
         assert torch.equal(got, torch.full((4,), 3.0))
 
 
+@pytest.mark.example(12)
 def test_a_pipeline_trains_on_a_shared_gpu(pair):
     """torch's pipelining (GPipe, 2 stages) on CUDA tensors, 3 SGD steps: the losses equal
     one process's on the same model.
@@ -270,10 +273,11 @@ for step in range(3):
 """,
         sink=ListSink(),
     )
+    # On the CPU here (this process never initialises CUDA): float32 either way.
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1)).cuda()
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).cuda()
-    y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2)).cuda()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randn(8, 1, generator=torch.Generator().manual_seed(2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     want = []
     for _ in range(3):

@@ -34,6 +34,7 @@ with nbdist.profile(steps=3, skip=1):
 """
 
 
+@pytest.mark.example(25)
 def test_a_gpu_profile_has_kernels_and_hta_shares(start_session):
     s = start_session(1)
     s.run(textwrap.dedent(LOOP), sink=ListSink())

@@ -1,0 +1,214 @@
+"""scripts/gpu_check_steps.py, the GPU check's planner and runner, without a GPU.
+
+Its parsing of real pytest and run_notebook.py output, the choice of what --only-failed
+and --since re-run, the results block, and the runner itself on small real commands
+(a pass, a failure, a timeout, a process that escapes its job's session).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location(
+    "gpu_check_steps", ROOT / "scripts/gpu_check_steps.py"
+)
+steps = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check_steps"] = steps  # dataclasses look their module up by name
+_spec.loader.exec_module(steps)
+
+
+def test_pytest_failures_read_from_a_real_pytest_run(tmp_path):
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('no fixture')\n"
+        "def test_error(broken):\n    pass\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "test_x.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = dict(steps.pytest_failures(out.stdout))
+    assert set(found) == {"test_x.py::test_bad", "test_x.py::test_error"}, out.stdout
+    assert "one is not two" in found["test_x.py::test_bad"]
+    assert "no fixture" in found["test_x.py::test_error"]
+
+
+def test_notebook_failure_is_run_notebooks_failed_line():
+    log = (
+        ">>> %dist_start 2\n...\nexecuted notebook written to artifacts/09_fsdp.ipynb\n"
+        "FAILED: code cell 5 (['%%on_all_ranks', 'model = apply_fsdp(net, offload=True)']) "
+        "raised RankError: rank 1: RuntimeError: CUDA error\n"
+    )
+    assert steps.notebook_failure(log) == (
+        "code cell 5 (['%%on_all_ranks', 'model = apply_fsdp(net, offload=True)']) "
+        "raised RankError: rank 1: RuntimeError: CUDA error"
+    )
+    assert steps.notebook_failure("OK: every cell ran\n") == ""
+
+
+def _previous(jobs, statuses: dict) -> dict:
+    out = []
+    for job in jobs:
+        record = steps.asdict(job)
+        record["status"] = statuses.get(job.name, "pass")
+        if job.name == "pytest tests/gpu/test_strategies_gpu.py [gloo2]":
+            record["failed_tests"] = ["tests/gpu/test_strategies_gpu.py::test_a[gloo2]"]
+        out.append(record)
+    return {"jobs": out}
+
+
+def test_only_failed_reruns_what_did_not_pass_and_only_the_failed_tests():
+    jobs = steps.plan_jobs(ROOT, python="PY")
+    names = [j.name for j in jobs]
+    assert "examples/09_fsdp.ipynb" in names and "python bench/train.py --quick" in names
+    assert "pytest tests/gpu/test_strategies_gpu.py [nccl1]" in names
+    previous = _previous(
+        jobs,
+        {
+            "pytest tests/gpu/test_strategies_gpu.py [gloo2]": "fail (exit 1)",
+            "examples/09_fsdp.ipynb": "timeout (420 s)",
+            "examples/01_ddp_digits.ipynb": "skip",
+        },
+    )
+    again = steps.select(
+        steps.plan_jobs(ROOT, python="PY"), previous, only_failed=True, changed=set()
+    )
+    assert [j.name for j in again] == [
+        "pytest tests/gpu/test_strategies_gpu.py [gloo2]",
+        "examples/09_fsdp.ipynb",
+    ]
+    shard = again[0]
+    assert shard.command[-1] == "tests/gpu/test_strategies_gpu.py::test_a[gloo2]"
+    assert "-k" not in shard.command and "tests/gpu/test_strategies_gpu.py" not in shard.command
+    # --since adds the jobs whose own files changed, whole.
+    since = steps.select(
+        steps.plan_jobs(ROOT, python="PY"),
+        previous,
+        only_failed=True,
+        changed={"examples/12_pipeline_parallel.ipynb", "tests/gpu/conftest.py"},
+    )
+    names = [j.name for j in since]
+    assert "examples/12_pipeline_parallel.ipynb" in names
+    assert all(j.name in names for j in jobs if j.kind == "pytest")  # conftest: every shard
+    assert "examples/00_quickstart.ipynb" not in names
+    # The merged results keep what passed before for the next --only-failed.
+    merged = steps.merge_results(previous, again)
+    assert len(merged["jobs"]) == len(jobs)
+
+
+def test_the_results_block_names_the_failing_cell_exception_and_last_lines():
+    job = steps.Job("examples/09_fsdp.ipynb", "notebook", ["x"], [], status="fail (exit 1)")
+    job.error = "code cell 5 (['%%on_all_ranks']) raised RankError: rank 1: CUDA error"
+    job.tail = "line a\nline b\nFAILED: code cell 5 ..."
+    job.log = "logs/examples_09_fsdp.ipynb.log"
+    ok = steps.Job("examples/00_quickstart.ipynb", "notebook", ["x"], [], status="pass", seconds=12)
+    text = steps.render_table([ok, job])
+    assert "| examples/00_quickstart.ipynb | pass | 12 s |  |" in text
+    assert "| examples/09_fsdp.ipynb | fail (exit 1) | 0 s | code cell 5" in text
+    assert "error: code cell 5 (['%%on_all_ranks']) raised RankError: rank 1: CUDA error" in text
+    assert "line a\nline b\nFAILED: code cell 5 ..." in text
+    assert "logs/examples_09_fsdp.ipynb.log" in text
+
+
+def test_the_runner_runs_side_by_side_and_records_pass_fail_timeout_and_leftovers(tmp_path):
+    py = sys.executable
+    pidfile = tmp_path / "escaped.pid"
+    escape = (
+        "import subprocess, sys\n"
+        "p = subprocess.Popen(['sleep', '120'], start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+    )
+    jobs = [
+        steps.Job("ok", "notebook", [py, "-c", "print('fine')"], [], slots=1, limit_s=60),
+        steps.Job(
+            "bad",
+            "notebook",
+            [
+                py,
+                "-c",
+                "import sys; print('FAILED: code cell 1 ([]) raised ValueError: x', file=sys.stderr); sys.exit(1)",
+            ],
+            [],
+            slots=1,
+            limit_s=60,
+        ),
+        steps.Job(
+            "slow", "notebook", [py, "-c", "import time; time.sleep(60)"], [], slots=1, limit_s=2
+        ),
+        steps.Job("escapes", "notebook", [py, "-c", escape], [], slots=1, limit_s=60),
+    ]
+    started = time.monotonic()
+    steps.run_jobs(jobs, tmp_path, tmp_path / "out", slots=4, budget_s=120)
+    assert time.monotonic() - started < 30  # side by side, the slow one stopped at its limit
+    by = {j.name: j for j in jobs}
+    assert by["ok"].status == "pass" and by["ok"].tail == "fine"
+    assert by["bad"].status == "fail (exit 1)"
+    assert by["bad"].error == "code cell 1 ([]) raised ValueError: x"
+    assert by["slow"].status == "timeout (2 s)"
+    escaped = int(pidfile.read_text())
+    assert "processes left behind, stopped" in by["escapes"].error
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):  # reaped by init, or a zombie of ours gone
+            os.kill(escaped, 0)
+            time.sleep(0.1)
+            if Path(f"/proc/{escaped}/stat").read_text().split()[2] == "Z":
+                raise ProcessLookupError
+    assert (tmp_path / "out" / by["ok"].log).read_text().strip() == "fine"
+
+
+def test_dry_run_lists_the_jobs_without_a_wheelhouse_and_only_failed_needs_results(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, NBDIST_GPU_CHECK_OUT=str(tmp_path / "o"))
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--examples", "0[09]_*"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "pytest tests/gpu/test_strategies_gpu.py [gloo2]" in run.stdout
+    assert "examples/09_fsdp.ipynb" in run.stdout and "examples/12_" not in run.stdout
+    assert "bench/train.py --quick" in run.stdout
+    assert not (tmp_path / "o").exists()
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--only-failed"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode != 0 and "--only-failed needs the results.json" in run.stderr
+    results = tmp_path / "results.json"
+    results.write_text(
+        json.dumps({"jobs": [{"name": "examples/09_fsdp.ipynb", "status": "fail (exit 1)"}]})
+    )
+    run = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts/gpu_check.sh"),
+            "--dry-run",
+            "--only-failed",
+            "--previous",
+            str(results),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "examples/09_fsdp.ipynb" in run.stdout and "1 jobs" in run.stdout
