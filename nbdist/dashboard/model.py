@@ -46,7 +46,7 @@ from nbdist.dashboard.table import (
     seen_column,
     throughput_key,
 )
-from nbdist.dashboard.traces import TOTAL_BIN_S, Aligned, Trace, elapsed, merge, wire
+from nbdist.dashboard.traces import TOTAL_BIN_S, Aligned, RateTotal, Trace, elapsed, merge, wire
 from nbdist.rank_states import DEAD
 
 __all__ = ["DEFAULT_BUDGET", "GPU_PANELS", "DashboardModel", "read_tail"]
@@ -66,7 +66,7 @@ class _Panel:
         self.names = [f"rank {r}" for r in range(ranks)] + ["total" if by_time else "mean"]
         del self.names[ranks + aggregate :]  # ranks, then the mean / total if the panel has one
         self.traces = [Trace() for _ in self.names]
-        self.aligned = Aligned(total=by_time)
+        self.aligned = RateTotal() if by_time else Aligned()
 
     def spec(self) -> dict:
         return {
@@ -273,9 +273,11 @@ class DashboardModel:
         for panel in self._panels:
             if not panel.aggregate:
                 continue
-            xs, values = panel.aligned.ready(by_bin if panel.by_time else by_step)
-            if xs:
-                compacted = panel.traces[-1].extend(xs, values, self.budget)
+            xs, values, whole = panel.aligned.ready(by_bin if panel.by_time else by_step)
+            if whole:  # a point already drawn changed: the trace goes again, whole
+                panel.traces[-1] = Trace()
+            if xs or whole:
+                compacted = panel.traces[-1].extend(xs, values, self.budget) or whole
                 merge(extend, (panel.index, self._nranks), compacted, xs, values)
 
     def _update_table(self, now: float) -> dict | None:

@@ -40,6 +40,7 @@ from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = [
     "IDLE_AFTER_S",
+    "PER_RANK_UP_TO",
     "PROGRESS_KEY",
     "RankRow",
     "find_stragglers",
@@ -56,6 +57,9 @@ __all__ = [
 ]
 
 IDLE_AFTER_S = 2.0
+# Text views list every rank up to this many; above it, hosts with counts and the
+# ranks that deviate (the text summary, %dist_status without --all).
+PER_RANK_UP_TO = 8
 RECENT = 20  # step times per rank that make its "recent median"
 HISTORY = 512  # (time, step) points per rank kept for the lag check
 # Logged to make throughput and TFLOP/s; plotted as samples_per_s/tokens_per_s, tflops and mfu.

@@ -9,6 +9,11 @@ Example::
        ...
     series          last      mean       min       max
     loss          0.1024    0.3421   0.09876     2.301
+
+Above ``PER_RANK_UP_TO`` ranks the per-rank table gives way to a line of counts
+(ranks by state, the step range, the total throughput, the straggler named),
+one row per host, and the rows of the ranks that deviate: dead, stragglers,
+and ranks in a state few share (busy while the others are idle).
 """
 
 from __future__ import annotations
@@ -17,7 +22,17 @@ import time
 from collections.abc import Callable, Mapping
 
 from nbdist.dashboard.breakdown import PARTS, breakdown, shares
-from nbdist.dashboard.table import fmt_value, has_flops, has_gpu, headers, rank_rows
+from nbdist.dashboard.table import (
+    PER_RANK_UP_TO,
+    fmt_rate,
+    fmt_value,
+    has_flops,
+    has_gpu,
+    headers,
+    rank_rows,
+    throughput_key,
+)
+from nbdist.rank_states import BUSY, DEAD, IDLE
 from nbdist.text_table import format_table
 
 __all__ = ["summary_text"]
@@ -40,9 +55,14 @@ def summary_text(
     lines = [_title(run)]
     rows = rank_rows(run, states, now=now)
     header = headers(keys)
-    cells = [row.cells(now, gpu=has_gpu(keys), flops=has_flops(keys)) for row in rows]
+    shown = rows
+    if len(rows) > PER_RANK_UP_TO:
+        lines += _grouped(rows, throughput_key(keys))
+        shown = _deviating(rows)
+    cells = [row.cells(now, gpu=has_gpu(keys), flops=has_flops(keys)) for row in shown]
     # Numbers align right; the state and the straggler flag (the last two columns), left.
-    lines.append(format_table(header, cells, right=range(len(header) - 2)))
+    if cells:
+        lines.append(format_table(header, cells, right=range(len(header) - 2)))
     if "comm_s" in keys:
         lines.append("step breakdown (latest steps):")
         for rank, frac in shares(breakdown(run)).items():
@@ -63,6 +83,65 @@ def summary_text(
             format_table(["series", "last", "mean", "min", "max"], series, right={1, 2, 3, 4})
         )
     return "\n".join(lines)
+
+
+def _deviating(rows: list) -> list:
+    """Rows of ranks that stand out: dead, stragglers, or in a state few of the living share."""
+    living = [r for r in rows if r.state != DEAD]
+    counts = {state: sum(1 for r in living if r.state == state) for state in (BUSY, IDLE)}
+    common = max(counts.values(), default=0)
+    return [
+        r
+        for r in rows
+        if r.state == DEAD or r.straggler or (r.state in counts and counts[r.state] < common)
+    ]
+
+
+def _grouped(rows: list, rate_key: str | None) -> list[str]:
+    """The counts line, a table of hosts and the heading of the deviating ranks' rows."""
+    states = {state: sum(1 for r in rows if r.state == state) for state in (BUSY, IDLE, DEAD)}
+    hosts: dict[str, list] = {}
+    for row in rows:
+        hosts.setdefault(row.host or "all", []).append(row)
+    words = [f"{len(rows)} ranks" + (f" on {len(hosts)} hosts" if len(hosts) > 1 else "")]
+    words += [f"{n} {state}" for state, n in states.items() if n]
+    steps = [r.step for r in rows if r.step is not None]
+    if steps:
+        low, high = min(steps), max(steps)
+        words.append(f"step {low:,}" if low == high else f"steps {low:,}–{high:,}")
+    rates = [r.rate for r in rows if r.rate is not None and r.state != DEAD]
+    if rate_key and rates:
+        words.append(f"{rate_key.replace('_per_s', '/s')} {fmt_rate(sum(rates))} in total")
+    stragglers = [r for r in rows if r.straggler]
+    if stragglers:
+        named = ", ".join(f"rank {r.rank} ({r.straggler})" for r in stragglers[:3])
+        more = f" and {len(stragglers) - 3} more" if len(stragglers) > 3 else ""
+        words.append(f"straggler{'s' if len(stragglers) > 1 else ''}: {named}{more}")
+    table = []
+    for host, members in hosts.items():
+        own = [r.step for r in members if r.step is not None]
+        span = (
+            "–" if not own else f"{min(own)}" if min(own) == max(own) else f"{min(own)}–{max(own)}"
+        )
+        mine = [r.rate for r in members if r.rate is not None and r.state != DEAD]
+        table.append(
+            [
+                host,
+                str(len(members)),
+                *(str(sum(1 for r in members if r.state == s)) for s in (BUSY, IDLE, DEAD)),
+                span,
+                fmt_rate(sum(mine)) if mine else "–",
+            ]
+        )
+    odd = _deviating(rows)
+    return [
+        " · ".join(words),
+        format_table(
+            ["host", "ranks", BUSY, IDLE, DEAD, "steps", "throughput"], table, right=range(1, 7)
+        ),
+        f"{len(odd)} rank{'s' if len(odd) != 1 else ''} deviating (dead, straggling, or "
+        "busy while the others are idle)" + (":" if odd else ""),
+    ]
 
 
 def _title(run) -> str:

@@ -1,8 +1,9 @@
 """Kernel side: the dashboard's traces, what the browser holds of each and the aggregates across ranks.
 
 :class:`Trace` keeps at most ``budget`` of a trace's points (min/max decimated);
-:class:`Aligned` turns per-rank points into the mean over ranks at each step, or
-the total throughput per time bin, once no rank will add to them.
+:class:`Aligned` turns per-rank points into the mean over ranks at each step once
+no rank will add to them; :class:`RateTotal` sums the ranks' throughput at each
+moment (per ``TOTAL_BIN_S`` of time).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import math
 
 from nbdist.dashboard.decimate import minmax_indices
 
-__all__ = ["TOTAL_BIN_S", "Aligned", "Trace", "elapsed", "merge", "wire"]
+__all__ = ["TOTAL_BIN_S", "Aligned", "RateTotal", "Trace", "elapsed", "merge", "wire"]
 
 TOTAL_BIN_S = 1.0  # total throughput: one point per second of the run
+# A rank's step longer than a bin leaves bins without a point of it: its rate then
+# holds across them, up to this long; a longer silence is a pause, not a step.
+_HOLD_S = 10.0
 
 
 class Trace:
@@ -43,32 +47,108 @@ class Trace:
         return True
 
 
+class RateTotal:
+    """The total throughput: at each ``TOTAL_BIN_S`` of time, the sum of every rank's rate then.
+
+    A rank's rate in a bin is the mean of its points there; a bin its step
+    spans without a point (a step longer than the bin) takes the rate of the
+    step that covers it, the rank's next point. A bin goes out once every
+    running rank has logged past it (:meth:`ready`'s ``frontier``); a rank's
+    point that comes later still (a rank slower to send than the others were to
+    step) is added to its bin and the whole trace is sent again, never a second
+    point at the same time. Ranks steady at their rates give a flat total,
+    their last bin included: a last bin fewer ranks reached than the one before
+    (ranks stop a fraction of a second apart) is left out, not drawn as a fall.
+    """
+
+    def __init__(self) -> None:
+        """No points yet."""
+        self._sums: dict[int, float] = {}  # bin -> sum of the ranks' rates finished in it
+        self._counts: dict[int, int] = {}  # bin -> ranks that added to it
+        # rank -> [bin, sum, n, time, rate counted while all seemed quiet or None] of its latest bin
+        self._open: dict[int, list] = {}
+        self._sent = -1  # the last bin given out
+        self._stale = False  # a bin given out has changed: send the trace whole
+
+    def add(self, rank: int, steps: list[int], xs: list, values: list[float]) -> None:
+        """Take in new points of ``rank`` in its order (``xs``: seconds since the run started)."""
+        for x, value in zip(xs, values):
+            if value is None or not math.isfinite(value):
+                continue
+            current = math.floor(x / TOTAL_BIN_S)
+            open_ = self._open.get(rank)
+            if open_ is not None and current == open_[0]:
+                if open_[4] is not None:
+                    # Counted when every rank seemed quiet, and the bin goes on: take it back.
+                    self._finish(int(open_[0]), -open_[4], -1)
+                    open_[4] = None
+                open_[1] += value
+                open_[2] += 1
+                open_[3] = x
+                continue
+            if open_ is not None:
+                if open_[4] is None:  # else it was counted as it is, when all seemed quiet
+                    self._finish(int(open_[0]), open_[1] / open_[2])
+                if x - open_[3] <= _HOLD_S:  # one step spanned the bins between
+                    for gap in range(int(open_[0]) + 1, current):
+                        self._finish(gap, value)
+            self._open[rank] = [current, value, 1, x, None]
+
+    def _finish(self, bin_: int, rate: float, ranks: int = 1) -> None:
+        self._sums[bin_] = self._sums.get(bin_, 0.0) + rate
+        self._counts[bin_] = self._counts.get(bin_, 0) + ranks
+        if bin_ <= self._sent:
+            self._stale = True
+
+    def ready(self, frontier: float) -> tuple[list, list[float], bool]:
+        """(xs, totals, whole) of the bins up to ``frontier`` (inf: every bin, the ranks are quiet).
+
+        ``whole``: the lists are the whole trace (a bin given out before has
+        changed), else only the bins new since the previous call.
+        """
+        if math.isinf(frontier):
+            for open_ in self._open.values():
+                if open_[4] is None:  # counted for now; a later point of that bin takes it back
+                    open_[4] = open_[1] / open_[2]
+                    self._finish(int(open_[0]), open_[4])
+        last = max(self._sums, default=-1)
+        if math.isinf(frontier) and last > self._sent and last - 1 in self._counts:
+            if self._counts[last] < self._counts[last - 1]:
+                # A last bin only some ranks reached before they all stopped.
+                del self._sums[last], self._counts[last]
+                for rank in [r for r, o in self._open.items() if o[0] == last]:
+                    del self._open[rank]
+                last -= 1
+        top = last if math.isinf(frontier) else min(int(frontier), last)
+        whole = self._stale
+        start = -1 if whole else self._sent
+        bins = [b for b in sorted(self._sums) if start < b <= top]
+        self._stale = False
+        self._sent = max(self._sent, top)
+        xs = [round((b + 1) * TOTAL_BIN_S, 3) for b in bins]
+        return xs, [self._sums[b] for b in bins], whole
+
+
 class Aligned:
     """A trace across ranks, point by point once no rank will add to that point.
 
-    Loss-like keys: the mean over ranks at each step (a rank's last value at
-    that step counts). Throughput: the sum over ranks of each rank's mean rate
-    in each ``TOTAL_BIN_S`` window of time, so ranks at different steps still
-    add up. Vectorised (numpy): the history of 8 ranks x 100k steps takes ~0.2 s.
+    The mean over ranks at each step (a rank's last value at that step counts).
+    Vectorised (numpy): the history of 8 ranks x 100k steps takes ~0.2 s.
     """
 
-    def __init__(self, total: bool) -> None:
-        """``total``: sum rates per time bin (throughput); else the mean at each step."""
-        self.total = total
-        self.pending: dict[int, list[tuple]] = {}  # rank -> chunks of (keys, values)
+    def __init__(self) -> None:
+        """No points yet."""
+        self.pending: dict[int, list[tuple]] = {}  # rank -> chunks of (steps, values)
 
     def add(self, rank: int, steps: list[int], xs: list, values: list[float]) -> None:
-        """Take in new points of ``rank`` (``xs``: their times since the start, for totals)."""
+        """Take in new points of ``rank`` (``xs`` is not used: the mean is per step)."""
         import numpy as np
 
-        if self.total:  # key: the time bin
-            keys = np.floor(np.asarray(xs, dtype=np.float64) / TOTAL_BIN_S).astype(np.int64)
-        else:  # key: the step
-            keys = np.asarray(steps, dtype=np.int64)
+        keys = np.asarray(steps, dtype=np.int64)
         self.pending.setdefault(rank, []).append((keys, np.asarray(values, dtype=np.float64)))
 
-    def ready(self, frontier: float) -> tuple[list, list[float]]:
-        """(xs, values) up to ``frontier`` (a step, or a time bin), in order, taken out of pending."""
+    def ready(self, frontier: float) -> tuple[list, list[float], bool]:
+        """(steps, means, False) up to step ``frontier``, in order, taken out of pending."""
         import numpy as np
 
         parts = []
@@ -83,20 +163,15 @@ class Aligned:
             if not take.any():
                 continue
             keys, values = keys[take], values[take]
-            if self.total:  # the rank's mean rate in each bin
-                own, group = np.unique(keys, return_inverse=True)
-                parts.append((own, np.bincount(group, weights=values) / np.bincount(group)))
-            else:  # the same step twice on a rank (a loop re-run): its last value counts
-                _, back = np.unique(keys[::-1], return_index=True)
-                last = len(keys) - 1 - back
-                parts.append((keys[last], values[last]))
+            # the same step twice on a rank (a loop re-run): its last value counts
+            _, back = np.unique(keys[::-1], return_index=True)
+            last = len(keys) - 1 - back
+            parts.append((keys[last], values[last]))
         if not parts:
-            return [], []
+            return [], [], False
         keys, group = np.unique(np.concatenate([p[0] for p in parts]), return_inverse=True)
         value = np.bincount(group, weights=np.concatenate([p[1] for p in parts]))
-        if self.total:  # x: the end of the bin, seconds since the run started
-            return np.round((keys + 1) * TOTAL_BIN_S, 3).tolist(), value.tolist()
-        return keys.tolist(), (value / np.bincount(group)).tolist()
+        return keys.tolist(), (value / np.bincount(group)).tolist(), False
 
 
 def merge(extend: dict, where: tuple[int, int], compacted: bool, xs: list, ys: list) -> None:

@@ -296,6 +296,9 @@ function render({ model, el }) {
       // a plot this high. 1, 2 and 5 per decade do not; beyond three, plotly labels decades.
       const span = Math.log10(panel.hi / panel.lo);
       if (span >= 1 && span < 3) yaxis.dtick = "D2";
+      // Its minor labels are bare digits by default ("5, 2, 0.1, 5"): label them as values
+      // (0.5, 0.2, 0.1, 0.05).
+      yaxis.minorloglabels = "complete";
     }
     return {
       autosize: true,

@@ -8,19 +8,32 @@ device is a GPU are asked: on the engine's control channel, answered by the
 rank's control thread while a cell runs (:mod:`nbdist.engine.control`). A row
 has a ``gpu`` entry only when its rank answered with one, and the table has
 GPU columns only when some row has.
+
+Above ``PER_RANK_UP_TO`` ranks the table is grouped (:func:`format_status`,
+``%dist_status`` without ``--all``): a line of counts, one row per host with
+its ranks counted by state, and the ranks that deviate listed below it —
+dead, a straggler, or in a state few share (busy while the others are idle).
 """
 
 from __future__ import annotations
 
-from nbdist.dashboard.table import fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
+from nbdist.dashboard.table import PER_RANK_UP_TO, fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
 from nbdist.driver.where import control_request
 from nbdist.rank_states import BUSY, DEAD, IDLE
 from nbdist.text_table import format_table
 
-__all__ = ["StatusTable", "format_status", "rank_status", "status_html"]
+__all__ = [
+    "PER_RANK_UP_TO",
+    "StatusTable",
+    "deviating",
+    "format_status",
+    "rank_status",
+    "status_html",
+]
 
 # A rank holding the GIL in native code does not answer; its GPU figures are then left out.
 _GPU_ANSWER_TIMEOUT_S = 1.0
+_STATES = (BUSY, IDLE, DEAD)
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -158,6 +171,9 @@ def _table(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
         notes.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
     if dead:
         notes.append("%dist_restart brings every rank back")
+    for r in rows:
+        if r.get("straggler") and r["state"] != DEAD:
+            notes.append(f"rank {r['rank']} is a straggler: {r['straggler']}")
     lost = sum(r.get("dropped") or 0 for r in rows)
     if lost:
         notes.append(
@@ -170,14 +186,123 @@ def _table(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
     return headers, table, notes
 
 
-def format_status(rows: list[dict]) -> str:
-    """A fixed-width text table of :func:`rank_status` rows, then its notes (dead ranks...)."""
+def deviating(rows: list[dict]) -> list[dict]:
+    """The rows of ranks that stand out: dead, a straggler, or in a state few ranks share.
+
+    "Few": fewer ranks than hold the commonest state among the living (busy
+    ranks while most are idle, idle ranks while most are busy). A row's
+    ``straggler`` (why it is one), when given, marks it too.
+    """
+    living = [r for r in rows if r["state"] != DEAD]
+    counts = {state: sum(1 for r in living if r["state"] == state) for state in (IDLE, BUSY)}
+    common = max(counts.values(), default=0)
+    return [
+        r
+        for r in rows
+        if r["state"] == DEAD
+        or r.get("straggler")
+        or (r["state"] in counts and counts[r["state"]] < common)
+        or (r.get("dropped") or 0) > 0
+    ]
+
+
+def _memory(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB" if mib >= 1024 else f"{mib:.0f} MiB"
+
+
+def _grouped(rows: list[dict]) -> tuple[str, list[str], list[list[str]], list[dict]]:
+    """The counts line, the per-host table (headers, cells) and the deviating rows."""
+    hosts: dict[str, list[dict]] = {}
+    for r in rows:
+        hosts.setdefault(r["host"], []).append(r)
+    counts = {state: sum(1 for r in rows if r["state"] == state) for state in _STATES}
+    where = f" on {len(hosts)} hosts" if len(hosts) > 1 else f" on {next(iter(hosts))}"
+    words = [f"{len(rows)} ranks{where}"] + [f"{n} {state}" for state, n in counts.items() if n]
+    known = sorted(r["memory_mib"] for r in rows if r["memory_mib"] is not None)
+    if known:
+        words.append(f"memory {_memory(known[len(known) // 2])} per rank (median)")
+    headers = ["host", "ranks", *_STATES, "memory"]
+    cells = []
+    for host, members in hosts.items():
+        memory = [r["memory_mib"] for r in members if r["memory_mib"] is not None]
+        cells.append(
+            [
+                host,
+                str(len(members)),
+                *(str(sum(1 for r in members if r["state"] == s)) for s in _STATES),
+                _memory(sum(memory)) if memory else "?",
+            ]
+        )
+    return " · ".join(words), headers, cells, deviating(rows)
+
+
+def _grouped_lines(rows: list[dict]) -> list[str]:
+    line, host_headers, host_cells, odd = _grouped(rows)
+    lines = [line, format_table(host_headers, host_cells, right=range(1, len(host_headers)))]
+    if odd:
+        headers, table, notes = _table(odd)
+        lines += [
+            f"{len(odd)} rank{'s' if len(odd) > 1 else ''} deviating "
+            "(%dist_status --all lists every rank):",
+            format_table(headers, table),
+            *notes,
+        ]
+    else:
+        lines.append("no rank deviates (%dist_status --all lists every rank)")
+    return lines
+
+
+def format_status(rows: list[dict], *, all_ranks: bool = False) -> str:
+    """A fixed-width text table of :func:`rank_status` rows, then its notes (dead ranks...).
+
+    Above ``PER_RANK_UP_TO`` rows, unless ``all_ranks``: the counts by state, a
+    row per host, and only the ranks that deviate (:func:`deviating`).
+    """
+    if len(rows) > PER_RANK_UP_TO and not all_ranks:
+        return "\n".join(_grouped_lines(rows))
     headers, table, notes = _table(rows)
     return "\n".join([format_table(headers, table), *notes])
 
 
-def status_html(rows: list[dict]) -> str:
-    """The same table as HTML: each rank in its dashboard colour, a dead rank's state in red."""
+def status_html(rows: list[dict], *, all_ranks: bool = False) -> str:
+    """The same table as HTML: each rank in its dashboard colour, a dead rank's state in red.
+
+    Grouped by host, like :func:`format_status`, above ``PER_RANK_UP_TO`` rows
+    unless ``all_ranks``.
+    """
+    from html import escape
+
+    if len(rows) > PER_RANK_UP_TO and not all_ranks:
+        line, host_headers, host_cells, odd = _grouped(rows)
+        parts = [f"<div>{escape(line)}</div>", _html_table(host_headers, host_cells)]
+        if odd:
+            parts.append(
+                f"<div>{len(odd)} rank{'s' if len(odd) > 1 else ''} deviating "
+                "(<code>%dist_status --all</code> lists every rank):</div>"
+            )
+            parts.append(_rank_html(odd))
+        else:
+            parts.append(
+                "<div>no rank deviates (<code>%dist_status --all</code> lists every rank)</div>"
+            )
+        return "".join(parts)
+    return _rank_html(rows)
+
+
+def _html_table(headers: list[str], cells: list[list[str]]) -> str:
+    from html import escape
+
+    head = "".join(f"<th style='text-align:left'>{escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td style='text-align:left'>{escape(c)}</td>" for c in row) + "</tr>"
+        for row in cells
+    )
+    return (
+        f"<table class='nbdist-status'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    )
+
+
+def _rank_html(rows: list[dict]) -> str:
     from html import escape
 
     from nbdist.dashboard.palette import rank_colour
@@ -206,16 +331,17 @@ def status_html(rows: list[dict]) -> str:
 class StatusTable:
     """What ``%dist_status`` displays: HTML in a notebook, the text table elsewhere."""
 
-    def __init__(self, rows: list[dict]):
-        """``rows``: :func:`rank_status`'s."""
+    def __init__(self, rows: list[dict], *, all_ranks: bool = False):
+        """``rows``: :func:`rank_status`'s; ``all_ranks``: a row per rank at any number of ranks."""
         self.rows = rows
+        self.all_ranks = all_ranks
 
     def __repr__(self) -> str:
         """The text table (a terminal, a saved notebook's text/plain)."""
-        return format_status(self.rows)
+        return format_status(self.rows, all_ranks=self.all_ranks)
 
     def _repr_html_(self) -> str:
-        return status_html(self.rows)
+        return status_html(self.rows, all_ranks=self.all_ranks)
 
 
 def _shared_gpus(rows: list[dict]) -> str:

@@ -198,17 +198,21 @@ class DistMagics(Magics):
 
         An HTML table in a notebook (each rank in its dashboard colour), the same
         table as text in a terminal or a saved notebook's plain text; dead ranks
-        and how they died are listed under it. Example::
+        and how they died are listed under it. Above 8 ranks: the ranks counted
+        by state, a row per host, and only the ranks that deviate (dead, busy
+        while the others are idle); ``--all`` lists every rank. Example::
 
             %dist_status
+            %dist_status --all
         """
         from IPython.display import display
 
         from nbdist.driver.status import StatusTable
 
-        if line.strip():
-            raise UsageError(f"%dist_status takes no arguments, got {line.strip()!r}")
-        display(StatusTable(self.running_session().status()))
+        words = line.split()
+        if any(word != "--all" for word in words):
+            raise UsageError(f"%dist_status takes only --all, got {line.strip()!r}")
+        display(StatusTable(self.running_session().status(), all_ranks=bool(words)))
 
 
 def _connection_file(args) -> str | None:
