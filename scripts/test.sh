@@ -5,6 +5,12 @@
 # collects all of tests/, as CI's `bash scripts/test.sh` does) or with a path in or above
 # tests/ui; a run of other tiers downloads no browser. Without chromium the UI tests are
 # skipped, visibly.
+#
+# `bash scripts/test.sh --gpu-like [pytest args]` runs the GPU-like tier instead: the CPU
+# strategy tests whose code paths differ on GPUs (tensor, sequence, context and pipeline
+# parallel, 2D/3D, autoplan, compare, staged point-to-point), with NBDIST_GPU_LIKE=1 on
+# the ranks: optimizers forced to foreach kernels and point-to-point staged through host
+# memory, as on GPU ranks (nbdist/engine/gpu_like.py). Test paths given replace the tier's.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 
@@ -25,6 +31,27 @@ selects_ui() {
   done
   ((paths == 0))
 }
+
+# The GPU-like tier: about 3 minutes on 2 cores.
+GPU_LIKE_TESTS=(
+  tests/dist/test_gpu_like.py
+  tests/dist/test_p2p_staging.py
+  tests/dist/test_strategies_sharded.py
+  tests/dist/test_strategies_sequence.py
+  tests/dist/test_strategies_mesh.py
+  tests/dist/test_autoplan.py
+  "tests/dist/test_strategies_misc.py::test_compare_every_strategy_trains_the_same_model"
+)
+if [[ "${1:-}" == --gpu-like ]]; then
+  shift
+  export NBDIST_GPU_LIKE=1
+  for arg in "$@"; do
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+      exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+    fi
+  done
+  exec "$PY" -m pytest -q -p no:cacheprovider "$@" "${GPU_LIKE_TESTS[@]}"
+fi
 
 if selects_ui "$@"; then
   bash scripts/install_browser.sh "$VENV" || echo "== chromium could not be installed: tests/ui will be skipped"

@@ -26,7 +26,7 @@ Example (on a rank)::
 
     >>> from nbdist.engine import patches
     >>> [p.name for p in patches.PATCHES if p.stage == "group"]
-    ['p2p_staging', 'collectives', 'user_group', 'control.track_subgroups']
+    ['p2p_staging', 'gpu_like', 'collectives', 'user_group', 'control.track_subgroups']
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from nbdist.engine import (
     cell_reply,
     collectives,
     control,
+    gpu_like,
     launcher_refusal,
     p2p_staging,
     stdin_bridge,
@@ -67,7 +68,17 @@ PATCHES: tuple[Patch, ...] = (
         "distributed_c10d's isend/irecv): CUDA tensors copied through host memory",
         why="gloo with CUDA tensors (ranks sharing a GPU, NCCL < 2.30) breaks the whole "
         "group on a send/recv of a CUDA tensor",
-        turn_off="only installed for gloo on CUDA, where it cannot be done without",
+        turn_off="only installed for gloo on CUDA, where it cannot be done without (and for "
+        "CPU tensors too with NBDIST_GPU_LIKE=1)",
+    ),
+    Patch(
+        "gpu_like",
+        "group",
+        wraps="nothing of torch's: a global optimizer step pre-hook (torch.optim's own "
+        "register_optimizer_step_pre_hook) sets foreach=True where a group left it to torch",
+        why="CPU tests take GPU ranks' code paths: foreach kernels (which refuse DTensors mixed "
+        "with plain tensors) and point-to-point staged through host memory",
+        turn_off="only installed with NBDIST_GPU_LIKE=1 in the ranks' environment (tests)",
     ),
     Patch(
         "collectives",
@@ -140,8 +151,12 @@ def install_on_group(*, stage_p2p: bool, gloo_for_nccl: str = "") -> None:
     ``stage_p2p``: the group is gloo with CUDA tensors. ``gloo_for_nccl``: why gloo
     stands in for NCCL here ('' where it does not).
     """
-    if stage_p2p:
-        p2p_staging.install()
+    gpu_like_paths = gpu_like.requested()
+    if stage_p2p or gpu_like_paths:
+        # NBDIST_GPU_LIKE=1: CPU tensors staged as CUDA tensors would be on gloo.
+        p2p_staging.install(stage_cpu_tensors=gpu_like_paths)
+    if gpu_like_paths:
+        gpu_like.install()
     collectives.install()
     user_group.install(gloo_for_nccl=gloo_for_nccl)
     control.track_subgroups()

@@ -233,9 +233,13 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3)
 args = parser.parse_args()
 local_rank = int(os.environ["LOCAL_RANK"])
-device = torch.device("cuda", local_rank % torch.cuda.device_count())
-torch.cuda.set_device(device)
-dist.init_process_group("nccl")
+if torch.cuda.is_available():
+    # torchrun shows every GPU; a rank that sees fewer uses the one at its index modulo.
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 model = DDP(torch.nn.Linear(4, 1).to(device))
