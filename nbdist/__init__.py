@@ -42,9 +42,11 @@ __version__ = "0.1.0"
 # What ``from nbdist import *`` brings. ``rank``, ``local_rank``, ``world_size`` and
 # ``device`` are left out on purpose: every rank's namespace already holds them as
 # values (ints and a torch.device), and a star import must not replace those with the
-# functions of the same name; call them as ``nbdist.rank()`` etc. ``checkpoint`` is a
-# module (``nbdist.checkpoint.save``), FLOP helpers live in :mod:`nbdist.metrics`,
-# planning in :mod:`nbdist.strategies`.
+# functions of the same name; call them as ``nbdist.rank()`` etc. ``output`` (a rank's
+# whole output of the latest cell, kernel side) is left out as well: notebooks often
+# have an ``output`` variable of their own; call it as ``nbdist.output(rank=3)``.
+# ``checkpoint`` is a module (``nbdist.checkpoint.save``), FLOP helpers live in
+# :mod:`nbdist.metrics`, planning in :mod:`nbdist.strategies`.
 __all__ = [
     "ClusterNotRunning",
     "DistSession",
@@ -76,7 +78,7 @@ _MOVED = {
 
 
 def __getattr__(name: str):
-    """``DistSession``, ``current_session`` and ``diff``, imported when first used.
+    """``DistSession``, ``current_session``, ``diff`` and ``output``, imported when first used.
 
     The kernel-side API pulls in ipyparallel; ranks never need it. The names that
     moved (``nbdist.flops_per_step`` and the other FLOP helpers, ``nbdist.autoplan``)
@@ -94,6 +96,10 @@ def __getattr__(name: str):
         from nbdist.driver.diff import diff
 
         return diff
+    if name == "output":
+        from nbdist.driver.cell_output import output
+
+        return output
     if name in _MOVED:
         import importlib
 

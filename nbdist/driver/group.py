@@ -15,7 +15,6 @@ Both return or change a :class:`Group`; the session keeps it.
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -152,19 +151,22 @@ def form_group(
             run_id=run_id,
         )
         pending[eid] = client[[eid]].apply_async(bootstrap.init_rank, spec, _shell_reference())
+    # One wait for every rank, so what they print while joining (torch's c10d warnings, the
+    # same on every rank but for a timestamp) is folded into one line, not one per rank.
+    from ipyparallel import AsyncResult
+
+    joined = AsyncResult.join(*pending.values())
+    results = RankRun(
+        joined,
+        [slots[eid].rank for eid in pending],
+        interrupt=interrupt,
+        sink=None,
+        timeout=options.timeout,
+        waiting_for=f"forming the process group (%dist_start --timeout {options.timeout:g})",
+    ).wait()
     ranks = []
-    deadline = time.monotonic() + options.timeout
-    for eid, ar in pending.items():
+    for eid, result in zip(pending, results):
         slot = slots[eid]
-        run = RankRun(
-            ar,
-            [slot.rank],
-            interrupt=interrupt,
-            sink=None,
-            timeout=max(0.1, deadline - time.monotonic()),
-            waiting_for=f"forming the process group (%dist_start --timeout {options.timeout:g})",
-        )
-        result = run.wait()[0]
         # plan_local says "localhost"; attached hosts keep their placement label
         host = infos[eid]["host"] if slot.host == "localhost" else slot.host
         ranks.append(

@@ -7,6 +7,14 @@ rank that printed it and shows a line that every rank printed identically only
 once (``[ranks 0-3] loss 0.25``). It is pure logic driven by a polling loop: it
 owns no thread and never sleeps; time comes from an injectable clock.
 
+Grouping by arrival depends on timing: a rank that prints a moment later than
+the others gets a line of its own. So every line also goes into a
+:class:`~nbdist.driver.output_fold.LineFold`, which groups by content whatever
+the timing; a sink that can redraw (a Jupyter cell) shows that fold live and
+replaces it with the complete fold when the cell ends (``fold``, below). A
+rich display ends a fold's part (the lines before it are final), so text and
+displays keep their order.
+
 What the merger decides is handed to a *sink*, a duck-typed object with:
 
 ``line(stream, label, text)``
@@ -25,6 +33,15 @@ What the merger decides is handed to a *sink*, a duck-typed object with:
     (``ep: 100%|██████████| 5/5 [...]``), rebuilt from the widget's comm
     messages (:meth:`OutputMerger.feed_comm`, :mod:`nbdist.driver.widget_text`).
     Sent once per widget display: when the bar closes, else when the cell ends.
+``fold(lines, final)``, optional
+    The lines so far folded across ranks (:mod:`nbdist.driver.output_fold`),
+    as ``(stream, label, text)``: while the cell runs (``final=False``, at most
+    every ``LIVE_FOLD_S`` once the part is ``LIVE_FOLD_AFTER_S`` old, the latest
+    lines only) and once per part of the
+    cell's output (``final=True``: complete, at most
+    :func:`~nbdist.driver.output_fold.lines_per_rank` lines of each rank), when
+    the cell ends or before a rich display. A sink that shows it draws its
+    lines from it and may ignore ``line``.
 
 :class:`ListSink` records events (tests, scripts), :class:`StreamSink` writes to
 ``sys.stdout``/``sys.stderr`` and :class:`KernelSink` adds in-place progress
@@ -39,14 +56,21 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from nbdist.driver.output_fold import LineFold, fold_key, lines_per_rank
 from nbdist.driver.widget_text import WidgetTexts, widget_model_id
 from nbdist.errors import format_ranks
 
-__all__ = ["STREAMS", "OutputMerger"]
+__all__ = ["LIVE_FOLD_AFTER_S", "LIVE_FOLD_LINES", "LIVE_FOLD_S", "STREAMS", "OutputMerger"]
 
 STREAMS = ("stdout", "stderr")
 _DISPLAY = "display"
 _CHANNELS = (*STREAMS, _DISPLAY)
+# The live fold: redrawn at most this often, with at most this many lines (each
+# redraw resends its whole text to the browser, so both bound the cost); first drawn
+# once a part of the output is this old, so a short cell shows only its final fold.
+LIVE_FOLD_S = 0.25
+LIVE_FOLD_LINES = 200
+LIVE_FOLD_AFTER_S = 1.0
 
 
 def _visible_text(raw: str) -> str:
@@ -109,8 +133,13 @@ class OutputMerger:
         *,
         window: float = 0.15,
         clock: Callable[[], float] = time.monotonic,
+        per_rank: int | None = None,
     ) -> None:
-        """Merge the output of ``ranks`` into ``sink``; ``window``: seconds a line waits for the other ranks' lines."""
+        """Merge the output of ``ranks`` into ``sink``; ``window``: seconds a line waits for the other ranks' lines.
+
+        ``per_rank``: lines of one rank a final fold keeps (None:
+        :func:`~nbdist.driver.output_fold.lines_per_rank`, 0: all).
+        """
         self._ranks = tuple(sorted(set(ranks)))
         if not self._ranks:
             raise ValueError("OutputMerger needs at least one rank")
@@ -131,11 +160,29 @@ class OutputMerger:
         # (rank, model id) -> (label, data, metadata) of a widget display shown
         # and not yet given its text form (display_update).
         self._widget_displays: dict[tuple[int, str], tuple[str, dict, dict]] = {}
+        # Per channel: how many ranks have something queued, and the time of the
+        # oldest queued item (None: not known since the last emission). With them a
+        # line fed costs O(1), not a look at every rank's queue: at 256 ranks that
+        # look was most of the kernel's time per line.
+        self._filled = dict.fromkeys(_CHANNELS, 0)
+        self._oldest: dict[str, float | None] = dict.fromkeys(_CHANNELS)
+        self._per_rank = lines_per_rank() if per_rank is None else per_rank
+        # The cell's lines folded by content: one LineFold per part (a rich display
+        # starts a new one); the last is the part still being written.
+        self._folds = [LineFold()]
+        self._fold_shown = (0, -1.0)  # (version, time) of the last live fold sent
+        self._fold_started: float | None = None  # when the current part's first line came
 
     @property
     def ranks(self) -> tuple[int, ...]:
         """The ranks whose output is merged, sorted."""
         return self._ranks
+
+    def rank_output(self, rank: int, stream: str | None = None) -> str:
+        """``rank``'s whole lines so far, as it printed them (``stream``: one of them, None: both)."""
+        self._check_rank(rank)
+        lines = [line for fold in self._folds for line in fold.rank_lines(rank, stream)]
+        return "".join(line + "\n" for line in lines)
 
     def feed(self, rank: int, stream: str, text: str) -> None:
         """Take a raw chunk of ``rank``'s ``stream`` ("stdout" or "stderr")."""
@@ -146,9 +193,8 @@ class OutputMerger:
         *complete, tail = (state.tail + text).split("\n")
         state.tail = _compact_tail(tail)
         if complete:
-            queue = self._queues[stream][rank]
             for raw in complete:
-                queue.append((now, _visible_text(raw)))
+                self._enqueue(stream, rank, (now, _visible_text(raw)))
             self._progress_pending.discard((rank, stream))
             self._end_progress(rank, stream, state)
         if "\r" in state.tail:
@@ -160,7 +206,7 @@ class OutputMerger:
         self._check_rank(rank)
         now = self._clock()
         item = (data, metadata if metadata is not None else {})
-        self._queues[_DISPLAY][rank].append((now, item))
+        self._enqueue(_DISPLAY, rank, (now, item))
         self._drain(_DISPLAY, now)
 
     def feed_comm(self, rank: int, msg_type: str, content: dict) -> None:
@@ -175,12 +221,15 @@ class OutputMerger:
         for channel in _CHANNELS:
             self._drain(channel, now)
         self._update_widgets(final=False)
+        self._show_live_fold(now)
 
     def close(self) -> None:
         """Flush everything still pending, unterminated last lines included.
 
         Queued items are grouped position by position among the ranks that
-        still have some. The merger is empty afterwards and may be reused.
+        still have some; the lines so far go to the sink folded (``fold``, final).
+        The merger is empty afterwards and may be reused (:meth:`rank_output`
+        still has every line).
         """
         now = self._clock()
         self._progress_pending.clear()
@@ -192,10 +241,11 @@ class OutputMerger:
             # A bar erased with "\r   \r" (tqdm leave=False) leaves only blanks:
             # nothing was meant to stay on screen.
             if text and ("\r" not in state.tail or text.strip()):
-                self._queues[stream][rank].append((now, text))
+                self._enqueue(stream, rank, (now, text))
             state.tail = ""
         for channel in _CHANNELS:
             self._drain(channel, now, final=True)
+        self._end_fold()
         self._update_widgets(final=True)
 
     # -- internals -------------------------------------------------------------
@@ -219,6 +269,30 @@ class OutputMerger:
                 state.progress_shown = text
         self._progress_pending.clear()
 
+    def _show_live_fold(self, now: float) -> None:
+        fold = self._folds[-1]
+        version, shown_at = self._fold_shown
+        if not fold.version or fold.version == version or now - shown_at < LIVE_FOLD_S:
+            return
+        if self._fold_started is None or now - self._fold_started < LIVE_FOLD_AFTER_S:
+            return
+        show = getattr(self._sink, "fold", None)
+        if show is not None:
+            show(fold.tail(LIVE_FOLD_LINES), final=False)
+        self._fold_shown = (fold.version, now)
+
+    def _end_fold(self) -> None:
+        """The current part's lines are final: hand them over folded, start a new part."""
+        fold = self._folds[-1]
+        if not len(fold):
+            return
+        show = getattr(self._sink, "fold", None)
+        if show is not None:
+            show(fold.render(self._per_rank), final=True)
+        self._folds.append(LineFold())
+        self._fold_shown = (0, -1.0)
+        self._fold_started = None
+
     def _end_progress(self, rank: int, stream: str, state: _LineState) -> None:
         if state.progress_shown is None:
             return
@@ -241,24 +315,39 @@ class OutputMerger:
             if update is not None:
                 update(label, data if text is None else {**data, "text/plain": text}, metadata)
 
+    def _enqueue(self, channel: str, rank: int, item: tuple[float, Any]) -> None:
+        queue = self._queues[channel][rank]
+        if not queue:
+            self._filled[channel] += 1
+        queue.append(item)
+
     def _drain(self, channel: str, now: float, *, final: bool = False) -> None:
         """Emit every group of ``channel`` that is ready (all of them if final)."""
         queues = self._queues[channel]
         while True:
-            if all(queues[rank] for rank in self._ranks):
+            if not self._filled[channel]:
+                return
+            if self._filled[channel] == len(self._ranks):
                 ready = self._ranks
             elif final:
                 ready = tuple(rank for rank in self._ranks if queues[rank])
             else:
+                oldest = self._oldest[channel]
+                if oldest is None:
+                    oldest = min(queues[rank][0][0] for rank in self._ranks if queues[rank])
+                    self._oldest[channel] = oldest
+                if now - oldest < self._window:
+                    return
                 ready = tuple(
                     rank
                     for rank in self._ranks
                     if queues[rank] and now - queues[rank][0][0] >= self._window
                 )
-            if not ready:
-                return
             heads = [(rank, queues[rank].popleft()[1]) for rank in ready]
+            self._filled[channel] -= sum(1 for rank in ready if not queues[rank])
+            self._oldest[channel] = None
             if channel == _DISPLAY:
+                self._end_fold()  # the lines before a display stay before it
                 for group, (data, metadata) in _group_displays(heads):
                     label = format_ranks(group)
                     self._sink.display(label, data, metadata)
@@ -267,16 +356,24 @@ class OutputMerger:
                         for rank in group:
                             self._widget_displays[(rank, model_id)] = (label, data, metadata)
             else:
+                fold = self._folds[-1]
+                if self._fold_started is None:
+                    self._fold_started = now
+                for rank, text in heads:
+                    fold.add(rank, channel, text)
                 for group, text in _group_lines(heads):
                     self._sink.line(channel, format_ranks(group), text)
 
 
 def _group_lines(heads: list[tuple[int, str]]) -> list[tuple[list[int], str]]:
-    """Group (rank, text) pairs by identical text; ``heads`` is in rank order."""
-    groups: dict[str, list[int]] = {}
+    """Group (rank, text) pairs by text, a library's timestamp prefix aside (:func:`fold_key`).
+
+    ``heads`` is in rank order; the lowest rank's text stands for its group.
+    """
+    groups: dict[str, tuple[list[int], str]] = {}
     for rank, text in heads:
-        groups.setdefault(text, []).append(rank)
-    return [(ranks, text) for text, ranks in groups.items()]
+        groups.setdefault(fold_key(text), ([], text))[0].append(rank)
+    return list(groups.values())
 
 
 def _group_displays(heads: list[tuple[int, tuple[dict, dict]]]) -> list[tuple[list[int], Any]]:

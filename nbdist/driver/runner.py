@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 
+from nbdist.driver.cell_output import remember
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata
 from nbdist.driver.output import OutputMerger
@@ -287,6 +288,7 @@ class RankRun:
             return self._result_or_raise()
         if self._merger is None:
             self._merger = OutputMerger(self.ranks, self._sink or default_sink(len(self.ranks)))
+            remember(self._merger)  # nbdist.output(rank=...) reads it
         deadline = None if self._timeout is None else self._started + self._timeout
         try:
             completed = self._loop(deadline)

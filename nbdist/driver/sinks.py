@@ -5,6 +5,16 @@
 :class:`StreamSink` writes to ``sys.stdout``/``sys.stderr`` and
 :class:`KernelSink` adds in-place progress bars and rich displays inside a
 Jupyter kernel. IPython is imported lazily, by the sinks that need it.
+
+How several ranks' lines read (``OutputMerger``'s ``fold``): a Jupyter cell can
+redraw, so :class:`KernelSink` shows the lines folded across ranks in one
+display updated in place while the cell runs (the latest lines), and when the
+cell ends replaces it with the complete fold, written as the cell's ordinary
+stdout/stderr: each distinct line once, with its ranks, whatever the ranks'
+timing. A terminal cannot take back what it printed: :class:`StreamSink`
+writes each line once, as soon as the ranks that printed it alike are grouped
+(a rank later than ``window`` gets its own copy), and does not repeat it
+folded; :func:`nbdist.output` has each rank's whole output either way.
 """
 
 from __future__ import annotations
@@ -41,12 +51,20 @@ class ListSink:
     Events are ``("line", stream, label, text)``, ``("progress", stream, label,
     text)``, ``("progress_done", stream, label)``, ``("display", label,
     data, metadata)`` and ``("display_update", label, data, metadata)`` (a
-    widget display's latest text form, e.g. a tqdm bar at 100 %).
+    widget display's latest text form, e.g. a tqdm bar at 100 %). The final
+    folds (what a notebook cell shows when it ends) go to :attr:`folds`, one
+    list of ``(stream, label, text)`` per part of the output.
     """
 
     def __init__(self) -> None:
         """An empty record."""
         self.events: list[tuple] = []
+        self.folds: list[list[tuple[str, str, str]]] = []
+
+    def fold(self, lines: list[tuple[str, str, str]], final: bool) -> None:
+        """Record a final fold (live ones are not kept)."""
+        if final:
+            self.folds.append(list(lines))
 
     def line(self, stream: str, label: str, text: str) -> None:
         """Record a complete line."""
@@ -151,12 +169,17 @@ class StreamSink:
 
 
 class KernelSink(StreamSink):
-    """Sink for a Jupyter kernel: in-place progress bars and rich displays.
+    """Sink for a Jupyter kernel: lines folded across ranks, in-place progress bars, rich displays.
 
-    Lines are written like :class:`StreamSink`. Each (label, stream) progress
-    line gets one updatable display, so a tqdm bar stays one line per rank; it
-    is blanked when the bar's final line is written. Displays are republished
-    as they are, after a ``[label]`` line when there are several ranks.
+    With several ranks, lines are shown from the merger's fold: live in one
+    display updated in place (the latest lines), then, when the cell ends (or
+    a rich display follows), as ordinary stdout/stderr text in which each
+    distinct line appears once with its ranks; the live display is blanked.
+    One rank's lines are written as they come, like :class:`StreamSink`. Each
+    (label, stream) progress line gets one updatable display, so a tqdm bar
+    stays one line per rank; it is blanked when the bar's final line is
+    written. Displays are republished as they are, after a ``[label]`` line
+    when there are several ranks.
     """
 
     def __init__(self, n_ranks: int = 1) -> None:
@@ -166,6 +189,40 @@ class KernelSink(StreamSink):
         self._bars: dict[tuple[str, str], Any] = {}
         # widget model id -> (display handle, text/plain published) of a widget display
         self._widgets: dict[str, tuple[Any, Any]] = {}
+        self._live: Any = None  # the display handle of the live fold, while there is one
+
+    def line(self, stream: str, label: str, text: str) -> None:
+        """One rank: write the line now; several: nothing, the fold shows it."""
+        if self._n_ranks <= 1:
+            super().line(stream, label, text)
+
+    def fold(self, lines: list[tuple[str, str, str]], final: bool) -> None:
+        """Draw the live fold in place; a final one replaces it as the cell's stdout/stderr."""
+        if self._n_ranks <= 1:
+            return  # its lines were written as they came
+        text = "".join(f"[{label}] {line}\n" for _stream, label, line in lines)
+        if not final:
+            self._show_live({"text/plain": text.rstrip("\n")})
+            return
+        if self._live is not None:
+            # The final text follows as the cell's own output: the live copy would repeat it.
+            self._live.update({"text/plain": ""}, raw=True)
+            self._live = None
+        self._erase_bar()
+        run: list[str] = []  # consecutive lines of one stream, written at once
+        for i, (stream, label, line) in enumerate(lines):
+            run.append(f"[{label}] {line}\n")
+            if i + 1 == len(lines) or lines[i + 1][0] != stream:
+                _write(_std_stream(stream), "".join(run))
+                run = []
+
+    def _show_live(self, data: dict) -> None:
+        from IPython.display import display
+
+        if self._live is None:
+            self._live = display(data, raw=True, display_id=True)
+        else:
+            self._live.update(data, raw=True)
 
     def progress(self, stream: str, label: str, text: str) -> None:
         """Draw the bar in place in the cell (a display updated by id)."""

@@ -101,7 +101,9 @@ class Kernel:
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind = msg["msg_type"]
-            if kind in ("stream", "display_data", "execute_result", "error"):
+            # update_display_data: a display redrawn in place (several ranks' lines while a
+            # cell runs are one such display until the cell ends).
+            if kind in ("stream", "display_data", "update_display_data", "execute_result", "error"):
                 outputs.append(msg)
                 if until is not None and until(outputs):
                     return outputs, False

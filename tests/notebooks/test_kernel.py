@@ -38,8 +38,19 @@ def ranks_printed(stdout: str, text: str) -> set[int]:
     return ranks
 
 
-def _stdout(outputs: list[dict]) -> str:
-    return "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
+def shown_text(outputs: list[dict]) -> str:
+    """What the cell has shown so far: its stream text and its displays' text, live ones too.
+
+    While a cell runs, several ranks' lines are one display redrawn in place
+    (``update_display_data``); when it ends they are the cell's stream output.
+    """
+    parts = []
+    for m in outputs:
+        if m["msg_type"] == "stream":
+            parts.append(m["content"]["text"])
+        elif m["msg_type"] in ("display_data", "update_display_data"):
+            parts.append(m["content"].get("data", {}).get("text/plain", "") + "\n")
+    return "".join(parts)
 
 
 def test_ranks_printed_reads_both_label_forms():
@@ -76,15 +87,29 @@ def test_failing_rank_fails_the_cell(dist_kernel):
     assert "[rank 0] ok 0" in after and "[rank 1] ok 1" in after
 
 
+def test_a_late_rank_joins_its_line_when_the_cell_ends(dist_kernel):
+    """Live, rank 1's line comes 0.8 s after rank 0's (past the grouping window); the
+    cell's output, once it ends, has the line once with both ranks, and the live copy
+    drawn while it ran is blanked."""
+    result = dist_kernel.ok(
+        "%%on_all_ranks\nimport time\ntime.sleep(0.8 * rank)\nprint('epoch 1 done', flush=True)\n"
+        "time.sleep(1.6 - 0.8 * rank)"
+    )
+    assert result.stdout == "[ranks 0-1] epoch 1 done\n"
+    live = [m for m in result.outputs if m["msg_type"] in ("display_data", "update_display_data")]
+    assert live, "no live view while the cell ran"
+    assert live[-1]["content"]["data"] == {"text/plain": ""}
+
+
 def test_interrupt_stops_every_rank_and_the_next_cell_works(dist_kernel):
     kernel = dist_kernel
     msg_id = kernel.submit(
         "%%on_all_ranks\nimport time\nprint('started', flush=True)\ntime.sleep(120)"
     )
     outputs, idle = kernel.collect(
-        msg_id, timeout=120, until=lambda outs: ranks_printed(_stdout(outs), "started") == {0, 1}
+        msg_id, timeout=120, until=lambda outs: ranks_printed(shown_text(outs), "started") == {0, 1}
     )
-    assert not idle, f"the cell ended before it was interrupted: {_stdout(outputs)!r}"
+    assert not idle, f"the cell ended before it was interrupted: {shown_text(outputs)!r}"
 
     t0 = time.monotonic()
     kernel.km.interrupt_kernel()

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.notebooks.test_kernel import ranks_printed
+from tests.notebooks.test_kernel import ranks_printed, shown_text
 from tests.reliability.conftest import DeathClock, survivors
 
 GRACE_S = 10.0
@@ -30,16 +30,12 @@ BLOCKED = (
 BUSY = "%%on_all_ranks\nimport time\nprint('started', flush=True)\ntime.sleep(600)"
 
 
-def _stdout(outputs) -> str:
-    return "".join(m["content"]["text"] for m in outputs if m["msg_type"] == "stream")
-
-
 def _start_cell(kernel, code: str) -> None:
     msg_id = kernel.submit(code)
     outputs, idle = kernel.collect(
-        msg_id, timeout=120, until=lambda outs: ranks_printed(_stdout(outs), "started") == {0, 1}
+        msg_id, timeout=120, until=lambda outs: ranks_printed(shown_text(outs), "started") == {0, 1}
     )
-    assert not idle, f"the cell ended early: {_stdout(outputs)!r}"
+    assert not idle, f"the cell ended early: {shown_text(outputs)!r}"
 
 
 @pytest.mark.parametrize(
