@@ -484,10 +484,16 @@ class DistSession:
         return locate(self.client, self.select(ranks), self.dead_ranks())
 
     def status(self) -> list[dict]:
-        """One row per rank: rank, engine, host, pid, device, backend, state, memory, GPU figures."""
+        """One row per rank: rank, engine, host, pid, device, backend, state, memory, GPU figures.
+
+        A rank the metrics make a straggler has ``straggler``: why.
+        """
         self._require_running()
-        drop = self._hub.run.dropped if self._hub is not None else None
-        return rank_status(self._handle, self.ranks, self.backend, self.dead_ranks(), dropped=drop)
+        run = self._hub.run if self._hub is not None else None
+        drop = run.dropped if run is not None else None
+        return rank_status(
+            self._handle, self.ranks, self.backend, self.dead_ranks(), dropped=drop, run=run
+        )
 
     def rank_states(self) -> dict[int, str]:
         """{rank: state} in the words of :mod:`nbdist.rank_states` ({} when not running)."""

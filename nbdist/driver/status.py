@@ -23,12 +23,12 @@ from nbdist.rank_states import BUSY, DEAD, IDLE
 from nbdist.text_table import format_table
 
 __all__ = [
-    "PER_RANK_UP_TO",
     "StatusTable",
     "deviating",
     "format_status",
     "rank_status",
     "status_html",
+    "stragglers",
 ]
 
 # A rank holding the GIL in native code does not answer; its GPU figures are then left out.
@@ -71,8 +71,12 @@ def rank_status(
     *,
     gpu: bool = True,
     dropped: dict[int, int] | None = None,
+    run=None,
 ) -> list[dict]:
     """One dict per rank; ``dead``: {rank: how it died}, as the session noticed it.
+
+    ``run``: the session's :class:`~nbdist.metrics.run.Run`; a rank its latest
+    steps make a straggler (the dashboard's rule) has ``straggler``: why.
 
     ``dropped``: {rank: metrics points it could not send} (the run's
     :attr:`~nbdist.metrics.run.Run.dropped`); each row's ``dropped`` is that
@@ -121,7 +125,27 @@ def rank_status(
         )
         if info.rank in gpus and state != DEAD:
             rows[-1]["gpu"] = gpus[info.rank]
+    flagged = stragglers(run) if run is not None else {}
+    for row in rows:
+        if row["rank"] in flagged and row["state"] != DEAD:
+            row["straggler"] = flagged[row["rank"]]
     return rows
+
+
+def stragglers(run) -> dict[int, str]:
+    """rank -> why it is a straggler, from each rank's latest points only (cheap at any length)."""
+    from nbdist.dashboard.table import HISTORY, RECENT, find_stragglers, step_lags
+
+    if "step_time" not in run.keys():
+        return {}
+    step_times: dict[int, list[float]] = {}
+    history: dict[int, list[tuple[float, int]]] = {}
+    for rank in run.ranks:
+        steps, values = run.series("step_time", rank, start=-HISTORY)
+        times, _ = run.timeline("step_time", rank, start=-HISTORY)
+        step_times[rank] = values[-RECENT:]
+        history[rank] = list(zip(times, steps))
+    return find_stragglers(step_times, step_lags(history))
 
 
 def _gpu_cells(gpu: dict | None) -> list[str]:

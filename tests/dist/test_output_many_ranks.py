@@ -5,10 +5,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import nbdist
 from nbdist.driver.sinks import ListSink
+from nbdist.driver.status import format_status
 
 RANKS = 32
 
@@ -44,3 +47,20 @@ def test_a_rank_over_the_line_limit_keeps_its_tail_and_nbdist_output_has_the_res
     assert fold[1:] == [("stdout", "rank 3", f"line {i}") for i in range(80, 100)]
     assert nbdist.output(rank=3) == "".join(f"line {i}\n" for i in range(100))
     assert nbdist.output(rank=4) == ""
+
+
+def test_status_lists_only_the_straggler_and_names_it(session):
+    session.run(
+        "import time\nfor step in range(15):\n"
+        "    time.sleep(0.12 if rank == 7 else 0.03)\n"
+        "    nbdist.log(step=step, loss=1.0 / (step + 1))",
+        sink=ListSink(),
+    )
+    deadline = time.monotonic() + 30
+    while session.metrics.count() < RANKS * 15 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the last points are still on their way from the ranks
+
+    text = format_status(session.status())
+    assert f"{RANKS} ranks on " in text.splitlines()[0]
+    assert "1 rank deviating" in text, text
+    assert "rank 7 is a straggler: " in text, text

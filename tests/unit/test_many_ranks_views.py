@@ -114,3 +114,10 @@ def test_summary_of_a_few_ranks_keeps_a_row_per_rank():
     assert [line.split()[0] for line in lines[2 : 2 + PER_RANK_UP_TO]] == [
         f"{r}" for r in range(PER_RANK_UP_TO)
     ]
+
+
+def test_status_names_one_slow_rank_among_256():
+    from nbdist.driver.status import stragglers
+
+    assert stragglers(_training_run(256, slow=201)) == {201: "2.0× step time"}
+    assert stragglers(_training_run(256)) == {}
