@@ -1,14 +1,22 @@
 """Rank side: ``nbdist.log``, cheap to call, never blocks training, never raises into it.
 
-Each call appends one point to a local buffer (values may be Python numbers
-or 0-d tensors). A background thread flushes the buffer at most 5 times a
-second, and :func:`end_of_cell` flushes it at the end of every cell: the
-kernel asks for it in the cell's execute request (a user expression), and the
-count it returns, in the execute reply, tells the kernel how many points to
-wait for. A cell that logged nothing sends no message at all. Tensor values
-are converted at flush time, in one batch per device: turning a CUDA tensor
-into a number is a device sync, so doing it per call would stall the training
-loop.
+Each call stamps the time, takes the step's collective and data timers, and
+appends the point to a local buffer (values may be Python numbers or 0-d
+tensors); everything derived from it (step time and its breakdown, throughput,
+TFLOP/s, memory on every point, the tensors' values) is worked out later on the
+flush thread. That thread sleeps until a point is logged, then flushes at most
+5 times a second, and :func:`end_of_cell` flushes at the end of every cell: the
+count it returns, in the cell's execute reply, tells the kernel how many points
+to wait for. A cell that logged nothing sends no message at all.
+
+How a tensor's value is read, and when: never on the training thread. A 0-d
+tensor is only detached there (when it requires grad: that frees its graph).
+At the next flush (<= 0.2 s later, or the end of the cell) the flush thread
+stacks the batch's tensors, one ``torch.stack`` per device, and copies the
+result to the host: for a CUDA loss that copy is the one device sync per flush,
+on the flush thread, which waits for the kernels queued before it while the
+training thread goes on queueing. A loss turned into a number by the user
+(``loss.item()``) was synced by the user, where they asked for it.
 
 ``flops=`` gives ``tflops`` and ``mfu``, computed at flush like throughput; the
 peak they are measured against is looked up (or measured) once per device,
@@ -17,7 +25,8 @@ at the first such call (:func:`nbdist.metrics.flops.log_peak`).
 Every point after a rank's first carries the step breakdown (``comm_s``,
 ``data_s``, ``compute_s``, summing to ``step_time``) and every point the rank's
 memory (``memory_mib``, ``memory_peak_mib``, on a GPU ``memory_reserved_mib``):
-:mod:`nbdist.metrics.steptime` says what each measures. On a rank that uses a
+:mod:`nbdist.metrics.steptime` says what each measures; memory is read at most every
+20 ms, the points between repeating the last reading. On a rank that uses a
 GPU, the last point of a flush also carries the GPU's utilisation, memory and
 temperature (:mod:`nbdist.metrics.gpu`), at most once a second;
 ``NBDIST_LOG_GPU=0`` turns that off, as ``NBDIST_LOG_MEMORY=0`` does the memory keys.
@@ -90,6 +99,11 @@ class _Channel:
         self.total = 0
         self.step = -1
         self.last_call: float | None = None
+        # When log() next reads memory and looks for the CUDA device (Unix seconds): at most
+        # every _SAMPLE_EVERY_S, so the call itself stays a few attribute reads and an append.
+        self.sample_due = 0.0
+        # The latest memory reading, carried by every point until the next one (flush thread).
+        self.memory_reading: dict = {}
         # The CUDA device this rank logs from, learnt on the logging thread (CUDA's current
         # device is per thread, and the flush thread's is not the rank's); None until then.
         self.cuda_index: int | None = None
@@ -133,7 +147,9 @@ class _Channel:
             points = []
             if batch:
                 try:
-                    points = _to_numbers(batch)  # reads tensors: may wait for the device
+                    # Reads tensors (may wait for the device) and fills in what log() left
+                    # for later: step time, its breakdown, throughput, memory.
+                    points = _to_numbers(batch, self)
                 except Exception:
                     with self.lock:
                         self.dropped += len(batch)
@@ -239,102 +255,139 @@ def log(step: int | None = None, **scalars) -> None:
     channel = _channel
     if channel is None:
         return
+    # The training loop's own work evicts from the caches whatever this call touches, so
+    # each object and call here costs a cache miss per step: the call only stamps the
+    # time, takes the step's collective/data timers and appends; everything derived
+    # (step time, its breakdown, throughput, memory per point, tensor values) is worked
+    # out on the flush thread (bench/RESULTS.md: 60-70 us a call in a real loop before).
     try:
         now = resume = time.time()
-        comm, data, events = steptime.take()
-        if channel.cuda_index is None:
-            channel.cuda_index = _cuda_device()
-        memory = steptime.memory(channel.cuda_index) if channel.memory else {}
-        peak = scalars.pop("peak_tflops", None)
-        if "flops" in scalars:
-            if peak is None:
-                peak = flops.known_peak(channel.cuda_index)
-            if peak is None:  # once per device: the table, or a measurement (<= ~1 s)
-                peak = flops.log_peak(channel.cuda_index)
-                resume = time.time()  # time spent measuring is not the next step's
-            peak = _as_float(peak)
-            if peak is not None and not (peak > 0 and math.isfinite(peak)):
-                peak = None
+        timers = steptime.take()
+        memory = None
+        if now >= channel.sample_due or now < channel.sample_due - _SAMPLE_EVERY_S:
+            memory = _sample(channel, now)  # (the second test: the clock went back)
+        if "flops" in scalars or "peak_tflops" in scalars:
+            resume = _flops_peak(channel, scalars, resume)
         for key, value in scalars.items():
             # No sync; frees the autograd graph now. A tensor outside autograd is kept as
             # it is: detach() would share its storage all the same, for ~2 us a call.
-            if not isinstance(value, (int, float)) and getattr(value, "requires_grad", False):
+            if value.__class__ not in _PLAIN and getattr(value, "requires_grad", False):
                 scalars[key] = value.detach()
-        if "data_time" in scalars:
-            data = "data_time"  # resolved at flush: it may be a tensor
         with channel.lock:
+            last, channel.last_call = channel.last_call, resume
             if len(channel.pending) >= channel.max_pending:
                 channel.dropped += 1
-                channel.last_call = resume
                 return
-            channel.step = channel.step + 1 if step is None else int(step)
-            values = dict(scalars)
-            values.update(memory)
-            if channel.last_call is not None:
-                dt = now - channel.last_call
-                values["step_time"] = dt
-                values[_SPLIT] = (dt, comm, data, events)  # comm_s, data_s, compute_s at flush
-                for key in ("samples", "tokens"):
-                    if key in values and dt > 0:
-                        values[f"{key}_per_s"] = (key, dt)  # resolved at flush (tensor-safe)
-                if "flops" in values and dt > 0:
-                    values["tflops"] = ("flops", dt * 1e12)
-                    if peak:
-                        values["mfu"] = ("flops", dt * 1e12 * float(peak))
-            channel.last_call = resume
-            channel.pending.append((channel.step, now, values))
+            channel.step = step = channel.step + 1 if step is None else int(step)
+            channel.pending.append((step, now, last, scalars, timers, memory))
             if len(channel.pending) == 1:
                 channel.wake.set()  # the flush thread sleeps until there is something to send
     except Exception:
         channel.dropped += 1
 
 
-# The key under which a point waits, until flush, for its step breakdown's parts.
-_SPLIT = "__split"
+_PLAIN = frozenset((int, float, bool))
+# log() reads memory, and looks for the CUDA device, at most this often (seconds): a
+# step-by-step chart needs no finer grain; points in between repeat the last reading.
+_SAMPLE_EVERY_S = 0.02
 
 
-def _to_numbers(batch: list[tuple[int, float, dict]]) -> list[list]:
-    """Points with every value a float; tensors converted in one batch per device."""
-    tensors = {}
-    for _, _, values in batch:
-        for key, value in values.items():
-            if not isinstance(value, (int, float, tuple)) and hasattr(value, "detach"):
-                tensors.setdefault(str(value.device), []).append((values, key, value))
+def _sample(channel: _Channel, now: float) -> dict | None:
+    """A memory reading (or None), taken at most every _SAMPLE_EVERY_S."""
+    channel.sample_due = now + _SAMPLE_EVERY_S
+    if channel.cuda_index is None:
+        # On the training thread: CUDA's current device is per thread.
+        channel.cuda_index = _cuda_device()
+    return steptime.memory(channel.cuda_index) if channel.memory else None
+
+
+def _flops_peak(channel: _Channel, scalars: dict, resume: float) -> float:
+    """Put the peak TFLOP/s ``mfu`` is measured against into ``scalars`` (as
+    ``__peak``); returns when the step resumes (a first measurement takes up to ~1 s)."""
+    peak = scalars.pop("peak_tflops", None)
+    if "flops" not in scalars:
+        return resume
+    if peak is None:
+        peak = flops.known_peak(channel.cuda_index)
+    if peak is None:  # once per device: the table, or a measurement (<= ~1 s)
+        peak = flops.log_peak(channel.cuda_index)
+        resume = time.time()  # time spent measuring is not the next step's
+    peak = _as_float(peak)
+    if peak is not None and peak > 0 and math.isfinite(peak):
+        scalars[_PEAK] = peak
+    return resume
+
+
+# The key under which a point's peak TFLOP/s waits for flush (never sent).
+_PEAK = "__peak"
+# Points converted between two releases of the GIL on the flush thread: a training thread
+# coming back from a GIL-free op waits at most for this many.
+_CHUNK = 64
+
+
+def _to_numbers(batch: list[tuple], channel: _Channel | None = None) -> list[list]:
+    """The points of ``batch`` (as ``log`` queued them) as ``[step, time, {key: float}]``.
+
+    Tensors are read in one ``stack`` per device (one device sync per flush, on this
+    thread); derived keys are computed here. ``channel`` carries the memory reading
+    from one flush to the next (None: a point without one carries none).
+    """
+    tensors: dict[str, list] = {}
+    for _, _, _, scalars, _, _ in batch:
+        for key, value in scalars.items():
+            if value.__class__ not in _PLAIN and hasattr(value, "detach"):
+                tensors.setdefault(str(value.device), []).append((scalars, key, value))
     if tensors:
         import torch
 
         for items in tensors.values():
             try:
-                stacked = torch.stack([v.detach().reshape(()).float() for _, _, v in items])
-                numbers = stacked.cpu().tolist()  # one device sync for the whole batch
+                stacked = torch.stack([v if v.dim() == 0 else v.reshape(()) for _, _, v in items])
+                # .cpu() waits for the device (one sync per flush, never on the training
+                # thread) and lets go of the GIL while it waits.
+                numbers = stacked.detach().float().cpu().tolist()
             except Exception:
-                numbers = [math.nan] * len(items)
-            for (values, key, _), number in zip(items, numbers):
-                values[key] = number
+                numbers = [_as_float(v) if v.numel() == 1 else math.nan for _, _, v in items]
+            for (scalars, key, _), number in zip(items, numbers):
+                scalars[key] = number
+    reading = channel.memory_reading if channel is not None else {}
     out = []
-    for step, when, values in batch:
-        clean = {}
-        split = values.pop(_SPLIT, None)
-        if split is not None:
-            dt, comm, data, events = split
+    for i, (step, when, last, scalars, timers, memory) in enumerate(batch):
+        if not i % _CHUNK and i:
+            time.sleep(0)  # let the training thread have the GIL if it waits for it
+        clean: dict = {}
+        for key, value in scalars.items():
+            number = value if value.__class__ is float else _as_float(value)
+            if number is not None:
+                # NaN is not JSON: sent as null, read back as NaN by the kernel.
+                clean[key] = number if number == number else None
+        peak = clean.pop(_PEAK, None)
+        if memory is not None:
+            reading = memory
+        clean.update(reading)
+        if last is not None:
+            dt = when - last
+            clean["step_time"] = dt
+            comm, data, events = timers
             if events:  # CUDA collectives: the device time between their events
                 try:
                     comm += steptime.events_seconds(events)
                 except Exception:
                     comm = math.nan
-            if isinstance(data, str):
-                data = _as_float(values.get(data))
+            if "data_time" in clean:
+                data = clean["data_time"]
             clean.update(steptime.split(dt, comm, data or 0.0))
-        for key, value in values.items():
-            if isinstance(value, tuple):  # ("samples", dt) -> samples / dt
-                source, scale = value
-                value = _as_float(values.get(source))
-                value = None if value is None else value / scale
-            number = _as_float(value)
-            if number is not None:
-                # NaN is not JSON: sent as null, read back as NaN by the kernel.
-                clean[key] = None if math.isnan(number) else number
+            if dt > 0:
+                for key in ("samples", "tokens"):
+                    if clean.get(key) is not None:
+                        clean[f"{key}_per_s"] = clean[key] / dt
+                if clean.get("flops") is not None:
+                    clean["tflops"] = clean["flops"] / dt / 1e12
+                    if peak:
+                        clean["mfu"] = clean["tflops"] / peak
         out.append([step, when, clean])
+    if channel is not None:
+        channel.memory_reading = reading
     return out
 
 

@@ -105,6 +105,7 @@ class Run:
         self._ranks: dict[int, RankSeries] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Run], None]] = []
+        self._point_listeners: list[Callable[[int, list], None]] = []
         self.version = 0  # bumped on every add; readers compare it to skip idle refreshes
 
     def __repr__(self) -> str:
@@ -126,6 +127,8 @@ class Run:
 
     def add(self, rank: int, points: Iterable[tuple[int, float, dict[str, float]]]) -> int:
         """Append ``(step, time, scalars)`` points of ``rank``; returns how many."""
+        if self._point_listeners and not isinstance(points, list):
+            points = list(points)  # iterated twice: here and by the listeners
         with self._lock:
             series = self._ranks.setdefault(rank, RankSeries())
             steps, times, columns = series.steps, series.times, series.values
@@ -143,6 +146,9 @@ class Run:
             n = len(steps) - start
             self.version += 1
             listeners = list(self._listeners)
+            point_listeners = self._point_listeners
+        for listener in point_listeners:
+            listener(rank, points)
         for listener in listeners:
             listener(self)
         return n
@@ -158,6 +164,30 @@ class Run:
                     self._listeners.remove(listener)
 
         return unsubscribe
+
+    def on_points(self, listener: Callable[[int, list], None]) -> Callable[[], None]:
+        """Call ``listener(rank, points)`` with each batch added (from the adding thread);
+        ``points`` are ``(step, time, {key: value})``, not to be changed. Returns unsubscribe."""
+        with self._lock:
+            self._point_listeners = [*self._point_listeners, listener]
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._point_listeners = [f for f in self._point_listeners if f is not listener]
+
+        return unsubscribe
+
+    def forward(self, callback, *, ranks=None):
+        """Hand every point that arrives from now on to ``callback(point)``, on a thread of
+        its own (the ranks never wait for it); returns the :class:`~nbdist.metrics.forward.Forwarder`.
+
+        ``point.rank``, ``.step``, ``.time``, ``.values`` (a dict of floats); ``ranks``: only
+        these ranks' points. W&B: ``run.forward(lambda p: wandb.log(p.values, step=p.step),
+        ranks=[0])``; MLflow: ``lambda p: mlflow.log_metrics(p.values, step=p.step)``.
+        """
+        from nbdist.metrics.forward import Forwarder
+
+        return Forwarder(self, callback, ranks=ranks)
 
     # -- reading --------------------------------------------------------------
     @property
@@ -229,6 +259,18 @@ class Run:
                         per_point[i][key] = v
                 out.extend(per_point)
             return out
+
+    def to_tensorboard(self, logdir, *, keys=None) -> list[str]:
+        """Write every point as TensorBoard event files: ``logdir/rank0``, ``rank1``..., one
+        tag per series (``tensorboard --logdir logdir`` draws one line per rank).
+
+        ``keys``: the series to write (default all). Needs the ``tensorboard`` package;
+        values are stored as TensorBoard's 32-bit floats. Returns the directories written.
+        See :mod:`nbdist.metrics.tensorboard_export`.
+        """
+        from nbdist.metrics.tensorboard_export import to_tensorboard
+
+        return to_tensorboard(self, logdir, keys=keys)
 
     def to_pandas(self):
         """A DataFrame with one row per (rank, step): ``rank``, ``step``, ``time`` and a column per metric.

@@ -1,0 +1,90 @@
+"""nbdist.log's batching in one process: a real rank-side channel sending to a real collector.
+
+Nothing is started but the collector's thread and the channel's flush thread, so
+these run in the unit tier; tests/dist/test_metrics.py does the same through real ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from nbdist.metrics import log as metrics_log
+from nbdist.metrics.collector import Collector
+from nbdist.metrics.run import Run
+
+
+@pytest.fixture
+def channel():
+    key = os.urandom(16)
+    run = Run(0, world_size=1)
+    collector = Collector(key, run, None)
+    metrics_log.configure(collector.url, key, 0)
+    try:
+        yield run, collector
+    finally:
+        metrics_log.shutdown()
+        collector.stop()
+
+
+def _settle(collector) -> None:
+    total = metrics_log.end_of_cell()
+    assert collector.wait_for_points({0: total}, timeout=10)
+
+
+def test_every_point_arrives_with_its_exact_values(channel):
+    run, collector = channel
+    weight = torch.ones(3, requires_grad=True)
+    for step in range(5000):
+        loss = (weight * step).sum() / 3  # a tensor in the autograd graph, value == step
+        metrics_log.log(step=step, loss=loss, samples=torch.tensor(8), lr=0.5, ok=True)
+    _settle(collector)
+    steps, losses = run.series("loss", 0)
+    assert steps == list(range(5000))
+    assert losses == [float(s) for s in range(5000)]
+    assert run.series("samples", 0)[1] == [8.0] * 5000
+    assert run.series("lr", 0)[1] == [0.5] * 5000
+    assert run.series("ok", 0)[1] == [1.0] * 5000
+    assert metrics_log.dropped() == 0
+
+
+def test_derived_keys_are_exact_per_point(channel):
+    run, collector = channel
+    for step in range(300):
+        metrics_log.log(step=step, samples=32, tokens=64, flops=1e9, peak_tflops=2.0)
+    _settle(collector)
+    times = run.timeline("samples", 0)[0]
+    step_steps, step_times = run.series("step_time", 0)
+    # Every point but the first has the time since the previous call, to the bit.
+    assert step_steps == list(range(1, 300))
+    assert step_times == [b - a for a, b in zip(times, times[1:])]
+    rate = dict(zip(*run.series("samples_per_s", 0)))
+    tflops = dict(zip(*run.series("tflops", 0)))
+    mfu = dict(zip(*run.series("mfu", 0)))
+    for step, dt in zip(step_steps, step_times):
+        if dt > 0:
+            assert rate[step] == 32 / dt
+            assert tflops[step] == 1e9 / dt / 1e12
+            assert mfu[step] == pytest.approx(tflops[step] / 2.0)
+    parts = [run.series(k, 0)[1] for k in ("comm_s", "data_s", "compute_s")]
+    for total, comm, data, compute in zip(step_times, *parts):
+        assert comm + data + compute == pytest.approx(total)
+    # Memory is read at most every 20 ms, and every point carries the latest reading.
+    assert run.series("memory_mib", 0)[0] == list(range(300))
+    assert all(m > 1 for m in run.series("memory_mib", 0)[1])
+    assert "peak_tflops" not in run.keys()
+
+
+def test_steps_count_on_by_default_and_nan_stays_nan(channel):
+    run, collector = channel
+    for _ in range(3):
+        metrics_log.log(loss=float("nan"))
+    metrics_log.log(step=10, loss=torch.tensor(float("nan")))
+    metrics_log.log(loss=torch.tensor([2.5]))  # one element, not 0-d: read all the same
+    _settle(collector)
+    steps, losses = run.series("loss", 0)
+    assert steps == [0, 1, 2, 10, 11]
+    assert all(math.isnan(v) for v in losses[:4]) and losses[4] == 2.5
