@@ -178,6 +178,17 @@ class LiveDashboard(DashboardModel):
         return (self.run.version, dead, self.run.ended is not None), busy
 
     def _after_cell(self, result=None) -> None:
+        try:
+            self._publish_after_cell()
+        finally:
+            thread = self._thread
+            if self.run.ended is not None and thread is not None and not thread.is_alive():
+                # The run is over and drawn in full: no later cell changes it. Registered
+                # for good, every stopped session's dashboard (its widget and run) stayed in
+                # the kernel, and each cell called them all.
+                self._stop_updating()
+
+    def _publish_after_cell(self) -> None:
         self.refresh_states()
         handle = getattr(self, "display_handle", None)
         if handle is None or self.widget is None or self._stop.is_set():

@@ -40,6 +40,7 @@ from nbdist.launch.ssh_engines import SSHEngines
 __all__ = [
     "ClusterHandle",
     "connect",
+    "end_cluster_thread",
     "interrupt_engines",
     "serializer_ready",
     "start_local",
@@ -391,6 +392,7 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
             handle.cluster.stop_cluster_sync()
         except Exception:  # fall through to the PID sweep below
             pass
+        end_cluster_thread(handle.cluster)
         mine = []
         for pid in handle.pids:
             try:
@@ -401,6 +403,28 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
     if handle.remove_profile_dir and handle.profile_dir:
         shutil.rmtree(handle.profile_dir, ignore_errors=True)
     return killed
+
+
+def end_cluster_thread(cluster) -> None:
+    """End the thread (and close the event loop) ipyparallel runs a ``Cluster``'s ``*_sync`` calls on.
+
+    Inside a kernel, where an asyncio loop runs in the calling thread,
+    ipyparallel 9 runs every ``Cluster.*_sync`` call on a thread of its own with
+    its own event loop, and never ends it: one thread and three descriptors
+    (the loop's epoll and its self-pipe) were left in the kernel by every
+    ``%dist_start`` / ``%dist_stop``. Call it once the cluster is stopped (its
+    launchers' waiting threads post their last callbacks to that loop, which
+    tornado drops once it is closed); a no-op outside a kernel.
+    """
+    thread = cluster._async_thread  # noqa: SLF001
+    loop = getattr(cluster, "_thread_loop", None)
+    if thread is None or loop is None:
+        return
+    loop.add_callback(loop.stop)
+    thread.join(timeout=5)
+    if not thread.is_alive():
+        loop.close()
+        cluster._async_thread = None  # noqa: SLF001
 
 
 def warm_serializer() -> None:

@@ -1,0 +1,81 @@
+"""A day of %dist_start / %dist_stop leaves the kernel as it found it: threads and fds come back.
+
+Measured in a real kernel (jupyter_client), from outside, as the soak does
+(bench/soak.py): every ``%dist_stop`` + ``%dist_start`` used to leave one more
+thread and three more descriptors in the kernel (ipyparallel's thread running
+the cluster's ``*_sync`` calls, with its event loop), so a few hundred cycles
+reached the kernel's fd limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+
+CYCLES = 5
+TOLERANCE = 2
+
+
+def _sample(proc: psutil.Process, reference: dict | None = None) -> dict:
+    # A stop's last waiting threads end within their poll interval: up to 5 s to settle.
+    deadline = time.monotonic() + 5
+    while True:
+        with proc.oneshot():
+            s = {"threads": proc.num_threads(), "fds": proc.num_fds()}
+        close = reference is None or all(abs(s[k] - reference[k]) <= TOLERANCE for k in s)
+        if close or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+def _cycles(kernel, cycles: int) -> tuple[list[dict], list[dict]]:
+    proc = psutil.Process(kernel.pid)
+    started, stopped = [], []
+    for _ in range(cycles):
+        kernel.ok("%dist_start 2 --cpu", timeout=240)
+        started.append(_sample(proc, started[0] if started else None))
+        kernel.ok("%dist_stop")
+        stopped.append(_sample(proc, stopped[0] if stopped else None))
+    return started, stopped
+
+
+def _drift(samples: list[dict]) -> dict:
+    return {k: samples[-1][k] - samples[0][k] for k in samples[0]}
+
+
+def test_start_stop_cycles_leave_no_thread_and_no_fd(kernels):
+    kernel = kernels()
+    kernel.ok("%load_ext nbdist")
+    started, stopped = _cycles(kernel, CYCLES)
+    for what, samples in (("running", started), ("stopped", stopped)):
+        drift = _drift(samples)
+        assert all(abs(v) <= TOLERANCE for v in drift.values()), (
+            f"after {CYCLES} start/stop cycles, {what}: {samples[0]} -> {samples[-1]} ({drift})"
+        )
+
+
+DASHBOARD_OF_A_FINISHED_RUN = """
+import threading, time
+from nbdist.dashboard import show_run
+from nbdist.metrics.run import Run
+run = Run({i}, world_size=2, backend="gloo")
+run.add(0, [[1, time.time(), {{"loss": 1.0}}]])
+dash = show_run(run, auto=True)
+"""
+
+
+def test_a_finished_runs_dashboard_lets_go_of_the_kernel(kernels):
+    """Each session's last dashboard stayed registered after every cell, holding its run."""
+    kernel = kernels()
+    counts = []
+    for i in range(4):
+        kernel.ok(DASHBOARD_OF_A_FINISHED_RUN.format(i=i))
+        kernel.ok("run.ended = time.time(); run.add(1, [[1, time.time(), {'loss': 1.0}]])")
+        kernel.ok(
+            "deadline = time.monotonic() + 10\nwhile dash.is_live() and time.monotonic() < deadline:\n    time.sleep(0.1)"
+        )
+        kernel.ok("pass")  # the cell after the run's end and its last refresh
+        out = kernel.ok("print(len(get_ipython().events.callbacks['post_run_cell']))").stdout
+        counts.append(int(out))
+    assert counts[-1] == counts[0], f"post_run_cell callbacks after each finished run: {counts}"
