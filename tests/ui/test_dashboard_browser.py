@@ -623,6 +623,12 @@ def test_layout_theme_and_colours_at_every_width(lab_factory, browser_page, tmp_
     assert "gradient norm" in titles and "grad_norm" not in titles, titles
     loss = dashboard.locator(".nbdist-panel[data-key='loss']")
     assert loss.evaluate("d => d._fullLayout.yaxis.type") == "log"
+    # Its ticks read as values in order (0.1, 0.2, 0.5, 1, 2), not plotly's bare digits (5, 2, 0.1).
+    ticks = loss.evaluate(
+        "d => Array.from(d.querySelectorAll('.ytick text')).map(t => t.textContent)"
+    )
+    values = [float(t.replace("\u2212", "-")) for t in ticks]
+    assert len(values) >= 3 and values == sorted(set(values)), ticks
     # One palette: the legend, the plots and the table draw rank r in rank_colours()[r].
     want = [_rgb(c) for c in rank_colours()[:RANKS]]
     swatches = dashboard.evaluate(
