@@ -14,7 +14,19 @@
 3. Bytes sent to the frontend per dashboard update against points added: each
    update's delta message is JSON-encoded as the widget would send it.
 
+4. ``--loop``: what a logged step costs in a plain loop of ~0.5 ms steps
+   (``y = (x @ w).relu().sum()``, x 64x1024, w 1024x1024, one thread per rank), on 1 and
+   2 ranks (``--loop-ranks``): ``nbdist.log(step=, loss=y, samples=64)`` every step against
+   the same loop without logging, interleaved in rotated order; goal >= 0.98x. Also: every
+   point arrived (exact count), the delay from a point's log call to its arrival in the
+   kernel's run (the dashboard's latency; goal <= 1 s), and the kernel's CPU per point.
+   ``--peers`` adds, one at a time and each against its own interleaved no-logging
+   rounds: TensorBoard's ``SummaryWriter.add_scalar``, ``wandb.log`` (``WANDB_MODE=offline``,
+   no network) and ``mlflow.log_metrics`` to a local file store, each logging loss and
+   samples every step (``pip install 'nbdist[bench]'``).
+
 Usage: python bench/metrics.py [--ranks 4] [--steps 10000] [--rounds 3] [--quick]
+       python bench/metrics.py --loop [--peers] [--loop-ranks 1 2] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -27,7 +39,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import load, machine, median, print_summary, ratio, run_benchmark  # noqa: E402
+from _common import (  # noqa: E402
+    CpuMeter,
+    load,
+    machine,
+    median,
+    print_summary,
+    ratio,
+    run_benchmark,
+)
 
 import nbdist  # noqa: E402
 from nbdist.driver.sinks import ListSink  # noqa: E402
@@ -187,6 +207,164 @@ def bench_bytes(ranks: int) -> dict:
     return result
 
 
+LOOP = """
+import os, tempfile, time
+torch.set_num_threads(1)
+torch.manual_seed(rank)
+_x, _w = torch.randn(64, 1024), torch.randn(1024, 1024)
+_tmp = tempfile.mkdtemp(prefix=f"nbdist-peers-{rank}-")
+_peer = {}
+
+def peer_open(name):
+    if name == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        _peer["tb"] = SummaryWriter(os.path.join(_tmp, "tb"))
+    elif name == "wandb":
+        os.environ["WANDB_MODE"] = "offline"
+        os.environ["WANDB_SILENT"] = "true"
+        import wandb
+        _peer["wandb"] = wandb.init(project="nbdist-bench", dir=_tmp, mode="offline", reinit=True)
+    elif name == "mlflow":
+        os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow 3 asks for this opt-in
+        import mlflow
+        mlflow.set_tracking_uri("file://" + os.path.join(_tmp, "mlruns"))
+        _peer["mlflow"] = mlflow.start_run()
+
+def peer_close(name):
+    if name == "tensorboard":
+        _peer.pop("tb").close()
+    elif name == "wandb":
+        _peer.pop("wandb").finish()
+    elif name == "mlflow":
+        import mlflow
+        _peer.pop("mlflow")
+        mlflow.end_run()
+
+def loop(steps, mode, start=0):
+    x, w, log = _x, _w, nbdist.log
+    t0 = time.perf_counter()
+    if mode == "off":
+        for i in range(steps):
+            y = (x @ w).relu().sum()
+    elif mode == "nbdist":
+        for i in range(steps):
+            y = (x @ w).relu().sum()
+            log(step=start + i, loss=y, samples=64)
+    elif mode == "tensorboard":
+        tb = _peer["tb"]
+        for i in range(steps):
+            y = (x @ w).relu().sum()
+            tb.add_scalar("loss", y, start + i)
+            tb.add_scalar("samples", 64, start + i)
+    elif mode == "wandb":
+        run = _peer["wandb"]
+        for i in range(steps):
+            y = (x @ w).relu().sum()
+            run.log({"loss": y.item(), "samples": 64}, step=start + i)
+    elif mode == "mlflow":
+        import mlflow
+        for i in range(steps):
+            y = (x @ w).relu().sum()
+            mlflow.log_metrics({"loss": y.item(), "samples": 64}, step=start + i)
+    return steps / (time.perf_counter() - t0)
+"""
+
+
+# Kernel CPU seconds spent while each mode's cells ran (the collector's work shows in "nbdist").
+KERNEL_CPU: dict[str, float] = {}
+
+
+def _rounds(s, modes: list[str], rounds: int, steps: int, start: int) -> tuple[dict, int, list]:
+    """Steps/s of each mode per round (each rank's own rate), modes in rotated order; the
+    next free step; the steps the last mode logged."""
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    logged: list[int] = []
+    for r in range(rounds):
+        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            cpu0 = time.process_time()
+            s.run(f"_rate = loop({steps}, {mode!r}, start={start})", sink=ListSink())
+            KERNEL_CPU[mode] = KERNEL_CPU.get(mode, 0.0) + time.process_time() - cpu0
+            rates[mode].extend(s.pull("_rate"))
+            if mode == modes[-1]:
+                logged.extend(range(start, start + steps))
+            start += steps
+    return rates, start, logged
+
+
+def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
+    """A plain ~0.5 ms loop: nbdist.log every step (and each peer) against no logging."""
+    s = nbdist.DistSession(ranks, cpu=True, threads=1).start()
+    arrivals: list[float] = []  # per point, seconds from its log call to the kernel's run
+
+    def arrived(rank: int, points: list) -> None:
+        now = time.time()
+        arrivals.extend(now - point[1] for point in points)
+
+    result: dict = {"ranks": ranks, "steps_per_round": steps, "rounds": rounds}
+    try:
+        s.run(LOOP, sink=ListSink())
+        for mode in ("off", "nbdist"):  # warm-up
+            s.run(f"loop({steps // 4}, {mode!r}, start=-1000000)", sink=ListSink())
+        logged_before = s.metrics.count()
+        unsubscribe = s.metrics.on_points(arrived)
+        KERNEL_CPU.clear()
+        rates, start, logged = _rounds(s, ["off", "nbdist"], rounds, steps, 0)
+        kernel_cpu = KERNEL_CPU["nbdist"] - KERNEL_CPU["off"]
+        unsubscribe()
+        points = s.metrics.count() - logged_before
+        off, on = median(rates["off"]), median(rates["nbdist"])
+        # Every rank's every step, exactly once, with the value it logged.
+        complete = all(
+            s.metrics.series("loss", r)[0][-len(logged) :] == logged for r in range(ranks)
+        )
+        result["nbdist"] = {
+            "steps_per_s_off": round(off, 1),
+            "steps_per_s_log": round(on, 1),
+            "step_ms_off": round(1e3 / off, 3),
+            "extra_us_per_step": round(1e6 / on - 1e6 / off, 1),
+            "ratio": round(ratio(on, off), 3),
+            "points": points,
+            "points_expected": ranks * rounds * steps,
+            "every_step_of_every_rank": complete,
+            "latency_s_median": round(median(arrivals), 3) if arrivals else None,
+            "latency_s_max": round(max(arrivals), 3) if arrivals else None,
+            "kernel_cpu_us_per_point": round(1e6 * kernel_cpu / max(1, points), 1),
+        }
+        n = result["nbdist"]
+        print(
+            f"loop, {ranks} rank(s), {n['step_ms_off']} ms steps: nbdist.log {on:.1f} vs "
+            f"{off:.1f} steps/s -> {n['ratio']:.3f}x (goal >= 0.98), {n['extra_us_per_step']} us "
+            f"a logged step; {points} of {n['points_expected']} points, every step of every "
+            f"rank: {complete}; point to kernel median {n['latency_s_median']} s, max "
+            f"{n['latency_s_max']} s (goal <= 1 s); kernel CPU {n['kernel_cpu_us_per_point']} "
+            f"us per point (beyond the same cells without logging)"
+        )
+        for peer in peers:
+            try:
+                s.run(f"peer_open({peer!r})", sink=ListSink())
+                s.run(f"loop({steps // 4}, {peer!r})", sink=ListSink())
+                rates, start, _ = _rounds(s, ["off", peer], rounds, steps, start)
+                s.run(f"peer_close({peer!r})", sink=ListSink())
+            except Exception as exc:  # a tracker that is not installed or fails: say so, go on
+                result[peer] = {"error": str(exc).splitlines()[0][:200]}
+                print(f"loop, {ranks} rank(s): {peer}: {result[peer]['error']}")
+                continue
+            off, on = median(rates["off"]), median(rates[peer])
+            result[peer] = {
+                "steps_per_s_off": round(off, 1),
+                "steps_per_s_log": round(on, 1),
+                "extra_us_per_step": round(1e6 / on - 1e6 / off, 1),
+                "ratio": round(ratio(on, off), 3),
+            }
+            print(
+                f"loop, {ranks} rank(s): {peer} {on:.1f} vs {off:.1f} steps/s -> "
+                f"{result[peer]['ratio']:.3f}x, {result[peer]['extra_us_per_step']} us a logged step"
+            )
+    finally:
+        s.stop()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -196,11 +374,29 @@ def main() -> None:
         "--sleep", type=float, default=0.005, help="seconds each logged step sleeps (the step time)"
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke run")
+    parser.add_argument("--loop", action="store_true", help="only the ~0.5 ms loop (part 4)")
+    parser.add_argument("--peers", action="store_true", help="part 4 with TensorBoard, W&B, MLflow")
+    parser.add_argument("--loop-ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--loop-steps", type=int, default=2000, help="steps per round, part 4")
     args = parser.parse_args()
     if args.quick:
-        args.ranks, args.steps, args.rounds = 2, 500, 1
+        args.ranks, args.steps, args.rounds, args.loop_steps = 2, 500, 1, 400
     print(f"machine: {machine()}")
     summary = {"benchmark": "metrics", "load_before": load()}
+    if args.loop or args.peers:
+        cpu = CpuMeter()
+        peers = ["tensorboard", "wandb", "mlflow"] if args.peers else []
+        summary["loop"] = [
+            bench_loop(n, max(args.rounds, 3), args.loop_steps, peers) for n in args.loop_ranks
+        ]
+        summary["cpu"] = cpu.read()
+        summary["load_after"] = load()
+        print(
+            f"cpu during the run: other processes {summary['cpu'].get('other_cpu_s')} CPU-s "
+            f"over {summary['cpu']['wall_s']} s; load average now {load()}"
+        )
+        print_summary(summary)
+        return
     summary["training"] = bench_training(args.rounds, 60 if args.quick else 300)
     summary["kernel_cpu"] = bench_kernel_cpu(args.ranks, args.steps, args.sleep)
     summary["bytes"] = bench_bytes(args.ranks)

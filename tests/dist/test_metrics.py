@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -55,6 +56,54 @@ def test_history_has_the_points_after_the_run(session):
     frame = record.to_pandas()
     assert set(frame["rank"]) == {0, 1}
     assert len(frame) == len(session.metrics.to_pandas())
+
+
+def test_every_step_of_every_rank_arrives_exactly_live_forwarded_and_in_the_history(session):
+    from nbdist.metrics.store import load_run
+
+    forwarded = []
+    with session.metrics.forward(forwarded.append) as forwarder:
+        # Several flushes' worth per rank, tensors and numbers, values known to the bit.
+        session.run(
+            "for i in range(4000):\n"
+            "    nbdist.log(step=50_000 + i, loss=torch.tensor(i * 0.25 + rank), n=i)\n",
+            sink=ListSink(),
+        )
+        assert forwarder.wait(timeout=30)
+    history = load_run(session.metrics.id, path=session.history)
+    for rank in (0, 1):
+        want_steps = list(range(50_000, 54_000))
+        want_loss = [i * 0.25 + rank for i in range(4000)]
+        for run in (session.metrics, history):
+            steps, losses = run.series("loss", rank)
+            assert steps[-4000:] == want_steps
+            assert losses[-4000:] == want_loss
+            assert run.series("n", rank)[1][-4000:] == [float(i) for i in range(4000)]
+        mine = [p for p in forwarded if p.rank == rank]
+        assert [p.step for p in mine] == want_steps
+        assert [p.values["loss"] for p in mine] == want_loss
+    assert session.metrics.dropped_total() == 0
+
+
+def test_points_reach_the_kernel_while_the_cell_still_runs(session):
+    # The dashboard is live: a point logged mid-cell is in the run before the cell ends.
+    before = session.metrics.count(0)
+    pending = session.run(
+        "import time\nnbdist.log(step=90_000, loss=1.0)\ntime.sleep(4)\n",
+        block=False,
+        sink=ListSink(),
+    )
+    try:
+        seen = False
+        for _ in range(80):
+            if session.metrics.count(0) > before:
+                seen = True
+                break
+            time.sleep(0.05)
+        assert seen, "no point arrived while the cell ran"
+        assert not pending.done()
+    finally:
+        pending.wait()
 
 
 def test_forged_metrics_are_rejected(session):
