@@ -91,7 +91,6 @@ pl_weights = torch.cat([model.layer.weight.detach().flatten(), model.layer.bias.
 """,
     )
     world = one_gpu.world_size
-    assert one_gpu.pull("pl_facts") == [(world, r, "cuda") for r in range(world)]
     shards = [
         list(DistributedSampler(range(64), num_replicas=world, rank=r, shuffle=True, seed=0))
         for r in range(world)
@@ -102,6 +101,7 @@ pl_weights = torch.cat([model.layer.weight.detach().flatten(), model.layer.bias.
     )
     for got in one_gpu.pull("pl_weights"):
         torch.testing.assert_close(got, want, **GPU_TOL)
+    assert one_gpu.pull("pl_facts") == [(world, r, "cuda") for r in range(world)]
 
 
 @pytest.mark.example(20)
@@ -113,7 +113,7 @@ def test_accelerate_prepare_on_one_gpu_trains_like_one_process(one_gpu):
         one_gpu,
         """
 from accelerate import Accelerator
-accelerator = Accelerator()
+accelerator = Accelerator(cpu=device.type == "cpu")  # as example 20 (CPU ranks for a dry run)
 torch.manual_seed(0)
 net = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -129,11 +129,11 @@ acc_weights = torch.cat([inner.weight.detach().flatten(), inner.bias.detach()]).
 """,
     )
     world = one_gpu.world_size
-    assert one_gpu.pull("acc_facts") == [(world, r, "cuda") for r in range(world)]
     per_step = 8 * world
     want = _linear_reference([list(range(i, i + per_step)) for i in range(0, 64, per_step)])
     for got in one_gpu.pull("acc_weights"):
         torch.testing.assert_close(got, want, **GPU_TOL)
+    assert one_gpu.pull("acc_facts") == [(world, r, "cuda") for r in range(world)]
 
 
 @pytest.mark.example(22)
@@ -153,7 +153,8 @@ hf_model = BertForSequenceClassification(config)
 g = torch.Generator().manual_seed(rank)
 data = [{"input_ids": torch.randint(0, 64, (8,), generator=g), "labels": i % 2} for i in range(32)]
 args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4,
-                         report_to=[], save_strategy="no", disable_tqdm=True)
+                         report_to=[], save_strategy="no", disable_tqdm=True,
+                         use_cpu=device.type == "cpu")
 hf_trainer = Trainer(model=hf_model, args=args, train_dataset=data)
 hf_trainer.train()
 hf_facts = (args.world_size, args.process_index, hf_trainer.state.global_step, hf_model.device.type)
@@ -161,10 +162,10 @@ hf_weights = torch.cat([p.detach().flatten() for p in hf_model.parameters()]).cp
 """,
     )
     world = one_gpu.world_size
-    assert one_gpu.pull("hf_facts") == [(world, r, 2, "cuda") for r in range(world)]
     weights = one_gpu.pull("hf_weights")
     for got in weights[1:]:
         assert torch.equal(got, weights[0])
+    assert one_gpu.pull("hf_facts") == [(world, r, 2, "cuda") for r in range(world)]
 
 
 DEEPSPEED = """
@@ -211,7 +212,6 @@ def test_deepspeed_zero_stage_on_one_gpu_trains_like_one_process_adam(one_gpu, s
         )
         (loss / world).backward()
         opt.step()
-    assert one_gpu.pull("ds_device") == ["cuda"] * world
     want = net.state_dict()
     for r, state in enumerate(one_gpu.pull("ds_state")):
         assert state.keys() == want.keys()
@@ -219,6 +219,7 @@ def test_deepspeed_zero_stage_on_one_gpu_trains_like_one_process_adam(one_gpu, s
             torch.testing.assert_close(
                 value, want[name], **GPU_TOL, msg=lambda m, n=name, r=r: f"rank {r} {n}: {m}"
             )
+    assert one_gpu.pull("ds_device") == ["cuda"] * world
 
 
 SCRIPT = """
