@@ -242,6 +242,7 @@ def peer_close(name):
 
 def loop(steps, mode, start=0):
     x, w, log = _x, _w, nbdist.log
+    c0, p0 = time.thread_time(), time.process_time()
     t0 = time.perf_counter()
     if mode == "off":
         for i in range(steps):
@@ -266,12 +267,24 @@ def loop(steps, mode, start=0):
         for i in range(steps):
             y = (x @ w).relu().sum()
             mlflow.log_metrics({"loss": y.item(), "samples": 64}, step=start + i)
-    return steps / (time.perf_counter() - t0)
+    rate = steps / (time.perf_counter() - t0)
+    # CPU per step: the training thread's, and the whole process's (with the flush thread)
+    return rate, (time.thread_time() - c0) / steps, (time.process_time() - p0) / steps
 """
 
 
 # Kernel CPU seconds spent while each mode's cells ran (the collector's work shows in "nbdist").
 KERNEL_CPU: dict[str, float] = {}
+# Each rank's (training thread, whole process) CPU seconds per step, per mode and round.
+RANK_CPU: dict[str, list] = {}
+
+
+def _cpu_extra_us(mode: str) -> tuple[float, float]:
+    """CPU a logged step costs a rank beyond an unlogged one, in us: (training thread, process)."""
+    on, off = RANK_CPU[mode], RANK_CPU["off"]
+    return tuple(
+        round(1e6 * (median(a[i] for a in on) - median(b[i] for b in off)), 1) for i in (0, 1)
+    )
 
 
 def _rounds(s, modes: list[str], rounds: int, steps: int, start: int) -> tuple[dict, int, list]:
@@ -284,7 +297,9 @@ def _rounds(s, modes: list[str], rounds: int, steps: int, start: int) -> tuple[d
             cpu0 = time.process_time()
             s.run(f"_rate = loop({steps}, {mode!r}, start={start})", sink=ListSink())
             KERNEL_CPU[mode] = KERNEL_CPU.get(mode, 0.0) + time.process_time() - cpu0
-            rates[mode].extend(s.pull("_rate"))
+            for rate, thread_cpu, process_cpu in s.pull("_rate"):
+                rates[mode].append(rate)
+                RANK_CPU.setdefault(mode, []).append((thread_cpu, process_cpu))
             if mode == modes[-1]:
                 logged.extend(range(start, start + steps))
             start += steps
@@ -308,6 +323,7 @@ def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
         logged_before = s.metrics.count()
         unsubscribe = s.metrics.on_points(arrived)
         KERNEL_CPU.clear()
+        RANK_CPU.clear()
         rates, start, logged = _rounds(s, ["off", "nbdist"], rounds, steps, 0)
         kernel_cpu = KERNEL_CPU["nbdist"] - KERNEL_CPU["off"]
         unsubscribe()
@@ -329,6 +345,8 @@ def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
             "latency_s_median": round(median(arrivals), 3) if arrivals else None,
             "latency_s_max": round(max(arrivals), 3) if arrivals else None,
             "kernel_cpu_us_per_point": round(1e6 * kernel_cpu / max(1, points), 1),
+            "rank_cpu_us_extra_training_thread": _cpu_extra_us("nbdist")[0],
+            "rank_cpu_us_extra_process": _cpu_extra_us("nbdist")[1],
         }
         n = result["nbdist"]
         print(
@@ -337,9 +355,12 @@ def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
             f"a logged step; {points} of {n['points_expected']} points, every step of every "
             f"rank: {complete}; point to kernel median {n['latency_s_median']} s, max "
             f"{n['latency_s_max']} s (goal <= 1 s); kernel CPU {n['kernel_cpu_us_per_point']} "
-            f"us per point (beyond the same cells without logging)"
+            f"us per point (beyond the same cells without logging); rank CPU per logged step "
+            f"+{n['rank_cpu_us_extra_training_thread']} us training thread, "
+            f"+{n['rank_cpu_us_extra_process']} us whole rank"
         )
         for peer in peers:
+            RANK_CPU.clear()
             try:
                 s.run(f"peer_open({peer!r})", sink=ListSink())
                 s.run(f"loop({steps // 4}, {peer!r})", sink=ListSink())
@@ -355,10 +376,15 @@ def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
                 "steps_per_s_log": round(on, 1),
                 "extra_us_per_step": round(1e6 / on - 1e6 / off, 1),
                 "ratio": round(ratio(on, off), 3),
+                "rank_cpu_us_extra_training_thread": _cpu_extra_us(peer)[0],
+                "rank_cpu_us_extra_process": _cpu_extra_us(peer)[1],
             }
+            p = result[peer]
             print(
                 f"loop, {ranks} rank(s): {peer} {on:.1f} vs {off:.1f} steps/s -> "
-                f"{result[peer]['ratio']:.3f}x, {result[peer]['extra_us_per_step']} us a logged step"
+                f"{p['ratio']:.3f}x, {p['extra_us_per_step']} us a logged step; rank CPU per "
+                f"logged step +{p['rank_cpu_us_extra_training_thread']} us training thread, "
+                f"+{p['rank_cpu_us_extra_process']} us whole rank (other processes not counted)"
             )
     finally:
         s.stop()

@@ -42,7 +42,7 @@ from nbdist.engine.helpers import remember_identity
 from nbdist.engine.netif import address_towards, choose_socket_ifname
 from nbdist.metrics.log import configure, flush, shutdown
 
-__all__ = ["finish", "init", "launcher_environment"]
+__all__ = ["finish", "init", "launcher_environment", "metrics_run"]
 
 _state: dict = {}
 # How long rank 0 waits at the end for the other ranks' last points.
@@ -188,6 +188,20 @@ def _collector_address(seen: list, master: str) -> str:
 
 def _several_hosts(env: dict[str, str]) -> bool:
     return int(env.get("LOCAL_WORLD_SIZE", 1)) < int(env.get("WORLD_SIZE", 1))
+
+
+def metrics_run():
+    """On rank 0: the :class:`~nbdist.metrics.run.Run` its collector fills with every rank's
+    points (None on other ranks, or before :func:`init`).
+
+    Hand them to a tracker without slowing the training loop, on a thread of rank 0::
+
+        fwd = metrics_run().forward(lambda p: wandb.log(p.values, step=p.step), ranks=[0])
+        ...
+        finish()
+        fwd.close()   # after finish(): the last points arrive during it
+    """
+    return _state.get("run")
 
 
 def finish() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import time
 import weakref
 
@@ -179,3 +180,51 @@ def test_a_failing_cell_returns_with_every_point_it_logged_before_the_error(sess
     assert [a - b for a, b in zip(after, before)] == [3000, 3000]
     steps, losses = session.metrics.series("loss", 0)
     assert steps[-1] == 2999 and losses[-1] == 2999.0
+
+
+_SCRIPT_FORWARDING_ON_RANK_0 = """
+import json
+import torch, nbdist
+from nbdist.engine.standalone import init, finish, metrics_run
+rank, local_rank, world_size, device = init()
+got = []
+forwarder = metrics_run().forward(got.append) if rank == 0 else None
+assert (metrics_run() is None) == (rank != 0)
+for i in range(500):
+    nbdist.log(step=i, loss=torch.tensor(i + 0.5 * rank))
+finish()
+if forwarder is not None:
+    forwarder.close()
+    print("FORWARDED", json.dumps(sorted((p.rank, p.step, p.values["loss"]) for p in got)))
+"""
+
+
+def test_a_torchrun_script_forwards_every_rank_s_points_to_a_callback_on_rank_0(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "forward.py"
+    script.write_text(_SCRIPT_FORWARDING_ON_RANK_0)
+    env = dict(os.environ, NBDIST_HISTORY=str(tmp_path / "h.sqlite"), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    proc = subprocess.Popen(
+        [*command, "2", str(script)],
+        env=env,
+        cwd=tmp_path,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:  # torchrun and its two workers: the group we started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, output[-3000:]
+    line = next(x for x in output.splitlines() if x.startswith("FORWARDED"))
+    forwarded = [tuple(p) for p in json.loads(line.split(" ", 1)[1])]
+    assert forwarded == [(r, i, i + 0.5 * r) for r in (0, 1) for i in range(500)]
