@@ -10,8 +10,13 @@ Example::
     s = NamedSession.attach("train1")                      # %dist_attach train1, from any kernel
     s.follow_unfinished()      # the output of a cell still running on the ranks, until it ends
     s.pull("x")                # [0, 1]: the rank namespaces are intact
-    named_sessions()           # [{'name': 'train1', 'ranks': 2, 'state': 'running', ...}]
+    named_sessions()           # [{'name': 'train1', 'ranks': 2, 'state': 'running', 'idle_s': ...}]
     stop_named("train1")       # %dist_stop train1, from any kernel
+    stop_idle(3600)            # %dist_sessions --stop-idle 1h: end those idle for an hour
+
+A session is idle while no kernel is attached and no cell runs on its ranks;
+``NamedSession(..., idle_timeout=SECONDS)`` (``%dist_start --idle-timeout``) ends it
+after that long idle. By default a named session runs until it is stopped.
 
 The processes belong to a keeper process (:mod:`nbdist.launch.named_session_keeper`),
 detached from every kernel, which also receives the ranks' metrics into the
@@ -35,8 +40,9 @@ from nbdist.driver.session import DistSession
 from nbdist.errors import NbdistError, PlacementError
 from nbdist.launch import named_session_records
 from nbdist.launch.cluster import ClusterHandle
+from nbdist.launch.values import check_seconds
 
-__all__ = ["NamedSession", "named_sessions", "stop_named"]
+__all__ = ["NamedSession", "named_sessions", "stop_idle", "stop_named"]
 
 # Seconds on top of the ranks' own start-up timeout for the keeper to import and report.
 _KEEPER_SLACK_S = 30.0
@@ -54,12 +60,20 @@ class NamedSession(DistSession):
     #: Read by :mod:`nbdist.driver.live_sessions`: a kernel's exit detaches, it does not stop.
     outlives_kernel = True
 
-    def __init__(self, n: int | None = None, *, name: str, **options):
-        """Check ``name`` and the options (PlacementError if not valid); nothing starts yet."""
+    def __init__(
+        self, n: int | None = None, *, name: str, idle_timeout: float | None = None, **options
+    ):
+        """Check ``name`` and the options (PlacementError if not valid); nothing starts yet.
+
+        ``idle_timeout``: seconds with no kernel attached and no cell running after
+        which the session ends itself (None: it runs until stopped).
+        """
         try:
             named_session_records.check_name(name)
         except NbdistError as exc:
             raise PlacementError(str(exc)) from None
+        if idle_timeout is not None:
+            idle_timeout = check_seconds(idle_timeout, "idle_timeout")
         if options.get("connect") or options.get("attach"):
             raise PlacementError(
                 f"--name {name} with --connect: a cluster connected to already runs apart from "
@@ -82,6 +96,7 @@ class NamedSession(DistSession):
             if options.get("launch_options")
             else None,
             history=self.history,
+            idle_timeout=idle_timeout,
         )
         if self._keeper_options.get("gpus") is not None:
             self._keeper_options["gpus"] = list(self._keeper_options["gpus"])
@@ -180,10 +195,13 @@ class NamedSession(DistSession):
             raise
         self.cells = []
         self._start_watching(handle, connection_file=record.get("connection_file"))
+        named_session_records.mark_attached(self.name)  # in use: not idle while attached
 
     def _stop_ranks(self) -> list[int]:
         # Leaves the ranks (and their group) running: only this kernel lets go of them.
         handle = self._unwatch()
+        if handle is not None:
+            named_session_records.mark_detached(self.name)
         self.group = None
         if handle is not None and handle.client is not None:
             try:
@@ -327,3 +345,20 @@ def named_sessions() -> list[dict]:
 def stop_named(name: str, *, wait: float = 20.0) -> list[int]:
     """End session ``name`` wherever it runs; the PIDs force-killed (see :func:`nbdist.launch.named_session_records.stop`)."""
     return named_session_records.stop(name, wait=wait)
+
+
+def stop_idle(seconds: float) -> list[str]:
+    """End every named session idle (no kernel attached, no cell running) for ``seconds`` or more.
+
+    Returns their names. ``%dist_sessions --stop-idle 2h`` calls it.
+    """
+    check_seconds(seconds, "seconds")
+    ended = []
+    for row in named_sessions():
+        if row["idle_s"] is not None and row["idle_s"] >= seconds:
+            try:
+                stop_named(row["name"])
+            except NbdistError:  # stopped meanwhile
+                continue
+            ended.append(row["name"])
+    return ended

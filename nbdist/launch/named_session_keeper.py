@@ -17,7 +17,9 @@ so none is lost while no kernel is attached; kernels follow the run in the
 history.
 
 It writes its record (:mod:`nbdist.launch.named_session_records`), keeps the run's last
-step in it, and on SIGTERM (``%dist_stop NAME`` from any kernel) closes the run,
+step in it and since when the session is idle (no kernel attached, no cell
+running on a rank: ``idle_since``); a session started with ``--idle-timeout``
+ends itself once idle that long. On SIGTERM (``%dist_stop NAME`` from any kernel) closes the run,
 stops every process it started, by PID, and removes the session's directory.
 """
 
@@ -37,6 +39,11 @@ __all__ = ["main"]
 
 # How often the record's last step is brought up to date (a cheap read of the run in memory).
 _RECORD_EVERY_S = 1.0
+# How often the keeper asks the controller whether a cell runs (one small request).
+_IDLE_CHECK_EVERY_S = 2.0
+# The kernel that started the session attaches a moment after the ranks are up: until
+# it did (or this long), the session is in use, so a short --idle-timeout cannot end it first.
+_FIRST_ATTACH_GRACE_S = 30.0
 
 
 class _LastSteps(Run):
@@ -72,6 +79,7 @@ class _Keeper:
         }
         self.handle = None
         self.hub = None
+        self.ready_at = None  # monotonic time the ranks were up
 
     def write(self, **fields) -> None:
         self.record.update(fields)
@@ -89,6 +97,7 @@ class _Keeper:
 
         kwargs = dict(self.options)
         history = kwargs.pop("history", None)
+        kwargs.pop("idle_timeout", None)
         if kwargs.get("gpus") is not None:
             kwargs["gpus"] = tuple(kwargs["gpus"])
         opts = check_start_options(StartOptions(**kwargs))
@@ -115,6 +124,7 @@ class _Keeper:
             state="ready",
             n=placement.world_size,
             backend=placement.backend,
+            gpus=sorted({s.gpu for s in placement.slots if s.gpu is not None}),
             pids=[e for e in map(named_session_records.pid_entry, pids) if e],
             connection_file=handle.client_file(),
             profile_dir=handle.profile_dir,
@@ -127,7 +137,8 @@ class _Keeper:
         )
 
     def watch(self) -> None:
-        last = None
+        self.ready_at = time.monotonic()
+        last, checked = None, 0.0
         while not self.stop.wait(_RECORD_EVERY_S):
             step = max(self.hub.run.steps.values(), default=None)
             if step != last:
@@ -135,6 +146,30 @@ class _Keeper:
                 self.write(last_step=step)
             if self.handle.cluster is not None and not _controller_alive(self.handle):
                 break  # nothing left to keep: the controller is gone
+            if time.monotonic() - checked >= _IDLE_CHECK_EVERY_S:
+                checked = time.monotonic()
+                if self.idle_for_too_long():
+                    break
+
+    def idle_for_too_long(self) -> bool:
+        """Note since when no kernel is attached and no cell runs; True once past ``idle_timeout``."""
+        attached = bool(named_session_records.attached_kernels(self.name))
+        # The folder of attached kernels stays once the first one made it.
+        ever = os.path.isdir(os.path.join(self.folder, named_session_records.ATTACHED))
+        waiting = time.monotonic() - self.ready_at < _FIRST_ATTACH_GRACE_S
+        in_use = attached or (waiting and not ever)
+        in_use = in_use or _cells_running(self.handle.client)
+        since = self.record.get("idle_since")
+        if in_use and since is not None:
+            self.write(idle_since=None)
+        elif not in_use and since is None:
+            self.write(idle_since=time.time())
+        limit = self.options.get("idle_timeout")
+        since = self.record.get("idle_since")
+        if limit and since is not None and time.time() - since >= limit:
+            self.write(error=f"ended after {limit:g} s idle (--idle-timeout)")
+            return True
+        return False
 
     def close(self) -> None:
         from nbdist.launch.cluster import stop_processes
@@ -151,6 +186,18 @@ class _Keeper:
                 pass
         if self.handle is not None:
             stop_processes(self.handle)
+
+
+def _cells_running(client) -> bool:
+    # A cell counts from the moment it is queued on an engine until its reply: one that an
+    # earlier kernel left running (it died mid-cell) keeps the session in use.
+    try:
+        status = client.queue_status()
+    except Exception:  # a controller that does not answer: not idle, the watch ends it
+        return True
+    return bool(status.get("unassigned")) or any(
+        isinstance(v, dict) and (v.get("queue") or v.get("tasks")) for v in status.values()
+    )
 
 
 def _controller_alive(handle) -> bool:

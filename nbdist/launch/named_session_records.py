@@ -12,6 +12,12 @@ started it, so what a later kernel needs to reach it is kept on disk, in
   ranks (rank, engine, PID, host, device), so a kernel that attaches while the
   ranks are busy with a cell needs nothing from them.
 - ``keeper.log``: the keeper's own output.
+- ``attached/PID.json``: one per kernel attached now (its PID and start time),
+  written when a kernel starts or attaches to the session and removed when it
+  detaches; a kernel that died leaves one whose process is gone, which counts
+  for nothing. The keeper reads them to know when the session is idle (no kernel
+  attached and no cell running): ``idle_since`` in the record, and the end of a
+  session started with ``--idle-timeout``.
 
 The directories are ``0700`` and the files ``0600``: only the user who started
 a session can read its connection file and attach (ipyparallel's HMAC key is
@@ -25,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import psutil
 
@@ -33,8 +40,11 @@ from nbdist.errors import NbdistError
 __all__ = [
     "FORMAT",
     "alive",
+    "attached_kernels",
     "check_name",
     "describe_session",
+    "mark_attached",
+    "mark_detached",
     "pid_entry",
     "read",
     "read_group",
@@ -49,7 +59,7 @@ __all__ = [
 
 FORMAT = 1
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-RECORD, GROUP, LOG = "session.json", "group.json", "keeper.log"
+RECORD, GROUP, LOG, ATTACHED = "session.json", "group.json", "keeper.log", "attached"
 
 
 def check_name(name: object) -> str:
@@ -139,6 +149,39 @@ def alive(entry: dict | None) -> psutil.Process | None:
         return None
 
 
+def mark_attached(name: str, pid: int | None = None) -> None:
+    """Note that the kernel ``pid`` (this process by default) is attached to session ``name``."""
+    pid = os.getpid() if pid is None else pid
+    folder = os.path.join(session_dir(name), ATTACHED)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    entry = pid_entry(pid)
+    if entry is not None:
+        write_json(os.path.join(folder, f"{pid}.json"), entry)
+
+
+def mark_detached(name: str, pid: int | None = None) -> None:
+    """Undo :func:`mark_attached` (never raises: the session may be gone already)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        os.remove(os.path.join(session_dir(name), ATTACHED, f"{pid}.json"))
+    except (OSError, NbdistError):
+        pass
+
+
+def attached_kernels(name: str) -> list[int]:
+    """The PIDs of the kernels attached to session ``name`` now (alive ones only)."""
+    folder = os.path.join(session_dir(name), ATTACHED)
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    pids = []
+    for entry in sorted(names):
+        if entry.endswith(".json") and alive(_read_json(os.path.join(folder, entry))):
+            pids.append(int(entry[: -len(".json")]))
+    return pids
+
+
 def state_of(record: dict) -> str:
     """'starting', 'running', 'failed', 'stopping' or 'gone' (its keeper process ended)."""
     if alive(record.get("keeper")) is None:
@@ -147,18 +190,53 @@ def state_of(record: dict) -> str:
     return "running" if state == "ready" else state
 
 
-def describe_session(record: dict) -> dict:
-    """The row ``%dist_sessions`` and the sidebar show for one record."""
+def describe_session(record: dict, now: float | None = None) -> dict:
+    """The row ``%dist_sessions`` and the sidebar show for one record.
+
+    ``idle_s``: seconds with no kernel attached and no cell running (None while
+    one is, or before the keeper first looked); ``idle_timeout``: when the keeper
+    ends it (None: never); ``memory``: resident bytes of its processes on this
+    host (keeper, controller, zygote, ranks); ``gpus``: the GPUs its ranks hold.
+    """
+    state = state_of(record)
+    idle_since = record.get("idle_since")
+    now = time.time() if now is None else now
     return {
         "name": record.get("name"),
         "ranks": record.get("n"),
         "launcher": record.get("launcher") or "local",
         "started": record.get("started"),
-        "state": state_of(record),
+        "state": state,
         "last_step": record.get("last_step"),
         "run_id": record.get("run_id"),
         "error": record.get("error") or "",
+        "idle_s": max(0.0, now - idle_since) if idle_since and state == "running" else None,
+        "idle_timeout": (record.get("options") or {}).get("idle_timeout"),
+        "memory": _memory(record) if state != "gone" else 0,
+        "gpus": record.get("gpus") or [],
     }
+
+
+def _memory(record: dict) -> int:
+    # Resident set sizes summed: forked ranks share pages with the zygote, so this
+    # overstates what freeing them gives back, never understates what they hold.
+    procs = {}
+    for entry in [record.get("keeper"), *record.get("pids", [])]:
+        proc = alive(entry)
+        if proc is None:
+            continue
+        procs[proc.pid] = proc
+        try:
+            procs.update((c.pid, c) for c in proc.children(recursive=True))
+        except psutil.Error:
+            pass
+    total = 0
+    for proc in procs.values():
+        try:
+            total += proc.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
 
 
 def records() -> list[dict]:

@@ -28,10 +28,13 @@ __all__ = [
     "is_digits",
     "is_whole",
     "parse_count",
+    "parse_duration",
     "parse_seconds",
 ]
 
 _NUMBER = re.compile(r"^[0-9]+$")
+_DURATION = re.compile(r"^([0-9]*\.?[0-9]+)\s*(s|m|min|h|d)?$")
+_UNIT_S = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def is_whole(value) -> bool:
@@ -85,3 +88,21 @@ def parse_seconds(text: str, flag: str = "--timeout") -> float:
     if not value > 0 or value == float("inf"):  # also NaN
         raise PlacementError(f"{flag} {text!r} must be more than 0 seconds (and finite)")
     return value
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """A duration as a user writes it ('90', '90s', '30m', '2h', '1.5d') in seconds, > 0.
+
+    >>> parse_duration("30m", "--idle-timeout")
+    1800.0
+    """
+    match = _DURATION.match(str(text).strip().lower())
+    seconds = float(match.group(1)) * _UNIT_S[match.group(2)] if match else 0.0
+    if match and not 0 < seconds < math.inf:
+        raise PlacementError(f"{flag} {text!r} must be more than 0 seconds (and finite)")
+    if not match:
+        raise PlacementError(
+            f"{flag} {text!r} is not a duration: a number of seconds, or with a unit "
+            f"s, m, h or d, e.g. {flag} 30m"
+        )
+    return seconds

@@ -17,7 +17,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.errors import PlacementError
 from nbdist.launch.options import parse_gpu_list, parse_launch_options
-from nbdist.launch.values import parse_count, parse_seconds
+from nbdist.launch.values import parse_count, parse_duration, parse_seconds
 from nbdist.magics.args import parse_magic_line
 
 __all__ = ["DistMagics"]
@@ -65,6 +65,12 @@ class DistMagics(Magics):
         "--name", default=None, help="a name: the session outlives the kernel (%%dist_attach NAME)"
     )
     @argument(
+        "--idle-timeout",
+        default=None,
+        help="with --name: end the session after this long with no kernel attached and no "
+        "cell running, e.g. 2h (default: never)",
+    )
+    @argument(
         "--check", action="store_true", help="time each rank's link to rank 0 (seconds at most)"
     )
     @argument("--partition", default=None, help="--launcher slurm: the partition (queue)")
@@ -94,6 +100,7 @@ class DistMagics(Magics):
                 --launch-opt gpus_per_node=8
             %dist_start --launcher ssh --ip 10.1.0.5 --hosts node1:4,node2:4
             %dist_start 4 --name train1   # outlives the kernel: %dist_attach train1 from another
+            %dist_start 4 --name train1 --idle-timeout 2h   # ends after 2 h with nobody using it
 
         More ranks than GPUs share them round robin, over NCCL >= 2.30 (nbdist sets
         NCCL_MULTI_RANK_GPU_ENABLE=1) or else gloo, which stops a strategy it cannot serve.
@@ -115,12 +122,23 @@ class DistMagics(Magics):
         from nbdist.driver.session import DistSession
 
         make = DistSession
+        if args.idle_timeout is not None and args.name is None:
+            raise UsageError(
+                f"--idle-timeout {args.idle_timeout} ends a named session: add --name NAME "
+                "(a session without a name ends with its kernel)"
+            )
         if args.name is not None:
             from functools import partial
 
             from nbdist.driver.named_sessions import NamedSession
 
-            make = partial(NamedSession, name=args.name)
+            idle = None
+            if args.idle_timeout is not None:
+                try:
+                    idle = parse_duration(args.idle_timeout, "--idle-timeout")
+                except PlacementError as exc:
+                    raise UsageError(str(exc)) from None
+            make = partial(NamedSession, name=args.name, idle_timeout=idle)
         try:
             n = parse_count(args.n, "number of ranks", "4") if args.n is not None else None
             threads = None

@@ -15,6 +15,7 @@ from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.errors import NbdistError
+from nbdist.launch.values import parse_duration
 from nbdist.magics.args import SessionMagics, parse_magic_line, seconds
 from nbdist.text_table import format_table
 
@@ -22,26 +23,52 @@ __all__ = ["NamedMagics", "format_sessions", "stop_named_session"]
 
 
 def format_sessions(rows: list[dict]) -> str:
-    """The ``%dist_sessions`` table: name, ranks, launcher, started, state, last step."""
+    """The ``%dist_sessions`` table: name, ranks, launcher, started, state, idle, memory, last step.
+
+    ``idle`` is how long no kernel has been attached and no cell has run (``-``
+    while one is), with the session's ``--idle-timeout`` after a slash; ``memory``
+    what its processes hold on this host; ``gpus`` appears when a session holds any.
+    """
     if not rows:
         return "nbdist: no named sessions (start one with %dist_start N --name NAME)"
+    gpus = any(row.get("gpus") for row in rows)
     table = []
     for row in rows:
         started = row.get("started")
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "-"
         step = row.get("last_step")
         state = row["state"] + (f" ({row['error']})" if row.get("error") else "")
-        table.append(
-            [
-                row["name"],
-                row.get("ranks") or "-",
-                row.get("launcher"),
-                when,
-                state,
-                None if step is None else int(step),
-            ]
-        )
-    return format_table(["name", "ranks", "launcher", "started", "state", "last step"], table)
+        idle = _duration(row.get("idle_s"))
+        if row.get("idle_timeout"):
+            idle += f" / {_duration(row['idle_timeout'])}"
+        memory = row.get("memory")
+        line = [
+            row["name"],
+            row.get("ranks") or "-",
+            row.get("launcher"),
+            when,
+            state,
+            idle,
+            f"{memory / 2**30:.2f} GiB" if memory else "-",
+        ]
+        if gpus:
+            line.append(",".join(map(str, row.get("gpus") or [])) or "-")
+        table.append([*line, None if step is None else int(step)])
+    header = ["name", "ranks", "launcher", "started", "state", "idle", "memory"]
+    return format_table([*header, *(["gpus"] if gpus else []), "last step"], table)
+
+
+def _duration(seconds: float | None) -> str:
+    """``-``, ``45 s``, ``12 min``, ``3.5 h``, ``2.0 d``."""
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
 
 
 def stop_named_session(dist_magics, name: str) -> None:
@@ -65,21 +92,39 @@ def stop_named_session(dist_magics, name: str) -> None:
 class NamedMagics(SessionMagics):
     """%dist_sessions and %dist_attach (named sessions outlive the kernel that started them)."""
 
+    @magic_arguments()
+    @argument(
+        "--stop-idle",
+        default=None,
+        metavar="DURATION",
+        help="end the sessions idle (no kernel attached, no cell running) this long, e.g. 2h",
+    )
     @line_magic
     def dist_sessions(self, line=""):
-        """List this user's named sessions: name, ranks, launcher, started, state, last step.
+        """List this user's named sessions: name, ranks, state, idle time, memory, last step.
 
-        A session whose keeper process is gone (killed) shows as ``gone``;
-        ``%dist_stop NAME`` removes what is left of it. Example::
+        A session is idle while no kernel is attached and no cell runs on its
+        ranks; ``idle`` shows for how long (and its ``--idle-timeout``, if any).
+        ``memory`` is what its processes hold on this host. A session whose keeper
+        process is gone (killed) shows as ``gone``; ``%dist_stop NAME`` removes
+        what is left of it. Examples::
 
             %dist_sessions
-            # name    ranks  launcher  started              state    last step
-            # train1  4      local     2026-11-26 23:10:04  running  1200
+            # name    ranks  launcher  started              state    idle    memory    last step
+            # train1  4      local     2026-11-26 23:10:04  running  3.5 h   2.10 GiB  1200
+            %dist_sessions --stop-idle 2h    # ends train1 (and any other idle 2 h or more)
         """
-        from nbdist.driver.named_sessions import named_sessions
+        from nbdist.driver.named_sessions import named_sessions, stop_idle
 
-        if line.strip():
-            raise UsageError(f"%dist_sessions takes no arguments, got {line.strip()!r}")
+        args = parse_magic_line(self.dist_sessions, line)
+        if args.stop_idle is not None:
+            try:
+                limit = parse_duration(args.stop_idle, "--stop-idle")
+            except NbdistError as exc:
+                raise UsageError(str(exc)) from None
+            ended = stop_idle(limit)
+            which = ", ".join(repr(n) for n in ended)
+            print(f"nbdist: stopped {len(ended)} idle session(s)" + (f": {which}" if ended else ""))
         print(format_sessions(named_sessions()))
 
     @magic_arguments()

@@ -47,12 +47,23 @@ def run(shell, text):
         ("--timeout 0", "--timeout '0' must be more than 0"),
         ("--bogus", "unrecognized arguments: --bogus"),
         ("2 --cpu --gpus 0", "--cpu and --gpus contradict"),
+        ("2 --idle-timeout 1h", "--idle-timeout 1h ends a named session: add --name NAME"),
+        ("2 --name a --idle-timeout soon", "--idle-timeout 'soon' is not a duration"),
     ],
 )
 def test_bad_dist_start_input_is_a_usage_error(shell, line, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(")):
         shell.run_line_magic("dist_start", line)
     assert shell.magics_manager.registry["DistMagics"].session is None
+
+
+def test_bad_stop_idle_is_a_usage_error(shell):
+    with pytest.raises(UsageError, match="--stop-idle '0' must be more than 0"):
+        shell.run_line_magic("dist_sessions", "--stop-idle 0")
+    with pytest.raises(
+        UsageError, match="--stop-idle 'later' is not a duration.*e.g. --stop-idle 30m"
+    ):
+        shell.run_line_magic("dist_sessions", "--stop-idle later")
 
 
 def test_connect_names_the_file_and_attach_is_its_deprecated_name(shell):
