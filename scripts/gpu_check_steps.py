@@ -47,6 +47,7 @@ __all__ = [
     "render_table",
     "run_jobs",
     "select",
+    "summary_line",
 ]
 
 STEPS = ("tests", "notebooks", "nccl", "train", "shared")
@@ -80,6 +81,7 @@ class Job:
     log: str = ""
     error: str = ""  # the failing cell and exception, or the failed tests
     failed_tests: list[str] = field(default_factory=list)
+    summary: str = ""  # pytest's last line ("40 passed, 2 skipped in 61s"), a notebook's OK line
     tail: str = ""
 
 
@@ -103,6 +105,18 @@ def pytest_failures(log: str) -> list[tuple[str, str]]:
         if m and "::" in m.group(2):
             found.append((m.group(2), (m.group(3) or m.group(1)).strip()))
     return found
+
+
+_PYTEST_TOTALS = re.compile(r"\b\d+ (passed|failed|skipped|errors?|deselected)\b|no tests ran")
+
+
+def summary_line(log: str) -> str:
+    """pytest's closing counts, or run_notebook.py's OK line ('' when neither is there)."""
+    for line in reversed(log.splitlines()):
+        text = line.strip().strip("=").strip()
+        if _PYTEST_TOTALS.search(text) or text.startswith("OK: "):
+            return text
+    return ""
 
 
 def _tail(log: str, n: int = TAIL_LINES) -> str:
@@ -310,6 +324,7 @@ def _finish(job: Job, proc, started: float, log_path: Path, timed_out: bool) -> 
     rc = proc.returncode
     text = log_path.read_text(errors="replace") if log_path.exists() else ""
     job.tail = _tail(text)
+    job.summary = summary_line(text)
     if timed_out:
         job.status = f"timeout ({job.limit_s} s)"
     elif rc == 0:
@@ -420,7 +435,8 @@ def render_table(jobs: list[Job]) -> str:
     """The markdown results table and, for each step that did not pass, its error and last lines."""
     lines = ["| step | result | time | notes |", "|---|---|---|---|"]
     for job in jobs:
-        note = job.error or ("" if job.status == "pass" else (job.tail.splitlines() or [""])[-1])
+        last = (job.tail.splitlines() or [""])[-1]
+        note = job.error or job.summary or ("" if job.status == "pass" else last)
         note = note.replace("|", "\\|").replace("\n", " ")[:300]
         lines.append(f"| {job.name} | {job.status} | {job.seconds:.0f} s | {note} |")
     for job in jobs:

@@ -42,6 +42,7 @@ def test_pytest_failures_read_from_a_real_pytest_run(tmp_path):
         timeout=120,
     )
     found = dict(steps.pytest_failures(out.stdout))
+    assert steps.summary_line(out.stdout).startswith("1 failed, 1 passed, 1 error in ")
     assert set(found) == {"test_x.py::test_bad", "test_x.py::test_error"}, out.stdout
     assert "one is not two" in found["test_x.py::test_bad"]
     assert "no fixture" in found["test_x.py::test_error"]
@@ -58,6 +59,7 @@ def test_notebook_failure_is_run_notebooks_failed_line():
         "raised RankError: rank 1: RuntimeError: CUDA error"
     )
     assert steps.notebook_failure("OK: every cell ran\n") == ""
+    assert steps.summary_line("x\nOK: every cell ran\n") == "OK: every cell ran"
 
 
 def _previous(jobs, statuses: dict) -> dict:
