@@ -39,6 +39,7 @@ def register(ipython):
         magics = register(get_ipython())
         magics.session          # the session %dist_start started, or None
     """
+    from nbdist.driver.lab_debugger import install as install_lab_debugger
     from nbdist.magics.cells import CellMagics
     from nbdist.magics.debug import DebugMagics
     from nbdist.magics.inspect import InspectMagics
@@ -47,6 +48,8 @@ def register(ipython):
     from nbdist.magics.perf import PerfMagics
     from nbdist.magics.scripts import ScriptMagics
 
+    # JupyterLab's debugger reaches the ranks through the kernel's debug requests.
+    install_lab_debugger(ipython)
     magics = DistMagics(ipython)
     ipython.register_magics(magics)
     for more in (CellMagics, ScriptMagics, DebugMagics, InspectMagics, PerfMagics, NamedMagics):

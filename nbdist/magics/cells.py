@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from nbdist.driver.lab_debugger import prepare_cell
 from nbdist.errors import PlacementError
 from nbdist.launch.values import is_digits
 from nbdist.magics.args import (
@@ -37,6 +38,7 @@ def run_on_ranks(dist_magics, cell: str, ranks, noblock: bool, timeout):
     except PlacementError as exc:
         raise UsageError(str(exc)) from None
     ranks = [r.rank for r in selected]
+    prepare_cell(session, ranks, cell)  # JupyterLab's debugger, when it is on
     if noblock:
         dist_magics.last_run = session.run(cell, ranks, block=False, timeout=timeout_s)
         return dist_magics.last_run

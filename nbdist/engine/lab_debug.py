@@ -1,0 +1,95 @@
+"""Rank side: this rank's part in JupyterLab's debugger (the kernel's end is :mod:`nbdist.driver.lab_debugger`).
+
+JupyterLab knows a cell by the path the kernel's ``dumpCell`` gives it (a hash of
+the cell's whole source, the ``%%on_all_ranks`` line included); a breakpoint in
+the cell's gutter is set on that path and line. The rank runs only the cell's
+body, which IPython would compile under a name of its own, numbered from the
+body's first line. :func:`prepare` tells the rank, before such a cell, which
+path the body belongs to and how many lines lie above it in the notebook's
+cell; the rank then compiles that body under the cell's path with its lines
+shifted, so the debugger's breakpoints match and its stack frames point into the
+notebook's cell.
+
+:func:`prepare` also starts debugpy on the rank the first time (loopback only,
+:func:`nbdist.engine.debugpy_server.listen`); nothing is traced before that, so
+a session whose notebook never turned the debugger on pays nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+
+from nbdist.engine import debugpy_server
+
+__all__ = ["prepare"]
+
+# Cell bodies the kernel announced: body -> (path, lines above the body, the cell's source).
+_cells: dict[str, tuple[str, int, str]] = {}
+_MAX_CELLS = 64
+# The announced cell IPython is compiling now (set when it names the cell, read when it
+# transforms the cell's syntax tree, which follows).
+_current: list[tuple[str, int, str] | None] = [None]
+_installed: list[bool] = [False]
+
+
+class _ShiftLines(ast.NodeTransformer):
+    """IPython AST transformer: moves an announced cell's lines to where they sit in the notebook's cell."""
+
+    def visit(self, node):
+        hit = _current[0]
+        if hit is None:
+            return node
+        path, offset, source = hit
+        _current[0] = None
+        if offset:
+            ast.increment_lineno(node, offset)
+        # Tracebacks and the debugger's source lines read the notebook's cell, line for line.
+        lines = source.splitlines(keepends=True)
+        linecache.cache[path] = (len(source), None, lines, path)
+        return node
+
+
+def _shell():
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
+
+
+def _install(shell) -> None:
+    if _installed[0]:
+        return
+    compiler = shell.compile
+    plain = compiler.get_code_name
+
+    def code_name(raw_code, code, number):
+        hit = _cells.get(raw_code)
+        _current[0] = hit
+        return plain(raw_code, code, number) if hit is None else hit[0]
+
+    compiler.get_code_name = code_name
+    shell.ast_transformers.append(_ShiftLines())
+    # IPython drops a cell's leading blank lines, which would move every line after them.
+    cleanup = shell.input_transformer_manager.cleanup_transforms
+    cleanup[:] = [t for t in cleanup if getattr(t, "__name__", "") != "leading_empty_lines"]
+    _installed[0] = True
+
+
+def prepare(body: str, path: str, offset: int, source: str) -> dict:
+    """Announce the next cell: compile ``body`` under ``path``, its lines moved down by ``offset``.
+
+    ``source``: the notebook cell's whole text (what the debugger shows for
+    ``path``). Starts debugpy listening on loopback the first time; returns its
+    endpoint (:func:`nbdist.engine.debugpy_server.listen`).
+    """
+    shell = _shell()
+    if shell is None:
+        raise RuntimeError(
+            "JupyterLab's debugger needs ranks that run IPython (ipyparallel engines)"
+        )
+    endpoint = debugpy_server.listen()
+    _install(shell)
+    if len(_cells) >= _MAX_CELLS:
+        _cells.pop(next(iter(_cells)))
+    _cells[body] = (path, int(offset), source)
+    return endpoint

@@ -1,0 +1,219 @@
+"""JupyterLab's debugger on the ranks, at the protocol level: a real kernel, 2 CPU ranks.
+
+The test sends the kernel what JupyterLab's debugger sends on the control
+channel (``debug_request``: initialize, attach, debugInfo, dumpCell,
+setBreakpoints, configurationDone), runs a ``%%on_all_ranks`` cell with a
+breakpoint in its gutter, and reads what JupyterLab would show: the ``stopped``
+events, the threads, one stack with both ranks' frames, a rank's variables, an
+evaluate on a rank's frame, then continue and the cell's output.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from nbdist.driver.lab_debugger import RANKS_THREAD
+from tests.notebooks.conftest import Kernel
+
+CELL = "%%on_all_ranks\nx = rank * 10\ny = x + 1\nprint('done', rank, y)\n"
+LINE = 3  # `y = x + 1`, in the notebook cell's numbering (the magic line is 1)
+
+
+class LabDebugClient:
+    """JupyterLab's side of the Jupyter debug protocol, over a kernel client's control channel."""
+
+    def __init__(self, kernel: Kernel):
+        self.kc = kernel.kc
+        self.seq = 0
+        self.events: list[dict] = []
+        self.started = False
+        self.other: list[dict] = []  # iopub messages that are not debug events
+
+    def request(self, command: str, timeout: float = 60.0, **arguments) -> dict:
+        self.seq += 1
+        content = {"seq": self.seq, "type": "request", "command": command, "arguments": arguments}
+        msg = self.kc.session.msg("debug_request", content)
+        self.kc.control_channel.send(msg)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                reply = self.kc.get_control_msg(timeout=1.0)
+            except queue.Empty:
+                self._drain()
+                continue
+            if reply["parent_header"].get("msg_id") == msg["header"]["msg_id"]:
+                self._drain()
+                return reply["content"]
+        raise TimeoutError(f"no debug_reply to {command}")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.05)
+            except queue.Empty:
+                return
+            if msg["msg_type"] == "debug_event":
+                self.events.append(msg["content"])
+            else:
+                self.other.append(msg)
+
+    def cell_output(self, msg_id: str, timeout: float = 120.0) -> str:
+        """The stdout of cell ``msg_id`` once the kernel is idle again (this client reads iopub)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._drain()
+            mine = [m for m in self.other if m["parent_header"].get("msg_id") == msg_id]
+            if any(
+                m["msg_type"] == "status" and m["content"]["execution_state"] == "idle"
+                for m in mine
+            ):
+                return "".join(
+                    m["content"].get("text", "") for m in mine if m["msg_type"] == "stream"
+                )
+            time.sleep(0.1)
+        raise TimeoutError(f"cell {msg_id} did not finish; got {self.other!r}")
+
+    def wait_event(self, name: str, timeout: float = 90.0, count: int = 1, **body) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._drain()
+            found = [
+                e
+                for e in self.events
+                if e.get("event") == name
+                and all(e.get("body", {}).get(k) == v for k, v in body.items())
+            ]
+            if len(found) >= count:
+                return found
+            time.sleep(0.1)
+        raise TimeoutError(f"no {count} {name} event(s) {body}; got {self.events!r}")
+
+
+@pytest.fixture(scope="module")
+def lab():
+    kernel = Kernel()
+    try:
+        kernel.start_dist(2)
+        yield kernel, LabDebugClient(kernel)
+    finally:
+        kernel.shutdown()
+
+
+def _debugger_on(dbg: LabDebugClient, cell: str, breakpoints: list[dict]) -> str:
+    """What JupyterLab sends when its debugger is switched on with breakpoints in ``cell``
+    (the module's tests share one debug session: ipykernel 7.4's debugger does not answer
+    an initialize that follows a disconnect, with nbdist or without)."""
+    if not dbg.started:
+        assert dbg.request("initialize", clientID="jupyterlab", adapterID="python")["success"]
+        assert dbg.request("attach")["success"]
+        dbg.started = True
+    info = dbg.request("debugInfo")["body"]
+    path = dbg.request("dumpCell", code=cell)["body"]["sourcePath"]
+    assert path.startswith(info["tmpFilePrefix"])
+    reply = dbg.request(
+        "setBreakpoints", source={"path": path}, breakpoints=breakpoints, sourceModified=False
+    )
+    assert reply["success"]
+    assert dbg.request("configurationDone")["success"]
+    return path
+
+
+def _stack(dbg: LabDebugClient) -> dict[int, dict]:
+    """The top frame of each stopped rank, as the Callstack panel lists them."""
+    frames = dbg.request("stackTrace", threadId=RANKS_THREAD)["body"]["stackFrames"]
+    tops: dict[int, dict] = {}
+    for frame in frames:
+        tops.setdefault(int(frame["name"].split()[1]), frame)
+    return tops
+
+
+def test_breakpoint_in_a_cells_gutter_stops_both_ranks(lab):
+    kernel, dbg = lab
+    path = _debugger_on(dbg, CELL, [{"line": LINE}])
+
+    msg_id = kernel.submit(CELL)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    threads = dbg.request("threads")["body"]["threads"]
+    assert any(t["id"] == RANKS_THREAD for t in threads), threads
+
+    tops = _stack(dbg)
+    assert sorted(tops) == [0, 1], tops
+    for rank, frame in tops.items():
+        assert frame["name"].startswith(f"rank {rank} · "), frame
+        assert frame["source"]["path"] == path, frame
+        assert frame["line"] == LINE, frame
+
+    # Selecting rank 1's frame: its scopes, its variables, an evaluate there.
+    scopes = dbg.request("scopes", frameId=tops[1]["id"])["body"]["scopes"]
+    variables = {}
+    for scope in scopes:
+        body = dbg.request("variables", variablesReference=scope["variablesReference"])["body"]
+        for var in body["variables"]:
+            variables.setdefault(var["name"], var["value"])
+    assert variables.get("x") == "10", sorted(variables)
+    evaluated = dbg.request(
+        "evaluate", expression="x + rank", frameId=tops[0]["id"], context="repl"
+    )
+    assert evaluated["body"]["result"] == "0"
+    evaluated = dbg.request(
+        "evaluate", expression="x + rank", frameId=tops[1]["id"], context="repl"
+    )
+    assert evaluated["body"]["result"] == "11"
+
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    reply = kernel.reply(msg_id)
+    assert reply["status"] == "ok", reply
+    assert "done 0 1" in text and "done 1 11" in text, text
+
+
+def test_conditional_breakpoint_and_next_act_on_one_rank(lab):
+    kernel, dbg = lab
+    dbg.events.clear()
+    cell = "%%on_all_ranks\nx = rank * 10\ny = x + 1\nprint('stepped', rank, y)\n"
+    path = _debugger_on(dbg, cell, [{"line": 2, "condition": "rank == 1"}])
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, timeout=120)
+    tops = _stack(dbg)
+    assert sorted(tops) == [1], tops  # the condition held on rank 1 only
+    assert (tops[1]["source"]["path"], tops[1]["line"]) == (path, 2)
+    dbg.request("scopes", frameId=tops[1]["id"])  # JupyterLab selects the top frame
+    assert dbg.request("next", threadId=RANKS_THREAD)["success"]
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=60)
+    tops = _stack(dbg)
+    assert tops[1]["line"] == 3, tops
+    assert dbg.request("evaluate", expression="x", frameId=tops[1]["id"])["body"]["result"] == "10"
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    assert "stepped 1 11" in dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+
+
+def test_cells_in_the_kernel_debug_as_before(lab):
+    kernel, dbg = lab
+    dbg.events.clear()
+    cell = "a = 41\nb = a + 1\nprint('kernel', b)\n"
+    path = _debugger_on(dbg, cell, [{"line": 2}])
+    msg_id = kernel.submit(cell)
+    stopped = dbg.wait_event("stopped", timeout=60)[0]["body"]
+    assert stopped["threadId"] != RANKS_THREAD
+    frames = dbg.request("stackTrace", threadId=stopped["threadId"])["body"]["stackFrames"]
+    assert (frames[0]["source"]["path"], frames[0]["line"]) == (path, 2), frames[0]
+    assert dbg.request("continue", threadId=stopped["threadId"])["success"]
+    assert "kernel 42" in dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+
+
+def test_switching_the_debugger_off_lets_the_ranks_run_through(lab):
+    kernel, dbg = lab
+    assert dbg.started, "runs after the tests that set breakpoints"
+    assert dbg.request("disconnect", restart=False, terminateDebuggee=True)["success"]
+    dbg.events.clear()
+    # The first test's breakpoint is still in the same cell's gutter: nothing stops now.
+    msg_id = kernel.submit(CELL)
+    text = dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    assert "done 0 1" in text and "done 1 11" in text, text
+    assert not [e for e in dbg.events if e.get("event") == "stopped"], dbg.events
