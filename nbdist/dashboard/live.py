@@ -36,7 +36,7 @@ from nbdist.dashboard.text import summary_text
 from nbdist.dashboard.widget import plotly_version, widget_class
 from nbdist.rank_states import BUSY, DEAD
 
-__all__ = ["LiveDashboard", "cell_watcher", "close_all", "show_run"]
+__all__ = ["LiveDashboard", "cell_watcher", "close_all", "freeze_views", "show_run"]
 
 _log = logging.getLogger("nbdist.dashboard")
 # While a cell runs, the live dashboards of its run re-read the ranks' states this often (on the
@@ -254,6 +254,21 @@ def close_all() -> None:
     """Close every live dashboard of this process (stops their refresh threads)."""
     for dash in list(_LIVE):
         dash.close()
+
+
+def freeze_views(run) -> None:
+    """Stop refreshing ``run``'s dashboards (their views stay, as last drawn): no more points come.
+
+    A session calls it when it lets go of its run: at a stop, and when a kernel
+    detaches from a named session, whose run goes on elsewhere (unended here, its
+    dashboard would refresh, on a thread of its own, until the kernel exits).
+    """
+    views = _VIEWS.get(run)
+    if views is None:
+        return
+    for dash in (views.auto, views.pinned):
+        if dash is not None and dash.is_live():
+            dash.freeze()
 
 
 class _RunViews:

@@ -286,6 +286,9 @@ class DistSession:
         killed = self._stop_ranks()
         if self._hub is not None:
             self._hub.close()
+            from nbdist.dashboard.live import freeze_views
+
+            freeze_views(self._hub.run)
         return killed
 
     def _stop_ranks(self) -> list[int]:

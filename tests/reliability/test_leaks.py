@@ -9,6 +9,7 @@ reached the kernel's fd limit.
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -79,3 +80,28 @@ def test_a_finished_runs_dashboard_lets_go_of_the_kernel(kernels):
         out = kernel.ok("print(len(get_ipython().events.callbacks['post_run_cell']))").stdout
         counts.append(int(out))
     assert counts[-1] == counts[0], f"post_run_cell callbacks after each finished run: {counts}"
+
+
+NBDIST_THREADS = "import threading\nprint(sorted(t.name for t in threading.enumerate() if t.name.startswith('nbdist')))"
+LOGGING_CELL = "%%on_all_ranks\nfor step in range(20):\n    nbdist.log(step=step, loss=1.0)\n"
+
+
+def test_named_session_detach_attach_and_stop_leave_no_thread_behind(kernels, tmp_path):
+    """A detached named session's dashboard refreshed on its own thread until the kernel exited."""
+    kernel = kernels(env=dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime")))
+    kernel.ok("%load_ext nbdist\nimport nbdist")
+    try:
+        for i in range(2):
+            kernel.ok(f"%dist_start 2 --cpu --name leak{i}", timeout=240)
+            kernel.ok(LOGGING_CELL)
+            kernel.ok("nbdist.current_session().detach()")
+            assert kernel.ok(NBDIST_THREADS).stdout.strip() == "[]"
+            kernel.ok(f"%dist_attach leak{i}", timeout=120)
+            kernel.ok(LOGGING_CELL)
+            kernel.ok(f"%dist_stop leak{i}", timeout=120)
+            assert kernel.ok(NBDIST_THREADS).stdout.strip() == "[]"
+    finally:  # named sessions outlive the kernel: end what a failure left
+        kernel.execute(
+            "from nbdist.driver.named_sessions import named_sessions, stop_named\n"
+            "for row in named_sessions(): stop_named(row['name'])"
+        )
