@@ -39,6 +39,9 @@ Example (in ``%%on_all_ranks`` cells)::
     info = ckpt.load(ckpt.latest("ckpt"), model=model, optimizer=opt)
     start = info["step"]
 
+    # or, in one call that also starts afresh when there is no checkpoint yet:
+    start = ckpt.resume("ckpt", model=model, optimizer=opt)
+
 Checkpoints hold pickled metadata (torch's format): load only checkpoints you
 or your job wrote.
 """
@@ -49,7 +52,7 @@ import json
 import os
 import re
 
-__all__ = ["CheckpointError", "latest", "load", "save"]
+__all__ = ["CheckpointError", "latest", "load", "resume", "save"]
 
 _INFO = "nbdist.json"
 _STEP_DIR = re.compile(r"(\d+)$")
@@ -310,3 +313,24 @@ def latest(directory) -> str | None:
         if best is None or key > best:
             best = key
     return best[2] if best else None
+
+
+def resume(directory, *, model=None, optimizer=None, **extra) -> int:
+    """Load the newest complete checkpoint under ``directory``; the step to go on from (0 if none).
+
+    Every rank calls it, after building (and wrapping) the model and optimizer
+    as for training: the one call a loop that may be killed and restarted
+    needs. A checkpoint saved without ``step=`` resumes at 0. Example::
+
+        start = nbdist.checkpoint.resume("ckpt", model=model, optimizer=opt)
+        for step in range(start, 1000):
+            ...
+            if (step + 1) % 50 == 0:
+                nbdist.checkpoint.save(f"ckpt/step_{step + 1}", model=model,
+                                       optimizer=opt, step=step + 1)
+    """
+    path = latest(directory)
+    if path is None:
+        return 0
+    info = load(path, model=model, optimizer=optimizer, **extra)
+    return int(info.get("step") or 0)
