@@ -15,8 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
     "gpu_check_steps", ROOT / "scripts/gpu_check_steps.py"
@@ -126,6 +124,14 @@ def test_the_results_block_names_the_failing_cell_exception_and_last_lines():
     assert "logs/examples_09_fsdp.ipynb.log" in text
 
 
+def _gone(pid: int) -> bool:
+    """Exited (a zombie awaiting its parent counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_the_runner_runs_side_by_side_and_records_pass_fail_timeout_and_leftovers(tmp_path):
     py = sys.executable
     pidfile = tmp_path / "escaped.pid"
@@ -155,7 +161,8 @@ def test_the_runner_runs_side_by_side_and_records_pass_fail_timeout_and_leftover
     ]
     started = time.monotonic()
     steps.run_jobs(jobs, tmp_path, tmp_path / "out", slots=4, budget_s=120)
-    assert time.monotonic() - started < 30  # side by side, the slow one stopped at its limit
+    # Side by side, the slow one stopped at its limit: far less than its 60 s of sleep.
+    assert time.monotonic() - started < 50
     by = {j.name: j for j in jobs}
     assert by["ok"].status == "pass" and by["ok"].tail == "fine"
     assert by["bad"].status == "fail (exit 1)"
@@ -163,12 +170,10 @@ def test_the_runner_runs_side_by_side_and_records_pass_fail_timeout_and_leftover
     assert by["slow"].status == "timeout (2 s)"
     escaped = int(pidfile.read_text())
     assert "processes left behind, stopped" in by["escapes"].error
-    with pytest.raises(ProcessLookupError):
-        for _ in range(50):  # reaped by init, or a zombie of ours gone
-            os.kill(escaped, 0)
-            time.sleep(0.1)
-            if Path(f"/proc/{escaped}/stat").read_text().split()[2] == "Z":
-                raise ProcessLookupError
+    deadline = time.monotonic() + 10
+    while not _gone(escaped) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(escaped), f"the escaped process {escaped} is still alive"
     assert (tmp_path / "out" / by["ok"].log).read_text().strip() == "fine"
 
 
