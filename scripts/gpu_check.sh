@@ -134,6 +134,9 @@ if [[ -n "$WHVER" && "$WHVER" != "$PYVER" ]]; then
 fi
 
 OUTDIR="${OUTDIR:-${NBDIST_GPU_CHECK_OUT:-${OUT:-$PWD/gpu_check_out}}}"
+if ((ONLY_FAILED)) && [[ ! -f "${PREVIOUS:-$OUTDIR/results.json}" ]]; then
+  die "--only-failed needs the results.json of an earlier run: none at ${PREVIOUS:-$OUTDIR/results.json} (--previous FILE)"
+fi
 mkdir -p "$OUTDIR/logs" || die "cannot create '$OUTDIR'"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 # Everything printed from here on is also kept in gpu_check.log.
