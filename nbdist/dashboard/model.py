@@ -37,6 +37,7 @@ from nbdist.dashboard.labels import describe_key
 from nbdist.dashboard.table import (
     HISTORY,
     IDLE_AFTER_S,
+    PER_RANK_UP_TO,
     RECENT,
     build_rows,
     call_states,
@@ -46,12 +47,25 @@ from nbdist.dashboard.table import (
     seen_column,
     throughput_key,
 )
-from nbdist.dashboard.traces import TOTAL_BIN_S, Aligned, RateTotal, Trace, elapsed, merge, wire
+from nbdist.dashboard.traces import (
+    TOTAL_BIN_S,
+    Aligned,
+    RateTotal,
+    Spread,
+    Trace,
+    elapsed,
+    merge,
+    wire,
+)
 from nbdist.rank_states import DEAD
 
 __all__ = ["DEFAULT_BUDGET", "GPU_PANELS", "DashboardModel", "read_tail"]
 
 DEFAULT_BUDGET = 2000  # points per trace, kernel side and browser side
+# Above PER_RANK_UP_TO ranks: at most this many ranks drawn on their own (the deviating
+# ones), chosen again at most this often.
+SHOWN_RANKS = 4
+CHOOSE_EVERY_S = 2.0
 # A "busy" from the states callable counts this long; during a cell it is read every second.
 STATES_FRESH_S = 3.0
 # GPU panels (over time, a trace per rank, no aggregate): key -> title.
@@ -59,21 +73,77 @@ GPU_PANELS = {key: describe_key(key, by_time=True)["title"] for key in ("gpu_uti
 
 
 class _Panel:
+    """One chart: a trace per rank and the mean (total), or, above ``PER_RANK_UP_TO`` ranks
+    (``summary``), the median with a min-max band (total) and only the chosen ranks."""
+
     def __init__(
-        self, key: str, index: int, ranks: int, *, by_time: bool, aggregate: bool = True
+        self,
+        key: str,
+        index: int,
+        ranks: int,
+        *,
+        by_time: bool,
+        aggregate: bool = True,
+        summary: bool = False,
     ) -> None:
         self.key, self.index, self.by_time, self.aggregate = key, index, by_time, aggregate
-        self.names = [f"rank {r}" for r in range(ranks)] + ["total" if by_time else "mean"]
-        del self.names[ranks + aggregate :]  # ranks, then the mean / total if the panel has one
-        self.traces = [Trace() for _ in self.names]
+        self.summary = summary
         self.aligned = RateTotal() if by_time else Aligned()
+        if not summary:
+            self.names = [f"rank {r}" for r in range(ranks)] + ["total" if by_time else "mean"]
+            del self.names[ranks + aggregate :]  # ranks, then the mean / total if the panel has one
+            self.traces = [Trace() for _ in self.names]
+            return
+        # Every rank's trace is kept here; the browser gets the band and the chosen ones.
+        self.rank_traces = [Trace() for _ in range(ranks)]
+        self.spread = None if by_time else Spread()
+        self.band = [] if by_time else [Trace(), Trace(), Trace()]  # median, min, max
+        self.total = Trace() if by_time and aggregate else None
+        self.chosen: list[int] = []
+        self._arrange()
+
+    def _drawn(self) -> list[int]:
+        # A chart with neither band nor total (a GPU reading over time) draws rank 0 when no
+        # rank deviates, rather than nothing.
+        if self.chosen or self.band or self.total is not None:
+            return self.chosen
+        return [0]
+
+    def _arrange(self) -> None:
+        """Names and traces in the order the browser holds them: band, chosen ranks, total."""
+        drawn = self._drawn()
+        self.names = (["median", "min", "max"] if self.band else []) + [f"rank {r}" for r in drawn]
+        self.traces = [*self.band, *(self.rank_traces[r] for r in drawn)]
+        if self.total is not None:
+            self.names.append("total")
+            self.traces.append(self.total)
+
+    def choose(self, ranks: list[int], *, force: bool = False) -> bool:
+        """Draw ``ranks`` individually from now on; True when that changed what is drawn."""
+        if not self.summary or (ranks == self.chosen and not force):
+            return False
+        self.chosen = list(ranks)
+        self._arrange()
+        return True
+
+    def position(self, rank: int) -> int | None:
+        """Where ``rank``'s trace is among the browser's traces (None: not drawn)."""
+        if not self.summary:
+            return rank
+        drawn = self._drawn()
+        if rank not in drawn:
+            return None
+        return len(self.band) + drawn.index(rank)
 
     def spec(self) -> dict:
         return {
             "id": self.key,
+            "index": self.index,
             **describe_key(self.key, by_time=self.by_time),  # title, unit, axis titles, log scale
             "names": self.names,
             "aggregate": self.aggregate,
+            "summary": self.summary,
+            "ranks": len(self.rank_traces) if self.summary else len(self.traces) - self.aggregate,
             "data": [[list(t.xs), wire(t.ys)] for t in self.traces],  # copies: the mirror moves on
         }
 
@@ -122,6 +192,8 @@ class DashboardModel:
         self._seq = 0
         self._table: dict = {}
         self._rows: list = []
+        self._chosen: list[int] = []  # ranks drawn on their own above PER_RANK_UP_TO ranks
+        self._chosen_at = -math.inf
 
     # -- state in the kernel ----------------------------------------------------------
     def snapshot(self) -> dict:
@@ -177,13 +249,17 @@ class DashboardModel:
             lasts = {r: self.run.last(r) for r in range(self._nranks)}
             self._aggregate(now, lasts, extend)
             table = self._update_table(now)
+            respec = self._choose(now)
             msg: dict = {}
             if first_new < len(self._panels):
                 msg["panels"] = [p.spec() for p in self._panels[first_new:]]
+            respec = sorted(p for p in respec if p < first_new)
+            if respec:  # other ranks drawn on their own: those panels go again, whole
+                msg["respec"] = [self._panels[p].spec() for p in respec]
             ext, reset = [], []
             for (p, i), compacted in extend.items():
-                if p >= first_new:
-                    continue  # a new panel comes whole in "panels"
+                if p >= first_new or p in respec:
+                    continue  # a new (re-arranged) panel comes whole in "panels" ("respec")
                 trace = self._panels[p].traces[i]
                 if compacted[0]:
                     reset.append([p, i, list(trace.xs), wire(trace.ys)])
@@ -200,9 +276,16 @@ class DashboardModel:
 
     def _panel(self, key: str, *, by_time: bool, aggregate: bool = True) -> None:
         if all(p.key != key for p in self._panels):
-            self._panels.append(
-                _Panel(key, len(self._panels), self._nranks, by_time=by_time, aggregate=aggregate)
+            panel = _Panel(
+                key,
+                len(self._panels),
+                self._nranks,
+                by_time=by_time,
+                aggregate=aggregate,
+                summary=self._nranks > PER_RANK_UP_TO,
             )
+            panel.choose(self._chosen)
+            self._panels.append(panel)
 
     def _ingest(self, extend: dict) -> None:
         keys = self.run.keys()
@@ -225,10 +308,15 @@ class DashboardModel:
                 if not steps:
                     continue
                 xs = elapsed(times, started) if panel.by_time else steps
-                if panel.aggregate:
+                if panel.summary and not panel.by_time:
+                    panel.spread.add(rank, steps, xs, values)
+                elif panel.aggregate:
                     panel.aligned.add(rank, steps, xs, values)
-                compacted = panel.traces[rank].extend(xs, values, self.budget)
-                merge(extend, (panel.index, rank), compacted, xs, values)
+                own = panel.rank_traces[rank] if panel.summary else panel.traces[rank]
+                compacted = own.extend(xs, values, self.budget)
+                where = panel.position(rank)
+                if where is not None:
+                    merge(extend, (panel.index, where), compacted, xs, values)
             steps, times, values = self._tail("step_time", rank)
             if steps:
                 self._step_times.setdefault(rank, deque(maxlen=RECENT)).extend(values[-RECENT:])
@@ -271,6 +359,9 @@ class DashboardModel:
             earliest = min(last["time"] for last in running) - self.run.started
             by_bin = math.floor(earliest / TOTAL_BIN_S) - 1
         for panel in self._panels:
+            if panel.summary:
+                self._summarise(panel, by_bin, by_step, extend)
+                continue
             if not panel.aggregate:
                 continue
             xs, values, whole = panel.aligned.ready(by_bin if panel.by_time else by_step)
@@ -279,6 +370,51 @@ class DashboardModel:
             if xs or whole:
                 compacted = panel.traces[-1].extend(xs, values, self.budget) or whole
                 merge(extend, (panel.index, self._nranks), compacted, xs, values)
+
+    def _summarise(self, panel: _Panel, by_bin: float, by_step: float, extend: dict) -> None:
+        """A many-rank panel's aggregates: the median and min-max band per step, or the total."""
+        if panel.spread is not None:
+            steps, *lines = panel.spread.spread(by_step)
+            if steps:
+                for i, ys in enumerate(lines):
+                    compacted = panel.band[i].extend(steps, ys, self.budget)
+                    merge(extend, (panel.index, i), compacted, steps, ys)
+        elif panel.total is not None:
+            xs, values, whole = panel.aligned.ready(by_bin)
+            if whole:  # a point already drawn changed: the trace goes again, whole
+                panel.total = Trace()
+                panel.choose(list(panel.chosen), force=True)
+            if xs or whole:
+                compacted = panel.total.extend(xs, values, self.budget) or whole
+                merge(extend, (panel.index, len(panel.traces) - 1), compacted, xs, values)
+
+    def _choose(self, now: float) -> set[int]:
+        """Pick the ranks drawn on their own above ``PER_RANK_UP_TO`` ranks; the panels that changed.
+
+        Stragglers first, then dead ranks, then ranks whose latest value of the
+        first chart lies far outside the others' (beyond 1.5 interquartile ranges),
+        at most ``SHOWN_RANKS``; looked at every ``CHOOSE_EVERY_S`` so lines do not flicker.
+        """
+        if self._nranks <= PER_RANK_UP_TO or now - self._chosen_at < CHOOSE_EVERY_S:
+            return set()
+        self._chosen_at = now
+        rows = self._rows
+        picked = [r.rank for r in rows if r.straggler]
+        picked += [r.rank for r in rows if r.state == DEAD and r.rank not in picked]
+        lasts = sorted(
+            (r.loss, r.rank) for r in rows if r.loss is not None and math.isfinite(r.loss)
+        )
+        if len(lasts) >= 4:
+            q1, q3 = lasts[len(lasts) // 4][0], lasts[(3 * len(lasts)) // 4][0]
+            middle = lasts[len(lasts) // 2][0]
+            fence = 1.5 * (q3 - q1)
+            far = [(abs(v - middle), r) for v, r in lasts if v < q1 - fence or v > q3 + fence]
+            picked += [r for _, r in sorted(far, reverse=True) if r not in picked]
+        chosen = sorted(picked[:SHOWN_RANKS])
+        if chosen == self._chosen:
+            return set()
+        self._chosen = chosen
+        return {p.index for p in self._panels if p.choose(chosen)}
 
     def _update_table(self, now: float) -> dict | None:
         states = self._states

@@ -2,7 +2,7 @@
 
 :class:`Trace` keeps at most ``budget`` of a trace's points (min/max decimated);
 :class:`Aligned` turns per-rank points into the mean over ranks at each step once
-no rank will add to them; :class:`RateTotal` sums the ranks' throughput at each
+no rank will add to them (:class:`Spread`: the median, min and max); :class:`RateTotal` sums the ranks' throughput at each
 moment (per ``TOTAL_BIN_S`` of time).
 """
 
@@ -12,7 +12,7 @@ import math
 
 from nbdist.dashboard.decimate import minmax_indices
 
-__all__ = ["TOTAL_BIN_S", "Aligned", "RateTotal", "Trace", "elapsed", "merge", "wire"]
+__all__ = ["TOTAL_BIN_S", "Aligned", "RateTotal", "Spread", "Trace", "elapsed", "merge", "wire"]
 
 TOTAL_BIN_S = 1.0  # total throughput: one point per second of the run
 # A rank's step longer than a bin leaves bins without a point of it: its rate then
@@ -139,18 +139,52 @@ class Aligned:
     def __init__(self) -> None:
         """No points yet."""
         self.pending: dict[int, list[tuple]] = {}  # rank -> chunks of (steps, values)
+        self._done = -math.inf  # the last step given out
+        self._last: dict[int, int] = {}  # rank -> its last step taken in
+        self._again = False  # a rank went back to an earlier step: the steps come again
 
     def add(self, rank: int, steps: list[int], xs: list, values: list[float]) -> None:
-        """Take in new points of ``rank`` (``xs`` is not used: the mean is per step)."""
+        """Take in new points of ``rank`` (``xs`` is not used: the mean is per step).
+
+        A point at a step already given out while its rank moves forward came too
+        late (the rank was slower to send than the others to step): it is left
+        out, not given out a second time. A rank going back to an earlier step
+        (a loop run again) starts the steps over.
+        """
         import numpy as np
 
         keys = np.asarray(steps, dtype=np.int64)
-        self.pending.setdefault(rank, []).append((keys, np.asarray(values, dtype=np.float64)))
+        vals = np.asarray(values, dtype=np.float64)
+        if not keys.size:
+            return
+        last = self._last.get(rank)
+        if (last is not None and keys[0] <= last) or bool(np.any(np.diff(keys) <= 0)):
+            self._again = True
+        elif not self._again:
+            keep = keys > self._done
+            keys, vals = keys[keep], vals[keep]
+        self._last[rank] = int(steps[-1])
+        if keys.size:
+            self.pending.setdefault(rank, []).append((keys, vals))
 
     def ready(self, frontier: float) -> tuple[list, list[float], bool]:
         """(steps, means, False) up to step ``frontier``, in order, taken out of pending."""
         import numpy as np
 
+        keys, values = self._take(frontier)
+        if not keys.size:
+            return [], [], False
+        keys, group = np.unique(keys, return_inverse=True)
+        value = np.bincount(group, weights=values)
+        return keys.tolist(), (value / np.bincount(group)).tolist(), False
+
+    def _take(self, frontier: float):
+        """Every rank's (step, value) up to ``frontier``, one per step and rank, out of pending."""
+        import numpy as np
+
+        if self._again:
+            self._done = -math.inf
+            self._again = False
         parts = []
         for rank, chunks in self.pending.items():
             if not chunks:
@@ -168,10 +202,30 @@ class Aligned:
             last = len(keys) - 1 - back
             parts.append((keys[last], values[last]))
         if not parts:
-            return [], [], False
-        keys, group = np.unique(np.concatenate([p[0] for p in parts]), return_inverse=True)
-        value = np.bincount(group, weights=np.concatenate([p[1] for p in parts]))
-        return keys.tolist(), (value / np.bincount(group)).tolist(), False
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        keys = np.concatenate([p[0] for p in parts])
+        self._done = max(self._done, int(keys.max()))
+        return keys, np.concatenate([p[1] for p in parts])
+
+
+class Spread(Aligned):
+    """Median, min and max over ranks at each step, once no rank will add to that step."""
+
+    def spread(self, frontier: float) -> tuple[list, list[float], list[float], list[float]]:
+        """(steps, medians, minima, maxima) up to step ``frontier``, taken out of pending."""
+        import numpy as np
+
+        keys, values = self._take(frontier)
+        finite = np.isfinite(values)
+        keys, values = keys[finite], values[finite]
+        if not keys.size:
+            return [], [], [], []
+        order = np.lexsort((values, keys))  # by step, then value
+        keys, values = keys[order], values[order]
+        steps, start, count = np.unique(keys, return_index=True, return_counts=True)
+        end = start + count - 1
+        median = (values[start + (count - 1) // 2] + values[start + count // 2]) / 2
+        return steps.tolist(), median.tolist(), values[start].tolist(), values[end].tolist()
 
 
 def merge(extend: dict, where: tuple[int, int], compacted: bool, xs: list, ys: list) -> None:

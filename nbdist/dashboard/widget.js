@@ -103,6 +103,8 @@ function widen(panel, xs, ys) {
 
 function applyToStore(store, msg) {
   for (const spec of msg.panels || []) store.panels.push(copyPanel(spec));
+  // Many ranks: other ranks are drawn on their own now; the panel comes again, whole.
+  for (const spec of msg.respec || []) store.panels[spec.index] = copyPanel(spec);
   const rescan = new Set();
   for (const [p, i, xs, ys] of msg.reset || []) {
     store.panels[p].data[i] = [xs.slice(), ys.slice()];
@@ -259,8 +261,45 @@ function render({ model, el }) {
     return entry && entry.log !== null ? entry.log : !!panel.log;
   }
 
+  // Many ranks: a rank drawn on its own takes the colour of its place among those drawn
+  // (the same in every panel), so no two of them share one.
+  function drawnColour(name) {
+    for (const panel of store.panels) {
+      if (!panel.summary) continue;
+      const drawn = panel.names.filter((n) => /^rank \d+$/.test(n));
+      const slot = drawn.indexOf(name);
+      if (slot >= 0) return colour(slot);
+    }
+    return undefined;
+  }
+
+  function summaryTraces(p) {
+    const panel = store.panels[p];
+    const band = panel.names[0] === "median";
+    return panel.names.map((name, i) => {
+      const trace = {
+        type: "scatter",
+        mode: "lines",
+        name,
+        x: panel.data[i][0].slice(),
+        y: panel.data[i][1].slice(),
+        visible: hidden.has(name) ? "legendonly" : true,
+        hovertemplate: `${name}<br>%{x}: %{y:.4g}<extra></extra>`,
+      };
+      if (band && i === 0) return { ...trace, line: { width: 2.5, color: theme.fg } };
+      if (band && (i === 1 || i === 2)) {
+        // min, then max filled down to it: the band every rank lies in.
+        const edge = { ...trace, line: { width: 0.5, color: "rgba(128,128,128,0.6)" } };
+        return i === 1 ? edge : { ...edge, fill: "tonexty", fillcolor: "rgba(128,128,128,0.22)" };
+      }
+      if (name === "total") return { ...trace, line: { width: 2.5, color: theme.fg, dash: "dot" } };
+      return { ...trace, line: { width: 1.6, color: drawnColour(name) } };
+    });
+  }
+
   function traces(p) {
     const panel = store.panels[p];
+    if (panel.summary) return summaryTraces(p);
     const last = panel.names.length - 1;
     return panel.names.map((name, i) => {
       const mean = i === last && panel.aggregate;
@@ -355,7 +394,7 @@ function render({ model, el }) {
     const shown = panel.id === "mfu" ? `${(100 * value).toPrecision(3)} %` : formatValue(value);
     const unit = panel.id === "mfu" || !panel.unit ? "" : ` ${panel.unit}`;
     make("div", "nbdist-tile-value", tile).textContent = shown + unit;
-    const which = panel.names.length - (panel.aggregate ? 1 : 0);
+    const which = panel.ranks || panel.names.length - (panel.aggregate ? 1 : 0);
     const span = panel.xlo === panel.xhi ? `${panel.xtitle} ${panel.xlo}` : `${panel.xtitle} ${panel.xlo}–${panel.xhi}`;
     const ranks = which > 2 ? `all ${which} ranks` : which === 2 ? "both ranks" : "the rank";
     make("div", "nbdist-tile-note", tile).textContent = `the same on ${ranks} so far (${span})`;
@@ -385,7 +424,7 @@ function render({ model, el }) {
       item.title = `show or hide ${name} in every plot`;
       const rank = /^rank (\d+)$/.exec(name);
       const swatch = make("span", rank ? "nbdist-swatch" : "nbdist-swatch nbdist-swatch-mean", item);
-      if (rank) swatch.style.background = colour(Number(rank[1]));
+      if (rank) swatch.style.background = drawnColour(name) || colour(Number(rank[1]));
       make("span", "", item).textContent = name;
       item.setAttribute("aria-pressed", String(!hidden.has(name)));
       item.classList.toggle("nbdist-off", hidden.has(name));
@@ -444,6 +483,7 @@ function render({ model, el }) {
         return false;
       }
       for (let p = cards.length; p < store.panels.length; p++) drawPanel(p, true);
+      for (const spec of msg.respec || []) drawPanel(spec.index, true);
       const resets = group(msg.reset);
       const extends_ = group(msg.extend);
       for (const p of new Set([...resets.keys(), ...extends_.keys()])) {

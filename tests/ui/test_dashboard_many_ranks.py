@@ -1,0 +1,74 @@
+"""The live dashboard of 64 ranks in a real browser: a readable legend, distinct colours.
+
+JupyterLab + headless Chromium + 64 CPU ranks; one rank steps slower than the
+others and one logs a loss far from theirs. Above 8 ranks each chart draws the
+median with a min-max band and only the ranks that deviate, so the legend stays
+short (at most 12 entries), the ranks drawn on their own have distinct colours,
+and the straggler and the outlier are among them. A screenshot goes to
+``artifacts/ui/dashboard-64-ranks.png``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.ui.conftest import notebook_json, poll
+from tests.ui.test_dashboard_browser import PageLog, _open_and_run_all, _plot_state
+
+RANKS = 64
+STEPS = 60
+
+LOG_CELL = f"""%%on_all_ranks
+import time
+for i in range({STEPS}):
+    nbdist.log(step=i, loss=1.0 / (1.0 + 0.05 * i) + 0.001 * rank + (3.0 if rank == 40 else 0.0),
+               samples=64)
+    time.sleep(0.06 if rank == 17 else 0.02)
+print("trained")"""
+
+
+@pytest.mark.timeout(300)
+def test_64_ranks_draw_a_band_and_only_the_deviating_ranks(
+    lab_factory, browser_page, artifacts_dir
+):
+    server = lab_factory(
+        "many.ipynb",
+        notebook_json(
+            [
+                "%load_ext nbdist",
+                f"%dist_start {RANKS} --cpu --threads 1",
+                "%dist_dashboard",
+                LOG_CELL,
+            ]
+        ),
+    )
+    page = browser_page
+    log = PageLog(page)
+    _open_and_run_all(page, server, "many.ipynb")
+    assert poll(lambda: page.locator(".jp-OutputArea-output", has_text="trained").count(), 180), (
+        "the logging cell did not end"
+    )
+    dashboard = page.locator(".nbdist-dashboard").first
+
+    def settled():
+        panels = {p["key"]: p for p in _plot_state(dashboard)}
+        loss = panels.get("loss")
+        if not loss or not loss["traces"] or len(loss["traces"][0]["x"]) < STEPS:
+            return None
+        names = [t["name"] for t in loss["traces"]]
+        return panels if "rank 17" in names and "rank 40" in names else None
+
+    panels = poll(settled, timeout=30, interval=0.5)
+    assert panels, {p["key"]: [t["name"] for t in p["traces"]] for p in _plot_state(dashboard)}
+    names = [t["name"] for t in panels["loss"]["traces"]]
+    assert names[:3] == ["median", "min", "max"], names
+    legend = dashboard.locator(".nbdist-legend .nbdist-legend-item").all_inner_texts()
+    assert len(legend) <= 12, legend
+    colours = dashboard.locator(".nbdist-panel[data-key='loss']").evaluate(
+        "d => d._fullData.filter(t => /^rank /.test(t.name)).map(t => t.line.color)"
+    )
+    assert len(colours) >= 2 and len(set(colours)) == len(colours), colours
+    dashboard.scroll_into_view_if_needed()
+    dashboard.screenshot(path=str(artifacts_dir / "dashboard-64-ranks.png"))
+    assert not log.page_errors, log.page_errors
+    assert not log.ours(), log.ours()
