@@ -352,7 +352,9 @@ def run_jobs(jobs: list[Job], root: Path, outdir: Path, *, slots: int, budget_s:
     benches = [j for j in jobs if j.status == "not run" and j.kind == "bench"]
     running: list[tuple[Job, subprocess.Popen, float, Path, str]] = []
 
-    def start(job: Job) -> None:
+    def start(job: Job, deadline: float) -> None:
+        # No job outlives the budget: its limit is cut to what is left of it.
+        job.limit_s = max(1, min(job.limit_s, int(deadline - time.monotonic())))
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", job.name).strip("_")
         log_path = logs / f"{safe}.log"
         job.log = str(log_path.relative_to(outdir))
@@ -417,14 +419,14 @@ def run_jobs(jobs: list[Job], root: Path, outdir: Path, *, slots: int, budget_s:
                 todo.remove(job)
             elif in_use() + job.slots <= slots or not running:
                 todo.remove(job)
-                start(job)
+                start(job, t0 + parallel_budget)
         if running:
             time.sleep(0.5)
     for job in benches:
         if job.expected_s > budget_s - (time.monotonic() - t0):
             job.status = "not run (time budget)"
             continue
-        start(job)
+        start(job, t0 + budget_s)
         reap(block_until=float("inf"))
 
 

@@ -168,6 +168,11 @@ def test_the_runner_runs_side_by_side_and_records_pass_fail_timeout_and_leftover
     assert by["bad"].status == "fail (exit 1)"
     assert by["bad"].error == "code cell 1 ([]) raised ValueError: x"
     assert by["slow"].status == "timeout (2 s)"
+    # A budget shorter than a job's limit cuts the limit: no job outlives the budget.
+    late = steps.Job("late", "notebook", [py, "-c", "import time; time.sleep(60)"], [], limit_s=600)
+    late.expected_s = 1
+    steps.run_jobs([late], tmp_path, tmp_path / "out2", slots=4, budget_s=3)
+    assert late.status.startswith("timeout (") and late.seconds < 30, (late.status, late.seconds)
     escaped = int(pidfile.read_text())
     assert "processes left behind, stopped" in by["escapes"].error
     deadline = time.monotonic() + 10
