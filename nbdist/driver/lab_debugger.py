@@ -379,6 +379,15 @@ class LabDebugRouter:
         with self._lock:
             self._ranks[rank] = connection
 
+    def cell_ended(self, ranks) -> None:
+        """The kernel's cell that ran on ``ranks`` returned (finished, failed or interrupted):
+        none of them is paused in it any more."""
+        with self._lock:
+            cleared = [r for r in ranks if self._stopped.pop(r, None) is not None]
+            still = bool(self._stopped)
+        if cleared and not still:
+            self._event("continued", {"threadId": RANKS_THREAD, "allThreadsContinued": False})
+
     def connected(self) -> list[int]:
         """The ranks this router is attached to."""
         return sorted(self._ranks)
@@ -492,6 +501,14 @@ def prepare_cell(session, ranks, body: str) -> None:
         return
     offset = source[: len(source) - len(body)].count("\n")
     path = get_file_name(source)
+    events = found.kernel.shell.events
+
+    def ended(*_):
+        events.unregister("post_execute", ended)
+        found.cell_ended(ranks)
+
+    # An interrupt or a failure ends the cell with ranks still marked paused: unmark them.
+    events.register("post_execute", ended)
     endpoints = session.apply(lab_debug.prepare, body, path, offset, source, ranks=ranks)
     for rank, endpoint in zip(ranks, endpoints):
         if rank in found.connected() or endpoint.get("port") is None:

@@ -206,6 +206,73 @@ def test_cells_in_the_kernel_debug_as_before(lab):
     assert kernel.reply(msg_id)["status"] == "ok"
 
 
+def test_pause_on_uncaught_exceptions_stops_the_rank_that_raises(lab):
+    kernel, dbg = lab
+    dbg.events.clear()
+    cell = "%%on_all_ranks\nx = rank\nif rank == 1:\n    raise ValueError('rank 1 fails')\nprint('ok', rank)\n"
+    _debugger_on(dbg, cell, [])
+    # "Pause on exceptions", user-unhandled: ("raised" also stops the kernel's own
+    # threads on exceptions its libraries catch, as it does without nbdist).
+    assert dbg.request("setExceptionBreakpoints", filters=["userUnhandled"])["success"]
+    msg_id = kernel.submit(cell)
+    stopped = dbg.wait_event("stopped", threadId=RANKS_THREAD, timeout=120)[0]["body"]
+    assert stopped["reason"] == "exception", stopped
+    tops = _stack(dbg)
+    assert sorted(tops) == [1] and tops[1]["line"] == 4, tops
+    assert dbg.request("setExceptionBreakpoints", filters=[])["success"]
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    # The cell fails in the kernel as it would without the debugger (the kernel's own
+    # debugger may stop on that error too: continue it).
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        dbg._drain()
+        kernel_stops = [
+            e["body"]["threadId"]
+            for e in dbg.events
+            if e.get("event") == "stopped" and e["body"]["threadId"] != RANKS_THREAD
+        ]
+        for thread in kernel_stops:
+            dbg.request("continue", threadId=thread)
+        dbg.events = [e for e in dbg.events if e.get("event") != "stopped"]
+        if any(
+            m["parent_header"].get("msg_id") == msg_id
+            and m["msg_type"] == "status"
+            and m["content"]["execution_state"] == "idle"
+            for m in dbg.other
+        ):
+            break
+        time.sleep(0.2)
+    assert kernel.reply(msg_id)["status"] == "error"
+    text = dbg.cell_output(msg_id)
+    assert "ok 0" in text, text
+
+
+def test_interrupting_the_kernel_while_ranks_are_paused(lab):
+    kernel, dbg = lab
+    dbg.events.clear()
+    cell = "%%on_all_ranks\nz = rank + 5\nprint('z', z)\n"
+    path = _debugger_on(dbg, cell, [{"line": 2}])
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    kernel.km.interrupt_kernel()
+    dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "error"
+    # The Callstack no longer shows the ranks as paused.
+    threads = dbg.request("threads")["body"]["threads"]
+    assert RANKS_THREAD not in [t["id"] for t in threads], threads
+    # The ranks are usable, and the breakpoint stops them again in the next run.
+    dbg.events.clear()
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    tops = _stack(dbg)
+    assert sorted(tops) == [0, 1] and {f["line"] for f in tops.values()} == {2}, tops
+    assert tops[0]["source"]["path"] == path
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    assert "z 5" in text and "z 6" in text, text
+
+
 def test_switching_the_debugger_off_lets_the_ranks_run_through(lab):
     kernel, dbg = lab
     assert dbg.started, "runs after the tests that set breakpoints"
