@@ -32,7 +32,7 @@ selects_ui() {
   ((paths == 0))
 }
 
-# The GPU-like tier: 2 min 35 s of tests on 2 busy cores (2026-11-28), plus one notebook (~30 s).
+# The GPU-like tier: 3 min 20 s of tests on 2 cores shared with other jobs (2026-11-28, load ~5).
 GPU_LIKE_TESTS=(
   tests/dist/test_gpu_like.py
   tests/dist/test_p2p_staging.py
