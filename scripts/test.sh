@@ -32,7 +32,7 @@ selects_ui() {
   ((paths == 0))
 }
 
-# The GPU-like tier: 3 min 20 s of tests on 2 cores shared with other jobs (2026-11-28, load ~5).
+# The GPU-like tier: 3 min 20 s of tests on 2 cores shared with other jobs (2026-11-28, load average ~10).
 GPU_LIKE_TESTS=(
   tests/dist/test_gpu_like.py
   tests/dist/test_p2p_staging.py
