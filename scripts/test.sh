@@ -6,7 +6,8 @@
 # tests/ui; a run of other tiers downloads no browser. Without chromium the UI tests are
 # skipped, visibly.
 #
-# `bash scripts/test.sh --gpu-like [pytest args]` runs the GPU-like tier instead: the CPU
+# With no test paths (the whole suite, as CI runs it) the GPU-like tier runs after the rest;
+# `bash scripts/test.sh --gpu-like [pytest args]` runs that tier alone: the CPU
 # strategy tests whose code paths differ on GPUs (tensor, sequence, context and pipeline
 # parallel, 2D/3D, autoplan, compare, staged point-to-point), with NBDIST_GPU_LIKE=1 on
 # the ranks: optimizers forced to foreach kernels and point-to-point staged through host
@@ -32,6 +33,15 @@ selects_ui() {
   ((paths == 0))
 }
 
+# True when the arguments name a test path (a file, folder or node id) rather than options only.
+has_test_paths() {
+  local arg
+  for arg in "$@"; do
+    [[ "$arg" != -* && -e "${arg%%::*}" ]] && return 0
+  done
+  return 1
+}
+
 # The GPU-like tier: 3 min 20 s of tests on 2 cores shared with other jobs (2026-11-28, load average ~10).
 GPU_LIKE_TESTS=(
   tests/dist/test_gpu_like.py
@@ -47,15 +57,26 @@ GPU_LIKE_TESTS=(
 if [[ "${1:-}" == --gpu-like ]]; then
   shift
   export NBDIST_GPU_LIKE=1
-  for arg in "$@"; do
-    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
-      exec "$PY" -m pytest -q -p no:cacheprovider "$@"
-    fi
-  done
+  if has_test_paths "$@"; then
+    exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+  fi
   exec "$PY" -m pytest -q -p no:cacheprovider "$@" "${GPU_LIKE_TESTS[@]}"
 fi
 
 if selects_ui "$@"; then
   bash scripts/install_browser.sh "$VENV" || echo "== chromium could not be installed: tests/ui will be skipped"
 fi
-exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+if has_test_paths "$@"; then
+  exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+fi
+# The whole suite (what CI runs): every tier, then the GPU-like tier; fails if either fails.
+status=0
+"$PY" -m pytest -q -p no:cacheprovider "$@" || status=$?
+echo "== the GPU-like tier (NBDIST_GPU_LIKE=1): ${#GPU_LIKE_TESTS[@]} test paths"
+tier=0
+NBDIST_GPU_LIKE=1 "$PY" -m pytest -q -p no:cacheprovider "$@" "${GPU_LIKE_TESTS[@]}" || tier=$?
+# 5: a -k or -m filter left the tier nothing to run, which is not a failure.
+if [[ "$tier" != 0 && "$tier" != 5 ]]; then
+  status=$tier
+fi
+exit "$status"
