@@ -284,3 +284,9 @@ def test_switching_the_debugger_off_lets_the_ranks_run_through(lab):
     assert kernel.reply(msg_id)["status"] == "ok"
     assert "done 0 1" in text and "done 1 11" in text, text
     assert not [e for e in dbg.events if e.get("event") == "stopped"], dbg.events
+    # And the ranks run untraced again: no debugger cost once it is off.
+    msg_id = kernel.submit(
+        "%%on_all_ranks\nimport sys\nprint('traced', sys.gettrace() is not None)\n"
+    )
+    text = dbg.cell_output(msg_id)
+    assert "traced False" in text and "traced True" not in text, text
