@@ -228,7 +228,7 @@ def attach_text(endpoint: dict, here: str | None = None) -> str:
         "file to set them in (breakpoint() in a cell opens pdb in the notebook instead).",
         "Any Debug Adapter Protocol client that attaches to a debugpy server by host",
         "and port works the same way.",
-        "JupyterLab's debugger debugs the notebook's own kernel, not a rank: it cannot",
-        "attach to this port.",
+        "JupyterLab's debugger does not attach to this port: it reaches the ranks",
+        "through the kernel (the bug icon; docs/debugging.md).",
     ]
     return "\n".join(lines)

@@ -273,6 +273,37 @@ def test_interrupting_the_kernel_while_ranks_are_paused(lab):
     assert "z 5" in text and "z 6" in text, text
 
 
+def test_breakpoint_in_a_file_the_ranks_import(lab, tmp_path):
+    kernel, dbg = lab
+    dbg.events.clear()
+    module = tmp_path / "lab_debug_helper.py"
+    module.write_text("def scale(v):\n    w = v * 3\n    return w\n")
+    _debugger_on(dbg, "%%on_all_ranks\npass\n", [])
+    assert dbg.request("setBreakpoints", source={"path": str(module)}, breakpoints=[{"line": 3}])[
+        "success"
+    ]
+    cell = (
+        f"%%on_all_ranks\nimport sys\nsys.path.insert(0, {str(tmp_path)!r})\n"
+        "from lab_debug_helper import scale\nprint('scaled', rank, scale(rank + 1))\n"
+    )
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    tops = _stack(dbg)
+    assert sorted(tops) == [0, 1], tops
+    for rank, frame in tops.items():
+        assert frame["name"] == f"rank {rank} · scale", frame
+        assert (frame["source"]["path"], frame["line"]) == (str(module), 3), frame
+    scopes = dbg.request("scopes", frameId=tops[1]["id"])["body"]["scopes"]
+    names = {}
+    for scope in scopes:
+        body = dbg.request("variables", variablesReference=scope["variablesReference"])["body"]
+        names.update({v["name"]: v["value"] for v in body["variables"]})
+    assert names.get("w") == "6", names
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert "scaled 0 3" in text and "scaled 1 6" in text, text
+
+
 def test_switching_the_debugger_off_lets_the_ranks_run_through(lab):
     kernel, dbg = lab
     assert dbg.started, "runs after the tests that set breakpoints"
