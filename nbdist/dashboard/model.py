@@ -41,8 +41,10 @@ from nbdist.dashboard.table import (
     RECENT,
     build_rows,
     call_states,
+    deviating_rows,
     has_gpu,
     headers,
+    host_row,
     plotted_keys,
     seen_column,
     throughput_key,
@@ -426,21 +428,35 @@ class DashboardModel:
         self._rows = rows
         keys = self.run.keys()
         seen_col, gpu, flops = seen_column(keys), has_gpu(keys), "tflops" in keys
+        shown = rows
+        if len(rows) > PER_RANK_UP_TO:  # the deviating ranks, then a row per host
+            shown = deviating_rows(rows)
+        table_rows = [
+            {
+                "cells": [
+                    "" if i == seen_col and row.seen is not None else c
+                    for i, c in enumerate(row.cells(now, gpu=gpu, flops=flops))
+                ],
+                "seen": row.seen,
+                "state": row.state,
+                "flag": row.straggler,
+            }
+            for row in shown
+        ]
+        if shown is not rows:
+            hosts: dict[str, list] = {}
+            for row in rows:
+                hosts.setdefault(row.host or "all ranks", []).append(row)
+            for host, members in hosts.items():
+                cells = host_row(host, members, now, gpu=gpu, flops=flops)
+                seen = max((r.seen for r in members if r.seen is not None), default=None)
+                if seen is not None:
+                    cells[seen_col] = ""
+                table_rows.append({"cells": cells, "seen": seen, "state": "host", "flag": ""})
         table = {
             "headers": headers(keys),
             "seen_col": seen_col,
-            "rows": [
-                {
-                    "cells": [
-                        "" if i == seen_col and row.seen is not None else c
-                        for i, c in enumerate(row.cells(now, gpu=gpu, flops=flops))
-                    ],
-                    "seen": row.seen,
-                    "state": row.state,
-                    "flag": row.straggler,
-                }
-                for row in rows
-            ],
+            "rows": table_rows,
             "breakdown": breakdown_chart(breakdown(self.run), self._nranks)
             if "comm_s" in keys
             else None,

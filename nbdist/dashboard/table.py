@@ -41,6 +41,8 @@ from nbdist.rank_states import BUSY, DEAD, IDLE
 __all__ = [
     "IDLE_AFTER_S",
     "PER_RANK_UP_TO",
+    "deviating_rows",
+    "host_row",
     "PROGRESS_KEY",
     "RankRow",
     "find_stragglers",
@@ -115,6 +117,47 @@ class RankRow:
             self.state,
             f"⚠ straggler ({self.straggler})" if self.straggler else "",
         ]
+
+
+def deviating_rows(rows: Sequence[RankRow]) -> list[RankRow]:
+    """The rows that stand out: dead, stragglers, or in a state few of the living share."""
+    living = [r for r in rows if r.state != DEAD]
+    counts = {state: sum(1 for r in living if r.state == state) for state in (BUSY, IDLE)}
+    common = max(counts.values(), default=0)
+    return [
+        r
+        for r in rows
+        if r.state == DEAD or r.straggler or (r.state in counts and counts[r.state] < common)
+    ]
+
+
+def host_row(
+    host: str, rows: Sequence[RankRow], now: float, *, gpu: bool, flops: bool
+) -> list[str]:
+    """One table row for a host's ranks: its step range, median figures, total rate, counts by state."""
+
+    def median(values):
+        known = [v for v in values if v is not None and math.isfinite(v)]
+        return statistics.median(known) if known else None
+
+    steps = [r.step for r in rows if r.step is not None]
+    rates = [r.rate for r in rows if r.rate is not None and r.state != DEAD]
+    summary = RankRow(
+        rank=0,
+        step=max(steps) if steps else None,
+        loss=median(r.loss for r in rows),
+        rate=sum(rates) if rates else None,
+        step_time=median(r.step_time for r in rows),
+        memory_mib=median(r.memory_mib for r in rows),
+        seen=max((r.seen for r in rows if r.seen is not None), default=None),
+    )
+    cells = summary.cells(now, gpu=gpu, flops=flops)
+    cells[0] = f"{host}: {len(rows)} ranks"
+    if steps and min(steps) != max(steps):
+        cells[1] = f"{min(steps)}–{max(steps)}"
+    states = {s: sum(1 for r in rows if r.state == s) for s in (BUSY, IDLE, DEAD)}
+    cells[-2] = " · ".join(f"{n} {s}" for s, n in states.items() if n)
+    return cells
 
 
 def plotted_keys(keys: Sequence[str]) -> list[str]:

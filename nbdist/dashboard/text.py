@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from nbdist.dashboard.breakdown import PARTS, breakdown, shares
 from nbdist.dashboard.table import (
     PER_RANK_UP_TO,
+    deviating_rows,
     fmt_rate,
     fmt_value,
     has_flops,
@@ -58,7 +59,7 @@ def summary_text(
     shown = rows
     if len(rows) > PER_RANK_UP_TO:
         lines += _grouped(rows, throughput_key(keys))
-        shown = _deviating(rows)
+        shown = deviating_rows(rows)
     cells = [row.cells(now, gpu=has_gpu(keys), flops=has_flops(keys)) for row in shown]
     # Numbers align right; the state and the straggler flag (the last two columns), left.
     if cells:
@@ -83,18 +84,6 @@ def summary_text(
             format_table(["series", "last", "mean", "min", "max"], series, right={1, 2, 3, 4})
         )
     return "\n".join(lines)
-
-
-def _deviating(rows: list) -> list:
-    """Rows of ranks that stand out: dead, stragglers, or in a state few of the living share."""
-    living = [r for r in rows if r.state != DEAD]
-    counts = {state: sum(1 for r in living if r.state == state) for state in (BUSY, IDLE)}
-    common = max(counts.values(), default=0)
-    return [
-        r
-        for r in rows
-        if r.state == DEAD or r.straggler or (r.state in counts and counts[r.state] < common)
-    ]
 
 
 def _grouped(rows: list, rate_key: str | None) -> list[str]:
@@ -133,7 +122,7 @@ def _grouped(rows: list, rate_key: str | None) -> list[str]:
                 fmt_rate(sum(mine)) if mine else "–",
             ]
         )
-    odd = _deviating(rows)
+    odd = deviating_rows(rows)
     return [
         " · ".join(words),
         format_table(

@@ -636,11 +636,11 @@ function render({ model, el }) {
       if (row.flag) tr.title = row.flag;
       row.cells.forEach((text, i) => {
         const td = tr.insertCell();
-        if (i === 0) {
-          // The rank's colour, as in the plots and the legend.
+        if (i === 0 && row.state !== "host") {
+          // The rank's colour, as in the plots and the legend (a host's row has none).
           const rank = Number.parseInt(text, 10);
           const swatch = make("span", "nbdist-swatch", td);
-          if (Number.isFinite(rank)) swatch.style.background = colour(rank);
+          if (Number.isFinite(rank)) swatch.style.background = drawnColour(`rank ${rank}`) || colour(rank);
         }
         td.appendChild(document.createTextNode(text));
         if (i === table.seen_col && row.seen !== null) td.dataset.seen = String(row.seen);

@@ -4,7 +4,8 @@ JupyterLab + headless Chromium + 64 CPU ranks; one rank steps slower than the
 others and one logs a loss far from theirs. Above 8 ranks each chart draws the
 median with a min-max band and only the ranks that deviate, so the legend stays
 short (at most 12 entries), the ranks drawn on their own have distinct colours,
-and the straggler and the outlier are among them. A screenshot goes to
+and the straggler and the outlier are among them; the table lists those ranks and a row
+for the host instead of a row per rank. A screenshot goes to
 ``artifacts/ui/dashboard-64-ranks.png``.
 """
 
@@ -68,6 +69,9 @@ def test_64_ranks_draw_a_band_and_only_the_deviating_ranks(
         "d => d._fullData.filter(t => /^rank /.test(t.name)).map(t => t.line.color)"
     )
     assert len(colours) >= 2 and len(set(colours)) == len(colours), colours
+    # The table: the deviating ranks, then the host's row with its ranks counted by state.
+    rows = dashboard.locator(".nbdist-table tbody tr").all_inner_texts()
+    assert len(rows) <= 6 and any(f"{RANKS} ranks" in r for r in rows), rows
     dashboard.scroll_into_view_if_needed()
     dashboard.screenshot(path=str(artifacts_dir / "dashboard-64-ranks.png"))
     assert not log.page_errors, log.page_errors

@@ -122,3 +122,20 @@ def test_a_rank_slower_to_send_than_the_others_to_step_adds_no_second_point(rank
     aggregate = "median" if ranks > 8 else "mean"
     steps = model.figure_data()["loss"][aggregate][0]
     assert steps == sorted(set(steps)), "a step drawn twice: the line would turn back"
+
+
+def test_the_table_lists_the_deviating_ranks_then_a_row_per_host():
+    run = Run(1, world_size=RANKS, started=T0)
+    run.hosts = {r: f"node{r // 32}" for r in range(RANKS)}
+    _fill(run, range(40))
+    model = DashboardModel(run, clock=lambda: T0 + 60, states=lambda: {50: "dead"})
+    model.poll()
+    rows = model.table["rows"]
+    assert [r["cells"][0] for r in rows] == [
+        "13 · node0",
+        "50 · node1",
+        "node0: 32 ranks",
+        "node1: 32 ranks",
+    ]
+    assert rows[0]["flag"] and rows[1]["state"] == "dead"
+    assert rows[2]["cells"][-2] == "32 idle" and rows[3]["cells"][-2] == "31 idle · 1 dead"
