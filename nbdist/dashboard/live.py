@@ -222,6 +222,10 @@ class LiveDashboard(DashboardModel):
             self.refresh()  # last points first, so the frozen view is complete
         except Exception:
             _log.exception("nbdist dashboard: final refresh failed")
+        # The post-cell hook goes with the updates, so the saved text summary (what a
+        # notebook viewed without widgets shows) is brought up to date here: it says
+        # where the run ended ("finished" once the session stopped).
+        self._publish_after_cell()
         self._stop_updating()
 
     def close(self) -> None:
