@@ -185,6 +185,14 @@ class LabDebugRouter:
         self._selected: int | None = None
         self.active = False
 
+    def adopt(self, debugger) -> None:
+        """Take over what ``debugger`` (ipykernel's) was told before this router stood in front
+        of it: the debugger switched on before ``%load_ext nbdist``, and its breakpoints."""
+        self.active = bool(getattr(debugger, "is_started", False))
+        # ipykernel keeps each source's breakpoint lines (their conditions are not kept).
+        for path, breakpoints in dict(getattr(debugger, "breakpoint_list", None) or {}).items():
+            self._breakpoints[path] = {"source": {"path": path}, "breakpoints": list(breakpoints)}
+
     # -- the kernel's end ---------------------------------------------------
     async def handle(self, request: dict) -> dict:
         """Answer one debug request (what ``do_debug_request`` returns)."""
@@ -476,9 +484,25 @@ def install(ipython) -> LabDebugRouter | None:
     if _router[0] is not None and _router[0].kernel is kernel:
         return _router[0]
     found = LabDebugRouter(kernel)
+    found.adopt(kernel.debugger)
+    if not found.active:
+        _no_debugpy_in_children()
     kernel.do_debug_request = found.handle
     _router[0] = found
     return found
+
+
+def _no_debugpy_in_children() -> None:
+    # ipykernel's debugger starts debugpy in the kernel with debugpy's defaults, which
+    # make every Python process the kernel starts from then on a debuggee too: the
+    # ranks, controller and launcher of a %dist_start run with the debugger on then
+    # start too slowly to register. Set before that start, it keeps them out.
+    try:
+        import debugpy
+
+        debugpy.configure(subProcess=False)
+    except (ImportError, RuntimeError):  # debugpy already started here: too late to say
+        pass
 
 
 def prepare_cell(session, ranks, body: str) -> None:
@@ -497,9 +521,11 @@ def prepare_cell(session, ranks, body: str) -> None:
     from nbdist.engine import lab_debug
 
     source = ((found.kernel.get_parent("shell") or {}).get("content") or {}).get("code", "")
-    if not source or not source.endswith(body):
+    # IPython ends the cell it hands a cell magic with a newline the notebook's text may lack.
+    text, code = source.rstrip("\n"), body.rstrip("\n")
+    if not text or not code or not text.endswith(code):
         return
-    offset = source[: len(source) - len(body)].count("\n")
+    offset = text[: len(text) - len(code)].count("\n")
     path = get_file_name(source)
     events = found.kernel.shell.events
 

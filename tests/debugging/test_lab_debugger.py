@@ -18,7 +18,8 @@ import pytest
 from nbdist.driver.lab_debugger import RANKS_THREAD
 from tests.notebooks.conftest import Kernel
 
-CELL = "%%on_all_ranks\nx = rank * 10\ny = x + 1\nprint('done', rank, y)\n"
+# As a notebook sends it: no newline at the end.
+CELL = "%%on_all_ranks\nx = rank * 10\ny = x + 1\nprint('done', rank, y)"
 LINE = 3  # `y = x + 1`, in the notebook cell's numbering (the magic line is 1)
 
 
