@@ -5,13 +5,13 @@ appends the point to a local buffer (values may be Python numbers or 0-d
 tensors); everything derived from it (step time and its breakdown, throughput,
 TFLOP/s, memory on every point, the tensors' values) is worked out later on the
 flush thread. That thread sleeps until a point is logged, then flushes at most
-5 times a second, and :func:`end_of_cell` flushes at the end of every cell: the
+twice a second, and :func:`end_of_cell` flushes at the end of every cell: the
 count it returns, in the cell's execute reply, tells the kernel how many points
 to wait for. A cell that logged nothing sends no message at all.
 
 How a tensor's value is read, and when: never on the training thread. A 0-d
 tensor is only detached there (when it requires grad: that frees its graph).
-At the next flush (<= 0.2 s later, or the end of the cell) the flush thread
+At the next flush (<= 0.5 s later, or the end of the cell) the flush thread
 stacks the batch's tensors, one ``torch.stack`` per device, and copies the
 result to the host: for a CUDA loss that copy is the one device sync per flush,
 on the flush thread, which waits for the kernels queued before it while the
@@ -58,10 +58,12 @@ from nbdist.metrics.steptime import data_timer
 
 __all__ = ["configure", "data_timer", "dropped", "end_of_cell", "flush", "log", "shutdown"]
 
-# <= 5 flushes a second per rank: the dashboard refreshes at most 5 times a second, and
-# every message costs the kernel ~0.3 ms whatever it holds (20 a second per rank cost
-# 4 % of a core at 4 ranks).
-_FLUSH_INTERVAL_S = 0.2
+# <= 2 flushes a second per rank, so a point is in the kernel (and on the dashboard) within
+# ~0.5 s. Each flush wakes a thread that, with every core busy training, preempts a training
+# thread: at two ranks on two cores, 5 flushes a second cost each training thread ~70 us of CPU
+# per step at 1.6 ms steps, 2 a second ~16-26 us (bench/RESULTS.md). Every message also costs
+# the kernel ~0.3 ms whatever it holds.
+_FLUSH_INTERVAL_S = 0.5
 # Points waiting to be sent, at most (NBDIST_LOG_BUFFER): 250 s of logging at 200 steps/s.
 _DEFAULT_BUFFER = 50_000
 # Encoded messages the kernel has not taken yet, at most; the oldest go first, counted.
