@@ -204,6 +204,11 @@ class LabDebugRouter:
             args.get("threadId") == RANKS_THREAD
         ):
             return await self._on_ranks_thread(request)
+        if command == "continue" and self._stopped and not self._kernel_stopped():
+            # JupyterLab forgets the stopped thread before it sends "continue", and then
+            # names thread 1 (its fallback): with only ranks stopped, it means them. Not
+            # passed on: a "continue" for a kernel that is not stopped hangs ipykernel's debugger.
+            return await self._on_ranks_thread(dict(request, arguments={"threadId": RANKS_THREAD}))
         if command in _BY_FRAME and self._is_ranks(args.get("frameId")):
             return await self._forward_by_id(request, "frameId")
         if command in _BY_VARIABLES and self._is_ranks(args.get("variablesReference")):
@@ -225,6 +230,9 @@ class LabDebugRouter:
         elif command == "disconnect":
             self.disconnect()
         return reply
+
+    def _kernel_stopped(self) -> bool:
+        return bool(getattr(getattr(self.kernel, "debugger", None), "stopped_threads", None))
 
     def _thread_name(self) -> str:
         return "ranks " + ",".join(str(r) for r in sorted(self._stopped))
