@@ -215,17 +215,23 @@ class LiveDashboard(DashboardModel):
         """Still refreshing (not frozen, closed, or finished with its run)."""
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
-    def freeze(self) -> None:
-        """Stop updating but keep the widget and its views, as last drawn."""
+    def freeze(self, *, summary: bool = False) -> None:
+        """Stop updating but keep the widget and its views, as last drawn.
+
+        ``summary=True`` (the run itself is over: its session stopped or let go of it)
+        also brings the saved text summary up to date; a view merely superseded by a
+        newer one of the same run is left as drawn, since each update redraws it.
+        """
         self.refresh_states()
         try:
             self.refresh()  # last points first, so the frozen view is complete
         except Exception:
             _log.exception("nbdist dashboard: final refresh failed")
-        # The post-cell hook goes with the updates, so the saved text summary (what a
-        # notebook viewed without widgets shows) is brought up to date here: it says
-        # where the run ended ("finished" once the session stopped).
-        self._publish_after_cell()
+        if summary:
+            # The post-cell hook goes with the updates, so the saved text summary (what a
+            # notebook viewed without widgets shows) is brought up to date here: it says
+            # where the run ended ("finished" once the session stopped).
+            self._publish_after_cell()
         self._stop_updating()
 
     def close(self) -> None:
@@ -272,7 +278,7 @@ def freeze_views(run) -> None:
         return
     for dash in (views.auto, views.pinned):
         if dash is not None and dash.is_live():
-            dash.freeze()
+            dash.freeze(summary=True)
 
 
 class _RunViews:
