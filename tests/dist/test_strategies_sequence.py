@@ -295,6 +295,33 @@ for causal in (False, True):
                 )
 
 
+def test_ring_attention_over_a_group_of_one_is_full_attention(session):
+    """A context-parallel group of one rank (world size 1, or cp = 1 in a mesh) attends over the
+    whole sequence; its backward sent the K/V gradients to itself, which gloo refused."""
+    session.run(
+        """
+from nbdist.strategies.parallel.context_parallel import ring_attention
+alone = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+g = torch.Generator().manual_seed(3)
+q, k, v, grad_out = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(4))
+leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+out = ring_attention(*leaves, group=alone[rank], causal=True)
+out.backward(grad_out)
+single = [out.detach(), *(x.grad for x in leaves)]
+""",
+        sink=ListSink(),
+    )
+    g = torch.Generator().manual_seed(3)
+    q, k, v, grad_out = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    out.backward(grad_out)
+    want = [out.detach(), *(x.grad for x in leaves)]
+    for r, got in enumerate(session.pull("single")):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, msg=lambda m, n=name, r=r: f"rank {r} {n}: {m}")
+
+
 def test_context_parallel_trains_like_one_process_and_restores_its_buffers(session):
     """The model's own SDPA call becomes ring attention; DDP averages the sequence shards' grads."""
     session.run(

@@ -195,9 +195,13 @@ class _RingAttention(torch.autograd.Function):
                 dq = dq + (ds @ kf) * scale
                 dk = dk + (ds.transpose(-2, -1) @ qf) * scale
             # The K/V gradients travel with their block; after a full turn they are home.
-            dworks, dkv = _exchange((dk, dv), group, nxt, prv)
-            for w in dworks:
-                w.wait()
+            # A ring of one is already home (and gloo has no pair to send to itself on).
+            if world == 1:
+                dkv = (dk, dv)
+            else:
+                dworks, dkv = _exchange((dk, dv), group, nxt, prv)
+                for w in dworks:
+                    w.wait()
             if step < world - 1:
                 for w in works:
                     w.wait()
