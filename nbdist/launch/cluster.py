@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from nbdist.errors import NbdistError
-from nbdist.launch import process_tree, remote_engines
+from nbdist.launch import capacity, process_tree, remote_engines
 from nbdist.launch.ssh_engines import SSHEngines
 
 __all__ = [
@@ -139,6 +139,10 @@ def start_local(
 
     # The options were checked before (nbdist.launch.options): nothing here refuses them.
     config = _base_config(ip)
+    # The zygote ends its ranks itself (SIGTERM, SIGKILL after 3 s); ending 256 of them
+    # on 2 cores took longer than 5 s, and ipyparallel then SIGKILLed the zygote and
+    # warned "did not exit in 5 seconds after TERM". Leave it time in proportion.
+    config.LocalEngineLauncher.stop_seconds_until_kill = 5 + n // 16
     if launcher_config:
         from traitlets.config import Config
 
@@ -246,9 +250,17 @@ def start_processes(options, placement) -> ClusterHandle:
         for s in placement.slots
     ]
     launch = options.launch
+    local = launch is None and options.launcher is None
+    # Open files, threads, memory for this many ranks: or nothing starts (a note if a limit was raised).
+    raised = capacity.check_limits(
+        placement.world_size,
+        local=placement.world_size if local else 0,
+        threads=placement.threads_for(placement.slots[0]),
+        spawn=options.start_method == "spawn",
+    )
     if launch is not None:  # Slurm would run the job, every SSH host answers: or nothing starts
         remote_engines.check_before_start(launch)
-    return start_local(
+    handle = start_local(
         n=placement.world_size,
         slot_environments=slot_envs,
         threads=placement.threads_for(placement.slots[0]),
@@ -261,6 +273,9 @@ def start_processes(options, placement) -> ClusterHandle:
         ip=options.ip,
         start_method=options.start_method,
     )
+    if raised:
+        handle.start_note = "; ".join(n for n in (handle.start_note, raised) if n)
+    return handle
 
 
 def interrupt_engines(handle: ClusterHandle, pids: list[int], engine_ids: list[int]) -> None:
