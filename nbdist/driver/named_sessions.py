@@ -106,22 +106,26 @@ class NamedSession(DistSession):
         """Start the keeper (which starts the ranks), then form the group from here; returns self."""
         if self.running:
             raise NbdistError(f"session {self.name!r} is running here already: %dist_stop first")
-        record = named_session_records.read(self.name)
-        if record is not None:
-            state = named_session_records.state_of(record)
-            if state != "gone":
-                raise NbdistError(
-                    f"a session named {self.name!r} is {state} already: %dist_attach "
-                    f"{self.name} to use it, %dist_stop {self.name} to end it, or pick another name"
-                )
-            stop_named(self.name)  # what is left of a session whose keeper was killed
-        t0 = time.perf_counter()
-        record = _spawn_keeper(self.name, self._keeper_options, self.options.timeout)
-        try:
-            self._connect(record, None)
-        except BaseException:
-            self.stop()
-            raise
+        # From the check that the name is free until the session runs (or is cleaned up):
+        # another kernel starting the same name meanwhile is refused, nothing of it started.
+        with named_session_records.claim(self.name):
+            record = named_session_records.read(self.name)
+            if record is not None:
+                state = named_session_records.state_of(record)
+                if state != "gone":
+                    raise NbdistError(
+                        f"a session named {self.name!r} is {state} already: %dist_attach "
+                        f"{self.name} to use it, %dist_stop {self.name} to end it, or pick "
+                        "another name"
+                    )
+                stop_named(self.name)  # what is left of a session whose keeper was killed
+            t0 = time.perf_counter()
+            record = _spawn_keeper(self.name, self._keeper_options, self.options.timeout)
+            try:
+                self._connect(record, None)
+            except BaseException:
+                self.stop()
+                raise
         self.startup_seconds = time.perf_counter() - t0
         return self
 

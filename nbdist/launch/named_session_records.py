@@ -12,6 +12,11 @@ started it, so what a later kernel needs to reach it is kept on disk, in
   ranks (rank, engine, PID, host, device), so a kernel that attaches while the
   ranks are busy with a cell needs nothing from them.
 - ``keeper.log``: the keeper's own output.
+- ``.NAME.starting`` (beside the session directories): held locked (``flock``) by the
+  kernel starting session ``NAME``, from its check that the name is free until the
+  session runs or its start failed (:func:`claim`); a second kernel starting the
+  same name at that moment is refused instead of starting a second keeper. The
+  lock ends with the process holding it, so a kernel killed mid-start blocks nothing.
 - ``attached/PID.json``: one per kernel attached now (its PID and start time),
   written when a kernel starts or attaches to the session and removed when it
   detaches; a kernel that died leaves one whose process is gone, which counts
@@ -27,11 +32,13 @@ here.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import time
+from contextlib import contextmanager
 
 import psutil
 
@@ -42,6 +49,7 @@ __all__ = [
     "alive",
     "attached_kernels",
     "check_name",
+    "claim",
     "describe_session",
     "mark_attached",
     "mark_detached",
@@ -91,6 +99,46 @@ def session_dir(name: str, create: bool = False) -> str:
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.chmod(path, 0o700)
     return path
+
+
+@contextmanager
+def claim(name: str):
+    """Hold the right to start session ``name`` (this process alone) for the ``with`` block.
+
+    NbdistError, naming the other kernel, if another process holds it now. The
+    lock file is removed when the block ends; a process that dies holding it
+    releases it with its file descriptors (the next claim takes the file over).
+    """
+    path = os.path.join(sessions_dir(create=True), f".{check_name(name)}.starting")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise NbdistError(
+                f"session {name!r} is being started by another kernel (PID {holder}) right now: "
+                f"%dist_attach {name} once it runs, or pick another name"
+            ) from None
+        # Locked: but a holder that just finished may have removed this file (it unlinks
+        # before unlocking); then the lock is on a file nobody else will open again.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        finally:
+            os.close(fd)
 
 
 def write_json(path: str, content: dict) -> None:

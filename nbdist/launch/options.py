@@ -82,16 +82,27 @@ def parse_gpu_list(text: str) -> list[int]:
 
 
 def parse_launch_options(items: list[str] | None) -> dict[str, str]:
-    """['partition=gpu', 'time=1:00:00'] (from repeated --launch-opt) -> a dict."""
+    """['partition=gpu', 'time=1:00:00'] (from repeated --launch-opt) -> a dict.
+
+    A value with spaces is quoted whole in the magic's line, ``--launch-opt
+    "mpi_args=--bind-to none"``; IPython hands the item over with its quotes, which
+    are taken off here (as they are from a quoted value, ``ssh_args="-p 2222"``).
+    """
     out: dict[str, str] = {}
     for item in items or []:
-        key, sep, value = item.partition("=")
+        key, sep, value = _unquote(item).partition("=")
         if not sep or not key.strip():
             raise PlacementError(
                 f"launcher option {item!r}: write it as KEY=VALUE, e.g. partition=gpu"
             )
-        out[key.strip().replace("-", "_")] = value.strip()
+        out[key.strip().replace("-", "_")] = _unquote(value.strip())
     return out
+
+
+def _unquote(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
 
 
 # -- where the processes go ----------------------------------------------------------------

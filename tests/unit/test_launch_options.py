@@ -164,6 +164,18 @@ def test_parse_launch_options():
         parse_launch_options(["partition"])
 
 
+def test_a_launch_option_with_spaces_is_quoted_whole_in_the_magic_line():
+    from IPython.utils.process import arg_split
+
+    # How the magic's line reaches parse_launch_options: IPython keeps the quotes.
+    items = arg_split('"mpi_args=--bind-to none --oversubscribe" partition=gpu', posix=False)
+    assert parse_launch_options(items) == {
+        "mpi_args": "--bind-to none --oversubscribe",
+        "partition": "gpu",
+    }
+    assert parse_launch_options(["ssh_args='-p 2222'"]) == {"ssh_args": "-p 2222"}
+
+
 def test_a_host_name_resolving_to_loopback_is_refused_too():
     with pytest.raises(PlacementError, match="cannot reach a controller on localhost"):
         plan_launch("ssh", 2, ip="localhost", hosts="a:2")
