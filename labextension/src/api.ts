@@ -64,6 +64,30 @@ export interface ICluster {
   /** What the rates count. */
   rate_key: 'samples_per_s' | 'tokens_per_s';
   dead: number[];
+  /** Above 8 ranks: counts by state, a row per host and the deviating ranks (not a card per rank). */
+  summary?: IClusterSummary;
+  /** Above 8 ranks: the median across the living ranks at each step, per chart. */
+  median?: { loss_series: [number, number][]; throughput_series: [number, number][] };
+}
+
+/** A host's ranks in the summary: counted by state, their step range and total rate now. */
+export interface IHostSummary {
+  host: string;
+  ranks: number;
+  states: { [state: string]: number };
+  step_min: number | null;
+  step_max: number | null;
+  samples_per_s: number | null;
+}
+
+/** The summary the sidebar shows above 8 ranks (nbdist/server/rank_summary.py). */
+export interface IClusterSummary {
+  states: { busy: number; idle: number; dead: number };
+  hosts: IHostSummary[];
+  /** Dead first, then stragglers, then the odd state out; ``why`` says which. */
+  deviating: { rank: number; host: string; why: string }[];
+  /** Deviating ranks left out of the list. */
+  more: number;
 }
 
 export interface IRunRecord {

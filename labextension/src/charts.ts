@@ -20,6 +20,8 @@ export interface ILineChartOptions {
   height: number;
   className: string;
   colour: (rank: number) => string;
+  /** A line's name in the read-out (default "rank N"; the sidebar names its median line). */
+  name?: (rank: number) => string;
 }
 
 /** Format a number compactly: 3100 -> "3.1k", 12 -> "12", 0.01234 -> "0.0123". */
@@ -182,7 +184,8 @@ export function lineChart(series: Series, options: ILineChartOptions): HTMLEleme
         const swatch = document.createElement('span');
         swatch.className = 'nbdist-swatch';
         swatch.style.background = options.colour(rank);
-        row.append(swatch, `rank ${rank} · ${options.xtitle} ${point[0]}: ${compact(point[1])}`);
+        const name = options.name ? options.name(rank) : `rank ${rank}`;
+        row.append(swatch, `${name} · ${options.xtitle} ${point[0]}: ${compact(point[1])}`);
         rows.push(row);
       }
     }
@@ -197,7 +200,11 @@ export function lineChart(series: Series, options: ILineChartOptions): HTMLEleme
 }
 
 /** The legend every chart of a cluster shares: a colour swatch and "rank N" per rank. */
-export function rankLegend(ranks: number[], colour: (rank: number) => string): HTMLElement {
+export function rankLegend(
+  ranks: number[],
+  colour: (rank: number) => string,
+  name: (rank: number) => string = rank => `rank ${rank}`
+): HTMLElement {
   const legend = document.createElement('div');
   legend.className = 'nbdist-legend';
   for (const rank of ranks) {
@@ -208,7 +215,7 @@ export function rankLegend(ranks: number[], colour: (rank: number) => string): H
     swatch.className = 'nbdist-swatch';
     swatch.style.background = colour(rank);
     item.dataset.colour = colour(rank);
-    item.append(swatch, `rank ${rank}`);
+    item.append(swatch, name(rank));
     legend.appendChild(item);
   }
   return legend;

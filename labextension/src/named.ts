@@ -21,6 +21,33 @@ export interface INamedSession {
   last_step: number | null;
   run_id: number | null;
   error: string;
+  /** Seconds with no kernel attached and no cell running; null while one is. */
+  idle_s: number | null;
+  /** Seconds of idleness after which the session ends itself; null: never. */
+  idle_timeout: number | null;
+  /** Resident bytes of its processes on this host. */
+  memory: number;
+  /** The GPUs its ranks hold. */
+  gpus: (number | string)[];
+}
+
+/** "45 s", "12 min", "3.2 h". */
+function duration(seconds: number): string {
+  return seconds < 60 ? `${seconds.toFixed(0)} s` : seconds < 3600 ? `${(seconds / 60).toFixed(0)} min` : `${(seconds / 3600).toFixed(1)} h`;
+}
+
+/** What a session holds and how long it has been idle: "idle 12 min (ends at 1.0 h) · 4 ranks · no GPU · 1.2 GiB". */
+export function heldLine(session: INamedSession): string {
+  const parts: string[] = [];
+  if (session.state === 'running') {
+    const ends = session.idle_timeout ? ` (ends at ${duration(session.idle_timeout)})` : '';
+    parts.push(session.idle_s === null ? `in use${ends}` : `idle ${duration(session.idle_s)}${ends}`);
+  }
+  parts.push(`${session.ranks ?? '?'} ranks`);
+  const gpus = session.gpus ?? [];
+  parts.push(gpus.length ? `GPU${gpus.length > 1 ? 's' : ''} ${gpus.join(', ')}` : 'no GPU');
+  parts.push(`${((session.memory ?? 0) / 2 ** 30).toFixed(1)} GiB`);
+  return parts.join(' · ');
 }
 
 /** The lines a notebook runs to attach its kernel to session `name`. */
@@ -82,7 +109,11 @@ export class NamedSessionsView {
       const step = session.last_step === null ? '' : ` · step ${session.last_step}`;
       label.textContent = `${session.name} · ${session.ranks ?? '?'} ranks · ${session.state}${step}`;
       label.title = session.error || `launcher ${session.launcher}, run ${session.run_id ?? '-'}`;
-      item.appendChild(label);
+      const held = document.createElement('span');
+      held.className = 'nbdist-named-held';
+      held.textContent = heldLine(session);
+      held.title = 'idle: no kernel attached and no cell running; memory: resident, on this host';
+      item.append(label, held);
       if (session.state === 'running') {
         item.appendChild(this._button('Attach', 'nbdist-named-attach', () => this._attach(session.name)));
       }

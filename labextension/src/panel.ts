@@ -9,6 +9,7 @@ import { Widget } from '@lumino/widgets';
 import { act, Action, ClusterModel, ICluster, IRunRecord, requestAPI } from './api';
 import { lineChart, rankLegend } from './charts';
 import { rankTable, updateRankTable } from './ranks';
+import { drawnRanks, MEDIAN, summaryBox, updateSummary } from './summary';
 
 const ACTIONS: { action: Action; label: string; title: string; body: string }[] = [
   {
@@ -159,6 +160,8 @@ export class ClusterPanel extends Widget {
     const wrap = document.createElement('div');
     wrap.className = 'nbdist-ranks-wrap';
     wrap.appendChild(rankTable());
+    const summary = summaryBox(); // above 8 ranks, instead of the cards
+    wrap.appendChild(summary);
     const legend = document.createElement('div');
     legend.className = 'nbdist-legend-slot';
     const charts = document.createElement('div');
@@ -184,38 +187,61 @@ export class ClusterPanel extends Widget {
     if (message.textContent && Date.now() - Number(message.dataset.shownAt ?? 0) > MESSAGE_MS) {
       message.textContent = ''; // a message is news once, not a state
     }
-    const colour = (rank: number) => this.model.palette.colour(rank);
-    updateRankTable(section.querySelector('table')!, cluster, colour);
+    const many = cluster.summary !== undefined && cluster.median !== undefined;
+    const drawn = many ? drawnRanks(cluster) : [];
+    // Many ranks: the few drawn on their own take distinct colours, by their place in the list.
+    const colour = many
+      ? (rank: number) => (rank === MEDIAN ? 'currentColor' : this.model.palette.colour(Math.max(0, drawn.indexOf(rank))))
+      : (rank: number) => this.model.palette.colour(rank);
+    const name = (rank: number) => (rank === MEDIAN ? 'median of the ranks' : `rank ${rank}`);
+    const table = section.querySelector<HTMLTableElement>('table.nbdist-ranks')!;
+    const summary = section.querySelector<HTMLElement>('.nbdist-summary')!;
+    table.hidden = many;
+    summary.hidden = !many;
+    if (many) {
+      updateSummary(summary, cluster, colour);
+    } else {
+      updateRankTable(table, cluster, colour);
+    }
+    const series = (key: 'loss_series' | 'throughput_series') =>
+      many
+        ? new Map<number, [number, number][]>([
+            [MEDIAN, cluster.median![key]],
+            ...cluster.ranks.filter(r => drawn.includes(r.rank)).map(r => [r.rank, r[key]] as [number, [number, number][]])
+          ])
+        : new Map(cluster.ranks.map(r => [r.rank, r[key]]));
 
-    const ranks = cluster.ranks.map(r => r.rank);
+    const ranks = many ? [MEDIAN, ...drawn] : cluster.ranks.map(r => r.rank);
     const slot = section.querySelector<HTMLElement>('.nbdist-legend-slot')!;
     const legendKey = `${ranks.join(',')}|${ranks.map(colour).join(',')}`;
     if (slot.dataset.key !== legendKey) {
       slot.dataset.key = legendKey;
-      slot.replaceChildren(rankLegend(ranks, colour));
+      slot.replaceChildren(rankLegend(ranks, colour, name));
     }
     const charts = section.querySelector<HTMLElement>('.nbdist-charts')!;
     const room = Math.max(160, charts.clientWidth || this.node.clientWidth - 24);
     const width = room >= TWO_CHARTS_PX ? Math.floor((room - 8) / 2) : room;
     const rate = cluster.rate_key === 'tokens_per_s' ? 'tokens/s' : 'samples/s';
     charts.replaceChildren(
-      lineChart(new Map(cluster.ranks.map(r => [r.rank, r.loss_series])), {
-        title: 'loss per rank',
+      lineChart(series('loss_series'), {
+        title: many ? 'loss (median)' : 'loss per rank',
         xtitle: 'step',
         ytitle: 'loss',
         width,
         height: 120,
         className: 'nbdist-chart-loss',
-        colour
+        colour,
+        name
       }),
-      lineChart(new Map(cluster.ranks.map(r => [r.rank, r.throughput_series])), {
-        title: 'throughput per rank',
+      lineChart(series('throughput_series'), {
+        title: many ? 'throughput (median)' : 'throughput per rank',
         xtitle: 'step',
         ytitle: rate,
         width,
         height: 120,
         className: 'nbdist-chart-throughput',
-        colour
+        colour,
+        name
       })
     );
     if (charts.dataset.pointer) {

@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 import psutil
 
 from nbdist.driver import registry
+from nbdist.metrics import wire
 from nbdist.metrics.gpu import GPU_KEYS
 from nbdist.rank_states import BUSY, DEAD, IDLE
+from nbdist.server.rank_summary import RECENT_RATE_S, is_many, median_series, summarise
 from nbdist.server.stragglers import RecentPoints, flag
 
 __all__ = ["CHART_POINTS", "LiveView", "RankLive", "RunReader", "gpu_payload"]
@@ -46,7 +48,7 @@ __all__ = ["CHART_POINTS", "LiveView", "RankLive", "RunReader", "gpu_payload"]
 CHART_POINTS = 300  # recent points per rank and series kept for the sidebar's small charts
 _BUSY_CPU_FRACTION = 0.1
 _BUSY_RECENT_S = 3.0
-_RECENT_RATE_S = 5.0
+_RECENT_RATE_S = RECENT_RATE_S
 
 
 def _number(value) -> float | None:
@@ -155,11 +157,9 @@ class RunReader:
         for rowid, rank, text in rows:
             self.rowid = rowid
             try:
-                batch = json.loads(text)
-            except ValueError:
+                batch = wire.points(json.loads(text))  # a batch as columns, or points
+            except (ValueError, TypeError, KeyError):
                 continue
-            if isinstance(batch, dict):
-                batch = batch.get("points", [])
             live = self.ranks.setdefault(rank, RankLive())
             for step, when, values in batch:
                 live.points += 1
@@ -355,4 +355,25 @@ class LiveView:
                     "dead": [r["rank"] for r in ranks if r["state"] == DEAD],
                 }
             )
+            if is_many(ranks):
+                out[-1].update(_many(ranks, now))
         return out
+
+
+def _many(ranks: list[dict], now: float) -> dict:
+    """Above ``PER_RANK_UP_TO`` ranks: the summary, and the median lines for the charts.
+
+    Only the deviating ranks keep their recent points (their lines are drawn); the
+    others' go into the medians and are dropped from the payload.
+    """
+    summary = summarise(ranks, now)
+    medians = {
+        key: median_series([r[key] for r in ranks if r["state"] != DEAD])
+        for key in ("loss_series", "throughput_series")
+    }
+    drawn = {d["rank"] for d in summary["deviating"][:4]}
+    for row in ranks:
+        if row["rank"] not in drawn:
+            row["loss_series"] = []
+            row["throughput_series"] = []
+    return {"summary": summary, "median": medians}

@@ -1,0 +1,119 @@
+"""Jupyter server: the sidebar's summary of a cluster above ``PER_RANK_UP_TO`` ranks.
+
+The same summary as the notebook dashboard's table (:func:`nbdist.dashboard.table.deviating_rows`):
+counts by state, one entry per host (its ranks counted by state, its step range and total
+rate), then the ranks that deviate: dead, stragglers, and ranks in a state few of the
+living share (busy while the others are idle, or idle while they are busy). Only those
+ranks keep their recent points for the sidebar's charts; the others' are summed up in
+a median line per chart, so a poll of 256 ranks stays a few tens of KB.
+
+Example::
+
+    from nbdist.server.rank_summary import summarise
+
+    summary = summarise(rows)   # rows: LiveView.rank_rows(entry)
+    summary["states"]           # {"busy": 255, "idle": 0, "dead": 1}
+    summary["deviating"]        # [{"rank": 17, "why": "dead"}, ...]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from nbdist.dashboard.table import PER_RANK_UP_TO
+from nbdist.rank_states import BUSY, DEAD, IDLE
+
+__all__ = ["MAX_DEVIATING", "RECENT_RATE_S", "is_many", "median_series", "summarise"]
+
+RECENT_RATE_S = 5.0
+MAX_DEVIATING = 12  # ranks listed one by one at most (dead first, then stragglers)
+
+
+def is_many(ranks: Sequence[dict]) -> bool:
+    """True above ``PER_RANK_UP_TO`` ranks: the sidebar shows the summary, not a card per rank."""
+    return len(ranks) > PER_RANK_UP_TO
+
+
+def _why(row: dict, minority: set[str]) -> str:
+    if row["state"] == DEAD:
+        return "dead"
+    if row.get("straggler"):
+        return f"straggler: {row['straggler']}"
+    if row["state"] in minority:
+        other = IDLE if row["state"] == BUSY else BUSY
+        return f"{row['state']} while the others are {other}"
+    return ""
+
+
+def summarise(ranks: Sequence[dict], now: float) -> dict:
+    """``{"states", "hosts", "deviating", "more"}`` for the sidebar, from :meth:`LiveView.rank_rows`.
+
+    ``hosts``: ``{"host", "ranks", "states", "step_min", "step_max", "samples_per_s"}``
+    in the order their first rank comes (the rate: the total of the ranks that logged in
+    the last ``RECENT_RATE_S`` seconds at ``now``, None once none did); ``deviating``: ``{"rank", "host", "why"}``,
+    dead first, then stragglers, then the odd state out (at most ``MAX_DEVIATING``;
+    ``more`` says how many were left out).
+    """
+    living = [r for r in ranks if r["state"] != DEAD]
+    counts = {s: sum(1 for r in ranks if r["state"] == s) for s in (BUSY, IDLE, DEAD)}
+    alive = {s: sum(1 for r in living if r["state"] == s) for s in (BUSY, IDLE)}
+    common = max(alive.values(), default=0)
+    minority = {s for s, n in alive.items() if 0 < n < common}
+    hosts: dict[str, list[dict]] = {}
+    for row in ranks:
+        hosts.setdefault(row.get("host") or "?", []).append(row)
+    host_entries = []
+    for host, rows in hosts.items():
+        steps = [r["step"] for r in rows if r["step"] is not None]
+        rates = [r["samples_per_s"] for r in rows if _rate_now(r, now)]
+        host_entries.append(
+            {
+                "host": host,
+                "ranks": len(rows),
+                "states": {s: n for s in (BUSY, IDLE, DEAD) if (n := _count(rows, s))},
+                "step_min": min(steps) if steps else None,
+                "step_max": max(steps) if steps else None,
+                "samples_per_s": sum(rates) if rates else None,
+            }
+        )
+    order = {"dead": 0, "straggler": 1}
+    deviating = [
+        {"rank": r["rank"], "host": r.get("host") or "?", "why": why}
+        for r in ranks
+        if (why := _why(r, minority))
+    ]
+    deviating.sort(key=lambda d: (order.get(d["why"].split(":")[0], 2), d["rank"]))
+    return {
+        "states": counts,
+        "hosts": host_entries,
+        "deviating": deviating[:MAX_DEVIATING],
+        "more": max(0, len(deviating) - MAX_DEVIATING),
+    }
+
+
+def _rate_now(row: dict, now: float) -> bool:
+    # An idle rank's last rate is not a rate now (the sidebar's total follows the same rule).
+    seen = row["last_seen"]
+    return row["samples_per_s"] is not None and seen is not None and now - seen < RECENT_RATE_S
+
+
+def _count(rows: Sequence[dict], state: str) -> int:
+    return sum(1 for r in rows if r["state"] == state)
+
+
+def median_series(series: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
+    """The median across ranks at each x of their ``[[x, y], ...]`` lists (``x`` shared: the step)."""
+    xs = [p[0] for points in series for p in points]
+    if not xs:
+        return []
+    ys = np.asarray([p[1] for points in series for p in points], dtype=np.float64)
+    keys = np.asarray(xs, dtype=np.float64)
+    order = np.lexsort((ys, keys))
+    keys, ys = keys[order], ys[order]
+    steps, start, count = np.unique(keys, return_index=True, return_counts=True)
+    median = (ys[start + (count - 1) // 2] + ys[start + count // 2]) / 2
+    # A step that only a few ranks reached so far is not yet a median of them all.
+    full = count >= max(1, count.max() // 2)
+    return [[float(x), float(y)] for x, y, keep in zip(steps, median, full) if keep]
