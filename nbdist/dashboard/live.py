@@ -118,8 +118,12 @@ class LiveDashboard(DashboardModel):
             self._thread.start()
         return self.widget
 
-    def refresh(self) -> None:
-        """One update now: send the new points and the table if they changed."""
+    def refresh(self, *, final: bool = False) -> None:
+        """One update now: send the new points and the table if they changed.
+
+        ``final``: the last update (a freeze): the step-time heatmap goes too, however
+        recently it went.
+        """
         with self._lock:  # one lock for poll and send: messages leave in seq order
             delta, table = self.poll()
             widget = self.widget
@@ -127,6 +131,9 @@ class LiveDashboard(DashboardModel):
                 return
             if delta is not None:
                 widget.send(delta)
+            heat = self.heatmap(force=final or self.run.ended is not None)
+            if heat is not None:
+                widget.send(heat)
             if table is not None:
                 widget.table = table
 
@@ -163,10 +170,37 @@ class LiveDashboard(DashboardModel):
         shell.events.register("post_run_cell", self._after_cell)
 
     def displayed(self, handle) -> None:
-        """Remember the display (``display(..., display_id=True)``'s handle) that shows the widget."""
+        """Remember the display (``display(..., display_id=True)``'s handle) that shows the widget.
+
+        A widget shown again (the run's dashboard under a later cell, or ``%dist_dashboard``)
+        has one model for all its displays: every view of it stays live. The saved text
+        summary of the earlier display (what a viewer without widgets shows) is rewritten
+        once, as a snapshot that says so and where the live view went.
+        """
+        previous = getattr(self, "display_handle", None)
         self.display_handle = handle
         self._published = self._shown()
         self._first_cell_end = True  # the end of the cell under which it was shown is next
+        if previous is not None and self.widget is not None:
+            self._mark_snapshot(previous)
+
+    def _mark_snapshot(self, handle) -> None:
+        try:
+            bundle = self.widget._repr_mimebundle_()
+            if bundle is None:
+                return
+            data, metadata = bundle
+            steps = [self.run.last(r).get("step") for r in self.run.ranks]
+            step = max((s for s in steps if s is not None), default=None)
+            at = f"snapshot at step {step}" if step is not None else "snapshot"
+            data = {
+                **data,
+                "text/plain": f"{data.get('text/plain', '')}\n({at}: the live view of this run "
+                "is in a later cell)",
+            }
+            handle.update(data, metadata=metadata, raw=True)
+        except Exception:
+            _log.exception("nbdist dashboard: could not mark an earlier view as a snapshot")
 
     def _shown(self) -> tuple:
         # What the text summary depends on, bar the "last seen" ages: the points, the dead
@@ -224,7 +258,7 @@ class LiveDashboard(DashboardModel):
         """
         self.refresh_states()
         try:
-            self.refresh()  # last points first, so the frozen view is complete
+            self.refresh(final=True)  # last points first, so the frozen view is complete
         except Exception:
             _log.exception("nbdist dashboard: final refresh failed")
         if summary:
@@ -276,17 +310,19 @@ def freeze_views(run) -> None:
     views = _VIEWS.get(run)
     if views is None:
         return
-    for dash in (views.auto, views.pinned):
-        if dash is not None and dash.is_live():
-            dash.freeze(summary=True)
+    if views.dash is not None and views.dash.is_live():
+        views.dash.freeze(summary=True)
 
 
 class _RunViews:
-    """The dashboards shown for one run: the automatic one that refreshes, and the user's."""
+    """The live dashboard of one run (every display of it shows its one widget) and how it came."""
 
     def __init__(self) -> None:
-        self.auto: LiveDashboard | None = None  # shown because a cell logged
-        self.pinned: LiveDashboard | None = None  # the latest one %dist_dashboard showed
+        self.dash: LiveDashboard | None = None
+        self.pinned = False  # %dist_dashboard showed it: a logging cell adds no view of its own
+
+    def live(self) -> LiveDashboard | None:
+        return self.dash if self.dash is not None and self.dash.is_live() else None
 
 
 # Run -> its views; weak, so a finished run's entry goes with it.
@@ -307,9 +343,10 @@ def show_run(
     past run from the history), and the dashboard that appears under a cell
     whose ranks log (``auto=True``). ``states``: a callable giving each rank's
     state (:mod:`nbdist.rank_states`; a session's ``rank_states``), read now and
-    after every cell. An automatic dashboard replaces the previous automatic one
-    as the one that refreshes (the old view stays, frozen); none is added while
-    one the user asked for is still live: they chose where to look. Returns the
+    after every cell. A run has one live dashboard: showing it again (under a later
+    logging cell, or ``%dist_dashboard``) shows the same widget again, so every view
+    of it stays live; no automatic view is added while one the user asked for is
+    live: they chose where to look. Returns the
     :class:`LiveDashboard` (``.close()`` stops it), or None where nothing live
     was shown.
 
@@ -324,10 +361,8 @@ def show_run(
     if auto:
         if shell is None:
             return None  # scripts, terminal IPython: %dist_dashboard prints a summary
-        if views.pinned is not None and views.pinned.is_live():
+        if views.pinned and views.live() is not None:
             return None
-        if views.auto is not None:
-            views.auto.freeze()
     if shell is None:
         print(summary_text(run, states))
         return None
@@ -342,13 +377,16 @@ def show_run(
         return None
     from IPython.display import display
 
-    dash = LiveDashboard(run, states=states, budget=budget, max_hz=max_hz)
-    dash.displayed(display(dash.start(), display_id=True))
-    dash.watch_cells(shell)
-    if auto:
-        views.auto = dash
-    else:
-        views.pinned = dash
+    dash = views.live()
+    if dash is None:
+        dash = LiveDashboard(run, states=states, budget=budget, max_hz=max_hz)
+        dash.start()
+        dash.watch_cells(shell)
+        views.dash, views.pinned = dash, False
+    # A run shown again is the same widget shown again: one model, one refresh thread, and
+    # every view of it live (a second model would leave one of them stale or doubling the work).
+    dash.displayed(display(dash.widget, display_id=True))
+    views.pinned = views.pinned or not auto
     return dash
 
 
@@ -367,9 +405,9 @@ def cell_watcher(run, states: Callable[[], Mapping[int, str]] | None = None) -> 
         if now - checked >= STATES_EVERY_S:
             checked = now
             views = _VIEWS.get(run)
-            for dash in (views.auto, views.pinned) if views is not None else ():
-                if dash is not None and dash.is_live():
-                    dash.refresh_states()
+            dash = views.live() if views is not None else None
+            if dash is not None:
+                dash.refresh_states()
         if version is None or run.version == version:
             return
         version = None  # once per cell

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 
 from nbdist.dashboard.breakdown import breakdown, breakdown_chart
 from nbdist.dashboard.header import header
+from nbdist.dashboard.heatmap import StepHeat
 from nbdist.dashboard.labels import describe_key
 from nbdist.dashboard.table import (
     HISTORY,
@@ -68,6 +69,7 @@ DEFAULT_BUDGET = 2000  # points per trace, kernel side and browser side
 # ones), chosen again at most this often.
 SHOWN_RANKS = 4
 CHOOSE_EVERY_S = 2.0
+HEAT_EVERY_S = 2.0  # the step-time heatmap (above PER_RANK_UP_TO ranks) goes at most this often
 # A "busy" from the states callable counts this long; during a cell it is read every second.
 STATES_FRESH_S = 3.0
 # GPU panels (over time, a trace per rank, no aggregate): key -> title.
@@ -196,17 +198,36 @@ class DashboardModel:
         self._rows: list = []
         self._chosen: list[int] = []  # ranks drawn on their own above PER_RANK_UP_TO ranks
         self._chosen_at = -math.inf
+        # Above PER_RANK_UP_TO ranks: step time per rank and step bin (sent at most every
+        # HEAT_EVERY_S: the whole grid goes each time).
+        self._heat = StepHeat(self._nranks) if self._nranks > PER_RANK_UP_TO else None
+        self._heat_sent = 0
+        self._heat_at = -math.inf
 
     # -- state in the kernel ----------------------------------------------------------
     def snapshot(self) -> dict:
         """Every panel with the traces the browser should hold now (the message a view starts from)."""
         with self._lock:
+            heat = self._heat.message() if self._heat is not None else None
             return {
                 "t": "snapshot",
                 "seq": self._seq,
                 "now": self._clock(),
                 "panels": [p.spec() for p in self._panels],
+                **({"heatmap": heat} if heat is not None else {}),
             }
+
+    def heatmap(self, *, force: bool = False) -> dict | None:
+        """The step-time heatmap message when it changed (at most every ``HEAT_EVERY_S``), else None."""
+        with self._lock:
+            heat = self._heat
+            if heat is None or heat.version == self._heat_sent:
+                return None
+            now = self._clock()
+            if not force and now - self._heat_at < HEAT_EVERY_S:
+                return None
+            self._heat_sent, self._heat_at = heat.version, now
+            return heat.message()
 
     def figure_data(self) -> dict[str, dict[str, tuple[list, list]]]:
         """{key: {trace name: (xs, ys)}}: the (decimated) points the widget holds."""
@@ -320,6 +341,8 @@ class DashboardModel:
                 if where is not None:
                     merge(extend, (panel.index, where), compacted, xs, values)
             steps, times, values = self._tail("step_time", rank)
+            if steps and self._heat is not None:
+                self._heat.add(rank, steps, values)
             if steps:
                 self._step_times.setdefault(rank, deque(maxlen=RECENT)).extend(values[-RECENT:])
                 history = self._history.setdefault(rank, [])

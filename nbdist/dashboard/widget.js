@@ -30,6 +30,7 @@ const STATS = (globalThis.nbdistDashboardStats ||= {
   maxDrawn: 0, // the most views that drew one delta
   renders: {}, // widget uid -> views made of it (one per display, and per re-display)
   longestUpdateMs: 0, // the longest one delta kept the page busy, every view together
+  longestHeatMs: 0, // the longest one step-time heatmap took to draw, every view together
 });
 let plotlyPromise = null;
 const PLOT_HEIGHT = 240;
@@ -121,7 +122,7 @@ function applyToStore(store, msg) {
 
 function initialize({ model }) {
   const uid = model.get("_uid");
-  const store = { seq: -1, panels: [], views: new Set(), offset: null, asked: false };
+  const store = { seq: -1, panels: [], views: new Set(), offset: null, asked: false, heatmap: null };
   STORES.set(uid, store);
   const ask = () => {
     if (!store.asked) {
@@ -134,8 +135,15 @@ function initialize({ model }) {
     if (msg.t === "snapshot") {
       store.seq = msg.seq;
       store.panels = msg.panels.map(copyPanel);
+      store.heatmap = msg.heatmap || null;
       store.asked = false;
       for (const view of store.views) view.reset();
+    } else if (msg.t === "heatmap") {
+      // Many ranks: step time per rank and step bin, the whole grid each time (every ~2 s).
+      store.heatmap = msg;
+      const began = performance.now();
+      for (const view of store.views) view.heat();
+      STATS.longestHeatMs = Math.max(STATS.longestHeatMs, performance.now() - began);
     } else if (msg.t === "delta") {
       if (store.seq < 0 || msg.seq <= store.seq) return; // no base yet, or already in the snapshot
       if (msg.seq !== store.seq + 1) return ask(); // a message went missing: start from a snapshot
@@ -183,7 +191,7 @@ function readTheme(el) {
 
 function render({ model, el }) {
   const uid = model.get("_uid");
-  const store = STORES.get(uid) || { seq: -1, panels: [], views: new Set() };
+  const store = STORES.get(uid) || { seq: -1, panels: [], views: new Set(), heatmap: null };
   STATS.renders[uid] = (STATS.renders[uid] || 0) + 1;
   const palette = model.get("_palette") || [];
   const colour = (i) => (palette.length ? palette[i % palette.length] : undefined);
@@ -211,6 +219,13 @@ function render({ model, el }) {
   make("span", "nbdist-card-title", barsHead).textContent =
     "step breakdown: where each rank's steps go";
   const bars = make("div", "nbdist-breakdown", barsCard);
+  // Many ranks: a rank x step heatmap of step time (a straggler is a bright row).
+  const heatCard = make("div", "nbdist-card nbdist-heat-card");
+  heatCard.hidden = true;
+  const heatHead = make("div", "nbdist-card-head", heatCard);
+  make("span", "nbdist-card-title", heatHead).textContent = "step time per rank (ms)";
+  const heatPlot = make("div", "nbdist-heatmap", heatCard);
+  grid.insertBefore(heatCard, barsCard);
   const note = make("div", "nbdist-note", root);
   const dropped = make("div", "nbdist-note nbdist-dropped", root);
   const tableBox = make("div", "nbdist-table", root);
@@ -222,6 +237,7 @@ function render({ model, el }) {
   let visible = false;
   let behind = true; // the plots do not show the store yet
   let tableBehind = true;
+  let sizeBehind = false; // the width changed while off screen
   let active = false; // in store.views
   const cards = []; // per panel: { card, plot, tile, mode: "plot" | "tile" | null, log }
   const hidden = new Set(); // trace names switched off in the legend
@@ -249,7 +265,7 @@ function render({ model, el }) {
       entry.log = !logScale(p);
       drawPanel(p, true);
     });
-    grid.insertBefore(card, barsCard);
+    grid.insertBefore(card, heatCard);
     cards[p] = entry;
     return entry;
   }
@@ -385,7 +401,7 @@ function render({ model, el }) {
     for (let k = p + 1; k < cards.length; k++) {
       if (cards[k] && cards[k].mode === "plot") return cards[k].card;
     }
-    return barsCard;
+    return heatCard;
   }
 
   function fillTile(tile, panel, value) {
@@ -443,11 +459,53 @@ function render({ model, el }) {
     });
   }
 
+  function drawHeat() {
+    const h = store.heatmap;
+    heatCard.hidden = !h;
+    if (!h || !Plotly || !visible || !theme) return false;
+    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true };
+    const title = (text) => ({ text, font: { size: 11 }, standoff: 6 });
+    const span = h.width > 1 ? ` (bins of ${h.width} steps)` : "";
+    Plotly.react(
+      heatPlot,
+      [
+        {
+          type: "heatmap",
+          x: h.x,
+          y: h.y,
+          z: h.z,
+          colorscale: "Viridis",
+          zsmooth: false,
+          colorbar: { title: { text: "ms", side: "top" }, thickness: 10, outlinewidth: 0 },
+          hovertemplate: `rank %{y}<br>step %{x}${h.width > 1 ? "+" : ""}: %{z:.1f} ms<extra></extra>`,
+        },
+      ],
+      {
+        autosize: true,
+        // 256 ranks get ~1.5 px each; fewer get more, up to the other plots' height.
+        height: Math.max(PLOT_HEIGHT, Math.min(420, 2 * h.y.length)),
+        margin: { l: 8, r: 12, t: 8, b: 8 },
+        xaxis: { ...axis, title: title(`step${span}`) },
+        yaxis: { ...axis, title: title("rank"), autorange: "reversed" },
+        font: { color: theme.fg, size: 11, family: theme.font },
+        hoverlabel: theme.hoverBg ? { bgcolor: theme.hoverBg, font: { color: theme.fg } } : {},
+        paper_bgcolor: "rgba(0,0,0,0)",
+        plot_bgcolor: "rgba(0,0,0,0)",
+        uirevision: "heat",
+      },
+      { displaylogo: false, responsive: false },
+    );
+    heatPlot.dataset.ranks = String(h.y.length);
+    heatPlot.dataset.columns = String(h.x.length);
+    return true;
+  }
+
   // -- drawing: everything, or one delta ---------------------------------------------------------
   function drawAll() {
     if (!Plotly || !visible || !theme) return false;
     store.panels.forEach((_, p) => drawPanel(p, true));
     drawLegend();
+    drawHeat();
     drawBars(true);
     countPoints();
     behind = false;
@@ -471,6 +529,10 @@ function render({ model, el }) {
     reset() {
       behind = true;
       drawAll();
+    },
+    heat() {
+      if (!root.isConnected) return sleep();
+      if (!behind && !drawHeat()) behind = true; // off screen: redrawn whole when back
     },
     // Draw one delta; returns whether this view drew (it skips while off screen).
     apply(msg) {
@@ -521,6 +583,7 @@ function render({ model, el }) {
       behind = true;
     }
     if (behind) drawAll();
+    else if (sizeBehind && Plotly) resizeAll();
     if (tableBehind) onTable();
   }
 
@@ -536,6 +599,7 @@ function render({ model, el }) {
     if (Plotly) {
       for (const entry of cards) if (entry && entry.mode === "plot") Plotly.purge(entry.plot);
       Plotly.purge(bars);
+      Plotly.purge(heatPlot);
     }
     for (const entry of cards) if (entry) entry.mode = null;
     behind = true;
@@ -552,22 +616,32 @@ function render({ model, el }) {
   );
   seen.observe(root);
 
-  // Plots follow their container's width; off screen, they resize when they come back.
+  // Plots follow their container's width; off screen, they resize when they come back (a view
+  // scrolled away while the sidebar opened would otherwise keep its old, wider layout).
   let resizeFrame = 0;
+  function resizeAll() {
+    sizeBehind = false;
+    const divs = cards.filter((e) => e && e.mode === "plot").map((e) => e.plot);
+    if (bars.data) divs.push(bars);
+    if (heatPlot.data) divs.push(heatPlot);
+    for (const div of divs) {
+      const width = (div._fullLayout || {}).width || 0;
+      // Only a displayed div can be resized (a hidden one is, when it shows again).
+      if (div.offsetParent !== null && div.clientWidth > 0 && Math.abs(div.clientWidth - width) > 1) {
+        Plotly.Plots.resize(div).catch(() => {});
+      }
+    }
+  }
   const sized = new ResizeObserver(() => {
     if (resizeFrame) return;
     resizeFrame = requestAnimationFrame(() => {
       resizeFrame = 0;
-      if (!Plotly || !visible || behind) return;
-      const divs = cards.filter((e) => e && e.mode === "plot").map((e) => e.plot);
-      if (bars.data) divs.push(bars);
-      for (const div of divs) {
-        const width = (div._fullLayout || {}).width || 0;
-        // Only a displayed div can be resized (a hidden one is, when it shows again).
-        if (div.offsetParent !== null && div.clientWidth > 0 && Math.abs(div.clientWidth - width) > 1) {
-          Plotly.Plots.resize(div).catch(() => {});
-        }
+      if (!Plotly || behind) return; // a redraw from the store is due: it takes the width then
+      if (!visible) {
+        sizeBehind = true;
+        return;
       }
+      resizeAll();
     });
   });
   sized.observe(grid);

@@ -182,7 +182,7 @@ def test_a_rank_dying_mid_cell_shows_dead_before_the_cell_ends(comm_log):
     states = {0: "busy", 1: "busy"}
     dash = LiveDashboard(run, states=lambda: dict(states))
     live._VIEWS[run] = views = live._RunViews()
-    views.auto = dash
+    views.dash = dash
     dash.start()
     try:
         watch = cell_watcher(run, lambda: dict(states))  # the cell's waiting loop calls it
@@ -250,6 +250,28 @@ def test_the_widget_is_re_displayed_only_when_its_summary_would_change(comm_log)
         _fill(run, range(1), range(9, 12), t0=time.time())
         dash._after_cell()  # a frozen dashboard is never re-displayed
         assert len(handle.updates) == 2
+    finally:
+        dash.close()
+
+
+def test_a_dashboard_shown_again_marks_its_earlier_saved_text_as_a_snapshot(comm_log):
+    run = Run(1, world_size=2, started=time.time())
+    _fill(run, range(2), range(5), t0=time.time())
+    dash = LiveDashboard(run, states=lambda: {0: "idle", 1: "idle"})
+    first, second = _Handle(), _Handle()
+    dash.start(refresh_thread=False)
+    try:
+        dash.displayed(first)
+        _fill(run, range(2), range(5, 12), t0=time.time())
+        dash.displayed(second)  # the same widget under a later cell: one model, both views live
+        [marked] = first.updates
+        assert (
+            marked["application/vnd.jupyter.widget-view+json"]["model_id"] == dash.widget.model_id
+        )
+        assert marked["text/plain"].endswith(
+            "(snapshot at step 11: the live view of this run is in a later cell)"
+        )
+        assert second.updates == []
     finally:
         dash.close()
 
