@@ -18,31 +18,53 @@ changed):
   starts on, so a breakpoint in the cell's gutter stops the ranks there
   (:mod:`nbdist.engine.lab_debug`);
 - stopped ranks appear as one more thread, "ranks", whose stack lists every
-  stopped rank's frames, each named ``rank R · function``. JupyterLab's
-  Callstack panel shows one thread's frames, so all the ranks' frames go into
-  that one. Frame and variable ids are renumbered (from :data:`FIRST_ID` up) and
-  mapped back to their rank, so Variables, scopes and evaluate act on the
-  selected frame's rank;
-- ``next``, ``stepIn`` and ``stepOut`` act on the rank whose frame was selected
-  last; ``continue`` continues every stopped rank (a rank left paused holds the
-  others at their next collective, until the process group's timeout);
+  stopped rank's frames, each named ``rank R · function``, under a first
+  summary frame, ``all stopped (ranks 0-1) · function``. JupyterLab's Callstack
+  panel shows one thread's frames, so all the ranks' frames go into that one.
+  Frame and variable ids are renumbered (from :data:`FIRST_ID` up) and mapped
+  back to their rank, so Variables, scopes and evaluate act on the selected
+  frame's rank; an evaluate on the summary frame runs on every stopped rank;
+- ``continue``, ``next``, ``stepIn`` and ``stepOut`` act on the rank whose frame
+  is selected, the others staying paused (the Callstack is then shown again with
+  the ranks still stopped); with the summary frame selected, which JupyterLab
+  selects after every stop, they act on every stopped rank. A rank left paused
+  holds the others at their next collective, until the process group's timeout;
 - ``disconnect`` (the debugger switched off) disconnects from the ranks too,
   which clears their breakpoints and lets paused ranks run on.
 
-Ranks on another host are not reached yet: their debugpy listens on their own
-loopback and the router connects only to this machine's.
+Ranks on another machine (or network namespace) are not attached: their debugpy
+listens on their own machine's loopback, which the kernel does not reach, and
+nbdist opens no debugger port beyond loopback. The cell's output says so, once
+per rank process; the ranks on the kernel's machine stop as usual.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import itertools
-import json
 import socket
+import sys
 import threading
 
-__all__ = ["FIRST_ID", "RANKS_THREAD", "LabDebugRouter", "install", "prepare_cell", "router"]
+from nbdist.driver.rank_debugpy import (
+    ATTACH,
+    CONNECT_TIMEOUT_S,
+    INITIALIZE,
+    REPLY_TIMEOUT_S,
+    RankConnection,
+    succeeded,
+)
+from nbdist.errors import format_ranks
+
+__all__ = [
+    "ALL_RANKS",
+    "FIRST_ID",
+    "RANKS_THREAD",
+    "SUMMARY_PREFIX",
+    "LabDebugRouter",
+    "install",
+    "prepare_cell",
+    "router",
+]
 
 # The thread id under which every stopped rank appears (debugpy numbers the kernel's
 # own threads from 1).
@@ -50,8 +72,10 @@ RANKS_THREAD = 1_000_000
 # Frame and variable ids handed to JupyterLab for ranks' objects start here; the
 # kernel's own debugpy hands out small ones.
 FIRST_ID = 1 << 40
-_CONNECT_TIMEOUT_S = 10.0
-_REPLY_TIMEOUT_S = 30.0
+# The rank of the Callstack's summary frame ("every stopped rank").
+ALL_RANKS = -1
+# How the summary frame's name begins.
+SUMMARY_PREFIX = "all stopped"
 # Frames of the machinery that runs a cell on a rank: a rank's stack is shown down to
 # the first of them (the cell's frame and what it called).
 _MACHINERY = (
@@ -72,86 +96,6 @@ _MACHINERY = (
 _BY_FRAME = ("scopes", "evaluate", "richInspectVariables", "completions", "stepInTargets")
 _BY_VARIABLES = ("variables", "setVariable")
 _STEPS = ("next", "stepIn", "stepOut")
-
-
-class _RankConnection:
-    """A Debug Adapter Protocol client connected to one rank's debugpy."""
-
-    def __init__(self, rank: int, host: str, port: int, on_event):
-        self.rank = rank
-        self._on_event = on_event
-        self._sock = socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S)
-        self._sock.settimeout(None)
-        self._seq = itertools.count(1)
-        self._lock = threading.Lock()
-        self._pending: dict[int, concurrent.futures.Future] = {}
-        self.initialized = threading.Event()
-        self._reader = threading.Thread(
-            target=self._read, name=f"nbdist-lab-debugger-rank{rank}", daemon=True
-        )
-        self._reader.start()
-
-    def request(self, command: str, arguments: dict | None = None) -> concurrent.futures.Future:
-        """Send a request; a future of its response message."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            seq = next(self._seq)
-            self._pending[seq] = future
-            message = {"seq": seq, "type": "request", "command": command}
-            if arguments is not None:
-                message["arguments"] = arguments
-            body = json.dumps(message).encode()
-            try:
-                self._sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            except OSError as exc:
-                self._pending.pop(seq, None)
-                future.set_exception(ConnectionError(f"rank {self.rank}'s debugpy: {exc}"))
-        return future
-
-    def _read(self) -> None:
-        stream = self._sock.makefile("rb")
-        try:
-            while True:
-                length = None
-                while True:
-                    line = stream.readline()
-                    if not line:
-                        return
-                    line = line.strip()
-                    if not line:
-                        break
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                if length is None:
-                    continue
-                message = json.loads(stream.read(length))
-                if message.get("type") == "response":
-                    with self._lock:
-                        future = self._pending.pop(message.get("request_seq"), None)
-                    if future is not None and not future.done():
-                        future.set_result(message)
-                elif message.get("type") == "event":
-                    if message.get("event") == "initialized":
-                        self.initialized.set()
-                    self._on_event(self.rank, message)
-        except (OSError, ValueError):
-            return
-        finally:
-            with self._lock:
-                pending, self._pending = list(self._pending.values()), {}
-            for future in pending:
-                if not future.done():
-                    future.set_exception(ConnectionError(f"rank {self.rank}'s debugpy went away"))
-            self._on_event(self.rank, {"type": "event", "event": "nbdist_closed"})
-
-    def close(self) -> None:
-        """Close the connection (debugpy then lets the rank run on, breakpoints cleared)."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
 
 
 def _response(request: dict, body: dict | None = None, *, success=True, message="") -> dict:
@@ -176,13 +120,14 @@ class LabDebugRouter:
         self.kernel = kernel
         self._inner = kernel.do_debug_request
         self._lock = threading.RLock()
-        self._ranks: dict[int, _RankConnection] = {}
+        self._ranks: dict[int, RankConnection] = {}
         self._breakpoints: dict[str, dict] = {}  # path -> setBreakpoints arguments
         self._exceptions: dict | None = None  # setExceptionBreakpoints arguments
         self._stopped: dict[int, int] = {}  # rank -> its stopped thread
         self._ids: dict[int, tuple[int, int]] = {}  # id given to JupyterLab -> (rank, rank's id)
         self._next_id = FIRST_ID
         self._selected: int | None = None
+        self._told: set[tuple[int, int | None]] = set()  # (rank, pid) told not attached
         self.active = False
 
     def adopt(self, debugger) -> None:
@@ -254,7 +199,7 @@ class LabDebugRouter:
         if connection is None:
             raise ConnectionError(f"rank {rank} has no debugger connection")
         future = connection.request(command, arguments)
-        return await asyncio.wait_for(asyncio.wrap_future(future), _REPLY_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(future), REPLY_TIMEOUT_S)
 
     async def _to_all_ranks(self, command: str, arguments: dict) -> None:
         ranks = list(self._ranks)
@@ -266,33 +211,64 @@ class LabDebugRouter:
         command = request["command"]
         stopped = dict(self._stopped)
         if command == "stackTrace":
-            frames = []
-            for rank in sorted(stopped):
-                try:
-                    reply = await self._ask(rank, "stackTrace", {"threadId": stopped[rank]})
-                except (ConnectionError, asyncio.TimeoutError):
-                    continue
-                for frame in (reply.get("body") or {}).get("stackFrames", []):
-                    path = (frame.get("source") or {}).get("path") or ""
-                    if any(part in path for part in _MACHINERY):
-                        break
-                    frame = dict(frame, id=self._give_id(rank, frame["id"]))
-                    frame["name"] = f"rank {rank} · {frame.get('name', '?')}"
-                    frames.append(frame)
-            if frames and self._selected not in stopped:
-                self._selected = self._ids[frames[0]["id"]][0]
-            return _response(request, {"stackFrames": frames, "totalFrames": len(frames)})
-        if command == "continue":
-            await self._resume(stopped, "continue")
-            self._event("continued", {"threadId": RANKS_THREAD, "allThreadsContinued": False})
-            return _response(request, {"allThreadsContinued": False})
+            return _response(request, await self._stack(stopped))
         if command == "pause":
             return _response(request)
-        rank = self._selected if self._selected in stopped else min(stopped, default=None)
-        if rank is None:
+        # The selected rank's frame, or every stopped rank when the summary frame is
+        # selected (JupyterLab selects the top frame, the summary, after every stop).
+        if self._selected in stopped:
+            targets = {self._selected: stopped[self._selected]}
+        else:
+            targets = stopped
+        if not targets:
             return _response(request, success=False, message="no rank is stopped")
-        await self._resume({rank: stopped[rank]}, command)
-        return _response(request)
+        await self._resume(targets, command)
+        if command != "continue":
+            return _response(request)
+        left = sorted(set(self._stopped) - set(targets))
+        if left:
+            # JupyterLab cleared its Callstack when it sent "continue": show it the
+            # ranks still stopped.
+            self._event(
+                "stopped",
+                {
+                    "reason": "pause",
+                    "threadId": RANKS_THREAD,
+                    "allThreadsStopped": False,
+                    "description": f"{format_ranks(left)} still stopped",
+                },
+            )
+        else:
+            self._event("continued", {"threadId": RANKS_THREAD, "allThreadsContinued": False})
+        return _response(request, {"allThreadsContinued": False})
+
+    async def _stack(self, stopped: dict[int, int]) -> dict:
+        ranks = sorted(stopped)
+        replies = await asyncio.gather(
+            *(self._ask(r, "stackTrace", {"threadId": stopped[r]}) for r in ranks),
+            return_exceptions=True,
+        )
+        frames = []
+        for rank, reply in zip(ranks, replies):
+            if isinstance(reply, BaseException):
+                continue
+            for frame in (reply.get("body") or {}).get("stackFrames", []):
+                path = (frame.get("source") or {}).get("path") or ""
+                if any(part in path for part in _MACHINERY):
+                    break
+                frame = dict(frame, id=self._give_id(rank, frame["id"]))
+                frame["name"] = f"rank {rank} · {frame.get('name', '?')}"
+                frames.append(frame)
+        if frames:
+            # The summary frame, first: where the lowest rank is; selecting it makes
+            # Continue and the steps act on every stopped rank, Evaluate on each.
+            top = frames[0]
+            summary = dict(top, id=self._give_id(ALL_RANKS, 1))
+            names = {self._ids[f["id"]][0] for f in frames}
+            summary["name"] = f"{SUMMARY_PREFIX} ({format_ranks(names)}) · {_function(top)}"
+            frames.insert(0, summary)
+        self._selected = None
+        return {"stackFrames": frames, "totalFrames": len(frames)}
 
     async def _resume(self, threads: dict[int, int], command: str) -> None:
         with self._lock:
@@ -304,13 +280,48 @@ class LabDebugRouter:
             return_exceptions=True,
         )
 
+    async def _on_summary_frame(self, request: dict) -> dict:
+        # The summary frame has no variables of its own; an evaluate there runs on
+        # every stopped rank's top frame, identical results folded.
+        command = request["command"]
+        if command == "scopes":
+            return _response(request, {"scopes": []})
+        if command != "evaluate":
+            return _response(request, success=False, message="select a rank's frame first")
+        args = request.get("arguments") or {}
+        stopped = dict(self._stopped)
+        ranks = sorted(stopped)
+        tops = await asyncio.gather(
+            *(self._ask(r, "stackTrace", {"threadId": stopped[r], "levels": 1}) for r in ranks),
+            return_exceptions=True,
+        )
+        asks = []
+        for rank, top in zip(ranks, tops):
+            frames = [] if isinstance(top, BaseException) else top["body"]["stackFrames"]
+            arguments = dict(args, frameId=frames[0]["id"]) if frames else None
+            asks.append(self._ask(rank, "evaluate", arguments) if frames else _gone(rank))
+        replies = await asyncio.gather(*asks, return_exceptions=True)
+        by_value: dict[str, list[int]] = {}
+        for rank, reply in zip(ranks, replies):
+            if isinstance(reply, BaseException):
+                text = f"<{reply}>"
+            elif reply.get("success"):
+                text = (reply.get("body") or {}).get("result", "")
+            else:
+                text = f"<{reply.get('message', 'failed')}>"
+            by_value.setdefault(text, []).append(rank)
+        result = "\n".join(f"{format_ranks(r)}: {text}" for text, r in by_value.items())
+        return _response(request, {"result": result, "variablesReference": 0})
+
     async def _forward_by_id(self, request: dict, key: str) -> dict:
         args = dict(request.get("arguments") or {})
         rank, rank_id = self._ids.get(args[key], (None, None))
         if rank is None:
             return _response(request, success=False, message="that frame or variable is gone")
         if key == "frameId":
-            self._selected = rank
+            self._selected = None if rank == ALL_RANKS else rank
+        if rank == ALL_RANKS:
+            return await self._on_summary_frame(request)
         args[key] = rank_id
         command = request["command"]
         if command == "richInspectVariables":
@@ -368,27 +379,56 @@ class LabDebugRouter:
                 return
             with self._lock:
                 was = self._stopped.pop(rank, None)
-                if name != "continued":
+                current = self._ranks.get(rank)
+                # Only a connection that went away: a restarted rank's new one stays.
+                if name != "continued" and current is not None and current.closed:
                     self._ranks.pop(rank, None)
             if was is not None and not self._stopped:
                 self._event("continued", {"threadId": RANKS_THREAD, "allThreadsContinued": False})
         elif name == "output":
             return  # the rank's output already reaches the cell through the session
 
-    def connect(self, rank: int, host: str, port: int) -> None:
-        """Attach to rank ``rank``'s debugpy at ``host:port`` and give it the breakpoints set so far."""
-        connection = _RankConnection(rank, host, port, self._on_rank_event)
+    def attached(self, rank: int, endpoint: dict) -> bool:
+        """Whether this router is attached to ``rank``'s debugpy at ``endpoint`` (a restarted
+        rank has a new one)."""
+        connection = self._ranks.get(rank)
+        return (
+            connection is not None
+            and not connection.closed
+            and connection.endpoint == (endpoint.get("host"), endpoint.get("port"))
+            and connection.pid in (None, endpoint.get("pid"))
+        )
+
+    def tell(self, ranks: list[int], endpoints: list[dict], text: str) -> None:
+        """Print ``text`` in the cell's output (stderr), once per rank process it concerns."""
+        keys = {(r, e.get("pid")) for r, e in zip(ranks, endpoints)}
+        if keys <= self._told:
+            return
+        self._told |= keys
+        print(text, file=sys.stderr)
+
+    def connect(self, rank: int, host: str, port: int, pid: int | None = None) -> None:
+        """Attach to rank ``rank``'s debugpy at ``host:port`` and give it the breakpoints set so far.
+
+        ``pid``: the rank's process id, when known (a restarted rank is a new process).
+        A connection to the rank's former debugpy is closed.
+        """
+        old = self._ranks.get(rank)
+        if old is not None:
+            old.close()
+        connection = RankConnection(rank, host, port, self._on_rank_event)
+        connection.pid = pid
         try:
-            _wait(connection.request("initialize", _INITIALIZE))
-            attached = connection.request("attach", _ATTACH)
-            if not connection.initialized.wait(_CONNECT_TIMEOUT_S):
+            succeeded(connection.request("initialize", INITIALIZE))
+            attached = connection.request("attach", ATTACH)
+            if not connection.initialized.wait(CONNECT_TIMEOUT_S):
                 raise TimeoutError(f"rank {rank}'s debugpy did not start a debug session")
             for arguments in list(self._breakpoints.values()):
-                _wait(connection.request("setBreakpoints", arguments))
+                succeeded(connection.request("setBreakpoints", arguments))
             if self._exceptions is not None:
-                _wait(connection.request("setExceptionBreakpoints", self._exceptions))
-            _wait(connection.request("configurationDone"))
-            _wait(attached)
+                succeeded(connection.request("setExceptionBreakpoints", self._exceptions))
+            succeeded(connection.request("configurationDone"))
+            succeeded(attached)
         except BaseException:
             connection.close()
             raise
@@ -419,58 +459,18 @@ class LabDebugRouter:
             self.active = False
         for connection in connections:
             try:
-                _wait(connection.request("disconnect", {"terminateDebuggee": False}), 5.0)
+                succeeded(connection.request("disconnect", {"terminateDebuggee": False}), 5.0)
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
             connection.close()
 
 
-_INITIALIZE = {
-    "clientID": "nbdist",
-    "clientName": "nbdist (JupyterLab's debugger on the ranks)",
-    "adapterID": "debugpy",
-    "pathFormat": "path",
-    "linesStartAt1": True,
-    "columnsStartAt1": True,
-    "supportsVariableType": True,
-    "supportsRunInTerminalRequest": False,
-}
-# Only the thread that reaches a breakpoint stops: the rank's other threads (its
-# kernel's control and output threads) keep serving, so the kernel can still
-# interrupt it and its output still arrives.
-# Library code (the standard library, site-packages) and the machinery that runs a
-# cell on a rank are stepped over: a step off a cell's statement (IPython runs each
-# one as code of its own) lands on the next statement.
-_ATTACH = {
-    "justMyCode": True,
-    "stopAllThreadsOnSuspend": False,
-    "steppingResumesAllThreads": False,
-    "subProcess": False,
-    "rules": [
-        {"module": name, "include": False}
-        for name in (
-            "IPython",
-            "ipykernel",
-            "ipyparallel",
-            "jupyter_client",
-            "tornado",
-            "zmq",
-            "asyncio",
-            "traitlets",
-            "threading",
-            "runpy",
-            "nbdist.engine",
-            "nbdist.launch",
-        )
-    ],
-}
+def _function(frame: dict) -> str:
+    return frame.get("name", "?").partition(" · ")[2] or "?"
 
 
-def _wait(future: concurrent.futures.Future, timeout: float = _REPLY_TIMEOUT_S) -> dict:
-    reply = future.result(timeout)
-    if not reply.get("success", False):
-        raise RuntimeError(f"{reply.get('command')}: {reply.get('message', 'failed')}")
-    return reply
+async def _gone(rank: int) -> dict:
+    return {"success": False, "message": f"rank {rank} has no frame"}
 
 
 _router: list[LabDebugRouter | None] = [None]
@@ -493,8 +493,7 @@ def install(ipython) -> LabDebugRouter | None:
         return _router[0]
     found = LabDebugRouter(kernel)
     found.adopt(kernel.debugger)
-    if not found.active:
-        _no_debugpy_in_children()
+    _no_debugpy_in_children()
     kernel.do_debug_request = found.handle
     _router[0] = found
     return found
@@ -503,14 +502,36 @@ def install(ipython) -> LabDebugRouter | None:
 def _no_debugpy_in_children() -> None:
     # ipykernel's debugger starts debugpy in the kernel with debugpy's defaults, which
     # make every Python process the kernel starts from then on a debuggee too: the
-    # ranks, controller and launcher of a %dist_start run with the debugger on then
-    # start too slowly to register. Set before that start, it keeps them out.
+    # ranks, controller and launcher of a %dist_start run with the debugger on would
+    # start too slowly to register (the controller never wrote its connection files).
+    # Before debugpy starts, configuring it is enough; once it has started (the
+    # debugger switched on before %load_ext nbdist), its wrappers around the ways to
+    # start a process are put back to the originals it kept.
     try:
         import debugpy
-
+    except ImportError:
+        return
+    try:
         debugpy.configure(subProcess=False)
-    except (ImportError, RuntimeError):  # debugpy already started here: too late to say
+    except (RuntimeError, ValueError):
         pass
+    import os
+    import subprocess
+
+    modules = [os, subprocess]
+    try:
+        import _posixsubprocess
+
+        modules.append(_posixsubprocess)
+    except ImportError:
+        pass
+    for module in modules:
+        for name in [n for n in vars(module) if n.startswith("original_")]:
+            function = name.removeprefix("original_")
+            wrapper = getattr(module, function, None)
+            if "pydev_monkey" in getattr(wrapper, "__module__", ""):
+                setattr(module, function, getattr(module, name))
+                delattr(module, name)
 
 
 def prepare_cell(session, ranks, body: str) -> None:
@@ -544,9 +565,35 @@ def prepare_cell(session, ranks, body: str) -> None:
     # An interrupt or a failure ends the cell with ranks still marked paused: unmark them.
     events.register("post_execute", ended)
     endpoints = session.apply(lab_debug.prepare, body, path, offset, source, ranks=ranks)
+    here = set(lab_debug.machine_addresses())
+    labels = {r.rank: r.host for r in getattr(session, "ranks", ())}  # "name@address" if shared
+    elsewhere: dict[str, list[int]] = {}
     for rank, endpoint in zip(ranks, endpoints):
-        if rank in found.connected() or endpoint.get("port") is None:
+        if endpoint.get("port") is None or found.attached(rank, endpoint):
             continue
-        if endpoint.get("hostname") != socket.gethostname():
-            continue  # its debugpy listens on its own host's loopback: not reached yet
-        found.connect(rank, endpoint["host"], endpoint["port"])
+        addresses = set(endpoint.get("addresses") or ())
+        if endpoint.get("hostname") != socket.gethostname() or (
+            addresses and here and not addresses & here
+        ):
+            host = labels.get(rank) or endpoint.get("hostname") or "?"
+            elsewhere.setdefault(host, []).append(rank)
+            continue
+        try:
+            found.connect(rank, endpoint["host"], endpoint["port"], pid=endpoint.get("pid"))
+        except (OSError, RuntimeError) as exc:
+            found.tell(
+                [rank],
+                [endpoint],
+                f"nbdist: JupyterLab's debugger could not attach to rank {rank} ({exc}); "
+                "breakpoints do not stop it, the other ranks stop as usual",
+            )
+    for host, away in elsewhere.items():
+        found.tell(
+            away,
+            [endpoints[ranks.index(r)] for r in away],
+            f"nbdist: JupyterLab's debugger is not attached to {format_ranks(away)} (on "
+            f"{host}, not this kernel's machine): a rank's debugpy listens on its own "
+            "machine's loopback only, which the kernel does not reach, so breakpoints do not "
+            "stop those ranks (the ranks on this machine stop as usual). To debug one of them: "
+            "%dist_debugpy RANK (VS Code through an SSH tunnel), or breakpoint() in the cell.",
+        )

@@ -11,6 +11,8 @@ only, called in the kernel) words an endpoint as what to do in VS Code.
 Cells keep running normally while nobody is attached (debugpy traces Python
 code from then on: pure-Python loops run slower, torch's kernels do not).
 Children the rank starts (DataLoader workers, helpers) are not debugged.
+Tensors show their shape, dtype, device and small values in the debugger's
+variables (:mod:`nbdist.engine.tensor_view`).
 
 An interrupt (the kernel's, or a cell's ``--timeout``) that lands while the
 rank is stopped at a breakpoint raises inside debugpy's trace function, and
@@ -33,6 +35,8 @@ import os
 import socket
 import sys
 import threading
+
+from nbdist.engine import tensor_view
 
 __all__ = ["LOOPBACK", "attach_text", "is_loopback", "listen", "listening", "rearm"]
 
@@ -97,6 +101,7 @@ def listen(port: int | None = 0, host: str = LOOPBACK) -> dict:
                 raise
             return _described(_other_listener(), new=False)
         _endpoint = {"host": bound[0], "port": int(bound[1]), "owner": "nbdist", "note": ""}
+        tensor_view.show_tensors()  # tensors show shape, dtype, device (and small values)
         shell = _ipython_shell()
         if shell is not None:
             shell.events.register("pre_execute", rearm)

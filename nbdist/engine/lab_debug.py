@@ -21,13 +21,14 @@ back on.
 from __future__ import annotations
 
 import ast
+import ipaddress
 import linecache
 import sys
 import threading
 
-from nbdist.engine import debugpy_server
+from nbdist.engine import debugpy_server, netif
 
-__all__ = ["prepare"]
+__all__ = ["machine_addresses", "prepare"]
 
 # Cell bodies the kernel announced: body -> (path, lines above the body, the cell's source).
 _cells: dict[str, tuple[str, int, str]] = {}
@@ -98,19 +99,36 @@ def _untrace_when_alone() -> None:
     threading.settrace(None)
 
 
+def machine_addresses() -> list[str]:
+    """This machine's (network namespace's) addresses that tell it apart: neither loopback
+    nor link-local. Two processes that list the same ones share a loopback."""
+    found = set()
+    for addresses in netif.local_interfaces().values():
+        for address in addresses:
+            try:
+                ip = ipaddress.ip_address(address.partition("%")[0])
+            except ValueError:
+                continue
+            if not (ip.is_loopback or ip.is_link_local):
+                found.add(str(ip))
+    return sorted(found)
+
+
 def prepare(body: str, path: str, offset: int, source: str) -> dict:
     """Announce the next cell: compile ``body`` under ``path``, its lines moved down by ``offset``.
 
     ``source``: the notebook cell's whole text (what the debugger shows for
     ``path``). Starts debugpy listening on loopback the first time; returns its
-    endpoint (:func:`nbdist.engine.debugpy_server.listen`).
+    endpoint (:func:`nbdist.engine.debugpy_server.listen`) with ``addresses``, this
+    machine's (:func:`machine_addresses`: the kernel reaches this loopback only when
+    it runs on the same machine).
     """
     shell = _shell()
     if shell is None:
         raise RuntimeError(
             "JupyterLab's debugger needs ranks that run IPython (ipyparallel engines)"
         )
-    endpoint = debugpy_server.listen()
+    endpoint = dict(debugpy_server.listen(), addresses=machine_addresses())
     _install(shell)
     if sys.gettrace() is None:
         import debugpy

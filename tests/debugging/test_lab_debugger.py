@@ -126,9 +126,16 @@ def _stack(dbg: LabDebugClient) -> dict[int, dict]:
     """The top frame of each stopped rank, as the Callstack panel lists them."""
     frames = dbg.request("stackTrace", threadId=RANKS_THREAD)["body"]["stackFrames"]
     tops: dict[int, dict] = {}
-    for frame in frames:
+    for frame in frames[1:]:  # the first: the summary frame of every stopped rank
         tops.setdefault(int(frame["name"].split()[1]), frame)
     return tops
+
+
+def _select_all(dbg: LabDebugClient) -> None:
+    """Select the Callstack's first frame, the summary of every stopped rank (JupyterLab
+    selects it after each stop): Continue then resumes every stopped rank."""
+    frames = dbg.request("stackTrace", threadId=RANKS_THREAD)["body"]["stackFrames"]
+    dbg.request("scopes", frameId=frames[0]["id"])
 
 
 def test_breakpoint_in_a_cells_gutter_stops_both_ranks(lab):
@@ -165,6 +172,7 @@ def test_breakpoint_in_a_cells_gutter_stops_both_ranks(lab):
     assert evaluated["body"]["result"] == "11"
 
     # JupyterLab's Continue: it drops the stopped thread first, then names thread 1.
+    _select_all(dbg)
     assert dbg.request("continue", threadId=1)["success"]
     text = dbg.cell_output(msg_id)
     reply = kernel.reply(msg_id)
@@ -301,6 +309,7 @@ def test_breakpoint_in_a_file_the_ranks_import(lab, tmp_path):
         body = dbg.request("variables", variablesReference=scope["variablesReference"])["body"]
         names.update({v["name"]: v["value"] for v in body["variables"]})
     assert names.get("w") == "6", names
+    _select_all(dbg)
     assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
     text = dbg.cell_output(msg_id)
     assert "scaled 0 3" in text and "scaled 1 6" in text, text

@@ -1,0 +1,215 @@
+"""JupyterLab's debugger on the ranks, one rank at a time: a real kernel, 2 CPU ranks.
+
+Continue acts on the rank whose frame is selected while the other stays paused
+(and waits in the collective that follows), the Callstack's summary frame acts
+on every stopped rank, tensors show their shape, dtype, device and small values
+in the Variables panel, and ``%dist_stop``/``%dist_restart`` while ranks are
+paused in the debugger end them, leave no process behind, and the debugger sees
+the ranks go.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from nbdist.driver.lab_debugger import RANKS_THREAD, SUMMARY_PREFIX
+from tests.debugging.test_lab_debugger import LabDebugClient, _debugger_on, _select_all, _stack
+from tests.notebooks.conftest import Kernel
+
+
+@pytest.fixture(scope="module")
+def lab():
+    kernel = Kernel()
+    try:
+        kernel.start_dist(2)
+        yield kernel, LabDebugClient(kernel)
+    finally:
+        kernel.shutdown()
+
+
+def _summary(dbg: LabDebugClient) -> dict:
+    frames = dbg.request("stackTrace", threadId=RANKS_THREAD)["body"]["stackFrames"]
+    assert frames[0]["name"].startswith(SUMMARY_PREFIX), frames
+    return frames[0]
+
+
+def _variables(dbg: LabDebugClient, frame_id: int) -> dict[str, dict]:
+    found: dict[str, dict] = {}
+    for scope in dbg.request("scopes", frameId=frame_id)["body"]["scopes"]:
+        body = dbg.request("variables", variablesReference=scope["variablesReference"])["body"]
+        for var in body["variables"]:
+            found.setdefault(var["name"], var)
+    return found
+
+
+def _idle(dbg: LabDebugClient, msg_id: str) -> bool:
+    dbg._drain()
+    return any(
+        m["parent_header"].get("msg_id") == msg_id
+        and m["msg_type"] == "status"
+        and m["content"]["execution_state"] == "idle"
+        for m in dbg.other
+    )
+
+
+def _gone(pids, timeout: float = 60.0) -> list[int]:
+    """The PIDs in ``pids`` still alive (not zombies) after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.5)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+COLLECTIVE = (
+    "%%on_all_ranks\n"
+    "import torch, torch.distributed as dist\n"
+    "v = rank + 1\n"
+    "t = torch.tensor([float(v)])\n"
+    "dist.all_reduce(t)\n"
+    "print('sum', rank, t.item())"
+)
+
+
+def test_continue_one_rank_while_the_other_stays_paused(lab):
+    kernel, dbg = lab
+    _debugger_on(dbg, COLLECTIVE, [{"line": 4}])
+    msg_id = kernel.submit(COLLECTIVE)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+
+    # The summary frame comes first; an evaluate there runs on every stopped rank.
+    summary = _summary(dbg)
+    assert "ranks 0-1" in summary["name"] and summary["line"] == 4, summary
+    result = dbg.request("evaluate", expression="v", frameId=summary["id"], context="repl")
+    assert result["body"]["result"] == "rank 0: 1\nrank 1: 2", result
+    same = dbg.request("evaluate", expression="v * 0", frameId=summary["id"], context="repl")
+    assert same["body"]["result"] == "ranks 0-1: 0", same
+
+    # Select rank 1's frame, Continue (JupyterLab's form: thread 1 once it dropped the
+    # stopped thread): rank 1 runs on into the all_reduce, rank 0 stays paused.
+    tops = _stack(dbg)
+    dbg.request("scopes", frameId=tops[1]["id"])
+    dbg.events.clear()
+    assert dbg.request("continue", threadId=1)["success"]
+    again = dbg.wait_event("stopped", threadId=RANKS_THREAD, timeout=60)[0]["body"]
+    assert again["description"] == "rank 0 still stopped", again
+    assert sorted(_stack(dbg)) == [0], "rank 0 is still shown stopped, rank 1 is not"
+    time.sleep(2)  # rank 1 waits in the collective for rank 0: the cell does not end
+    assert not _idle(dbg, msg_id)
+    assert "sum 1" not in "".join(m["content"].get("text", "") for m in dbg.other)
+
+    # Continue with the summary frame selected (as JupyterLab selects it after a stop).
+    summary = _summary(dbg)
+    dbg.request("scopes", frameId=summary["id"])
+    assert dbg.request("continue", threadId=1)["success"]
+    text = dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    assert "sum 0 3.0" in text and "sum 1 3.0" in text, text
+    assert RANKS_THREAD not in [t["id"] for t in dbg.request("threads")["body"]["threads"]]
+
+
+TENSORS = (
+    "%%on_all_ranks\n"
+    "import torch\n"
+    "small = torch.arange(6, dtype=torch.float32).reshape(2, 3) + rank\n"
+    "big = torch.zeros(300, 400, dtype=torch.float16)\n"
+    "done = True"
+)
+
+
+def test_tensor_variables_show_shape_dtype_device_and_small_values(lab):
+    kernel, dbg = lab
+    dbg.events.clear()
+    _debugger_on(dbg, TENSORS, [{"line": 5}])
+    msg_id = kernel.submit(TENSORS)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    tops = _stack(dbg)
+    variables = _variables(dbg, tops[1]["id"])
+    small = variables["small"]["value"]
+    assert "(2, 3)" in small and "float32" in small and "cpu" in small, small
+    assert "[[1., 2., 3.]" in small and "[4., 5., 6.]]" in small, small
+    big = variables["big"]["value"]
+    assert "(300, 400)" in big and "float16" in big and "cpu" in big, big
+    assert "0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0." not in big, big
+    # Expanded, a tensor lists its shape, dtype and device, and the values of a small one.
+    reference = variables["small"]["variablesReference"]
+    assert reference, variables["small"]
+    children = {
+        v["name"]: v["value"]
+        for v in dbg.request("variables", variablesReference=reference)["body"]["variables"]
+    }
+    assert children["shape"] == "(2, 3)" and children["dtype"] == "torch.float32", children
+    assert "cpu" in children["device"], children
+    assert "[4.0, 5.0, 6.0]" in children["values"], children
+    # The Evaluate box shows the same.
+    shown = dbg.request("evaluate", expression="small", frameId=tops[0]["id"], context="repl")
+    assert "(2, 3)" in shown["body"]["result"] and "[[0., 1., 2.]" in shown["body"]["result"]
+    _select_all(dbg)
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+
+
+def _rank_pids(kernel: Kernel, *, session: bool) -> list[int]:
+    """The ranks' processes and their debugpy adapters (started with the debugger); with
+    ``session``, every process the session started (controller, launcher...) too."""
+    out = kernel.ok(
+        "%%on_all_ranks\nimport os\nfrom debugpy.server import api as _api\n"
+        "print('pids', os.getpid(), _api._adapter_process.pid)"
+    ).stdout
+    pids = [int(p) for line in out.splitlines() if "pids" in line for p in line.split()[-2:]]
+    assert len(pids) == 4, out
+    return sorted(set(pids) | set(kernel.nbdist_pids() if session else ()))
+
+
+def _run(kernel: Kernel, dbg: LabDebugClient, code: str) -> str:
+    """Run ``code`` in the kernel and insist it succeeded; its output (read by ``dbg``,
+    which keeps the debug events that arrive meanwhile)."""
+    msg_id = kernel.submit(code)
+    text = dbg.cell_output(msg_id, timeout=240)
+    reply = kernel.reply(msg_id)
+    assert reply["status"] == "ok", (code, reply, text)
+    return text
+
+
+@pytest.mark.parametrize("magic", ["%dist_stop", "%dist_restart"])
+def test_stop_or_restart_while_ranks_are_paused(lab, magic):
+    kernel, dbg = lab
+    dbg.events.clear()
+    cell = "%%on_all_ranks --noblock\nw = rank\nprint('ran', w)"
+    _debugger_on(dbg, cell, [{"line": 2}])
+    # %dist_restart keeps the controller: the ranks and their adapters must go.
+    pids = _rank_pids(kernel, session=magic == "%dist_stop")
+    _run(kernel, dbg, cell)  # --noblock: the kernel is free while the ranks are paused
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+
+    said = _run(kernel, dbg, magic)
+    # The debugger sees the ranks go: no thread of stopped ranks any more.
+    dbg.wait_event("continued", threadId=RANKS_THREAD, timeout=60)
+    assert RANKS_THREAD not in [t["id"] for t in dbg.request("threads")["body"]["threads"]]
+    assert _gone(pids) == [], f"left behind after {magic}: {said}"
+
+    if magic == "%dist_stop":
+        kernel.start_dist(2)
+    # The new ranks are debugged as the old ones were.
+    dbg.events.clear()
+    cell = "%%on_all_ranks\nw = rank\nprint('ran', w)"
+    _debugger_on(dbg, cell, [{"line": 2}])
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    assert sorted(_stack(dbg)) == [0, 1]
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    assert "ran 0" in text and "ran 1" in text, text
