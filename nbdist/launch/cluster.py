@@ -141,8 +141,11 @@ def start_local(
     config = _base_config(ip)
     # The zygote ends its ranks itself (SIGTERM, SIGKILL after 3 s); ending 256 of them
     # on 2 cores took longer than 5 s, and ipyparallel then SIGKILLed the zygote and
-    # warned "did not exit in 5 seconds after TERM". Leave it time in proportion.
+    # warned "did not exit in 5 seconds after TERM". Leave it time in proportion (the
+    # kernel's own sweep afterwards still ends whatever is left, by PID).
     config.LocalEngineLauncher.stop_seconds_until_kill = 5 + n // 16
+    # The controller, closing a connection per engine, outlasted its 3 s at 64 ranks too.
+    config.LocalControllerLauncher.stop_seconds_until_kill = 3 + n // 16
     if launcher_config:
         from traitlets.config import Config
 
@@ -389,7 +392,8 @@ def connect(path: str, *, timeout: float) -> ClusterHandle:
 def stop_processes(handle: ClusterHandle) -> list[int]:
     """Stop what nbdist started, and every process below it; the PIDs that had to be killed.
 
-    Returns within about 10 s (see docs/faults.md, "Nothing outlives %dist_stop").
+    Returns within about 10 s at a few ranks, longer in proportion at many (see
+    docs/faults.md, "Nothing outlives %dist_stop").
     """
     client = handle.client
     if client is not None:
