@@ -22,13 +22,12 @@ could not send is counted on the rank (``dropped`` in its messages, kept in
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 
 from nbdist.metrics.run import Run
 from nbdist.metrics.store import RunStore
-from nbdist.metrics.wire import decode
+from nbdist.metrics.wire import columns, decode
 
 __all__ = ["DRAIN_CAP_S", "Collector"]
 
@@ -118,24 +117,20 @@ class Collector:
             return False
         kind = message.get("k")
         if kind == "points":
-            # Signed by our own ranks, so trusted to be [int, float, {str: float|None}];
+            # Signed by our own ranks, so trusted to be columns of numbers (wire.columns);
             # only JSON's null (a NaN on the rank) needs turning back into NaN.
-            points = message.get("points", [])
+            steps, times, cols = columns(message)
             dropped = message.get("dropped")
             if isinstance(dropped, int) and dropped:
                 self.run.set_dropped(rank, dropped)
-            for point in points:
-                values = point[2]
-                if None in values.values():
-                    point[2] = {k: (math.nan if v is None else v) for k, v in values.items()}
-            if points:
-                self.run.add(rank, points)
+            if steps:
+                self.run.add_columns(rank, steps, times, cols)
             stored = False
             # A message that only raises the dropped count is stored too (n = 0), so the
             # history keeps what was lost, not only what arrived.
-            if self.store is not None and (points or dropped):
+            if self.store is not None and (steps or dropped):
                 try:  # stored as it arrived (verified JSON): one row per batch, no re-encoding
-                    self.store.append(self.run.id, rank, frames[1].decode(), len(points))
+                    self.store.append(self.run.id, rank, frames[1].decode(), len(steps))
                     stored = True
                 except Exception:  # a full disk must not stop live metrics
                     self.store_errors += 1

@@ -14,7 +14,6 @@ stream). :class:`FollowHub` offers what a session needs of a
 from __future__ import annotations
 
 import json
-import math
 import os
 import sqlite3
 import threading
@@ -22,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from nbdist.metrics.run import Run
+from nbdist.metrics.wire import batch_columns, concat
 
 __all__ = ["FollowHub"]
 
@@ -81,22 +81,18 @@ class FollowHub:
         for rowid, rank, text in rows:
             self._last_row = rowid
             try:
-                batch = json.loads(text)
-            except ValueError:
+                message, batch = batch_columns(json.loads(text))
+            except (ValueError, TypeError, KeyError):
                 continue
-            if isinstance(batch, dict):
-                if isinstance(batch.get("dropped"), int) and batch["dropped"]:
-                    self.run.set_dropped(rank, batch["dropped"])
-                if isinstance(batch.get("total"), int):
-                    totals[rank] = max(totals.get(rank, 0), batch["total"])
-                batch = batch.get("points", [])
-            by_rank.setdefault(rank, []).extend(
-                (step, when, {k: math.nan if v is None else v for k, v in values.items()})
-                for step, when, values in batch
-            )
-        for rank, points in sorted(by_rank.items()):
-            if points:
-                self.run.add(rank, points)
+            if isinstance(message.get("dropped"), int) and message["dropped"]:
+                self.run.set_dropped(rank, message["dropped"])
+            if isinstance(message.get("total"), int):
+                totals[rank] = max(totals.get(rank, 0), message["total"])
+            by_rank.setdefault(rank, []).append(batch)
+        for rank, batches in sorted(by_rank.items()):
+            steps, times, cols = concat(batches)
+            if steps:
+                self.run.add_columns(rank, steps, times, cols)
         if totals:
             with self._cond:
                 for rank, total in totals.items():

@@ -3,19 +3,23 @@
 Each call stamps the time, takes the step's collective and data timers, and
 appends the point to a local buffer (values may be Python numbers or 0-d
 tensors); everything derived from it (step time and its breakdown, throughput,
-TFLOP/s, memory on every point, the tensors' values) is worked out later on the
-flush thread. That thread sleeps until a point is logged, then flushes at most
+TFLOP/s, memory on every point, device tensors' values) is worked out later on
+the flush thread, for a whole batch at once (:mod:`nbdist.metrics.batch`), and
+sent as columns (:mod:`nbdist.metrics.wire`). That thread sleeps until a point is logged, then flushes at most
 twice a second, and :func:`end_of_cell` flushes at the end of every cell: the
 count it returns, in the cell's execute reply, tells the kernel how many points
 to wait for. A cell that logged nothing sends no message at all.
 
-How a tensor's value is read, and when: never on the training thread. A 0-d
-tensor is only detached there (when it requires grad: that frees its graph).
-At the next flush (<= 0.5 s later, or the end of the cell) the flush thread
-stacks the batch's tensors, one ``torch.stack`` per device, and copies the
-result to the host: for a CUDA loss that copy is the one device sync per flush,
-on the flush thread, which waits for the kernels queued before it while the
-training thread goes on queueing. A loss turned into a number by the user
+How a tensor's value is read, and when: a CPU tensor at the call (``float``,
+~1 us, nothing to wait for: kept until the flush, every step's 0-d tensor made
+the heap give the step's large buffers back to the system and fault them in
+again, bench/RESULTS.md). A device tensor never on the training thread: it is
+only detached there (when it requires grad: that frees its graph). At the next
+flush (<= 0.5 s later, or the end of the cell) the flush thread stacks the
+batch's device tensors, one ``torch.stack`` per device, and copies the result to
+the host: for a CUDA loss that copy is the one device sync per flush, on the
+flush thread, which waits for the kernels queued before it while the training
+thread goes on queueing. A loss turned into a number by the user
 (``loss.item()``) was synced by the user, where they asked for it.
 
 ``flops=`` gives ``tflops`` and ``mfu``, computed at flush like throughput; the
@@ -54,6 +58,8 @@ import threading
 import time
 
 from nbdist.metrics import flops, steptime
+from nbdist.metrics.batch import PEAK as _PEAK
+from nbdist.metrics.batch import to_columns
 from nbdist.metrics.steptime import data_timer
 
 __all__ = ["configure", "data_timer", "dropped", "end_of_cell", "flush", "log", "shutdown"]
@@ -140,45 +146,47 @@ class _Channel:
         import zmq
 
         from nbdist.metrics import gpu
-        from nbdist.metrics.wire import encode
+        from nbdist.metrics.wire import encode, floats
 
         with self.send_lock:
             with self.lock:  # only to take the batch: log() never waits for what follows
                 batch, self.pending = self.pending, []
             self.max_pending = _buffer_size()
-            points = []
+            n, steps, times, columns = 0, [], (), {}
             if batch:
                 try:
                     # Reads tensors (may wait for the device) and fills in what log() left
                     # for later: step time, its breakdown, throughput, memory.
-                    points = _to_numbers(batch, self)
+                    steps, times, columns, self.memory_reading = to_columns(
+                        batch, self.memory_reading
+                    )
+                    n = len(batch)
                 except Exception:
                     with self.lock:
                         self.dropped += len(batch)
-            if (
-                points
-                and self.cuda_index is not None
-                and os.environ.get("NBDIST_LOG_GPU", "1") != "0"
-            ):
+            if n and self.cuda_index is not None and os.environ.get("NBDIST_LOG_GPU", "1") != "0":
                 # A GPU reading rides along at most once a second, whatever the flush rate:
                 # each is a few driver calls, and the figures move slower than that.
                 target = gpu.cuda_target(self.cuda_index)
                 if target is not None:
                     reading = gpu.sampler().fresh(target)
-                    points[-1][2].update(gpu.as_point_values(reading))
+                    for key, value in gpu.as_point_values(reading).items():  # the last point
+                        columns[key] = ([n - 1], [value])
             dropped = self.dropped
-            if points or dropped != self.dropped_sent:
+            if n or dropped != self.dropped_sent:
                 # "total" counts every point this rank has sent, so the kernel can tell
                 # when it has all of them; counted only once the batch is encoded.
-                total = self.total + len(points)
+                total = self.total + n
                 message = {
                     "k": "points",
                     "rank": self.rank,
-                    "points": points,
+                    "steps": steps,
+                    "times": floats(times),
+                    "cols": {key: (idx, floats(values)) for key, (idx, values) in columns.items()},
                     "total": total,
                     "dropped": dropped,
                 }
-                self._queue(encode(self.key, message), len(points))
+                self._queue(encode(self.key, message), n)
                 self.total, self.dropped_sent = total, dropped
             if marker is not None:
                 marker = dict(marker, k="cell", rank=self.rank, total=self.total)
@@ -243,8 +251,8 @@ step_hooks: list = []
 def log(step: int | None = None, **scalars) -> None:
     """Record metrics for this rank: ``nbdist.log(step=i, loss=loss, samples=len(x))``.
 
-    Values: Python numbers or 0-d tensors (detached now, read later on the flush
-    thread, in batches). ``samples`` / ``tokens`` give throughput; the time
+    Values: Python numbers or 0-d tensors (a CPU tensor read now; a device tensor
+    detached now, read on the flush thread, in batches: no sync here). ``samples`` / ``tokens`` give throughput; the time
     between calls gives ``step_time`` and its breakdown (``comm_s``, ``data_s``,
     ``compute_s``; ``data_time`` = seconds this step waited for data, else the
     time inside :func:`data_timer` blocks). ``flops`` (this step's FLOPs on this
@@ -271,9 +279,22 @@ def log(step: int | None = None, **scalars) -> None:
         if "flops" in scalars or "peak_tflops" in scalars:
             resume = _flops_peak(channel, scalars, resume)
         for key, value in scalars.items():
-            # No sync; frees the autograd graph now. A tensor outside autograd is kept as
-            # it is: detach() would share its storage all the same, for ~2 us a call.
-            if value.__class__ not in _PLAIN and getattr(value, "requires_grad", False):
+            if value.__class__ in _PLAIN:
+                continue
+            if getattr(value, "is_cpu", False):
+                # A CPU tensor is read now: no device to wait for (~1 us). Kept until the
+                # flush, the 0-d tensors of every step pinned small blocks all over the
+                # heap, and the step's own large buffers were given back to the system
+                # and faulted in again: 2.6-6.5 page faults and +60-150 us of training
+                # thread CPU a step (bench/RESULTS.md, "two ranks").
+                try:
+                    scalars[key] = float(value)
+                    continue
+                except Exception:  # not one element: read (as NaN) at the flush
+                    pass
+            # A device tensor: no sync here; frees the autograd graph now. Outside autograd
+            # it is kept as it is (detach() would share its storage all the same, ~2 us).
+            if getattr(value, "requires_grad", False):
                 scalars[key] = value.detach()
         with channel.lock:
             last, channel.last_call = channel.last_call, resume
@@ -318,79 +339,6 @@ def _flops_peak(channel: _Channel, scalars: dict, resume: float) -> float:
     if peak is not None and peak > 0 and math.isfinite(peak):
         scalars[_PEAK] = peak
     return resume
-
-
-# The key under which a point's peak TFLOP/s waits for flush (never sent).
-_PEAK = "__peak"
-# Points converted between two releases of the GIL on the flush thread: a training thread
-# coming back from a GIL-free op waits at most for this many.
-_CHUNK = 64
-
-
-def _to_numbers(batch: list[tuple], channel: _Channel | None = None) -> list[list]:
-    """The points of ``batch`` (as ``log`` queued them) as ``[step, time, {key: float}]``.
-
-    Tensors are read in one ``stack`` per device (one device sync per flush, on this
-    thread); derived keys are computed here. ``channel`` carries the memory reading
-    from one flush to the next (None: a point without one carries none).
-    """
-    tensors: dict[str, list] = {}
-    for _, _, _, scalars, _, _ in batch:
-        for key, value in scalars.items():
-            if value.__class__ not in _PLAIN and hasattr(value, "detach"):
-                tensors.setdefault(str(value.device), []).append((scalars, key, value))
-    if tensors:
-        import torch
-
-        for items in tensors.values():
-            try:
-                stacked = torch.stack([v if v.dim() == 0 else v.reshape(()) for _, _, v in items])
-                # .cpu() waits for the device (one sync per flush, never on the training
-                # thread) and lets go of the GIL while it waits.
-                numbers = stacked.detach().float().cpu().tolist()
-            except Exception:
-                numbers = [_as_float(v) if v.numel() == 1 else math.nan for _, _, v in items]
-            for (scalars, key, _), number in zip(items, numbers):
-                scalars[key] = number
-    reading = channel.memory_reading if channel is not None else {}
-    out = []
-    for i, (step, when, last, scalars, timers, memory) in enumerate(batch):
-        if not i % _CHUNK and i:
-            time.sleep(0)  # let the training thread have the GIL if it waits for it
-        clean: dict = {}
-        for key, value in scalars.items():
-            number = value if value.__class__ is float else _as_float(value)
-            if number is not None:
-                # NaN is not JSON: sent as null, read back as NaN by the kernel.
-                clean[key] = number if number == number else None
-        peak = clean.pop(_PEAK, None)
-        if memory is not None:
-            reading = memory
-        clean.update(reading)
-        if last is not None:
-            dt = when - last
-            clean["step_time"] = dt
-            comm, data, events = timers
-            if events:  # CUDA collectives: the device time between their events
-                try:
-                    comm += steptime.events_seconds(events)
-                except Exception:
-                    comm = math.nan
-            if "data_time" in clean:
-                data = clean["data_time"]
-            clean.update(steptime.split(dt, comm, data or 0.0))
-            if dt > 0:
-                for key in ("samples", "tokens"):
-                    if clean.get(key) is not None:
-                        clean[f"{key}_per_s"] = clean[key] / dt
-                if clean.get("flops") is not None:
-                    clean["tflops"] = clean["flops"] / dt / 1e12
-                    if peak:
-                        clean["mfu"] = clean["tflops"] / peak
-        out.append([step, when, clean])
-    if channel is not None:
-        channel.memory_reading = reading
-    return out
 
 
 def _as_float(value) -> float | None:

@@ -153,6 +153,40 @@ class Run:
             listener(self)
         return n
 
+    def add_columns(self, rank: int, steps: list, times: list, columns: dict) -> int:
+        """Append a batch of ``rank``'s points given as columns (as the wire carries them):
+        ``steps[i]``, ``times[i]``, ``columns = {key: (indices or None, values)}`` with the
+        indices of the points that carry the key (None: every point). Returns how many."""
+        n = len(steps)
+        with self._lock:
+            series = self._ranks.setdefault(rank, RankSeries())
+            start = len(series.steps)
+            series.steps.extend(steps)
+            series.times.extend(times)
+            values = series.values
+            for key, (idx, vals) in columns.items():
+                column = values.get(key)
+                if column is None:
+                    column = values[key] = ([], [])
+                if idx is None:
+                    column[0].extend(range(start, start + n))
+                else:
+                    column[0].extend([start + i for i in idx])
+                column[1].extend(vals)
+            self.version += 1
+            listeners = list(self._listeners)
+            point_listeners = self._point_listeners
+        if point_listeners:  # points built only for those who asked for them
+            points = [(step, when, {}) for step, when in zip(steps, times)]
+            for key, (idx, vals) in columns.items():
+                for i, value in zip(range(n) if idx is None else idx, vals):
+                    points[i][2][key] = value
+            for listener in point_listeners:
+                listener(rank, points)
+        for listener in listeners:
+            listener(self)
+        return n
+
     def subscribe(self, listener: Callable[[Run], None]) -> Callable[[], None]:
         """Call ``listener(run)`` after each add (from the adding thread); returns unsubscribe."""
         with self._lock:

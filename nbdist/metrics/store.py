@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import sqlite3
@@ -25,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from nbdist.metrics.run import Run
+from nbdist.metrics.wire import batch_columns, concat
 
 __all__ = ["RunRecord", "RunStore", "history_path", "load_run", "pick_run", "runs"]
 
@@ -195,18 +195,13 @@ def load_run(run_id: int, *, path: str | None = None) -> Run:
     )
     by_rank: dict[int, list] = {}
     for rank, text in rows:
-        batch = json.loads(text)
-        if isinstance(batch, dict):
-            # The rank's running count of points it could not send rides on its messages.
-            if isinstance(batch.get("dropped"), int) and batch["dropped"]:
-                run.set_dropped(rank, batch["dropped"])
-            batch = batch.get("points", [])
-        by_rank.setdefault(rank, []).extend(
-            (step, when, {k: math.nan if v is None else v for k, v in values.items()})
-            for step, when, values in batch
-        )
-    for rank, points in by_rank.items():
-        run.add(rank, points)
+        message, batch = batch_columns(json.loads(text))
+        # The rank's running count of points it could not send rides on its messages.
+        if isinstance(message.get("dropped"), int) and message["dropped"]:
+            run.set_dropped(rank, message["dropped"])
+        by_rank.setdefault(rank, []).append(batch)
+    for rank, batches in by_rank.items():
+        run.add_columns(rank, *concat(batches))
     return run
 
 

@@ -8,19 +8,32 @@ payload is JSON, never pickle, so nothing that arrives is executed.
 
 Payload kinds::
 
-    {"k": "points", "rank": 0, "points": [[step, time, {"loss": 0.5, ...}], ...], "total": 3000}
+    {"k": "points", "rank": 0, "steps": [0, 1, 2], "times": "<float64s>",
+     "cols": {"loss": [null, "<float64s>"], "step_time": [[1, 2], "<float64s>"]},
+     "total": 3000, "dropped": 0}
     {"k": "cell", "rank": 0, "cell": 1, "total": 3000}   # end of a standalone script's run
+
+A points message is a batch as columns: each key once, with the indices (into
+``steps``) of the points that carry it, or null when every point does, and its
+values as base64 of little-endian float64s (:func:`floats`; NaN travels as NaN).
+Per-point dictionaries, and each float written out in decimal, were most of
+what a point cost the rank's flush thread and the kernel (bench/RESULTS.md). A
+column's values may also be a JSON list (null for NaN), as may the older
+per-point form, ``"points": [[step, time, {"loss": 0.5, ...}], ...]``: both are
+still read (:func:`columns`), so histories written before keep loading.
 
 ``total`` is the rank's running count of points sent, this message's included.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
+import math
 
-__all__ = ["decode", "encode"]
+__all__ = ["batch_columns", "columns", "concat", "decode", "encode", "floats", "points"]
 
 
 def encode(key: bytes, message: dict) -> list[bytes]:
@@ -45,3 +58,82 @@ def decode(key: bytes, frames: list[bytes]) -> dict | None:
 
 def _sign(key: bytes, payload: bytes) -> bytes:
     return hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
+
+
+def columns(message: dict) -> tuple[list, list, dict]:
+    """``(steps, times, {key: (indices or None, values)})`` of a points message, either
+    form; NaN (JSON's null) restored. ``indices`` None: the key is on every point."""
+    if "points" in message:  # the per-point form
+        steps, times, cols = [], [], {}
+        for i, (step, when, values) in enumerate(message["points"]):
+            steps.append(step)
+            times.append(when)
+            for key, value in values.items():
+                column = cols.get(key)
+                if column is None:
+                    column = cols[key] = ([], [])
+                column[0].append(i)
+                column[1].append(value)
+    else:
+        steps, times, cols = message.get("steps", []), _values(message.get("times", [])), {}
+        for key, (idx, values) in message.get("cols", {}).items():
+            cols[key] = (idx, _values(values))
+        return steps, times, cols
+    for key, (idx, values) in cols.items():
+        if None in values:
+            cols[key] = (idx, [math.nan if v is None else v for v in values])
+    return steps, times, cols
+
+
+def concat(batches: list[tuple[list, list, dict]]) -> tuple[list, list, dict]:
+    """Several batches of one rank's columns (as :func:`columns` gives them) as one."""
+    if len(batches) == 1:
+        return batches[0]
+    steps, times, cols = [], [], {}
+    for b_steps, b_times, b_cols in batches:
+        start, n = len(steps), len(b_steps)
+        steps.extend(b_steps)
+        times.extend(b_times)
+        for key, (idx, values) in b_cols.items():
+            column = cols.get(key)
+            if column is None:
+                column = cols[key] = ([], [])
+            column[0].extend(range(start, start + n) if idx is None else [start + i for i in idx])
+            column[1].extend(values)
+    return steps, times, cols
+
+
+def batch_columns(stored) -> tuple[dict, tuple[list, list, dict]]:
+    """A history row's batch (the message as it arrived, or a bare list of points): the
+    message's other fields (``dropped``, ``total``; empty for a bare list) and its columns."""
+    message = stored if isinstance(stored, dict) else {"points": stored}
+    return message, columns(message)
+
+
+def floats(values) -> str:
+    """``values`` (numbers; None for NaN) as the wire carries a column: base64 of float64s."""
+    import numpy as np
+
+    return base64.b64encode(np.asarray(values, dtype="<f8").tobytes()).decode("ascii")
+
+
+def _values(values) -> list:
+    """A column's values as Python floats: from :func:`floats`' text, or a JSON list."""
+    if isinstance(values, str):
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(values), dtype="<f8").tolist()
+    if None in values:
+        return [math.nan if v is None else v for v in values]
+    return values
+
+
+def points(stored) -> list[tuple[int, float, dict]]:
+    """A history row's batch (either form) as ``(step, time, {key: value})`` points, for
+    readers that want points rather than columns (the sidebar); NaN as NaN."""
+    _, (steps, times, cols) = batch_columns(stored)
+    out = [(step, when, {}) for step, when in zip(steps, times)]
+    for key, (idx, values) in cols.items():
+        for i, value in zip(range(len(out)) if idx is None else idx, values):
+            out[i][2][key] = value
+    return out

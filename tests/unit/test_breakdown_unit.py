@@ -94,11 +94,16 @@ def test_log_records_data_time_breakdown_and_memory(channel):
 
 
 class _Gate(torch.Tensor):
-    """A tensor that records what reads it, and can hold the flush thread inside ``cpu()``."""
+    """A device tensor's stand-in: records what reads it, and can hold the flush thread
+    inside ``cpu()`` (a CPU tensor, with nothing to wait for, is read by ``log`` itself)."""
 
     reads: list[str] = []
     hold = threading.Event()
     held = threading.Event()
+
+    @property
+    def is_cpu(self) -> bool:
+        return False
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -141,6 +146,20 @@ def test_a_tensor_is_read_on_the_flush_thread_and_log_never_waits_for_it(channel
     assert finished  # 100 log calls while the flush thread was held in a tensor read
     assert _settle(collector) == 102
     assert run.last(0)["step"] == 101
+
+
+def test_a_cpu_tensor_logs_the_value_it_had_at_the_call(channel):
+    # Read at the call: changed in place afterwards (as an optimizer's step changes a
+    # parameter), the point keeps the value logged, and no tensor waits in the buffer.
+    run, collector = channel()
+    metrics_log.log(step=0, loss=1.0)  # sent at once; the next flush waits its interval
+    loss, scale = torch.tensor(0.5), torch.tensor([4.0], requires_grad=True)
+    metrics_log.log(step=1, loss=loss, scale=scale * 1)
+    loss += 1.0
+    with torch.no_grad():
+        scale.mul_(2)
+    _settle(collector)
+    assert run.last(0)["loss"] == 0.5 and run.last(0)["scale"] == 4.0
 
 
 def test_a_full_buffer_drops_points_and_counts_them(channel):

@@ -88,3 +88,43 @@ def test_steps_count_on_by_default_and_nan_stays_nan(channel):
     steps, losses = run.series("loss", 0)
     assert steps == [0, 1, 2, 10, 11]
     assert all(math.isnan(v) for v in losses[:4]) and losses[4] == 2.5
+
+
+def test_columns_keep_sparse_keys_at_their_steps_live_and_in_the_history(tmp_path):
+    # A batch goes as columns (each key once, with the points that carry it): a key logged
+    # on some steps only, a value that is no number, NaN and many flushes must come out
+    # point for point, in the kernel's run and in the history read back.
+    from nbdist.metrics.store import RunStore, load_run
+
+    key = os.urandom(16)
+    store = RunStore(str(tmp_path / "h.sqlite"))
+    run = store.new_run(world_size=1)
+    collector = Collector(key, run, store)
+    metrics_log.configure(collector.url, key, 0)
+    try:
+        for step in range(2000):
+            values = {"loss": torch.tensor(step / 7)}
+            if step % 7 == 0:
+                values["grad_norm"] = float("nan") if step % 14 == 0 else step * 0.5
+            if step == 5:
+                values["note"] = "not a number"  # skipped, the rest of the point kept
+            metrics_log.log(step=step, **values)
+            if step % 333 == 0:
+                metrics_log.flush()  # several batches, some of a single point
+        _settle(collector)
+    finally:
+        metrics_log.shutdown()
+        collector.stop()
+    store.close()
+    loaded = load_run(run.id, path=str(tmp_path / "h.sqlite"))
+    for got in (run, loaded):
+        expected = [torch.tensor(s / 7).item() for s in range(2000)]  # float32, as logged
+        assert got.series("loss", 0) == (list(range(2000)), expected)
+        steps, norms = got.series("grad_norm", 0)
+        assert steps == list(range(0, 2000, 7))
+        for step, norm in zip(steps, norms):
+            assert math.isnan(norm) if step % 14 == 0 else norm == step * 0.5
+        assert "note" not in got.keys()
+        assert got.series("step_time", 0)[0] == list(range(1, 2000))
+        assert got.series("memory_mib", 0)[0] == list(range(2000))
+    assert loaded.series("step_time", 0) == run.series("step_time", 0)
