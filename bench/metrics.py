@@ -23,10 +23,13 @@
    ``--peers`` adds, one at a time and each against its own interleaved no-logging
    rounds: TensorBoard's ``SummaryWriter.add_scalar``, ``wandb.log`` (``WANDB_MODE=offline``,
    no network) and ``mlflow.log_metrics`` to a local file store, each logging loss and
-   samples every step (``pip install 'nbdist[bench]'``).
+   samples every step (``pip install 'nbdist[bench]'``). ``--threads`` adds each thread's
+   CPU (ranks, kernel; the controller's processes in all) in each mode, from /proc.
+   ``--acceptance``: the goal's measurement in one command (1 and 2 ranks, 7 rounds).
 
 Usage: python bench/metrics.py [--ranks 4] [--steps 10000] [--rounds 3] [--quick]
-       python bench/metrics.py --loop [--peers] [--loop-ranks 1 2] [--rounds 5]
+       python bench/metrics.py --acceptance      # the goal: ratios at 1 and 2 ranks, ~3 min
+       python bench/metrics.py --loop [--peers] [--loop-ranks 1 2] [--rounds 5] [--threads]
 """
 
 from __future__ import annotations
@@ -273,6 +276,82 @@ def loop(steps, mode, start=0):
 """
 
 
+THREAD_CPU = """
+def _thread_cpu():
+    # {thread name: CPU seconds} of this process, from /proc (schedstat: ns run time);
+    # Python threads by their threading name, the others (ZeroMQ's, gloo's) by their comm.
+    import os, threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + ns / 1e9
+    return out
+"""
+_NS: dict = {}
+exec(THREAD_CPU, _NS)
+_thread_cpu = _NS["_thread_cpu"]
+
+# Per mode: {"kernel"|"rank N": {thread: CPU seconds}} summed over its rounds, with --threads.
+THREADS: dict[str, dict] = {}
+WALL: dict[str, float] = {}
+RANK_PIDS: set[int] = set()
+
+
+def _add_threads(mode: str, where: str, before: dict, after: dict) -> None:
+    into = THREADS.setdefault(mode, {}).setdefault(where, {})
+    for name, cpu in after.items():
+        into[name] = into.get(name, 0.0) + cpu - before.get(name, 0.0)
+
+
+def _controller_cpu() -> float:
+    """CPU seconds of every process under this one but the ranks (the ipyparallel controller)."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.pid in RANK_PIDS:
+                continue
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _print_threads(ranks: int, steps: int) -> dict:
+    """CPU of each thread beside the training thread, per mode: ms per second of the mode's
+    rounds, and us per step (``steps`` per rank in each mode)."""
+    table = {}
+    for mode, per in THREADS.items():
+        wall = WALL[mode]
+        table[mode] = {
+            where: {
+                name: {
+                    "ms_per_s": round(1e3 * cpu / wall, 1),
+                    "us_per_step": round(1e6 * cpu / steps, 1),
+                }
+                for name, cpu in sorted(threads.items(), key=lambda kv: -kv[1])
+                if cpu / wall >= 0.0005
+            }
+            for where, threads in per.items()
+        }
+        for where, threads in table[mode].items():
+            text = ", ".join(
+                f"{n} {v['ms_per_s']} ms/s ({v['us_per_step']} us/step)" for n, v in threads.items()
+            )
+            print(f"threads, {ranks} rank(s), {mode}, {where}: {text}")
+    return table
+
+
 # Kernel CPU seconds spent while each mode's cells ran (the collector's work shows in "nbdist").
 KERNEL_CPU: dict[str, float] = {}
 # Each rank's (training thread, whole process) CPU seconds per step, per mode and round.
@@ -287,16 +366,30 @@ def _cpu_extra_us(mode: str) -> tuple[float, float]:
     )
 
 
-def _rounds(s, modes: list[str], rounds: int, steps: int, start: int) -> tuple[dict, int, list]:
+def _rounds(
+    s, modes: list[str], rounds: int, steps: int, start: int, threads: bool = False
+) -> tuple[dict, int, list]:
     """Steps/s of each mode per round (each rank's own rate), modes in rotated order; the
-    next free step; the steps the last mode logged."""
+    next free step; the steps the last mode logged. ``threads``: CPU per thread of the
+    ranks and the kernel in each mode (``THREADS``)."""
     rates: dict[str, list[float]] = {m: [] for m in modes}
     logged: list[int] = []
     for r in range(rounds):
         for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+            if threads:
+                s.run("_t0 = _thread_cpu()", sink=ListSink())
+                k0, c0, w0 = _thread_cpu(), _controller_cpu(), time.perf_counter()
             cpu0 = time.process_time()
             s.run(f"_rate = loop({steps}, {mode!r}, start={start})", sink=ListSink())
             KERNEL_CPU[mode] = KERNEL_CPU.get(mode, 0.0) + time.process_time() - cpu0
+            if threads:
+                WALL[mode] = WALL.get(mode, 0.0) + time.perf_counter() - w0
+                k1, c1 = _thread_cpu(), _controller_cpu()
+                _add_threads(mode, "kernel", k0, k1)
+                _add_threads(mode, "controller", {"all": c0}, {"all": c1})
+                s.run("_t1 = _thread_cpu()", sink=ListSink())
+                for rank, (t0, t1) in enumerate(zip(s.pull("_t0"), s.pull("_t1"))):
+                    _add_threads(mode, f"rank {rank}", t0, t1)
             for rate, thread_cpu, process_cpu in s.pull("_rate"):
                 rates[mode].append(rate)
                 RANK_CPU.setdefault(mode, []).append((thread_cpu, process_cpu))
@@ -306,7 +399,18 @@ def _rounds(s, modes: list[str], rounds: int, steps: int, start: int) -> tuple[d
     return rates, start, logged
 
 
-def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
+def _round_ratios(on: list[float], off: list[float], rounds: int) -> list[float]:
+    """Each round's ratio: its logged rounds' mean steps/s over its unlogged ones' (all ranks)."""
+    per = len(on) // rounds
+    return [
+        round(ratio(sum(on[r * per : (r + 1) * per]), sum(off[r * per : (r + 1) * per])), 3)
+        for r in range(rounds)
+    ]
+
+
+def bench_loop(
+    ranks: int, rounds: int, steps: int, peers: list[str], threads: bool = False
+) -> dict:
     """A plain ~0.5 ms loop: nbdist.log every step (and each peer) against no logging."""
     s = nbdist.DistSession(ranks, cpu=True, threads=1).start()
     arrivals: list[float] = []  # per point, seconds from its log call to the kernel's run
@@ -317,14 +421,19 @@ def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
 
     result: dict = {"ranks": ranks, "steps_per_round": steps, "rounds": rounds}
     try:
-        s.run(LOOP, sink=ListSink())
+        s.run(LOOP + THREAD_CPU + "_pid = os.getpid()", sink=ListSink())
+        RANK_PIDS.update(s.pull("_pid"))
         for mode in ("off", "nbdist"):  # warm-up
             s.run(f"loop({steps // 4}, {mode!r}, start=-1000000)", sink=ListSink())
         logged_before = s.metrics.count()
         unsubscribe = s.metrics.on_points(arrived)
         KERNEL_CPU.clear()
         RANK_CPU.clear()
-        rates, start, logged = _rounds(s, ["off", "nbdist"], rounds, steps, 0)
+        THREADS.clear()
+        WALL.clear()
+        rates, start, logged = _rounds(s, ["off", "nbdist"], rounds, steps, 0, threads)
+        if threads:
+            result["threads_cpu"] = _print_threads(ranks, rounds * steps)
         kernel_cpu = KERNEL_CPU["nbdist"] - KERNEL_CPU["off"]
         unsubscribe()
         points = s.metrics.count() - logged_before
@@ -339,6 +448,7 @@ def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
             "step_ms_off": round(1e3 / off, 3),
             "extra_us_per_step": round(1e6 / on - 1e6 / off, 1),
             "ratio": round(ratio(on, off), 3),
+            "ratio_per_round": _round_ratios(rates["nbdist"], rates["off"], rounds),
             "points": points,
             "points_expected": ranks * rounds * steps,
             "every_step_of_every_rank": complete,
@@ -351,7 +461,8 @@ def bench_loop(ranks: int, rounds: int, steps: int, peers: list[str]) -> dict:
         n = result["nbdist"]
         print(
             f"loop, {ranks} rank(s), {n['step_ms_off']} ms steps: nbdist.log {on:.1f} vs "
-            f"{off:.1f} steps/s -> {n['ratio']:.3f}x (goal >= 0.98), {n['extra_us_per_step']} us "
+            f"{off:.1f} steps/s -> {n['ratio']:.3f}x (goal >= 0.98; rounds "
+            f"{min(n['ratio_per_round'])}-{max(n['ratio_per_round'])}), {n['extra_us_per_step']} us "
             f"a logged step; {points} of {n['points_expected']} points, every step of every "
             f"rank: {complete}; point to kernel median {n['latency_s_median']} s, max "
             f"{n['latency_s_max']} s (goal <= 1 s); kernel CPU {n['kernel_cpu_us_per_point']} "
@@ -403,8 +514,18 @@ def main() -> None:
     parser.add_argument("--loop", action="store_true", help="only the ~0.5 ms loop (part 4)")
     parser.add_argument("--peers", action="store_true", help="part 4 with TensorBoard, W&B, MLflow")
     parser.add_argument("--loop-ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--threads", action="store_true", help="part 4: CPU per thread of ranks and kernel"
+    )
+    parser.add_argument(
+        "--acceptance",
+        action="store_true",
+        help="part 4 as the goal is judged: 1 and 2 ranks, 7 interleaved rounds of 1,500 steps",
+    )
     parser.add_argument("--loop-steps", type=int, default=2000, help="steps per round, part 4")
     args = parser.parse_args()
+    if args.acceptance:  # the goal's measurement, one command, ~2-3 min on a quiet 2-core VM
+        args.loop, args.loop_ranks, args.rounds, args.loop_steps = True, [1, 2], 7, 1500
     if args.quick:
         args.ranks, args.steps, args.rounds, args.loop_steps = 2, 500, 1, 400
     print(f"machine: {machine()}")
@@ -413,10 +534,19 @@ def main() -> None:
         cpu = CpuMeter()
         peers = ["tensorboard", "wandb", "mlflow"] if args.peers else []
         summary["loop"] = [
-            bench_loop(n, max(args.rounds, 3), args.loop_steps, peers) for n in args.loop_ranks
+            bench_loop(n, max(args.rounds, 3), args.loop_steps, peers, args.threads)
+            for n in args.loop_ranks
         ]
         summary["cpu"] = cpu.read()
         summary["load_after"] = load()
+        for one in summary["loop"]:
+            n = one["nbdist"]
+            print(
+                f"RATIO {one['ranks']} rank(s): {n['ratio']:.3f}x median of {one['rounds']} "
+                f"rounds (rounds {min(n['ratio_per_round'])}-{max(n['ratio_per_round'])}), "
+                f"{n['step_ms_off']} ms steps, every point: {n['every_step_of_every_rank']}, "
+                f"latency max {n['latency_s_max']} s"
+            )
         print(
             f"cpu during the run: other processes {summary['cpu'].get('other_cpu_s')} CPU-s "
             f"over {summary['cpu']['wall_s']} s; load average now {load()}"
