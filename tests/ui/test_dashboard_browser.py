@@ -424,11 +424,15 @@ def test_a_long_walkthrough_keeps_the_page_responsive(lab_factory, browser_page,
         f"views drawing {stats['views']}; most views drawing one update {stats['maxDrawn']}; "
         f"longest update {stats['longestUpdateMs']:.0f} ms"
     )
-    # Views do not pile up: each dashboard was drawn at most twice (shown, then re-shown once
-    # with the cell's final summary), however many cells ran after it; none is left drawing
-    # off the page; and an update redraws at most the two dashboards on the page.
+    # Views do not pile up: each display of the run's dashboard (both show its one widget,
+    # both live) was drawn at most three times (shown, re-shown once with the cell's final
+    # summary, and the first once more as it became a snapshot in the saved text), however many
+    # cells ran after it; none is left drawing off the page; and an update redraws at most the
+    # two dashboards on the page.
     assert len(shown) == 2, shown
-    assert all(stats["renders"].get(uid, 0) <= 2 for uid in shown), stats["renders"]
+    assert all(stats["renders"].get(uid, 0) <= 3 * shown.count(uid) for uid in shown), stats[
+        "renders"
+    ]
     assert stats["views"] <= len(shown), stats
     assert 1 <= stats["maxDrawn"] <= 2, stats
     # And the page answered throughout (the stall and the longest update are printed to show
