@@ -6,9 +6,10 @@ threads and fds back to the first start's and first stop's values (±2) after
 every start and stop, the kernel's RSS within 10 % of the warmed-up value,
 every logged point in the history, no process left.
 
-Opt-in (``NBDIST_TEST_SOAK=1``): one CI run in two saw a transient +3 fds after one start
-(cause not yet found), so it does not gate the default suite until that
-is explained.
+In the default suite. Every miss names the kinds of descriptor that grew
+(socket, pipe, eventfd, a file); descriptors that only a garbage collection in
+the kernel closes are listed apart (``closed_by_gc``), not counted as a leak.
+``NBDIST_SOAK_MINUTES`` lengthens it.
 """
 
 from __future__ import annotations
@@ -23,10 +24,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.skipif(
-    os.environ.get("NBDIST_TEST_SOAK") != "1",
-    reason="the CI-sized soak is opt-in: NBDIST_TEST_SOAK=1 bash scripts/test.sh tests/reliability/test_soak.py",
-)
+@pytest.mark.timeout(900)  # 80 s on a quiet machine, 2.8 min at load 8; far more at load 60
 def test_a_short_soak_leaks_nothing_and_loses_nothing(tmp_path):
     out = subprocess.run(
         [
@@ -48,5 +46,6 @@ def test_a_short_soak_leaks_nothing_and_loses_nothing(tmp_path):
     assert out.returncode == 0 and lines, out.stdout[-4000:] + out.stderr[-4000:]
     summary = json.loads(lines[-1])
     report = "\n".join(lines[-30:])
+    print(report)  # the figures, shown with -s or -rP
     assert summary["goal_met"], report
     assert summary["starts"] >= 4 and summary["kills"] >= 2 and summary["named"] >= 1, report
