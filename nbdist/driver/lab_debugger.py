@@ -45,14 +45,7 @@ import socket
 import sys
 import threading
 
-from nbdist.driver.rank_debugpy import (
-    ATTACH,
-    CONNECT_TIMEOUT_S,
-    INITIALIZE,
-    REPLY_TIMEOUT_S,
-    RankConnection,
-    succeeded,
-)
+from nbdist.driver import rank_debugpy as dap
 from nbdist.errors import format_ranks
 
 __all__ = [
@@ -120,7 +113,7 @@ class LabDebugRouter:
         self.kernel = kernel
         self._inner = kernel.do_debug_request
         self._lock = threading.RLock()
-        self._ranks: dict[int, RankConnection] = {}
+        self._ranks: dict[int, dap.RankConnection] = {}
         self._breakpoints: dict[str, dict] = {}  # path -> setBreakpoints arguments
         self._exceptions: dict | None = None  # setExceptionBreakpoints arguments
         self._stopped: dict[int, int] = {}  # rank -> its stopped thread
@@ -199,7 +192,7 @@ class LabDebugRouter:
         if connection is None:
             raise ConnectionError(f"rank {rank} has no debugger connection")
         future = connection.request(command, arguments)
-        return await asyncio.wait_for(asyncio.wrap_future(future), REPLY_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(future), dap.REPLY_TIMEOUT_S)
 
     async def _to_all_ranks(self, command: str, arguments: dict) -> None:
         ranks = list(self._ranks)
@@ -416,19 +409,19 @@ class LabDebugRouter:
         old = self._ranks.get(rank)
         if old is not None:
             old.close()
-        connection = RankConnection(rank, host, port, self._on_rank_event)
+        connection = dap.RankConnection(rank, host, port, self._on_rank_event)
         connection.pid = pid
         try:
-            succeeded(connection.request("initialize", INITIALIZE))
-            attached = connection.request("attach", ATTACH)
-            if not connection.initialized.wait(CONNECT_TIMEOUT_S):
+            dap.succeeded(connection.request("initialize", dap.INITIALIZE))
+            attached = connection.request("attach", dap.ATTACH)
+            if not connection.initialized.wait(dap.CONNECT_TIMEOUT_S):
                 raise TimeoutError(f"rank {rank}'s debugpy did not start a debug session")
             for arguments in list(self._breakpoints.values()):
-                succeeded(connection.request("setBreakpoints", arguments))
+                dap.succeeded(connection.request("setBreakpoints", arguments))
             if self._exceptions is not None:
-                succeeded(connection.request("setExceptionBreakpoints", self._exceptions))
-            succeeded(connection.request("configurationDone"))
-            succeeded(attached)
+                dap.succeeded(connection.request("setExceptionBreakpoints", self._exceptions))
+            dap.succeeded(connection.request("configurationDone"))
+            dap.succeeded(attached)
         except BaseException:
             connection.close()
             raise
@@ -459,7 +452,7 @@ class LabDebugRouter:
             self.active = False
         for connection in connections:
             try:
-                succeeded(connection.request("disconnect", {"terminateDebuggee": False}), 5.0)
+                dap.succeeded(connection.request("disconnect", {"terminateDebuggee": False}), 5.0)
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
             connection.close()
@@ -587,13 +580,17 @@ def prepare_cell(session, ranks, body: str) -> None:
                 f"nbdist: JupyterLab's debugger could not attach to rank {rank} ({exc}); "
                 "breakpoints do not stop it, the other ranks stop as usual",
             )
-    for host, away in elsewhere.items():
+    if elsewhere:
+        away = sorted(r for group in elsewhere.values() for r in group)
+        where = [f"{host}: {format_ranks(group)}" for host, group in elsewhere.items()]
+        if len(where) > 4:
+            where = [*where[:3], f"{len(where) - 3} more machines"]
         found.tell(
             away,
             [endpoints[ranks.index(r)] for r in away],
-            f"nbdist: JupyterLab's debugger is not attached to {format_ranks(away)} (on "
-            f"{host}, not this kernel's machine): a rank's debugpy listens on its own "
-            "machine's loopback only, which the kernel does not reach, so breakpoints do not "
+            f"nbdist: JupyterLab's debugger is not attached to {format_ranks(away)}, on other "
+            f"machines than this kernel's ({'; '.join(where)}): a rank's debugpy listens on its "
+            "own machine's loopback only, which the kernel does not reach, so breakpoints do not "
             "stop those ranks (the ranks on this machine stop as usual). To debug one of them: "
             "%dist_debugpy RANK (VS Code through an SSH tunnel), or breakpoint() in the cell.",
         )

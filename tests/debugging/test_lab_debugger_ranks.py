@@ -124,6 +124,9 @@ TENSORS = (
     "import torch\n"
     "small = torch.arange(6, dtype=torch.float32).reshape(2, 3) + rank\n"
     "big = torch.zeros(300, 400, dtype=torch.float16)\n"
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "from torch.distributed.tensor import Shard, distribute_tensor\n"
+    "sharded = distribute_tensor(torch.arange(4.0), init_device_mesh('cpu', (2,)), [Shard(0)])\n"
     "done = True"
 )
 
@@ -131,7 +134,7 @@ TENSORS = (
 def test_tensor_variables_show_shape_dtype_device_and_small_values(lab):
     kernel, dbg = lab
     dbg.events.clear()
-    _debugger_on(dbg, TENSORS, [{"line": 5}])
+    _debugger_on(dbg, TENSORS, [{"line": 8}])
     msg_id = kernel.submit(TENSORS)
     dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
     tops = _stack(dbg)
@@ -142,6 +145,10 @@ def test_tensor_variables_show_shape_dtype_device_and_small_values(lab):
     big = variables["big"]["value"]
     assert "(300, 400)" in big and "float16" in big and "cpu" in big, big
     assert "0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0." not in big, big
+    # A DTensor: its global shape, placements and this rank's shard (no collective).
+    sharded = variables["sharded"]["value"]
+    assert "(4,)" in sharded and "Shard(dim=0)" in sharded, sharded
+    assert "local shard [2., 3.]" in sharded, sharded
     # Expanded, a tensor lists its shape, dtype and device, and the values of a small one.
     reference = variables["small"]["variablesReference"]
     assert reference, variables["small"]
@@ -159,6 +166,26 @@ def test_tensor_variables_show_shape_dtype_device_and_small_values(lab):
     assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
     dbg.cell_output(msg_id)
     assert kernel.reply(msg_id)["status"] == "ok"
+
+
+def test_next_with_the_summary_frame_selected_steps_every_rank(lab):
+    kernel, dbg = lab
+    dbg.events.clear()
+    cell = "%%on_all_ranks\na = rank\nb = a + 1\nprint('b', b)"
+    _debugger_on(dbg, cell, [{"line": 2}])
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    dbg.request("scopes", frameId=_summary(dbg)["id"])
+    dbg.events.clear()
+    assert dbg.request("next", threadId=RANKS_THREAD)["success"]
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=60)
+    tops = _stack(dbg)
+    assert {r: f["line"] for r, f in tops.items()} == {0: 3, 1: 3}, tops
+    _select_all(dbg)
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    assert "b 1" in text and "b 2" in text, text
 
 
 def _rank_pids(kernel: Kernel, *, session: bool) -> list[int]:

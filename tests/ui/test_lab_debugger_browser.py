@@ -2,8 +2,9 @@
 
 Switch the debugger on, click a line number in a ``%%on_all_ranks`` cell's
 gutter, Run All: the Callstack panel lists both ranks stopped at that line, a
-rank's frame shows its variable's value, Continue, and the cell finishes with
-its output. The screenshot of the stopped ranks is ``artifacts/ui/lab-debugger.png``
+rank's frame shows its variable's value; Continue with that frame selected
+finishes that rank while the other stays paused, Continue again finishes the
+cell. The screenshot of the stopped ranks is ``artifacts/ui/lab-debugger.png``
 (docs/debugging.md shows it).
 """
 
@@ -82,8 +83,25 @@ def test_gutter_breakpoint_stops_both_ranks_in_the_callstack(
     ), variables.all_inner_texts()
     page.screenshot(path=str(artifacts_dir / "lab-debugger.png"))
 
+    # Continue with rank 1's frame selected: rank 1 finishes the cell, rank 0 stays paused
+    # and the Callstack shows it alone.
     page.locator("button[title^='Continue']").first.click()
     output = page.locator(".jp-OutputArea-output", has_text="done")
     assert poll(lambda: "done 1 11" in " ".join(output.all_inner_texts()), 120, interval=0.5), (
+        page.locator(".jp-OutputArea-output").all_inner_texts()
+    )
+    names = page.locator(".jp-DebuggerCallstackFrame-name")
+    assert poll(
+        lambda: (
+            "rank 0 · <module>" in names.all_inner_texts()
+            and "rank 1 · <module>" not in names.all_inner_texts()
+        ),
+        60,
+        interval=0.5,
+    ), names.all_inner_texts()
+    assert "done 0 1" not in " ".join(output.all_inner_texts())
+    # Continue again, the summary frame selected (as after every stop): rank 0 finishes.
+    page.locator("button[title^='Continue']").first.click()
+    assert poll(lambda: "done 0 1" in " ".join(output.all_inner_texts()), 120, interval=0.5), (
         page.locator(".jp-OutputArea-output").all_inner_texts()
     )
