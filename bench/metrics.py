@@ -211,7 +211,7 @@ def bench_bytes(ranks: int) -> dict:
 
 
 LOOP = """
-import os, tempfile, time
+import os, resource, tempfile, time
 torch.set_num_threads(1)
 torch.manual_seed(rank)
 _x, _w = torch.randn(64, 1024), torch.randn(1024, 1024)
@@ -245,6 +245,7 @@ def peer_close(name):
 
 def loop(steps, mode, start=0):
     x, w, log = _x, _w, nbdist.log
+    f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     c0, p0 = time.thread_time(), time.process_time()
     t0 = time.perf_counter()
     if mode == "off":
@@ -272,7 +273,11 @@ def loop(steps, mode, start=0):
             mlflow.log_metrics({"loss": y.item(), "samples": 64}, step=start + i)
     rate = steps / (time.perf_counter() - t0)
     # CPU per step: the training thread's, and the whole process's (with the flush thread)
-    return rate, (time.thread_time() - c0) / steps, (time.process_time() - p0) / steps
+    c1, p1 = time.thread_time(), time.process_time()
+    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0
+    # and the training thread's page faults per step (a heap that gives memory back and
+    # takes it again pays a fault per 4 KiB page)
+    return rate, (c1 - c0) / steps, (p1 - p0) / steps, faults / steps
 """
 
 
@@ -390,9 +395,9 @@ def _rounds(
                 s.run("_t1 = _thread_cpu()", sink=ListSink())
                 for rank, (t0, t1) in enumerate(zip(s.pull("_t0"), s.pull("_t1"))):
                     _add_threads(mode, f"rank {rank}", t0, t1)
-            for rate, thread_cpu, process_cpu in s.pull("_rate"):
+            for rate, thread_cpu, process_cpu, faults in s.pull("_rate"):
                 rates[mode].append(rate)
-                RANK_CPU.setdefault(mode, []).append((thread_cpu, process_cpu))
+                RANK_CPU.setdefault(mode, []).append((thread_cpu, process_cpu, faults))
             if mode == modes[-1]:
                 logged.extend(range(start, start + steps))
             start += steps
@@ -457,6 +462,9 @@ def bench_loop(
             "kernel_cpu_us_per_point": round(1e6 * kernel_cpu / max(1, points), 1),
             "rank_cpu_us_extra_training_thread": _cpu_extra_us("nbdist")[0],
             "rank_cpu_us_extra_process": _cpu_extra_us("nbdist")[1],
+            "page_faults_per_step": {
+                m: round(median(a[2] for a in RANK_CPU[m]), 3) for m in ("off", "nbdist")
+            },
         }
         n = result["nbdist"]
         print(
@@ -468,7 +476,8 @@ def bench_loop(
             f"{n['latency_s_max']} s (goal <= 1 s); kernel CPU {n['kernel_cpu_us_per_point']} "
             f"us per point (beyond the same cells without logging); rank CPU per logged step "
             f"+{n['rank_cpu_us_extra_training_thread']} us training thread, "
-            f"+{n['rank_cpu_us_extra_process']} us whole rank"
+            f"+{n['rank_cpu_us_extra_process']} us whole rank; training thread page faults per "
+            f"step {n['page_faults_per_step']}"
         )
         for peer in peers:
             RANK_CPU.clear()
