@@ -128,3 +128,37 @@ def test_columns_keep_sparse_keys_at_their_steps_live_and_in_the_history(tmp_pat
         assert got.series("step_time", 0)[0] == list(range(1, 2000))
         assert got.series("memory_mib", 0)[0] == list(range(2000))
     assert loaded.series("step_time", 0) == run.series("step_time", 0)
+
+
+def test_a_follower_of_the_history_sees_every_point_of_the_columns(tmp_path):
+    # A named session's kernel follows the keeper's history (nbdist.metrics.follow): it must
+    # read the batches as columns exactly as the keeper's collector took them, old rows too.
+    from nbdist.metrics.follow import FollowHub
+    from nbdist.metrics.store import RunStore
+
+    path = str(tmp_path / "h.sqlite")
+    key = os.urandom(16)
+    store = RunStore(path)
+    run = store.new_run(world_size=1)
+    store.append(run.id, 0, [[-1, 1.0, {"loss": 9.0}]])  # a row of the per-point form
+    store.commit()
+    collector = Collector(key, run, store)
+    metrics_log.configure(collector.url, key, 0)
+    follower = None
+    try:
+        for step in range(500):
+            metrics_log.log(step=step, loss=step * 0.25, samples=4)
+        _settle(collector)
+        collector.commit()
+        follower = FollowHub(path, run.id, url=collector.url, world_size=1)
+        assert follower.run.series("loss", 0) == (
+            [-1, *range(500)],
+            [9.0, *(s * 0.25 for s in range(500))],
+        )
+        assert follower.run.series("samples_per_s", 0) == run.series("samples_per_s", 0)
+    finally:
+        if follower is not None:
+            follower.close()
+        metrics_log.shutdown()
+        collector.stop()
+        store.close()
