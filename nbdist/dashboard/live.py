@@ -259,6 +259,7 @@ class LiveDashboard(DashboardModel):
         self.refresh_states()
         try:
             self.refresh(final=True)  # last points first, so the frozen view is complete
+            self._mark_final()
         except Exception:
             _log.exception("nbdist dashboard: final refresh failed")
         if summary:
@@ -267,6 +268,25 @@ class LiveDashboard(DashboardModel):
             # where the run ended ("finished" once the session stopped).
             self._publish_after_cell()
         self._stop_updating()
+
+    def _mark_final(self) -> None:
+        # Every view (and the saved widget state) says it no longer updates, and why: a
+        # frozen view must not look live.
+        widget = self.widget
+        if widget is None:
+            return
+        table = dict(widget.table or {})
+        head = dict(table.get("header") or {})
+        step = head.get("step")
+        why = (
+            "the run has finished"
+            if self.run.ended is not None
+            else "this kernel no longer follows the run"
+        )
+        at = f" at step {step}" if step is not None else ""
+        head["snapshot"] = f"final snapshot{at}: {why}; this view no longer updates"
+        table["header"] = head
+        widget.table = table
 
     def close(self) -> None:
         """Stop updating; close the widget (its views disappear)."""

@@ -211,6 +211,7 @@ function render({ model, el }) {
   const progress = make("div", "nbdist-progress", head);
   const progressBar = make("div", "nbdist-progress-bar", progress);
   const gpuLine = make("div", "nbdist-gpu", head);
+  const snapshotLine = make("div", "nbdist-snapshot", head); // a frozen view says so
   const legend = make("div", "nbdist-legend", root);
   const tiles = make("div", "nbdist-tiles", root);
   const grid = make("div", "nbdist-plots", root);
@@ -688,6 +689,8 @@ function render({ model, el }) {
     progressBar.style.width = `${100 * (h.progress || 0)}%`;
     progress.title = progress.hidden ? "" : `${(100 * h.progress).toFixed(0)} % of ${h.total} steps`;
     gpuLine.textContent = h.gpu || "";
+    snapshotLine.textContent = h.snapshot || "";
+    root.classList.toggle("nbdist-final", !!h.snapshot);
   }
 
   function drawTable() {

@@ -2,9 +2,9 @@
 
 JupyterLab + headless Chromium + 2 CPU ranks. The notebook logs in one cell (its
 dashboard appears under it), shows ``%dist_dashboard`` in the next, then logs many more
-steps. A run has one dashboard widget however often it is shown, so both views follow
-the run: scrolled into view after the last step, each plots every rank up to the last
-step. Then the nbdist sidebar opens, the notebook gets narrower, and every plot of both
+steps, then stops the ranks. A run has one dashboard widget however often it is shown, so
+both views follow the run: scrolled into view after the last step, each plots every rank
+up to the last step, and once the ranks stopped each says it is the run's final snapshot. Then the nbdist sidebar opens, the notebook gets narrower, and every plot of both
 dashboards is redrawn at its card's new width (none keeps its old layout), also the one
 that was off screen while the width changed.
 """
@@ -54,6 +54,7 @@ def test_two_dashboards_of_one_run_both_reach_the_last_step_and_follow_their_wid
                 _cell(0, FIRST),
                 "%dist_dashboard",
                 _cell(FIRST, LAST),
+                "%dist_stop",
             ]
         ),
     )
@@ -77,6 +78,11 @@ def test_two_dashboards_of_one_run_both_reach_the_last_step_and_follow_their_wid
         )
     first = dashboards.nth(0)
     assert first.get_attribute("data-uid") == dashboards.nth(1).get_attribute("data-uid")
+    # Stopped, the run's views say they are its final snapshot: none looks live.
+    final = f"final snapshot at step {LAST - 1}: the run has finished; this view no longer updates"
+    for which in (0, 1):
+        line = dashboards.nth(which).locator(".nbdist-snapshot")
+        assert poll(lambda line=line: line.inner_text() == final, timeout=60), line.inner_text()
     before = {w[0]: w[1] for w in first.evaluate(_WIDTHS)}
 
     # The sidebar opens while the first dashboard is scrolled away: the notebook narrows, and

@@ -276,6 +276,23 @@ def test_a_dashboard_shown_again_marks_its_earlier_saved_text_as_a_snapshot(comm
         dash.close()
 
 
+def test_a_frozen_dashboard_says_it_is_a_final_snapshot(comm_log):
+    run = Run(1, world_size=2, started=time.time())
+    _fill(run, range(2), range(7), t0=time.time())
+    dash = LiveDashboard(run, states=lambda: {0: "idle", 1: "idle"})
+    dash.start(refresh_thread=False)
+    try:
+        dash.refresh()
+        assert "snapshot" not in dash.widget.table["header"]  # live: no such line
+        dash.freeze()  # a kernel let go of a run that goes on elsewhere
+        assert dash.widget.table["header"]["snapshot"] == (
+            "final snapshot at step 6: this kernel no longer follows the run; "
+            "this view no longer updates"
+        )
+    finally:
+        dash.close()
+
+
 def test_text_dashboard_prints_after_the_cell_output_it_sums_up(capsys):
     from IPython.core.interactiveshell import InteractiveShell
 
