@@ -34,18 +34,35 @@ __all__ = [
 # A rank holding the GIL in native code does not answer; its GPU figures are then left out.
 _GPU_ANSWER_TIMEOUT_S = 1.0
 _STATES = (BUSY, IDLE, DEAD)
+# Past this many, the grouped table lists the first deviating ranks (dead, stragglers) and a count.
+_DEVIATING_SHOWN = 16
 
 
-def _rss_mib(pid: int) -> float | None:
+def _memory_mib(pid: int) -> float | None:
+    """The rank's proportional set size (PSS): its own pages plus its share of shared ones.
+
+    Forked ranks share torch's pages with the zygote and each other: RSS counts
+    them in every rank (188 MiB a rank at 256 ranks, 23.5 GiB for a host holding
+    3.7 GiB), PSS divides them among the sharers, so a host's sum is what it holds.
+    """
     import psutil
 
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its parent
             return None
-        return proc.memory_info().rss / 2**20
+        rss = proc.memory_info().rss / 2**20
     except psutil.Error:
         return None
+    try:
+        # smaps_rollup (Linux >= 4.14) is one summed read, cheap enough for 256 ranks.
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss
 
 
 def _gpu_figures(client, ranks, alive: set[int]) -> dict[int, dict]:
@@ -106,7 +123,7 @@ def rank_status(
             state = BUSY
         else:
             state = IDLE
-        memory = _rss_mib(info.pid) if handle.owned else None
+        memory = _memory_mib(info.pid) if handle.owned else None
         if (handle.owned and memory is None) or info.rank in dead:
             state = DEAD
         rows.append(
@@ -213,21 +230,27 @@ def _table(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
 def deviating(rows: list[dict]) -> list[dict]:
     """The rows of ranks that stand out: dead, a straggler, or in a state few ranks share.
 
-    "Few": fewer ranks than hold the commonest state among the living (busy
-    ranks while most are idle, idle ranks while most are busy). A row's
-    ``straggler`` (why it is one), when given, marks it too.
+    "Few": at most an eighth of the living ranks, and fewer than hold the
+    commonest state (busy ranks while most are idle, idle ranks while most are
+    busy); a state shared more widely is told by the counts, not rank by rank.
+    A row's ``straggler`` (why it is one), when given, marks it too. Dead ranks
+    and stragglers come first.
     """
     living = [r for r in rows if r["state"] != DEAD]
     counts = {state: sum(1 for r in living if r["state"] == state) for state in (IDLE, BUSY)}
     common = max(counts.values(), default=0)
-    return [
+    few = max(1, len(living) // 8)
+
+    def rare(r: dict) -> bool:
+        n = counts.get(r["state"])
+        return n is not None and n < common and n <= few
+
+    odd = [
         r
         for r in rows
-        if r["state"] == DEAD
-        or r.get("straggler")
-        or (r["state"] in counts and counts[r["state"]] < common)
-        or (r.get("dropped") or 0) > 0
+        if r["state"] == DEAD or r.get("straggler") or rare(r) or (r.get("dropped") or 0) > 0
     ]
+    return sorted(odd, key=lambda r: (r["state"] != DEAD, not r.get("straggler")))
 
 
 def _memory(mib: float) -> str:
@@ -264,13 +287,16 @@ def _grouped_lines(rows: list[dict]) -> list[str]:
     line, host_headers, host_cells, odd = _grouped(rows)
     lines = [line, format_table(host_headers, host_cells, right=range(1, len(host_headers)))]
     if odd:
-        headers, table, notes = _table(odd)
+        shown = odd[:_DEVIATING_SHOWN]
+        headers, table, notes = _table(shown)
         lines += [
             f"{len(odd)} rank{'s' if len(odd) > 1 else ''} deviating "
             "(%dist_status --all lists every rank):",
             format_table(headers, table),
             *notes,
         ]
+        if len(odd) > len(shown):
+            lines.append(f"... and {len(odd) - len(shown)} more deviating (%dist_status --all)")
     else:
         lines.append("no rank deviates (%dist_status --all lists every rank)")
     return lines
@@ -304,7 +330,12 @@ def status_html(rows: list[dict], *, all_ranks: bool = False) -> str:
                 f"<div>{len(odd)} rank{'s' if len(odd) > 1 else ''} deviating "
                 "(<code>%dist_status --all</code> lists every rank):</div>"
             )
-            parts.append(_rank_html(odd))
+            parts.append(_rank_html(odd[:_DEVIATING_SHOWN]))
+            if len(odd) > _DEVIATING_SHOWN:
+                parts.append(
+                    f"<div>... and {len(odd) - _DEVIATING_SHOWN} more deviating "
+                    "(<code>%dist_status --all</code>)</div>"
+                )
         else:
             parts.append(
                 "<div>no rank deviates (<code>%dist_status --all</code> lists every rank)</div>"

@@ -40,7 +40,7 @@ def test_many_ranks_are_grouped_by_host_with_only_the_deviating_ranks_listed():
     assert lines[8].split() == ["node6", "32", "0", "31", "1", "3.0", "GiB"]
     assert lines[10] == "2 ranks deviating (%dist_status --all lists every rank):"
     listed = [line.split()[0] for line in lines[12:14]]
-    assert listed == ["17", "200"]
+    assert listed == ["200", "17"]  # the dead first
     assert "rank 200 died: pid killed by SIGKILL (signal 9)" in lines
     assert len(lines) < 20  # not 256 rows
 
@@ -66,6 +66,29 @@ def test_busy_ranks_deviate_only_while_most_are_idle():
     assert deviating(half) == []  # as many busy as idle: the counts say it
     most = rows(16, hosts=1, busy=set(range(15)))
     assert [r["rank"] for r in deviating(most)] == [15]  # the one idle while the others work
+
+
+def test_a_state_many_ranks_share_is_counted_not_listed():
+    # Seen at 256 ranks just after a cell: 119 ranks still busy in the controller's books for
+    # a moment; listing them one by one was 119 lines.
+    many_busy = rows(256, busy=set(range(119)))
+    assert deviating(many_busy) == []
+    assert format_status(many_busy).splitlines()[0].startswith("256 ranks on 8 hosts · 119 busy")
+    few_busy = rows(256, busy=set(range(32)))  # an eighth: still "busy while the others idle"
+    assert len(deviating(few_busy)) == 32
+
+
+def test_a_long_deviating_list_is_cut_after_the_dead_and_the_stragglers():
+    many = rows(256, busy=set(range(30)), dead={250, 251})
+    many[100]["straggler"] = "1.6× step time"
+    lines = format_status(many).splitlines()
+    assert lines[10] == "33 ranks deviating (%dist_status --all lists every rank):"
+    listed = [line.split()[0] for line in lines[12:15]]
+    assert listed == ["250", "251", "100"]
+    assert lines[-1] == "... and 17 more deviating (%dist_status --all)"
+    assert len(lines) < 40
+    html = StatusTable(many)._repr_html_()
+    assert "and 17 more deviating" in html
 
 
 def test_html_is_grouped_the_same_way():
