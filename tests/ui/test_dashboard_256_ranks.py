@@ -10,7 +10,8 @@ every rank at a steady rate. Checked in the page while the ranks log and after:
 - the total throughput is flat (every rank steady): no bin after the first two is below
   80 % or above 120 % of the median bin, the last ones included;
 - the page keeps answering while 256 ranks log: a trivial ``evaluate`` is timed every
-  quarter second; the test fails only past a freeze guard of 10 s (the answer times are
+  quarter second; the test fails when the median answer takes 2 s or one takes 30 s (a
+  freeze guard: on a shared 2-core machine single answers took up to 15 s; the times are
   printed: median, 95th percentile, slowest, the longest main-thread stall, the longest
   update and heatmap draw, and the load average).
 
@@ -44,10 +45,12 @@ from tests.ui.test_dashboard_browser import (
 
 RANKS = 256
 SLOW = 201
-# A freeze, not a slow answer: on 2 cores shared with other work (load averages of 50-150
-# seen) one answer took 9.3 s while every other took ~0.1 s; a page that draws 256 ranks
-# synchronously stays frozen for tens of seconds.
-FREEZE_GUARD_S = 10.0
+# The page answers: its median answer stays under ANSWER_MEDIAN_S, and no answer takes
+# FREEZE_GUARD_S (a freeze). On 2 cores shared with other work (load averages of 30-150
+# seen) single answers took 4-15 s while the median stayed at 6-470 ms: the slowest answers
+# follow the load, the median does not.
+ANSWER_MEDIAN_S = 2.0
+FREEZE_GUARD_S = 30.0
 
 # The collector's job, done by a thread: every rank's points each half second.
 GENERATED_CELL = f"""import threading, time
@@ -88,9 +91,17 @@ print("generated run", "done")"""
 
 REAL_CELL = f"""%%on_all_ranks
 import time
-for i in range(150):
+import torch
+import torch.distributed as dist
+# One deadline for every rank (rank 0's clock): they all stop logging together, so the total
+# throughput is steady to the end.
+end = torch.tensor([time.time() + 40.0], dtype=torch.float64)
+dist.broadcast(end, 0)
+i = 0
+while time.time() < end.item():
     nbdist.log(step=i, loss=2.0 / (1.0 + 0.05 * i) + 0.0005 * rank, samples=32)
     time.sleep(0.6 if rank == {SLOW} else 0.2)
+    i += 1
 print("trained")"""
 
 
@@ -115,6 +126,10 @@ class Answers:
                 return value
             assert time.monotonic() < deadline, what
             time.sleep(0.25)
+
+    def check(self, line: str) -> None:
+        assert statistics.median(self.times) < ANSWER_MEDIAN_S, line
+        assert max(self.times) < FREEZE_GUARD_S, line
 
     def report(self, where: str) -> str:
         ordered = sorted(self.times)
@@ -185,7 +200,7 @@ def test_256_generated_ranks_keep_the_dashboard_readable_and_the_page_answering(
     answers.until(lambda: done.count() > 0, 180, "the generated run did not end")
     line = answers.report("generated history")
     _check_dashboard(page, dashboard, artifacts_dir, "dashboard-256-ranks")
-    assert max(answers.times) < FREEZE_GUARD_S, line
+    answers.check(line)
     assert not log.page_errors, log.page_errors
     assert not log.ours(), log.ours()
 
@@ -221,6 +236,6 @@ def test_256_real_ranks_keep_the_dashboard_readable_and_the_page_answering(
     answers.until(lambda: done.count() > 0, 400, "the logging cell did not end")
     line = answers.report("real ranks")
     _check_dashboard(page, dashboard, artifacts_dir, "dashboard-256-real-ranks")
-    assert max(answers.times) < FREEZE_GUARD_S, line
+    answers.check(line)
     assert not log.page_errors, log.page_errors
     assert not log.ours(), log.ours()
