@@ -338,14 +338,27 @@ class _RunViews:
     """The live dashboard of one run (every display of it shows its one widget) and how it came."""
 
     def __init__(self) -> None:
-        self.dash: LiveDashboard | None = None
+        self._dash: weakref.ref | None = None
         self.pinned = False  # %dist_dashboard showed it: a logging cell adds no view of its own
 
+    @property
+    def dash(self) -> LiveDashboard | None:
+        """The run's dashboard while something holds it: its refresh thread or its widget."""
+        return self._dash() if self._dash is not None else None
+
+    @dash.setter
+    def dash(self, dash: LiveDashboard | None) -> None:
+        # Weak: the dashboard holds the run, and a value holding its key would keep the
+        # entry, the run's points and its dashboard, for as long as the kernel lives, even
+        # once every view of it was closed.
+        self._dash = weakref.ref(dash) if dash is not None else None
+
     def live(self) -> LiveDashboard | None:
-        return self.dash if self.dash is not None and self.dash.is_live() else None
+        dash = self.dash
+        return dash if dash is not None and dash.is_live() else None
 
 
-# Run -> its views; weak, so a finished run's entry goes with it.
+# Run -> its views; weak, so a finished run's entry goes with it (once its views are closed).
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

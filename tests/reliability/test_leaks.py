@@ -105,3 +105,33 @@ def test_named_session_detach_attach_and_stop_leave_no_thread_behind(kernels, tm
             "from nbdist.driver.named_sessions import named_sessions, stop_named\n"
             "for row in named_sessions(): stop_named(row['name'])"
         )
+
+
+CLOSED_VIEWS_FREE_THE_RUN = """
+import gc, ipywidgets
+del nbdist_runs
+ipywidgets.Widget.close_all()  # every view of the dashboards closed (cleared outputs)
+Out.clear()
+gc.collect()
+print('alive', [r() is not None for r in kept])
+"""
+
+
+def test_a_stopped_runs_points_go_once_its_dashboard_is_closed(kernels):
+    """The registry of dashboards kept every run it had shown, points and all, for good."""
+    kernel = kernels()
+    kernel.ok("%load_ext nbdist\nimport nbdist\nnbdist_runs = []")
+    for _ in range(2):
+        kernel.ok("%dist_start 2 --cpu", timeout=240)
+        kernel.ok(LOGGING_CELL)  # its dashboard appears under the cell
+        kernel.ok("nbdist_runs.append(nbdist.current_session().metrics)")
+        kernel.ok("%dist_stop")  # the frozen dashboard keeps its view, and so its run
+    kernel.ok("import weakref\nkept = [weakref.ref(r) for r in nbdist_runs]")
+    assert (
+        "alive 2 of 2"
+        in kernel.ok("print('alive', sum(r() is not None for r in kept), 'of 2')").stdout
+    )
+    out = kernel.ok(CLOSED_VIEWS_FREE_THE_RUN).stdout
+    # The first run is gone; the last one is still the magics' stopped session's, whose
+    # metrics stay readable until the next start.
+    assert "alive [False, True]" in out, out
