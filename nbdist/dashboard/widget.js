@@ -467,6 +467,11 @@ function render({ model, el }) {
     const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true };
     const title = (text) => ({ text, font: { size: 11 }, standoff: 6 });
     const span = h.width > 1 ? ` (bins of ${h.width} steps)` : "";
+    // The colours span the 1st to the 99th percentile: one straggler (or a slow first step)
+    // takes the top colour instead of leaving every other rank in the darkest one.
+    const values = h.z.flat().filter((v) => v !== null).sort((a, b) => a - b);
+    const at = (q) => values[Math.min(values.length - 1, Math.floor(q * values.length))];
+    const [zmin, zmax] = values.length ? [at(0.01), at(0.99)] : [undefined, undefined];
     Plotly.react(
       heatPlot,
       [
@@ -477,6 +482,7 @@ function render({ model, el }) {
           z: h.z,
           colorscale: "Viridis",
           zsmooth: false,
+          ...(zmax > zmin ? { zmin, zmax } : {}),
           colorbar: { title: { text: "ms", side: "top" }, thickness: 10, outlinewidth: 0 },
           hovertemplate: `rank %{y}<br>step %{x}${h.width > 1 ? "+" : ""}: %{z:.1f} ms<extra></extra>`,
         },
