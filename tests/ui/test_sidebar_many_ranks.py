@@ -19,6 +19,7 @@ import signal
 import pytest
 
 from tests.ui.conftest import notebook_json, poll
+from tests.ui.sidebar_page import set_sidebar_width
 
 RANKS = 12
 SLOW = 5
@@ -123,6 +124,10 @@ print("stopped")"""
         page.locator("#nbdist-sidebar").screenshot(
             path=str(artifacts_dir / "sidebar-many-ranks.png")
         )
+        # Wide enough for the per-rank table's header row: still the summary, no empty table.
+        set_sidebar_width(page, 700)
+        assert page.locator(".nbdist-cluster table.nbdist-ranks").is_hidden()
+        assert hosts.first.is_visible() and summary.is_visible()
     finally:
         stop.touch()
     assert errors == [], errors
