@@ -10,7 +10,7 @@ twice a second, and :func:`end_of_cell` flushes at the end of every cell: the
 count it returns, in the cell's execute reply, tells the kernel how many points
 to wait for. A cell that logged nothing sends no message at all.
 
-How a tensor's value is read, and when: a CPU tensor at the call (``float``,
+How a tensor's value is read, and when: a CPU tensor at the call (``item()``,
 ~1 us, nothing to wait for: kept until the flush, every step's 0-d tensor made
 the heap give the step's large buffers back to the system and fault them in
 again, bench/RESULTS.md). A device tensor never on the training thread: it is
@@ -287,8 +287,8 @@ def log(step: int | None = None, **scalars) -> None:
                 # heap, and the step's own large buffers were given back to the system
                 # and faulted in again: 2.6-6.5 page faults and +60-150 us of training
                 # thread CPU a step (bench/RESULTS.md, "two ranks").
-                try:
-                    scalars[key] = float(value)
+                try:  # item(), not float(): float() of a tensor in autograd warns
+                    scalars[key] = float(value.item())
                     continue
                 except Exception:  # not one element: read (as NaN) at the flush
                     pass
