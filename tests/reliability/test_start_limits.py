@@ -4,8 +4,8 @@ A kernel whose open-files limit cannot hold 256 ranks gets an error naming the
 need, the limit and the fix, and nothing is started; a kernel whose soft limit
 is low but whose hard limit allows more starts anyway (the soft limit is
 raised, and the start line says so). The 256-rank start/all_reduce/print/stop
-in a real kernel is opt-in (``NBDIST_TEST_256=1``; marked ``slow``): it takes
-minutes on 2 cores and 8 GiB of memory.
+in a real kernel runs in the suite (about 2¼ minutes on 2 cores, ~7.4 GiB); it
+is skipped, saying why, with less than 9 GiB free or ``NBDIST_TEST_256=0``.
 """
 
 from __future__ import annotations
@@ -62,12 +62,18 @@ def test_a_low_soft_open_files_limit_is_raised_for_the_start(kernels):
     kernel.ok("%dist_stop")
 
 
+def _why_not_256() -> str | None:
+    if os.environ.get("NBDIST_TEST_256") == "0":
+        return "NBDIST_TEST_256=0 leaves out the 256-rank run"
+    free_gib = psutil.virtual_memory().available / 2**30
+    if free_gib < 9:
+        # ~7.4 GiB for the ranks (bench/RESULTS.md) plus the kernel and the controller.
+        return f"256 CPU ranks need about 9 GiB of free memory; this machine has {free_gib:.1f} GiB"
+    return None
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("NBDIST_TEST_256") != "1",
-    reason="256 ranks are opt-in: NBDIST_TEST_256=1 bash scripts/test.sh "
-    "tests/reliability/test_start_limits.py",
-)
+@pytest.mark.skipif(_why_not_256() is not None, reason=str(_why_not_256()))
 def test_256_ranks_start_all_reduce_print_and_stop_leaving_nothing(kernels):
     kernel = kernels()
     kernel.ok("%load_ext nbdist")
