@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
 
 from nbdist.driver.lab_debugger import RANKS_THREAD, SUMMARY_PREFIX
+from tests.conftest import wait_gone
 from tests.debugging.test_lab_debugger import LabDebugClient, _debugger_on, _select_all, _stack
 from tests.notebooks.conftest import Kernel
 
@@ -53,23 +53,6 @@ def _idle(dbg: LabDebugClient, msg_id: str) -> bool:
         and m["content"]["execution_state"] == "idle"
         for m in dbg.other
     )
-
-
-def _gone(pids, timeout: float = 60.0) -> list[int]:
-    """The PIDs in ``pids`` still alive (not zombies) after up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _alive(p)]
-        time.sleep(0.5)
-    return alive
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 COLLECTIVE = (
@@ -225,7 +208,7 @@ def test_stop_or_restart_while_ranks_are_paused(lab, magic):
     # The debugger sees the ranks go: no thread of stopped ranks any more.
     dbg.wait_event("continued", threadId=RANKS_THREAD, timeout=60)
     assert RANKS_THREAD not in [t["id"] for t in dbg.request("threads")["body"]["threads"]]
-    assert _gone(pids) == [], f"left behind after {magic}: {said}"
+    assert wait_gone(pids, timeout=60) == [], f"left behind after {magic}: {said}"
 
     if magic == "%dist_stop":
         kernel.start_dist(2)
