@@ -2,7 +2,10 @@
 
 nbdist ends only the processes it started, by PID: nowhere does it find
 processes by name or command line (pkill, killall, pgrep, psutil.process_iter)
-to signal them, which could end another user's or another notebook's job.
+to signal them, which could end another user's or another notebook's job. The
+one scan of the process table allowed reads parent PIDs only (``process_iter(["ppid"])``):
+walking down from PIDs nbdist started is picking by PID, as ``Process.children``
+does.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ PACKAGE = Path(nbdist.__file__).resolve().parent
 # Ways to pick processes by name/pattern instead of by a PID one started.
 NAME_PATTERN_KILLING = re.compile(
     r"\b(pkill|killall|pgrep|pidof)\b"
-    r"|process_iter\s*\("
+    r"|process_iter\s*\((?!\s*\[\s*[\"']ppid[\"']\s*\]\s*\))"
     r"|\bfuser\b[^\n]*-k"
     r"|kill\s+[^\n]*\$\(\s*(ps|pgrep|pidof)\b"
 )
@@ -37,12 +40,19 @@ def test_the_pattern_finds_name_based_killing():
         "os.system('killall python')",
         "pids = subprocess.check_output(['pgrep', '-f', 'ipcontroller'])",
         "for p in psutil.process_iter(['name']):",
+        "for p in psutil.process_iter():",
+        "for p in psutil.process_iter(['ppid', 'cmdline']):",
         "fuser -k 29500/tcp",
         "kill -9 $(ps aux | grep ipengine | awk '{print $2}')",
         "pidof ipengine",
     ]:
         assert NAME_PATTERN_KILLING.search(line), line
-    for line in ["os.kill(pid, signal.SIGTERM)", "proc.send_signal(signal.SIGKILL)", "skill = 3"]:
+    for line in [
+        "os.kill(pid, signal.SIGTERM)",
+        "proc.send_signal(signal.SIGKILL)",
+        "skill = 3",
+        'for proc in psutil.process_iter(["ppid"]):',  # parentage below PIDs nbdist started
+    ]:
         assert not NAME_PATTERN_KILLING.search(line), line
 
 
