@@ -13,8 +13,6 @@ from __future__ import annotations
 import queue
 import time
 
-import pytest
-
 from nbdist.driver.lab_debugger import RANKS_THREAD
 from tests.notebooks.conftest import Kernel
 
@@ -91,16 +89,6 @@ class LabDebugClient:
                 return found
             time.sleep(0.1)
         raise TimeoutError(f"no {count} {name} event(s) {body}; got {self.events!r}")
-
-
-@pytest.fixture(scope="module")
-def lab():
-    kernel = Kernel()
-    try:
-        kernel.start_dist(2)
-        yield kernel, LabDebugClient(kernel)
-    finally:
-        kernel.shutdown()
 
 
 def _debugger_on(dbg: LabDebugClient, cell: str, breakpoints: list[dict]) -> str:

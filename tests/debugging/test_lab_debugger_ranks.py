@@ -20,16 +20,6 @@ from tests.debugging.test_lab_debugger import LabDebugClient, _debugger_on, _sel
 from tests.notebooks.conftest import Kernel
 
 
-@pytest.fixture(scope="module")
-def lab():
-    kernel = Kernel()
-    try:
-        kernel.start_dist(2)
-        yield kernel, LabDebugClient(kernel)
-    finally:
-        kernel.shutdown()
-
-
 def _summary(dbg: LabDebugClient) -> dict:
     frames = dbg.request("stackTrace", threadId=RANKS_THREAD)["body"]["stackFrames"]
     assert frames[0]["name"].startswith(SUMMARY_PREFIX), frames

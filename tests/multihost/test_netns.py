@@ -36,13 +36,16 @@ pytestmark = pytest.mark.skipif(
 CLUSTER_ID = "hosts"
 
 
-def _registered(client_file, count: int, timeout: float = 90.0) -> None:
+def _registered(client_file, count: int, timeout: float = 90.0, procs=()) -> None:
+    """Wait for ``count`` engines; fails at once if one of ``procs`` (their launchers) exits."""
     import ipyparallel as ipp
 
     client = ipp.Client(str(client_file))
     try:
         deadline = time.monotonic() + timeout
         while len(client.ids) < count:
+            dead = [p.args for p in procs if p.poll() is not None]
+            assert not dead, f"exited before all engines registered: {dead}"
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(client.ids)} of {count} engines registered")
             time.sleep(0.1)

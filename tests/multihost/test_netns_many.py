@@ -28,6 +28,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from tests.conftest import wait_gone
 from tests.multihost.netns import Hosts, namespaces_unavailable
+from tests.multihost.test_netns import _registered
 
 HOSTS, PER_HOST = 8, 32
 _WHY_NOT = namespaces_unavailable()
@@ -42,22 +43,6 @@ pytestmark = [
         _WHY_NOT is not None, reason=f"multi-host test needs network namespaces: {_WHY_NOT}"
     ),
 ]
-
-
-def _registered(client_file: str, count: int, procs, timeout: float = 900.0) -> None:
-    import ipyparallel as ipp
-
-    client = ipp.Client(client_file)
-    try:
-        deadline = time.monotonic() + timeout
-        while len(client.ids) < count:
-            dead = [p.args for p in procs if p.poll() is not None]
-            assert not dead, f"exited before all engines registered: {dead}"
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(client.ids)} of {count} engines registered")
-            time.sleep(0.5)
-    finally:
-        client.close()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +81,7 @@ def eight_hosts(tmp_path_factory):
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                 )
             )  # fmt: skip
-        _registered(str(client_file), HOSTS * PER_HOST, procs)
+        _registered(client_file, HOSTS * PER_HOST, timeout=900.0, procs=procs)
         yield hosts, client_file
     finally:
         pids = [p.pid for p in procs]
