@@ -2,9 +2,10 @@
 
 ipyparallel 9 has no public way to send an execute request with a user
 expression, to read one rank's reply or accumulated output from a multi-engine
-result, or to send a custom control message, and its client assumes any IPython
-shell is a kernel. nbdist needs all four, and a terminal IPython too (see
-:mod:`nbdist.driver.cells`, :mod:`nbdist.driver.runner`, :mod:`nbdist.driver.where`),
+result, to send a custom control message or to tell that a client was closed,
+and its client assumes any IPython shell is a kernel. nbdist needs all five, and
+a terminal IPython too (see :mod:`nbdist.driver.cells`, :mod:`nbdist.driver.runner`,
+:mod:`nbdist.driver.where`, :mod:`nbdist.driver.rank_relay`),
 so they are reached here and nowhere else: an ipyparallel upgrade that renames
 one breaks this module alone, and its tests say which.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "client_closed",
     "controller_interface",
     "per_engine_futures",
     "per_engine_metadata",
@@ -67,6 +69,11 @@ def send_control(client, engine_id: int, msg_type: str, content: dict):
     return client._send_control_request(  # noqa: SLF001
         targets=[engine_id], msg_type=msg_type, content=content, block=False
     )
+
+
+def client_closed(client) -> bool:
+    """Whether ``client`` was closed (its sockets gone: nothing it sent will be answered)."""
+    return bool(getattr(client, "_closed", False))
 
 
 def controller_interface(client) -> str:

@@ -32,10 +32,11 @@ changed):
 - ``disconnect`` (the debugger switched off) disconnects from the ranks too,
   which clears their breakpoints and lets paused ranks run on.
 
-Ranks on another machine (or network namespace) are not attached: their debugpy
-listens on their own machine's loopback, which the kernel does not reach, and
-nbdist opens no debugger port beyond loopback. The cell's output says so, once
-per rank process; the ranks on the kernel's machine stop as usual.
+A rank on another machine (or network namespace) listens on its own machine's
+loopback, which the kernel does not reach, and nbdist opens no debugger port
+beyond loopback: the router reaches its debugpy through the engine's control
+channel instead (:mod:`nbdist.driver.rank_relay`), and it is debugged as a
+rank on the kernel's machine is. :func:`prepare_cell` chooses, per rank.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ import asyncio
 import socket
 import sys
 import threading
+import time
 
 from nbdist.driver import rank_debugpy as dap
+from nbdist.driver.rank_relay import RelayedRankConnection
 from nbdist.errors import format_ranks
 
 __all__ = [
@@ -57,6 +60,7 @@ __all__ = [
     "install",
     "prepare_cell",
     "router",
+    "session_ended",
 ]
 
 # The thread id under which every stopped rank appears (debugpy numbers the kernel's
@@ -86,6 +90,8 @@ _MACHINERY = (
     "/runpy.py",
     "/threading.py",
 )
+# How long leaving the ranks waits for their debugpy to confirm.
+_LEAVE_TIMEOUT_S = 5.0
 _BY_FRAME = ("scopes", "evaluate", "richInspectVariables", "completions", "stepInTargets")
 _BY_VARIABLES = ("variables", "setVariable")
 _STEPS = ("next", "stepIn", "stepOut")
@@ -113,7 +119,7 @@ class LabDebugRouter:
         self.kernel = kernel
         self._inner = kernel.do_debug_request
         self._lock = threading.RLock()
-        self._ranks: dict[int, dap.RankConnection] = {}
+        self._ranks: dict[int, dap.DapClient] = {}
         self._breakpoints: dict[str, dict] = {}  # path -> setBreakpoints arguments
         self._exceptions: dict | None = None  # setExceptionBreakpoints arguments
         self._stopped: dict[int, int] = {}  # rank -> its stopped thread
@@ -400,17 +406,28 @@ class LabDebugRouter:
         self._told |= keys
         print(text, file=sys.stderr)
 
-    def connect(self, rank: int, host: str, port: int, pid: int | None = None) -> None:
+    def connect(
+        self, rank: int, host: str, port: int, pid: int | None = None, *, relay=None
+    ) -> None:
         """Attach to rank ``rank``'s debugpy at ``host:port`` and give it the breakpoints set so far.
 
         ``pid``: the rank's process id, when known (a restarted rank is a new process).
-        A connection to the rank's former debugpy is closed.
+        ``relay``: ``(client, engine_id)`` for a rank on another machine, whose
+        ``host:port`` is that machine's loopback: its messages then travel through
+        the engine's control channel (:mod:`nbdist.driver.rank_relay`) instead of
+        a TCP connection. A connection to the rank's former debugpy is closed.
         """
         old = self._ranks.get(rank)
         if old is not None:
             old.close()
-        connection = dap.RankConnection(rank, host, port, self._on_rank_event)
-        connection.pid = pid
+        if relay is None:
+            connection = dap.RankConnection(rank, host, port, self._on_rank_event)
+        else:
+            client, engine_id = relay
+            connection = RelayedRankConnection(
+                rank, client, engine_id, (host, port), self._on_rank_event
+            )
+        connection.pid = pid if pid is not None else connection.pid
         try:
             dap.succeeded(connection.request("initialize", dap.INITIALIZE))
             attached = connection.request("attach", dap.ATTACH)
@@ -437,6 +454,17 @@ class LabDebugRouter:
         if cleared and not still:
             self._event("continued", {"threadId": RANKS_THREAD, "allThreadsContinued": False})
 
+    def leave_relayed(self, client) -> None:
+        """Close the relayed connections that go through ``client`` (its session is stopping):
+        the ranks' relays close their debugpy connections while the client can still say so."""
+        with self._lock:
+            gone = [
+                c
+                for c in self._ranks.values()
+                if isinstance(c, RelayedRankConnection) and c.through(client)
+            ]
+        _leave(gone)
+
     def connected(self) -> list[int]:
         """The ranks this router is attached to."""
         return sorted(self._ranks)
@@ -450,12 +478,23 @@ class LabDebugRouter:
             self._breakpoints.clear()
             self._exceptions = None
             self.active = False
-        for connection in connections:
-            try:
-                dap.succeeded(connection.request("disconnect", {"terminateDebuggee": False}), 5.0)
-            except Exception:  # noqa: BLE001 - leaving anyway
-                pass
-            connection.close()
+        _leave(connections)
+
+
+def _leave(connections: list[dap.DapClient]) -> None:
+    # A client that closes without "disconnect" would leave paused ranks paused. All
+    # at once: a rank that does not answer costs the wait once, not once per rank.
+    asked = [c.request("disconnect", {"terminateDebuggee": False}) for c in connections]
+    deadline = time.monotonic() + _LEAVE_TIMEOUT_S
+    for future in asked:
+        try:
+            dap.succeeded(future, max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+    for connection in connections:
+        connection.close()
+    for connection in connections:
+        connection.wait_closed(dap.CONNECT_TIMEOUT_S)
 
 
 def _function(frame: dict) -> str:
@@ -559,20 +598,21 @@ def prepare_cell(session, ranks, body: str) -> None:
     events.register("post_execute", ended)
     endpoints = session.apply(lab_debug.prepare, body, path, offset, source, ranks=ranks)
     here = set(lab_debug.machine_addresses())
-    labels = {r.rank: r.host for r in getattr(session, "ranks", ())}  # "name@address" if shared
-    elsewhere: dict[str, list[int]] = {}
+    engines = {r.rank: r.engine_id for r in getattr(session, "ranks", ())}
     for rank, endpoint in zip(ranks, endpoints):
         if endpoint.get("port") is None or found.attached(rank, endpoint):
             continue
         addresses = set(endpoint.get("addresses") or ())
+        relay = None
         if endpoint.get("hostname") != socket.gethostname() or (
             addresses and here and not addresses & here
         ):
-            host = labels.get(rank) or endpoint.get("hostname") or "?"
-            elsewhere.setdefault(host, []).append(rank)
-            continue
+            # Its loopback is not this kernel's: through the engine's control channel.
+            relay = (session.client, engines[rank])
         try:
-            found.connect(rank, endpoint["host"], endpoint["port"], pid=endpoint.get("pid"))
+            found.connect(
+                rank, endpoint["host"], endpoint["port"], pid=endpoint.get("pid"), relay=relay
+            )
         except (OSError, RuntimeError) as exc:
             found.tell(
                 [rank],
@@ -580,17 +620,12 @@ def prepare_cell(session, ranks, body: str) -> None:
                 f"nbdist: JupyterLab's debugger could not attach to rank {rank} ({exc}); "
                 "breakpoints do not stop it, the other ranks stop as usual",
             )
-    if elsewhere:
-        away = sorted(r for group in elsewhere.values() for r in group)
-        where = [f"{host}: {format_ranks(group)}" for host, group in elsewhere.items()]
-        if len(where) > 4:
-            where = [*where[:3], f"{len(where) - 3} more machines"]
-        found.tell(
-            away,
-            [endpoints[ranks.index(r)] for r in away],
-            f"nbdist: JupyterLab's debugger is not attached to {format_ranks(away)}, on other "
-            f"machines than this kernel's ({'; '.join(where)}): a rank's debugpy listens on its "
-            "own machine's loopback only, which the kernel does not reach, so breakpoints do not "
-            "stop those ranks (the ranks on this machine stop as usual). To debug one of them: "
-            "%dist_debugpy RANK (VS Code through an SSH tunnel), or breakpoint() in the cell.",
-        )
+
+
+def session_ended(client) -> None:
+    """A session's ranks are stopping (``%dist_stop``, ``%dist_restart``) and ``client``, its
+    ipyparallel client, is about to close: the debugger's relays through it close first, so
+    ranks that outlive the session (a cluster it connected to) are left undebugged."""
+    found = router()
+    if found is not None:
+        found.leave_relayed(client)

@@ -1,9 +1,11 @@
-"""Kernel side: a Debug Adapter Protocol client connected to one rank's debugpy (on loopback).
+"""Kernel side: a Debug Adapter Protocol client of one rank's debugpy (which listens on loopback).
 
-:class:`RankConnection` speaks DAP (``Content-Length`` framed JSON) to the debugpy
-a rank listens with (:func:`nbdist.engine.debugpy_server.listen`): requests
-return futures of their responses, events go to a callback from a reader
-thread. :data:`INITIALIZE` and :data:`ATTACH` are what the kernel's router
+:class:`RankConnection` speaks DAP (``Content-Length`` framed JSON) over TCP to
+the debugpy a rank on this machine listens with
+(:func:`nbdist.engine.debugpy_server.listen`): requests return futures of their
+responses, events go to a callback from a reader thread. :class:`DapClient` is
+what it shares with the connection to a rank on another machine
+(:mod:`nbdist.driver.rank_relay`). :data:`INITIALIZE` and :data:`ATTACH` are what the kernel's router
 (:mod:`nbdist.driver.lab_debugger`) attaches with.
 """
 
@@ -19,6 +21,7 @@ __all__ = [
     "ATTACH",
     "CONNECT_TIMEOUT_S",
     "INITIALIZE",
+    "DapClient",
     "REPLY_TIMEOUT_S",
     "RankConnection",
     "succeeded",
@@ -28,27 +31,27 @@ CONNECT_TIMEOUT_S = 10.0
 REPLY_TIMEOUT_S = 30.0
 
 
-class RankConnection:
-    """A Debug Adapter Protocol client connected to one rank's debugpy."""
+class DapClient:
+    """A Debug Adapter Protocol client of one rank's debugpy, whatever carries its messages.
 
-    def __init__(self, rank: int, host: str, port: int, on_event):
-        """Connect to ``host:port``; ``on_event(rank, message)`` gets each DAP event, then
-        ``{"event": "nbdist_closed"}`` once the connection is gone."""
+    Requests return futures of their responses; events go to ``on_event(rank,
+    message)``, then ``{"event": "nbdist_closed"}`` once the connection is gone.
+    :class:`RankConnection` carries the messages over TCP (a rank on this
+    machine); :class:`nbdist.driver.rank_relay.RelayedRankConnection` through
+    the engine's control channel (a rank on another machine).
+    """
+
+    def __init__(self, rank: int, on_event):
+        """For rank ``rank``; ``on_event(rank, message)`` gets each DAP event."""
         self.rank = rank
         self._on_event = on_event
-        self.endpoint = (host, port)
+        self.endpoint: tuple[str, int] | None = None  # the rank's debugpy, on its own machine
         self.pid: int | None = None
-        self._sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
-        self._sock.settimeout(None)
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, concurrent.futures.Future] = {}
         self.initialized = threading.Event()
         self.closed = False  # its debugpy went away (the rank ended or restarted)
-        self._reader = threading.Thread(
-            target=self._read, name=f"nbdist-lab-debugger-rank{rank}", daemon=True
-        )
-        self._reader.start()
 
     def request(self, command: str, arguments: dict | None = None) -> concurrent.futures.Future:
         """Send a request; a future of its response message."""
@@ -59,13 +62,69 @@ class RankConnection:
             message = {"seq": seq, "type": "request", "command": command}
             if arguments is not None:
                 message["arguments"] = arguments
-            body = json.dumps(message).encode()
             try:
-                self._sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            except OSError as exc:
-                self._pending.pop(seq, None)
-                future.set_exception(ConnectionError(f"rank {self.rank}'s debugpy: {exc}"))
+                # Under the lock: messages leave in the order of their numbers.
+                self._send(message)
+            except (OSError, ConnectionError) as exc:
+                self._fail(seq, exc)
         return future
+
+    def _send(self, message: dict) -> None:
+        raise NotImplementedError
+
+    def _fail(self, seq: int, exc: BaseException) -> None:
+        future = self._pending.pop(seq, None)
+        if future is not None and not future.done():
+            future.set_exception(ConnectionError(f"rank {self.rank}'s debugpy: {exc}"))
+
+    def _received(self, message: dict) -> None:
+        """One message from the rank's debugpy (called in the order they came)."""
+        if message.get("type") == "response":
+            with self._lock:
+                future = self._pending.pop(message.get("request_seq"), None)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif message.get("type") == "event":
+            if message.get("event") == "initialized":
+                self.initialized.set()
+            self._on_event(self.rank, message)
+
+    def _gone(self) -> None:
+        """The connection ended: pending requests fail, the callback hears ``nbdist_closed``."""
+        self.closed = True
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for future in pending:
+            if not future.done():
+                future.set_exception(ConnectionError(f"rank {self.rank}'s debugpy went away"))
+        self._on_event(self.rank, {"type": "event", "event": "nbdist_closed"})
+
+    def close(self) -> None:
+        """Close the connection (debugpy then lets the rank run on, breakpoints cleared)."""
+        raise NotImplementedError
+
+    def wait_closed(self, timeout: float) -> None:
+        """After :meth:`close`: wait up to ``timeout`` seconds for its thread to end."""
+        raise NotImplementedError
+
+
+class RankConnection(DapClient):
+    """A Debug Adapter Protocol client connected over TCP to one rank's debugpy (on this machine)."""
+
+    def __init__(self, rank: int, host: str, port: int, on_event):
+        """Connect to ``host:port``; ``on_event`` as :class:`DapClient`'s."""
+        super().__init__(rank, on_event)
+        self.endpoint = (host, port)
+        self._sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
+        self._sock.settimeout(None)
+        self._reader = threading.Thread(
+            target=self._read, name=f"nbdist-lab-debugger-rank{rank}", daemon=True
+        )
+        self._reader.start()
+
+    def _send(self, message: dict) -> None:
+        body = json.dumps(message).encode()
+        self._sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
     def _read(self) -> None:
         stream = self._sock.makefile("rb")
@@ -84,26 +143,11 @@ class RankConnection:
                         length = int(value)
                 if length is None:
                     continue
-                message = json.loads(stream.read(length))
-                if message.get("type") == "response":
-                    with self._lock:
-                        future = self._pending.pop(message.get("request_seq"), None)
-                    if future is not None and not future.done():
-                        future.set_result(message)
-                elif message.get("type") == "event":
-                    if message.get("event") == "initialized":
-                        self.initialized.set()
-                    self._on_event(self.rank, message)
+                self._received(json.loads(stream.read(length)))
         except (OSError, ValueError):
             return
         finally:
-            self.closed = True
-            with self._lock:
-                pending, self._pending = list(self._pending.values()), {}
-            for future in pending:
-                if not future.done():
-                    future.set_exception(ConnectionError(f"rank {self.rank}'s debugpy went away"))
-            self._on_event(self.rank, {"type": "event", "event": "nbdist_closed"})
+            self._gone()
 
     def close(self) -> None:
         """Close the connection (debugpy then lets the rank run on, breakpoints cleared)."""
@@ -112,6 +156,11 @@ class RankConnection:
         except OSError:
             pass
         self._sock.close()
+
+    def wait_closed(self, timeout: float) -> None:
+        """After :meth:`close`: wait up to ``timeout`` seconds for the reader thread to end."""
+        if threading.current_thread() is not self._reader:
+            self._reader.join(timeout)
 
 
 INITIALIZE = {

@@ -309,6 +309,12 @@ class DistSession:
         if self._watch is not None:
             self._watch.end()
             self._watch = None
+        if handle is not None and handle.client is not None:
+            # JupyterLab's debugger may reach ranks on other machines through this
+            # client: those relays close while the client can still tell the ranks.
+            from nbdist.driver.lab_debugger import session_ended
+
+            session_ended(handle.client)
         return handle
 
     def restart(self) -> DistSession:

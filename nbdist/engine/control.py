@@ -2,13 +2,17 @@
 
 A rank blocked in a collective cannot run a cell, and SIGINT does not land
 while it waits in native code (gloo measured: 58.8 s, the group's timeout).
-So nbdist answers two requests on the engine's *control* channel, which
+So nbdist answers its requests on the engine's *control* channel, which
 ipykernel serves on its own thread (the one that also serves
 ``signal_request``), HMAC-signed like every ipyparallel message:
 
 ``where``
     this rank's Python stack (main thread, from the cell's frame down) and
     the last collective it entered (:mod:`nbdist.engine.collectives`).
+``dap_open``, ``dap_send``, ``dap_poll``, ``dap_close``
+    JupyterLab's debugger on a rank the kernel cannot connect to (another
+    machine): the Debug Adapter Protocol relayed to the rank's debugpy on
+    its loopback (:mod:`nbdist.engine.dap_relay`).
 ``release``
     break this rank out of the collective it waits in. NCCL: abort the
     communicators (``_abort_process_group``). gloo has no abort (its
@@ -31,7 +35,7 @@ import sys
 import threading
 import traceback
 
-from nbdist.engine import collectives, flight_recorder
+from nbdist.engine import collectives, dap_relay, flight_recorder
 from nbdist.engine.helpers import device, rank
 from nbdist.metrics.gpu import read_this_rank
 
@@ -213,6 +217,10 @@ def _handle(kernel, stream, idents, parent) -> None:
             reply = {"status": "ok", "release": release()}
         elif action == "gpu":
             reply = {"status": "ok", "gpu": gpu()}
+        elif action in dap_relay.ACTIONS:
+            # JupyterLab's debugger, relayed to this rank's debugpy (a kernel on another machine).
+            found = dap_relay.handle(action, content, getattr(stream, "socket", None))
+            reply = {"status": "ok", "dap": found}
         else:
             reply = {"status": "error", "ename": "ValueError", "evalue": f"unknown {action!r}"}
     except Exception as exc:  # the reply must go out whatever happened

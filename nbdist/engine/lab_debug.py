@@ -25,8 +25,9 @@ import ipaddress
 import linecache
 import sys
 import threading
+import time
 
-from nbdist.engine import debugpy_server, netif
+from nbdist.engine import dap_relay, debugpy_server, netif
 
 __all__ = ["machine_addresses", "prepare"]
 
@@ -37,6 +38,8 @@ _MAX_CELLS = 64
 # transforms the cell's syntax tree, which follows).
 _current: list[tuple[str, int, str] | None] = [None]
 _installed: list[bool] = [False]
+# How long debugpy may take to notice that an abandoned relay's connection closed.
+_LEAVE_S = 2.0
 
 
 class _ShiftLines(ast.NodeTransformer):
@@ -87,6 +90,12 @@ def _untrace_when_alone() -> None:
     # CPU): cells run untraced until the next prepare() traces them again.
     import debugpy
 
+    if dap_relay.drop_if_abandoned():
+        # A relay whose kernel went away (its session stopped without closing it):
+        # its breakpoints must not stop this cell, run for someone else.
+        deadline = time.monotonic() + _LEAVE_S
+        while debugpy.is_client_connected() and time.monotonic() < deadline:
+            time.sleep(0.02)
     if sys.gettrace() is None or debugpy.is_client_connected():
         return
     try:

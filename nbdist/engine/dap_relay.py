@@ -1,0 +1,217 @@
+"""Rank side: JupyterLab's debugger reaches this rank's debugpy through the engine's control channel.
+
+A rank's debugpy listens on its own machine's loopback only
+(:func:`nbdist.engine.debugpy_server.listen`): a kernel on another machine
+cannot connect to it, and nbdist opens no debugger port beyond loopback. The
+kernel (:mod:`nbdist.driver.rank_relay`) carries the Debug Adapter Protocol in
+nbdist's requests on the engine's control channel instead, the channel
+``%dist_where`` uses (:mod:`nbdist.engine.control`): HMAC-signed like every
+ipyparallel message, served by ipykernel's control thread, also while the
+rank's main thread is stopped at a breakpoint. This module does the rank's
+part, on that control thread (no thread of its own):
+
+``dap_open``
+    connect to this rank's debugpy on loopback (the port :func:`listen`
+    reported; no other); a former relay is closed. Returns a token that the
+    other requests name.
+``dap_send``
+    write the given DAP messages to debugpy.
+``dap_poll``
+    the messages debugpy sent since the last poll (responses and events),
+    waiting up to ``wait`` seconds for the first. It returns as soon as
+    another control request arrives, so a send or a ``%dist_where`` is never
+    held up behind a poll.
+``dap_close``
+    close the connection: debugpy then clears this client's breakpoints and
+    lets a stopped rank run on.
+
+The control thread is marked as one pydevd neither traces nor suspends
+(``pydev_do_not_trace``, what debugpy marks its own threads with): were it
+stopped with the main thread, nothing would carry the "continue".
+
+A relay whose kernel stopped polling (the kernel died, or left the engines of
+a cluster it had connected to) is closed before the rank's next cell
+(:func:`drop_if_abandoned`), so its breakpoints do not stop cells run for
+someone else.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import uuid
+
+from nbdist.engine import debugpy_server
+
+__all__ = ["ABANDONED_S", "ACTIONS", "MAX_WAIT_S", "drop_if_abandoned", "handle", "is_open"]
+
+ACTIONS = ("dap_open", "dap_send", "dap_poll", "dap_close")
+
+# The longest a poll waits on the control thread (the kernel asks for less).
+MAX_WAIT_S = 5.0
+# A relay not polled for this long has lost its kernel.
+ABANDONED_S = 30.0
+_CHUNK = 1 << 16
+
+
+class _Relay:
+    """One connection from the control thread to this rank's debugpy."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.token = uuid.uuid4().hex
+        self.buffer = bytearray()
+        self.closed = False
+        self.last_seen = time.monotonic()
+
+    def write(self, messages: list) -> None:
+        for message in messages:
+            body = json.dumps(message).encode()
+            self.sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    def _messages(self) -> list:
+        # Whole Content-Length framed messages in the buffer; a partial one stays.
+        found = []
+        while True:
+            head_end = self.buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return found
+            length = None
+            for line in bytes(self.buffer[:head_end]).split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            start = head_end + 4
+            if length is None:  # not a DAP header: skip it
+                del self.buffer[:start]
+                continue
+            if len(self.buffer) < start + length:
+                return found
+            found.append(json.loads(bytes(self.buffer[start : start + length])))
+            del self.buffer[: start + length]
+
+    def _read_available(self) -> None:
+        self.sock.setblocking(False)
+        try:
+            while True:
+                data = self.sock.recv(_CHUNK)
+                if not data:
+                    self.closed = True
+                    return
+                self.buffer += data
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.closed = True
+        finally:
+            if not self.closed:
+                self.sock.setblocking(True)
+
+    def poll(self, wait: float, control_socket) -> dict:
+        deadline = time.monotonic() + max(0.0, min(wait, MAX_WAIT_S))
+        self._read_available()
+        messages = self._messages()
+        while not messages and not self.closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            readable, other_request = _wait(self.sock, control_socket, remaining)
+            if readable:
+                self._read_available()
+                messages = self._messages()
+            elif other_request:
+                break
+        return {"messages": messages, "closed": self.closed}
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _wait(sock: socket.socket, control_socket, timeout: float) -> tuple[bool, bool]:
+    """Wait until debugpy sent something (first) or another control request waits (second)."""
+    import zmq  # an ipyparallel engine's; the rank side imports it only here
+
+    poller = zmq.Poller()
+    poller.register(sock.fileno(), zmq.POLLIN)
+    if control_socket is not None:
+        # This thread owns the control socket (ipykernel serves it here): a message
+        # waiting in it is the next request, which this poll must not delay.
+        poller.register(control_socket, zmq.POLLIN)
+    events = dict(poller.poll(int(timeout * 1000) + 1))
+    return sock.fileno() in events, control_socket is not None and control_socket in events
+
+
+_lock = threading.Lock()
+_relay: list[_Relay | None] = [None]
+
+
+def is_open() -> bool:
+    """Whether the kernel's debugger is relayed to this rank now."""
+    current = _relay[0]
+    return current is not None and not current.closed
+
+
+def _open(port) -> dict:
+    endpoint = debugpy_server.listening()
+    if endpoint is None or endpoint.get("port") is None:
+        raise RuntimeError("debugpy is not listening on this rank (the debugger prepares it)")
+    # Only the port this rank's own debugpy listens on: the relay is no general proxy.
+    if int(port) != endpoint["port"] or not debugpy_server.is_loopback(endpoint["host"]):
+        raise ValueError(f"port {port} is not this rank's debugpy")
+    sock = socket.create_connection((debugpy_server.LOOPBACK, endpoint["port"]), timeout=10.0)
+    sock.settimeout(None)
+    # Never traced nor stopped by debugpy: this thread carries its client's messages.
+    threading.current_thread().pydev_do_not_trace = True
+    relay = _Relay(sock)
+    with _lock:
+        old, _relay[0] = _relay[0], relay
+    if old is not None:
+        old.close()
+    return {"token": relay.token, "pid": endpoint["pid"]}
+
+
+def handle(action: str, content: dict, control_socket=None) -> dict:
+    """Answer one of the ``dap_*`` control requests (the module's docstring); ``control_socket``:
+    the engine's control channel socket, watched while a poll waits."""
+    if action == "dap_open":
+        return _open(content.get("port"))
+    relay = _relay[0]
+    if relay is None or relay.token != content.get("token"):
+        return {"messages": [], "closed": True}
+    relay.last_seen = time.monotonic()
+    if action == "dap_send":
+        try:
+            relay.write(list(content.get("messages") or ()))
+        except OSError:
+            relay.closed = True
+        return {"messages": [], "closed": relay.closed}
+    if action == "dap_poll":
+        return relay.poll(float(content.get("wait", 0.0)), control_socket)
+    if action == "dap_close":
+        _drop(relay)
+        return {"messages": [], "closed": True}
+    raise ValueError(f"unknown {action!r}")
+
+
+def _drop(relay: _Relay) -> None:
+    with _lock:
+        if _relay[0] is relay:
+            _relay[0] = None
+    relay.close()
+
+
+def drop_if_abandoned(now: float | None = None) -> bool:
+    """Close the relay if its kernel has not polled it for :data:`ABANDONED_S`; True if it did."""
+    relay = _relay[0]
+    now = time.monotonic() if now is None else now
+    if relay is None or now - relay.last_seen < ABANDONED_S:
+        return False
+    _drop(relay)
+    return True
