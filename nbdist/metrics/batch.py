@@ -1,14 +1,15 @@
-"""Rank side: one flush's points, as ``nbdist.log`` queued them, turned into columns.
+"""Rank side: one flush's points, as ``nbdist.log`` appended them, turned into wire columns.
 
-``log`` only stamps and appends ``(step, time, previous call's time, {key: value},
-step timers, memory reading or None)``; the flush thread hands the batch to
+``log`` appends each point straight into a :class:`Points` buffer, a list per
+field and per key, so a logged step leaves no object of its own behind (a tuple
+and a dictionary per point, kept until the flush, were garbage-collector work
+on the training thread: bench/RESULTS.md). The flush thread hands the buffer to
 :func:`to_columns`, which reads the tensors (one ``torch.stack`` per device, the
 batch's one device sync) and works out every derived key for the whole batch at
 once with numpy: step time and its breakdown, throughput, TFLOP/s and MFU, and
-the memory reading carried by every point. The result is what goes on the wire
+the memory reading every point carries. The result is what goes on the wire
 (:mod:`nbdist.metrics.wire`): each key's name once per batch, its values as one
-list, so neither side builds a dictionary per point (bench/RESULTS.md: this
-moved the flush thread from ~11 us of CPU per point to a few).
+list, so neither side builds a dictionary per point.
 
 The values are the same floats, to the bit, as one point at a time gives: the
 same IEEE operations in the same order (``step_time - comm - data``, ``samples /
@@ -21,34 +22,44 @@ import math
 
 from nbdist.metrics import steptime
 
-__all__ = ["PEAK", "to_columns"]
+__all__ = ["PEAK", "Points", "to_columns"]
 
 # The key under which a point's peak TFLOP/s waits for flush (never sent).
 PEAK = "__peak"
 _PLAIN = frozenset((int, float, bool))
 
 
-def to_columns(batch: list[tuple], reading: dict) -> tuple[list, list, dict, dict]:
-    """``(steps, times, columns, last reading)`` of ``batch``.
+class Points:
+    """The points logged since the last flush, by field: ``log`` appends, the flush takes
+    the whole buffer (under the channel's lock) and leaves a new one in its place."""
+
+    __slots__ = ("n", "steps", "times", "lasts", "comm", "data", "events", "cols")
+
+    def __init__(self) -> None:
+        """An empty buffer."""
+        self.n = 0
+        self.steps: list[int] = []
+        self.times: list[float] = []  # each call's time (Unix seconds)
+        self.lasts: list[float | None] = []  # when the step before it resumed (None: first)
+        self.comm: list[float] = []  # seconds in collectives since the previous call
+        self.data: list[float] = []  # seconds in data_timer blocks since the previous call
+        self.events: dict[int, list] = {}  # point -> its CUDA collectives' event pairs
+        # key -> (indices of the points that carry it, their values as logged)
+        self.cols: dict[str, tuple[list[int], list]] = {}
+
+
+def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
+    """``(steps, times, columns)`` of ``points``.
 
     ``times`` and each column's values are float64 arrays; ``columns``: ``{key:
     (indices or None, values)}``, indices into the batch of the points that carry
-    the key (None: every point). ``reading``: the memory reading the previous flush ended
-    with, carried by the points before this batch's first one.
+    the key (None: every point). ``reading``: the rank's memory now, carried by every
+    point of the batch (empty: none).
     """
     import numpy as np
 
-    n = len(batch)
-    steps = [p[0] for p in batch]
-    times = [p[1] for p in batch]
-    raw: dict[str, tuple[list[int], list]] = {}
-    for i, point in enumerate(batch):
-        for key, value in point[3].items():
-            column = raw.get(key)
-            if column is None:
-                column = raw[key] = ([], [])
-            column[0].append(i)
-            column[1].append(value)
+    n = points.n
+    raw = points.cols
     _numbers(raw)
     peak = raw.pop(PEAK, None)
 
@@ -58,20 +69,17 @@ def to_columns(batch: list[tuple], reading: dict) -> tuple[list, list, dict, dic
         if key in ("samples", "tokens", "flops", "data_time"):
             full[key] = _spread(np, n, idx, values)
         out[key] = (idx, values)
-    reading = _memory(batch, reading, out)
 
-    lasts = [p[2] for p in batch]
+    lasts = points.lasts
     if any(last is not None for last in lasts):
-        when = np.array(times, dtype=np.float64)
+        when = np.array(points.times, dtype=np.float64)
         last = np.array([math.nan if t is None else t for t in lasts], dtype=np.float64)
         dt = when - last
         has = ~np.isnan(last)
-        timers = [p[4] for p in batch]
-        if any(t[2] for t in timers):  # CUDA collectives' events to read
-            comm = np.array([_comm(t) for t in timers], dtype=np.float64)
-        else:
-            comm = np.array([t[0] for t in timers], dtype=np.float64)
-        data = np.array([t[1] or 0.0 for t in timers], dtype=np.float64)
+        comm = np.array(points.comm, dtype=np.float64)
+        for i, events in points.events.items():  # CUDA collectives' events to read
+            comm[i] = _comm(points.comm[i], events)
+        data = np.array(points.data, dtype=np.float64)
         if "data_time" in full:  # the user's own figure wins where logged (NaN: none)
             logged = raw["data_time"][0]
             data[logged] = np.nan_to_num(full["data_time"][logged], nan=0.0)
@@ -104,7 +112,10 @@ def to_columns(batch: list[tuple], reading: dict) -> tuple[list, list, dict, dic
     for key, (idx, values) in out.items():
         if idx:  # a key no point carries is not sent (as with a value that is no number)
             columns[key] = (None if len(idx) == n else idx, np.asarray(values, dtype=np.float64))
-    return steps, np.array(times, dtype=np.float64), columns, reading
+    if n:
+        for key, value in reading.items():
+            columns[key] = (None, np.full(n, value, dtype=np.float64))
+    return points.steps, np.array(points.times, dtype=np.float64), columns
 
 
 def _numbers(raw: dict) -> None:
@@ -144,36 +155,12 @@ def _numbers(raw: dict) -> None:
             raw[key] = ([idx[j] for j in keep], [values[j] for j in keep])
 
 
-def _memory(batch: list[tuple], reading: dict, out: dict) -> dict:
-    """Every point carries the latest memory reading: add those columns to ``out``;
-    returns the reading the batch ends with."""
-    segments = []  # (first point, reading) where a new reading starts
-    start = 0
-    for i, point in enumerate(batch):
-        if point[5] is not None:
-            if i > start and reading:
-                segments.append((start, i, reading))
-            reading, start = point[5], i
-    if len(batch) > start and reading:
-        segments.append((start, len(batch), reading))
-    for first, end, values in segments:
-        for key, value in values.items():
-            column = out.get(key)
-            if column is None:
-                column = out[key] = ([], [])
-            column[0].extend(range(first, end))
-            column[1].extend([value] * (end - first))
-    return reading
-
-
-def _comm(timers: tuple) -> float:
-    comm, _data, events = timers
-    if events:  # CUDA collectives: the device time between their events
-        try:
-            comm += steptime.events_seconds(events)
-        except Exception:
-            comm = math.nan
-    return comm
+def _comm(comm: float, events: list) -> float:
+    """A step's collective seconds with its CUDA collectives' device time added."""
+    try:
+        return comm + steptime.events_seconds(events)
+    except Exception:
+        return math.nan
 
 
 def _spread(np, n: int, idx: list[int], values: list):

@@ -1,11 +1,12 @@
 """Rank side: ``nbdist.log``, cheap to call, never blocks training, never raises into it.
 
 Each call stamps the time, takes the step's collective and data timers, and
-appends the point to a local buffer (values may be Python numbers or 0-d
-tensors); everything derived from it (step time and its breakdown, throughput,
-TFLOP/s, memory on every point, device tensors' values) is worked out later on
-the flush thread, for a whole batch at once (:mod:`nbdist.metrics.batch`), and
-sent as columns (:mod:`nbdist.metrics.wire`). That thread sleeps until a point is logged, then flushes at most
+appends the point's fields to a local buffer, a list per field (values may be
+Python numbers or 0-d tensors), so a call leaves no object of its own for the
+garbage collector; everything derived from it (step time and its breakdown,
+throughput, TFLOP/s, memory on every point, device tensors' values) is worked
+out later on the flush thread, for a whole batch at once
+(:mod:`nbdist.metrics.batch`), and sent as columns (:mod:`nbdist.metrics.wire`). That thread sleeps until a point is logged, then flushes at most
 twice a second, and :func:`end_of_cell` flushes at the end of every cell: the
 count it returns, in the cell's execute reply, tells the kernel how many points
 to wait for. A cell that logged nothing sends no message at all.
@@ -29,8 +30,12 @@ at the first such call (:func:`nbdist.metrics.flops.log_peak`).
 Every point after a rank's first carries the step breakdown (``comm_s``,
 ``data_s``, ``compute_s``, summing to ``step_time``) and every point the rank's
 memory (``memory_mib``, ``memory_peak_mib``, on a GPU ``memory_reserved_mib``):
-:mod:`nbdist.metrics.steptime` says what each measures; memory is read at most every
-20 ms, the points between repeating the last reading. On a rank that uses a
+:mod:`nbdist.metrics.steptime` says what each measures. Memory is read on the
+flush thread, once per flush (at most twice a second, and at the end of every
+cell), and every point of the batch carries that reading: read on the training
+thread, even every 20 ms, it cost a step 20-35 us each time (the system calls
+and the cold caches a training step leaves, bench/RESULTS.md); the
+``memory_peak_mib`` high-water mark misses nothing in between. On a rank that uses a
 GPU, the last point of a flush also carries the GPU's utilisation, memory and
 temperature (:mod:`nbdist.metrics.gpu`), at most once a second;
 ``NBDIST_LOG_GPU=0`` turns that off, as ``NBDIST_LOG_MEMORY=0`` does the memory keys.
@@ -59,7 +64,7 @@ import time
 
 from nbdist.metrics import flops, steptime
 from nbdist.metrics.batch import PEAK as _PEAK
-from nbdist.metrics.batch import to_columns
+from nbdist.metrics.batch import Points, to_columns
 from nbdist.metrics.steptime import data_timer
 
 __all__ = ["configure", "data_timer", "dropped", "end_of_cell", "flush", "log", "shutdown"]
@@ -100,18 +105,16 @@ class _Channel:
         # flushes, and is held while tensors are read, which may wait for the device.
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()
-        self.pending: list[tuple[int, float, dict]] = []
+        self.pending = Points()
         self.unsent: list[tuple[list[bytes], int]] = []  # (frames, points in them)
         self.max_pending = _buffer_size()
         self.memory = os.environ.get("NBDIST_LOG_MEMORY", "1") != "0"
         self.total = 0
         self.step = -1
         self.last_call: float | None = None
-        # When log() next reads memory and looks for the CUDA device (Unix seconds): at most
-        # every _SAMPLE_EVERY_S, so the call itself stays a few attribute reads and an append.
-        self.sample_due = 0.0
-        # The latest memory reading, carried by every point until the next one (flush thread).
-        self.memory_reading: dict = {}
+        # When log() next looks for the CUDA device (Unix seconds), until it has found one:
+        # at most every _PROBE_EVERY_S, so the call itself stays a few reads and appends.
+        self.probe_due = 0.0
         # The CUDA device this rank logs from, learnt on the logging thread (CUDA's current
         # device is per thread, and the flush thread's is not the rank's); None until then.
         self.cuda_index: int | None = None
@@ -150,20 +153,19 @@ class _Channel:
 
         with self.send_lock:
             with self.lock:  # only to take the batch: log() never waits for what follows
-                batch, self.pending = self.pending, []
+                batch, self.pending = self.pending, Points()
             self.max_pending = _buffer_size()
             n, steps, times, columns = 0, [], (), {}
-            if batch:
+            if batch.n:
                 try:
+                    reading = steptime.memory(self.cuda_index) if self.memory else {}
                     # Reads tensors (may wait for the device) and fills in what log() left
                     # for later: step time, its breakdown, throughput, memory.
-                    steps, times, columns, self.memory_reading = to_columns(
-                        batch, self.memory_reading
-                    )
-                    n = len(batch)
+                    steps, times, columns = to_columns(batch, reading)
+                    n = batch.n
                 except Exception:
                     with self.lock:
-                        self.dropped += len(batch)
+                        self.dropped += batch.n
             if n and self.cuda_index is not None and os.environ.get("NBDIST_LOG_GPU", "1") != "0":
                 # A GPU reading rides along at most once a second, whatever the flush rate:
                 # each is a few driver calls, and the figures move slower than that.
@@ -267,61 +269,79 @@ def log(step: int | None = None, **scalars) -> None:
         return
     # The training loop's own work evicts from the caches whatever this call touches, so
     # each object and call here costs a cache miss per step: the call only stamps the
-    # time, takes the step's collective/data timers and appends; everything derived
-    # (step time, its breakdown, throughput, memory per point, tensor values) is worked
-    # out on the flush thread (bench/RESULTS.md: 60-70 us a call in a real loop before).
+    # time, takes the step's collective/data timers and appends each field to its list;
+    # everything derived (step time, its breakdown, throughput, memory, tensor values) is
+    # worked out on the flush thread. Nothing it keeps is a new object the garbage
+    # collector tracks (a tuple and a dict per point were: the collections they caused ran
+    # on this thread, bench/RESULTS.md).
     try:
         now = resume = time.time()
-        timers = steptime.take()
-        memory = None
-        if now >= channel.sample_due or now < channel.sample_due - _SAMPLE_EVERY_S:
-            memory = _sample(channel, now)  # (the second test: the clock went back)
+        comm, data, events = steptime.take()
+        if channel.cuda_index is None and (
+            now >= channel.probe_due or now < channel.probe_due - _PROBE_EVERY_S
+        ):  # (the second test: the clock went back)
+            channel.probe_due = now + _PROBE_EVERY_S
+            channel.cuda_index = _cuda_device()  # on this thread: CUDA's device is per thread
         if "flops" in scalars or "peak_tflops" in scalars:
             resume = _flops_peak(channel, scalars, resume)
-        for key, value in scalars.items():
-            if value.__class__ in _PLAIN:
-                continue
-            if getattr(value, "is_cpu", False):
-                # A CPU tensor is read now: no device to wait for (~1 us). Kept until the
-                # flush, the 0-d tensors of every step pinned small blocks all over the
-                # heap, and the step's own large buffers were given back to the system
-                # and faulted in again: 2.6-6.5 page faults and +60-150 us of training
-                # thread CPU a step (bench/RESULTS.md, "two ranks").
-                try:  # item(), not float(): float() of a tensor in autograd warns
-                    scalars[key] = float(value.item())
-                    continue
-                except Exception:  # not one element: read (as NaN) at the flush
-                    pass
-            # A device tensor: no sync here; frees the autograd graph now. Outside autograd
-            # it is kept as it is (detach() would share its storage all the same, ~2 us).
-            if getattr(value, "requires_grad", False):
-                scalars[key] = value.detach()
+        if step is not None:
+            step = int(step)
         with channel.lock:
+            points = channel.pending
+            i = points.n
             last, channel.last_call = channel.last_call, resume
-            if len(channel.pending) >= channel.max_pending:
+            if i >= channel.max_pending:
                 channel.dropped += 1
                 return
-            channel.step = step = channel.step + 1 if step is None else int(step)
-            channel.pending.append((step, now, last, scalars, timers, memory))
-            if len(channel.pending) == 1:
+            channel.step = step = channel.step + 1 if step is None else step
+            cols = points.cols
+            for key, value in scalars.items():
+                if value.__class__ not in _PLAIN:
+                    value = _hold(value)
+                column = cols.get(key)
+                if column is None:
+                    column = cols[key] = ([], [])
+                column[0].append(i)
+                column[1].append(value)
+            points.steps.append(step)
+            points.times.append(now)
+            points.lasts.append(last)
+            points.comm.append(comm)
+            points.data.append(data)
+            if events:
+                points.events[i] = events
+            points.n = i + 1
+            if i == 0:
                 channel.wake.set()  # the flush thread sleeps until there is something to send
     except Exception:
         channel.dropped += 1
 
 
 _PLAIN = frozenset((int, float, bool))
-# log() reads memory, and looks for the CUDA device, at most this often (seconds): a
-# step-by-step chart needs no finer grain; points in between repeat the last reading.
-_SAMPLE_EVERY_S = 0.02
+# log() looks for the rank's CUDA device at most this often (seconds) until it finds one.
+_PROBE_EVERY_S = 1.0
 
 
-def _sample(channel: _Channel, now: float) -> dict | None:
-    """A memory reading (or None), taken at most every _SAMPLE_EVERY_S."""
-    channel.sample_due = now + _SAMPLE_EVERY_S
-    if channel.cuda_index is None:
-        # On the training thread: CUDA's current device is per thread.
-        channel.cuda_index = _cuda_device()
-    return steptime.memory(channel.cuda_index) if channel.memory else None
+def _hold(value):
+    """What the buffer keeps of a value that is no Python number (never raises)."""
+    if getattr(value, "is_cpu", False):
+        # A CPU tensor is read now: no device to wait for (~1 us). Kept until the flush,
+        # the 0-d tensors of every step pinned small blocks all over the heap, and the
+        # step's own large buffers were given back to the system and faulted in again:
+        # 2.6-6.5 page faults and +60-150 us of training thread CPU a step
+        # (bench/RESULTS.md, "two ranks").
+        try:  # item(), not float(): float() of a tensor in autograd warns
+            return float(value.item())
+        except Exception:  # not one element: read (as NaN) at the flush
+            return value
+    # A device tensor: no sync here; frees the autograd graph now. Outside autograd it is
+    # kept as it is (detach() would share its storage all the same, ~2 us).
+    if getattr(value, "requires_grad", False):
+        try:
+            return value.detach()
+        except Exception:
+            return value
+    return value
 
 
 def _flops_peak(channel: _Channel, scalars: dict, resume: float) -> float:

@@ -72,10 +72,32 @@ def test_derived_keys_are_exact_per_point(channel):
     parts = [run.series(k, 0)[1] for k in ("comm_s", "data_s", "compute_s")]
     for total, comm, data, compute in zip(step_times, *parts):
         assert comm + data + compute == pytest.approx(total)
-    # Memory is read at most every 20 ms, and every point carries the latest reading.
+    # Memory is read once per flush, and every point of the batch carries that reading.
     assert run.series("memory_mib", 0)[0] == list(range(300))
     assert all(m > 1 for m in run.series("memory_mib", 0)[1])
     assert "peak_tflops" not in run.keys()
+
+
+def test_a_logged_step_leaves_no_object_for_the_garbage_collector(channel):
+    # Each point used to be kept as a tuple and a dict until the flush: objects the cyclic
+    # garbage collector tracks, so logging every step set off collections - pauses of the
+    # training thread that scanned the whole heap. Now a point's fields are appended to lists.
+    import gc
+    import time
+
+    run, collector = channel
+    metrics_log.log(step=0, loss=1.0)  # the flush thread sends this one at once ...
+    _settle(collector)
+    time.sleep(0.05)  # ... and its next flush is 0.5 s after that one
+    y = torch.tensor(0.25)
+    gc.collect()
+    before = len(gc.get_objects())
+    for step in range(1, 2001):
+        metrics_log.log(step=step, loss=y, samples=64, lr=0.1)
+    grown = len(gc.get_objects()) - before
+    assert grown < 100, f"2,000 logged steps left {grown} tracked objects waiting for the flush"
+    _settle(collector)
+    assert run.series("loss", 0) == (list(range(2001)), [1.0] + [0.25] * 2000)
 
 
 def test_steps_count_on_by_default_and_nan_stays_nan(channel):
