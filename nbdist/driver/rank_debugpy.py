@@ -22,6 +22,7 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "INITIALIZE",
     "DapClient",
+    "debugger_thread",
     "REPLY_TIMEOUT_S",
     "RankConnection",
     "succeeded",
@@ -29,6 +30,20 @@ __all__ = [
 
 CONNECT_TIMEOUT_S = 10.0
 REPLY_TIMEOUT_S = 30.0
+
+
+def debugger_thread(target, name: str) -> threading.Thread:
+    """A daemon thread, not started, that the kernel's own debugpy neither traces, stops nor lists.
+
+    With JupyterLab's debugger on, the kernel runs debugpy too: a thread that carries
+    the ranks' messages must not stop in it (at a caught exception with "pause on
+    raised exceptions", or with the kernel's threads) nor show in its threads. pydevd
+    leaves alone the threads marked as its own, with these two attributes.
+    """
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.pydev_do_not_trace = True
+    thread.is_pydev_daemon_thread = True
+    return thread
 
 
 class DapClient:
@@ -117,9 +132,7 @@ class RankConnection(DapClient):
         self.endpoint = (host, port)
         self._sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
         self._sock.settimeout(None)
-        self._reader = threading.Thread(
-            target=self._read, name=f"nbdist-lab-debugger-rank{rank}", daemon=True
-        )
+        self._reader = debugger_thread(self._read, f"nbdist-lab-debugger-rank{rank}")
         self._reader.start()
 
     def _send(self, message: dict) -> None:

@@ -54,9 +54,7 @@ class RelayedRankConnection(dap.DapClient):
             raise ConnectionError(f"rank {rank} did not answer on its control channel")
         self._token = opened["token"]
         self.pid = opened.get("pid")
-        self._poller = threading.Thread(
-            target=self._poll, name=f"nbdist-lab-debugger-relay-rank{rank}", daemon=True
-        )
+        self._poller = dap.debugger_thread(self._poll, f"nbdist-lab-debugger-relay-rank{rank}")
         self._poller.start()
 
     def through(self, client) -> bool:
@@ -70,19 +68,18 @@ class RelayedRankConnection(dap.DapClient):
         """The rank's ``dap`` reply to ``future``'s request; None once the connection is no longer
         wanted or possible (closed, engine gone, client closed) or ``timeout`` passed."""
         waited = 0.0
-        while True:
-            try:
-                msgs = future.result(timeout=_CHECK_S)
-                break
-            except concurrent.futures.TimeoutError:
-                waited += _CHECK_S
-                if (
-                    self._closing.is_set()
-                    or client_closed(self._client)
-                    or self._engine_id not in self._client.ids
-                    or (timeout is not None and waited >= timeout)
-                ):
-                    return None
+        # Waited on in slices, raising nothing while it waits (with "pause on raised
+        # exceptions", the kernel's debugpy would see every timeout).
+        while not concurrent.futures.wait([future], timeout=_CHECK_S).done:
+            waited += _CHECK_S
+            if (
+                self._closing.is_set()
+                or client_closed(self._client)
+                or self._engine_id not in self._client.ids
+                or (timeout is not None and waited >= timeout)
+            ):
+                return None
+        msgs = future.result()
         content = (msgs[0] if isinstance(msgs, list) else msgs)["content"]
         if content.get("status") != "ok":
             raise ConnectionError(

@@ -167,14 +167,27 @@ def _open(port) -> dict:
         raise ValueError(f"port {port} is not this rank's debugpy")
     sock = socket.create_connection((debugpy_server.LOOPBACK, endpoint["port"]), timeout=10.0)
     sock.settimeout(None)
-    # Never traced nor stopped by debugpy: this thread carries its client's messages.
-    threading.current_thread().pydev_do_not_trace = True
+    _leave_this_thread_alone()
     relay = _Relay(sock)
     with _lock:
         old, _relay[0] = _relay[0], relay
     if old is not None:
         old.close()
     return {"token": relay.token, "pid": endpoint["pid"]}
+
+
+def _leave_this_thread_alone() -> None:
+    # This thread carries debugpy's client's messages: were it stopped with the
+    # rank's main thread, nothing would carry the "continue". pydevd suspends no
+    # thread marked as one of its own (pydev_do_not_trace) and traces it no more
+    # once its trace function is gone, which only the thread itself can remove.
+    threading.current_thread().pydev_do_not_trace = True
+    try:
+        import pydevd_tracing  # debugpy's own way: sys.settrace would warn on the rank
+
+        pydevd_tracing.SetTrace(None)
+    except (ImportError, RuntimeError):  # a debugpy on sys.monitoring (3.12+)
+        pass
 
 
 def handle(action: str, content: dict, control_socket=None) -> dict:

@@ -13,12 +13,13 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import json, threading, time
+import json, sys, threading, time
 import zmq
 from nbdist.engine import dap_relay, debugpy_server
 
 seen = {}
 endpoint = debugpy_server.listen()
+seen["traced_before_open"] = sys.gettrace() is not None
 context = zmq.Context()
 control, kernel = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
 control.bind("inproc://control")
@@ -31,7 +32,8 @@ except ValueError as exc:
 opened = dap_relay.handle("dap_open", {"port": endpoint["port"]})
 token = opened["token"]
 seen["pid_matches"] = opened["pid"] == endpoint["pid"]
-seen["not_traced"] = getattr(threading.current_thread(), "pydev_do_not_trace", False)
+seen["marked"] = getattr(threading.current_thread(), "pydev_do_not_trace", False)
+seen["traced_after_open"] = sys.gettrace() is not None
 
 initialize = {"seq": 1, "type": "request", "command": "initialize",
               "arguments": {"adapterID": "debugpy", "clientID": "test"}}
@@ -71,8 +73,10 @@ def test_the_relay_carries_dap_to_the_ranks_own_debugpy_and_nothing_else():
     # Only this process's own debugpy: the control channel is no way into other ports.
     assert "is not this rank's debugpy" in seen["other_port"], seen
     assert seen["pid_matches"]
-    # The thread that serves the relay is one debugpy never traces nor stops.
-    assert seen["not_traced"] is True
+    # The thread that serves the relay (here: the one that opened it) is one debugpy
+    # neither traces nor stops.
+    assert seen["traced_before_open"] is True
+    assert seen["marked"] is True and seen["traced_after_open"] is False
     assert seen["sent"] == {"messages": [], "closed": False}
     (reply,) = seen["initialize"]
     assert reply["success"] and reply["command"] == "initialize", reply

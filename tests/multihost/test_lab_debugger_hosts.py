@@ -72,6 +72,8 @@ def test_ranks_on_other_machines_stop_at_breakpoints(two_hosts):  # noqa: F811
         dbg.wait_event("stopped", threadId=RANKS_THREAD, count=4, timeout=180)
         threads = dbg.request("threads")["body"]["threads"]
         assert RANKS_THREAD in [t["id"] for t in threads], threads
+        # The kernel's threads that poll the ranks are not the user's: not listed.
+        assert not [t for t in threads if "lab-debugger" in t["name"]], threads
         tops = _stack(dbg)
         assert sorted(tops) == [0, 1, 2, 3], tops
         for rank, frame in tops.items():
