@@ -93,6 +93,18 @@ def test_ranks_on_other_machines_stop_at_breakpoints(two_hosts):  # noqa: F811
         assert all(f"here {r} {r * 10}" in text for r in range(4)), text
         assert "not attached" not in text and "could not attach" not in text, text
 
+        # Where the ranks' debugpy listens, seen from their own "machine": its loopback only.
+        listens = _run(
+            kernel,
+            dbg,
+            "%%on_all_ranks\nimport psutil\nfrom nbdist.engine import debugpy_server\n"
+            "_port = debugpy_server.listening()['port']\n"
+            "print('debugpy listens', sorted({c.laddr.ip for c in psutil.net_connections('inet')"
+            " if c.status == psutil.CONN_LISTEN and c.laddr.port == _port}))",
+        )
+        said = [line for line in listens.splitlines() if "debugpy listens" in line]
+        assert said and all(line.endswith("['127.0.0.1']") for line in said), listens
+
         # %dist_stop while the ranks are paused: the ranks of this connected cluster
         # outlive the session, so their relays must close and let them run on.
         dbg.events.clear()
