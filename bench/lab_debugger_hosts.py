@@ -178,13 +178,14 @@ def _quantiles(values: list[float]) -> dict:
     return {
         "median": round(statistics.median(values) * 1000, 1),
         "p90": round(p90 * 1000, 1),
+        "max": round(ordered[-1] * 1000, 1),
         "n": len(values),
     }
 
 
 def _summary(values: list[float]) -> str:
     q = _quantiles(values)
-    return f"median {q['median']} ms, p90 {q['p90']} ms (n={q['n']})"
+    return f"median {q['median']} ms, p90 {q['p90']} ms, max {q['max']} ms (n={q['n']})"
 
 
 def main() -> int:

@@ -31,8 +31,10 @@ from nbdist.engine.control import REQUEST
 __all__ = ["POLL_WAIT_S", "RelayedRankConnection"]
 
 # How long one poll waits on the rank for debugpy to say something. Idle, a relayed
-# rank costs the kernel one control round trip per POLL_WAIT_S.
-POLL_WAIT_S = 1.0
+# rank costs the kernel one control round trip per POLL_WAIT_S. Nothing waits for
+# it to pass: debugpy's messages end the poll, and so does any other control
+# request (ipykernel reads the next one only after the poll's handler started).
+POLL_WAIT_S = 5.0
 # How often a thread waiting for a reply checks that the connection is still wanted.
 _CHECK_S = 0.25
 
