@@ -149,6 +149,10 @@ class RankRun:
         self._merger: OutputMerger | None = None
         self._finished = False
         self._results: list | None = None
+        # Once waited for to the end: the outcome is kept, the machinery let go (_conclude).
+        self._concluded = False
+        self._error: RankError | None = None
+        self._states: dict[int, str] = {}
         # Wake the waiting loop on output and on each rank's reply (a rank that fails
         # while the others wait is noticed at once), not on status messages: on a
         # 2-core machine every needless wake-up is CPU the ranks are waiting for.
@@ -177,7 +181,7 @@ class RankRun:
 
     def done(self) -> bool:
         """Every rank replied."""
-        return self._ar.ready()
+        return self._concluded or self._ar.ready()
 
     @property
     def results(self) -> list | None:
@@ -186,6 +190,8 @@ class RankRun:
 
     def child_states(self) -> dict[int, str]:
         """{rank: 'running' | 'ok' | 'error'} from each rank's own reply."""
+        if self._concluded:
+            return dict(self._states)
         states = {}
         for rank, child in zip(self.ranks, self._children):
             if not child.done():
@@ -284,6 +290,10 @@ class RankRun:
         A KeyboardInterrupt (kernel interrupt) is relayed to every rank as SIGINT;
         the ranks get a few seconds to unwind, then KeyboardInterrupt is raised here.
         """
+        if self._concluded:
+            if self._error is not None:
+                raise self._error
+            return list(self._results)
         if self._finished:
             return self._result_or_raise()
         if self._merger is None:
@@ -316,7 +326,29 @@ class RankRun:
         self._finished = True
         self._finish_output()
         self._guard.recover(self)
-        return self._result_or_raise()
+        return self._conclude()
+
+    def _conclude(self) -> list:
+        """The results (or the :class:`RankError`), kept; the session's machinery let go.
+
+        A finished run can stay referenced for the kernel's lifetime (IPython's ``Out``
+        keeps what each ``--noblock`` cell returned): its AsyncResult, guard, sink and
+        callbacks would keep a stopped session's ipyparallel client, its run and every
+        point of it, one more per such cell.
+        """
+        try:
+            self._result_or_raise()
+        except RankError as exc:
+            self._error = exc
+        self._states = self.child_states()
+        self._concluded = True
+        self._ar = self._guard = self._watch = self._interrupt = None
+        self._sink = self._prompts = self._merger = None
+        self._children, self._metadata = [], []
+        self._comms.clear()
+        if self._error is not None:
+            raise self._error
+        return list(self._results)
 
     def _stop_ranks(self) -> None:
         """SIGINT to the ranks; release those that do not stop; form the group again."""

@@ -135,3 +135,41 @@ def test_a_stopped_runs_points_go_once_its_dashboard_is_closed(kernels):
     # The first run is gone; the last one is still the magics' stopped session's, whose
     # metrics stay readable until the next start.
     assert "alive [False, True]" in out, out
+
+
+NOBLOCK_CELL = "%%on_all_ranks --noblock\nprint('noblock', rank)\n"
+STOPPED_CLIENT = """
+import gc, ipywidgets
+ipywidgets.Widget.close_all()  # every dashboard's view closed, as the soak releases them
+for key in [k for k, v in Out.items() if isinstance(v, ipywidgets.Widget)]:
+    del Out[key]
+gc.collect()
+print('client alive', client_ref() is not None, 'run alive', run_ref() is not None)
+"""
+
+
+def test_a_noblock_cells_result_kept_in_out_lets_go_of_the_stopped_session(kernels):
+    """``Out`` kept each --noblock cell's RankRun, and with it that session's client and points."""
+    kernel = kernels()
+    kernel.ok("%load_ext nbdist\nimport nbdist, weakref")
+    # ipyparallel's %px magics keep the kernel's first client: the session under test is the second.
+    kernel.ok("%dist_start 2 --cpu", timeout=240)
+    kernel.ok("%dist_stop")
+    kernel.ok("%dist_start 2 --cpu", timeout=240)
+    kernel.ok(LOGGING_CELL)
+    kernel.ok(NOBLOCK_CELL)  # its RankRun is the cell's result: Out keeps it
+    kernel.ok("held = _")
+    assert "noblock 1" in kernel.ok("held.wait()").stdout
+    kernel.ok(
+        "session = nbdist.current_session()\n"
+        "client_ref = weakref.ref(session.client)\nrun_ref = weakref.ref(session.metrics)\n"
+        "del session"
+    )
+    kernel.ok("%dist_stop")
+    kernel.ok("%dist_start 2 --cpu", timeout=240)  # the magics now hold another session
+    kernel.ok("%dist_stop")
+    out = kernel.ok(STOPPED_CLIENT).stdout
+    assert "client alive False run alive False" in out, out
+    # What the user can still read of it: done, and the same results again.
+    out = kernel.ok("print(held.done(), held.wait() == held.results, len(held.results))").stdout
+    assert "True True 2" in out, out
