@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 
+from nbdist.driver import kernel_debugpy
 from nbdist.driver import rank_debugpy as dap
 from nbdist.driver.rank_relay import RelayedRankConnection
 from nbdist.errors import format_ranks
@@ -525,45 +526,10 @@ def install(ipython) -> LabDebugRouter | None:
         return _router[0]
     found = LabDebugRouter(kernel)
     found.adopt(kernel.debugger)
-    _no_debugpy_in_children()
+    kernel_debugpy.leave_children_alone()
     kernel.do_debug_request = found.handle
     _router[0] = found
     return found
-
-
-def _no_debugpy_in_children() -> None:
-    # ipykernel's debugger starts debugpy in the kernel with debugpy's defaults, which
-    # make every Python process the kernel starts from then on a debuggee too: the
-    # ranks, controller and launcher of a %dist_start run with the debugger on would
-    # start too slowly to register (the controller never wrote its connection files).
-    # Before debugpy starts, configuring it is enough; once it has started (the
-    # debugger switched on before %load_ext nbdist), its wrappers around the ways to
-    # start a process are put back to the originals it kept.
-    try:
-        import debugpy
-    except ImportError:
-        return
-    try:
-        debugpy.configure(subProcess=False)
-    except (RuntimeError, ValueError):
-        pass
-    import os
-    import subprocess
-
-    modules = [os, subprocess]
-    try:
-        import _posixsubprocess
-
-        modules.append(_posixsubprocess)
-    except ImportError:
-        pass
-    for module in modules:
-        for name in [n for n in vars(module) if n.startswith("original_")]:
-            function = name.removeprefix("original_")
-            wrapper = getattr(module, function, None)
-            if "pydev_monkey" in getattr(wrapper, "__module__", ""):
-                setattr(module, function, getattr(module, name))
-                delattr(module, name)
 
 
 def prepare_cell(session, ranks, body: str) -> None:
