@@ -55,6 +55,12 @@ seen["stale"] = dap_relay.handle("dap_poll", {"token": "not-the-token", "wait": 
 seen["open_before_close"] = dap_relay.is_open()
 seen["closed"] = dap_relay.handle("dap_close", {"token": token})
 seen["open_after_close"] = dap_relay.is_open()
+# A relay its kernel stopped polling is dropped (before the rank's next cell), not before.
+token = dap_relay.handle("dap_open", {"port": endpoint["port"]})["token"]
+seen["kept_while_polled"] = dap_relay.drop_if_abandoned()
+later = time.monotonic() + dap_relay.ABANDONED_S + 1
+seen["dropped_when_abandoned"] = dap_relay.drop_if_abandoned(now=later)
+seen["after_drop"] = dap_relay.handle("dap_poll", {"token": token, "wait": 0})
 print("SEEN " + json.dumps(seen))
 """
 
@@ -88,3 +94,6 @@ def test_the_relay_carries_dap_to_the_ranks_own_debugpy_and_nothing_else():
     assert seen["open_before_close"] is True
     assert seen["closed"] == {"messages": [], "closed": True}
     assert seen["open_after_close"] is False
+    assert seen["kept_while_polled"] is False
+    assert seen["dropped_when_abandoned"] is True
+    assert seen["after_drop"] == {"messages": [], "closed": True}
