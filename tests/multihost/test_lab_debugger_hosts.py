@@ -7,8 +7,9 @@ debugger sends and reads what it would show: a breakpoint in a
 ``%%on_all_ranks`` cell stops the ranks in both namespaces, the Callstack lists
 each as ``rank R · <module>``, a rank's Variables and an evaluate show that
 rank's values, Continue lets the cell finish with its output; ``%dist_stop``
-while ranks are paused lets them run on, closes the relays and ends the
-kernel's threads for them. Skipped where network namespaces cannot be made.
+or ``%dist_restart`` while ranks are paused lets them run on, closes the
+relays and ends the kernel's threads for them, as switching the debugger off
+does. Skipped where network namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -135,6 +136,23 @@ def test_ranks_on_other_machines_stop_at_breakpoints(two_hosts):  # noqa: F811
         text = dbg.cell_output(msg_id, timeout=180)
         assert kernel.reply(msg_id)["status"] == "ok", text
         assert "here 3 30" in text, text
+
+        # %dist_restart while paused (a connected cluster: stop, then start on the same
+        # engines): the same, and the next run stops again.
+        dbg.events.clear()
+        _run(kernel, dbg, paused)
+        dbg.wait_event("stopped", threadId=RANKS_THREAD, count=4, timeout=180)
+        _run(kernel, dbg, "%dist_restart")
+        dbg.wait_event("continued", threadId=RANKS_THREAD, timeout=60)
+        assert "threads []" in _run(kernel, dbg, _THREADS)
+        dbg.events.clear()
+        msg_id = kernel.submit(cell)
+        dbg.wait_event("stopped", threadId=RANKS_THREAD, count=4, timeout=180)
+        assert sorted(_stack(dbg)) == [0, 1, 2, 3]
+        _select_all(dbg)
+        assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+        text = dbg.cell_output(msg_id, timeout=180)
+        assert kernel.reply(msg_id)["status"] == "ok", text
 
         # The debugger switched off: relays closed, the kernel's threads for them gone.
         assert dbg.request("disconnect", restart=False, terminateDebuggee=True)["success"]
