@@ -155,8 +155,9 @@ def events_seconds(events: list) -> float:
 def memory(cuda_index: int | None) -> dict[str, float]:
     """This rank's memory now, in MiB (the keys of :data:`MEMORY_KEYS`); no device sync.
 
-    Read at most every 20 ms (a step-by-step chart needs no finer grain); between
-    readings the last one is repeated. On a GPU one ``memory_stats_as_nested_dict``
+    ``nbdist.log``'s flush thread reads it once per flush, never the training thread
+    (:mod:`nbdist.metrics.log`); a reading is reused for 20 ms, so flushes in quick
+    succession (the end of a cell) read once. On a GPU one ``memory_stats_as_nested_dict``
     gives all three figures: ``torch.cuda.memory_allocated`` and its siblings each
     build, flatten and sort the allocator's whole statistics table, three times per
     ``nbdist.log`` call (logging every step of a 1.4 ms step cost 33 % on an H200,
@@ -186,8 +187,7 @@ def memory(cuda_index: int | None) -> dict[str, float]:
         return dict(reading)
     global _statm, _last_rss
     now = time.monotonic()
-    # RSS read at most every 20 ms: a step-by-step chart needs no finer grain, and two
-    # system calls per log call were a third of its cost on short steps.
+    # RSS read at most every 20 ms: two system calls each time.
     pid = os.getpid()  # a forked rank must not reuse its parent's reading
     if _last_rss is not None and _last_rss[0] == pid and now - _last_rss[1] < _MEMORY_EVERY_S:
         return dict(_last_rss[2])
