@@ -19,6 +19,7 @@ __all__ = [
     "RankError",
     "RanksInterrupted",
     "RankFailure",
+    "UnpicklableValue",
     "format_ranks",
 ]
 
@@ -94,6 +95,40 @@ class ClusterNotRunning(NbdistError):
 
 class PlacementError(NbdistError, ValueError):
     """A requested placement of ranks on devices is invalid."""
+
+
+class UnpicklableValue(NbdistError):
+    """A value a rank sent (a pulled name, a function's result) the kernel cannot unpickle.
+
+    Its class exists only on the ranks: defined in a cell that ran there, or in a
+    module only they can import. ``cause``: the unpickling error, as
+    ``"AttributeError: Can't get attribute 'Thing' on <module '__main__'>"``;
+    ``message``: the whole explanation (by default, for one rank's value).
+    """
+
+    fix = (
+        "define the class in a module both the kernel and the ranks import, or {send} plain "
+        "data: str(x), a dict of numbers, a tensor"
+    )
+    _PREFIX = "the kernel cannot unpickle the value this rank sent ("
+
+    def __init__(self, cause: str, message: str = "") -> None:
+        """The error for ``cause``; ``message`` replaces the default explanation."""
+        super().__init__(cause, message)  # both: the exception stays picklable
+        self.cause = cause
+        self.message = message or f"{self._PREFIX}{cause}): " + self.fix.format(send="send")
+
+    def __str__(self) -> str:
+        """What the kernel could not unpickle, and what to do."""
+        return self.message
+
+    @classmethod
+    def cause_in(cls, text: str) -> str:
+        """The cause in a default message (as a :class:`RankFailure` keeps it), else ``text``."""
+        suffix = "): " + cls.fix.format(send="send")
+        if text.startswith(cls._PREFIX) and text.endswith(suffix):
+            return text[len(cls._PREFIX) : -len(suffix)]
+        return text
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 ipyparallel 9 has no public way to send an execute request with a user
 expression, to read one rank's reply or accumulated output from a multi-engine
 result, to send a custom control message or to tell that a client was closed,
-and its client assumes any IPython shell is a kernel. nbdist needs all five, and
+its client assumes any IPython shell is a kernel, and a reply whose value it
+cannot unpickle is never answered. nbdist needs all six, and
 a terminal IPython too (see :mod:`nbdist.driver.cells`, :mod:`nbdist.driver.runner`,
 :mod:`nbdist.driver.where`, :mod:`nbdist.driver.rank_relay`),
 so they are reached here and nowhere else: an ipyparallel upgrade that renames
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 __all__ = [
     "client_closed",
     "controller_interface",
+    "fail_undecodable_replies",
     "per_engine_futures",
     "per_engine_metadata",
     "reply_content",
@@ -102,3 +104,52 @@ def tolerate_shells_without_kernel() -> None:
 
     if client_module.get_ipython is not _kernel_shell_or_none:
         client_module.get_ipython = _kernel_shell_or_none
+
+
+def fail_undecodable_replies(client) -> None:
+    """Make an apply or pull reply the kernel cannot unpickle fail its request (idempotent).
+
+    ipyparallel unpickles a reply's value on its IO thread, in the handler that
+    then completes the request's future. A value whose class exists only on the
+    ranks (defined in a cell there, or from a module only they can import) raises
+    there: the exception is printed as an "Uncaught exception in ZMQStream
+    callback" and the future is never completed, so ``pull`` or ``apply`` waited
+    forever. The failure is caught where it happens, in the kernel, rather than
+    by pickling the value a second time on the rank first: only the kernel knows
+    what it can import, and a value that arrives whole (a large tensor, without a
+    copy) pays nothing more than a ``try``. That rank's result becomes an
+    :class:`~nbdist.errors.UnpicklableValue`, which the waiting code reports like
+    any rank's error; the client and its other requests go on as before.
+    """
+    handlers = client._queue_handlers  # noqa: SLF001
+    handle_reply = handlers.get("apply_reply")
+    if handle_reply is None or getattr(handle_reply, "nbdist_fails_undecodable", False):
+        return
+
+    def handle(msg):
+        try:
+            handle_reply(msg)
+        except Exception as exc:  # noqa: BLE001 - any failure here would leave the request hanging
+            _fail_reply(client, msg, exc)
+
+    handle.nbdist_fails_undecodable = True
+    handlers["apply_reply"] = handle
+
+
+def _fail_reply(client, msg: dict, exc: Exception) -> None:
+    from nbdist.errors import UnpicklableValue
+
+    if client._should_use_metadata_msg_id(msg):  # noqa: SLF001
+        msg_id = msg["metadata"]["original_msg_id"]
+    else:
+        msg_id = msg["parent_header"]["msg_id"]
+    # The handler may have failed before it marked the request answered.
+    client.outstanding.discard(msg_id)
+    engine = msg.get("metadata", {}).get("engine")
+    if engine is not None:
+        client._outstanding_dict[engine].discard(msg_id)  # noqa: SLF001
+    error = UnpicklableValue(f"{type(exc).__name__}: {exc}")
+    client.results[msg_id] = error
+    future = client._futures.get(msg_id)  # noqa: SLF001
+    if future is not None and not future.done():
+        future.set_result(error)

@@ -30,6 +30,8 @@ from nbdist.driver import live_sessions, registry
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.faults import CellGuard, RankMonitor, dead_ranks
 from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics_key, reform_group
+from nbdist.driver.ipp_internals import fail_undecodable_replies
+from nbdist.driver.pulls import pull_values
 from nbdist.driver.runner import RankRun, submit
 from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
@@ -433,6 +435,7 @@ class DistSession:
     def _on_ranks(self, ranks, send: Callable) -> list:
         # send(view) -> AsyncResult; waited for like a cell (errors by rank, Ctrl-C relayed).
         chosen = self.select(ranks)
+        fail_undecodable_replies(self._handle.client)  # a value the kernel cannot unpickle
         ar = send(self._handle.client[[r.engine_id for r in chosen]])
         return RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait()
 
@@ -446,7 +449,7 @@ class DistSession:
 
     def pull(self, name: str, rank: int | None = None):
         """A name's value from one rank, or a list of values by rank when ``rank`` is None."""
-        values = self._on_ranks(rank, lambda view: view.pull(name, block=False))
+        values = pull_values(self._on_ranks, name, rank)
         return values[0] if rank is not None else values
 
     def interrupt(self, ranks=None) -> None:
