@@ -57,11 +57,19 @@ def descendants(roots: Iterable[int]) -> list[psutil.Process]:
     roots = set(roots)
     procs: dict[int, psutil.Process] = {}
     children_of: dict[int, list[int]] = {}
-    for proc in psutil.process_iter(["ppid"]):
-        ppid = proc.info.get("ppid")
-        if ppid is not None:
-            procs[proc.pid] = proc
-            children_of.setdefault(ppid, []).append(proc.pid)
+    try:
+        for proc in psutil.process_iter(["ppid"]):
+            ppid = proc.info.get("ppid")
+            if ppid is not None:
+                procs[proc.pid] = proc
+                children_of.setdefault(ppid, []).append(proc.pid)
+    finally:
+        # psutil keeps a Process for every process of the machine between calls (~600
+        # here, ~340 KiB, more as the machine runs more): a kernel stops ranks now and
+        # then, and has no use for that table in between.
+        clear = getattr(psutil.process_iter, "cache_clear", None)  # psutil >= 6
+        if clear is not None:
+            clear()
     found: dict[int, psutil.Process] = {}
     todo = [(pid, _started(procs.get(pid) or pid)) for pid in roots]
     while todo:

@@ -173,3 +173,24 @@ def test_a_noblock_cells_result_kept_in_out_lets_go_of_the_stopped_session(kerne
     # What the user can still read of it: done, and the same results again.
     out = kernel.ok("print(held.done(), held.wait() == held.results, len(held.results))").stdout
     assert "True True 2" in out, out
+
+
+PSUTIL_PROCESSES = """
+import gc, psutil
+gc.collect()
+print('held', sum(isinstance(o, psutil.Process) for o in gc.get_objects()))
+print('machine', len(psutil.pids()))
+"""
+
+
+def test_a_stop_keeps_no_table_of_the_machines_processes(kernels):
+    """Each stop walked the process table through psutil, which kept a Process per process of the machine."""
+    kernel = kernels()
+    kernel.ok("%load_ext nbdist")
+    kernel.ok("%dist_start 2 --cpu", timeout=240)
+    kernel.ok("%dist_stop")
+    out = kernel.ok(PSUTIL_PROCESSES).stdout
+    held = int(out.split("held ")[1].split()[0])
+    machine = int(out.split("machine ")[1].split()[0])
+    # A few may be held by what the kernel still uses (its own process); not one per process.
+    assert held < 10 < machine, out
