@@ -51,8 +51,8 @@ class Points:
 def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
     """``(steps, times, columns)`` of ``points``.
 
-    ``times`` and each column's values are float64 arrays; ``columns``: ``{key:
-    (indices or None, values)}``, indices into the batch of the points that carry
+    ``times`` and each column's values are float64 arrays (a memory column's, one float
+    every point carries); ``columns``: ``{key: (indices or None, values)}``, indices into the batch of the points that carry
     the key (None: every point). ``reading``: the rank's memory now, carried by every
     point of the batch (empty: none).
     """
@@ -112,9 +112,9 @@ def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
     for key, (idx, values) in out.items():
         if idx:  # a key no point carries is not sent (as with a value that is no number)
             columns[key] = (None if len(idx) == n else idx, np.asarray(values, dtype=np.float64))
-    if n:
+    if n:  # one number for the whole column: the wire carries it once (wire.column)
         for key, value in reading.items():
-            columns[key] = (None, np.full(n, value, dtype=np.float64))
+            columns[key] = (None, float(value))
     return points.steps, np.array(points.times, dtype=np.float64), columns
 
 

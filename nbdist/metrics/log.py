@@ -149,7 +149,7 @@ class _Channel:
         import zmq
 
         from nbdist.metrics import gpu
-        from nbdist.metrics.wire import encode, floats
+        from nbdist.metrics.wire import column, encode, floats
 
         with self.send_lock:
             with self.lock:  # only to take the batch: log() never waits for what follows
@@ -184,7 +184,7 @@ class _Channel:
                     "rank": self.rank,
                     "steps": steps,
                     "times": floats(times),
-                    "cols": {key: (idx, floats(values)) for key, (idx, values) in columns.items()},
+                    "cols": {key: (idx, column(values)) for key, (idx, values) in columns.items()},
                     "total": total,
                     "dropped": dropped,
                 }

@@ -106,6 +106,7 @@ class Run:
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Run], None]] = []
         self._point_listeners: list[Callable[[int, list], None]] = []
+        self.listener_errors = 0  # listeners that raised (skipped, see _notify)
         self.version = 0  # bumped on every add; readers compare it to skip idle refreshes
 
     def __repr__(self) -> str:
@@ -147,10 +148,7 @@ class Run:
             self.version += 1
             listeners = list(self._listeners)
             point_listeners = self._point_listeners
-        for listener in point_listeners:
-            listener(rank, points)
-        for listener in listeners:
-            listener(self)
+        self._notify(listeners, point_listeners, rank, points)
         return n
 
     def add_columns(self, rank: int, steps: list, times: list, columns: dict) -> int:
@@ -164,12 +162,15 @@ class Run:
             series.steps.extend(steps)
             series.times.extend(times)
             values = series.values
+            dense = None  # the indices of a key on every point: one list for all such keys
             for key, (idx, vals) in columns.items():
                 column = values.get(key)
                 if column is None:
                     column = values[key] = ([], [])
                 if idx is None:
-                    column[0].extend(range(start, start + n))
+                    if dense is None:
+                        dense = list(range(start, start + n))
+                    column[0].extend(dense)
                 else:
                     column[0].extend([start + i for i in idx])
                 column[1].extend(vals)
@@ -181,11 +182,25 @@ class Run:
             for key, (idx, vals) in columns.items():
                 for i, value in zip(range(n) if idx is None else idx, vals):
                     points[i][2][key] = value
-            for listener in point_listeners:
-                listener(rank, points)
-        for listener in listeners:
-            listener(self)
+        else:
+            points = []
+        self._notify(listeners, point_listeners, rank, points)
         return n
+
+    def _notify(self, listeners: list, point_listeners: list, rank: int, points: list) -> None:
+        # A listener that raises (a dashboard's bug, a user's on_points callback) is counted
+        # and skipped: the points are in already, and the collector that called add must go
+        # on counting what arrived, or the cell would wait for points that came.
+        for listener in point_listeners:
+            try:
+                listener(rank, points)
+            except Exception:
+                self.listener_errors += 1
+        for listener in listeners:
+            try:
+                listener(self)
+            except Exception:
+                self.listener_errors += 1
 
     def subscribe(self, listener: Callable[[Run], None]) -> Callable[[], None]:
         """Call ``listener(run)`` after each add (from the adding thread); returns unsubscribe."""

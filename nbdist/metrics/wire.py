@@ -15,7 +15,9 @@ Payload kinds::
 
 A points message is a batch as columns: each key once, with the indices (into
 ``steps``) of the points that carry it, or null when every point does, and its
-values as base64 of little-endian float64s (:func:`floats`; NaN travels as NaN).
+values as base64 of little-endian float64s (:func:`floats`; NaN travels as NaN), or,
+for a value every point of the column shares (the memory reading of a flush), that
+one number (null for NaN): :func:`column`.
 Per-point dictionaries, and each float written out in decimal, were most of
 what a point cost the rank's flush thread and the kernel (bench/RESULTS.md). A
 column's values may also be a JSON list (null for NaN), as may the older
@@ -33,7 +35,7 @@ import hmac
 import json
 import math
 
-__all__ = ["batch_columns", "columns", "concat", "decode", "encode", "floats", "points"]
+__all__ = ["batch_columns", "column", "columns", "concat", "decode", "encode", "floats", "points"]
 
 
 def encode(key: bytes, message: dict) -> list[bytes]:
@@ -77,7 +79,11 @@ def columns(message: dict) -> tuple[list, list, dict]:
     else:
         steps, times, cols = message.get("steps", []), _values(message.get("times", [])), {}
         for key, (idx, values) in message.get("cols", {}).items():
-            cols[key] = (idx, _values(values))
+            if values is None or isinstance(values, (int, float)):  # one value for all
+                value = math.nan if values is None else float(values)
+                cols[key] = (idx, [value] * (len(steps) if idx is None else len(idx)))
+            else:
+                cols[key] = (idx, _values(values))
         return steps, times, cols
     for key, (idx, values) in cols.items():
         if None in values:
@@ -108,6 +114,25 @@ def batch_columns(stored) -> tuple[dict, tuple[list, list, dict]]:
     message's other fields (``dropped``, ``total``; empty for a bare list) and its columns."""
     message = stored if isinstance(stored, dict) else {"points": stored}
     return message, columns(message)
+
+
+def column(values) -> str | float | None:
+    """A column's values as the wire carries them: :func:`floats`, or a single float
+    (None for NaN) that stands for every point of the column.
+
+    ``values``: a float (every point's), or a float64 array, sent as one number when
+    all its values are the same to the bit (``samples`` of a fixed batch size, ``comm_s``
+    of a step without collectives): both sides then skip that column's encoding.
+    """
+    if not isinstance(values, float):
+        import numpy as np
+
+        values = np.asarray(values, dtype="<f8")
+        bits = values.view("<i8")
+        if len(bits) < 2 or (bits != bits[0]).any():
+            return base64.b64encode(values.tobytes()).decode("ascii")
+        values = float(values[0])
+    return None if math.isnan(values) else values
 
 
 def floats(values) -> str:

@@ -184,3 +184,47 @@ def test_a_follower_of_the_history_sees_every_point_of_the_columns(tmp_path):
         metrics_log.shutdown()
         collector.stop()
         store.close()
+
+
+def test_a_listener_that_raises_loses_no_point_and_is_counted(channel):
+    # A dashboard's or a user's listener with a bug must not stop the collector counting
+    # what arrived: the cell would then wait for points that came, and time out.
+    run, collector = channel
+
+    def broken(_run):
+        raise RuntimeError("a listener's bug")
+
+    run.subscribe(broken)
+    run.on_points(lambda rank, points: 1 / 0)
+    for step in range(300):
+        metrics_log.log(step=step, loss=float(step))
+    _settle(collector)
+    assert run.series("loss", 0) == (list(range(300)), [float(s) for s in range(300)])
+    assert run.listener_errors >= 2
+
+
+def test_a_value_every_point_shares_travels_once_and_reads_back_on_every_point():
+    # A flush's memory reading is on every point of the batch: the wire carries it once
+    # (a number, null for NaN), and the kernel reads it back on every point it stands for.
+    import numpy as np
+
+    from nbdist.metrics.wire import column, columns, floats
+
+    assert column(12.5) == 12.5 and column(float("nan")) is None
+    assert column(np.array([64.0, 64.0, 64.0])) == 64.0  # the same value on every point
+    assert isinstance(column(np.array([0.0, -0.0])), str)  # equal, not the same bits: kept
+    message = {
+        "k": "points",
+        "steps": [4, 5, 6],
+        "times": floats([1.0, 2.0, 3.0]),
+        "cols": {
+            "memory_mib": [None, column(12.5)],
+            "gpu_util": [[0, 2], column(float("nan"))],
+            "loss": [None, column([0.5, 0.25, 0.125])],
+        },
+    }
+    steps, times, cols = columns(message)
+    assert steps == [4, 5, 6] and times == [1.0, 2.0, 3.0]
+    assert cols["memory_mib"] == (None, [12.5, 12.5, 12.5])
+    assert cols["gpu_util"][0] == [0, 2] and all(math.isnan(v) for v in cols["gpu_util"][1])
+    assert cols["loss"] == (None, [0.5, 0.25, 0.125])
