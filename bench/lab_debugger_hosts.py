@@ -48,6 +48,7 @@ from _common import (  # noqa: E402
 )
 
 from nbdist.driver.lab_debugger import RANKS_THREAD  # noqa: E402
+from tests.conftest import terminate_in_order  # noqa: E402
 from tests.debugging.test_lab_debugger import (  # noqa: E402
     LabDebugClient,
     _debugger_on,
@@ -161,17 +162,6 @@ def _cluster(hosts: Hosts, profile: str) -> tuple[list[subprocess.Popen], str]:
     return procs, client_file
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in reversed(procs):  # engines before their controller; by PID only
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _quantiles(values: list[float]) -> dict:
     ordered = sorted(values)
     p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
@@ -227,7 +217,7 @@ def main() -> int:
     finally:
         for kernel in kernels:
             kernel.shutdown()
-        _stop(procs)
+        terminate_in_order(procs)  # engines before their controller; by PID only
         hosts.remove()
     leftovers = assert_no_children()
     summary = {"machine": info, "ranks": RANKS}
