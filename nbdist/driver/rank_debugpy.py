@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import json
 import socket
 import threading
+
+from nbdist.engine.dap_framing import Frames, frame
 
 __all__ = [
     "ATTACH",
@@ -136,27 +137,17 @@ class RankConnection(DapClient):
         self._reader.start()
 
     def _send(self, message: dict) -> None:
-        body = json.dumps(message).encode()
-        self._sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self._sock.sendall(frame(message))
 
     def _read(self) -> None:
-        stream = self._sock.makefile("rb")
+        frames = Frames()
         try:
             while True:
-                length = None
-                while True:
-                    line = stream.readline()
-                    if not line:
-                        return
-                    line = line.strip()
-                    if not line:
-                        break
-                    name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
-                        length = int(value)
-                if length is None:
-                    continue
-                self._received(json.loads(stream.read(length)))
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    return
+                for message in frames.feed(data):
+                    self._received(message)
         except (OSError, ValueError):
             return
         finally:

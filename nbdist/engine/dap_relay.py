@@ -37,13 +37,13 @@ someone else.
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
 import uuid
 
 from nbdist.engine import debugpy_server
+from nbdist.engine.dap_framing import Frames, frame
 
 __all__ = ["ABANDONED_S", "ACTIONS", "MAX_WAIT_S", "drop_if_abandoned", "handle", "is_open"]
 
@@ -62,35 +62,18 @@ class _Relay:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.token = uuid.uuid4().hex
-        self.buffer = bytearray()
+        self.frames = Frames()
+        self.received: list = []  # whole messages from debugpy, not yet polled
         self.closed = False
         self.last_seen = time.monotonic()
 
     def write(self, messages: list) -> None:
         for message in messages:
-            body = json.dumps(message).encode()
-            self.sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            self.sock.sendall(frame(message))
 
     def _messages(self) -> list:
-        # Whole Content-Length framed messages in the buffer; a partial one stays.
-        found = []
-        while True:
-            head_end = self.buffer.find(b"\r\n\r\n")
-            if head_end < 0:
-                return found
-            length = None
-            for line in bytes(self.buffer[:head_end]).split(b"\r\n"):
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            start = head_end + 4
-            if length is None:  # not a DAP header: skip it
-                del self.buffer[:start]
-                continue
-            if len(self.buffer) < start + length:
-                return found
-            found.append(json.loads(bytes(self.buffer[start : start + length])))
-            del self.buffer[: start + length]
+        found, self.received = self.received, []
+        return found
 
     def _read_available(self) -> None:
         self.sock.setblocking(False)
@@ -100,7 +83,7 @@ class _Relay:
                 if not data:
                     self.closed = True
                     return
-                self.buffer += data
+                self.received += self.frames.feed(data)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
