@@ -31,21 +31,71 @@ _PLAIN = frozenset((int, float, bool))
 
 class Points:
     """The points logged since the last flush, by field: ``log`` appends, the flush takes
-    the whole buffer (under the channel's lock) and leaves a new one in its place."""
+    the whole buffer (under the channel's lock) and leaves a new one in its place.
 
-    __slots__ = ("n", "steps", "times", "lasts", "comm", "data", "events", "cols")
+    What most steps have in common is not stored per point: a key every point so far
+    carried keeps its values alone (``cols``: point ``j``'s value at ``j``), and the
+    collective and data-timer seconds, and a step's resume time, only where they are not
+    the usual (0, 0, the point's own time).
+    """
+
+    __slots__ = (
+        "n",
+        "steps",
+        "times",
+        "first_last",
+        "prev_step",
+        "resumes",
+        "comm",
+        "data",
+        "events",
+        "cols",
+        "sparse",
+    )
 
     def __init__(self) -> None:
         """An empty buffer."""
         self.n = 0
-        self.steps: list[int] = []
+        self.steps: list[int | None] = []  # as logged; None: one more than the point before
         self.times: list[float] = []  # each call's time (Unix seconds)
-        self.lasts: list[float | None] = []  # when the step before it resumed (None: first)
-        self.comm: list[float] = []  # seconds in collectives since the previous call
-        self.data: list[float] = []  # seconds in data_timer blocks since the previous call
+        # When the step before this batch's first point resumed (None: the rank's first
+        # point), and that point's step: set by the flush that left this buffer in place.
+        self.first_last: float | None = None
+        self.prev_step = -1
+        # point -> when the next step resumed, where that is not the point's own time (a
+        # peak measured inside the call; points dropped after it)
+        self.resumes: dict[int, float] = {}
+        self.comm: dict[int, float] = {}  # point -> seconds in collectives, where not 0
+        self.data: dict[int, float] = {}  # point -> seconds in data_timer blocks, where not 0
         self.events: dict[int, list] = {}  # point -> its CUDA collectives' event pairs
+        self.cols: dict[str, list] = {}  # key -> values of points 0, 1, ... (no gap yet)
         # key -> (indices of the points that carry it, their values as logged)
-        self.cols: dict[str, tuple[list[int], list]] = {}
+        self.sparse: dict[str, tuple[list[int], list]] = {}
+
+    def add_sparse(self, key: str, i: int, value) -> None:
+        """Point ``i``'s ``value`` of a key some point before it went without (or one that
+        first appears after the batch's first point)."""
+        dense = self.cols.pop(key, None)
+        column = self.sparse.get(key)
+        if column is None:
+            column = self.sparse[key] = (list(range(len(dense))), dense) if dense else ([], [])
+        column[0].append(i)
+        column[1].append(value)
+
+    def follow(self, before: Points) -> None:
+        """Continue from ``before``, the batch logged just before this one: the step and the
+        resume time its last point leaves for this batch's first (flush thread)."""
+        n = before.n
+        if not n:
+            self.first_last, self.prev_step = before.first_last, before.prev_step
+            return
+        self.first_last = before.resumes.get(n - 1, before.times[n - 1])
+        steps = before.steps
+        for j in range(n - 1, -1, -1):  # the last step given, counted on from there
+            if steps[j] is not None:
+                self.prev_step = steps[j] + (n - 1 - j)
+                return
+        self.prev_step = before.prev_step + n
 
 
 def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
@@ -59,7 +109,11 @@ def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
     import numpy as np
 
     n = points.n
-    raw = points.cols
+    raw: dict[str, tuple] = {
+        key: (None if len(values) == n else list(range(len(values))), values)
+        for key, values in points.cols.items()
+    }
+    raw.update(points.sparse)
     _numbers(raw)
     peak = raw.pop(PEAK, None)
 
@@ -70,18 +124,27 @@ def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
             full[key] = _spread(np, n, idx, values)
         out[key] = (idx, values)
 
-    lasts = points.lasts
-    if any(last is not None for last in lasts):
-        when = np.array(points.times, dtype=np.float64)
-        last = np.array([math.nan if t is None else t for t in lasts], dtype=np.float64)
+    when = np.array(points.times, dtype=np.float64)
+    if n > 1 or points.first_last is not None:
+        last = np.empty(n, dtype=np.float64)
+        last[0] = math.nan if points.first_last is None else points.first_last
+        last[1:] = when[:-1]
+        for i, resume in points.resumes.items():
+            if i + 1 < n:
+                last[i + 1] = resume
         dt = when - last
         has = ~np.isnan(last)
-        comm = np.array(points.comm, dtype=np.float64)
+        comm = np.zeros(n, dtype=np.float64)
+        for i, seconds in points.comm.items():
+            comm[i] = seconds
         for i, events in points.events.items():  # CUDA collectives' events to read
-            comm[i] = _comm(points.comm[i], events)
-        data = np.array(points.data, dtype=np.float64)
+            comm[i] = _comm(points.comm.get(i, 0.0), events)
+        data = np.zeros(n, dtype=np.float64)
+        for i, seconds in points.data.items():
+            data[i] = seconds
         if "data_time" in full:  # the user's own figure wins where logged (NaN: none)
             logged = raw["data_time"][0]
+            logged = slice(None) if logged is None else logged
             data[logged] = np.nan_to_num(full["data_time"][logged], nan=0.0)
         comm = np.minimum(np.maximum(comm, 0.0), dt)
         data = np.minimum(np.maximum(data, 0.0), dt - comm)
@@ -110,12 +173,26 @@ def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
                     out["mfu"] = _select(np, ok, tflops / peaks)
     columns = {}
     for key, (idx, values) in out.items():
-        if idx:  # a key no point carries is not sent (as with a value that is no number)
+        if idx is None:
+            columns[key] = (None, np.asarray(values, dtype=np.float64))
+        elif len(idx):  # a key no point carries is not sent (as a value that is no number)
             columns[key] = (None if len(idx) == n else idx, np.asarray(values, dtype=np.float64))
     if n:  # one number for the whole column: the wire carries it once (wire.column)
         for key, value in reading.items():
             columns[key] = (None, float(value))
-    return points.steps, np.array(points.times, dtype=np.float64), columns
+    return _steps(points), when, columns
+
+
+def _steps(points: Points) -> list[int]:
+    """Each point's step: a step not given is one more than the point's before."""
+    steps = points.steps
+    if None not in steps:
+        return steps
+    out, step = [], points.prev_step
+    for given in steps:
+        step = step + 1 if given is None else given
+        out.append(step)
+    return out
 
 
 def _numbers(raw: dict) -> None:
@@ -152,7 +229,8 @@ def _numbers(raw: dict) -> None:
     if bad:
         for key, (idx, values) in list(raw.items()):
             keep = [j for j, v in enumerate(values) if v is not None]
-            raw[key] = ([idx[j] for j in keep], [values[j] for j in keep])
+            if len(keep) < len(values):
+                raw[key] = ([j if idx is None else idx[j] for j in keep], [values[j] for j in keep])
 
 
 def _comm(comm: float, events: list) -> float:
@@ -163,14 +241,19 @@ def _comm(comm: float, events: list) -> float:
         return math.nan
 
 
-def _spread(np, n: int, idx: list[int], values: list):
-    """A column as a length-``n`` array, NaN where a point does not carry it."""
+def _spread(np, n: int, idx: list[int] | None, values: list):
+    """A column as a length-``n`` array, NaN where a point does not carry it (``idx``
+    None: every point does)."""
+    if idx is None:
+        return np.array([math.nan if v is None else v for v in values], dtype=np.float64)
     full = np.full(n, math.nan)
     full[idx] = np.array([math.nan if v is None else v for v in values], dtype=np.float64)
     return full
 
 
-def _select(np, mask, values) -> tuple[list[int], object]:
+def _select(np, mask, values) -> tuple[list[int] | None, object]:
+    if mask.all():  # every point (None: no index list to build, send or store)
+        return None, values
     idx = np.flatnonzero(mask)
     return idx.tolist(), values[idx]
 

@@ -119,7 +119,11 @@ class Collector:
         if kind == "points":
             # Signed by our own ranks, so trusted to be columns of numbers (wire.columns);
             # only JSON's null (a NaN on the rank) needs turning back into NaN.
-            steps, times, cols = columns(message)
+            try:
+                steps, times, cols = columns(message)
+            except (KeyError, TypeError, ValueError):  # a shape this kernel cannot read
+                self.rejected += 1
+                return False
             dropped = message.get("dropped")
             if isinstance(dropped, int) and dropped:
                 self.run.set_dropped(rank, dropped)

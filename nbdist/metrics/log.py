@@ -66,6 +66,7 @@ from nbdist.metrics import flops, steptime
 from nbdist.metrics.batch import PEAK as _PEAK
 from nbdist.metrics.batch import Points, to_columns
 from nbdist.metrics.steptime import data_timer
+from nbdist.metrics.steptime import timers as _timers
 
 __all__ = ["configure", "data_timer", "dropped", "end_of_cell", "flush", "log", "shutdown"]
 
@@ -110,13 +111,10 @@ class _Channel:
         self.max_pending = _buffer_size()
         self.memory = os.environ.get("NBDIST_LOG_MEMORY", "1") != "0"
         self.total = 0
-        self.step = -1
-        self.last_call: float | None = None
-        # When log() next looks for the CUDA device (Unix seconds), until it has found one:
-        # at most every _PROBE_EVERY_S, so the call itself stays a few reads and appends.
-        self.probe_due = 0.0
         # The CUDA device this rank logs from, learnt on the logging thread (CUDA's current
         # device is per thread, and the flush thread's is not the rank's); None until then.
+        # Looked for by the first point of each batch (at most twice a second while points
+        # come, so the call itself stays a few reads and appends) and before a peak lookup.
         self.cuda_index: int | None = None
         self.dropped = (
             0  # points lost on this rank: a full buffer, an error; sent with each message
@@ -149,20 +147,24 @@ class _Channel:
         import zmq
 
         from nbdist.metrics import gpu
-        from nbdist.metrics.wire import column, encode, floats
+        from nbdist.metrics.wire import encode, points_message
 
         with self.send_lock:
+            fresh = Points()
             with self.lock:  # only to take the batch: log() never waits for what follows
-                batch, self.pending = self.pending, Points()
+                batch, self.pending = self.pending, fresh
+            fresh.follow(batch)  # read at fresh's own flush, after this one (send_lock)
             self.max_pending = _buffer_size()
             n, steps, times, columns = 0, [], (), {}
             if batch.n:
                 try:
                     reading = steptime.memory(self.cuda_index) if self.memory else {}
+                    _yield_gil()
                     # Reads tensors (may wait for the device) and fills in what log() left
                     # for later: step time, its breakdown, throughput, memory.
                     steps, times, columns = to_columns(batch, reading)
                     n = batch.n
+                    _yield_gil()
                 except Exception:
                     with self.lock:
                         self.dropped += batch.n
@@ -179,15 +181,8 @@ class _Channel:
                 # "total" counts every point this rank has sent, so the kernel can tell
                 # when it has all of them; counted only once the batch is encoded.
                 total = self.total + n
-                message = {
-                    "k": "points",
-                    "rank": self.rank,
-                    "steps": steps,
-                    "times": floats(times),
-                    "cols": {key: (idx, column(values)) for key, (idx, values) in columns.items()},
-                    "total": total,
-                    "dropped": dropped,
-                }
+                message = points_message(self.rank, steps, times, columns, total, dropped)
+                _yield_gil()
                 self._queue(encode(self.key, message), n)
                 self.total, self.dropped_sent = total, dropped
             if marker is not None:
@@ -218,6 +213,16 @@ class _Channel:
 
 
 _channel: _Channel | None = None
+
+
+def _yield_gil() -> None:
+    # The flush thread's work is Python holding the GIL; a training thread coming back from
+    # a torch op (which ran without it) waits for it, on its own core, until the holder lets
+    # go or CPython's switch interval (5 ms) forces it. Letting go between the stages of a
+    # flush bounds that wait by a stage instead of the whole flush: at 50 flushes a second
+    # of one rank the wall time a flush took from training fell from 0.45 to 0.14 ms
+    # (bench/RESULTS.md).
+    time.sleep(0)
 
 
 def configure(url: str, key: bytes, rank: int) -> None:
@@ -275,51 +280,59 @@ def log(step: int | None = None, **scalars) -> None:
     # collector tracks (a tuple and a dict per point were: the collections they caused ran
     # on this thread, bench/RESULTS.md).
     try:
-        now = resume = time.time()
-        comm, data, events = steptime.take()
-        if channel.cuda_index is None and (
-            now >= channel.probe_due or now < channel.probe_due - _PROBE_EVERY_S
-        ):  # (the second test: the clock went back)
-            channel.probe_due = now + _PROBE_EVERY_S
-            channel.cuda_index = _cuda_device()  # on this thread: CUDA's device is per thread
+        now = time.time()
+        if _timers.dirty:  # a collective or a data timer since the last call
+            comm, data, events = steptime.take()
+        else:
+            comm = data = events = None
+        resume = now
         if "flops" in scalars or "peak_tflops" in scalars:
             resume = _flops_peak(channel, scalars, resume)
         if step is not None:
             step = int(step)
-        with channel.lock:
+        lock = channel.lock
+        lock.acquire()  # (acquire/release: ~0.2 us less than ``with`` after a training step)
+        try:
             points = channel.pending
             i = points.n
-            last, channel.last_call = channel.last_call, resume
             if i >= channel.max_pending:
                 channel.dropped += 1
+                if i:  # the next kept point's step time counts from this call
+                    points.resumes[i - 1] = resume
                 return
-            channel.step = step = channel.step + 1 if step is None else step
             cols = points.cols
             for key, value in scalars.items():
                 if value.__class__ not in _PLAIN:
                     value = _hold(value)
-                column = cols.get(key)
-                if column is None:
-                    column = cols[key] = ([], [])
-                column[0].append(i)
-                column[1].append(value)
+                values = cols.get(key)
+                if values is not None and len(values) == i:  # a key on every point so far
+                    values.append(value)
+                elif i == 0:
+                    cols[key] = [value]
+                else:
+                    points.add_sparse(key, i, value)
             points.steps.append(step)
             points.times.append(now)
-            points.lasts.append(last)
-            points.comm.append(comm)
-            points.data.append(data)
+            if resume is not now:
+                points.resumes[i] = resume
+            if comm:
+                points.comm[i] = comm
+            if data:
+                points.data[i] = data
             if events:
                 points.events[i] = events
             points.n = i + 1
             if i == 0:
                 channel.wake.set()  # the flush thread sleeps until there is something to send
+                if channel.cuda_index is None:  # on this thread: CUDA's device is per thread
+                    channel.cuda_index = _cuda_device()
+        finally:
+            lock.release()
     except Exception:
         channel.dropped += 1
 
 
 _PLAIN = frozenset((int, float, bool))
-# log() looks for the rank's CUDA device at most this often (seconds) until it finds one.
-_PROBE_EVERY_S = 1.0
 
 
 def _hold(value):
@@ -350,6 +363,8 @@ def _flops_peak(channel: _Channel, scalars: dict, resume: float) -> float:
     peak = scalars.pop("peak_tflops", None)
     if "flops" not in scalars:
         return resume
+    if channel.cuda_index is None:  # the peak is the device's: know the device first
+        channel.cuda_index = _cuda_device()
     if peak is None:
         peak = flops.known_peak(channel.cuda_index)
     if peak is None:  # once per device: the table, or a measurement (<= ~1 s)

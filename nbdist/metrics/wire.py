@@ -8,21 +8,26 @@ payload is JSON, never pickle, so nothing that arrives is executed.
 
 Payload kinds::
 
-    {"k": "points", "rank": 0, "steps": [0, 1, 2], "times": "<float64s>",
-     "cols": {"loss": [null, "<float64s>"], "step_time": [[1, 2], "<float64s>"]},
+    {"k": "points", "rank": 0, "step0": 0, "n": 3, "times": "<float64s>",
+     "cols": {"loss": [null, "<float64s>"], "step_time": [[1, 2], "<float64s>"],
+              "compute_s": [null, {"same": "step_time"}], "memory_mib": [null, 812.5]},
      "total": 3000, "dropped": 0}
     {"k": "cell", "rank": 0, "cell": 1, "total": 3000}   # end of a standalone script's run
 
-A points message is a batch as columns: each key once, with the indices (into
-``steps``) of the points that carry it, or null when every point does, and its
-values as base64 of little-endian float64s (:func:`floats`; NaN travels as NaN), or,
-for a value every point of the column shares (the memory reading of a flush), that
-one number (null for NaN): :func:`column`.
-Per-point dictionaries, and each float written out in decimal, were most of
-what a point cost the rank's flush thread and the kernel (bench/RESULTS.md). A
-column's values may also be a JSON list (null for NaN), as may the older
-per-point form, ``"points": [[step, time, {"loss": 0.5, ...}], ...]``: both are
-still read (:func:`columns`), so histories written before keep loading.
+A points message is a batch as columns: its steps as the first and the count when
+they follow one another (``step0``, ``n``; else a list, ``steps``), and each key
+once, with the indices (into the steps) of the points that carry it, or null when
+every point does, and its values as base64 of little-endian float64s
+(:func:`floats`; NaN travels as NaN); for a value every point of the column shares
+(the memory reading of a flush), that one number (null for NaN); for values the
+same to the bit as an earlier column's (``compute_s`` of a step without
+collectives is its ``step_time``), that column's name (:func:`points_message`).
+Per-point dictionaries, each float written out in decimal, and each step and index
+as a JSON number, were most of what a point cost the rank's flush thread and the
+kernel (bench/RESULTS.md). A column's values may also be a JSON list (null for
+NaN), as may the older per-point form, ``"points": [[step, time, {"loss": 0.5,
+...}], ...]``: all are still read (:func:`columns`), so histories written before
+keep loading.
 
 ``total`` is the rank's running count of points sent, this message's included.
 """
@@ -35,7 +40,17 @@ import hmac
 import json
 import math
 
-__all__ = ["batch_columns", "column", "columns", "concat", "decode", "encode", "floats", "points"]
+__all__ = [
+    "batch_columns",
+    "column",
+    "columns",
+    "concat",
+    "decode",
+    "encode",
+    "floats",
+    "points",
+    "points_message",
+]
 
 
 def encode(key: bytes, message: dict) -> list[bytes]:
@@ -77,11 +92,18 @@ def columns(message: dict) -> tuple[list, list, dict]:
                 column[0].append(i)
                 column[1].append(value)
     else:
-        steps, times, cols = message.get("steps", []), _values(message.get("times", [])), {}
+        if "step0" in message:  # steps that follow one another
+            step0 = message["step0"]
+            steps = list(range(step0, step0 + message.get("n", 0)))
+        else:
+            steps = message.get("steps", [])
+        times, cols = _values(message.get("times", [])), {}
         for key, (idx, values) in message.get("cols", {}).items():
             if values is None or isinstance(values, (int, float)):  # one value for all
                 value = math.nan if values is None else float(values)
                 cols[key] = (idx, [value] * (len(steps) if idx is None else len(idx)))
+            elif isinstance(values, dict):  # the same values as an earlier column
+                cols[key] = (idx, cols[values["same"]][1])
             else:
                 cols[key] = (idx, _values(values))
         return steps, times, cols
@@ -114,6 +136,31 @@ def batch_columns(stored) -> tuple[dict, tuple[list, list, dict]]:
     message's other fields (``dropped``, ``total``; empty for a bare list) and its columns."""
     message = stored if isinstance(stored, dict) else {"points": stored}
     return message, columns(message)
+
+
+def points_message(
+    rank: int, steps: list[int], times, columns: dict, total: int, dropped: int
+) -> dict:
+    """The points message of one batch (rank side): ``columns`` as :func:`to_columns
+    <nbdist.metrics.batch.to_columns>` gives them, each encoded once (:func:`column`), a
+    column the same to the bit as an earlier one named instead of repeated."""
+    n = len(steps)
+    message: dict = {"k": "points", "rank": rank}
+    if n and steps[-1] - steps[0] == n - 1 and steps == list(range(steps[0], steps[0] + n)):
+        message["step0"], message["n"] = steps[0], n
+    else:
+        message["steps"] = steps
+    message["times"] = floats(times)
+    cols, seen = {}, {}
+    for key, (idx, values) in columns.items():
+        encoded = column(values)
+        if isinstance(encoded, str):
+            first = seen.setdefault(encoded, key)
+            if first != key and cols[first][0] == idx:  # the same points, the same values
+                encoded = {"same": first}
+        cols[key] = (idx, encoded)
+    message.update(cols=cols, total=total, dropped=dropped)
+    return message
 
 
 def column(values) -> str | float | None:

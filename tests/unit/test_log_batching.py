@@ -228,3 +228,62 @@ def test_a_value_every_point_shares_travels_once_and_reads_back_on_every_point()
     assert cols["memory_mib"] == (None, [12.5, 12.5, 12.5])
     assert cols["gpu_util"][0] == [0, 2] and all(math.isnan(v) for v in cols["gpu_util"][1])
     assert cols["loss"] == (None, [0.5, 0.25, 0.125])
+
+
+def test_steps_left_out_count_on_across_flushes_and_a_key_may_skip_points(channel):
+    # A step not given is one more than the point before it, also when that point went in
+    # an earlier batch; a key missing from some points keeps its values at its own steps.
+    run, collector = channel
+    steps, aux_steps, step = [], [], -1
+    for j in range(60):
+        if j % 10 == 0:
+            metrics_log.flush()  # a batch boundary every ten points
+        given = {5: 100, 25: 50}.get(j)
+        step = given if given is not None else step + 1
+        steps.append(step)
+        values = {"loss": float(j)}
+        if j % 4 != 1 and not 30 <= j < 40:  # gone on some points, a whole batch, back
+            values["aux"] = j * 0.5
+            aux_steps.append(step)
+        metrics_log.log(step=given, **values)
+    _settle(collector)
+    assert run.series("loss", 0) == (steps, [float(j) for j in range(60)])
+    assert run.series("aux", 0)[0] == aux_steps
+    assert run.series("aux", 0)[1] == [steps.index(s) * 0.5 for s in aux_steps]
+    # Every point after the first has its step time, the first of each batch included.
+    assert run.series("step_time", 0)[0] == steps[1:]
+
+
+def test_a_batch_sends_its_steps_as_a_range_and_a_repeated_column_once():
+    # Steps that follow one another travel as the first and the count; compute_s of a step
+    # without collectives or data timers is its step_time to the bit, sent once.
+    import zmq
+
+    from nbdist.metrics import wire
+
+    key = os.urandom(16)
+    context = zmq.Context()
+    pull = context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    metrics_log.configure(f"tcp://127.0.0.1:{port}", key, 0)
+    try:
+        for step in range(200):
+            metrics_log.log(step=step, loss=step * 0.5)
+        total = metrics_log.end_of_cell()
+        messages, received = [], 0
+        while received < total:
+            assert pull.poll(10_000), "the rank's points did not arrive"
+            message = wire.decode(key, pull.recv_multipart())
+            messages.append(message)
+            received = message["total"]
+    finally:
+        metrics_log.shutdown()
+        pull.close(linger=0)
+        context.term()
+    batch = max(messages, key=lambda m: m.get("n", 0))
+    assert "steps" not in batch and batch["n"] > 1
+    assert batch["cols"]["compute_s"][1] == {"same": "step_time"}
+    steps, _, cols = wire.columns(batch)
+    assert steps == list(range(batch["step0"], batch["step0"] + batch["n"]))
+    assert cols["compute_s"][1] == cols["step_time"][1] and len(cols["step_time"][1]) > 1
+    assert [s for m in messages for s in wire.columns(m)[0]] == list(range(200))
