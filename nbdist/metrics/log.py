@@ -219,9 +219,9 @@ def _yield_gil() -> None:
     # The flush thread's work is Python holding the GIL; a training thread coming back from
     # a torch op (which ran without it) waits for it, on its own core, until the holder lets
     # go or CPython's switch interval (5 ms) forces it. Letting go between the stages of a
-    # flush bounds that wait by a stage instead of the whole flush: at 50 flushes a second
-    # of one rank the wall time a flush took from training fell from 0.45 to 0.14 ms
-    # (bench/RESULTS.md).
+    # flush bounds that wait by a stage instead of the whole flush: with a core to spare,
+    # the wall time a flush took from training fell from 0.44-0.54 to 0.16-0.28 ms
+    # (bench/log_call.py --flushes, bench/RESULTS.md).
     time.sleep(0)
 
 
@@ -291,7 +291,7 @@ def log(step: int | None = None, **scalars) -> None:
         if step is not None:
             step = int(step)
         lock = channel.lock
-        lock.acquire()  # (acquire/release: ~0.2 us less than ``with`` after a training step)
+        lock.acquire()  # (not ``with``: two special-method lookups fewer on the hot path)
         try:
             points = channel.pending
             i = points.n
