@@ -166,3 +166,36 @@ def test_to_pandas_has_dates_and_whole_counts(tmp_path):
         assert str(frame["samples"].dtype) == "Int64"
         assert frame["samples"].tolist()[:2] == [64, 64] and frame["samples"].isna().sum() == 1
         assert frame["loss"].dtype == float
+
+
+def test_a_signed_message_the_kernel_cannot_read_is_counted_and_the_next_one_arrives():
+    """A message in a shape this kernel cannot read (a rank of another version, say) is
+    rejected and counted; the collector goes on taking the ones after it."""
+    import zmq
+
+    from nbdist.metrics.collector import Collector
+
+    key = b"k" * 32
+    run = Run(1, world_size=1)
+    collector = Collector(key, run, None)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(collector.url)
+    unreadable = {
+        "k": "points",
+        "rank": 0,
+        "step0": 0,
+        "n": 2,
+        "times": wire.floats([1.0, 2.0]),
+        "cols": {"loss": [None, {"same": "no such column"}]},
+        "total": 2,
+    }
+    try:
+        push.send_multipart(wire.encode(key, unreadable))
+        push.send_multipart(wire.encode(key, _points(0, 2)))
+        assert collector.wait_for_points({0: 2}, timeout=10), "the readable message was lost"
+        assert collector.rejected == 1
+        assert run.series("loss", 0) == ([2], [1.0])  # only the readable message's point
+    finally:
+        push.close()
+        collector.stop()
