@@ -143,7 +143,9 @@ def data_timer():
 def take() -> tuple[float, float, list]:
     """(comm seconds, data-timer seconds, CUDA event pairs) since the previous call; resets them."""
     t = timers
-    t.dirty = False  # first: an add from another thread after this is kept for next time
+    # Cleared first, so an add from another thread after the reset below sets it again; one
+    # landing between the two is lost (as before: at worst one collective goes uncounted).
+    t.dirty = False
     comm, data, events = t.comm, t.data, t.events
     t.comm, t.data, t.events = 0.0, 0.0, []
     return comm, data, events
