@@ -125,8 +125,13 @@ class LabDebugRouter:
         self._exceptions: dict | None = None  # setExceptionBreakpoints arguments
         self._stopped: dict[int, int] = {}  # rank -> its stopped thread
         self._ids: dict[int, tuple[int, int]] = {}  # id given to JupyterLab -> (rank, rank's id)
+        self._given: dict[tuple[int, int], int] = {}  # the reverse: the same object, the same id
         self._next_id = FIRST_ID
+        # The rank whose frame JupyterLab has selected (None: the summary frame, every
+        # stopped rank), and that frame's id: JupyterLab keeps a selected frame across a
+        # Callstack refresh when its id is still listed, else selects the first frame.
         self._selected: int | None = None
+        self._selected_frame: int | None = None
         self._told: set[tuple[int, int | None]] = set()  # (rank, pid) told not attached
         self.active = False
 
@@ -189,9 +194,12 @@ class LabDebugRouter:
         if not rank_id:
             return 0  # 0: no children, in every DAP message
         with self._lock:
-            given = self._next_id
-            self._next_id += 1
-            self._ids[given] = (rank, rank_id)
+            given = self._given.get((rank, rank_id))
+            if given is None:
+                given = self._next_id
+                self._next_id += 1
+                self._ids[given] = (rank, rank_id)
+                self._given[(rank, rank_id)] = given
         return given
 
     async def _ask(self, rank: int, command: str, arguments: dict | None = None) -> dict:
@@ -225,10 +233,12 @@ class LabDebugRouter:
         await self._resume(targets, command)
         if command != "continue":
             return _response(request)
+        # JupyterLab cleared its Callstack when it sent "continue": whatever it lists next,
+        # it selects the first frame, the summary.
+        self._selected = self._selected_frame = None
         left = sorted(set(self._stopped) - set(targets))
         if left:
-            # JupyterLab cleared its Callstack when it sent "continue": show it the
-            # ranks still stopped.
+            # Show JupyterLab the ranks still stopped.
             self._event(
                 "stopped",
                 {
@@ -267,7 +277,11 @@ class LabDebugRouter:
             names = {self._ids[f["id"]][0] for f in frames}
             summary["name"] = f"{SUMMARY_PREFIX} ({format_ranks(names)}) · {_function(top)}"
             frames.insert(0, summary)
-        self._selected = None
+        # Each rank's stop makes JupyterLab list the frames again; a refresh that comes
+        # after the user selected a rank's frame keeps that frame selected (its id is
+        # stable), so the selection stands. Else JupyterLab selects the summary frame.
+        if self._selected_frame not in {f["id"] for f in frames}:
+            self._selected = self._selected_frame = None
         return {"stackFrames": frames, "totalFrames": len(frames)}
 
     async def _resume(self, threads: dict[int, int], command: str) -> None:
@@ -320,6 +334,7 @@ class LabDebugRouter:
             return _response(request, success=False, message="that frame or variable is gone")
         if key == "frameId":
             self._selected = None if rank == ALL_RANKS else rank
+            self._selected_frame = args[key]
         if rank == ALL_RANKS:
             return await self._on_summary_frame(request)
         args[key] = rank_id
@@ -476,6 +491,8 @@ class LabDebugRouter:
             connections, self._ranks = list(self._ranks.values()), {}
             self._stopped.clear()
             self._ids.clear()
+            self._given.clear()
+            self._selected = self._selected_frame = None
             self._breakpoints.clear()
             self._exceptions = None
             self.active = False

@@ -73,6 +73,9 @@ def test_continue_one_rank_while_the_other_stays_paused(lab):
     # stopped thread): rank 1 runs on into the all_reduce, rank 0 stays paused.
     tops = _stack(dbg)
     dbg.request("scopes", frameId=tops[1]["id"])
+    # JupyterLab lists the frames again on each rank's stop event, and one may come after
+    # the click: the same frames keep their ids, so rank 1's frame stays the one selected.
+    assert _stack(dbg) == tops
     dbg.events.clear()
     assert dbg.request("continue", threadId=1)["success"]
     again = dbg.wait_event("stopped", threadId=RANKS_THREAD, timeout=60)[0]["body"]
