@@ -334,9 +334,13 @@ class TorchrunJob:
         cmd += [os.path.join(workdir, "commands.fifo"), json.dumps(config)]
         with open(self.stderr_path, "w") as err:  # own session, as nbdist's engines: see README
             self.proc = subprocess.Popen(
-                cmd, env=sockets | dict(os.environ, **env), stdout=subprocess.PIPE,
-                stderr=err, text=True, start_new_session=True,
-            )  # fmt: skip
+                cmd,
+                env=sockets | dict(os.environ, **env),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                start_new_session=True,
+            )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -140,11 +140,18 @@ def _cluster(hosts: Hosts, profile: str) -> tuple[list[subprocess.Popen], str]:
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "env": env}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "ipyparallel.controller", f"--ip={hosts.bridge_address}",
-             "--HeartMonitor.period=100", "--IPController.enable_curve=True", *common],
+            [
+                sys.executable,
+                "-m",
+                "ipyparallel.controller",
+                f"--ip={hosts.bridge_address}",
+                "--HeartMonitor.period=100",
+                "--IPController.enable_curve=True",
+                *common,
+            ],
             **quiet,
         )
-    ]  # fmt: skip
+    ]
     client_file = os.path.join(profile, "security", "ipcontroller-bench-client.json")
     deadline = time.monotonic() + 60
     while not os.path.exists(client_file):

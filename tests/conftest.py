@@ -92,11 +92,18 @@ def external_cluster(tmp_path):
     common = [f"--profile-dir={profile}", "--cluster-id=ext"]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "ipyparallel.controller", "--ip=127.0.0.1",
-             "--HeartMonitor.period=100", *common],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "ipyparallel.controller",
+                "--ip=127.0.0.1",
+                "--HeartMonitor.period=100",
+                *common,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
-    ]  # fmt: skip
+    ]
     client_file = profile / "security" / "ipcontroller-ext-client.json"
     deadline = time.monotonic() + 60
     while not client_file.exists() and time.monotonic() < deadline:
@@ -105,9 +112,10 @@ def external_cluster(tmp_path):
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "ipyparallel.engine", *common],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
-        )  # fmt: skip
+        )
     try:
         import ipyparallel as ipp
 

@@ -194,8 +194,11 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
     folder = named_session_records.session_dir("api")
     record = named_session_records.read("api")
     assert os.stat(folder).st_mode & 0o777 == 0o700
-    for path in (os.path.join(folder, "session.json"), os.path.join(folder, "group.json"),
-                 record["connection_file"]):  # fmt: skip
+    for path in (
+        os.path.join(folder, "session.json"),
+        os.path.join(folder, "group.json"),
+        record["connection_file"],
+    ):
         assert os.stat(path).st_mode & 0o777 == 0o600, path
     with pytest.raises(NbdistError, match="'api' is running already"):
         NamedSession(2, cpu=True, name="api").start()
@@ -241,11 +244,23 @@ def server(history_env, tmp_path):
         port = s.getsockname()[1]
     token = secrets.token_hex(16)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_server", "--ip=127.0.0.1", f"--port={port}",
-         "--port-retries=0", "--no-browser", "--allow-root", f"--IdentityProvider.token={token}",
-         "--ServerApp.jpserver_extensions={'nbdist.server': True}", f"--ServerApp.root_dir={tmp_path}"],
-        env=history_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--port-retries=0",
+            "--no-browser",
+            "--allow-root",
+            f"--IdentityProvider.token={token}",
+            "--ServerApp.jpserver_extensions={'nbdist.server': True}",
+            f"--ServerApp.root_dir={tmp_path}",
+        ],
+        env=history_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT
@@ -333,10 +348,11 @@ def test_sidebar_lists_attaches_and_stops_a_named_session(
     tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='nbdist-sidebar']")
     tab.wait_for(timeout=30_000)
     assert poll(
-        lambda: any(k["execution_state"] == "idle" and k["connections"] >= 1
-                    for k in server.kernels()),
+        lambda: any(
+            k["execution_state"] == "idle" and k["connections"] >= 1 for k in server.kernels()
+        ),
         timeout=60,
-    ), server.kernels()  # fmt: skip
+    ), server.kernels()
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=30_000)
     tab.click()
     page.locator("#nbdist-sidebar").wait_for(state="visible")

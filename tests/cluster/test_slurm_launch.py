@@ -32,9 +32,14 @@ LONG_S = 600
 
 def _session(**options) -> nbdist.DistSession:
     return nbdist.DistSession(
-        2, cpu=True, timeout=180, group_timeout=60, history=False, launcher="slurm",
+        2,
+        cpu=True,
+        timeout=180,
+        group_timeout=60,
+        history=False,
+        launcher="slurm",
         launch_options=options or None,
-    )  # fmt: skip
+    )
 
 
 def _job_id(session) -> str:
@@ -164,9 +169,20 @@ def test_a_pending_job_says_why_and_ctrl_c_cancels_it(slurm):
         ["sinfo", "-h", "-o", "%C"], capture_output=True, text=True, check=True
     ).stdout.split("/")[-1]  # allocated/idle/other/total
     blocker = subprocess.run(
-        ["sbatch", "--parsable", "-n", cpus.strip(), "-o", "/dev/null", "--wrap", f"sleep {LONG_S}"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            "-n",
+            cpus.strip(),
+            "-o",
+            "/dev/null",
+            "--wrap",
+            f"sleep {LONG_S}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     out = _Watched()
     try:
         while [j[2] for j in squeue() if j[0] == blocker] != ["RUNNING"]:

@@ -91,9 +91,13 @@ class Dap:
     def attach(self, breakpoints: dict[str, list[int]]) -> None:
         """The start-up sequence of a client attaching to a debugpy server."""
         self.request(
-            "initialize", clientID="nbdist-test", adapterID="debugpy", pathFormat="path",
-            linesStartAt1=True, columnsStartAt1=True,
-        )  # fmt: skip
+            "initialize",
+            clientID="nbdist-test",
+            adapterID="debugpy",
+            pathFormat="path",
+            linesStartAt1=True,
+            columnsStartAt1=True,
+        )
         attach = self.send("attach", justMyCode=False)
         self.event("initialized")
         for path, lines in breakpoints.items():
@@ -234,9 +238,17 @@ def test_bad_input_is_a_usage_error(shell, line, message):
 
 def test_attach_text_for_a_rank_on_another_host_names_the_tunnel_and_path_mappings():
     endpoint = {
-        "host": "127.0.0.1", "port": 5678, "rank": 3, "pid": 42, "hostname": "node7",
-        "cwd": "/home/me/job", "new": True, "owner": "nbdist", "note": "", "connected": False,
-    }  # fmt: skip
+        "host": "127.0.0.1",
+        "port": 5678,
+        "rank": 3,
+        "pid": 42,
+        "hostname": "node7",
+        "cwd": "/home/me/job",
+        "new": True,
+        "owner": "nbdist",
+        "note": "",
+        "connected": False,
+    }
     text = debugpy_server.attach_text(endpoint, here="laptop")
     assert "ssh -N -L 5678:127.0.0.1:5678 node7" in text, text
     assert '"remoteRoot": "/home/me/job"' in text and '"host": "127.0.0.1"' in text, text

@@ -90,11 +90,29 @@ def test_collective_records_inside_returned_and_raised():
 
 def test_status_says_how_a_dead_rank_died():
     rows = [
-        dict(rank=0, engine=0, host="h", pid=10, device="cpu", backend="gloo", state="idle",
-             memory_mib=200.0, died=None),
-        dict(rank=1, engine=1, host="h", pid=11, device="cpu", backend="gloo", state="dead",
-             memory_mib=None, died="pid 11 killed by SIGKILL (signal 9)"),
-    ]  # fmt: skip
+        dict(
+            rank=0,
+            engine=0,
+            host="h",
+            pid=10,
+            device="cpu",
+            backend="gloo",
+            state="idle",
+            memory_mib=200.0,
+            died=None,
+        ),
+        dict(
+            rank=1,
+            engine=1,
+            host="h",
+            pid=11,
+            device="cpu",
+            backend="gloo",
+            state="dead",
+            memory_mib=None,
+            died="pid 11 killed by SIGKILL (signal 9)",
+        ),
+    ]
     lines = format_status(rows).splitlines()
     assert lines[2].split()[-2:] == ["dead", "?"]
     assert lines[3:] == [
@@ -137,11 +155,29 @@ def test_status_html_colours_ranks_and_marks_the_dead():
     from nbdist.driver.status import StatusTable
 
     rows = [
-        dict(rank=0, engine=5, host="h", pid=10, device="cpu", backend="gloo", state="idle",
-             memory_mib=200.0, died=None),
-        dict(rank=1, engine=6, host="h", pid=11, device="cpu", backend="gloo", state="dead",
-             memory_mib=None, died="pid 11 killed by SIGKILL (signal 9)"),
-    ]  # fmt: skip
+        dict(
+            rank=0,
+            engine=5,
+            host="h",
+            pid=10,
+            device="cpu",
+            backend="gloo",
+            state="idle",
+            memory_mib=200.0,
+            died=None,
+        ),
+        dict(
+            rank=1,
+            engine=6,
+            host="h",
+            pid=11,
+            device="cpu",
+            backend="gloo",
+            state="dead",
+            memory_mib=None,
+            died="pid 11 killed by SIGKILL (signal 9)",
+        ),
+    ]
     table = StatusTable(rows)
     html = table._repr_html_()
     assert f"color:{rank_colour(0)}" in html and f"color:{rank_colour(1)}" in html

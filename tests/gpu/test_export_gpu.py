@@ -76,12 +76,24 @@ def test_exported_notebook_prints_the_same_under_torchrun(ranks, ipython, capsys
     dist_stop_cleanly(ipython)  # every rank gone: the GPU is the script's alone
 
     env = dict(os.environ, NBDIST_HISTORY=str(tmp_path / "history.sqlite"), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", str(ranks), str(script)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(ranks),
+        str(script),
+    ]
     proc = subprocess.Popen(
-        command, env=env, cwd=tmp_path, text=True, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        command,
+        env=env,
+        cwd=tmp_path,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         output, _ = proc.communicate(timeout=240)
     finally:

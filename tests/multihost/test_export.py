@@ -94,12 +94,24 @@ def test_exported_cells_train_the_same_model_under_torchrun(shell, tmp_path):
     history = tmp_path / "history.sqlite"
     env = dict(os.environ, EXPORT_OUT=str(out), NBDIST_HISTORY=str(history), OMP_NUM_THREADS="1")
     # --standalone: a one-node rendezvous on a free port (torchrun's own, not nbdist's)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node", "2", str(script)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(script),
+    ]
     proc = subprocess.Popen(
-        command, env=env, cwd=tmp_path, text=True, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        command,
+        env=env,
+        cwd=tmp_path,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         output, _ = proc.communicate(timeout=240)
     finally:
@@ -126,11 +138,13 @@ def test_an_exported_script_runs_as_one_plain_python_process(tmp_path):
     from nbdist.driver.export import export_script
 
     script = export_script(
-        ["t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)",
-         "for i in range(3):\n    nbdist.log(step=i, loss=float(t.item()) / (i + 1))",
-         "print('result', rank, world_size, device, t.item())"],
+        [
+            "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)",
+            "for i in range(3):\n    nbdist.log(step=i, loss=float(t.item()) / (i + 1))",
+            "print('result', rank, world_size, device, t.item())",
+        ],
         str(tmp_path / "one.py"),
-    )  # fmt: skip
+    )
     history = tmp_path / "history.sqlite"
     env = dict(os.environ, NBDIST_HISTORY=str(history))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "SLURM_PROCID"):

@@ -57,15 +57,32 @@ def test_exported_script_trains_over_two_hosts_with_torchrun(tmp_path):
     try:
         master = hosts.addresses[0]
         for node in range(2):
-            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                       "--nproc_per_node", "1", "--node_rank", str(node),
-                       "--master_addr", master, "--master_port", "29511", script]  # fmt: skip
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc_per_node",
+                "1",
+                "--node_rank",
+                str(node),
+                "--master_addr",
+                master,
+                "--master_port",
+                "29511",
+                script,
+            ]
             procs.append(
                 subprocess.Popen(
-                    hosts.command(node, command), env=env, text=True, start_new_session=True,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    hosts.command(node, command),
+                    env=env,
+                    text=True,
+                    start_new_session=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
                 )
-            )  # fmt: skip
+            )
         outputs = []
         for proc in procs:
             outputs.append(proc.communicate(timeout=240)[0])

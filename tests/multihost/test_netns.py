@@ -64,11 +64,20 @@ def two_hosts(tmp_path_factory):
     try:
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "ipyparallel.controller", f"--ip={hosts.bridge_address}",
-                 "--HeartMonitor.period=100", "--IPController.enable_curve=True", *common],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "ipyparallel.controller",
+                    f"--ip={hosts.bridge_address}",
+                    "--HeartMonitor.period=100",
+                    "--IPController.enable_curve=True",
+                    *common,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=env,
             )
-        )  # fmt: skip
+        )
         client_file = profile / "security" / f"ipcontroller-{CLUSTER_ID}-client.json"
         deadline = time.monotonic() + 60
         while not client_file.exists() and time.monotonic() < deadline:
@@ -78,11 +87,21 @@ def two_hosts(tmp_path_factory):
         for count, index in enumerate([0, 1, 0, 1], start=1):
             procs.append(
                 subprocess.Popen(
-                    hosts.command(index, [sys.executable, "-m", "ipyparallel.engine",
-                                          "--IPEngine.enable_nanny=False", *common]),
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                    hosts.command(
+                        index,
+                        [
+                            sys.executable,
+                            "-m",
+                            "ipyparallel.engine",
+                            "--IPEngine.enable_nanny=False",
+                            *common,
+                        ],
+                    ),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=env,
                 )
-            )  # fmt: skip
+            )
             _registered(client_file, count)
         yield hosts, client_file, procs
     finally:

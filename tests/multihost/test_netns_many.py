@@ -58,12 +58,20 @@ def eight_hosts(tmp_path_factory):
         # for more than ipyparallel's 10 missed beats at 100 ms.
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "ipyparallel.controller", f"--ip={hosts.bridge_address}",
-                 "--HeartMonitor.period=100", "--HeartMonitor.max_heartmonitor_misses=30",
-                 *common],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                [
+                    sys.executable,
+                    "-m",
+                    "ipyparallel.controller",
+                    f"--ip={hosts.bridge_address}",
+                    "--HeartMonitor.period=100",
+                    "--HeartMonitor.max_heartmonitor_misses=30",
+                    *common,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=env,
             )
-        )  # fmt: skip
+        )
         client_file = profile / "security" / "ipcontroller-hosts-client.json"
         deadline = time.monotonic() + 60
         while not client_file.exists() and time.monotonic() < deadline:
@@ -71,16 +79,31 @@ def eight_hosts(tmp_path_factory):
         assert client_file.exists(), "the controller wrote no connection file"
         slots = [{"NBDIST_SLOT": str(j), "LOCAL_RANK": str(j)} for j in range(PER_HOST)]
         for index in range(HOSTS):
-            zygote = [sys.executable, "-m", "nbdist.launch.zygote", "--slots", json.dumps(slots),
-                      "--parent-pid", str(os.getpid()), "--threads", "1",
-                      "--status-file", str(profile / f"zygote{index}.json"), "--",
-                      *common, "--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False"]  # fmt: skip
+            zygote = [
+                sys.executable,
+                "-m",
+                "nbdist.launch.zygote",
+                "--slots",
+                json.dumps(slots),
+                "--parent-pid",
+                str(os.getpid()),
+                "--threads",
+                "1",
+                "--status-file",
+                str(profile / f"zygote{index}.json"),
+                "--",
+                *common,
+                "--IPEngine.enable_nanny=False",
+                "--HistoryManager.enabled=False",
+            ]
             procs.append(
                 subprocess.Popen(
                     hosts.command(index, zygote),
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    env=env,
                 )
-            )  # fmt: skip
+            )
         _registered(client_file, HOSTS * PER_HOST, timeout=900.0, procs=procs)
         yield hosts, client_file
     finally:
@@ -138,7 +161,10 @@ def test_256_ranks_on_8_hosts_form_one_group_all_reduce_and_group_by_host(eight_
         status = _run(shell, "%dist_status")
         assert status.splitlines()[0] == f"{HOSTS * PER_HOST} ranks on {HOSTS} hosts · 256 idle"
         for address in hosts.addresses:
-            assert any(line.split()[:2] == [f"{line.split('@')[0]}@{address}", "32"]
-                       for line in status.splitlines() if "@" in line), status  # fmt: skip
+            assert any(
+                line.split()[:2] == [f"{line.split('@')[0]}@{address}", "32"]
+                for line in status.splitlines()
+                if "@" in line
+            ), status
     finally:
         _run(shell, "%dist_stop")

@@ -31,9 +31,10 @@ def test_curve_cluster_keeps_metrics_signed_and_everything_on_loopback(monkeypat
         assert len(s.metrics.to_pandas()) == 6
         pids = set(s.cluster.pids) | {r.pid for r in s.ranks}
         listening = [
-            c for c in psutil.net_connections(kind="inet")
+            c
+            for c in psutil.net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN and c.pid in pids
-        ]  # fmt: skip
+        ]
         assert listening and all(c.laddr.ip.startswith("127.") for c in listening)
         assert s.metrics_hub.url.startswith("tcp://127.0.0.1:")
     finally:

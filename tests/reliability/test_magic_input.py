@@ -149,8 +149,20 @@ def shell():
     sh.run_line_magic("dist_stop", "")
 
 
-START_OPTIONS = ["--backend", "--cpu", "--gpus", "--threads", "--timeout", "--launcher",
-                 "--profile", "--connect", "--attach", "--ip", "--spawn", "--help"]  # fmt: skip
+START_OPTIONS = [
+    "--backend",
+    "--cpu",
+    "--gpus",
+    "--threads",
+    "--timeout",
+    "--launcher",
+    "--profile",
+    "--connect",
+    "--attach",
+    "--ip",
+    "--spawn",
+    "--help",
+]
 
 
 @st.composite

@@ -280,14 +280,25 @@ def _start_notebook7(tmp: Path) -> tuple[subprocess.Popen, str, str]:
     token = secrets.token_hex(16)
     log = open(tmp / "notebook7.log", "wb")  # noqa: SIM115 - closed right after the start
     proc = subprocess.Popen(
-        [sys.executable, "-m", "notebook", "--no-browser", "--allow-root", "--ip=127.0.0.1",
-         f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={tmp / 'root'}",
-         # The notebook app's pages name the extensions; jupyterlab's serves their files.
-         f"--JupyterNotebookApp.extra_labextensions_path={labextensions}",
-         f"--LabApp.extra_labextensions_path={labextensions}"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "notebook",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={tmp / 'root'}",
+            # The notebook app's pages name the extensions; jupyterlab's serves their files.
+            f"--JupyterNotebookApp.extra_labextensions_path={labextensions}",
+            f"--LabApp.extra_labextensions_path={labextensions}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     log.close()
     url = f"http://127.0.0.1:{port}/"
 

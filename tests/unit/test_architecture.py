@@ -92,14 +92,21 @@ def test_long_modules_are_flagged_for_review():
 
 
 def test_no_formatter_folds():
-    """Code is laid out by ruff format, never folded onto fewer lines by hand."""
+    """Code is laid out by ruff format, never folded onto fewer lines by hand: the package,
+    its tests, benchmarks, scripts and examples."""
+    sources = _modules() + sorted(
+        p
+        for folder in ("tests", "bench", "scripts", "examples")
+        for p in (ROOT / folder).rglob("*.py")
+    )
+    marker = "fmt" + ":"  # spelled apart, so this test's own source holds no marker
     folds = [
         f"{p.relative_to(ROOT)}:{i}"
-        for p in _modules()
+        for p in sources
         for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
-        if re.search(r"#\s*fmt:\s*(skip|off)", line)
+        if re.search(rf"#\s*{marker}\s*(skip|off)", line)
     ]
-    assert not folds, f"`# fmt: skip`/`# fmt: off` in nbdist (let ruff format lay it out): {folds}"
+    assert not folds, f"`# {marker} skip`/`# {marker} off` (let ruff format lay it out): {folds}"
 
 
 def test_top_level_holds_only_the_public_face_and_shared_modules():

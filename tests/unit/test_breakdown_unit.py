@@ -208,7 +208,7 @@ def _run_with(parts_by_rank: dict[int, tuple[float, float, float]], steps: int =
                         "memory_mib": 300.0,
                         "memory_peak_mib": 400.0,
                     },
-                )  # fmt: skip
+                )
                 for i in range(steps)
             ],
         )
@@ -255,8 +255,18 @@ def test_equal_ranks_are_not_flagged_and_the_dashboard_has_bars_and_memory():
 def test_dist_status_shows_dropped_points():
     from nbdist.driver.status import format_status
 
-    row = dict(rank=0, engine=0, host="h", pid=1, device="cpu", backend="gloo", state="idle",
-               memory_mib=300.0, died=None, dropped=0)  # fmt: skip
+    row = dict(
+        rank=0,
+        engine=0,
+        host="h",
+        pid=1,
+        device="cpu",
+        backend="gloo",
+        state="idle",
+        memory_mib=300.0,
+        died=None,
+        dropped=0,
+    )
     text = format_status([row, {**row, "rank": 1, "dropped": 7}])
     assert text.splitlines()[0].split()[-1] == "dropped"
     assert text.splitlines()[1].split()[-1] == "0" and text.splitlines()[2].split()[-1] == "7"

@@ -586,13 +586,21 @@ def test_server_serves_plotly_only_to_logged_in_users(tmp_path):
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"))
     server = subprocess.Popen(
         [
-            sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root",
-            f"--port={port}", "--ip=127.0.0.1", "--ServerApp.base_url=/base/",
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--no-browser",
+            "--allow-root",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            "--ServerApp.base_url=/base/",
             "--IdentityProvider.token=secret",
             "--ServerApp.jpserver_extensions={'nbdist.server': True}",
         ],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}/base/nbdist/static/plotly.min.js?v=1"
 
     class NoRedirect(urllib.request.HTTPRedirectHandler):

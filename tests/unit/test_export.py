@@ -88,15 +88,27 @@ def test_export_can_refuse_to_overwrite(tmp_path):
 
 
 def test_torchrun_variables_pass_through():
-    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "node1", "MASTER_PORT": "29500", "OTHER": "x"}  # fmt: skip
+    env = {
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "node1",
+        "MASTER_PORT": "29500",
+        "OTHER": "x",
+    }
     out = launcher_environment(env)
     assert out == {k: v for k, v in env.items() if k != "OTHER"}
 
 
 def test_srun_variables_become_torchrun_variables():
-    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8",
-           "SLURM_NTASKS_PER_NODE": "4(x2)", "MASTER_ADDR": "node1"}  # fmt: skip
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "8",
+        "SLURM_NTASKS_PER_NODE": "4(x2)",
+        "MASTER_ADDR": "node1",
+    }
     assert launcher_environment(env) == {
         "RANK": "5",
         "LOCAL_RANK": "1",

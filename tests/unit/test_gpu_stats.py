@@ -143,9 +143,16 @@ def test_without_a_gpu_nvml_reads_nothing_not_zeros():
 
 def _row(rank, *, gpu_figures=None, host="node1"):
     row = dict(
-        rank=rank, engine=rank, host=host, pid=100 + rank, device="cuda:0", backend="nccl",
-        state="idle", memory_mib=812.0, died=None,
-    )  # fmt: skip
+        rank=rank,
+        engine=rank,
+        host=host,
+        pid=100 + rank,
+        device="cuda:0",
+        backend="nccl",
+        state="idle",
+        memory_mib=812.0,
+        died=None,
+    )
     if gpu_figures is not None:
         row["gpu"] = gpu_figures
     return row

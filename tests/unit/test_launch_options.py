@@ -23,18 +23,28 @@ IP = "10.1.0.5"
 
 def _sbatch(plan, tmp_path) -> str:
     launcher = SlurmEngineSetLauncher(
-        work_dir=str(tmp_path), config=Config(plan.config),
-        profile_dir=str(tmp_path), cluster_id="c1",
-    )  # fmt: skip
+        work_dir=str(tmp_path),
+        config=Config(plan.config),
+        profile_dir=str(tmp_path),
+        cluster_id="c1",
+    )
     launcher.write_batch_script(plan.n)
     return (tmp_path / launcher.batch_file_name).read_text()
 
 
 def test_slurm_batch_script_carries_every_option(tmp_path):
     plan = plan_launch(
-        "slurm", 16, ip=IP, partition="gpu", time="02:30:00", account="proj-7", qos="high",
-        gpus_per_node=8, cpus_per_task=12, sbatch="--mem=200G --exclusive",
-    )  # fmt: skip
+        "slurm",
+        16,
+        ip=IP,
+        partition="gpu",
+        time="02:30:00",
+        account="proj-7",
+        qos="high",
+        gpus_per_node=8,
+        cpus_per_task=12,
+        sbatch="--mem=200G --exclusive",
+    )
     assert plan.engine_launcher == "slurm"
     script = _sbatch(plan, tmp_path)
     lines = script.splitlines()
