@@ -23,6 +23,7 @@ from nbdist.driver.cells import cell_channel
 from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.prompts import PromptServer
+from nbdist.driver.sigint_latch import SigintLatch
 from nbdist.driver.sinks import default_sink
 from nbdist.errors import NbdistError, RankError, RankFailure, RanksInterrupted, format_ranks
 
@@ -142,6 +143,7 @@ class RankRun:
         self._prompts = prompts
         self._started = time.monotonic()
         self._wake = threading.Event()
+        self._latch: SigintLatch | None = None  # while waiting: a Ctrl-C swallowed elsewhere
         self._consumed = [{"stdout": "", "stderr": "", "outputs": 0} for _ in self.ranks]
         self._limit = output_limit()
         self._shown = {}  # (rank, stream) -> characters fed to the merger
@@ -267,6 +269,8 @@ class RankRun:
     def _loop(self, deadline: float | None) -> bool:
         """Stream until done; False if the deadline passed first."""
         while True:
+            if self._latch is not None and self._latch.take():
+                raise KeyboardInterrupt  # it was raised elsewhere and swallowed there
             self._guard.poll(self)
             finished = self._all_done()
             self._drain()
@@ -300,9 +304,17 @@ class RankRun:
             self._merger = OutputMerger(self.ranks, self._sink or default_sink(len(self.ranks)))
             remember(self._merger)  # nbdist.output(rank=...) reads it
         deadline = None if self._timeout is None else self._started + self._timeout
+        with SigintLatch() as self._latch:
+            try:
+                return self._wait(deadline)
+            finally:
+                self._latch = None
+
+    def _wait(self, deadline: float | None) -> list:
         try:
             completed = self._loop(deadline)
         except KeyboardInterrupt:
+            self._latch.take()  # this Ctrl-C is handled here; a second one stops the settling
             # A rank waiting in a collective explains a hang: keep where they were.
             self.where_report = self._guard.where_report(only_if_waiting=True)
             self._stop_ranks()

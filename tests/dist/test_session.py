@@ -167,6 +167,53 @@ def test_keyboard_interrupt_in_the_waiting_thread_is_relayed(session, code):
     assert session.pull("ok") == [1, 1]
 
 
+class _SwallowingSink(ListSink):
+    """A sink that catches KeyboardInterrupt, as some code the kernel runs while a cell waits
+    does (a library's output hook; a finalizer, where Python drops every exception)."""
+
+    def __init__(self, inside: threading.Event, sent: threading.Event):
+        super().__init__()
+        self.inside, self.sent, self.swallowed = inside, sent, 0
+
+    def line(self, stream, label, text):
+        super().line(stream, label, text)
+        if self.swallowed:
+            return
+        self.inside.set()
+        try:
+            while not self.sent.is_set():  # Python code: the signal's handler runs in here
+                pass
+            for _ in range(1_000_000):
+                pass
+        except KeyboardInterrupt:
+            self.swallowed += 1
+
+
+def test_a_ctrl_c_swallowed_while_the_cell_waits_still_stops_it(session):
+    """Ctrl-C raised inside code that drops it (here a sink's write) still stops the cell."""
+    import _thread
+
+    inside, sent = threading.Event(), threading.Event()
+
+    def interrupt_once_inside() -> None:
+        if inside.wait(60):
+            _thread.interrupt_main()  # SIGINT's handler, as the kernel's interrupt runs it
+            sent.set()
+
+    timer = threading.Thread(target=interrupt_once_inside, daemon=True)
+    timer.start()
+    sink = _SwallowingSink(inside, sent)
+    code = "import time\nprint('started', flush=True)\nfor _ in range(600):\n    time.sleep(0.1)"
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        session.run(code, sink=sink)
+    timer.join(5)
+    assert sink.swallowed == 1, "the Ctrl-C did not land in the sink: the test proves nothing"
+    assert time.monotonic() - t0 < 30  # not the 60 s the cell takes
+    session.run("ok = 3")
+    assert session.pull("ok") == [3, 3]
+
+
 def test_cell_timeout_interrupts(session):
     with pytest.raises(NbdistError, match="--timeout"):
         session.run("import time\ntime.sleep(60)", timeout=1.0, sink=ListSink())
