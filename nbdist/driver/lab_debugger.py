@@ -21,7 +21,8 @@ changed):
   stopped rank's frames, each named ``rank R · function``, under a first
   summary frame, ``all stopped (ranks 0-1) · function``. JupyterLab's Callstack
   panel shows one thread's frames, so all the ranks' frames go into that one.
-  Frame and variable ids are renumbered (from :data:`FIRST_ID` up) and mapped
+  Frame and variable ids are renumbered (from :data:`FIRST_ID` up, kept per object:
+  :mod:`nbdist.driver.lab_debug_ids`) and mapped
   back to their rank, so Variables, scopes and evaluate act on the selected
   frame's rank; an evaluate on the summary frame runs on every stopped rank;
 - ``continue``, ``next``, ``stepIn`` and ``stepOut`` act on the rank whose frame
@@ -49,6 +50,7 @@ import time
 
 from nbdist.driver import kernel_debugpy
 from nbdist.driver import rank_debugpy as dap
+from nbdist.driver.lab_debug_ids import FIRST_ID, RankIds
 from nbdist.driver.rank_relay import RelayedRankConnection
 from nbdist.errors import format_ranks
 
@@ -67,9 +69,6 @@ __all__ = [
 # The thread id under which every stopped rank appears (debugpy numbers the kernel's
 # own threads from 1).
 RANKS_THREAD = 1_000_000
-# Frame and variable ids handed to JupyterLab for ranks' objects start here; the
-# kernel's own debugpy hands out small ones.
-FIRST_ID = 1 << 40
 # The rank of the Callstack's summary frame ("every stopped rank").
 ALL_RANKS = -1
 # How the summary frame's name begins.
@@ -124,9 +123,7 @@ class LabDebugRouter:
         self._breakpoints: dict[str, dict] = {}  # path -> setBreakpoints arguments
         self._exceptions: dict | None = None  # setExceptionBreakpoints arguments
         self._stopped: dict[int, int] = {}  # rank -> its stopped thread
-        self._ids: dict[int, tuple[int, int]] = {}  # id given to JupyterLab -> (rank, rank's id)
-        self._given: dict[tuple[int, int], int] = {}  # the reverse: the same object, the same id
-        self._next_id = FIRST_ID
+        self._ids = RankIds()  # ids given to JupyterLab <-> (rank, rank's id)
         # The rank whose frame JupyterLab has selected (None: the summary frame, every
         # stopped rank), and that frame's id: JupyterLab keeps a selected frame across a
         # Callstack refresh when its id is still listed, else selects the first frame.
@@ -159,9 +156,9 @@ class LabDebugRouter:
             # names thread 1 (its fallback): with only ranks stopped, it means them. Not
             # passed on: a "continue" for a kernel that is not stopped hangs ipykernel's debugger.
             return await self._on_ranks_thread(dict(request, arguments={"threadId": RANKS_THREAD}))
-        if command in _BY_FRAME and self._is_ranks(args.get("frameId")):
+        if command in _BY_FRAME and self._ids.is_ours(args.get("frameId")):
             return await self._forward_by_id(request, "frameId")
-        if command in _BY_VARIABLES and self._is_ranks(args.get("variablesReference")):
+        if command in _BY_VARIABLES and self._ids.is_ours(args.get("variablesReference")):
             return await self._forward_by_id(request, "variablesReference")
         reply = await self._inner(request)
         if command == "setBreakpoints":
@@ -186,21 +183,6 @@ class LabDebugRouter:
 
     def _thread_name(self) -> str:
         return "ranks " + ",".join(str(r) for r in sorted(self._stopped))
-
-    def _is_ranks(self, value) -> bool:
-        return isinstance(value, int) and value >= FIRST_ID
-
-    def _give_id(self, rank: int, rank_id: int) -> int:
-        if not rank_id:
-            return 0  # 0: no children, in every DAP message
-        with self._lock:
-            given = self._given.get((rank, rank_id))
-            if given is None:
-                given = self._next_id
-                self._next_id += 1
-                self._ids[given] = (rank, rank_id)
-                self._given[(rank, rank_id)] = given
-        return given
 
     async def _ask(self, rank: int, command: str, arguments: dict | None = None) -> dict:
         connection = self._ranks.get(rank)
@@ -266,15 +248,15 @@ class LabDebugRouter:
                 path = (frame.get("source") or {}).get("path") or ""
                 if any(part in path for part in _MACHINERY):
                     break
-                frame = dict(frame, id=self._give_id(rank, frame["id"]))
+                frame = dict(frame, id=self._ids.give(rank, frame["id"]))
                 frame["name"] = f"rank {rank} · {frame.get('name', '?')}"
                 frames.append(frame)
         if frames:
             # The summary frame, first: where the lowest rank is; selecting it makes
             # Continue and the steps act on every stopped rank, Evaluate on each.
             top = frames[0]
-            summary = dict(top, id=self._give_id(ALL_RANKS, 1))
-            names = {self._ids[f["id"]][0] for f in frames}
+            summary = dict(top, id=self._ids.give(ALL_RANKS, 1))
+            names = {self._ids.find(f["id"])[0] for f in frames}
             summary["name"] = f"{SUMMARY_PREFIX} ({format_ranks(names)}) · {_function(top)}"
             frames.insert(0, summary)
         # Each rank's stop makes JupyterLab list the frames again; a refresh that comes
@@ -329,7 +311,7 @@ class LabDebugRouter:
 
     async def _forward_by_id(self, request: dict, key: str) -> dict:
         args = dict(request.get("arguments") or {})
-        rank, rank_id = self._ids.get(args[key], (None, None))
+        rank, rank_id = self._ids.find(args[key]) or (None, None)
         if rank is None:
             return _response(request, success=False, message="that frame or variable is gone")
         if key == "frameId":
@@ -358,7 +340,7 @@ class LabDebugRouter:
             body = {"data": {"text/plain": body.get("result", "")}, "metadata": {}}
         for item in body.get("scopes", []) + body.get("variables", []) + [body]:
             if isinstance(item.get("variablesReference"), int):
-                item["variablesReference"] = self._give_id(rank, item["variablesReference"])
+                item["variablesReference"] = self._ids.give(rank, item["variablesReference"])
         return dict(reply, seq=request.get("seq", 0), request_seq=request.get("seq", 0), body=body)
 
     # -- the ranks' end -----------------------------------------------------
@@ -491,7 +473,6 @@ class LabDebugRouter:
             connections, self._ranks = list(self._ranks.values()), {}
             self._stopped.clear()
             self._ids.clear()
-            self._given.clear()
             self._selected = self._selected_frame = None
             self._breakpoints.clear()
             self._exceptions = None
