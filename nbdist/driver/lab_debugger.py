@@ -28,7 +28,7 @@ changed):
 - ``continue``, ``next``, ``stepIn`` and ``stepOut`` act on the rank whose frame
   is selected, the others staying paused (the Callstack is then shown again with
   the ranks still stopped); with the summary frame selected, which JupyterLab
-  selects after every stop, they act on every stopped rank. A rank left paused
+  selects when ranks stop after a Continue, they act on every stopped rank. A rank left paused
   holds the others at their next collective, until the process group's timeout;
 - ``disconnect`` (the debugger switched off) disconnects from the ranks too,
   which clears their breakpoints and lets paused ranks run on.
@@ -205,7 +205,8 @@ class LabDebugRouter:
         if command == "pause":
             return _response(request)
         # The selected rank's frame, or every stopped rank when the summary frame is
-        # selected (JupyterLab selects the top frame, the summary, after every stop).
+        # selected (JupyterLab selects the top frame, the summary, when ranks stop after
+        # a Continue).
         if self._selected in stopped:
             targets = {self._selected: stopped[self._selected]}
         else:
