@@ -164,6 +164,35 @@ def test_next_with_the_summary_frame_selected_steps_every_rank(lab):
     assert "b 1" in text and "b 2" in text, text
 
 
+def test_next_with_a_ranks_frame_selected_steps_that_rank_alone(lab):
+    kernel, dbg = lab
+    dbg.events.clear()
+    cell = "%%on_all_ranks\na = rank\nb = a + 1\nc = b + 1\nprint('c', c)"
+    _debugger_on(dbg, cell, [{"line": 2}])
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    tops = _stack(dbg)
+    dbg.request("scopes", frameId=tops[1]["id"])
+    dbg.events.clear()
+    assert dbg.request("next", threadId=RANKS_THREAD)["success"]
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, timeout=60)
+    after = _stack(dbg)
+    assert {r: f["line"] for r, f in after.items()} == {0: 2, 1: 3}, after
+    assert after[0]["id"] == tops[0]["id"]  # the rank that stayed keeps its frame's id
+    # debugpy gives a stepped frame a new id: JupyterLab then selects the summary frame,
+    # and the next step is every stopped rank's.
+    _select_all(dbg)
+    dbg.events.clear()
+    assert dbg.request("next", threadId=RANKS_THREAD)["success"]
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=60)
+    assert {r: f["line"] for r, f in _stack(dbg).items()} == {0: 3, 1: 4}
+    _select_all(dbg)
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    assert "c 2" in text and "c 3" in text, text
+
+
 def _rank_pids(kernel: Kernel, *, session: bool) -> list[int]:
     """The ranks' processes and their debugpy adapters (started with the debugger); with
     ``session``, every process the session started (controller, launcher...) too."""
