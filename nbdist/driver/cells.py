@@ -96,8 +96,18 @@ class CellChannel:
             view = self._views[key] = self._client()[list(engine_ids)]
         return view
 
-    def execute(self, engine_ids: Sequence[int], code: str, *, silent_if_possible: bool = False):
+    def execute(
+        self,
+        engine_ids: Sequence[int],
+        code: str,
+        *,
+        silent_if_possible: bool = False,
+        iopub_callbacks=None,
+    ):
         """Send ``code`` to the engines (non-blocking); an ipyparallel AsyncResult.
+
+        ``iopub_callbacks``: one per engine, given every IOPub message of its request
+        (attached before the request is sent: see :mod:`nbdist.driver.early_iopub`).
 
         A cell is sent as a notebook sends it (``silent=False``: execution count,
         execute_input, the value of a last expression shown), except when nothing
@@ -119,7 +129,7 @@ class CellChannel:
         # carried nbdist's answer) the user expression it has no argument for.
         asks = {} if self._answers_in_reply.issuperset(engine_ids) else {_KEY: AFTER_CELL}
         content = dict(code=code, silent=silent, user_expressions=asks)
-        return send_execute(client, view, engine_ids, content)
+        return send_execute(client, view, engine_ids, content, iopub_callbacks)
 
     def learn(self, engine_ids: Iterable[int], results: Iterable) -> list[int | None]:
         """Take what each engine's reply said about its shell; the points each had sent."""

@@ -43,15 +43,18 @@ def reply_content(result) -> dict:
     return getattr(result, "_content", None) or {}
 
 
-def send_execute(client, view, engine_ids: Sequence[int], content: dict):
+def send_execute(client, view, engine_ids: Sequence[int], content: dict, iopub_callbacks=None):
     """Send one execute request per engine, as ``DirectView.execute`` does; an ``AsyncResult``.
 
     ``content``: the execute request's content, which ``DirectView.execute``
-    builds itself and cannot give ``user_expressions``.
+    builds itself and cannot give ``user_expressions``. ``iopub_callbacks``: one
+    callable per engine (same order), given each IOPub message of that engine's
+    request from the first on: attached before the request is sent.
     """
     from ipyparallel.client.asyncresult import AsyncResult
 
     idents, targets = client._build_targets(list(engine_ids))  # noqa: SLF001
+    callbacks = list(iopub_callbacks) if iopub_callbacks is not None else [None] * len(idents)
     futures = [
         client._send(  # noqa: SLF001
             view._socket,  # noqa: SLF001
@@ -60,10 +63,19 @@ def send_execute(client, view, engine_ids: Sequence[int], content: dict):
             ident=ident,
             metadata=dict(label=None),
             track_outstanding=True,
+            message_future_hook=_hook(callback),
         )
-        for ident in idents
+        for ident, callback in zip(idents, callbacks)
     ]
     return AsyncResult(client, futures, fname="execute", targets=targets, owner=True)
+
+
+def _hook(callback):
+    # ipyparallel calls it with the request's message future before handing the request
+    # to its IO thread: a callback attached here cannot miss a message.
+    if callback is None:
+        return None
+    return lambda future: future.iopub_callbacks.append(callback)
 
 
 def send_control(client, engine_id: int, msg_type: str, content: dict):

@@ -20,6 +20,7 @@ from functools import partial
 
 from nbdist.driver.cell_output import remember
 from nbdist.driver.cells import cell_channel
+from nbdist.driver.early_iopub import EarlyIopub
 from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.prompts import PromptServer
@@ -120,6 +121,7 @@ class RankRun:
         guard=None,
         waiting_for: str = "",
         prompts: PromptServer | None = None,
+        iopub: EarlyIopub | None = None,
     ):
         """Follow ``async_result`` (one child per rank of ``ranks``, same order).
 
@@ -129,7 +131,9 @@ class RankRun:
         ``watch`` is called on each pass of the waiting loop; ``guard`` is the
         cell's :class:`~nbdist.driver.faults.CellGuard` (None: nothing is guarded);
         ``prompts`` answers the ranks' pdb and ``input()`` prompts (``timeout``
-        pauses while the user is asked)."""
+        pauses while the user is asked); ``iopub`` holds the messages that came
+        before this object existed (its callbacks were attached when the requests
+        were sent), else callbacks are attached here."""
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
         # nbdist.driver.faults.CellGuard: releases the ranks when one fails, dies or hangs.
@@ -163,8 +167,11 @@ class RankRun:
         self._metadata = per_engine_metadata(async_result)
         self._comms: deque[tuple[int, str, dict]] = deque()  # filled on ipyparallel's IO thread
         for rank, child in zip(self.ranks, self._children):
-            child.iopub_callbacks.append(partial(self._on_iopub, rank))
+            if iopub is None:
+                child.iopub_callbacks.append(partial(self._on_iopub, rank))
             child.add_done_callback(lambda _f: self._wake.set())
+        if iopub is not None:
+            iopub.attach(self._on_iopub)
         async_result.add_done_callback(lambda _f: self._wake.set())
 
     def _on_iopub(self, rank: int, msg: dict) -> None:
@@ -456,7 +463,14 @@ def submit(
     ``silent_if_possible``: the caller waits for this cell before sending another
     (see :meth:`nbdist.driver.cells.CellChannel.execute`).
     """
-    ar = cell_channel(client).execute(engine_ids, code, silent_if_possible=silent_if_possible)
+    # A rank's first prompt can come back before RankRun exists: kept until it does.
+    early = EarlyIopub()
+    ar = cell_channel(client).execute(
+        engine_ids,
+        code,
+        silent_if_possible=silent_if_possible,
+        iopub_callbacks=[early.callback(rank) for rank in ranks],
+    )
     return RankRun(
         ar,
         ranks,
@@ -466,4 +480,5 @@ def submit(
         watch=watch,
         guard=guard,
         prompts=PromptServer(client, engine_ids, ranks),
+        iopub=early,
     )

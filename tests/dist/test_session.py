@@ -214,6 +214,49 @@ def test_a_ctrl_c_swallowed_while_the_cell_waits_still_stops_it(session):
     assert session.pull("ok") == [3, 3]
 
 
+def test_a_ranks_first_prompt_is_kept_until_the_cell_is_followed(session):
+    """A rank can ask for input before the kernel has built the cell's RankRun (pdb right
+    after %dist_debug): the request is kept, not lost, and the rank gets its answer."""
+    from nbdist.driver.cells import cell_channel
+    from nbdist.driver.early_iopub import EarlyIopub
+    from nbdist.driver.ipp_internals import send_control
+    from nbdist.engine.stdin_bridge import INPUT_REPLY, INPUT_REQUEST
+
+    ranks = session.select(None)
+    early = EarlyIopub()
+    ar = cell_channel(session.client).execute(
+        [r.engine_id for r in ranks],
+        "print('asking', flush=True)\nanswer = input('name? ')",
+        iopub_callbacks=[early.callback(r.rank) for r in ranks],
+    )
+    # The kernel is busy elsewhere until every rank has asked (its print comes just before).
+    deadline = time.monotonic() + 60
+    while not all("asking" in (out or "") for out in ar.stdout):
+        assert time.monotonic() < deadline, ar.stdout
+        time.sleep(0.05)
+    time.sleep(0.5)
+    requests: dict[int, dict] = {}
+    early.attach(
+        lambda rank, msg: (
+            requests.setdefault(rank, msg["content"])
+            if msg["header"]["msg_type"] == INPUT_REQUEST
+            else None
+        )
+    )
+    while len(requests) < len(ranks):
+        assert time.monotonic() < deadline, requests
+        time.sleep(0.05)
+    assert {rank: r["prompt"] for rank, r in requests.items()} == {
+        0: "[rank 0] name? ",
+        1: "[rank 1] name? ",
+    }
+    for r in ranks:
+        content = {"id": requests[r.rank]["id"], "value": f"n{r.rank}"}
+        send_control(session.client, r.engine_id, INPUT_REPLY, content)
+    ar.get(timeout=60)
+    assert session.pull("answer") == ["n0", "n1"]
+
+
 def test_cell_timeout_interrupts(session):
     with pytest.raises(NbdistError, match="--timeout"):
         session.run("import time\ntime.sleep(60)", timeout=1.0, sink=ListSink())
