@@ -88,31 +88,25 @@ def test_collective_records_inside_returned_and_raised():
         collectives.reset()
 
 
-def test_status_says_how_a_dead_rank_died():
-    rows = [
+def _one_dead_rank(engines: tuple[int, int]) -> list[dict]:
+    """%dist_status rows of two ranks on engines ``engines``: rank 0 idle, rank 1 killed."""
+    common = dict(host="h", device="cpu", backend="gloo")
+    return [
+        dict(common, rank=0, engine=engines[0], pid=10, state="idle", memory_mib=200.0, died=None),
         dict(
-            rank=0,
-            engine=0,
-            host="h",
-            pid=10,
-            device="cpu",
-            backend="gloo",
-            state="idle",
-            memory_mib=200.0,
-            died=None,
-        ),
-        dict(
+            common,
             rank=1,
-            engine=1,
-            host="h",
+            engine=engines[1],
             pid=11,
-            device="cpu",
-            backend="gloo",
             state="dead",
             memory_mib=None,
             died="pid 11 killed by SIGKILL (signal 9)",
         ),
     ]
+
+
+def test_status_says_how_a_dead_rank_died():
+    rows = _one_dead_rank(engines=(0, 1))
     lines = format_status(rows).splitlines()
     assert lines[2].split()[-2:] == ["dead", "?"]
     assert lines[3:] == [
@@ -154,30 +148,7 @@ def test_status_html_colours_ranks_and_marks_the_dead():
     from nbdist.dashboard.palette import rank_colour
     from nbdist.driver.status import StatusTable
 
-    rows = [
-        dict(
-            rank=0,
-            engine=5,
-            host="h",
-            pid=10,
-            device="cpu",
-            backend="gloo",
-            state="idle",
-            memory_mib=200.0,
-            died=None,
-        ),
-        dict(
-            rank=1,
-            engine=6,
-            host="h",
-            pid=11,
-            device="cpu",
-            backend="gloo",
-            state="dead",
-            memory_mib=None,
-            died="pid 11 killed by SIGKILL (signal 9)",
-        ),
-    ]
+    rows = _one_dead_rank(engines=(5, 6))
     table = StatusTable(rows)
     html = table._repr_html_()
     assert f"color:{rank_colour(0)}" in html and f"color:{rank_colour(1)}" in html
