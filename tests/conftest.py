@@ -71,6 +71,29 @@ def no_leftover_processes():
         pytest.fail("processes started by the tests outlived them:\n" + "\n".join(names))
 
 
+def run_torchrun(script, nproc: int, env: dict, cwd, timeout: float = 240) -> tuple[int, str]:
+    """Run ``script`` under ``torchrun --standalone`` (torchrun's own one-node rendezvous) with
+    ``nproc`` workers; its return code and its output (stderr in it). Past ``timeout`` seconds,
+    torchrun and its workers (the process group started here) are killed."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.Popen(
+        [*command, "--nproc_per_node", str(nproc), str(script)],
+        env=env,
+        cwd=cwd,
+        text=True,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, output
+
+
 def terminate_in_order(procs) -> None:
     """SIGTERM ``procs`` by PID, last started first (engines before their controller),
     then wait; SIGKILL any that did not exit within 15 s."""

@@ -201,30 +201,14 @@ if forwarder is not None:
 
 def test_a_torchrun_script_forwards_every_rank_s_points_to_a_callback_on_rank_0(tmp_path):
     import os
-    import signal
-    import subprocess
-    import sys
+
+    from tests.conftest import run_torchrun
 
     script = tmp_path / "forward.py"
     script.write_text(_SCRIPT_FORWARDING_ON_RANK_0)
     env = dict(os.environ, NBDIST_HISTORY=str(tmp_path / "h.sqlite"), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    proc = subprocess.Popen(
-        [*command, "2", str(script)],
-        env=env,
-        cwd=tmp_path,
-        text=True,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:  # torchrun and its two workers: the group we started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    returncode, output = run_torchrun(script, 2, env, tmp_path)
+    assert returncode == 0, output[-3000:]
     line = next(x for x in output.splitlines() if x.startswith("FORWARDED"))
     forwarded = [tuple(p) for p in json.loads(line.split(" ", 1)[1])]
     assert forwarded == [(r, i, i + 0.5 * r) for r in (0, 1) for i in range(500)]

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from tests.conftest import run_torchrun
 from tests.gpu.conftest import dist_stop_cleanly, nccl_shares_gpus
 
 CELLS = [
@@ -76,29 +74,6 @@ def test_exported_notebook_prints_the_same_under_torchrun(ranks, ipython, capsys
     dist_stop_cleanly(ipython)  # every rank gone: the GPU is the script's alone
 
     env = dict(os.environ, NBDIST_HISTORY=str(tmp_path / "history.sqlite"), OMP_NUM_THREADS="1")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(ranks),
-        str(script),
-    ]
-    proc = subprocess.Popen(
-        command,
-        env=env,
-        cwd=tmp_path,
-        text=True,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:  # torchrun and its workers: the process group we started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-4000:]
+    returncode, output = run_torchrun(script, ranks, env, tmp_path)
+    assert returncode == 0, output[-4000:]
     assert sorted(RESULT.findall(output)) == notebook, output[-4000:]

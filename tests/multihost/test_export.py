@@ -9,7 +9,6 @@ and the script's nbdist.log points land in the run history.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import torch
 from IPython.core.interactiveshell import InteractiveShell
 
 import nbdist
+from tests.conftest import run_torchrun
 
 SETUP = """
 import os
@@ -93,32 +93,8 @@ def test_exported_cells_train_the_same_model_under_torchrun(shell, tmp_path):
     out = tmp_path / "final.pt"
     history = tmp_path / "history.sqlite"
     env = dict(os.environ, EXPORT_OUT=str(out), NBDIST_HISTORY=str(history), OMP_NUM_THREADS="1")
-    # --standalone: a one-node rendezvous on a free port (torchrun's own, not nbdist's)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(script),
-    ]
-    proc = subprocess.Popen(
-        command,
-        env=env,
-        cwd=tmp_path,
-        text=True,
-        start_new_session=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:  # torchrun and its two workers: the group we started
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, output[-3000:]
+    returncode, output = run_torchrun(script, 2, env, tmp_path)
+    assert returncode == 0, output[-3000:]
     scripted = torch.load(out)
     assert len(scripted) == len(interactive) == 4
     for a, b in zip(interactive, scripted):
