@@ -91,6 +91,31 @@ def _check_accelerator() -> None:
         )
 
 
+def gpu_local_rank(device: torch.device, local_rank: str | None) -> str | None:
+    """The ``LOCAL_RANK`` DeepSpeed needs on a rank whose device is ``device``; None: keep it.
+
+    DeepSpeed takes ``LOCAL_RANK`` for the index of the rank's GPU: its engine calls
+    ``set_device(LOCAL_RANK)`` and ZeRO-3 allocates on ``cuda:LOCAL_RANK``, at set-up
+    and again in its first steps. That holds when local rank ``i`` has GPU ``i``;
+    where ranks share a GPU (ranks 0 and 1 on ``cuda:0``) or run on other GPUs than
+    their local ranks, it names a GPU that does not exist, or another rank's.
+    """
+    if device.type != "cuda" or device.index is None:
+        return None
+    wanted = str(device.index)
+    return None if local_rank == wanted else wanted
+
+
+def _point_local_rank_at_this_gpu() -> None:
+    # nbdist's own local_rank() reads the rank's state, not this variable, so only code
+    # that takes LOCAL_RANK for a GPU index (DeepSpeed) sees the change.
+    from nbdist.engine.helpers import device
+
+    value = gpu_local_rank(device(), os.environ.get("LOCAL_RANK"))
+    if value is not None:
+        os.environ["LOCAL_RANK"] = value
+
+
 def _quiet_ops_probe() -> None:
     # On first use (in init_distributed) DeepSpeed probes which of its C++ ops could build by
     # compiling test programs; their linker errors ("cannot find -laio" without libaio) go to
@@ -128,6 +153,10 @@ def apply_deepspeed(
     in CPU memory (ZeRO-Offload; stage >= 1). ``extra_config`` is merged last
     into the DeepSpeed config, a dict value into the dict already there (so
     ``{"zero_optimization": {"reduce_bucket_size": 2**20}}`` keeps the stage).
+
+    On a GPU rank whose ``LOCAL_RANK`` is not its GPU's index (ranks sharing one
+    GPU, or GPUs chosen with ``%dist_start --gpus``), ``LOCAL_RANK`` is set to that
+    index, which is what DeepSpeed takes it for (:func:`gpu_local_rank`).
 
     From the first call on, this process ignores torch's FutureWarning about
     ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which DeepSpeed
@@ -168,6 +197,7 @@ def apply_deepspeed(
     except ImportError as exc:
         raise ImportError(f"apply_deepspeed needs DeepSpeed ({exc}): {_INSTALL}") from exc
     _check_accelerator()
+    _point_local_rank_at_this_gpu()
     _quiet_ops_probe()
     # DeepSpeed 0.19 calls these torch.distributed functions, deprecated in torch 2.13: a
     # FutureWarning under the cell at every step, about code the user did not write.
