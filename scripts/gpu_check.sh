@@ -243,21 +243,26 @@ for v in IPYTHONDIR JUPYTER_RUNTIME_DIR JUPYTER_DATA_DIR JUPYTER_CONFIG_DIR; do
   mkdir -p "$TMP/${v,,}"
 done
 
-# nbdist's requirements but torch, read from the wheel: resolving them never involves the
-# server's torch, so pip can neither try to reinstall it nor trip over how it was installed.
-"$VPY" - "$NBDIST_WHL" >"$TMP/requirements.txt" <<'EOF'
+# DeepSpeed, where the wheelhouse has it (scripts/wheelhouse.sh --with-deepspeed).
+DS_WHL=""
+for w in "$WH"/deepspeed-*.whl; do [[ -f "$w" ]] && DS_WHL="$w"; done
+# The requirements but torch of nbdist (and DeepSpeed), read from their wheels: resolving
+# them never involves the server's torch, so pip can neither try to reinstall it nor trip
+# over how it was installed. The two wheels themselves go in afterwards, --no-deps.
+"$VPY" - "$NBDIST_WHL" ${DS_WHL:+"$DS_WHL"} >"$TMP/requirements.txt" <<'EOF'
 import re
 import sys
 import zipfile
 
-wheel = zipfile.ZipFile(sys.argv[1])
-meta = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
-for line in wheel.read(meta).decode().splitlines():
-    if line.startswith("Requires-Dist:"):
-        req = line.split(":", 1)[1].strip()
-        name = re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower()
-        if name != "torch" and "extra ==" not in req:
-            print(req)
+for path in sys.argv[1:]:
+    wheel = zipfile.ZipFile(path)
+    meta = next(n for n in wheel.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in wheel.read(meta).decode().splitlines():
+        if line.startswith("Requires-Dist:"):
+            req = line.split(":", 1)[1].strip()
+            name = re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower()
+            if name != "torch" and "extra ==" not in req:
+                print(req)
 EOF
 PKGS=(-r "$TMP/requirements.txt" pytest pytest-timeout nbclient nbformat)
 if compgen -G "$WH/torchao-*.whl" >/dev/null; then PKGS+=(torchao); fi
@@ -265,9 +270,9 @@ run_step "install (offline)" 900 "$OUTDIR/logs/install.log" "$ROOT" \
   "$VPY" -m pip install --no-index --find-links "$WH" "${PKGS[@]}"
 INSTALL_RC=$RC
 if ((RC == 0)); then
-  # The nbdist wheel of this wheelhouse (its dependencies are in place now), even over an
-  # nbdist of the same version number already in a reused venv.
-  "$VPY" -m pip install --no-index --no-deps --force-reinstall "$NBDIST_WHL" \
+  # The nbdist wheel (and DeepSpeed's) of this wheelhouse (their dependencies are in place now),
+  # even over a package of the same version number already in a reused venv.
+  "$VPY" -m pip install --no-index --no-deps --force-reinstall "$NBDIST_WHL" ${DS_WHL:+"$DS_WHL"} \
     >>"$OUTDIR/logs/install.log" 2>&1 || INSTALL_RC=$?
   "$VPY" -m pip check >>"$OUTDIR/logs/install.log" 2>&1 ||
     echo "   pip check reports unmet requirements (see logs/install.log)"

@@ -8,6 +8,10 @@
 #   - what scripts/gpu_check.sh runs there: pytest, pytest-timeout, nbclient, nbformat
 #     (versions from the [test] extra); with --with-torchao also torchao (8-bit
 #     optimizers for a GPU test; 3.2 MiB, which takes the set past 60 MB: raise --max-mb);
+#     with --with-deepspeed also the [deepspeed] extra (example 30 and its GPU test;
+#     DeepSpeed publishes source only, so its wheel is built here: pure Python, no ops);
+#   - minus what --leave-out names: packages the server already has (a CUDA image's
+#     numpy and pandas are 28 MB of the set), which pip there then takes as installed;
 #   - an nbdist wheel built from this checkout, with the JupyterLab extension inside.
 # The set is resolved once (pip's resolver, metadata only), then downloaded with
 # --no-deps. DIR ends up holding exactly this set (stale wheels are removed), so
@@ -25,7 +29,8 @@ KEEP_RE='^nvidia-ml-py$'
 
 usage() {
   cat <<EOF
-usage: bash scripts/wheelhouse.sh DIR [--python X.Y] [--with-torchao] [--max-mb N]
+usage: bash scripts/wheelhouse.sh DIR [--python X.Y] [--with-torchao] [--with-deepspeed]
+                                     [--leave-out NAMES] [--max-mb N]
 
 Download into DIR the wheels nbdist needs on an offline Linux x86_64 GPU server
 (everything but torch and its CUDA libraries), plus an nbdist wheel built from
@@ -37,6 +42,13 @@ or, for daily use:
 options:
   --python X.Y    the server's Python version (default 3.12; 3.10 or newer)
   --with-torchao  add torchao (8-bit optimizers, for a GPU test)
+  --with-deepspeed
+                  add the [deepspeed] extra (DeepSpeed ZeRO: example 30 and its GPU
+                  test); DeepSpeed's wheel is built here from its source release
+  --leave-out NAMES
+                  comma-separated packages to leave out because the server has them
+                  already (e.g. numpy,pandas); pip there must find them installed, in
+                  versions that meet nbdist's requirements
   --max-mb N      the size DIR must stay under, in MB of 10^6 bytes (default ${LIMIT_MB})
   -h, --help      this help
 
@@ -50,6 +62,8 @@ die() { echo "wheelhouse.sh: error: $*" >&2; exit 2; }
 DIR=""
 PYVER="3.12"
 WITH_TORCHAO=0
+WITH_DEEPSPEED=0
+LEAVE_OUT=""
 while (($#)); do
   case "$1" in
     -h | --help) usage; exit 0 ;;
@@ -58,6 +72,10 @@ while (($#)); do
       PYVER="$2"; shift 2 ;;
     --python=*) PYVER="${1#--python=}"; shift ;;
     --with-torchao) WITH_TORCHAO=1; shift ;;
+    --with-deepspeed) WITH_DEEPSPEED=1; shift ;;
+    --leave-out)
+      (($# >= 2)) || die "--leave-out needs package names, comma-separated (e.g. numpy,pandas)"
+      LEAVE_OUT="$2"; shift 2 ;;
     --max-mb)
       (($# >= 2)) || die "--max-mb needs a number of MB"
       LIMIT_MB="$2"; shift 2 ;;
@@ -73,6 +91,9 @@ if [[ ! "$PYVER" =~ ^3\.([0-9]+)$ ]] || ((BASH_REMATCH[1] < 10)); then
 fi
 PYTAG="cp3${BASH_REMATCH[1]}"
 [[ "$LIMIT_MB" =~ ^[1-9][0-9]*$ ]] || die "--max-mb '$LIMIT_MB': a whole number of MB"
+if [[ -n "$LEAVE_OUT" && ! "$LEAVE_OUT" =~ ^[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*$ ]]; then
+  die "--leave-out '$LEAVE_OUT': package names separated by commas, e.g. numpy,pandas"
+fi
 if [[ -e "$DIR" && ! -d "$DIR" ]]; then die "'$DIR' exists and is not a directory"; fi
 
 # The Python that runs pip here (any version; it only resolves and downloads).
@@ -100,14 +121,17 @@ TARGET+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platf
 
 echo "== reading nbdist's requirements from pyproject.toml"
 EXTRAS=()
-((WITH_TORCHAO)) && EXTRAS=(torchao)
-"$HOSTPY" - "$ROOT/pyproject.toml" "${GPU_CHECK_TOOLS[*]}" "${EXTRAS[*]}" >"$WORK/requirements.txt" <<'EOF' ||
+((WITH_TORCHAO)) && EXTRAS+=(torchao)
+PYPROJECT_EXTRAS=()
+((WITH_DEEPSPEED)) && PYPROJECT_EXTRAS+=(deepspeed)
+"$HOSTPY" - "$ROOT/pyproject.toml" "${GPU_CHECK_TOOLS[*]}" "${EXTRAS[*]}" "${PYPROJECT_EXTRAS[*]}" \
+  >"$WORK/requirements.txt" <<'EOF' ||
 import re
 import sys
 import tomllib
 
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-tools, extras = sys.argv[2].split(), sys.argv[3].split()
+tools, extras, groups = sys.argv[2].split(), sys.argv[3].split(), sys.argv[4].split()
 
 
 def name(req):
@@ -122,37 +146,105 @@ for tool in tools:
     print(test.get(tool, tool))
 for extra in extras:
     print(extra)
+for group in groups:
+    for req in project["optional-dependencies"][group]:
+        print(req)
 EOF
   die "could not read dependencies from $ROOT/pyproject.toml"
 sed 's/^/   /' "$WORK/requirements.txt"
 
+# Packages published as source only (DeepSpeed) are built into wheels first, here; the
+# resolver and the download below then find them beside the binary-only index.
+BUILT="$WORK/built"
+mkdir -p "$BUILT"
+: >"$WORK/built_pins.txt"
+if ((WITH_DEEPSPEED)); then
+  ds_req="$(grep -E '^deepspeed([^a-zA-Z0-9_.-]|$)' "$WORK/requirements.txt" | head -1)"
+  [[ -n "$ds_req" ]] || die "pyproject.toml's [deepspeed] extra does not name deepspeed"
+  echo "== building a wheel of $ds_req (source release only; pure Python, no ops compiled)"
+  DS_BUILD_OPS=0 "${PIP[@]}" wheel --quiet --no-deps --no-binary deepspeed -w "$BUILT" "$ds_req" \
+    >"$WORK/deepspeed-build.log" 2>&1 || {
+    tail -30 "$WORK/deepspeed-build.log" >&2
+    die "building the DeepSpeed wheel failed (log above)"
+  }
+  # The built wheel is pinned as it is; what it needs is resolved with the rest, except
+  # torch: DeepSpeed requires it, and resolving torch would bring its own dependencies
+  # (sympy, networkx, ...; 10 MB) that the server's torch already has.
+  "$HOSTPY" - "$WORK/requirements.txt" "$BUILT"/deepspeed-*.whl >>"$WORK/built_pins.txt" <<'EOF' ||
+import re
+import sys
+import zipfile
+from email.parser import Parser
+
+reqs, wheel = sys.argv[1], sys.argv[2]
+archive = zipfile.ZipFile(wheel)
+meta_name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+meta = Parser().parsestr(archive.read(meta_name).decode())
+
+
+def name(req):
+    return re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+needs = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
+lines = [line for line in open(reqs).read().splitlines() if name(line) != "deepspeed"]
+lines += [r for r in needs if name(r) != "torch"]
+open(reqs, "w").write("\n".join(lines) + "\n")
+print(f"{meta['Name']}=={meta['Version']}")
+EOF
+    die "could not read the DeepSpeed wheel's requirements"
+fi
+
 echo "== resolving for CPython $PYVER manylinux x86_64 (metadata only)"
 "${PIP[@]}" install --quiet --dry-run --ignore-installed --target "$WORK/none" \
-  --report "$WORK/report.json" "${TARGET[@]}" -r "$WORK/requirements.txt" ||
+  --find-links "$BUILT" --report "$WORK/report.json" "${TARGET[@]}" -r "$WORK/requirements.txt" ||
   die "pip could not resolve the requirements for Python $PYVER (output above)"
-"$HOSTPY" - "$WORK/report.json" "$EXCLUDE_RE" "$KEEP_RE" >"$WORK/pinned.txt" 2>"$WORK/excluded.txt" <<'EOF' ||
+"$HOSTPY" - "$WORK/report.json" "$EXCLUDE_RE" "$KEEP_RE" "$LEAVE_OUT" "$WORK/excluded.txt" \
+  "$WORK/left_out.txt" >"$WORK/pinned.txt" <<'EOF' ||
 import json
 import re
 import sys
 
 report = json.load(open(sys.argv[1]))
 exclude, keep = re.compile(sys.argv[2]), re.compile(sys.argv[3])
-for item in report["install"]:
-    meta = item["metadata"]
-    norm = re.sub(r"[-_.]+", "-", meta["name"]).lower()
-    if exclude.match(norm) and not keep.match(norm):
-        print(f"{meta['name']}=={meta['version']}", file=sys.stderr)
-    else:
-        print(f"{meta['name']}=={meta['version']}")
+
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+leave_out = {norm(n) for n in sys.argv[4].split(",") if n}
+resolved = {norm(item["metadata"]["name"]) for item in report["install"]}
+unknown = sorted(leave_out - resolved)
+if unknown:
+    sys.exit(
+        f"wheelhouse.sh: error: --leave-out {','.join(unknown)}: not in the resolved set, so "
+        f"nothing to leave out (check the spelling; the set: {', '.join(sorted(resolved))})"
+    )
+with open(sys.argv[5], "w") as torch_side, open(sys.argv[6], "w") as left:
+    for item in report["install"]:
+        meta = item["metadata"]
+        pin = f"{meta['name']}=={meta['version']}"
+        if exclude.match(norm(meta["name"])) and not keep.match(norm(meta["name"])):
+            print(pin, file=torch_side)
+        elif norm(meta["name"]) in leave_out:
+            print(pin, file=left)
+        else:
+            print(pin)
 EOF
-  die "could not read pip's resolution report"
+  die "could not read pip's resolution report (or --leave-out: above)"
+cat "$WORK/built_pins.txt" >>"$WORK/pinned.txt"
 if [[ -s "$WORK/excluded.txt" ]]; then
   echo "   left out (the server's torch provides them): $(tr '\n' ' ' <"$WORK/excluded.txt")"
+fi
+if [[ -s "$WORK/left_out.txt" ]]; then
+  echo "   left out (--leave-out: the server must have them): $(tr '\n' ' ' <"$WORK/left_out.txt")"
 fi
 
 echo "== downloading $(wc -l <"$WORK/pinned.txt") wheels (--no-deps; wheels already in DIR are reused)"
 mkdir -p "$WORK/wheels"
-"${PIP[@]}" download --quiet --no-deps --find-links "$DIR" -d "$WORK/wheels" "${TARGET[@]}" \
+"${PIP[@]}" download --quiet --no-deps --find-links "$DIR" --find-links "$BUILT" -d "$WORK/wheels" \
+  "${TARGET[@]}" \
   -r "$WORK/pinned.txt" || die "pip download failed (output above)"
 
 echo "== building the nbdist wheel (JupyterLab extension built in a copy of this checkout)"
@@ -206,6 +298,9 @@ done
 {
   echo "# nbdist wheelhouse: CPython $PYVER, manylinux x86_64; torch not included"
   echo "# built $(date -u +%Y-%m-%dT%H:%M:%SZ) by scripts/wheelhouse.sh"
+  if [[ -s "$WORK/left_out.txt" ]]; then
+    echo "# left out, the server must have them: $(tr '\n' ' ' <"$WORK/left_out.txt")"
+  fi
   for w in "$WORK"/wheels/*.whl; do echo "${w##*/}"; done
 } >"$WORK/wheels/wheelhouse.txt"
 count="$(find "$WORK/wheels" -maxdepth 1 -name '*.whl' | wc -l)"

@@ -58,6 +58,9 @@ def test_help(script, flag):
         (("DIR", "--python"), "--python needs a version"),
         (("DIR", "--max-mb", "lots"), "--max-mb 'lots': a whole number of MB"),
         (("DIR", "--max-mb"), "--max-mb needs a number"),
+        (("DIR", "--leave-out"), "--leave-out needs package names, comma-separated"),
+        (("DIR", "--leave-out", "numpy pandas"), "--leave-out 'numpy pandas': package names sep"),
+        (("DIR", "--leave-out", "numpy,"), "--leave-out 'numpy,': package names separated by"),
         (("DIR", "--frobnicate"), "unknown option '--frobnicate'"),
         (("A", "B"), "one DIR only"),
     ],
@@ -197,3 +200,33 @@ def test_wheelhouse_for_python312(tmp_path):
     again = _run(WHEELHOUSE, str(out), "--python", "3.12", timeout=1100)
     assert again.returncode == 0, again.stderr[-3000:]
     assert sorted(p.name for p in out.glob("*.whl")) == [p.name for p in wheels]
+
+
+@pytest.mark.skipif(
+    os.environ.get("NBDIST_TEST_WHEELHOUSE") != "1",
+    reason="builds a real wheelhouse (internet, node, ~3 min): set NBDIST_TEST_WHEELHOUSE=1",
+)
+@pytest.mark.timeout(1200)
+def test_wheelhouse_for_a_gpu_image_with_deepspeed(tmp_path):
+    """The GPU check's set: DeepSpeed built here (it publishes source only) with what it
+    needs but torch's own dependencies, torchao, and without the image's numpy and pandas."""
+    out = tmp_path / "wheelhouse"
+    args = ("--with-torchao", "--with-deepspeed", "--leave-out", "numpy,pandas")
+    res = _run(WHEELHOUSE, str(out), *args, timeout=1100)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    names = {parse_wheel_filename(w.name)[0] for w in out.glob("*.whl")}
+    assert {"deepspeed", "hjson", "pydantic", "ninja", "torchao", "nbdist"} <= names, names
+    # numpy and pandas are left out as asked; sympy and networkx would come only through
+    # DeepSpeed's requirement of torch, which the server's torch already has.
+    assert not names & {"numpy", "pandas", "sympy", "networkx", "mpmath"}, names
+    manifest = (out / "wheelhouse.txt").read_text()
+    assert re.search(
+        r"^# left out, the server must have them: numpy==\S+ pandas==\S+", manifest, re.M
+    )
+    assert sum(p.stat().st_size for p in out.iterdir()) < LIMIT
+
+    # A name that is not in the set is a typo, refused before anything is downloaded.
+    bad = _run(WHEELHOUSE, str(tmp_path / "other"), "--leave-out", "numpyy", timeout=600)
+    assert bad.returncode != 0
+    assert "--leave-out numpyy: not in the resolved set" in bad.stderr, bad.stderr[-2000:]
+    assert not list((tmp_path / "other").glob("*.whl"))
