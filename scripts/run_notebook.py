@@ -21,16 +21,23 @@ def _text(output) -> str:
 
 def main(path: str) -> int:
     nb = nbformat.read(path, as_version=4)
+    started: list[int] = []  # the index (among all cells) of each cell as it starts
     client = NotebookClient(
         nb,
         timeout=900,
+        # nbclient's default is 60 s; a machine running many notebooks and test files side
+        # by side (scripts/gpu_check.sh) has taken longer to answer a new kernel's first request.
+        startup_timeout=180,
         kernel_name="python3",
         resources={"metadata": {"path": os.path.dirname(path) or "."}},
+        on_cell_start=lambda cell, cell_index: started.append(cell_index),
     )
     failed = None
     try:
         client.execute()
     except CellExecutionError as exc:
+        failed = exc
+    except Exception as exc:  # the kernel did not start or died, or a cell ran past its time
         failed = exc
     for cell in nb.cells:
         if cell.cell_type != "code":
@@ -44,17 +51,22 @@ def main(path: str) -> int:
     print(f"\nexecuted notebook written to {out}")
     if failed is not None:
         # One line that says which cell failed and why: what a log's tail shows.
+        code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
         where = next(
             (
-                (i, cell)
-                for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code")
-                if any(o.output_type == "error" for o in cell.get("outputs", []))
+                i
+                for i in code
+                if any(o.output_type == "error" for o in nb.cells[i].get("outputs", []))
             ),
-            None,
+            # No error output: the cell that was running when the kernel died or time ran out.
+            started[-1] if started and not isinstance(failed, CellExecutionError) else None,
         )
-        cell_text = (
-            f"code cell {where[0]} ({where[1].source.splitlines()[:2]})" if where else "a cell"
-        )
+        if where is not None:
+            cell_text = f"code cell {code.index(where)} ({nb.cells[where].source.splitlines()[:2]})"
+        elif not started:
+            cell_text = "the kernel, before the first cell,"
+        else:
+            cell_text = "a cell"
         reason = f"{getattr(failed, 'ename', type(failed).__name__)}: {getattr(failed, 'evalue', failed)}"
         print(f"FAILED: {cell_text} raised {reason[:1500]}", file=sys.stderr)
         return 1
