@@ -52,7 +52,7 @@ options:
   --allow-cpu     go on without CUDA (to try the script itself on a CPU machine)
   -h, --help      this help
 
-environment: PYTHON (default python3.12 if present, else python3), NBDIST_COMMIT
+environment: PYTHON (default python3.12 if it runs, else python3), NBDIST_COMMIT
 (the commit to report when the checkout has no .git).
 EOF
 }
@@ -105,7 +105,8 @@ fi
 command -v timeout >/dev/null || die "needs 'timeout' (coreutils)"
 
 if [[ -n "${PYTHON:-}" ]]; then PY="$PYTHON"
-elif command -v python3.12 >/dev/null; then PY="python3.12"
+# Runs, not only found: a version manager's shim can be on PATH for a version it does not activate.
+elif python3.12 -c '' >/dev/null 2>&1; then PY="python3.12"
 else PY="python3"; fi
 command -v "$PY" >/dev/null || die "no '$PY' here (set PYTHON=/path/to/python)"
 
