@@ -7,7 +7,7 @@
 # under its own time limit, all within a time budget; scripts/gpu_check_steps.py):
 #   pytest tests/gpu (one process per test file and layout) · every examples/*.ipynb
 #   (scripts/run_notebook.py) · then, alone: bench/nccl.py --quick · bench/train.py
-#   --quick · bench/shared_gpu.py
+#   --windows 9 · bench/shared_gpu.py
 # It goes on past a failing job, keeps every log under the output directory and ends
 # with a markdown results block (device, date, commit, versions, each job's result, and
 # for a failure its cell or tests, exception and last lines) for bench/RESULTS.md, and
@@ -25,7 +25,7 @@ usage: bash scripts/gpu_check.sh WHEELHOUSE [OUTDIR] [options]
 On a GPU server without internet: install nbdist from WHEELHOUSE (made by
 scripts/wheelhouse.sh) into a venv over the system Python's CUDA torch, run
 tests/gpu and every example notebook side by side, then bench/nccl.py --quick,
-bench/train.py --quick and bench/shared_gpu.py alone, within a time budget, and
+bench/train.py --windows 9 and bench/shared_gpu.py alone, within a time budget, and
 print a results block for bench/RESULTS.md. Exit status 0 only if every job passed.
 
 OUTDIR (logs, executed notebooks, results.md, results.json): the argument, else

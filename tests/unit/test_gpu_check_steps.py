@@ -74,7 +74,7 @@ def _previous(jobs, statuses: dict) -> dict:
 def test_only_failed_reruns_what_did_not_pass_and_only_the_failed_tests():
     jobs = steps.plan_jobs(ROOT, python="PY")
     names = [j.name for j in jobs]
-    assert "examples/09_fsdp.ipynb" in names and "python bench/train.py --quick" in names
+    assert "examples/09_fsdp.ipynb" in names and "python bench/train.py --windows 9" in names
     assert "pytest tests/gpu/test_strategies_gpu.py [nccl1]" in names
     previous = _previous(
         jobs,
@@ -194,7 +194,7 @@ def test_dry_run_lists_the_jobs_without_a_wheelhouse_and_only_failed_needs_resul
     assert run.returncode == 0, run.stderr
     assert "pytest tests/gpu/test_strategies_gpu.py [gloo2]" in run.stdout
     assert "examples/09_fsdp.ipynb" in run.stdout and "examples/12_" not in run.stdout
-    assert "bench/train.py --quick" in run.stdout
+    assert "bench/train.py --windows 9" in run.stdout
     assert not (tmp_path / "o").exists()
     run = subprocess.run(
         ["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--only-failed"],
