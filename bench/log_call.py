@@ -20,7 +20,14 @@
    throughput, memory) and encoding the message, and the kernel decoding it, adding it
    to the run and appending it to the history.
 
-Usage: python bench/log_call.py [--rounds 10] [--flushes] [--batch]
+``--cuda``: parts 1 and 2 with ``x`` and ``w`` on the GPU, so the logged loss is a CUDA
+tensor, as on a GPU rank: the call only detaches it, and the flush thread reads the
+batch's values in one copy to the host, which waits for the kernels queued before it
+(nbdist.metrics.log). The steps are launch-bound there (a few microseconds of GPU work
+each), so each timed stretch of steps ends with ``torch.cuda.synchronize()``. Without
+a GPU it says so and exits 0, as bench/shared_gpu.py does.
+
+Usage: python bench/log_call.py [--rounds 10] [--flushes] [--batch] [--cuda]
 """
 
 from __future__ import annotations
@@ -60,8 +67,17 @@ def _calls(log, x, w, n: int) -> list[int]:
     return out
 
 
+def _sync(x) -> None:
+    if x.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(x.device)
+
+
 def _steps(log, x, w, n: int) -> float:
-    """Seconds per step of ``n`` steps, logging each when ``log`` is given."""
+    """Seconds per step of ``n`` steps, logging each when ``log`` is given (on a GPU,
+    up to the end of the last step's kernels)."""
+    _sync(x)
     t0 = time.perf_counter()
     if log is None:
         for _ in range(n):
@@ -70,6 +86,7 @@ def _steps(log, x, w, n: int) -> float:
         for i in range(n):
             y = (x @ w).relu().sum()
             log(step=i, loss=y, samples=64)
+    _sync(x)
     return (time.perf_counter() - t0) / n
 
 
@@ -88,8 +105,9 @@ def bench_call(rounds: int, x, w) -> dict:
         for name, v in got.items()
     }
     extra = out["nbdist.log"]["median_us"] - out["nothing"]["median_us"]
+    where = "a CUDA step (loss on the GPU)" if x.is_cuda else "a 0.5 ms step"
     print(
-        f"call after a 0.5 ms step: nbdist.log median {out['nbdist.log']['median_us']} us "
+        f"call after {where}: nbdist.log median {out['nbdist.log']['median_us']} us "
         f"(p90 {out['nbdist.log']['p90_us']}), the same keywords to a function that does "
         f"nothing {out['nothing']['median_us']} us (p90 {out['nothing']['p90_us']}): the "
         f"call's own work {extra:.2f} us"
@@ -197,28 +215,38 @@ def bench_batch(rounds: int, n: int = 1000) -> dict:
     return out
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--flushes", action="store_true", help="also part 2, the cost of a flush")
     parser.add_argument(
         "--batch", action="store_true", help="also part 3, a batch's cost per point"
     )
+    parser.add_argument(
+        "--cuda", action="store_true", help="parts 1 and 2 on the GPU: a CUDA loss, as on GPU ranks"
+    )
     args = parser.parse_args()
     import torch
+
+    if args.cuda and not torch.cuda.is_available():
+        # As bench/shared_gpu.py: a GPU-only measurement says so and succeeds without one.
+        print("--cuda: torch sees no CUDA device here, nothing measured (drop --cuda for the CPU)")
+        return 0
 
     from nbdist.metrics import log as metrics_log
 
     torch.set_num_threads(1)
     print(f"machine: {machine()}; nbdist from {os.path.dirname(metrics_log.__file__)}")
-    summary: dict = {"benchmark": "log_call", "load_before": load()}
+    summary: dict = {"benchmark": "log_call", "device": "cuda" if args.cuda else "cpu"}
+    summary["load_before"] = load()
     drain = subprocess.Popen(
         [sys.executable, "-c", _DRAIN], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         port = int(drain.stdout.readline())
         metrics_log.configure(f"tcp://127.0.0.1:{port}", os.urandom(16), 0)
-        x, w = torch.randn(64, 1024), torch.randn(1024, 320)
+        device = "cuda" if args.cuda else "cpu"
+        x, w = torch.randn(64, 1024, device=device), torch.randn(1024, 320, device=device)
         summary["call"] = bench_call(args.rounds, x, w)
         if args.flushes:
             summary["flushes"] = bench_flushes(args.rounds, x, w)
@@ -230,6 +258,7 @@ def main() -> None:
         drain.wait()
     summary["load_after"] = load()
     print_summary(summary)
+    return 0
 
 
 if __name__ == "__main__":

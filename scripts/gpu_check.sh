@@ -7,7 +7,7 @@
 # under its own time limit, all within a time budget; scripts/gpu_check_steps.py):
 #   pytest tests/gpu (one process per test file and layout) · every examples/*.ipynb
 #   (scripts/run_notebook.py) · then, alone: bench/nccl.py --quick · bench/train.py
-#   --windows 9 · bench/shared_gpu.py
+#   --windows 9 · bench/shared_gpu.py · bench/log_call.py --cuda --flushes
 # It goes on past a failing job, keeps every log under the output directory and ends
 # with a markdown results block (device, date, commit, versions, each job's result, and
 # for a failure its cell or tests, exception and last lines) for bench/RESULTS.md, and
@@ -25,14 +25,16 @@ usage: bash scripts/gpu_check.sh WHEELHOUSE [OUTDIR] [options]
 On a GPU server without internet: install nbdist from WHEELHOUSE (made by
 scripts/wheelhouse.sh) into a venv over the system Python's CUDA torch, run
 tests/gpu and every example notebook side by side, then bench/nccl.py --quick,
-bench/train.py --windows 9 and bench/shared_gpu.py alone, within a time budget, and
+bench/train.py --windows 9, bench/shared_gpu.py and bench/log_call.py --cuda
+--flushes alone, within a time budget, and
 print a results block for bench/RESULTS.md. Exit status 0 only if every job passed.
 
 OUTDIR (logs, executed notebooks, results.md, results.json): the argument, else
 $NBDIST_GPU_CHECK_OUT, else $OUT if set, else ./gpu_check_out.
 
 options:
-  --steps LIST    comma-separated subset of: tests,notebooks,nccl,train,shared (default: all)
+  --steps LIST    comma-separated subset of: tests,notebooks,nccl,train,shared,log
+                  (default: all)
   --timeout S     time limit of each job in seconds (default: a pytest shard 540, a
                   notebook 420, a benchmark 240)
   --budget S      start no job that would not end within S seconds of the first
@@ -59,7 +61,7 @@ EOF
 
 die() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 
-WH="" OUTDIR="" STEPS="tests,notebooks,nccl,train,shared" LIMIT="" VENV_ARG="" ALLOW_CPU=0
+WH="" OUTDIR="" STEPS="tests,notebooks,nccl,train,shared,log" LIMIT="" VENV_ARG="" ALLOW_CPU=0
 EXAMPLES='[0-9][0-9]_*' BUDGET=540 SLOTS="" ONLY_FAILED=0 SINCE="" PREVIOUS="" DRY_RUN=0
 while (($#)); do
   case "$1" in
@@ -96,7 +98,8 @@ if [[ -n "$LIMIT" && ! "$LIMIT" =~ ^[1-9][0-9]*$ ]]; then die "--timeout '$LIMIT
 [[ -z "$SLOTS" || "$SLOTS" =~ ^[1-9][0-9]*$ ]] || die "--slots '$SLOTS': a positive integer"
 IFS=',' read -r -a STEP_LIST <<<"$STEPS"
 for s in "${STEP_LIST[@]}"; do
-  [[ "$s" =~ ^(tests|notebooks|nccl|train|shared)$ ]] || die "--steps: unknown step '$s' (tests,notebooks,nccl,train,shared)"
+  [[ "$s" =~ ^(tests|notebooks|nccl|train|shared|log)$ ]] ||
+    die "--steps: unknown step '$s' (tests,notebooks,nccl,train,shared,log)"
 done
 if [[ -n "$SINCE" ]]; then
   git -C "$ROOT" rev-parse --verify --quiet "$SINCE^{commit}" >/dev/null ||

@@ -50,16 +50,24 @@ __all__ = [
     "summary_line",
 ]
 
-STEPS = ("tests", "notebooks", "nccl", "train", "shared")
-BENCHES = {"nccl": "nccl", "train": "train", "shared": "shared_gpu"}
+STEPS = ("tests", "notebooks", "nccl", "train", "shared", "log")
+BENCHES = {"nccl": "nccl", "train": "train", "shared": "shared_gpu", "log": "log_call"}
 # Each benchmark's arguments here. train.py: 9 windows of 1000 steps per job, taking turns,
 # with the A/A control (4 jobs): run 3's --quick (3 windows of 300 steps, no control) gave
 # nbdist 0.81x torchrun where run 1's gave 1.08x, too few steps to settle the ratio; at
 # ~650 steps/s on an H200 this adds about a minute.
-BENCH_ARGS = {"nccl": ["--quick"], "train": ["--windows", "9"], "shared_gpu": []}
+# log_call.py --cuda: what one nbdist.log call and one flush cost with the loss on the GPU
+# (the parts of train.py's logging cost, measured apart).
+BENCH_ARGS = {
+    "nccl": ["--quick"],
+    "train": ["--windows", "9"],
+    "shared_gpu": [],
+    "log_call": ["--cuda", "--flushes", "--rounds", "5"],
+}
 # Expected seconds on one H200 with 16 cores (2026-11 runs, rounded up): the order jobs
 # start in (longest first) and whether one still fits the budget.
 EXPECTED_S = {"pytest": 240, "notebook": 60, "bench": 90, "bench/train.py": 150}
+EXPECTED_S["bench/log_call.py"] = 45
 # Ranks a notebook starts (its %dist_start), where not 2.
 NOTEBOOK_RANKS = {"18": 4, "26": 8, "27": 4}
 # tests/gpu files split by layout (their ``one_gpu`` parametrisation ids).

@@ -195,6 +195,7 @@ def test_dry_run_lists_the_jobs_without_a_wheelhouse_and_only_failed_needs_resul
     assert "pytest tests/gpu/test_strategies_gpu.py [gloo2]" in run.stdout
     assert "examples/09_fsdp.ipynb" in run.stdout and "examples/12_" not in run.stdout
     assert "bench/train.py --windows 9" in run.stdout
+    assert "bench/log_call.py --cuda --flushes" in run.stdout
     assert not (tmp_path / "o").exists()
     run = subprocess.run(
         ["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--only-failed"],
