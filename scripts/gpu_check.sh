@@ -7,7 +7,7 @@
 # under its own time limit, all within a time budget; scripts/gpu_check_steps.py):
 #   pytest tests/gpu (one process per test file and layout) · every examples/*.ipynb
 #   (scripts/run_notebook.py) · then, alone: bench/nccl.py --quick · bench/train.py
-#   --windows 9 · bench/shared_gpu.py · bench/log_call.py --cuda --flushes
+#   --windows 9 · bench/log_call.py --cuda --flushes (and bench/shared_gpu.py when asked)
 # It goes on past a failing job, keeps every log under the output directory and ends
 # with a markdown results block (device, date, commit, versions, each job's result, and
 # for a failure its cell or tests, exception and last lines) for bench/RESULTS.md, and
@@ -25,8 +25,8 @@ usage: bash scripts/gpu_check.sh WHEELHOUSE [OUTDIR] [options]
 On a GPU server without internet: install nbdist from WHEELHOUSE (made by
 scripts/wheelhouse.sh) into a venv over the system Python's CUDA torch, run
 tests/gpu and every example notebook side by side, then bench/nccl.py --quick,
-bench/train.py --windows 9, bench/shared_gpu.py and bench/log_call.py --cuda
---flushes alone, within a time budget, and
+bench/train.py --windows 9 and bench/log_call.py --cuda --flushes alone (and
+bench/shared_gpu.py with --steps ...,shared), within a time budget, and
 print a results block for bench/RESULTS.md. Exit status 0 only if every job passed.
 
 OUTDIR (logs, executed notebooks, results.md, results.json): the argument, else
@@ -34,7 +34,7 @@ $NBDIST_GPU_CHECK_OUT, else $OUT if set, else ./gpu_check_out.
 
 options:
   --steps LIST    comma-separated subset of: tests,notebooks,nccl,train,shared,log
-                  (default: all)
+                  (default: tests,notebooks,nccl,train,log; shared is bench/shared_gpu.py)
   --timeout S     time limit of each job in seconds (default: a pytest shard 540, a
                   notebook 420, a benchmark 240)
   --budget S      start no job that would not end within S seconds of the first
@@ -61,7 +61,7 @@ EOF
 
 die() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 
-WH="" OUTDIR="" STEPS="tests,notebooks,nccl,train,shared,log" LIMIT="" VENV_ARG="" ALLOW_CPU=0
+WH="" OUTDIR="" STEPS="tests,notebooks,nccl,train,log" LIMIT="" VENV_ARG="" ALLOW_CPU=0
 EXAMPLES='[0-9][0-9]_*' BUDGET=540 SLOTS="" ONLY_FAILED=0 SINCE="" PREVIOUS="" DRY_RUN=0
 while (($#)); do
   case "$1" in

@@ -51,6 +51,13 @@ __all__ = [
 ]
 
 STEPS = ("tests", "notebooks", "nccl", "train", "shared", "log")
+# What a check runs unless --steps says otherwise. bench/shared_gpu.py (every collective on
+# CUDA tensors over gloo, timed) only on request: tests/gpu checks those collectives, and its
+# 90 s keep the tests and notebooks within the ten minutes.
+DEFAULT_STEPS = ("tests", "notebooks", "nccl", "train", "log")
+# Seconds from the first job's start to the last one's end (gpu_check.sh --budget): with the
+# install and start-up, the check fits ten minutes.
+DEFAULT_BUDGET_S = 540
 BENCHES = {"nccl": "nccl", "train": "train", "shared": "shared_gpu", "log": "log_call"}
 # Each benchmark's arguments here. train.py: 9 windows of 1000 steps per job, taking turns,
 # with the A/A control (4 jobs): run 3's --quick (3 windows of 300 steps, no control) gave
@@ -170,7 +177,7 @@ def plan_jobs(
     root: Path,
     *,
     python: str = sys.executable,
-    steps: tuple[str, ...] = STEPS,
+    steps: tuple[str, ...] = DEFAULT_STEPS,
     examples: str = "[0-9][0-9]_*",
     limit: int | None = None,
     outdir: Path | None = None,
@@ -481,12 +488,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--python", default=sys.executable)
-    p.add_argument("--steps", default=",".join(STEPS))
+    p.add_argument("--steps", default=",".join(DEFAULT_STEPS))
     p.add_argument("--examples", default="[0-9][0-9]_*")
     p.add_argument("--timeout", type=int, default=None)
     # Two slots a core: a rank on a GPU mostly waits for it once started.
     p.add_argument("--slots", type=int, default=2 * (os.cpu_count() or 2))
-    p.add_argument("--budget", type=float, default=540.0)
+    p.add_argument("--budget", type=float, default=float(DEFAULT_BUDGET_S))
     p.add_argument("--previous", type=Path, default=None)
     p.add_argument("--only-failed", action="store_true")
     p.add_argument("--since", default=None)

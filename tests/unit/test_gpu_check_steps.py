@@ -225,3 +225,22 @@ def test_dry_run_lists_the_jobs_without_a_wheelhouse_and_only_failed_needs_resul
     )
     assert run.returncode == 0, run.stderr
     assert "examples/09_fsdp.ipynb" in run.stdout and "1 jobs" in run.stdout
+
+
+def test_the_default_check_leaves_every_job_room_in_the_default_budget():
+    """With the default steps and budget (540 s), the benchmarks' expected time (kept for them
+    after the rest) leaves the longest test or notebook job room to start: none is planned
+    to be skipped for time before anything ran."""
+    jobs = steps.plan_jobs(ROOT, python="PY")
+    benches = [j for j in jobs if j.kind == "bench"]
+    rest = [j for j in jobs if j.kind != "bench"]
+    assert {j.command[1] for j in benches} == {
+        "bench/nccl.py",
+        "bench/train.py",
+        "bench/log_call.py",
+    }
+    parallel_budget = steps.DEFAULT_BUDGET_S - sum(j.expected_s for j in benches)
+    assert max(j.expected_s for j in rest) <= parallel_budget, (
+        parallel_budget,
+        [(j.name, j.expected_s) for j in benches],
+    )
