@@ -71,9 +71,9 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
         return self.head(self.norm(self.blocks(self.tok(idx) + self.pos(pos))))
 
-def make_seq_gpt(seed=0):
+def make_seq_gpt(seed=0, t=16):
     torch.manual_seed(seed)
-    return GPT()
+    return GPT(t=t)
 
 def make_tokens(n=8, t=8, vocab=32):
     g = torch.Generator().manual_seed(1)
@@ -364,16 +364,18 @@ eval_preds = all_gather_uneven(torch.cat(preds)).cpu()
 def test_nbdist_syncbn_under_ddp_trains_like_batchnorm_on_the_whole_batch(one_gpu):
     """nbdist's SyncBatchNorm on CUDA tensors under DDP: running statistics and weights of
     plain BatchNorm over the whole batch in one process (torch's is tested in
-    test_training_gpu.py)."""
+    test_training_gpu.py). Built by hand: ``convert_sync_batchnorm`` gives torch's class on
+    CUDA, and a BatchNorm's initial values take nothing from the random generator, so the
+    seeded Linear layers match the reference's."""
     run(
         one_gpu,
         """
 from torch.nn.parallel import DistributedDataParallel as DDP
-from nbdist.strategies.parallel.syncbn import convert_sync_batchnorm
+from nbdist.strategies.parallel.syncbn import SyncBatchNorm
 def bn_net():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
-ddp = DDP(convert_sync_batchnorm(bn_net()).to(device))
+    return nn.Sequential(nn.Linear(8, 16), SyncBatchNorm(16), nn.ReLU(), nn.Linear(16, 1))
+ddp = DDP(bn_net().to(device))
 bn_kind = type(ddp.module[1]).__module__
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 X, Y = make_data()
@@ -570,24 +572,31 @@ sp_state = cpu_state(model)
 
 
 @pytest.mark.example(27)
-@pytest.mark.parametrize("backend", ["auto", "ring"])
-def test_context_parallel_trains_like_one_process(one_gpu, backend):
+@pytest.mark.parametrize(
+    ("backend", "seq"),
+    [("auto", 128), ("auto", 16), ("ring", 16)],
+    ids=["auto-torch", "auto-short", "ring"],
+)
+def test_context_parallel_trains_like_one_process(one_gpu, backend, seq):
     """The model's SDPA over all ranks' sequence shards under DDP; ``auto`` takes torch's own
-    context parallel on CUDA, ``ring`` nbdist's ring attention (send/recv of CUDA tensors).
+    context parallel on CUDA where each rank's chunk is a multiple of 32 tokens (128 tokens
+    over 2 ranks: chunks of 32), else nbdist's ring (16 tokens: chunks of 4, whose
+    log-sum-exp CUDA's memory-efficient attention pads to 32, which torch's merge does not
+    take); ``ring`` nbdist's ring attention (send/recv of CUDA tensors).
 
     The attention kernels differ from the CPU's (memory-efficient or flash SDPA): their
     float32 results keep ~1e-6 relative, inside GPU_TOL. With one NCCL rank the "split" is the
     whole sequence: a ring of one (its backward once sent to itself and failed on gloo)."""
-    one_gpu.push({"cp_backend": backend})
+    one_gpu.push({"cp_backend": backend, "cp_seq": seq})
     run(
         one_gpu,
         """
 from torch.nn.parallel import DistributedDataParallel as DDP
 from nbdist.strategies.parallel.context_parallel import context_parallel
-model = DDP(make_seq_gpt().to(device))
-X, Y = make_tokens(t=16)
+model = DDP(make_seq_gpt(t=cp_seq).to(device))
+X, Y = make_tokens(t=cp_seq)
 x, y = X.clone().to(device), Y.clone().to(device)
-pos = torch.arange(16, device=device).unsqueeze(0)
+pos = torch.arange(cp_seq, device=device).unsqueeze(0)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 cp_losses = []
 for _ in range(3):
@@ -603,7 +612,10 @@ cp_restored = torch.equal(x.cpu(), X) and torch.equal(y.cpu(), Y)
 cp_state = cpu_state(model.module)
 """,
     )
-    net, want = reference_gpt(make_seq_gpt, tokens=make_tokens(t=16))  # noqa: F821
+    net, want = reference_gpt(
+        lambda: make_seq_gpt(t=seq),  # noqa: F821
+        tokens=make_tokens(t=seq),  # noqa: F821
+    )
     assert one_gpu.pull("cp_restored") == [True] * one_gpu.world_size
     for r, (state, losses) in enumerate(zip(one_gpu.pull("cp_state"), one_gpu.pull("cp_losses"))):
         assert_state(state, net, f"rank {r}")
@@ -742,23 +754,26 @@ state_3d = cpu_state(stage.submod)
 
 
 @pytest.mark.example(13)
-@pytest.mark.parametrize("name", ["LARS", "LAMB"])
-def test_large_batch_optimizers_under_ddp_train_like_one_process(one_gpu, name):
-    one_gpu.push({"lb_name": name})
+@pytest.mark.parametrize(("name", "lr"), [("LARS", 1.0), ("LAMB", 0.01)])
+def test_large_batch_optimizers_under_ddp_train_like_one_process(one_gpu, name, lr):
+    """LARS scales each step by its trust ratio (eta 1e-3 times |w| / |g|): at lr 0.01 the
+    weights moved 4e-5 in 3 steps, inside GPU_TOL, so gradients never averaged over the ranks
+    passed too; at lr 1.0 they move 4e-3 and one rank's own gradients miss by 3e-3."""
+    one_gpu.push({"lb_name": name, "lb_lr": lr})
     run(
         one_gpu,
         """
 from torch.nn.parallel import DistributedDataParallel as DDP
 from nbdist.strategies.optim import optimizers
 ddp = DDP(make_net().to(device))
-opt = getattr(optimizers, lb_name)(ddp.parameters(), lr=0.01)
+opt = getattr(optimizers, lb_name)(ddp.parameters(), lr=lb_lr)
 train_mse(ddp, opt)
 lb_state = cpu_state(ddp.module)
 """,
     )
     from nbdist.strategies.optim import optimizers
 
-    net, _ = reference_mse(getattr(optimizers, name), one_gpu.world_size, lr=0.01)
+    net, _ = reference_mse(getattr(optimizers, name), one_gpu.world_size, lr=lr)
     for r, state in enumerate(one_gpu.pull("lb_state")):
         assert_state(state, net, f"rank {r}")
 

@@ -231,3 +231,26 @@ def test_table_and_chart_show_every_rank():
     assert df.loc["fsdp", "peak MiB r1"] == 2.0 and "comm MiB/step r0" in df.columns
     fig = comparison_chart(rows)
     assert [t.name for t in fig.data] == ["all ranks", "rank 0", "rank 0", "rank 1", "rank 1"]
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "world", "load_balance", "fits"),
+    [
+        # tests/gpu's 16 tokens over 2 ranks, load-balanced: chunks of 4 tokens, whose
+        # log-sum-exp CUDA pads to 32: torch's merge fails, the ring runs.
+        (16, 2, True, False),
+        (128, 2, True, True),  # chunks of 32
+        (128, 4, True, False),  # chunks of 16
+        (128, 4, False, True),  # slices of 32, no halves
+        (8192, 8, True, True),  # a long-context run: chunks of 512
+        (48, 2, False, False),  # slices of 24 tokens, padded to 32
+        (48, 1, True, True),  # one rank merges nothing
+        (1, 2, True, False),  # fewer tokens than chunks
+    ],
+)
+def test_torch_context_parallel_only_where_cudas_padded_log_sum_exp_fits(
+    seq_len, world, load_balance, fits
+):
+    from nbdist.strategies.parallel.context_parallel import torch_path_fits
+
+    assert torch_path_fits(seq_len, world, load_balance) is fits

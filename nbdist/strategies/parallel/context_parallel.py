@@ -21,7 +21,12 @@ for CUDA's flash/efficient/cuDNN attention kernels; on CPU it raises
 ``NotImplementedError`` (``aten._scaled_dot_product_flash_attention_for_cpu``
 has no sharding strategy). :func:`context_parallel` uses torch's where its
 buffers are on CUDA (``backend="auto"``) and this module's ring everywhere
-else, with the same sharding, so the code around it does not change.
+else, with the same sharding, so the code around it does not change. On CUDA,
+"auto" also takes the ring when a rank's chunk of the sequence is not a multiple of
+32 tokens: CUDA's memory-efficient attention (float32, or shapes flash attention
+does not take) pads its log-sum-exp to a multiple of 32, and torch's merge of the
+ring's blocks assumes it is as long as the chunk (a size mismatch from the second
+block on; :func:`torch_path_fits`).
 
 Example (on every rank)::
 
@@ -47,6 +52,7 @@ __all__ = [
     "ring_sdpa",
     "sequence_indices",
     "shard_sequence",
+    "torch_path_fits",
     "unshard_sequence",
 ]
 
@@ -284,6 +290,25 @@ class ring_sdpa(TorchFunctionMode):  # noqa: N801 - used as a context manager
         )
 
 
+LSE_ALIGN = 32  # CUDA memory-efficient attention: log-sum-exp length rounded up to this
+
+
+def torch_path_fits(seq_len: int, world: int, load_balance: bool) -> bool:
+    """Whether torch's context parallel can merge the blocks of a ``seq_len`` sequence
+    split over ``world`` ranks on CUDA, whichever attention kernel SDPA picks there.
+
+    torch merges each arriving block's output with its log-sum-exp, which CUDA's
+    memory-efficient kernel returns padded to a multiple of :data:`LSE_ALIGN`; the
+    merge holds when every query block it attends with is that long already: the
+    rank's chunk, or with ``load_balance`` each of its two halves. One rank merges
+    nothing.
+    """
+    if world == 1:
+        return True
+    chunk = seq_len // (2 * world if load_balance else world)
+    return chunk > 0 and chunk % LSE_ALIGN == 0
+
+
 @contextmanager
 def context_parallel(
     *,
@@ -301,7 +326,8 @@ def context_parallel(
     full value again after it. ``group`` (or a 1-D ``mesh``) is the
     context-parallel group, all ranks by default. ``backend``: ``"ring"``
     (this module, any device), ``"torch"`` (torch's, CUDA only), ``"auto"``
-    (torch's when the buffers are on CUDA, else the ring).
+    (torch's when the buffers are on CUDA and each rank's chunk is a multiple of
+    32 tokens, :func:`torch_path_fits`; else the ring).
     """
     if backend not in ("auto", "ring", "torch"):
         raise ValueError(f"backend must be 'auto', 'ring' or 'torch', got {backend!r}")
@@ -324,7 +350,9 @@ def context_parallel(
     if mesh is not None:
         group = mesh.get_group()
     on_cuda = buffers[0].device.type == "cuda"
-    if backend == "torch" or (backend == "auto" and on_cuda):
+    _, world = _group_info(group)
+    fits = torch_path_fits(buffers[0].shape[seq_dims[0]], world, load_balance)
+    if backend == "torch" or (backend == "auto" and on_cuda and fits):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor.experimental import context_parallel as torch_cp
         from torch.distributed.tensor.experimental._attention import _cp_options
