@@ -254,3 +254,25 @@ def test_torch_context_parallel_only_where_cudas_padded_log_sum_exp_fits(
     from nbdist.strategies.parallel.context_parallel import torch_path_fits
 
     assert torch_path_fits(seq_len, world, load_balance) is fits
+
+
+@pytest.mark.parametrize(
+    ("q_len", "blocks", "options"),
+    [
+        # Example 28's masks (blocks of 32 over 256 or 128 tokens): TorchInductor's 64 x 64
+        # float32 tiles on an H100/H200 do not divide them, so the forward's are set.
+        (256, (32, 32), {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32}),
+        (128, (32, 32), {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 32}),
+        (4096, (64, 64), {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}),  # the H100 table has 128 x 32
+        (1024, (48, 96), {"fwd_BLOCK_M": 16, "fwd_BLOCK_N": 32}),
+        (4096, (128, 128), None),  # every tile divides 128: TorchInductor's choice stands
+        (64, (32, 32), None),  # fewer than 128 queries: the decoding kernel, its own tiles
+    ],
+)
+def test_flex_tiles_divide_the_masks_blocks_on_cuda(q_len, blocks, options):
+    from nbdist.strategies.training.sparse_attention import flex_kernel_options
+
+    got = flex_kernel_options(q_len, *blocks)
+    assert got == options
+    if got:
+        assert blocks[0] % got["fwd_BLOCK_M"] == 0 and blocks[1] % got["fwd_BLOCK_N"] == 0

@@ -14,7 +14,12 @@ allowed pair: those are all that is computed.
 - ``"flex"``: ``torch.compile(flex_attention)``, a fused kernel that skips the
   empty blocks. On CPU (torch 2.13) it runs forward only
   (``NotImplementedError: FlexAttention does not support backward on CPU``),
-  and its first call compiles for many seconds.
+  and its first call compiles for many seconds. On CUDA the kernel's tiles must
+  divide the mask's blocks, which the tiles TorchInductor picks need not (64 × 64
+  for float32 with a head dimension of 16 on an H100/H200, against blocks of 32:
+  "Q and KV block size must be divisible by BLOCK_M and BLOCK_N"); where a block
+  is not a multiple of 128 the forward's tiles are set to divide it
+  (:func:`flex_kernel_options`).
 - ``"flex_eager"``: ``flex_attention`` uncompiled: it materialises the whole
   score matrix (and warns); for checking masks. Forward only on CPU too.
 - ``"blocks"``: this module, in plain torch ops: per query block, gather the
@@ -34,6 +39,8 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -44,12 +51,29 @@ __all__ = [
     "causal",
     "computed_fraction",
     "dense_mask",
+    "flex_kernel_options",
     "sliding_window",
     "sparse_attention",
 ]
 
 BACKENDS = ("auto", "flex", "flex_eager", "blocks", "dense")
 _compiled_flex = None
+# The largest tile TorchInductor's FlexAttention forward configurations use (torch 2.13).
+_MAX_TILE = 128
+
+
+def flex_kernel_options(q_len: int, q_block: int, kv_block: int) -> dict | None:
+    """Forward tile sizes for compiled FlexAttention on CUDA that divide the mask's blocks.
+
+    None where the defaults work: blocks that are multiples of 128 (every tile
+    TorchInductor picks divides them), or fewer than 128 queries (its decoding
+    kernel, which picks its own tiles). Else the largest tiles up to 64 that divide
+    the blocks: ``{"fwd_BLOCK_M": ..., "fwd_BLOCK_N": ...}``. The backward's
+    configurations are filtered by the same rule inside TorchInductor.
+    """
+    if q_len < _MAX_TILE or (q_block % _MAX_TILE == 0 and kv_block % _MAX_TILE == 0):
+        return None
+    return {"fwd_BLOCK_M": math.gcd(q_block, 64), "fwd_BLOCK_N": math.gcd(kv_block, 64)}
 
 
 def causal():
@@ -217,7 +241,10 @@ def sparse_attention(q, k, v, mask, *, backend: str = "auto", scale: float | Non
         if _compiled_flex is None:
             # Compiled once per process; each new shape may compile again (seconds on CPU).
             _compiled_flex = torch.compile(flex_attention)
-        return _compiled_flex(q, k, v, block_mask=mask, scale=scale)
+        options = None
+        if q.device.type == "cuda":
+            options = flex_kernel_options(T, *mask.BLOCK_SIZE)
+        return _compiled_flex(q, k, v, block_mask=mask, scale=scale, kernel_options=options)
     if backend == "dense":
         allowed = dense_mask(mask, T, S, device=q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
