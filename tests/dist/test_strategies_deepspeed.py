@@ -196,3 +196,25 @@ def test_refuses_outside_a_process_group():
 
     with pytest.raises(RuntimeError, match="needs a torch.distributed process group"):
         apply_deepspeed(make_net(), stage=1, lr=0.1)  # noqa: F821 - from COMMON
+
+
+def test_first_use_builds_no_cpp_extension_and_opens_no_shared_memory():
+    """DeepSpeed's CPU backend would build its shared-memory all-reduce on first use (a C++
+    compiler, Python's headers and OpenMP needed, about a minute, "... built successfully"
+    under the cell) and open shared-memory segments between the ranks, for an all-reduce
+    that only DeepSpeed's inference uses. Fresh ranks, so this is their first use."""
+    ranks = ranks_with(2, COMMON)
+    fresh = next(ranks)
+    try:
+        sink = ListSink()
+        fresh.run(
+            "train_deepspeed(1, torch.optim.Adam, {}, 1, 0.01)\n"
+            "import deepspeed.comm.comm as ds_comm\n"
+            "shm_op = ds_comm.cdb.shm_comm_op\n",
+            sink=sink,
+        )
+        assert fresh.pull("shm_op") == [None, None]
+        text = "\n".join(e[3] for e in sink.events if e[0] == "line")
+        assert "built successfully" not in text and "shm" not in text, text
+    finally:
+        ranks.close()

@@ -127,6 +127,17 @@ def _quiet_ops_probe() -> None:
             deepspeed.ops.__compatible_ops__  # noqa: B018 - computed and cached on first access
 
 
+def _skip_shm_comm() -> None:
+    # DeepSpeed's CPU communication backend builds its shared-memory all-reduce (a C++
+    # extension: a compiler, Python's headers, OpenMP, about a minute the first time) when
+    # the probe calls it compatible, and opens shared-memory segments between the host's
+    # ranks. Only its inference_all_reduce uses it; ZeRO training goes through the gloo
+    # group. Marked incompatible, DeepSpeed's backend goes without it.
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def apply_deepspeed(
     model: torch.nn.Module,
     *,
@@ -199,6 +210,7 @@ def apply_deepspeed(
     _check_accelerator()
     _point_local_rank_at_this_gpu()
     _quiet_ops_probe()
+    _skip_shm_comm()
     # DeepSpeed 0.19 calls these torch.distributed functions, deprecated in torch 2.13: a
     # FutureWarning under the cell at every step, about code the user did not write.
     warnings.filterwarnings(
