@@ -5,8 +5,8 @@ Standard library only, so ``--dry-run`` works with any Python 3.10+. The steps:
 - ``pytest tests/gpu`` in shards (one per test file; the strategies files once per
   layout), each its own pytest process, so they run side by side on one GPU;
 - every ``examples/NN_*.ipynb`` through scripts/run_notebook.py;
-- the benchmarks with ``--quick`` (nccl, train, shared_gpu), run last and alone, as
-  timing is their point.
+- the benchmarks (nccl --quick, train, log_call --cuda; shared_gpu on request), run
+  last and alone, as timing is their point, with the test files in ``ALONE``.
 
 Jobs start longest first while the ranks they start fit (``--slots``, default two
 per core, one slot per rank plus one for the kernel or pytest process) and the time budget
@@ -73,8 +73,13 @@ BENCH_ARGS = {
 }
 # Expected seconds on one H200 with 16 cores (2026-11 runs, rounded up): the order jobs
 # start in (longest first) and whether one still fits the budget.
-EXPECTED_S = {"pytest": 240, "notebook": 60, "bench": 90, "bench/train.py": 150}
+EXPECTED_S = {"pytest": 240, "notebook": 60, "bench": 90, "bench/train.py": 120}
 EXPECTED_S["bench/log_call.py"] = 45
+EXPECTED_S["tests/gpu/test_gpu_stats.py"] = 45
+# Test files that run by themselves, after the rest, as the benchmarks do:
+# test_gpu_stats.py watches the whole GPU's memory in use (NVML) grow by the 1 GiB its rank
+# allocates and shrink back, which other jobs' allocations on the same GPU would blur.
+ALONE = {"test_gpu_stats.py"}
 # Ranks a notebook starts (its %dist_start), where not 2.
 NOTEBOOK_RANKS = {"18": 4, "26": 8, "27": 4}
 # tests/gpu files split by layout (their ``one_gpu`` parametrisation ids).
@@ -96,6 +101,7 @@ class Job:
     slots: int = 3
     limit_s: int = 600
     expected_s: int = 60
+    alone: bool = False  # runs by itself after the side-by-side phase (benchmarks, ALONE)
     status: str = "not run"  # pass, fail (exit N), timeout, skip, not run (...)
     seconds: float = 0.0
     log: str = ""
@@ -159,15 +165,17 @@ def _pytest_jobs(root: Path, python: str, outdir: Path, limit: int | None) -> li
             if layout:
                 command += ["-k", layout if layout == shards[0] else f"not {shards[0]}"]
             files = [rel, "tests/gpu/conftest.py"]
+            alone = path.name in ALONE
             jobs.append(
                 Job(
                     name,
                     "pytest",
                     command,
                     files,
-                    slots=5,
+                    slots=16 if alone else 5,
                     limit_s=limit or 540,
-                    expected_s=EXPECTED_S["pytest"],
+                    expected_s=EXPECTED_S.get(rel, EXPECTED_S["pytest"]),
+                    alone=alone,
                 )
             )
     return jobs
@@ -230,6 +238,7 @@ def plan_jobs(
                 slots=16,
                 limit_s=limit or 240,
                 expected_s=EXPECTED_S.get(rel, EXPECTED_S["bench"]),
+                alone=True,
             )
             if not (root / rel).is_file():
                 job.status = "skip"
@@ -367,9 +376,10 @@ def run_jobs(jobs: list[Job], root: Path, outdir: Path, *, slots: int, budget_s:
     logs.mkdir(parents=True, exist_ok=True)
     (outdir / "notebooks").mkdir(exist_ok=True)
     t0 = time.monotonic()
-    todo = [j for j in jobs if j.status == "not run" and j.kind != "bench"]
+    todo = [j for j in jobs if j.status == "not run" and not j.alone]
     todo.sort(key=lambda j: -j.expected_s)
-    benches = [j for j in jobs if j.status == "not run" and j.kind == "bench"]
+    # Alone, in plan order: the ALONE test files, then the benchmarks.
+    benches = [j for j in jobs if j.status == "not run" and j.alone]
     running: list[tuple[Job, subprocess.Popen, float, Path, str]] = []
 
     def start(job: Job, deadline: float) -> None:
@@ -428,7 +438,8 @@ def run_jobs(jobs: list[Job], root: Path, outdir: Path, *, slots: int, budget_s:
     def in_use() -> int:
         return sum(j.slots for j, *_ in running)
 
-    # The benchmarks' expected time is kept for them: they run after the rest.
+    # The expected time of the jobs that run alone (the benchmarks) is kept for them: they
+    # run after the rest.
     parallel_budget = budget_s - sum(j.expected_s for j in benches)
     while todo or running:
         reap()
@@ -514,7 +525,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "plan":
         for job in jobs:
             state = "" if job.status == "not run" else f"  {job.status}: {job.error}"
-            print(f"{job.kind:<8} {job.name}  [{job.slots} slots, limit {job.limit_s} s]{state}")
+            alone = ", alone after the rest" if job.alone else ""
+            print(
+                f"{job.kind:<8} {job.name}  [{job.slots} slots, limit {job.limit_s} s{alone}]{state}"
+            )
             print(f"         $ {' '.join(job.command)}")
         print(f"{len(jobs)} jobs; {a.slots} slots; budget {a.budget:.0f} s")
         return 0

@@ -228,19 +228,39 @@ def test_dry_run_lists_the_jobs_without_a_wheelhouse_and_only_failed_needs_resul
 
 
 def test_the_default_check_leaves_every_job_room_in_the_default_budget():
-    """With the default steps and budget (540 s), the benchmarks' expected time (kept for them
-    after the rest) leaves the longest test or notebook job room to start: none is planned
+    """With the default steps and budget (540 s), the expected time of the jobs that run alone
+    (the benchmarks and test_gpu_stats.py, kept for them after the rest) leaves the longest test or notebook job room to start: none is planned
     to be skipped for time before anything ran."""
     jobs = steps.plan_jobs(ROOT, python="PY")
-    benches = [j for j in jobs if j.kind == "bench"]
-    rest = [j for j in jobs if j.kind != "bench"]
-    assert {j.command[1] for j in benches} == {
-        "bench/nccl.py",
-        "bench/train.py",
-        "bench/log_call.py",
+    benches = [j for j in jobs if j.alone]
+    rest = [j for j in jobs if not j.alone]
+    assert {j.name.split(" [")[0] for j in benches} == {
+        "pytest tests/gpu/test_gpu_stats.py",
+        "python bench/nccl.py --quick",
+        "python bench/train.py --windows 9",
+        "python bench/log_call.py --cuda --flushes --rounds 5",
     }
     parallel_budget = steps.DEFAULT_BUDGET_S - sum(j.expected_s for j in benches)
     assert max(j.expected_s for j in rest) <= parallel_budget, (
         parallel_budget,
         [(j.name, j.expected_s) for j in benches],
     )
+
+
+def test_a_job_that_runs_alone_starts_after_the_side_by_side_ones_end(tmp_path):
+    """test_gpu_stats.py (and each benchmark) runs with nothing else on the GPU."""
+    py = sys.executable
+    stamp = "import sys, time; print(sys.argv[1], time.time()); time.sleep(float(sys.argv[2]))"
+    jobs = [
+        steps.Job("alone", "pytest", [py, "-c", stamp, "alone", "0"], [], slots=1, alone=True),
+        steps.Job("a", "notebook", [py, "-c", stamp, "a", "3"], [], slots=1),
+        steps.Job("b", "notebook", [py, "-c", stamp, "b", "3"], [], slots=1),
+    ]
+    for job in jobs:
+        job.expected_s = 5
+    steps.run_jobs(jobs, tmp_path, tmp_path / "out", slots=4, budget_s=60)
+    assert [j.status for j in jobs] == ["pass"] * 3
+    t = {j.name: float(j.tail.split()[-1]) for j in jobs}
+    # a and b side by side (both started before either ended), the alone job after both.
+    assert abs(t["a"] - t["b"]) < 3, t
+    assert t["alone"] >= max(t["a"], t["b"]) + 3 - 0.2, t
