@@ -465,7 +465,7 @@ fsdp_state = cpu_state(model)
 
 @pytest.mark.example(10)
 def test_activation_checkpointing_lowers_the_cuda_peak_and_keeps_gradients(one_gpu):
-    """``apply_ac`` on 8 wide residual blocks: the CUDA memory peak of a forward and backward,
+    """``apply_ac`` on 16 wide residual blocks: the CUDA memory peak of a forward and backward,
     measured with ``torch.cuda.max_memory_allocated``, is lower than without, and the
     gradients are the same (recomputation repeats the same kernels on the same inputs:
     GPU_TOL holds it; usually they are bit-equal).
