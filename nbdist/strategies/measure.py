@@ -38,7 +38,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
-__all__ = ["CommBytes", "local_bytes", "peak_bytes", "quiet_stderr_fd", "resident_bytes"]
+__all__ = [
+    "CommBytes",
+    "device_baseline",
+    "local_bytes",
+    "peak_bytes",
+    "quiet_stderr_fd",
+    "resident_bytes",
+]
 
 _COMM_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 _NOT_COMM = {"wait_tensor", "barrier", "monitored_barrier", "_wrap_tensor_autograd"}
@@ -102,6 +109,28 @@ def quiet_stderr_fd():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+def device_baseline(device: torch.device) -> list[int]:
+    """Each rank's CUDA bytes in use before a plan is built (a collective; 0s on CPU).
+
+    A plan's peak minus this is the plan's own: on CUDA ``max_memory_allocated``
+    counts every tensor of the process, also the batches and whatever the caller
+    keeps. The peak is reset here, so the plan's starts from this level.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if device.type != "cuda":
+        return [0] * world  # peak_bytes on CPU counts the plan's own tensors only
+    # cuBLAS allocates its workspace at the first matmul and keeps it: make it part of
+    # the baseline, then start a fresh peak for the plan.
+    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    bases = [0] * world
+    dist.all_gather_object(bases, torch.cuda.memory_allocated(device))
+    return bases
 
 
 def peak_bytes(step: Callable[[], object], *, resident: int = 0, device=None) -> int:

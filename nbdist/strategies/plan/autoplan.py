@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nbdist.strategies.measure import device_baseline
 from nbdist.strategies.plan.build import Built, build_plan
 from nbdist.strategies.plan.compare import measure_steps
 from nbdist.strategies.plan.estimate import NotAdmitted, enumerate_plans, model_facts
@@ -202,7 +203,7 @@ def autoplan(
         if len(measured) == top_k:
             row["status"] = "fits; not measured"
             continue
-        base = _device_baseline(device)
+        base = device_baseline(device)
         built = build_plan(model_fn, plan, microbatches=est["microbatches"], **build)
         got = measure_steps(
             plan.name, built.params, built.optimizer, built.forward_backward, device=device, **run
@@ -241,21 +242,6 @@ def autoplan(
     table = sorted(rows, key=lambda r: (order.get(id(r), len(order)), _group(r)))
     built = build_plan(model_fn, plan, microbatches=est["microbatches"], **build)
     return AutoPlan(table, best, built)
-
-
-def _device_baseline(device: torch.device) -> list[int]:
-    """Each rank's bytes in use before a plan is built: not the plan's (CUDA; 0 on CPU)."""
-    world = dist.get_world_size()
-    if device.type != "cuda":
-        return [0] * world  # peak_bytes on CPU counts the plan's own tensors only
-    # cuBLAS allocates its workspace at the first matmul and keeps it: make it part of
-    # the baseline, then start a fresh peak for the plan.
-    torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    bases = [0] * world
-    dist.all_gather_object(bases, torch.cuda.memory_allocated(device))
-    return bases
 
 
 def _group(row: dict) -> int:

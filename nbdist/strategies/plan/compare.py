@@ -48,8 +48,10 @@ How it measures:
   counts its tensor payload. Set-up traffic (DDP's initial broadcast, barriers)
   is not counted.
 - **peak memory**: one more step under :func:`~nbdist.strategies.measure.peak_bytes`:
-  CUDA's allocator peak on GPUs (set-up and all steps), on CPU the tensors alive
-  before the step plus the profiler's highest allocation level during it.
+  CUDA's allocator peak on GPUs (set-up and all steps) above what the rank held
+  before the strategy was built (the batches, the caller's tensors; the strategy
+  before it is freed first), on CPU the tensors alive before the step plus the
+  profiler's highest allocation level during it.
 
 Example (on every rank)::
 
@@ -67,6 +69,7 @@ and in the notebook::
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -76,7 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nbdist.metrics.log import log as _log_metric
-from nbdist.strategies.measure import CommBytes, peak_bytes, resident_bytes
+from nbdist.strategies.measure import CommBytes, device_baseline, peak_bytes, resident_bytes
 from nbdist.strategies.parallel.mesh import ParallelDims
 from nbdist.strategies.parallel.parallelize import parallelize
 from nbdist.strategies.parallel.tensor_parallel import device_mesh, linear_pairs
@@ -354,7 +357,8 @@ def compare(
     layout.update(pp_size=pp_size, compress_after=after)
     rows = []
     for name in strategies:
-        _reset(device, seed)
+        torch.manual_seed(seed)  # the same initial weights for every strategy
+        base = device_baseline(device)
         m = micro_3d if name == "3d" else microbatches
         made = _setup(name, build_model, device, optimizer, kwargs, tp_plan, m, loss_fn, layout)
         row = measure_steps(
@@ -366,18 +370,16 @@ def compare(
             counter=made.counter,
             **run,
         )
+        # Freed before the next strategy is built: on CUDA its tensors would count in the
+        # next one's peak (ZeRO's would hold all of DDP's model, gradients and Adam state).
+        del made
+        gc.collect()
+        row["peak_mib"] = [round(p - b / 2**20, 3) for p, b in zip(row["peak_mib"], base)]
         dims = _dims(name, world, layout)
         rows.append(
             {"strategy": name, "layout": f"dp {dims.dp} × tp {dims.tp} × pp {dims.pp}", **row}
         )
     return rows
-
-
-def _reset(device: torch.device, seed: int) -> None:
-    # Before each strategy: same initial weights everywhere, a fresh memory peak.
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(seed)
 
 
 def measure_steps(
