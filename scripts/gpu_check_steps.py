@@ -73,9 +73,14 @@ BENCH_ARGS = {
 }
 # Expected seconds on one H200 with 16 cores (2026-11 runs, rounded up): the order jobs
 # start in (longest first) and whether one still fits the budget.
-EXPECTED_S = {"pytest": 240, "notebook": 60, "bench": 90, "bench/train.py": 120}
-EXPECTED_S["bench/log_call.py"] = 45
-EXPECTED_S["tests/gpu/test_gpu_stats.py"] = 45
+EXPECTED_S = {
+    "pytest": 240,
+    "notebook": 60,
+    "bench": 90,
+    "bench/train.py": 120,
+    "bench/log_call.py": 45,
+    "tests/gpu/test_gpu_stats.py": 45,
+}
 # Test files that run by themselves, after the rest, as the benchmarks do:
 # test_gpu_stats.py watches the whole GPU's memory in use (NVML) grow by the 1 GiB its rank
 # allocates and shrink back, which other jobs' allocations on the same GPU would blur.

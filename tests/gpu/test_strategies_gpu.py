@@ -83,6 +83,18 @@ def make_tokens(n=8, t=8, vocab=32):
 def lm_loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
+def tanh_mlp(d_in, hidden, d_out):
+    # compare's build_model: the same seeded weights for every strategy
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, d_out))
+
+def random_shards(n, d_in, d_out):
+    # compare's make_batch(step, rank): n random rows per rank and step
+    def shard(step, r):
+        g = torch.Generator().manual_seed(100 * step + r)
+        return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
+    return shard
+
 COLWISE, ROWWISE = ["attn.q", "attn.k", "attn.v", "mlp.up"], ["attn.o", "mlp.down"]
 SP = dict(blocks=Block, colwise=COLWISE, rowwise=ROWWISE, norms=["norm1", "norm2"],
           gather=["attn", "mlp"])
@@ -929,14 +941,8 @@ def test_compare_trains_every_strategy_to_the_same_loss(one_gpu):
         one_gpu,
         """
 from nbdist.strategies.plan.compare import compare
-def build():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-def shard(step, r):
-    g = torch.Generator().manual_seed(100 * step + r)
-    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-cmp_rows = compare(build, shard, strategies=cmp_strategies, steps=2, warmup=1,
-                   optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
+cmp_rows = compare(lambda: tanh_mlp(8, 16, 4), random_shards(6, 8, 4), strategies=cmp_strategies,
+                   steps=2, warmup=1, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
 """,
     )
     rows = one_gpu.pull("cmp_rows", rank=0)
@@ -958,13 +964,8 @@ def test_compare_counts_each_strategys_own_cuda_memory(one_gpu):
         one_gpu,
         """
 from nbdist.strategies.plan.compare import compare
-def big():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 512))
-def big_shard(step, r):
-    g = torch.Generator().manual_seed(100 * step + r)
-    return torch.randn(8, 512, generator=g), torch.randn(8, 512, generator=g)
-mem_rows = compare(big, big_shard, strategies=("ddp", "zero"), steps=2, warmup=1,
+mem_rows = compare(lambda: tanh_mlp(512, 1024, 512), random_shards(8, 512, 512),
+                   strategies=("ddp", "zero"), steps=2, warmup=1,
                    optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 1e-3})
 """,
     )
