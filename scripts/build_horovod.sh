@@ -16,6 +16,22 @@
 # (duplicate gloo::rendezvous::Store::kDefaultTimeout), so gloo gets -std=c++17 too. cmake must be
 # 3.x (Debian's 3.25): cmake 4 refuses gloo's old cmake_minimum_required.
 set -euo pipefail
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  cat <<'USAGE'
+usage: bash scripts/build_horovod.sh [VENV]
+
+Builds Horovod 0.28.1 for the torch in .venv (CPU, gloo; about 3 minutes on 2 cores) into
+VENV: default build/horovod-venv, a venv layered on .venv that holds only Horovod
+(give .venv, or any venv with torch, to install it there). Needs cmake 3.x and g++
+(installed from Debian if missing). Then:
+  build/horovod-venv/bin/python scripts/run_notebook.py examples/17_horovod.ipynb
+USAGE
+  exit 0
+fi
+if [[ $# -gt 1 || "${1:-}" == -* ]]; then
+  echo "scripts/build_horovod.sh: takes one venv directory, got: $*; see --help" >&2
+  exit 2
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BASE="$ROOT/.venv"
 TARGET="${1:-$ROOT/build/horovod-venv}"

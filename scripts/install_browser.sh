@@ -8,11 +8,30 @@
 set -euo pipefail
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
 
-if [[ $# -ge 1 ]]; then
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  cat <<'USAGE'
+usage: bash scripts/install_browser.sh [VENV]
+
+Installs what tests/ui needs, skipping what is there: Debian's chromium at
+/usr/bin/chromium (apt-get; root or sudo), then playwright and jupyterlab into VENV
+(default: the project's .venv, created with nbdist[test] if missing). Playwright
+drives the system chromium: no Playwright browser is downloaded.
+USAGE
+  exit 0
+fi
+if [[ $# -gt 1 ]]; then
+  echo "scripts/install_browser.sh: takes one venv directory, got: $*; see --help" >&2
+  exit 2
+fi
+if [[ $# -eq 1 ]]; then
+  if [[ ! -d "$1" ]]; then
+    echo "scripts/install_browser.sh: '$1' is not a directory: give a venv (e.g. .venv); see --help" >&2
+    exit 2
+  fi
   VENV="$(cd "$1" && pwd)"
   PY="$VENV/bin/python"
   if [[ ! -x "$PY" ]]; then
-    echo "error: no Python at $PY" >&2
+    echo "scripts/install_browser.sh: no Python at $PY: '$1' is not a venv (python3 -m venv $1 makes one)" >&2
     exit 1
   fi
 else

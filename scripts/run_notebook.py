@@ -1,7 +1,12 @@
-"""Execute a notebook in a fresh kernel and print its outputs (used by scripts/quickstart.sh)."""
+"""Execute a notebook in a fresh kernel and print its outputs (used by scripts/quickstart.sh).
+
+Runs as its own process on the machine that runs the notebook; the notebook's kernel is
+another process, started and shut down here.
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -74,5 +79,26 @@ def main(path: str) -> int:
     return 0
 
 
+def _parse(argv: list[str]) -> str:
+    parser = argparse.ArgumentParser(
+        prog="run_notebook.py",
+        description="Execute a notebook in a fresh kernel, print each cell's outputs, write the "
+        "executed copy to artifacts/ and end with 'OK: every cell ran' (exit 0) or a "
+        "'FAILED:' line naming the cell and the exception (exit 1).",
+    )
+    parser.add_argument(
+        "notebook",
+        nargs="?",
+        default="examples/00_quickstart.ipynb",
+        help="path of the .ipynb to run (default: examples/00_quickstart.ipynb)",
+    )
+    path = parser.parse_args(argv).notebook
+    if not os.path.isfile(path):
+        parser.error(
+            f"no notebook at {path!r}: give the path of an .ipynb file, e.g. examples/00_quickstart.ipynb"
+        )
+    return path
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "examples/00_quickstart.ipynb"))
+    sys.exit(main(_parse(sys.argv[1:])))

@@ -240,8 +240,16 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
+  -h | --help)
+    # The header comment above, without its '#' marks.
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed -E 's/^# ?//' | sed '1i usage: bash scripts/slurm_local.sh start|stop|status\n'
+    ;;
+  "")
+    echo "usage: bash scripts/slurm_local.sh start|stop|status (--help says more)" >&2
+    exit 2
+    ;;
   *)
-    echo "usage: $0 start|stop|status" >&2
+    echo "scripts/slurm_local.sh: '$1' is not start, stop or status; see --help" >&2
     exit 2
     ;;
 esac

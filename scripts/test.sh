@@ -12,6 +12,19 @@
 # parallel, 2D/3D, autoplan, compare, staged point-to-point), with NBDIST_GPU_LIKE=1 on
 # the ranks: optimizers forced to foreach kernels and point-to-point staged through host
 # memory, as on GPU ranks (nbdist/engine/gpu_like.py). Test paths given replace the tier's.
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  cat <<'USAGE'
+usage: bash scripts/test.sh [--gpu-like] [PYTEST ARGS...]
+
+Creates .venv with nbdist[test] on first use, then runs pytest:
+  bash scripts/test.sh                        every tier of tests/, then the GPU-like tier (as CI does)
+  bash scripts/test.sh tests/unit -x          the paths and options given, nothing else
+  bash scripts/test.sh --gpu-like             the GPU-like tier alone (NBDIST_GPU_LIKE=1 on the ranks)
+Debian's chromium and Playwright are installed only when the run selects tests/ui.
+Every other argument goes to pytest: .venv/bin/python -m pytest --help lists them.
+USAGE
+  exit 0
+fi
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 
