@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from nbdist.dashboard.breakdown import PARTS, breakdown, shares
+from nbdist.dashboard.losses import loss_lines
 from nbdist.dashboard.table import (
     PER_RANK_UP_TO,
     deviating_rows,
@@ -69,10 +70,7 @@ def summary_text(
         for rank, frac in shares(breakdown(run)).items():
             parts = " · ".join(f"{name} {100 * frac[key]:.0f} %" for key, name in PARTS)
             lines.append(f"  rank {rank}: {parts}")
-    dropped = {r: n for r, n in sorted(getattr(run, "dropped", {}).items()) if n}
-    if dropped:
-        each = ", ".join(f"rank {r}: {n}" for r, n in dropped.items())
-        lines.append(f"{sum(dropped.values())} points dropped on the ranks ({each})")
+    lines += loss_lines(run)
     if keys:
         series = [
             [key, *(fmt_value(v) for v in _stats(run, key))]

@@ -770,11 +770,8 @@ function render({ model, el }) {
   }
 
   function drawDropped() {
-    const counts = Object.entries((model.get("table") || {}).dropped || {}).filter(([, n]) => n > 0);
-    const total = counts.reduce((sum, [, n]) => sum + n, 0);
-    dropped.textContent = total
-      ? `${total} points dropped on the ranks (${counts.map(([r, n]) => `rank ${r}: ${n}`).join(", ")})`
-      : "";
+    // The kernel words it (nbdist/dashboard/losses.py): points dropped, values left out.
+    dropped.textContent = ((model.get("table") || {}).lost || []).join("\n");
   }
 
   function onTable() {

@@ -219,7 +219,7 @@ def _table(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
     if lost:
         notes.append(
             f"{lost} metrics points dropped on the ranks: their buffer was full "
-            "(NBDIST_LOG_BUFFER) or a value could not be sent"
+            "(NBDIST_LOG_BUFFER), or nbdist.log failed on them (the dashboard names the first error)"
         )
     shared = _shared_gpus(rows)
     if shared:

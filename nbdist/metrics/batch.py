@@ -22,7 +22,7 @@ import math
 
 from nbdist.metrics import steptime
 
-__all__ = ["PEAK", "Points", "to_columns"]
+__all__ = ["PEAK", "Points", "to_columns", "what_it_was"]
 
 # The key under which a point's peak TFLOP/s waits for flush (never sent).
 PEAK = "__peak"
@@ -98,13 +98,17 @@ class Points:
         self.prev_step = before.prev_step + n
 
 
-def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
+def to_columns(
+    points: Points, reading: dict, left_out: dict | None = None
+) -> tuple[list, object, dict]:
     """``(steps, times, columns)`` of ``points``.
 
     ``times`` and each column's values are float64 arrays (a memory column's, one float
     every point carries); ``columns``: ``{key: (indices or None, values)}``, indices into the batch of the points that carry
     the key (None: every point). ``reading``: the rank's memory now, carried by every
-    point of the batch (empty: none).
+    point of the batch (empty: none). ``left_out``, when given, gets
+    ``{key: what the value was}`` for each key of which a value was no number (the
+    first such value of the batch), so the user can be told.
     """
     import numpy as np
 
@@ -114,7 +118,7 @@ def to_columns(points: Points, reading: dict) -> tuple[list, object, dict]:
         for key, values in points.cols.items()
     }
     raw.update(points.sparse)
-    _numbers(raw)
+    _numbers(raw, {} if left_out is None else left_out)
     peak = raw.pop(PEAK, None)
 
     out: dict[str, tuple] = {}
@@ -195,12 +199,13 @@ def _steps(points: Points) -> list[int]:
     return out
 
 
-def _numbers(raw: dict) -> None:
+def _numbers(raw: dict, left_out: dict) -> None:
     """Each column's values as floats, in place: tensors read in one stack per device;
-    a value that is no number is left out of its column."""
+    a value that is no number (nor a one-element tensor) is left out of its column, and
+    described in ``left_out`` under its key (the first of the batch)."""
     tensors: dict[str, list] = {}
     bad = False
-    for values in (column[1] for column in raw.values()):
+    for key, (_, values) in raw.items():
         for j, value in enumerate(values):
             cls = value.__class__
             if cls is float:
@@ -208,29 +213,46 @@ def _numbers(raw: dict) -> None:
             if cls in _PLAIN:
                 values[j] = float(value)
             elif hasattr(value, "detach"):
-                tensors.setdefault(str(value.device), []).append((values, j, value))
+                tensors.setdefault(str(value.device), []).append((key, values, j, value))
             else:
                 values[j] = number = _as_float(value)
-                bad = bad or number is None
+                if number is None:
+                    bad = True
+                    left_out.setdefault(key, what_it_was(value))
     if tensors:
         import torch
 
         for items in tensors.values():
             try:
-                stacked = torch.stack([v if v.dim() == 0 else v.reshape(()) for _, _, v in items])
+                stacked = torch.stack([v if v.dim() == 0 else v.reshape(()) for *_, v in items])
                 # .cpu() waits for the device (one sync per flush, never on the training
                 # thread) and lets go of the GIL while it waits.
                 numbers = stacked.detach().float().cpu().tolist()
-            except Exception:
-                numbers = [_as_float(v) if v.numel() == 1 else math.nan for _, _, v in items]
-            for (values, j, _), number in zip(items, numbers):
+            except Exception:  # one of them is not one element (or not a number)
+                numbers = [_as_float(v) if v.numel() == 1 else None for *_, v in items]
+            for (key, values, j, value), number in zip(items, numbers):
                 values[j] = number
-                bad = bad or number is None
+                if number is None:
+                    bad = True
+                    left_out.setdefault(key, what_it_was(value))
     if bad:
         for key, (idx, values) in list(raw.items()):
             keep = [j for j, v in enumerate(values) if v is not None]
             if len(keep) < len(values):
                 raw[key] = ([j if idx is None else idx[j] for j in keep], [values[j] for j in keep])
+
+
+def what_it_was(value) -> str:
+    """A logged value that is no number, as the user is told about it (short, never raises)."""
+    try:
+        if hasattr(value, "detach") and hasattr(value, "shape"):
+            return f"a tensor of shape {tuple(value.shape)} on {value.device}"
+        text = repr(value)
+        if len(text) > 40:
+            text = text[:37] + "..."
+        return f"{text} (a {type(value).__name__})"
+    except Exception:
+        return f"a {type(value).__name__}"
 
 
 def _comm(comm: float, events: list) -> float:

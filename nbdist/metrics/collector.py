@@ -124,15 +124,15 @@ class Collector:
             except (KeyError, TypeError, ValueError):  # a shape this kernel cannot read
                 self.rejected += 1
                 return False
-            dropped = message.get("dropped")
-            if isinstance(dropped, int) and dropped:
-                self.run.set_dropped(rank, dropped)
+            self.run.record_losses(rank, message)
             if steps:
                 self.run.add_columns(rank, steps, times, cols)
             stored = False
-            # A message that only raises the dropped count is stored too (n = 0), so the
-            # history keeps what was lost, not only what arrived.
-            if self.store is not None and (steps or dropped):
+            # A message that only raises the dropped count, or tells of a value left out, is
+            # stored too (n = 0), so the history keeps what was lost, not only what arrived.
+            if self.store is not None and (
+                steps or message.get("dropped") or "left_out" in message
+            ):
                 try:  # stored as it arrived (verified JSON): one row per batch, no re-encoding
                     self.store.append(self.run.id, rank, frames[1].decode(), len(steps))
                     stored = True

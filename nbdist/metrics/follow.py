@@ -84,8 +84,7 @@ class FollowHub:
                 message, batch = batch_columns(json.loads(text))
             except (ValueError, TypeError, KeyError):
                 continue
-            if isinstance(message.get("dropped"), int) and message["dropped"]:
-                self.run.set_dropped(rank, message["dropped"])
+            self.run.record_losses(rank, message)
             if isinstance(message.get("total"), int):
                 totals[rank] = max(totals.get(rank, 0), message["total"])
             by_rank.setdefault(rank, []).append(batch)

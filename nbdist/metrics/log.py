@@ -120,6 +120,10 @@ class _Channel:
             0  # points lost on this rank: a full buffer, an error; sent with each message
         )
         self.dropped_sent = 0
+        # What the user is told once per key (batch.what_it_was): a value that was no number
+        # ("loss": "'high' (a str)"), and under "" the first error that dropped whole points.
+        self.left_out: dict[str, str] = {}
+        self.left_out_unsent: dict[str, str] = {}
         self.wake = threading.Event()
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name="nbdist-log-flush", daemon=True)
@@ -162,8 +166,11 @@ class _Channel:
                     _yield_gil()
                     # Reads tensors (may wait for the device) and fills in what log() left
                     # for later: step time, its breakdown, throughput, memory.
-                    steps, times, columns = to_columns(batch, reading)
+                    left_out: dict[str, str] = {}
+                    steps, times, columns = to_columns(batch, reading, left_out)
                     n = batch.n
+                    if left_out:
+                        self.tell(left_out)
                     _yield_gil()
                 except Exception:
                     with self.lock:
@@ -177,11 +184,17 @@ class _Channel:
                     for key, value in gpu.as_point_values(reading).items():  # the last point
                         columns[key] = ([n - 1], [value])
             dropped = self.dropped
-            if n or dropped != self.dropped_sent:
+            told = {}
+            if self.left_out_unsent:  # rare: not worth the lock on every flush otherwise
+                with self.lock:
+                    told, self.left_out_unsent = self.left_out_unsent, {}
+            if n or dropped != self.dropped_sent or told:
                 # "total" counts every point this rank has sent, so the kernel can tell
                 # when it has all of them; counted only once the batch is encoded.
                 total = self.total + n
                 message = points_message(self.rank, steps, times, columns, total, dropped)
+                if told:
+                    message["left_out"] = told
                 _yield_gil()
                 self._queue(encode(self.key, message), n)
                 self.total, self.dropped_sent = total, dropped
@@ -194,6 +207,13 @@ class _Channel:
                 except zmq.Again:
                     return  # kept; the next flush retries
                 self.unsent.pop(0)
+
+    def tell(self, left_out: dict[str, str]) -> None:
+        """Send each key's description with the next message, once per key for this rank."""
+        with self.lock:  # from the training thread too (a dropped point)
+            for key, what in left_out.items():
+                if key not in self.left_out:
+                    self.left_out[key] = self.left_out_unsent[key] = what
 
     def _queue(self, frames: list[bytes], n: int) -> None:
         if len(self.unsent) >= _MAX_UNSENT:  # the kernel takes nothing: the oldest go, counted
@@ -265,7 +285,10 @@ def log(step: int | None = None, **scalars) -> None:
     time inside :func:`data_timer` blocks). ``flops`` (this step's FLOPs on this
     rank) gives ``tflops`` and ``mfu`` against the device's peak, or against
     ``peak_tflops`` when given (:mod:`nbdist.metrics.flops`). ``step`` defaults
-    to one more than the previous call's. Never raises: a bad value is skipped.
+    to one more than the previous call's. Never raises: a value that is no number
+    is left out of the point (its key, and the value, shown once under the
+    dashboard), and a ``step`` that is no whole number drops the point (counted, and
+    the first error shown).
     """
     for hook in step_hooks:  # e.g. nbdist.profile counting steps; never raises
         hook(step)
@@ -328,8 +351,13 @@ def log(step: int | None = None, **scalars) -> None:
                     channel.cuda_index = _cuda_device()
         finally:
             lock.release()
-    except Exception:
+    except Exception as exc:
         channel.dropped += 1
+        if "" not in channel.left_out:  # the first such error, told once (flush thread sends it)
+            try:
+                channel.tell({"": f"{type(exc).__name__}: {exc}"[:200]})
+            except Exception:
+                pass
 
 
 _PLAIN = frozenset((int, float, bool))

@@ -102,6 +102,9 @@ class Run:
         self.hosts: dict[int, str] = {}
         # rank -> points the rank logged but could not send (its running count; normally 0)
         self.dropped: dict[int, int] = {}
+        # key -> (rank, what it was): the first value of the key a rank left out of its point
+        # as no number; key "": the first error that dropped whole points
+        self.left_out: dict[str, tuple[int, str]] = {}
         self._ranks: dict[int, RankSeries] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Run], None]] = []
@@ -120,6 +123,24 @@ class Run:
             if count > self.dropped.get(rank, 0):
                 self.dropped[rank] = count
                 self.version += 1
+
+    def set_left_out(self, rank: int, told: dict) -> None:
+        """Record what ``rank`` left out (``{key: what the value was}``), the first per key."""
+        with self._lock:
+            for key, what in told.items():
+                if isinstance(key, str) and isinstance(what, str) and key not in self.left_out:
+                    self.left_out[key] = (rank, what)
+                    self.version += 1
+
+    def record_losses(self, rank: int, message: dict) -> None:
+        """What a points message of ``rank`` says it lost: its running ``dropped`` count and
+        the values it ``left_out`` (live, from the history, or followed)."""
+        dropped = message.get("dropped")
+        if isinstance(dropped, int) and dropped:
+            self.set_dropped(rank, dropped)
+        left_out = message.get("left_out")
+        if isinstance(left_out, dict):
+            self.set_left_out(rank, left_out)
 
     def dropped_total(self) -> int:
         """Points dropped on all ranks together (0 when nothing was lost)."""

@@ -197,8 +197,7 @@ def load_run(run_id: int, *, path: str | None = None) -> Run:
     for rank, text in rows:
         message, batch = batch_columns(json.loads(text))
         # The rank's running count of points it could not send rides on its messages.
-        if isinstance(message.get("dropped"), int) and message["dropped"]:
-            run.set_dropped(rank, message["dropped"])
+        run.record_losses(rank, message)
         by_rank.setdefault(rank, []).append(batch)
     for rank, batches in by_rank.items():
         run.add_columns(rank, *concat(batches))

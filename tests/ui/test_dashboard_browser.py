@@ -76,6 +76,7 @@ for i in range({STEPS}):
         wait_for("more")
     nbdist.log(step=i, loss=1.0 / (1.0 + 0.02 * i) + {OFFSET} * rank, samples=64)
     time.sleep({SLEEP_S})
+nbdist.log(step={STEPS}, phase="done")  # no number: left out, and said so under the table
 wait_for("done")
 print("logging done on rank", rank)"""
 
@@ -218,11 +219,13 @@ def test_dashboard_grows_live_and_matches_logged(
     assert running == "[*]:", f"the logging cell was not running any more ({running!r})"
 
     # The end: the report cell prints what the kernel received.
-    report = page.locator(".jp-OutputArea-output", has_text="LOGGED ").first
+    # Case-sensitive (a plain has_text is not): the dashboard's note says "rank 0 logged".
+    report = page.locator(".jp-OutputArea-output", has_text=re.compile(r"LOGGED \{")).first
     report.wait_for(timeout=60_000)
     timings["run done"] = time.monotonic() - t0
     logged = json.loads(report.inner_text().split("LOGGED ", 1)[1].strip().splitlines()[0])
-    assert logged["per_rank"] == {str(r): STEPS for r in range(RANKS)}, logged
+    # STEPS points with a loss, and the last one whose only value was left out
+    assert logged["per_rank"] == {str(r): STEPS + 1 for r in range(RANKS)}, logged
     assert all(p.startswith("[") and p[1:-2].isdigit() for p in _prompts(page)), _prompts(page)
 
     # Every logged point reaches the plot (the last ones come with the end-of-cell flush).
@@ -247,7 +250,7 @@ def test_dashboard_grows_live_and_matches_logged(
         assert str(rank) in trace["name"], summary
         assert trace["x"] == list(range(STEPS)), f"rank {rank} steps: {summary}"
         assert trace["y"] == pytest.approx([_loss(i, rank) for i in range(STEPS)]), rank
-    assert sum(len(t["x"]) for t in rank_traces) == logged["total"]
+    assert sum(len(t["x"]) for t in rank_traces) == logged["total"] - RANKS  # "phase" points
     assert mean["x"] == list(range(STEPS)), summary
     want_mean = [sum(_loss(i, r) for r in range(RANKS)) / RANKS for i in range(STEPS)]
     assert mean["y"] == pytest.approx(want_mean)
@@ -280,6 +283,16 @@ def test_dashboard_grows_live_and_matches_logged(
     )
     assert idle, f"table rows not idle after the run: {rows.all_inner_texts()}"
     timings["table idle"] = time.monotonic() - t0
+
+    # The value that was no number: its key, what it was and the fix, under the table.
+    note = dashboard.locator(".nbdist-dropped")
+    said = poll(lambda: "'phase' left out" in note.inner_text(), timeout=10, interval=0.2)
+    assert said, note.inner_text()
+    assert re.fullmatch(
+        r"'phase' left out of the charts: rank [01] logged 'done' \(a str\); "
+        r"log a Python number or a one-element tensor",
+        note.inner_text().strip(),
+    ), note.inner_text()
 
     dashboard.scroll_into_view_if_needed()
     page.screenshot(path=str(artifacts_dir / "dashboard.png"))

@@ -179,6 +179,12 @@ def test_a_full_buffer_drops_points_and_counts_them(channel):
     assert run.count(0) == sent
     assert run.dropped == {0: logged - sent}  # the kernel knows exactly how many
     assert "points dropped on the ranks (rank 0:" in summary_text(run)
+    # The widget shows the same line (it has no error to name: a full buffer is none).
+    model = DashboardModel(run, clock=lambda: 200.0)
+    model.poll()
+    assert model.table["lost"] == [
+        f"{logged - sent} points dropped on the ranks (rank 0: {logged - sent})"
+    ]
 
 
 def test_nothing_dropped_normally(channel):
@@ -246,7 +252,7 @@ def test_equal_ranks_are_not_flagged_and_the_dashboard_has_bars_and_memory():
     model.poll()
     table = model.table
     assert table["breakdown"]["parts"]["communication"] == [20.0, 20.0]
-    assert table["dropped"] == {}
+    assert table["dropped"] == {} and table["lost"] == []
     assert "memory_mib" in model.figure_data()
     assert "loss" in model.figure_data()
     assert not any(r["flag"] for r in table["rows"])

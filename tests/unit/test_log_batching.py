@@ -15,6 +15,7 @@ import torch
 from nbdist.metrics import log as metrics_log
 from nbdist.metrics.collector import Collector
 from nbdist.metrics.run import Run
+from nbdist.metrics.store import load_run
 
 
 @pytest.fixture
@@ -28,6 +29,25 @@ def channel():
     finally:
         metrics_log.shutdown()
         collector.stop()
+
+
+def _stored_channel(tmp_path):
+    """A channel whose collector also writes the run's history (tmp_path/h.sqlite):
+    ``(run, collector, store)``; close with :func:`_close_stored`."""
+    from nbdist.metrics.store import RunStore
+
+    key = os.urandom(16)
+    store = RunStore(str(tmp_path / "h.sqlite"))
+    run = store.new_run(world_size=1)
+    collector = Collector(key, run, store)
+    metrics_log.configure(collector.url, key, 0)
+    return run, collector, store
+
+
+def _close_stored(collector, store) -> None:
+    metrics_log.shutdown()
+    collector.stop()
+    store.close()
 
 
 def _settle(collector) -> None:
@@ -116,13 +136,7 @@ def test_columns_keep_sparse_keys_at_their_steps_live_and_in_the_history(tmp_pat
     # A batch goes as columns (each key once, with the points that carry it): a key logged
     # on some steps only, a value that is no number, NaN and many flushes must come out
     # point for point, in the kernel's run and in the history read back.
-    from nbdist.metrics.store import RunStore, load_run
-
-    key = os.urandom(16)
-    store = RunStore(str(tmp_path / "h.sqlite"))
-    run = store.new_run(world_size=1)
-    collector = Collector(key, run, store)
-    metrics_log.configure(collector.url, key, 0)
+    run, collector, store = _stored_channel(tmp_path)
     try:
         for step in range(2000):
             values = {"loss": torch.tensor(step / 7)}
@@ -135,9 +149,7 @@ def test_columns_keep_sparse_keys_at_their_steps_live_and_in_the_history(tmp_pat
                 metrics_log.flush()  # several batches, some of a single point
         _settle(collector)
     finally:
-        metrics_log.shutdown()
-        collector.stop()
-    store.close()
+        _close_stored(collector, store)
     loaded = load_run(run.id, path=str(tmp_path / "h.sqlite"))
     for got in (run, loaded):
         expected = [torch.tensor(s / 7).item() for s in range(2000)]  # float32, as logged
@@ -170,9 +182,11 @@ def test_a_follower_of_the_history_sees_every_point_of_the_columns(tmp_path):
     try:
         for step in range(500):
             metrics_log.log(step=step, loss=step * 0.25, samples=4)
+        metrics_log.log(step=500, note="fast")  # told of in the history too
         _settle(collector)
         collector.commit()
         follower = FollowHub(path, run.id, url=collector.url, world_size=1)
+        assert follower.run.left_out == {"note": (0, "'fast' (a str)")}
         assert follower.run.series("loss", 0) == (
             [-1, *range(500)],
             [9.0, *(s * 0.25 for s in range(500))],
@@ -287,3 +301,45 @@ def test_a_batch_sends_its_steps_as_a_range_and_a_repeated_column_once():
     assert steps == list(range(batch["step0"], batch["step0"] + batch["n"]))
     assert cols["compute_s"][1] == cols["step_time"][1] and len(cols["step_time"][1]) > 1
     assert [s for m in messages for s in wire.columns(m)[0]] == list(range(200))
+
+
+def test_a_value_that_is_no_number_is_named_once_and_the_rest_of_the_point_kept(tmp_path):
+    # Before, such a value vanished from the charts without a word (and a tensor of several
+    # elements became NaN): now its key, what it was and the fix are told, once per key.
+    from nbdist.dashboard.text import summary_text
+
+    run, collector, store = _stored_channel(tmp_path)
+    try:
+        metrics_log.log(step=0, loss=0.5, note="fast")
+        metrics_log.log(step=1, loss=torch.ones(3))  # three elements: which one is the loss?
+        metrics_log.log(step="two", loss=0.25)  # no whole number: the point cannot be placed
+        metrics_log.log(step=3, loss=0.125, note="faster")
+        metrics_log.flush()
+        metrics_log.log(step=4, loss=torch.ones(2), note=[1])  # the same keys again: not retold
+        metrics_log.log(step=5, loss=0.0625)
+        _settle(collector)
+        told_again = metrics_log._channel.left_out_unsent
+    finally:
+        _close_stored(collector, store)
+    assert told_again == {}
+    expected = {
+        "note": (0, "'fast' (a str)"),
+        "loss": (0, "a tensor of shape (3,) on cpu"),
+        "": (0, "ValueError: invalid literal for int() with base 10: 'two'"),
+    }
+    loaded = load_run(run.id, path=str(tmp_path / "h.sqlite"))
+    for got in (run, loaded):
+        assert got.left_out == expected
+        assert got.series("loss", 0) == ([0, 3, 5], [0.5, 0.125, 0.0625])
+        assert "note" not in got.keys()
+        assert got.dropped == {0: 1}
+    text = summary_text(run)
+    assert (
+        "1 point dropped on the ranks (rank 0: 1); the first by an error on rank 0: "
+        "ValueError: invalid literal for int() with base 10: 'two'" in text
+    )
+    fix = "log a Python number or a one-element tensor"
+    assert (
+        f"'loss' left out of the charts: rank 0 logged a tensor of shape (3,) on cpu; {fix}" in text
+    )
+    assert f"'note' left out of the charts: rank 0 logged 'fast' (a str); {fix}" in text
