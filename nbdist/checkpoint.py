@@ -70,6 +70,29 @@ def _path(path) -> str:
     return os.path.abspath(os.fspath(path))
 
 
+def _check_objects(model, optimizer) -> None:
+    """Refuse, on every rank alike and before anything is written, what is no model or optimizer."""
+    import torch
+
+    for name, value in (("model", model), ("optimizer", optimizer)):
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            raise CheckpointError(
+                f"{name}= takes the {name} itself, not its state_dict(): "
+                f"pass {name}={name}, e.g. save(path, model=model, optimizer=opt)"
+            )
+        if isinstance(value, type):
+            raise CheckpointError(
+                f"{name}={value.__name__} is a class: pass the {name} you built, "
+                f"e.g. {name}={value.__name__}(...)"
+            )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise CheckpointError(
+            f"model= must be a torch.nn.Module (plain, DDP or FSDP2), got {type(model).__name__}"
+        )
+
+
 def _grouped() -> bool:
     import torch.distributed as dist
 
@@ -158,6 +181,7 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
     path = _path(path)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise CheckpointError(f"step={step!r}: give a whole number >= 0, or leave it out")
+    _check_objects(model, optimizer)
     plain, stateful, tensors = _split_extra(extra)
     state = _model_state(model, optimizer)
     if not state and not stateful and not tensors and step is None and not plain:
@@ -172,15 +196,12 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
 
     flush()
     rank, world_size, barrier = _dist()
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        # Overwriting: the old marker goes first, so a save cut short is never
-        # mistaken for a complete one.
-        try:
-            os.remove(os.path.join(path, _INFO))
-        except FileNotFoundError:
-            pass
-    barrier()
+    problem = _prepare_directory(path) if rank == 0 else None
+    # Every rank learns whether rank 0 could make the directory: a failure there
+    # raises on all ranks instead of leaving the others waiting in a collective.
+    problem = _from_rank0(problem)
+    if problem:
+        raise CheckpointError(problem)
     _dcp(dcp.save, state, path)
     if rank == 0:
         info = {
@@ -202,6 +223,40 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
     return path
 
 
+def _prepare_directory(path: str) -> str | None:
+    """Make ``path`` ready to write (rank 0); what went wrong, as a message, or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+        # Overwriting: the old marker goes first, so a save cut short is never
+        # mistaken for a complete one.
+        try:
+            os.remove(os.path.join(path, _INFO))
+        except FileNotFoundError:
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if os.path.exists(path) and not os.path.isdir(path):
+            reason = "a file of that name exists"
+        return (
+            f"checkpoint {path!r} cannot be written ({reason}): give a directory path "
+            "you can write to (it is created if missing), e.g. 'ckpt/step_100'"
+        )
+    return None
+
+
+def _from_rank0(value):
+    """``value`` as rank 0 has it, on every rank (itself without a process group)."""
+    import torch.distributed as dist
+
+    if not _grouped():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _read_info(path: str) -> dict:
     info_file = os.path.join(path, _INFO)
     if not os.path.isdir(path):
@@ -219,7 +274,8 @@ def load(path, *, model=None, optimizer=None, **extra) -> dict:
     """Read the checkpoint at ``path`` into ``model``/``optimizer``/``extra`` objects; every rank calls it.
 
     Restores in place (the model and optimizer must be built, and wrapped in
-    DDP/FSDP2, as for training). Returns ``{"step": ..., **plain extra values}``.
+    DDP/FSDP2, as for training); a model whose parameter names or shapes differ
+    from the saved one is refused before anything is loaded. Returns ``{"step": ..., **plain extra values}``.
     Tensors saved as extra values are in the result too. Example::
 
         info = nbdist.checkpoint.load("ckpt/step_20", model=model, optimizer=opt, scheduler=sched)
@@ -228,6 +284,7 @@ def load(path, *, model=None, optimizer=None, **extra) -> dict:
     import torch.distributed.checkpoint as dcp
 
     path = _path(path)
+    _check_objects(model, optimizer)
     info = _read_info(path)
     if optimizer is not None and not info.get("optimizer"):
         raise CheckpointError(
@@ -250,6 +307,8 @@ def load(path, *, model=None, optimizer=None, **extra) -> dict:
         )
     state = _model_state(model, optimizer)
     state.update({f"extra.{name}": obj.state_dict() for name, obj in extra.items()})
+    if model is not None:
+        _check_same_model(path, state["model"])
     saved_tensors = info.get("tensors", [])
     if saved_tensors:
         state["tensors"] = _tensor_templates(path, saved_tensors)
@@ -269,6 +328,48 @@ def load(path, *, model=None, optimizer=None, **extra) -> dict:
     result = {"step": info.get("step"), **info.get("extra", {})}
     result.update(state.get("tensors", {}))
     return result
+
+
+def _check_same_model(path: str, model_state: dict) -> None:
+    """Refuse a model whose parameter names or shapes differ from the checkpoint's.
+
+    Every rank reads the same index and sees the same global shapes (a DTensor's
+    ``shape`` is its whole tensor's), so all ranks refuse alike, before loading.
+    """
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    saved_model = {
+        key[len("model.") :]: getattr(meta, "size", None)
+        for key, meta in saved.items()
+        if key.startswith("model.")
+    }
+    here = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    problems = [
+        f"{name!r} is {list(saved_model[name])} there and {list(value.shape)} here"
+        for name, value in here.items()
+        if name in saved_model
+        and saved_model[name] is not None
+        and tuple(saved_model[name]) != tuple(value.shape)
+    ]
+    missing = [name for name in here if name not in saved_model]
+    unused = [name for name in saved_model if name not in model_state]
+    if missing:
+        problems.append(f"{_few(missing)} not in the checkpoint")
+    if unused:
+        problems.append(f"{_few(unused)} in the checkpoint but not in this model")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds another model than model=: {'; '.join(problems)}. "
+            "Build the model as it was when saved (same layers and sizes) before loading"
+        )
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f"{shown}{more} {'is' if len(names) == 1 else 'are'}"
 
 
 def _tensor_templates(path: str, names: list[str]) -> dict:
@@ -293,6 +394,16 @@ def latest(directory) -> str | None:
         path = nbdist.checkpoint.latest("ckpt")   # e.g. '/home/me/ckpt/step_20'
     """
     directory = _path(directory)
+    if os.path.isfile(directory):
+        raise CheckpointError(
+            f"{directory!r} is a file: give the directory that holds the checkpoints, e.g. 'ckpt'"
+        )
+    if os.path.isfile(os.path.join(directory, _INFO)):
+        raise CheckpointError(
+            f"{directory!r} is one checkpoint, not a directory of them: pass its parent "
+            f"({os.path.dirname(directory)!r}) to latest()/resume(), or load it with "
+            "nbdist.checkpoint.load(path, ...)"
+        )
     if not os.path.isdir(directory):
         return None
     best: tuple[int, float, str] | None = None
