@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import builtins
+import operator
 import os
 import random
 from contextlib import contextmanager
@@ -114,13 +115,17 @@ def rank_zero_first():
 def seed_all(seed: int) -> int:
     """Seed Python, NumPy and torch with ``seed + rank``; returns the seed used.
 
+    ``seed``: a whole number (an int, or its text as read from the environment).
+
     Different seeds per rank give different dropout masks and data shuffles;
     seed model initialisation separately (or broadcast parameters, as DDP does)
     when all ranks must start from the same weights.
     """
     import torch
 
-    value = int(seed) + rank()
+    value = _whole_seed(seed) + rank()
+    if not -(2**63) <= value < 2**64:  # what torch.manual_seed takes
+        raise ValueError(f"seed_all: seed={seed!r} is out of range: give a seed below 2**63")
     random.seed(value)
     torch.manual_seed(value)
     try:
@@ -130,3 +135,17 @@ def seed_all(seed: int) -> int:
     except ImportError:
         pass
     return value
+
+
+def _whole_seed(seed) -> int:
+    """``seed`` as an int (``7``, ``np.int64(7)``, ``"7"`` from the environment), or refused."""
+    try:
+        if isinstance(seed, str):
+            return int(seed.strip())
+        if isinstance(seed, float) and seed.is_integer():
+            return int(seed)
+        return operator.index(seed)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"seed_all: seed={seed!r} is not a whole number: give an int, e.g. seed_all(0)"
+        ) from None

@@ -38,6 +38,8 @@ Example (on a rank)::
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import re
 import threading
 import time
@@ -238,11 +240,18 @@ def set_peak(tflops: float | None = None, *, dtype=None) -> None:
     ``"fp16"``, ``"tf32"``...; None: torch's default dtype). ``peak_tflops=`` on
     one ``nbdist.log`` call overrides both for that point.
     """
-    if tflops is not None and not tflops > 0:
-        raise ValueError(f"peak tflops must be a positive number, got {tflops!r}")
+    if tflops is not None:
+        number = isinstance(tflops, numbers.Real) and not isinstance(tflops, bool)
+        if not number or not 0 < tflops < math.inf:
+            raise (ValueError if number else TypeError)(
+                f"peak tflops must be a positive number, got {tflops!r}: give TFLOP/s as a "
+                "number, e.g. set_peak(312.0), or set_peak() to go back to the table or a "
+                "measurement"
+            )
+    dtype = None if dtype is None else _dtype_name(dtype)  # refused before anything changes
     with _lock:
         _override["tflops"] = None if tflops is None else float(tflops)
-        _override["dtype"] = None if dtype is None else _dtype_name(dtype)
+        _override["dtype"] = dtype
         _for_log.clear()
 
 
@@ -297,6 +306,16 @@ def flops_per_step(model, inputs, *, loss_fn=None, backward: bool = True) -> int
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"flops_per_step: model must be a torch.nn.Module (plain or DDP), got "
+            f"{type(model).__name__}{' (a class: pass the model you built)' if isinstance(model, type) else ''}"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"flops_per_step: loss_fn={loss_fn!r} is not callable: give a function of the "
+            "model's output, e.g. loss_fn=lambda out: out.logits.sum()"
+        )
     model = _unwrap(model)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     # What .backward() would fill: trainable parameters and inputs that require grad. Those
@@ -368,7 +387,30 @@ def transformer_flops(
     >>> transformer_flops(124_000_000, 8 * 1024)
     6094848000000
     """
-    if not isinstance(params, int):
+    if callable(getattr(params, "parameters", None)):
         params = sum(p.numel() for p in params.parameters())
+    else:
+        params = _count(params, "params", "the parameter count, e.g. 124_000_000, or the model")
+    tokens = _count(tokens, "tokens", "the tokens of one step, e.g. batch * seq_len")
+    shape = {"layers": layers, "seq_len": seq_len, "width": width}
+    layers, seq_len, width = (
+        _count(v, k, "0 to leave attention out", minimum=0) for k, v in shape.items()
+    )
+    if 0 in (layers, seq_len, width) and any((layers, seq_len, width)):
+        given = ", ".join(f"{k}={v}" for k, v in shape.items())
+        raise ValueError(
+            f"transformer_flops: {given}: give layers, seq_len and width together for the "
+            "attention term, or none of them"
+        )
     per_token = 6 * params + 12 * layers * seq_len * width
     return per_token * tokens // (1 if backward else 3)
+
+
+def _count(value, name: str, what: str, *, minimum: int = 1) -> int:
+    """``value`` as a whole number >= ``minimum`` (``124e6`` counts), or refused naming ``name``."""
+    message = f"transformer_flops: {name}={value!r}: give a whole number >= {minimum} ({what})"
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(message)
+    if not math.isfinite(value) or value != int(value) or int(value) < minimum:
+        raise ValueError(message)
+    return int(value)

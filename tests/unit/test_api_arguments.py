@@ -89,3 +89,81 @@ def test_save_where_a_file_is_names_the_path(tmp_path):
     with pytest.raises(CheckpointError, match=r"ckpt/step_1' cannot be written"):
         save(tmp_path / "ckpt" / "step_1", model=_net(), step=1)
     assert (tmp_path / "ckpt").read_text() == "not a directory"
+
+
+# -- nbdist.metrics: FLOP helpers ---------------------------------------------
+
+
+def test_transformer_flops_takes_a_float_parameter_count():
+    from nbdist.metrics import transformer_flops
+
+    # Before: AttributeError: 'float' object has no attribute 'parameters'.
+    assert (
+        transformer_flops(124e6, 1024) == transformer_flops(124_000_000, 1024) == 6 * 124e6 * 1024
+    )
+    assert isinstance(transformer_flops(124_000_000, 1024.0), int)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        (("124M", 1024), {}, TypeError, r"params='124M': give a whole number >= 1 \(the parameter"),
+        ((124_000_000, -8), {}, ValueError, r"tokens=-8: give a whole number >= 1"),
+        ((124_000_000, "1024"), {}, TypeError, r"tokens='1024'"),
+        ((124_000_000, 1024), {"layers": -1}, ValueError, r"layers=-1"),
+        ((124_000_000, 1024), {"layers": 12}, ValueError, r"layers, seq_len and width together"),
+    ],
+)
+def test_transformer_flops_refuses_what_is_no_count(args, kwargs, error, message):
+    from nbdist.metrics import transformer_flops
+
+    # Before: a negative count, or attention silently left out for layers= alone.
+    with pytest.raises(error, match=message):
+        transformer_flops(*args, **kwargs)
+
+
+def test_set_peak_refuses_text_and_infinity_and_keeps_the_old_peak():
+    import nbdist.metrics as metrics
+
+    try:
+        metrics.set_peak(2.5)
+        with pytest.raises(TypeError, match=r"got '312': give TFLOP/s as a number"):
+            metrics.set_peak("312")
+        with pytest.raises(ValueError, match="got inf"):
+            metrics.set_peak(float("inf"))
+        # Before: the peak became 100 although the call raised for its dtype.
+        with pytest.raises(ValueError, match="dtype 'int8'"):
+            metrics.set_peak(100, dtype="int8")
+        assert metrics.device_peak("cpu").tflops == 2.5
+    finally:
+        metrics.set_peak()
+
+
+@pytest.mark.parametrize("model", [None, nn.Linear(4, 2).state_dict(), nn.Linear])
+def test_flops_per_step_refuses_what_is_no_model(model):
+    from nbdist.metrics import flops_per_step
+
+    with pytest.raises(TypeError, match=r"flops_per_step: model must be a torch.nn.Module"):
+        flops_per_step(model, torch.ones(3, 4))
+
+
+# -- nbdist.seed_all -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", ["abc", None, 1.5])
+def test_seed_all_refuses_what_is_no_whole_number(seed):
+    import nbdist
+
+    state = torch.random.get_rng_state()
+    # Before: int()'s message without the name, or 1.5 silently seeded as 1.
+    with pytest.raises(TypeError, match=r"seed_all: seed=.* is not a whole number"):
+        nbdist.seed_all(seed)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_seed_all_takes_the_seed_as_text_and_refuses_one_torch_cannot():
+    import nbdist
+
+    assert nbdist.seed_all("7") == nbdist.seed_all(7) == 7  # e.g. os.environ["SEED"]
+    with pytest.raises(ValueError, match=r"seed_all: seed=\d+ is out of range"):
+        nbdist.seed_all(2**70)
