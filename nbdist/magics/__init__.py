@@ -3,8 +3,8 @@
 Each magic parses its flags, makes one call on :class:`nbdist.DistSession` (or
 the library function named in its help) and shows the result; everything a magic
 does can be done from a script. Bad input raises IPython's ``UsageError`` naming
-the value and the fix, and changes nothing. ``%dist_start?`` and the others' help
-texts are the manual.
+the value and the fix, and changes nothing. ``%dist_start?`` (or ``%dist_start --help``)
+and the others' help texts are the manual.
 
 - :mod:`~nbdist.magics.lifecycle`: ``%dist_start``, ``%dist_stop``, ``%dist_restart``,
   ``%dist_status``; its ``DistMagics`` holds the notebook's session, which every other

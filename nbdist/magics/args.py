@@ -4,9 +4,14 @@ Shared by every module of :mod:`nbdist.magics`, so every magic words a bad line
 the same way: the flags several magics take (``--ranks``, ``--noblock``, a cell's
 ``--timeout``) are declared here once, and :class:`SessionMagics` is the base of
 every group of magics that reaches the session of :class:`~nbdist.magics.lifecycle.DistMagics`.
+Every magic answers ``--help`` (or ``-h``) with the help ``%magic?`` shows
+(:func:`asked_for_help`), and a line argparse refuses points to that help.
 """
 
 from __future__ import annotations
+
+import inspect
+import re
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics
@@ -20,9 +25,15 @@ __all__ = [
     "NOBLOCK",
     "RANKS",
     "SessionMagics",
+    "asked_for_help",
+    "magic_name",
     "parse_magic_line",
     "seconds",
 ]
+
+HELP_WORDS = ("--help", "-h")
+# argparse's refusal of a flag whose value it took for another option.
+_NO_VALUE = re.compile(r"argument (--[\w-]+): expected one argument")
 
 # Flags several magics share, declared once (each magic's help lists them).
 RANKS = argument("--ranks", default=None, help="ranks: 0,2 or 0-3 (default: all)")
@@ -40,12 +51,38 @@ def seconds(text: str, flag: str = "--timeout") -> float:
         raise UsageError(str(exc)) from None
 
 
+def magic_name(magic) -> str:
+    """How a user types ``magic`` (a bound magic method): ``%dist_start``, ``%%on_all_ranks``."""
+    owner = getattr(magic, "__self__", None)
+    cells = getattr(owner, "magics", {}).get("cell", {})
+    return ("%%" if magic.__name__ in cells else "%") + magic.__name__
+
+
+def asked_for_help(magic, line: str, anywhere: bool = True) -> bool:
+    """True, after printing ``magic``'s help (what ``%magic?`` shows), if ``line`` asks for it.
+
+    ``--help`` or ``-h`` as a word of the line (``anywhere``), or as the whole
+    line, for magics whose line is passed on (a script's arguments, an expression).
+    """
+    words = line.split() if anywhere else [line.strip()]
+    if not any(word in HELP_WORDS for word in words):
+        return False
+    print(inspect.getdoc(magic))
+    return True
+
+
 def parse_magic_line(magic, line: str):
     """``line`` parsed by ``magic``'s declared arguments; bad input is a UsageError."""
     try:
         return parse_argstring(magic, line)
-    except UsageError:
-        raise
+    except UsageError as exc:  # argparse's words: add which value, and where the help is
+        message = str(exc)
+        missing = _NO_VALUE.match(message)
+        if missing:
+            after = re.search(re.escape(missing.group(1)) + r"\s+(-\S+)", line)
+            if after:
+                message += f" ({after.group(1)!r} starts with '-', so it reads as an option)"
+        raise UsageError(f"{message}; see {magic_name(magic)}? for its arguments") from None
     except SystemExit as exc:  # argparse's own exit on bad input
         raise UsageError(f"could not parse {line!r}: see the magic's help (?)") from exc
     except ValueError as exc:  # the line's quotes do not close

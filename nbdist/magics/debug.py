@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from nbdist.magics.args import SessionMagics, parse_magic_line
+from nbdist.magics.args import SessionMagics, asked_for_help, parse_magic_line
 
 __all__ = ["DebugMagics"]
 
@@ -55,6 +55,8 @@ class DebugMagics(SessionMagics):
         from nbdist.driver.debugging import failed_rank, post_mortem_on_rank
         from nbdist.launch.values import is_digits
 
+        if asked_for_help(self.dist_debug, line):
+            return
         args = parse_magic_line(self.dist_debug, line)
         session = self.dist.running_session()
         if args.rank is not None:
@@ -114,6 +116,8 @@ class DebugMagics(SessionMagics):
         from nbdist.engine import debugpy_server
         from nbdist.launch.values import is_digits
 
+        if asked_for_help(self.dist_debugpy, line):
+            return
         args = parse_magic_line(self.dist_debugpy, line)
         session = self.dist.running_session()
         if not is_digits(args.rank) or int(args.rank) >= session.world_size:
@@ -158,6 +162,8 @@ class DebugMagics(SessionMagics):
         """
         from nbdist.errors import RankError, RanksInterrupted
 
+        if asked_for_help(self.dist_last_error, line):
+            return
         args = parse_magic_line(self.dist_last_error, line)
         error = getattr(sys, "last_value", None)
         if error is None:

@@ -15,7 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.errors import NbdistError, PlacementError
 from nbdist.launch.values import is_digits
-from nbdist.magics.args import RANKS, SessionMagics, parse_magic_line
+from nbdist.magics.args import RANKS, SessionMagics, asked_for_help, parse_magic_line
 
 __all__ = ["InspectMagics", "parse_profile_line", "split_diff_line"]
 
@@ -105,6 +105,8 @@ class InspectMagics(SessionMagics):
         """
         from nbdist.driver.where import format_where
 
+        if asked_for_help(self.dist_where, line):
+            return
         args = parse_magic_line(self.dist_where, line)
         session = self.dist.running_session()
         try:
@@ -135,6 +137,8 @@ class InspectMagics(SessionMagics):
         from nbdist.dashboard import show_run
         from nbdist.metrics.store import pick_run
 
+        if asked_for_help(self.dist_dashboard, line):
+            return
         args = parse_magic_line(self.dist_dashboard, line)
         if args.run is not None and not is_digits(args.run):
             raise UsageError(
@@ -178,6 +182,8 @@ class InspectMagics(SessionMagics):
         """
         from nbdist.driver.diff import compare_values
 
+        if asked_for_help(self.dist_diff, line, anywhere=False):  # the rest is an expression
+            return
         expr, ranks, ref = split_diff_line(line)
         session = self.dist.running_session()
         try:
@@ -219,6 +225,8 @@ class InspectMagics(SessionMagics):
         from nbdist.driver.trace_merge import collect
         from nbdist.engine import profiling
 
+        if asked_for_help(self.dist_profile, line):
+            return
         steps, skip, gather = parse_profile_line(line)
         session = self.dist.running_session()
         if gather:

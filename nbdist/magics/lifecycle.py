@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from nbdist.errors import PlacementError
 from nbdist.launch.options import parse_gpu_list, parse_launch_options
 from nbdist.launch.values import parse_count, parse_duration, parse_seconds
-from nbdist.magics.args import parse_magic_line
+from nbdist.magics.args import asked_for_help, parse_magic_line
 
 __all__ = ["DistMagics"]
 
@@ -96,7 +96,7 @@ class DistMagics(Magics):
             %dist_start 4 --check    # then times each link to rank 0; warns if one is slow
             %dist_start --gpus 0,2   # two ranks on GPUs 0 and 2 (NCCL)
             %dist_start --connect ~/.ipython/profile_default/security/cluster-abc.json
-            %dist_start 16 --launcher slurm --ip 10.1.0.5 --partition gpu --time 01:00:00 \
+            %dist_start 16 --launcher slurm --ip 10.1.0.5 --partition gpu --time 01:00:00 \\
                 --launch-opt gpus_per_node=8
             %dist_start --launcher ssh --ip 10.1.0.5 --hosts node1:4,node2:4
             %dist_start 4 --name train1   # outlives the kernel: %dist_attach train1 from another
@@ -112,6 +112,8 @@ class DistMagics(Magics):
         file (ipcontroller-client.json). ``--attach FILE``, its former name, still works
         in this release, with a warning.
         """
+        if asked_for_help(self.dist_start, line):
+            return
         args = parse_magic_line(self.dist_start, line)
         connect = _connection_file(args)
         if self.session is not None and self.session.running:
@@ -186,6 +188,8 @@ class DistMagics(Magics):
             %dist_stop
             %dist_stop train1
         """
+        if asked_for_help(self.dist_stop, line):
+            return
         if line.strip():
             from nbdist.magics.named_sessions import stop_named_session
 
@@ -205,6 +209,8 @@ class DistMagics(Magics):
 
             %dist_restart
         """
+        if asked_for_help(self.dist_restart, line):
+            return
         if line.strip():
             raise UsageError(f"%dist_restart takes no arguments, got {line.strip()!r}")
         self.running_session().restart()
@@ -223,6 +229,8 @@ class DistMagics(Magics):
             %dist_status
             %dist_status --all
         """
+        if asked_for_help(self.dist_status, line):
+            return
         from IPython.display import display
 
         from nbdist.driver.status import StatusTable

@@ -16,7 +16,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.errors import NbdistError
 from nbdist.launch.values import parse_duration
-from nbdist.magics.args import SessionMagics, parse_magic_line, seconds
+from nbdist.magics.args import SessionMagics, asked_for_help, parse_magic_line, seconds
 from nbdist.text_table import format_table
 
 __all__ = ["NamedMagics", "format_sessions", "stop_named_session"]
@@ -116,6 +116,8 @@ class NamedMagics(SessionMagics):
         """
         from nbdist.driver.named_sessions import named_sessions, stop_idle
 
+        if asked_for_help(self.dist_sessions, line):
+            return
         args = parse_magic_line(self.dist_sessions, line)
         if args.stop_idle is not None:
             try:
@@ -137,7 +139,7 @@ class NamedMagics(SessionMagics):
         The ranks keep their namespaces, and the run its metrics (every point,
         also those logged while no kernel was attached). A cell that was running
         when the old kernel died streams the rest of its output here until it
-        ends; then the session is this notebook's, as after %dist_start::
+        ends; then the session is this notebook's, as after %dist_start. Examples::
 
             %dist_attach train1
             %dist_attach train1 --timeout 300   # ranks on a busy machine answer slowly
@@ -146,6 +148,8 @@ class NamedMagics(SessionMagics):
         """
         from nbdist.driver.named_sessions import NamedSession
 
+        if asked_for_help(self.dist_attach, line):
+            return
         args = parse_magic_line(self.dist_attach, line)
         # Checked before anything else, so a bad value changes nothing.
         timeout = seconds(args.timeout) if args.timeout is not None else None

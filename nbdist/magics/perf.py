@@ -12,7 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.errors import PlacementError
 from nbdist.launch.values import parse_count
-from nbdist.magics.args import SessionMagics, parse_magic_line
+from nbdist.magics.args import SessionMagics, asked_for_help, parse_magic_line
 
 __all__ = ["PerfMagics"]
 
@@ -56,6 +56,8 @@ class PerfMagics(SessionMagics):
         """
         from nbdist.driver.comm_table import measure_comm
 
+        if asked_for_help(self.dist_bench, line):
+            return
         args = parse_magic_line(self.dist_bench, line)
         if args.what != "comm":
             raise UsageError(
