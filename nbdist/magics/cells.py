@@ -12,13 +12,14 @@ from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.driver.lab_debugger import prepare_cell
-from nbdist.errors import PlacementError
+from nbdist.errors import PlacementError, RankError, format_ranks
 from nbdist.launch.values import is_digits
 from nbdist.magics.args import (
     CELL_TIMEOUT,
     NOBLOCK,
     RANKS,
     SessionMagics,
+    asked_for_help,
     parse_magic_line,
     seconds,
 )
@@ -52,7 +53,7 @@ def run_on_ranks(dist_magics, cell: str, ranks, noblock: bool, timeout):
 class CellMagics(SessionMagics):
     """%%on_all_ranks, %%on_rank, %dist_push, %dist_pull: on the session ``self.dist`` holds."""
 
-    @magic_arguments()
+    @magic_arguments("%on_all_ranks")  # its usage line then reads %%on_all_ranks
     @RANKS
     @NOBLOCK
     @CELL_TIMEOUT
@@ -77,6 +78,8 @@ class CellMagics(SessionMagics):
         Cells run on every rank are recorded for %dist_export, unless run with
         --no-export or marked with the comment ``# nbdist: no-export``.
         """
+        if asked_for_help(self.on_all_ranks, line):
+            return None
         args = parse_magic_line(self.on_all_ranks, line)
         result = run_on_ranks(self.dist, cell, args.ranks, args.noblock, args.timeout)
         if args.ranks is None and not args.no_export:
@@ -84,17 +87,21 @@ class CellMagics(SessionMagics):
             self.dist.session.record_cell(cell)
         return result
 
-    @magic_arguments()
+    @magic_arguments("%on_rank")
     @argument("rank", help="the rank to run on")
     @NOBLOCK
     @CELL_TIMEOUT
     @cell_magic
     def on_rank(self, line, cell):
-        """Run the cell on one rank. Example::
+        """Run the cell on one rank.
 
-        %%on_rank 0
-        print(model)
+        Example::
+
+            %%on_rank 0
+            print(model)
         """
+        if asked_for_help(self.on_rank, line):
+            return None
         args = parse_magic_line(self.on_rank, line)
         if not is_digits(args.rank):
             raise UsageError(f"rank {args.rank!r}: give one rank number, e.g. %%on_rank 0")
@@ -102,11 +109,15 @@ class CellMagics(SessionMagics):
 
     @line_magic
     def dist_push(self, line=""):
-        """Copy variables from the notebook to every rank. Example::
+        """Copy variables from the notebook to every rank.
 
-        lr = 0.1
-        %dist_push lr
+        Usage: ``%dist_push NAME [NAME...]``. Example::
+
+            lr = 0.1
+            %dist_push lr
         """
+        if asked_for_help(self.dist_push, line):
+            return
         names = line.split()
         if not names:
             raise UsageError("%dist_push needs variable names, e.g. %dist_push lr batch_size")
@@ -120,11 +131,15 @@ class CellMagics(SessionMagics):
     @argument("--rank", default=None, help="one rank's value (default: a list by rank)")
     @line_magic
     def dist_pull(self, line=""):
-        """A variable's value from the ranks: a list by rank, or one rank's. Examples::
+        """A variable's value from the ranks: a list by rank, or one rank's.
 
-        losses = %dist_pull loss
-        w0 = %dist_pull weight --rank 0
+        Examples::
+
+            losses = %dist_pull loss
+            w0 = %dist_pull weight --rank 0
         """
+        if asked_for_help(self.dist_pull, line):
+            return None
         args = parse_magic_line(self.dist_pull, line)
         if not args.name.isidentifier():
             raise UsageError(
@@ -140,4 +155,14 @@ class CellMagics(SessionMagics):
                 raise UsageError(
                     f"rank {rank} does not exist: this cluster has ranks 0..{session.world_size - 1}"
                 )
-        return session.pull(args.name, rank=rank)
+        try:
+            return session.pull(args.name, rank=rank)
+        except RankError as exc:
+            # The name itself missing is a slip of the user's, not a rank's error: one line.
+            missing = f"name {args.name!r} is not defined"
+            if all(f.ename == "NameError" and f.evalue.startswith(missing) for f in exc.failures):
+                raise UsageError(
+                    f"%dist_pull {args.name!r}: not defined on {format_ranks(exc.ranks)}: "
+                    "assign it in an %%on_all_ranks cell first (or pull a name that exists)"
+                ) from None
+            raise
