@@ -18,8 +18,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from nbdist.engine.devices import BACKENDS
 from nbdist.errors import NbdistError
-from nbdist.magics.args import SessionMagics, parse_magic_line
+from nbdist.magics.args import SessionMagics, asked_for_help, parse_magic_line
 from nbdist.magics.cells import run_on_ranks
 
 __all__ = ["ScriptMagics", "split_run_line"]
@@ -33,11 +34,15 @@ def split_run_line(line: str) -> tuple[str | None, str, list[str]]:
     """
     rest = line.strip()
     timeout = None
-    if rest.startswith("--timeout"):
-        parts = rest.split(None, 2)
-        if len(parts) < 2:
+    first = rest.split(None, 1)[0] if rest else ""
+    if first == "--timeout" or first.startswith("--timeout="):  # argparse's two spellings
+        if first == "--timeout":
+            parts = rest.split(None, 2)[1:]
+        else:
+            parts = [first.partition("=")[2], *rest.split(None, 1)[1:]]
+        if not parts or not parts[0]:
             raise UsageError("%dist_run --timeout needs seconds, e.g. %dist_run --timeout 600 x.py")
-        timeout, rest = parts[1], parts[2] if len(parts) > 2 else ""
+        timeout, rest = parts[0], parts[1] if len(parts) > 1 else ""
     if not rest:
         raise UsageError("%dist_run needs a script, e.g. %dist_run train.py --epochs 2")
     try:
@@ -66,8 +71,15 @@ class ScriptMagics(SessionMagics):
             %dist_run train.py --epochs 2 --lr 0.1
             %dist_run --timeout 600 scripts/pretrain.py --config small.yaml
         """
+        if asked_for_help(self.dist_run, line, anywhere=False):  # the rest is the script's
+            return None
         timeout, script, args = split_run_line(line)
         path = os.path.abspath(os.path.expanduser(script))
+        if os.path.isdir(path):
+            raise UsageError(
+                f"%dist_run: {script!r} is a directory: give the path of a script in it, "
+                f"e.g. %dist_run {os.path.join(script, 'train.py')}"
+            )
         if not os.path.isfile(path):
             raise UsageError(
                 f"%dist_run: no file {script!r} (looked for {path}): give the path of a script"
@@ -93,7 +105,15 @@ class ScriptMagics(SessionMagics):
             %dist_export train.py
             !torchrun --nproc_per_node 2 train.py
         """
+        if asked_for_help(self.dist_export, line):
+            return
         args = parse_magic_line(self.dist_export, line)
+        # Checked before anything is written: the script would fail at its start.
+        if args.backend is not None and args.backend.lower() not in BACKENDS:
+            raise UsageError(
+                f"--backend {args.backend!r}: use one of {', '.join(BACKENDS)} "
+                "(or leave it out: nccl with GPUs, gloo without)"
+            )
         session = self.dist.session
         if session is None:
             raise UsageError("nothing to export: %dist_start, then run %%on_all_ranks cells")

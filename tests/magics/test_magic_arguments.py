@@ -1,0 +1,173 @@
+"""What a user sees from the magics' help and from a bad line, in a real IPython shell.
+
+Most checks need no cluster (a bad line is refused before anything starts);
+the one about pulling an undefined name starts 2 CPU ranks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+from nbdist.magics.scripts import split_run_line
+
+LINE_MAGICS = [
+    "dist_start",
+    "dist_stop",
+    "dist_restart",
+    "dist_status",
+    "dist_push",
+    "dist_pull",
+    "dist_where",
+    "dist_dashboard",
+    "dist_diff",
+    "dist_profile",
+    "dist_debug",
+    "dist_debugpy",
+    "dist_last_error",
+    "dist_bench",
+    "dist_sessions",
+    "dist_attach",
+    "dist_run",
+    "dist_export",
+]
+CELL_MAGICS = ["on_all_ranks", "on_rank"]
+
+
+@pytest.fixture(scope="module")
+def shell():
+    sh = InteractiveShell.instance()
+    sh.run_cell("%load_ext nbdist")
+    # The shell is a process-wide singleton: start from no session, whatever ran before.
+    sh.run_line_magic("dist_stop", "")
+    sh.magics_manager.registry["DistMagics"].session = None
+    yield sh
+    sh.run_line_magic("dist_stop", "")
+
+
+def session_of(shell):
+    return shell.magics_manager.registry["DistMagics"].session
+
+
+@pytest.mark.parametrize("name", LINE_MAGICS)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_flag_prints_the_line_magics_help(shell, capsys, name, flag):
+    shell.run_line_magic(name, flag)  # no UsageError, nothing started
+    out = capsys.readouterr().out
+    assert "Example" in out, out
+    assert out.strip() == inspect.getdoc(shell.find_line_magic(name))  # as %name? shows it
+    assert session_of(shell) is None
+
+
+@pytest.mark.parametrize("name", CELL_MAGICS)
+def test_help_flag_on_a_cell_magic_prints_help_and_runs_nothing(shell, capsys, name):
+    # No cluster runs: running the cell would be a UsageError naming %dist_start.
+    shell.run_cell_magic(name, "--help", "print('the cell ran')")
+    out = capsys.readouterr().out
+    assert f"%%{name} [" in out
+    assert "Example" in out
+    assert "the cell ran" not in out
+
+
+def test_help_flag_among_other_words_is_help_too(shell, capsys):
+    shell.run_line_magic("dist_start", "4 --cpu --help")
+    assert "Examples::" in capsys.readouterr().out
+    assert session_of(shell) is None
+
+
+def test_a_scripts_own_help_flag_goes_to_the_script():
+    assert split_run_line("train.py --help") == (None, "train.py", ["--help"])
+
+
+def test_cell_magic_usage_lines_start_with_two_percents(shell):
+    assert "%%on_all_ranks [--ranks RANKS]" in shell.find_cell_magic("on_all_ranks").__doc__
+    assert "%%on_rank [--noblock]" in shell.find_cell_magic("on_rank").__doc__
+
+
+def test_dist_start_help_keeps_its_continued_example_on_two_lines(shell):
+    doc = shell.find_line_magic("dist_start").__doc__
+    # A backslash-newline in the docstring joined the lines with a run of spaces.
+    assert not re.search(r"01:00:00 {3,}--launch-opt", doc)
+    assert "--time 01:00:00 \\\n" in doc
+
+
+def test_examples_of_on_rank_push_and_pull_are_indented(shell):
+    # As %name? shows the help: a literal block (::) is indented under its paragraph.
+    for magic, example in [
+        (shell.find_cell_magic("on_rank"), "%%on_rank 0"),
+        (shell.find_line_magic("dist_push"), "%dist_push lr"),
+        (shell.find_line_magic("dist_pull"), "losses = %dist_pull loss"),
+    ]:
+        doc = inspect.getdoc(magic)
+        line = next(x for x in doc.splitlines() if x.strip() == example)
+        assert line.startswith("    "), (example, doc)
+
+
+@pytest.mark.parametrize(
+    "magic, line, message",
+    [
+        ("dist_where", "--ranks", "argument --ranks: expected one argument; see %dist_where?"),
+        ("dist_start", "--bogus", "unrecognized arguments: --bogus; see %dist_start?"),
+        ("dist_pull", "", "arguments are required: name; see %dist_pull?"),
+        ("dist_bench", "comm --sizes -1K", "'-1K' starts with '-', so it reads as an option"),
+        ("dist_sessions", "--stop-idle -2h", "'-2h' starts with '-'"),
+    ],
+)
+def test_a_line_argparse_refuses_points_to_the_magics_help(shell, magic, line, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        shell.run_line_magic(magic, line)
+    assert session_of(shell) is None
+
+
+def test_a_cell_line_argparse_refuses_names_the_cell_magic(shell):
+    with pytest.raises(UsageError, match=re.escape("--bogus; see %%on_all_ranks?")):
+        shell.run_cell_magic("on_all_ranks", "--bogus", "print(1)")
+
+
+def test_dist_run_reads_timeout_written_with_equals():
+    assert split_run_line("--timeout=5 x.py --lr 1") == ("5", "x.py", ["--lr", "1"])
+    with pytest.raises(UsageError, match="--timeout needs seconds"):
+        split_run_line("--timeout= x.py")
+
+
+def test_dist_run_on_a_directory_says_it_is_one(shell, tmp_path):
+    with pytest.raises(UsageError, match=f"'{tmp_path}' is a directory: give the path of a script"):
+        shell.run_line_magic("dist_run", str(tmp_path))
+
+
+def test_dist_export_refuses_an_unknown_backend_and_writes_nothing(shell, tmp_path):
+    target = tmp_path / "train.py"
+    with pytest.raises(UsageError, match=r"--backend 'ncl': use one of nccl, gloo"):
+        shell.run_line_magic("dist_export", f"{target} --backend ncl")
+    assert not target.exists()
+
+
+@pytest.fixture(scope="module")
+def started(shell):
+    result = shell.run_cell("%dist_start 2 --timeout 120 --cpu")
+    assert result.success, result.error_in_exec
+    return shell
+
+
+def test_dist_pull_of_an_undefined_name_is_one_line_naming_it(started):
+    started.run_cell(
+        "%%on_all_ranks\nonly_on_1 = 5 if rank == 1 else None\nif rank == 0: del only_on_1"
+    )
+    with pytest.raises(UsageError, match=r"%dist_pull 'nosuchvar': not defined on ranks 0-1"):
+        started.run_line_magic("dist_pull", "nosuchvar")
+    with pytest.raises(UsageError, match=r"'only_on_1': not defined on rank 0\b"):
+        started.run_line_magic("dist_pull", "only_on_1")
+    assert started.run_line_magic("dist_pull", "only_on_1 --rank 1") == 5
+    # A NameError raised while computing a value is not the name missing: left as the rank's error.
+    started.run_cell(
+        "%%on_all_ranks\nclass Lazy:\n    def __reduce__(self):\n        return undefined_x"
+    )
+    started.run_cell("%%on_all_ranks\nlazy = Lazy()")
+    with pytest.raises(Exception) as info:
+        started.run_line_magic("dist_pull", "lazy")
+    assert not isinstance(info.value, UsageError)
+    assert session_of(started).running
