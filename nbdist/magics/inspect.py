@@ -7,13 +7,14 @@ calls the library (:mod:`nbdist.driver.where`, :mod:`nbdist.dashboard`,
 
 from __future__ import annotations
 
+import ast
 import re
 
 from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from nbdist.errors import NbdistError, PlacementError
+from nbdist.errors import NbdistError, PlacementError, RankError, format_ranks
 from nbdist.launch.values import is_digits
 from nbdist.magics.args import RANKS, SessionMagics, asked_for_help, parse_magic_line
 
@@ -47,6 +48,23 @@ def split_diff_line(line: str) -> tuple[str, str | None, int]:
     return expr, options.get("ranks"), int(ref)
 
 
+def _undefined_name(expr: str, error: RankError) -> str | None:
+    """The name of ``expr`` that every failing rank lacked, if that is all that failed."""
+    names = {
+        node.id for node in ast.walk(ast.parse(expr, mode="eval")) if isinstance(node, ast.Name)
+    }
+    found = {
+        match.group(1)
+        for failure in error.failures
+        if failure.ename == "NameError"
+        and (match := re.match(r"name '([^']+)' is not defined", failure.evalue))
+    }
+    if len(found) != 1 or any(f.ename != "NameError" for f in error.failures):
+        return None
+    name = found.pop()
+    return name if name in names else None
+
+
 def parse_profile_line(line: str) -> tuple[int | None, int, bool]:
     """``%dist_profile``'s line as (steps or None, skip, collect); bad input: UsageError."""
     words = line.split()
@@ -68,6 +86,11 @@ def parse_profile_line(line: str) -> tuple[int | None, int, bool]:
             )
     if steps is None and not collect:
         raise UsageError("%dist_profile needs a number of steps, e.g. %dist_profile 3")
+    if steps is not None and collect:
+        raise UsageError(
+            f"%dist_profile {line.strip()!r}: either N steps (%dist_profile {steps}) "
+            "or --collect (gather what was recorded), not both"
+        )
     return steps, skip, collect
 
 
@@ -192,6 +215,14 @@ class InspectMagics(SessionMagics):
             raise UsageError(str(exc)) from None
         except SyntaxError as exc:
             raise UsageError(f"%dist_diff {expr!r} is not a Python expression: {exc.msg}") from None
+        except RankError as exc:
+            missing = _undefined_name(expr, exc)
+            if missing is None:
+                raise
+            raise UsageError(
+                f"%dist_diff: {missing!r} is not defined on {format_ranks(exc.ranks)}: "
+                "define it in an %%on_all_ranks cell first"
+            ) from None
         print(result.report())
 
     @line_magic

@@ -13,6 +13,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
+from nbdist.magics.inspect import parse_profile_line
 from nbdist.magics.scripts import split_run_line
 
 LINE_MAGICS = [
@@ -171,3 +172,23 @@ def test_dist_pull_of_an_undefined_name_is_one_line_naming_it(started):
         started.run_line_magic("dist_pull", "lazy")
     assert not isinstance(info.value, UsageError)
     assert session_of(started).running
+
+
+def test_dist_diff_of_an_undefined_name_is_one_line_naming_it(started):
+    with pytest.raises(
+        UsageError, match=r"%dist_diff: 'no_such_model' is not defined on ranks 0-1"
+    ):
+        started.run_line_magic("dist_diff", "no_such_model.state_dict()")
+    # A NameError inside a function the expression calls, for a name not in it, stays the rank's.
+    started.run_cell("%%on_all_ranks\ndef broken():\n    return missing_inside")
+    with pytest.raises(Exception) as info:
+        started.run_line_magic("dist_diff", "broken()")
+    assert not isinstance(info.value, UsageError)
+    assert "missing_inside" in str(info.value)
+
+
+def test_dist_profile_refuses_steps_with_collect():
+    with pytest.raises(UsageError, match=r"either N steps .* or --collect"):
+        parse_profile_line("3 --collect")
+    assert parse_profile_line("--collect") == (None, 1, True)
+    assert parse_profile_line("3 --skip 2") == (3, 2, False)
