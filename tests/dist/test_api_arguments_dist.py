@@ -57,3 +57,79 @@ def test_save_where_rank0_cannot_write_fails_on_every_rank(session, tmp_path):
         "ok",
         "ok",
     ]
+
+
+def test_context_parallel_checks_every_buffer_before_cutting_one(session):
+    session.run(
+        "from nbdist.strategies.parallel.context_parallel import context_parallel\n"
+        "x, y = torch.zeros(2, 8), torch.zeros(2, 6)\n"
+        "def enter():\n"
+        "    with context_parallel(buffers=[x, y], seq_dims=[1, 1], backend='ring'):\n"
+        "        pass\n",
+        sink=ListSink(),
+    )
+    outcomes = _outcomes(session, "enter()")
+    # 6 tokens do not split into 2 ranks x 2 chunks: y is named, and x is left whole
+    # (before: x was already cut to its 4 tokens when y raised).
+    assert all(o.startswith("ValueError: buffer 1 (shape (2, 6)): ") for o in outcomes), outcomes
+    assert all("pad it to 8" in o for o in outcomes), outcomes
+    assert session.pull("tuple(x.shape)") == [(2, 8), (2, 8)]
+
+
+def test_fsdp_mixed_precision_by_short_name_trains(session):
+    session.run(
+        "from nbdist.strategies.parallel.fsdp import apply_fsdp\n"
+        "torch.manual_seed(0)\n"
+        "net = apply_fsdp(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), param_dtype='bf16')\n"
+        "out = net(torch.ones(3, 4))\n"
+        "out.float().sum().backward()\n"
+        "seen = str(out.dtype)\n",
+        sink=ListSink(),
+        timeout=120,
+    )
+    # Before: "Invalid device string: 'bf16'" at the first forward.
+    assert session.pull("seen") == ["torch.bfloat16", "torch.bfloat16"]
+
+
+def test_tensor_parallel_width_that_does_not_split_evenly_is_named(session):
+    session.run(
+        "from nbdist.strategies.parallel.tensor_parallel import apply_tp, device_mesh\n"
+        "mlp = nn.Sequential(nn.Linear(8, 5), nn.ReLU(), nn.Linear(5, 8))\n"
+        "def shard():\n"
+        "    apply_tp(mlp, device_mesh(), colwise=['0'], rowwise=['2'])\n",
+        sink=ListSink(),
+    )
+    outcomes = _outcomes(session, "shard()")
+    # Before: accepted; the first forward failed with "a and b must have same reduction dim".
+    assert (
+        outcomes
+        == [
+            "ValueError: apply_tp: '0' has out_features=5, which 2 tensor-parallel ranks cannot "
+            "split evenly: make it divisible by 2 (e.g. 6), or leave the layer out of colwise/rowwise"
+        ]
+        * 2
+    )
+    assert session.pull("type(mlp[0].weight).__name__") == ["Parameter", "Parameter"]
+
+
+# Last: before its fix, the uneven reduce-scatter aborted a rank, ending the session.
+def test_sequence_parallel_uneven_sequence_is_refused_on_every_rank(session):
+    session.run(
+        "from nbdist.strategies.parallel.sequence_parallel import apply_sequence_parallel\n"
+        "from nbdist.strategies.parallel.tensor_parallel import device_mesh\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)\n"
+        "    def forward(self, x):\n"
+        "        return x + self.down(torch.relu(self.up(self.norm(x))))\n"
+        "sp = apply_sequence_parallel(nn.Sequential(Block(), Block()), device_mesh(), blocks=Block,\n"
+        "                             colwise=['up'], rowwise=['down'], norms=['norm'])\n",
+        sink=ListSink(),
+    )
+    outcomes = _outcomes(session, "sp(torch.ones(2, 5, 8))")
+    assert all(o.startswith("ValueError: apply_sequence_parallel: the sequence") for o in outcomes)
+    assert all(
+        "has 5 tokens, which 2 ranks cannot share evenly: pad it to 6" in o for o in outcomes
+    )
+    assert _outcomes(session, "sp(torch.ones(2, 6, 8))") == ["ok", "ok"]

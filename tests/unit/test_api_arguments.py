@@ -167,3 +167,89 @@ def test_seed_all_takes_the_seed_as_text_and_refuses_one_torch_cannot():
     assert nbdist.seed_all("7") == nbdist.seed_all(7) == 7  # e.g. os.environ["SEED"]
     with pytest.raises(ValueError, match=r"seed_all: seed=\d+ is out of range"):
         nbdist.seed_all(2**70)
+
+
+# -- nbdist.strategies.parallel: checked before any collective or change ---------
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x))
+
+
+def test_tensor_parallel_layer_names_given_as_one_string_are_refused():
+    from nbdist.strategies.parallel.mesh import ParallelDims
+    from nbdist.strategies.parallel.parallelize import parallelize
+    from nbdist.strategies.parallel.tensor_parallel import apply_tp
+
+    # Before: the string was split into letters ("no submodule named 'f'").
+    with pytest.raises(
+        TypeError, match=r"apply_tp: colwise='fc1' is one string.*colwise=\['fc1'\]"
+    ):
+        apply_tp(_Mlp(), None, colwise="fc1", rowwise=["fc2"])
+    with pytest.raises(TypeError, match=r"parallelize: rowwise='fc2' is one string"):
+        parallelize(_Mlp(), ParallelDims(1), colwise=["fc1"], rowwise="fc2")
+    with pytest.raises(TypeError, match=r"colwise holds Linear"):
+        model = _Mlp()
+        apply_tp(model, None, colwise=[model.fc1], rowwise=["fc2"])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "apply_fsdp(model)",
+        "apply_ac(model, blocks=nn.Linear)",
+        "apply_tp(model, None, colwise=['fc1'])",
+        "parallelize(model, ParallelDims(1))",
+    ],
+)
+@pytest.mark.parametrize("model", [_Mlp, _Mlp().state_dict(), "model"])
+def test_strategies_refuse_what_is_no_model(call, model):
+    from nbdist.strategies.parallel.checkpointing import apply_ac  # noqa: F401
+    from nbdist.strategies.parallel.fsdp import apply_fsdp  # noqa: F401
+    from nbdist.strategies.parallel.mesh import ParallelDims  # noqa: F401
+    from nbdist.strategies.parallel.parallelize import parallelize  # noqa: F401
+    from nbdist.strategies.parallel.tensor_parallel import apply_tp  # noqa: F401
+
+    # Before: AttributeError ('str' object has no attribute 'modules') or worse.
+    with pytest.raises(TypeError, match=r": model must be a torch.nn.Module; "):
+        eval(call, {**globals(), **locals()})
+
+
+def test_fsdp_takes_a_dtype_by_its_short_name_and_refuses_others():
+    from nbdist.strategies.parallel.arguments import as_dtype
+    from nbdist.strategies.parallel.fsdp import apply_fsdp
+
+    assert as_dtype("bf16", "param_dtype", "apply_fsdp") is torch.bfloat16
+    # Before: accepted, then "Invalid device string: 'int8'" at the first forward.
+    with pytest.raises(TypeError, match=r"apply_fsdp: param_dtype='int8' is no floating dtype"):
+        apply_fsdp(_Mlp(), param_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (
+            {"buffers": torch.zeros(2, 8), "seq_dims": [1]},
+            TypeError,
+            r"buffers= takes a list of tensors, got Tensor: write buffers=\[x\]",
+        ),
+        ({"buffers": [torch.zeros(2, 8)], "seq_dims": 1}, TypeError, r"write seq_dims=\[1\]"),
+        (
+            {"buffers": [torch.zeros(2, 8)], "seq_dims": [2]},
+            ValueError,
+            r"buffer 0 has shape \(2, 8\): its sequence dim 2 is none of its dimensions",
+        ),
+    ],
+)
+def test_context_parallel_names_a_bad_buffer_before_touching_any(kwargs, error, message):
+    from nbdist.strategies.parallel.context_parallel import context_parallel
+
+    # Before: "2 buffers, 1 seq_dims" for one tensor, IndexError for a dim out of range.
+    with pytest.raises(error, match=message):
+        with context_parallel(**kwargs):
+            pass

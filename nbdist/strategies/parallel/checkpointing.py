@@ -115,8 +115,13 @@ def apply_ac(model: nn.Module, *, blocks, every: int = 1) -> nn.Module:
     :func:`find_blocks`). ``every=2`` checkpoints every second matching block
     (a memory/time middle ground).
     """
-    if every < 1:
-        raise ValueError(f"every must be >= 1 (1 = every block), got {every}")
+    from nbdist.strategies.parallel.arguments import require_module
+
+    require_module(model, "apply_ac")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(
+            f"apply_ac: every must be a whole number >= 1 (1 = every block), got {every!r}"
+        )
     names = [name for name, _ in find_blocks(model, blocks, caller="apply_ac")]
     # A block nested in another chosen block is already covered by its parent.
     names = [n for n in names if not any(n.startswith(p + ".") for p in names if p != n)]

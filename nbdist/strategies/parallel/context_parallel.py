@@ -87,8 +87,39 @@ def sequence_indices(
     return torch.cat([torch.arange(s * size, (s + 1) * size, device=device) for s in starts])
 
 
+def _check_dim(x, dim, what: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{what} has shape {tuple(x.shape)}: its sequence dim {dim!r} is none of its "
+            f"dimensions (give 0..{x.dim() - 1}, e.g. 1 for (batch, seq, ...))"
+        )
+
+
+def _check_buffers(buffers, seq_dims) -> None:
+    """Lists of tensors and of their sequence dims, one each, before any buffer is touched."""
+    if not isinstance(buffers, (list, tuple)):
+        raise TypeError(
+            f"context_parallel: buffers= takes a list of tensors, got "
+            f"{type(buffers).__name__}: write buffers=[x] (and seq_dims=[1])"
+        )
+    if not isinstance(seq_dims, (list, tuple)):
+        raise TypeError(
+            f"context_parallel: seq_dims= takes a list with one dim per buffer, got "
+            f"{seq_dims!r}: write seq_dims=[{seq_dims!r}]"
+        )
+    if len(buffers) != len(seq_dims) or not buffers:
+        raise ValueError(
+            f"give one sequence dim per buffer: {len(buffers)} buffers, {len(seq_dims)} seq_dims"
+        )
+    for i, (b, dim) in enumerate(zip(buffers, seq_dims)):
+        _check_dim(b, dim, f"context_parallel: buffer {i}")
+
+
 def shard_sequence(x: torch.Tensor, dim: int, *, group=None, load_balance: bool = False):
     """This rank's slice of ``x`` along ``dim`` (a view-free copy; differentiable)."""
+    _check_dim(x, dim, "shard_sequence: x")
     rank, world = _group_info(group)
     idx = sequence_indices(x.shape[dim], rank, world, load_balance=load_balance, device=x.device)
     return x.index_select(dim, idx)
@@ -96,6 +127,7 @@ def shard_sequence(x: torch.Tensor, dim: int, *, group=None, load_balance: bool 
 
 def unshard_sequence(x: torch.Tensor, dim: int, *, group=None, load_balance: bool = False):
     """The full tensor from every rank's slice along ``dim`` (all-gather; not differentiable)."""
+    _check_dim(x, dim, "unshard_sequence: x")
     rank, world = _group_info(group)
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -331,10 +363,7 @@ def context_parallel(
     """
     if backend not in ("auto", "ring", "torch"):
         raise ValueError(f"backend must be 'auto', 'ring' or 'torch', got {backend!r}")
-    if len(buffers) != len(seq_dims) or not buffers:
-        raise ValueError(
-            f"give one sequence dim per buffer: {len(buffers)} buffers, {len(seq_dims)} seq_dims"
-        )
+    _check_buffers(buffers, seq_dims)
     owners: dict[int, int] = {}
     for i, b in enumerate(buffers):
         # Buffers are resized in place: two that share memory (x and y cut from one token
@@ -366,6 +395,12 @@ def context_parallel(
         finally:
             _cp_options.enable_load_balance = saved
         return
+    for i, (b, dim) in enumerate(zip(buffers, seq_dims)):
+        # Every buffer is checked before the first is resized: none is left cut alone.
+        try:
+            sequence_indices(b.shape[dim], 0, world, load_balance=load_balance)
+        except ValueError as exc:
+            raise ValueError(f"buffer {i} (shape {tuple(b.shape)}): {exc}") from None
     originals = [b.clone() for b in buffers]
     for b, dim in zip(buffers, seq_dims):
         local = shard_sequence(b, dim, group=group, load_balance=load_balance)

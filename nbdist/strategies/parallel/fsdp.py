@@ -54,6 +54,7 @@ def apply_fsdp(
 
     from nbdist.engine.backend_support import require
     from nbdist.engine.helpers import device
+    from nbdist.strategies.parallel.arguments import as_dtype, require_module
     from nbdist.strategies.parallel.tensor_parallel import device_mesh
 
     # Parameters are all-gathered before use, gradients reduce-scattered after.
@@ -66,6 +67,9 @@ def apply_fsdp(
             "memory to CPU memory, and on CPU ranks they already are in CPU memory. "
             "Use offload=False here."
         )
+    require_module(model, "apply_fsdp")
+    param_dtype = as_dtype(param_dtype, "param_dtype", "apply_fsdp")
+    reduce_dtype = as_dtype(reduce_dtype, "reduce_dtype", "apply_fsdp")
     # Resolved (and checked) before any collective runs.
     units = [] if blocks is None else find_blocks(model, blocks, caller="apply_fsdp")
     if mesh is None:

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from nbdist.strategies.parallel.arguments import layer_names, require_module
 from nbdist.strategies.parallel.mesh import ParallelDims, dims_of
 
 __all__ = ["STEPS", "Parallelized", "apply_fsdp_tp", "apply_fsdp_tp_pp", "parallelize"]
@@ -117,8 +118,12 @@ def parallelize(
     from nbdist.engine.helpers import device as rank_device
     from nbdist.strategies.parallel.pipeline import SCHEDULES
 
+    require_module(model, caller)
     if not isinstance(dims, ParallelDims):
         raise TypeError(f"{caller}: dims must be a ParallelDims, got {type(dims).__name__}")
+    # Checked here, before the model moves or is cut: one string is no list of names.
+    colwise = None if colwise is None else layer_names(colwise, "colwise", caller)
+    rowwise = None if rowwise is None else layer_names(rowwise, "rowwise", caller)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"{caller} runs on the ranks (in a %%on_all_ranks cell after %dist_start): "
@@ -273,8 +278,8 @@ def apply_fsdp_tp(
         per_stage,
         mesh=mesh,
         blocks=blocks,
-        colwise=list(colwise),
-        rowwise=list(rowwise),
+        colwise=colwise,
+        rowwise=rowwise,
         reshard_after_forward=reshard_after_forward,
         caller="apply_fsdp_tp",
     )
@@ -316,8 +321,8 @@ def apply_fsdp_tp_pp(
         dims,
         mesh=mesh,
         blocks=blocks,
-        colwise=list(colwise),
-        rowwise=list(rowwise),
+        colwise=colwise,
+        rowwise=rowwise,
         n_microbatches=n_microbatches,
         loss_fn=loss_fn,
         schedule=schedule,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from nbdist.strategies.parallel.checkpointing import saved_activation_bytes
@@ -94,6 +95,7 @@ def apply_sequence_parallel(
     )
 
     from nbdist.engine.backend_support import require
+    from nbdist.strategies.parallel.arguments import layer_names, require_module
     from nbdist.strategies.parallel.checkpointing import find_blocks
     from nbdist.strategies.parallel.tensor_parallel import replicate_unsharded
 
@@ -102,7 +104,13 @@ def apply_sequence_parallel(
         "sequence parallel (apply_sequence_parallel)",
         ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"),
     )
-    colwise, rowwise, norms, gather = list(colwise), list(rowwise), list(norms), list(gather)
+    caller = "apply_sequence_parallel"
+    require_module(model, caller)
+    colwise, rowwise = (
+        layer_names(colwise, "colwise", caller),
+        layer_names(rowwise, "rowwise", caller),
+    )
+    norms, gather = layer_names(norms, "norms", caller), layer_names(gather, "gather", caller)
     if not colwise or not rowwise:
         raise ValueError(
             "apply_sequence_parallel: name the layers of each block, e.g. "
@@ -142,6 +150,9 @@ def apply_sequence_parallel(
     for _, block in units:
         parallelize_module(block, mesh, plan)
     first, last = units[0][1], units[-1][1]
+    # An uneven cut makes ranks' reduce-scatters differ in size, which aborts a rank under
+    # gloo: the length is checked first, alike on every rank (the input is replicated).
+    first.register_forward_pre_hook(_even_sequence(seq_dim, mesh.size()), prepend=True)
     # Slicing a replicated tensor costs no communication; gathering the output does.
     parallelize_module(
         first,
@@ -160,6 +171,21 @@ def apply_sequence_parallel(
     # Embeddings, the final norm, the head: replicated DTensors too (foreach optimizers).
     replicate_unsharded(model, mesh, caller="apply_sequence_parallel")
     return model
+
+
+def _even_sequence(seq_dim: int, tp: int):
+    def check(_module, args):
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.dim() > seq_dim and x.shape[seq_dim] % tp:
+            length = x.shape[seq_dim]
+            raise ValueError(
+                f"apply_sequence_parallel: the sequence (dim {seq_dim} of the input, shape "
+                f"{tuple(x.shape)}) has {length} tokens, which {tp} ranks cannot share "
+                f"evenly: pad it to {-(-length // tp) * tp} tokens (or crop it to "
+                f"{length // tp * tp})"
+            )
+
+    return check
 
 
 class saved_local_bytes(saved_activation_bytes):  # noqa: N801 - a context manager

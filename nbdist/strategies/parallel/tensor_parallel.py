@@ -92,6 +92,7 @@ def apply_tp(
     )
 
     from nbdist.engine.backend_support import require
+    from nbdist.strategies.parallel.arguments import layer_names, require_module
 
     # Row-parallel outputs are all-reduced; sequence-parallel styles gather and scatter.
     require(
@@ -99,7 +100,14 @@ def apply_tp(
         ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"),
     )
 
-    colwise, rowwise = list(colwise), list(rowwise)
+    require_module(model, "apply_tp")
+    colwise = layer_names(colwise, "colwise", "apply_tp")
+    rowwise = layer_names(rowwise, "rowwise", "apply_tp")
+    if mesh is None:
+        raise TypeError(
+            "apply_tp: mesh=None; give the tensor-parallel mesh, e.g. device_mesh() or "
+            "dims.build_mesh()['tp']"
+        )
     if not colwise and not rowwise and not plan:
         raise ValueError("apply_tp: name at least one layer, e.g. colwise=['up'], rowwise=['down']")
     modules = dict(model.named_modules())
@@ -114,12 +122,32 @@ def apply_tp(
                 f"apply_tp: {name!r} is a {type(modules[name]).__name__}; column/row-parallel "
                 f"sharding applies to nn.Linear and nn.Embedding layers"
             )
+    _check_even(modules, colwise, rowwise, plan or {}, mesh.size())
     styles = {name: ColwiseParallel() for name in colwise}
     styles.update({name: RowwiseParallel() for name in rowwise})
     styles.update(plan or {})
     parallelize_module(model, mesh, styles)
     replicate_unsharded(model, mesh, caller="apply_tp")
     return model
+
+
+def _check_even(modules: dict, colwise: list, rowwise: list, plan: dict, tp: int) -> None:
+    """Refuse a Linear whose sharded width ``tp`` ranks cannot split evenly, before any change.
+
+    Uneven shards fail later, at the first forward, with a sharding-propagation error
+    about matrix shapes that names no layer.
+    """
+    for names, attr in ((colwise, "out_features"), (rowwise, "in_features")):
+        for name in names:
+            layer = modules[name]
+            if name in plan or not isinstance(layer, nn.Linear) or not getattr(layer, attr) % tp:
+                continue
+            width = getattr(layer, attr)
+            raise ValueError(
+                f"apply_tp: {name!r} has {attr}={width}, which {tp} tensor-parallel ranks "
+                f"cannot split evenly: make it divisible by {tp} (e.g. {-(-width // tp) * tp}), "
+                "or leave the layer out of colwise/rowwise"
+            )
 
 
 def linear_pairs(model: nn.Module, world: int) -> tuple[list[str], list[str]]:

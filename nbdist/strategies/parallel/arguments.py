@@ -1,0 +1,73 @@
+"""Rank side: the argument checks that the ``apply_*`` functions share.
+
+Each check runs before any collective or change to the model, so a bad value
+raises alike on every rank and leaves nothing half done. Its message names
+the function, the argument, what it got, and what to write instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["as_dtype", "layer_names", "require_module"]
+
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def require_module(model, caller: str, arg: str = "model") -> None:
+    """Refuse what is no ``nn.Module`` instance: a class, a state_dict, anything else."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, type):
+        got = f"{model.__name__} is a class: pass the model you built, e.g. {model.__name__}(...)"
+    elif isinstance(model, dict):
+        got = "got a dict (a state_dict?): pass the module itself"
+    else:
+        got = f"got {type(model).__name__}"
+    raise TypeError(f"{caller}: {arg} must be a torch.nn.Module; {got}")
+
+
+def layer_names(value: Iterable[str], arg: str, caller: str) -> list[str]:
+    """``value`` as a list of submodule names; one string (``"fc1"``) is refused, not split."""
+    if isinstance(value, str):
+        raise TypeError(
+            f"{caller}: {arg}={value!r} is one string; give a list of layer names, "
+            f"e.g. {arg}=[{value!r}]"
+        )
+    try:
+        names = list(value)
+    except TypeError:
+        raise TypeError(
+            f"{caller}: {arg} takes a list of layer names, got {type(value).__name__}"
+        ) from None
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{caller}: {arg} holds {type(name).__name__} {name!r}; give the layers' names "
+                f"as model.named_modules() lists them, e.g. {arg}=['mlp.up']"
+            )
+    return names
+
+
+def as_dtype(value, arg: str, caller: str) -> torch.dtype | None:
+    """A torch dtype from ``torch.bfloat16`` or its short name (``"bf16"``); None stays None."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.lower().removeprefix("torch.")]
+    raise TypeError(
+        f"{caller}: {arg}={value!r} is no floating dtype; give torch.bfloat16, torch.float16 "
+        "or torch.float32 (or 'bf16', 'fp16', 'fp32')"
+    )
