@@ -21,6 +21,7 @@ them. :meth:`DistSession.summary` is the line ``%dist_start`` and
 from __future__ import annotations
 
 import functools
+import os
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +37,7 @@ from nbdist.driver.runner import RankRun, submit
 from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
 from nbdist.engine import bootstrap
-from nbdist.errors import ClusterNotRunning, NbdistError
+from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError
 from nbdist.launch import restart, zygote
 from nbdist.launch.cluster import ClusterHandle, interrupt_engines, start_processes, stop_processes
 from nbdist.launch.options import StartOptions, check_start_options
@@ -86,6 +87,19 @@ class _Watch:
         if self.monitor is not None:
             self.monitor.stop()
         registry.unregister_cluster(self.registry_path)
+
+
+def _history_option(history) -> str | bool | None:
+    """``history=`` as the metrics hub takes it: a path as text, None, or False."""
+    if history is None or isinstance(history, bool):
+        return None if history is True else history
+    if isinstance(history, (str, os.PathLike)) and os.fspath(history):
+        return os.fspath(history)
+    # Anything else used to mean the default location, silently.
+    raise PlacementError(
+        f"history={history!r}: give a file path for the run history (e.g. 'runs.db'), "
+        "None for the default location, or False to keep no history"
+    )
 
 
 class DistSession:
@@ -158,7 +172,7 @@ class DistSession:
         )
         # Connected: None until the engines describe themselves (plan_attached).
         self.placement: Placement | None = plan_start(opts)
-        self.history = history
+        self.history = _history_option(history)
         self.startup_seconds: float | None = None
         self.restarted: Restarted | None = None  # the last restart, until the next start
         # Code run on every rank since the group formed, in order: what %dist_export writes.

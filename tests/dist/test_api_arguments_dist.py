@@ -39,6 +39,15 @@ def session():
         s.stop()
 
 
+# First in the file: it starts its own session before the module's one exists.
+def test_history_given_as_a_path_object_is_where_the_run_goes(tmp_path):
+    where = tmp_path / "runs.db"
+    # Before: any non-str history (a pathlib.Path) silently meant the default location.
+    with nbdist.DistSession(2, cpu=True, timeout=300, history=where) as s:
+        s.run("nbdist.log(step=0, loss=1.0)", sink=ListSink())
+    assert [run.world_size for run in nbdist.runs(str(where))] == [2]
+
+
 def _outcomes(session, statement: str) -> list[str]:
     session.run(f"outcome = outcome_of(lambda: {statement})", sink=ListSink(), timeout=120)
     return session.pull("outcome")

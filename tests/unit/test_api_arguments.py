@@ -253,3 +253,16 @@ def test_context_parallel_names_a_bad_buffer_before_touching_any(kwargs, error, 
     with pytest.raises(error, match=message):
         with context_parallel(**kwargs):
             pass
+
+
+# -- nbdist.DistSession (checked before anything starts) --------------------------
+
+
+@pytest.mark.parametrize("history", [123, ["runs.db"], ""])
+def test_session_history_that_is_no_path_is_refused(history):
+    import nbdist
+    from nbdist.errors import PlacementError
+
+    # Before: accepted, and the history silently went to the default location.
+    with pytest.raises(PlacementError, match=r"history=.*: give a file path for the run history"):
+        nbdist.DistSession(2, cpu=True, history=history)
