@@ -54,6 +54,12 @@ def lightning_trainer_kwargs(*, one_device_per_rank: bool | None = None) -> dict
     """
     import torch
 
+    if not os.environ.get("WORLD_SIZE") or not os.environ.get("RANK"):
+        raise RuntimeError(
+            "lightning_trainer_kwargs describes a rank of a distributed job, and this process "
+            "is none (WORLD_SIZE and RANK are not set): call it on the ranks, in a "
+            "%%on_all_ranks cell after %dist_start (or under torchrun)"
+        )
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     gpu = torch.cuda.is_available()

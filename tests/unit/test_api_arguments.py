@@ -266,3 +266,16 @@ def test_session_history_that_is_no_path_is_refused(history):
     # Before: accepted, and the history silently went to the default location.
     with pytest.raises(PlacementError, match=r"history=.*: give a file path for the run history"):
         nbdist.DistSession(2, cpu=True, history=history)
+
+
+# -- nbdist.integrations -----------------------------------------------------------
+
+
+def test_lightning_kwargs_outside_a_job_say_where_to_call_them(monkeypatch):
+    from nbdist.integrations import lightning_trainer_kwargs
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    # Before: KeyError: 'WORLD_SIZE'.
+    with pytest.raises(RuntimeError, match=r"call it on the ranks, in a %%on_all_ranks cell"):
+        lightning_trainer_kwargs()
