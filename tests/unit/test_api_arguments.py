@@ -279,3 +279,62 @@ def test_lightning_kwargs_outside_a_job_say_where_to_call_them(monkeypatch):
     # Before: KeyError: 'WORLD_SIZE'.
     with pytest.raises(RuntimeError, match=r"call it on the ranks, in a %%on_all_ranks cell"):
         lightning_trainer_kwargs()
+
+
+# -- nbdist.strategies.plan: a function that builds the model, not the model ---------
+
+
+def _batch():
+    return torch.ones(4, 4), torch.ones(4, 4)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            "autoplan(nn.Linear(4, 4), _batch(), world_size=1, memory_per_rank='1 GB')",
+            r"autoplan: model_fn must build the model .*got a Linear instance.*model_fn=lambda",
+        ),
+        (
+            "compare(nn.Linear(4, 4), lambda step, rank: _batch(), strategies=['ddp'])",
+            r"compare: build_model must build the model .*got a Linear instance",
+        ),
+        ("build_plan(nn.Linear(4, 4), Plan(1))", r"build_plan: build_model must build the model"),
+        (
+            "compare(lambda: nn.Linear(4, 4), lambda step, rank: _batch(), strategies='ddp')",
+            r"strategies='ddp' is one string; give a list, e.g. strategies=\['ddp'\]",
+        ),
+        (
+            "model_facts(lambda: nn.Linear(4, 4), torch.ones(2, 4))",
+            r"batch must be \(inputs, targets\), a pair of tensors, got Tensor of shape \(2, 4\)",
+        ),
+    ],
+)
+def test_planners_refuse_a_model_where_its_builder_goes(call, message):
+    from nbdist.strategies.plan.autoplan import autoplan  # noqa: F401
+    from nbdist.strategies.plan.build import Plan, build_plan  # noqa: F401
+    from nbdist.strategies.plan.compare import compare  # noqa: F401
+    from nbdist.strategies.plan.estimate import model_facts  # noqa: F401
+
+    # Before: "Linear.forward() missing 1 required positional argument" (the model was
+    # called as its own builder), strategies split into ('d', 'd', 'p'), and one tensor
+    # silently unpacked along its rows as (inputs, targets).
+    with pytest.raises(TypeError, match=message):
+        eval(call, {**globals(), **locals()})
+
+
+# -- nbdist.strategies.training.sparse_attention ------------------------------------
+
+
+def test_block_sparse_layout_must_cover_the_sequence():
+    from nbdist.strategies.training.sparse_attention import block_mask, block_sparse
+
+    layout = torch.ones(2, 2, dtype=torch.bool)
+    assert block_mask(block_sparse(layout, 32), 64, block_size=32) is not None
+    assert block_mask(block_sparse(layout, 32), 50, block_size=32) is not None  # a partial block
+    # Before: accepted, every position past the layout attending as its last block does.
+    with pytest.raises(ValueError, match=r"layout is 2 x 2 blocks of 32 tokens, but 128 queries"):
+        block_mask(block_sparse(layout, 32), 128, block_size=32)
+    # Before: accepted, then ZeroDivisionError inside create_block_mask.
+    with pytest.raises(ValueError, match=r"block_sparse: block_size must be a whole number >= 1"):
+        block_sparse(layout, 0)

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["as_dtype", "layer_names", "require_module"]
+__all__ = ["as_dtype", "layer_names", "require_builder", "require_module"]
 
 _DTYPES = {
     "bf16": torch.bfloat16,
@@ -37,6 +37,21 @@ def require_module(model, caller: str, arg: str = "model") -> None:
     else:
         got = f"got {type(model).__name__}"
     raise TypeError(f"{caller}: {arg} must be a torch.nn.Module; {got}")
+
+
+def require_builder(build, caller: str, arg: str = "build_model") -> None:
+    """Refuse a model where a function that builds one goes (the planners build it afresh)."""
+    if isinstance(build, nn.Module):
+        name = type(build).__name__
+        raise TypeError(
+            f"{caller}: {arg} must build the model (it is called once per layout, for fresh "
+            f"weights), got a {name} instance: pass the class or a function, e.g. "
+            f"{arg}=lambda: {name}(...)"
+        )
+    if not callable(build):
+        raise TypeError(
+            f"{caller}: {arg} must be a function that builds the model, got {type(build).__name__}"
+        )
 
 
 def layer_names(value: Iterable[str], arg: str, caller: str) -> list[str]:

@@ -200,9 +200,11 @@ def build_plan(
     schedule with ``microbatches`` (default ``2 * pp``) micro-batches per replica.
     """
     from nbdist.engine.helpers import device as rank_device
+    from nbdist.strategies.parallel.arguments import require_builder
     from nbdist.strategies.parallel.parallelize import parallelize
     from nbdist.strategies.parallel.zero import zero_optimizer
 
+    require_builder(build_model, "build_plan")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("build_plan runs on the ranks (%%on_all_ranks): no process group")
     if plan.ac and blocks is None:

@@ -324,6 +324,14 @@ def compare(
 
         rows = compare(build, make_batch, strategies=("ddp", "fsdp"), steps=10)
     """
+    from nbdist.strategies.parallel.arguments import require_builder
+
+    require_builder(build_model, "compare")
+    if isinstance(strategies, str):  # not split into letters
+        raise TypeError(
+            f"compare: strategies={strategies!r} is one string; give a list, e.g. "
+            f"strategies=[{strategies!r}]"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("compare() runs on the ranks (%%on_all_ranks): no process group")
     unknown = [s for s in strategies if s not in STRATEGIES]

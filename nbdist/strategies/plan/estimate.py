@@ -143,7 +143,16 @@ def model_facts(
     the same cost as one single-process training step.
     """
     from nbdist.strategies.optim.optimizers import state_bytes
+    from nbdist.strategies.parallel.arguments import require_builder
 
+    require_builder(build_model, "model_facts")
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        # One tensor would be unpacked along its first dimension as (inputs, targets).
+        raise TypeError(
+            f"batch must be (inputs, targets), a pair of tensors, got "
+            f"{type(batch).__name__}{f' of shape {tuple(batch.shape)}' if isinstance(batch, torch.Tensor) else ''}"
+            ": pass batch=(x, y)"
+        )
     x, y = batch
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor) or len(x) != len(y):
         raise TypeError(

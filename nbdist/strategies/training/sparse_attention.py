@@ -111,6 +111,10 @@ def sliding_window(window: int, *, n_global: int = 0, is_causal: bool = True):
 
 def block_sparse(layout: torch.Tensor, block_size: int):
     """A mask_mod from a boolean ``layout[q_block, kv_block]`` of ``block_size``-token blocks."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(
+            f"block_sparse: block_size must be a whole number >= 1, got {block_size!r}"
+        )
     layout = torch.as_tensor(layout, dtype=torch.bool)
     if layout.dim() != 2:
         raise ValueError(
@@ -126,6 +130,9 @@ def block_sparse(layout: torch.Tensor, block_size: int):
             (q_idx // block_size).clamp_max(rows - 1), (kv_idx // block_size).clamp_max(cols - 1)
         ]
 
+    # What block_mask checks the sequence against: positions past the layout would be
+    # clamped onto its last row and column.
+    mask_mod.layout_blocks = (rows, cols, block_size)
     return mask_mod
 
 
@@ -138,6 +145,16 @@ def block_mask(
     if block_size < 1 or seq_len < 1:
         raise ValueError(f"block_size and seq_len must be >= 1, got {block_size}, {seq_len}")
     kv_len = seq_len if kv_len is None else kv_len
+    layout = getattr(mask_mod, "layout_blocks", None)
+    if layout is not None:
+        rows, cols, size = layout
+        need = (-(-seq_len // size), -(-kv_len // size))
+        if need != (rows, cols):
+            raise ValueError(
+                f"the block_sparse layout is {rows} x {cols} blocks of {size} tokens, but "
+                f"{seq_len} queries x {kv_len} keys need {need[0]} x {need[1]} blocks: give a "
+                f"{need[0]} x {need[1]} layout (one entry per {size}-token block)"
+            )
     return create_block_mask(
         mask_mod, None, None, seq_len, kv_len, device=device, BLOCK_SIZE=block_size
     )
