@@ -12,7 +12,7 @@ from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
 from nbdist.driver.lab_debugger import prepare_cell
-from nbdist.errors import PlacementError, RankError, format_ranks
+from nbdist.errors import NbdistError, PlacementError, RankError, format_ranks
 from nbdist.launch.values import is_digits
 from nbdist.magics.args import (
     CELL_TIMEOUT,
@@ -46,6 +46,18 @@ def run_on_ranks(dist_magics, cell: str, ranks, noblock: bool, timeout):
     # Blocking through the session: the cell returns with its metrics points in
     # the run, and may be sent silent when it has nothing to show.
     session.run(cell, ranks, timeout=timeout_s)
+    return None
+
+
+def _unsendable(values: dict) -> tuple[str, str] | None:
+    """(name, why) of the first value ipyparallel cannot serialize, as a push would; else None."""
+    from ipyparallel.serialize import serialize_object
+
+    for name, value in values.items():
+        try:
+            serialize_object(value)
+        except Exception as exc:  # whatever pickling raises (TypeError, PicklingError, ...)
+            return name, str(exc) or type(exc).__name__
     return None
 
 
@@ -124,7 +136,20 @@ class CellMagics(SessionMagics):
         missing = [n for n in names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(f"%dist_push: {missing[0]!r} is not defined in the notebook")
-        self.dist.running_session().push({n: self.shell.user_ns[n] for n in names})
+        values = {n: self.shell.user_ns[n] for n in names}
+        session = self.dist.running_session()
+        try:
+            session.push(values)
+        except NbdistError:  # the ranks' own trouble (one died): as it is
+            raise
+        except Exception:  # pickling fails before anything is sent: name the value
+            culprit = _unsendable(values)
+            if culprit is None:
+                raise
+            raise UsageError(
+                f"%dist_push: {culprit[0]!r} cannot be sent to the ranks ({culprit[1]}): "
+                "nothing was pushed; create it on the ranks in an %%on_all_ranks cell"
+            ) from None
 
     @magic_arguments()
     @argument("name", help="variable name on the ranks")
@@ -164,5 +189,13 @@ class CellMagics(SessionMagics):
                 raise UsageError(
                     f"%dist_pull {args.name!r}: not defined on {format_ranks(exc.ranks)}: "
                     "assign it in an %%on_all_ranks cell first (or pull a name that exists)"
+                ) from None
+            # The ranks could not pickle the value (a generator, a lock, an open file).
+            unpicklable = ("cannot pickle", "can't pickle")
+            if all(f.evalue.lower().startswith(unpicklable) for f in exc.failures):
+                raise UsageError(
+                    f"%dist_pull {args.name!r}: its value on {format_ranks(exc.ranks)} cannot "
+                    f"be sent to the notebook ({exc.failures[0].evalue}): pull what you need "
+                    "of it, e.g. assign list(...) or .state_dict() to a name in a cell first"
                 ) from None
             raise

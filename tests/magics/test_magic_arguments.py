@@ -192,3 +192,28 @@ def test_dist_profile_refuses_steps_with_collect():
         parse_profile_line("3 --collect")
     assert parse_profile_line("--collect") == (None, 1, True)
     assert parse_profile_line("3 --skip 2") == (3, 2, False)
+
+
+def test_dist_push_of_an_unpicklable_value_names_it_and_sends_nothing(started):
+    started.user_ns["fine_value"] = 3
+    started.user_ns["a_generator"] = (i for i in range(3))
+    with pytest.raises(
+        UsageError,
+        match=r"%dist_push: 'a_generator' cannot be sent to the ranks "
+        r"\(cannot pickle 'generator' object\)",
+    ):
+        started.run_line_magic("dist_push", "fine_value a_generator")
+    # One message carries every name: none of them reached the ranks.
+    with pytest.raises(UsageError, match="'fine_value': not defined on ranks 0-1"):
+        started.run_line_magic("dist_pull", "fine_value")
+
+
+def test_dist_pull_of_an_unpicklable_value_is_one_line_naming_it(started):
+    started.run_cell("%%on_all_ranks\nrank_generator = (i for i in range(3))")
+    with pytest.raises(
+        UsageError,
+        match=r"%dist_pull 'rank_generator': its value on ranks 0-1 cannot be sent to the "
+        r"notebook \(cannot pickle 'generator' object\)",
+    ):
+        started.run_line_magic("dist_pull", "rank_generator")
+    assert started.run_line_magic("dist_pull", "rank --rank 1") == 1
