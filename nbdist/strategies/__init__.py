@@ -19,6 +19,9 @@ IPython, ipyparallel nor the dashboard. They are grouped by kind:
 - :mod:`nbdist.strategies.teaching`: data parallelism written by hand, to read;
 - :mod:`nbdist.strategies.measure`: bytes communicated and peak memory of a step,
   used by all of the above.
+- :mod:`nbdist.strategies.arguments`: the argument checks all of the above share (a
+  model that is a module, layer names as a list, numbers that are numbers), run
+  before any collective or change to the model.
 
 The planning entry points are reachable from here, imported on first use so that
 ``import nbdist.strategies`` stays cheap::

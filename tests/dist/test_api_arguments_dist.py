@@ -121,6 +121,28 @@ def test_tensor_parallel_width_that_does_not_split_evenly_is_named(session):
     assert session.pull("type(mlp[0].weight).__name__") == ["Parameter", "Parameter"]
 
 
+def test_powersgd_rank_given_as_text_is_named(session):
+    session.run(
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "from nbdist.strategies.optim.compression import apply_comm_hook\n"
+        "ddp = DDP(nn.Linear(4, 4))\n",
+        sink=ListSink(),
+    )
+    # Before: "'<' not supported between instances of 'str' and 'int'".
+    assert (
+        _outcomes(session, "apply_comm_hook(ddp, 'powersgd', matrix_rank='2')")
+        == [
+            "TypeError: apply_comm_hook: matrix_rank='2' is str, not a number: pass a number "
+            "(e.g. matrix_rank=float(...) or int(...) of it)"
+        ]
+        * 2
+    )
+    assert _outcomes(session, "apply_comm_hook(ddp, 'powersgd', matrix_rank=2) and None") == [
+        "ok",
+        "ok",
+    ]
+
+
 # Last: before its fix, the uneven reduce-scatter aborted a rank, ending the session.
 def test_sequence_parallel_uneven_sequence_is_refused_on_every_rank(session):
     session.run(

@@ -221,7 +221,7 @@ def test_strategies_refuse_what_is_no_model(call, model):
 
 
 def test_fsdp_takes_a_dtype_by_its_short_name_and_refuses_others():
-    from nbdist.strategies.parallel.arguments import as_dtype
+    from nbdist.strategies.arguments import as_dtype
     from nbdist.strategies.parallel.fsdp import apply_fsdp
 
     assert as_dtype("bf16", "param_dtype", "apply_fsdp") is torch.bfloat16
@@ -338,3 +338,32 @@ def test_block_sparse_layout_must_cover_the_sequence():
     # Before: accepted, then ZeroDivisionError inside create_block_mask.
     with pytest.raises(ValueError, match=r"block_sparse: block_size must be a whole number >= 1"):
         block_sparse(layout, 0)
+
+
+# -- numbers given as text (a config file, argparse) --------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        ("sliding_window('8')", r"sliding_window: window='8' is str, not a number"),
+        ("is_sync_step(0, '4')", r"accumulate: every='4' is str, not a number"),
+        ("scaled_lr('0.1', 1024)", r"scaled_lr: base_lr='0.1' is str, not a number"),
+    ],
+)
+def test_numbers_given_as_text_are_named(call, message):
+    from nbdist.strategies.optim.large_batch import scaled_lr  # noqa: F401
+    from nbdist.strategies.parallel.accumulation import is_sync_step  # noqa: F401
+    from nbdist.strategies.training.sparse_attention import sliding_window  # noqa: F401
+
+    # Before: "'<' not supported between instances of 'str' and 'int'", naming nothing.
+    with pytest.raises(TypeError, match=message):
+        eval(call, {**globals(), **locals()})
+
+
+def test_sliding_window_refuses_a_fractional_window():
+    from nbdist.strategies.training.sparse_attention import sliding_window
+
+    # Before: accepted (a window of 1.5 tokens).
+    with pytest.raises(ValueError, match=r"sliding_window needs whole numbers .*window=1.5"):
+        sliding_window(1.5)

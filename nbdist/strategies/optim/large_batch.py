@@ -64,6 +64,9 @@ def scaled_lr(
         scaled_lr(0.1, 1024)                 # 0.4
         scaled_lr(1e-3, 1024, rule="sqrt")   # 0.002
     """
+    from nbdist.strategies.arguments import require_numbers
+
+    require_numbers("scaled_lr", base_lr=base_lr, batch_size=batch_size, base_batch=base_batch)
     if base_lr <= 0 or batch_size < 1 or base_batch < 1:
         raise ValueError(
             f"scaled_lr needs base_lr > 0 and batch sizes >= 1; got base_lr={base_lr}, "

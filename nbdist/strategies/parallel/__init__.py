@@ -15,8 +15,6 @@
   and the 2D/3D helpers ``apply_fsdp_tp``, ``apply_fsdp_tp_pp``;
 - ``parallelize``: ``parallelize(model, dims, ...)``, tensor parallel → activation
   checkpointing → FSDP2 → pipeline, in that one order.
-- ``arguments``: the argument checks the ``apply_*`` functions share (a model that is
-  a module, layer names as a list, a dtype), run before any collective.
 
 Each is imported on its own (``from nbdist.strategies.parallel.fsdp import apply_fsdp``).
 """

@@ -115,7 +115,7 @@ def apply_ac(model: nn.Module, *, blocks, every: int = 1) -> nn.Module:
     :func:`find_blocks`). ``every=2`` checkpoints every second matching block
     (a memory/time middle ground).
     """
-    from nbdist.strategies.parallel.arguments import require_module
+    from nbdist.strategies.arguments import require_module
 
     require_module(model, "apply_ac")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:

@@ -54,7 +54,7 @@ def apply_fsdp(
 
     from nbdist.engine.backend_support import require
     from nbdist.engine.helpers import device
-    from nbdist.strategies.parallel.arguments import as_dtype, require_module
+    from nbdist.strategies.arguments import as_dtype, require_module
     from nbdist.strategies.parallel.tensor_parallel import device_mesh
 
     # Parameters are all-gathered before use, gradients reduce-scattered after.

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from nbdist.strategies.parallel.arguments import layer_names, require_module
+from nbdist.strategies.arguments import layer_names, require_module
 from nbdist.strategies.parallel.mesh import ParallelDims, dims_of
 
 __all__ = ["STEPS", "Parallelized", "apply_fsdp_tp", "apply_fsdp_tp_pp", "parallelize"]

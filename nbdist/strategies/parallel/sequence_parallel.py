@@ -95,7 +95,7 @@ def apply_sequence_parallel(
     )
 
     from nbdist.engine.backend_support import require
-    from nbdist.strategies.parallel.arguments import layer_names, require_module
+    from nbdist.strategies.arguments import layer_names, require_module
     from nbdist.strategies.parallel.checkpointing import find_blocks
     from nbdist.strategies.parallel.tensor_parallel import replicate_unsharded
 

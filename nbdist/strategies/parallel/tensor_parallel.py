@@ -92,7 +92,7 @@ def apply_tp(
     )
 
     from nbdist.engine.backend_support import require
-    from nbdist.strategies.parallel.arguments import layer_names, require_module
+    from nbdist.strategies.arguments import layer_names, require_module
 
     # Row-parallel outputs are all-reduced; sequence-parallel styles gather and scatter.
     require(

@@ -152,7 +152,7 @@ def autoplan(
         plan = autoplan(build, (x, y), world_size=4, memory_per_rank="8 MiB")
         plan.table          # rows for nbdist.dashboard.plan_comparison.plans_table
     """
-    from nbdist.strategies.parallel.arguments import require_builder
+    from nbdist.strategies.arguments import require_builder
 
     require_builder(model_fn, "autoplan", "model_fn")
     if not (dist.is_available() and dist.is_initialized()):

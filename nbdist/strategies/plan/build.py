@@ -200,7 +200,7 @@ def build_plan(
     schedule with ``microbatches`` (default ``2 * pp``) micro-batches per replica.
     """
     from nbdist.engine.helpers import device as rank_device
-    from nbdist.strategies.parallel.arguments import require_builder
+    from nbdist.strategies.arguments import require_builder
     from nbdist.strategies.parallel.parallelize import parallelize
     from nbdist.strategies.parallel.zero import zero_optimizer
 

@@ -324,7 +324,7 @@ def compare(
 
         rows = compare(build, make_batch, strategies=("ddp", "fsdp"), steps=10)
     """
-    from nbdist.strategies.parallel.arguments import require_builder
+    from nbdist.strategies.arguments import require_builder
 
     require_builder(build_model, "compare")
     if isinstance(strategies, str):  # not split into letters

@@ -142,8 +142,8 @@ def model_facts(
     ``blocks`` one more forward with every block checkpointed. Keep it small:
     the same cost as one single-process training step.
     """
+    from nbdist.strategies.arguments import require_builder
     from nbdist.strategies.optim.optimizers import state_bytes
-    from nbdist.strategies.parallel.arguments import require_builder
 
     require_builder(build_model, "model_facts")
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:

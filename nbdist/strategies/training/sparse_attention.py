@@ -91,9 +91,12 @@ def sliding_window(window: int, *, n_global: int = 0, is_causal: bool = True):
     The first ``n_global`` tokens are global: every query sees them, and they
     see every key (only earlier ones when ``is_causal``).
     """
-    if window < 1 or n_global < 0:
+    from nbdist.strategies.arguments import require_numbers
+
+    require_numbers("sliding_window", window=window, n_global=n_global)
+    if window < 1 or n_global < 0 or window != int(window) or n_global != int(n_global):
         raise ValueError(
-            f"sliding_window needs window >= 1 and n_global >= 0, got window={window}, "
+            f"sliding_window needs whole numbers window >= 1 and n_global >= 0, got window={window}, "
             f"n_global={n_global}"
         )
 

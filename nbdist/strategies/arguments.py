@@ -1,4 +1,4 @@
-"""Rank side: the argument checks that the ``apply_*`` functions share.
+"""Rank side: the argument checks that the strategies, optimizers and planners share.
 
 Each check runs before any collective or change to the model, so a bad value
 raises alike on every rank and leaves nothing half done. Its message names
@@ -7,12 +7,13 @@ the function, the argument, what it got, and what to write instead.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["as_dtype", "layer_names", "require_builder", "require_module"]
+__all__ = ["as_dtype", "layer_names", "require_builder", "require_module", "require_numbers"]
 
 _DTYPES = {
     "bf16": torch.bfloat16,
@@ -52,6 +53,20 @@ def require_builder(build, caller: str, arg: str = "build_model") -> None:
         raise TypeError(
             f"{caller}: {arg} must be a function that builds the model, got {type(build).__name__}"
         )
+
+
+def require_numbers(caller: str, **values) -> None:
+    """Refuse text (``"8"`` from a config file) or another non-number given for a number.
+
+    Ranges are each caller's to check; this only makes sure the comparison can run
+    and that its failure names the argument.
+    """
+    for arg, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"{caller}: {arg}={value!r} is {type(value).__name__}, not a number: "
+                f"pass a number (e.g. {arg}=float(...) or int(...) of it)"
+            )
 
 
 def layer_names(value: Iterable[str], arg: str, caller: str) -> list[str]:
