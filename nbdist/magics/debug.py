@@ -15,6 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from nbdist.errors import RankError
 from nbdist.magics.args import SessionMagics, asked_for_help, parse_magic_line
 
 __all__ = ["DebugMagics"]
@@ -136,7 +137,17 @@ class DebugMagics(SessionMagics):
                 "for no password); an SSH tunnel to 127.0.0.1 is the safe way in",
                 file=sys.stderr,
             )
-        endpoint = session.apply(debugpy_server.listen, port, args.host, ranks=[rank])[0]
+        try:
+            endpoint = session.apply(debugpy_server.listen, port, args.host, ranks=[rank])[0]
+        except RankError as exc:  # debugpy could not bind: the port or the address is the problem
+            why = exc.failures[0].evalue
+            if not why.startswith("Can't listen"):
+                raise
+            raise UsageError(
+                f"%dist_debugpy: rank {rank} cannot listen on {args.host}:{port} "
+                f"({why.partition(': ')[2] or why}): --port 0 picks a free port; --host must "
+                "be an address of the rank's host (default 127.0.0.1)"
+            ) from None
         print(debugpy_server.attach_text(endpoint))
 
     @magic_arguments()

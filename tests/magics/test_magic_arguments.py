@@ -217,3 +217,21 @@ def test_dist_pull_of_an_unpicklable_value_is_one_line_naming_it(started):
     ):
         started.run_line_magic("dist_pull", "rank_generator")
     assert started.run_line_magic("dist_pull", "rank --rank 1") == 1
+
+
+def test_dist_debugpy_on_a_port_in_use_is_one_line_and_a_free_port_works_after(started, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(
+            UsageError,
+            match=rf"rank 1 cannot listen on 127.0.0.1:{port} \(.*Address already in use\): "
+            r".*--port 0",
+        ):
+            started.run_line_magic("dist_debugpy", f"1 --port {port}")
+    capsys.readouterr()
+    started.run_line_magic("dist_debugpy", "1")
+    assert "rank 1: debugpy listening on 127.0.0.1:" in capsys.readouterr().out
