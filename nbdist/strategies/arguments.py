@@ -13,7 +13,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["as_dtype", "layer_names", "require_builder", "require_module", "require_numbers"]
+__all__ = [
+    "as_dtype",
+    "layer_names",
+    "require_builder",
+    "require_module",
+    "require_numbers",
+    "require_optimizer",
+    "require_params",
+]
 
 _DTYPES = {
     "bf16": torch.bfloat16,
@@ -55,6 +63,26 @@ def require_builder(build, caller: str, arg: str = "build_model") -> None:
         )
 
 
+def require_params(params, caller: str) -> None:
+    """Refuse the model where its parameters go (``LAMB(model)`` for ``LAMB(model.parameters())``)."""
+    if isinstance(params, nn.Module):
+        raise TypeError(
+            f"{caller}: params takes the model's parameters, got the {type(params).__name__} "
+            "model itself: pass model.parameters() (or a list of parameter groups)"
+        )
+
+
+def require_optimizer(optimizer, caller: str) -> None:
+    """Refuse what is no ``torch.optim.Optimizer`` (a model, an optimizer class)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        got = (
+            f"the class {optimizer.__name__}: build it first, e.g. {optimizer.__name__}(model.parameters())"
+            if isinstance(optimizer, type)
+            else f"a {type(optimizer).__name__}"
+        )
+        raise TypeError(f"{caller}: optimizer must be a torch.optim.Optimizer, got {got}")
+
+
 def require_numbers(caller: str, **values) -> None:
     """Refuse text (``"8"`` from a config file) or another non-number given for a number.
 
@@ -63,9 +91,10 @@ def require_numbers(caller: str, **values) -> None:
     """
     for arg, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            hint = f", e.g. {arg}=float({value!r})" if isinstance(value, str) else ""
             raise TypeError(
                 f"{caller}: {arg}={value!r} is {type(value).__name__}, not a number: "
-                f"pass a number (e.g. {arg}=float(...) or int(...) of it)"
+                f"pass a number{hint}"
             )
 
 

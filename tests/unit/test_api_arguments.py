@@ -367,3 +367,32 @@ def test_sliding_window_refuses_a_fractional_window():
     # Before: accepted (a window of 1.5 tokens).
     with pytest.raises(ValueError, match=r"sliding_window needs whole numbers .*window=1.5"):
         sliding_window(1.5)
+
+
+# -- optimizers: the parameters, not the model ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        ("LAMB(model)", r"LAMB: params takes the model's parameters, got the Linear model itself"),
+        ("LARS(model)", r"LARS: params takes the model's parameters"),
+        ("OneBitAdam(model)", r"OneBitAdam: params takes the model's parameters"),
+        ("zero_optimizer(model)", r"zero_optimizer: params takes the model's parameters"),
+        ("LAMB(model.parameters(), lr='1e-3')", r"LAMB: lr='1e-3' is str.*lr=float\('1e-3'\)"),
+        (
+            "warmup_schedule(model, warmup_steps=10)",
+            r"warmup_schedule: optimizer must be a torch.optim.Optimizer, got a Linear",
+        ),
+    ],
+)
+def test_optimizers_refuse_the_model_where_its_parameters_go(call, message):
+    from nbdist.strategies.optim.large_batch import warmup_schedule  # noqa: F401
+    from nbdist.strategies.optim.onebit_adam import OneBitAdam  # noqa: F401
+    from nbdist.strategies.optim.optimizers import LAMB, LARS  # noqa: F401
+    from nbdist.strategies.parallel.zero import zero_optimizer  # noqa: F401
+
+    model = nn.Linear(2, 2)  # noqa: F841 - used by the call
+    # Before: "'Linear' object is not iterable" (as torch.optim says), or an AttributeError.
+    with pytest.raises(TypeError, match=message):
+        eval(call, {**globals(), **locals()})

@@ -123,6 +123,9 @@ def warmup_schedule(
 
         sched = warmup_schedule(opt, warmup_steps=50, total_steps=500)
     """
+    from nbdist.strategies.arguments import require_optimizer
+
+    require_optimizer(optimizer, "warmup_schedule")
     # Validate now, not at the first scheduler step deep inside the loop.
     warmup_factor(0, warmup_steps=warmup_steps, total_steps=total_steps, start=start)
     return torch.optim.lr_scheduler.LambdaLR(

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nbdist.strategies.arguments import require_numbers, require_params
 from nbdist.strategies.measure import local_bytes
 
 __all__ = ["LAMB", "LARS", "exclude_bias_and_norm", "lamb_update", "state_bytes"]
@@ -72,6 +73,8 @@ class LARS(torch.optim.Optimizer):
         trust_ratio: bool = True,
     ) -> None:
         """LARS over ``params``: ``lr``, momentum, weight decay and trust coefficient ``eta``."""
+        require_params(params, "LARS")
+        require_numbers("LARS", lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta)
         if lr < 0 or momentum < 0 or weight_decay < 0 or eta <= 0:
             raise ValueError(
                 f"LARS needs lr >= 0, momentum >= 0, weight_decay >= 0 and eta > 0; got "
@@ -139,6 +142,8 @@ class LAMB(torch.optim.Optimizer):
         trust_ratio: bool = True,
     ) -> None:
         """LAMB over ``params``: ``lr``, Adam's betas and eps, weight decay, ``trust_ratio``."""
+        require_params(params, "LAMB")
+        require_numbers("LAMB", lr=lr, eps=eps, weight_decay=weight_decay)
         if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise ValueError(
                 f"LAMB needs lr >= 0, eps > 0, weight_decay >= 0 and 0 <= betas < 1; got "

@@ -318,6 +318,9 @@ def DistributedOptimizer(
             "DistributedOptimizer needs a process group: run it on the ranks (%%on_all_ranks) "
             "or call torch.distributed.init_process_group first"
         )
+    from nbdist.strategies.arguments import require_optimizer
+
+    require_optimizer(optimizer, "DistributedOptimizer")
     if getattr(optimizer, "nbdist_averager", None) is not None:
         raise ValueError("this optimizer is already a DistributedOptimizer")
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]

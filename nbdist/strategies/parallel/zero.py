@@ -34,6 +34,9 @@ def zero_optimizer(params, optimizer_class=torch.optim.Adam, *, overlap_with_ddp
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from nbdist.engine.backend_support import require
+    from nbdist.strategies.arguments import require_params
+
+    require_params(params, "zero_optimizer")
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
