@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import tokenize
 
 from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
@@ -53,6 +54,21 @@ def split_run_line(line: str) -> tuple[str | None, str, list[str]]:
     return timeout, script, args
 
 
+def _check_python(script: str, path: str) -> None:
+    """A UsageError naming the line if the file at ``path`` is not Python (before any rank runs it)."""
+    try:
+        with tokenize.open(path) as f:  # honours a coding declaration, as runpy does
+            compile(f.read(), path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        text = (exc.text or "").strip()
+        raise UsageError(
+            f"%dist_run: {script} is not Python: line {exc.lineno}: {exc.msg}"
+            + (f": {text}" if text else "")
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"%dist_run: cannot read {script} as a Python file ({exc})") from None
+
+
 @magics_class
 class ScriptMagics(SessionMagics):
     """%dist_run and %dist_export: on the session ``self.dist`` holds."""
@@ -84,6 +100,7 @@ class ScriptMagics(SessionMagics):
             raise UsageError(
                 f"%dist_run: no file {script!r} (looked for {path}): give the path of a script"
             )
+        _check_python(script, path)
         cell = (
             "__import__('nbdist.engine.scripts', fromlist=['run_script']).run_script("
             f"{path!r}, {args!r}, get_ipython().user_ns)"

@@ -235,3 +235,15 @@ def test_dist_debugpy_on_a_port_in_use_is_one_line_and_a_free_port_works_after(s
     capsys.readouterr()
     started.run_line_magic("dist_debugpy", "1")
     assert "rank 1: debugpy listening on 127.0.0.1:" in capsys.readouterr().out
+
+
+def test_dist_run_of_a_script_that_is_not_python_names_the_line_and_sends_nothing(shell, tmp_path):
+    script = tmp_path / "train.sh"
+    script.write_text("#!/bin/sh\necho 'start\n")
+    # No cluster runs: the script is refused before the ranks are asked for.
+    with pytest.raises(
+        UsageError,
+        match=rf"%dist_run: {re.escape(str(script))} is not Python: line 2: "
+        r"unterminated string literal \(detected at line 2\): echo 'start$",
+    ):
+        shell.run_line_magic("dist_run", str(script))
