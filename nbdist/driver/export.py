@@ -30,9 +30,12 @@ from collections.abc import Sequence
 
 from nbdist.errors import NbdistError
 
-__all__ = ["NO_EXPORT_MARKER", "exportable_cells", "export_script", "script_text"]
+__all__ = ["EXPORT_MARK", "NO_EXPORT_MARKER", "exportable_cells", "export_script", "script_text"]
 
 NO_EXPORT_MARKER = "# nbdist: no-export"
+# In the first lines of every script written here: %dist_export replaces such a file
+# without --force, and no other.
+EXPORT_MARK = "Written by nbdist (%dist_export)"
 _MARKER = re.compile(r"^\s*#\s*nbdist:\s*no-export\s*$", re.MULTILINE)
 
 _HEADER = '''\

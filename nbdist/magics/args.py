@@ -4,7 +4,7 @@ Shared by every module of :mod:`nbdist.magics`, so every magic words a bad line
 the same way: the flags several magics take (``--ranks``, ``--noblock``, a cell's
 ``--timeout``) are declared here once, and :class:`SessionMagics` is the base of
 every group of magics that reaches the session of :class:`~nbdist.magics.lifecycle.DistMagics`.
-Every magic answers ``--help`` (or ``-h``) with the help ``%magic?`` shows
+Every magic answers ``--help`` with the help ``%magic?`` shows
 (:func:`asked_for_help`), and a line argparse refuses points to that help.
 """
 
@@ -31,7 +31,8 @@ __all__ = [
     "seconds",
 ]
 
-HELP_WORDS = ("--help", "-h")
+# Only the long form: "-h" may be an expression (%dist_diff -h) or a stray word a refusal should name.
+HELP_WORDS = ("--help",)
 # argparse's refusal of a flag whose value it took for another option.
 _NO_VALUE = re.compile(r"argument (--[\w-]+): expected one argument")
 
@@ -61,7 +62,7 @@ def magic_name(magic) -> str:
 def asked_for_help(magic, line: str, anywhere: bool = True) -> bool:
     """True, after printing ``magic``'s help (what ``%magic?`` shows), if ``line`` asks for it.
 
-    ``--help`` or ``-h`` as a word of the line (``anywhere``), or as the whole
+    ``--help`` as a word of the line (``anywhere``), or as the whole
     line, for magics whose line is passed on (a script's arguments, an expression).
     """
     words = line.split() if anywhere else [line.strip()]

@@ -19,6 +19,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from nbdist.driver.export import EXPORT_MARK
 from nbdist.engine.devices import BACKENDS
 from nbdist.errors import NbdistError
 from nbdist.magics.args import SessionMagics, asked_for_help, parse_magic_line
@@ -69,6 +70,19 @@ def _check_python(script: str, path: str) -> None:
         raise UsageError(f"%dist_run: cannot read {script} as a Python file ({exc})") from None
 
 
+def _someone_elses(path: str) -> bool:
+    """True if ``path`` is an existing file whose first lines are not a %dist_export header."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, errors="replace") as f:
+            head = f.read(1024)
+    except OSError:  # unreadable: the write will say why
+        return False
+    return EXPORT_MARK not in head
+
+
 @magics_class
 class ScriptMagics(SessionMagics):
     """%dist_run and %dist_export: on the session ``self.dist`` holds."""
@@ -110,6 +124,7 @@ class ScriptMagics(SessionMagics):
     @magic_arguments()
     @argument("path", help="the script to write, e.g. train.py")
     @argument("--backend", default=None, help="nccl or gloo in the script (default: by device)")
+    @argument("--force", action="store_true", help="overwrite a file %%dist_export did not write")
     @line_magic
     def dist_export(self, line=""):
         """Write this session's %%on_all_ranks cells, in order, as a torchrun script.
@@ -117,7 +132,8 @@ class ScriptMagics(SessionMagics):
         The script gives the cells rank, local_rank, world_size, device, torch,
         dist and nbdist as the ranks had them; nbdist.log writes to the run
         history. Cells marked ``# nbdist: no-export`` (or run with --no-export),
-        --ranks cells and failed cells are left out. Example::
+        --ranks cells and failed cells are left out. A script it wrote before is
+        replaced; any other existing file only with --force. Example::
 
             %dist_export train.py
             !torchrun --nproc_per_node 2 train.py
@@ -134,6 +150,11 @@ class ScriptMagics(SessionMagics):
         session = self.dist.session
         if session is None:
             raise UsageError("nothing to export: %dist_start, then run %%on_all_ranks cells")
+        if not args.force and _someone_elses(args.path):
+            raise UsageError(
+                f"%dist_export {args.path!r}: the file exists and was not written by %dist_export: "
+                "choose another name, or add --force to overwrite it"
+            )
         try:
             path = session.export(args.path, backend=args.backend)
         except NbdistError as exc:

@@ -55,9 +55,8 @@ def session_of(shell):
 
 
 @pytest.mark.parametrize("name", LINE_MAGICS)
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_help_flag_prints_the_line_magics_help(shell, capsys, name, flag):
-    shell.run_line_magic(name, flag)  # no UsageError, nothing started
+def test_help_flag_prints_the_line_magics_help(shell, capsys, name):
+    shell.run_line_magic(name, "--help")  # no UsageError, nothing started
     out = capsys.readouterr().out
     assert "Example" in out, out
     assert out.strip() == inspect.getdoc(shell.find_line_magic(name))  # as %name? shows it
@@ -247,3 +246,21 @@ def test_dist_run_of_a_script_that_is_not_python_names_the_line_and_sends_nothin
         r"unterminated string literal \(detected at line 2\): echo 'start$",
     ):
         shell.run_line_magic("dist_run", str(script))
+
+
+def test_dist_export_does_not_overwrite_a_file_it_did_not_write(started, tmp_path, capsys):
+    assert started.run_cell("%%on_all_ranks\nexported_value = rank").success
+    mine = tmp_path / "train.py"
+    mine.write_text("print('my own training script')\n")
+    with pytest.raises(
+        UsageError, match=r"exists and was not written by %dist_export: .*or add --force"
+    ):
+        started.run_line_magic("dist_export", str(mine))
+    assert mine.read_text() == "print('my own training script')\n"
+    started.run_line_magic("dist_export", f"{mine} --force")
+    assert "exported_value = rank" in mine.read_text()
+    # A script %dist_export wrote before is replaced without --force.
+    started.run_cell("%%on_all_ranks\nsecond_value = 2")
+    started.run_line_magic("dist_export", str(mine))
+    assert "second_value = 2" in mine.read_text()
+    assert "nbdist: wrote" in capsys.readouterr().out
