@@ -125,6 +125,27 @@ def _stateful(value) -> bool:
     )
 
 
+def _whole_step(step) -> int:
+    """``step`` as an int (a NumPy integer too), or refused."""
+    import operator
+
+    try:
+        value = None if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        value = None
+    if value is None or value < 0:
+        raise CheckpointError(f"step={step!r}: give a whole number >= 0, or leave it out")
+    return value
+
+
+def _plain(value):
+    """A NumPy scalar (``np.float32(0.3)``) as the Python number it holds; anything else as is."""
+    if type(value).__module__ == "numpy" and callable(getattr(value, "item", None)):
+        if getattr(value, "ndim", None) == 0:
+            return value.item()
+    return value
+
+
 def _split_extra(extra: dict) -> tuple[dict, dict, dict]:
     """(JSON values, stateful objects, tensors) of the extra keyword arguments."""
     import torch
@@ -136,6 +157,7 @@ def _split_extra(extra: dict) -> tuple[dict, dict, dict]:
         elif isinstance(value, torch.Tensor):
             tensors[name] = value
         else:
+            value = _plain(value)
             try:
                 json.dumps(value)
             except (TypeError, ValueError):
@@ -179,8 +201,8 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
     import torch.distributed.checkpoint as dcp
 
     path = _path(path)
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise CheckpointError(f"step={step!r}: give a whole number >= 0, or leave it out")
+    if step is not None:
+        step = _whole_step(step)
     _check_objects(model, optimizer)
     plain, stateful, tensors = _split_extra(extra)
     state = _model_state(model, optimizer)

@@ -91,7 +91,10 @@ def require_numbers(caller: str, **values) -> None:
     """
     for arg, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            hint = f", e.g. {arg}=float({value!r})" if isinstance(value, str) else ""
+            hint = ""
+            if isinstance(value, str):
+                whole = value.strip().removeprefix("-").isdigit()
+                hint = f", e.g. {arg}={'int' if whole else 'float'}({value!r})"
             raise TypeError(
                 f"{caller}: {arg}={value!r} is {type(value).__name__}, not a number: "
                 f"pass a number{hint}"

@@ -133,7 +133,7 @@ def test_powersgd_rank_given_as_text_is_named(session):
         _outcomes(session, "apply_comm_hook(ddp, 'powersgd', matrix_rank='2')")
         == [
             "TypeError: apply_comm_hook: matrix_rank='2' is str, not a number: pass a number, "
-            "e.g. matrix_rank=float('2')"
+            "e.g. matrix_rank=int('2')"
         ]
         * 2
     )

@@ -396,3 +396,34 @@ def test_optimizers_refuse_the_model_where_its_parameters_go(call, message):
     # Before: "'Linear' object is not iterable" (as torch.optim says), or an AttributeError.
     with pytest.raises(TypeError, match=message):
         eval(call, {**globals(), **locals()})
+
+
+def test_checkpoint_takes_numpy_numbers_for_step_and_extra_values(tmp_path):
+    np = pytest.importorskip("numpy")
+    # Before: "step=np.int64(5): give a whole number" and "extra value best=float32:
+    # give a number", refusing numbers.
+    save(tmp_path / "c", model=_net(), step=np.int64(5), best=np.float32(0.5))
+    info = load(tmp_path / "c", model=_net())
+    assert info == {"step": 5, "best": 0.5}
+    with pytest.raises(CheckpointError, match=r"step=2.5: give a whole number >= 0"):
+        save(tmp_path / "d", model=_net(), step=2.5)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        ("split_sequential(_net(depth=2), '2')", TypeError, r"n_stages='2' is str.*int\('2'\)"),
+        ("bubble_fraction(0, 4)", ValueError, r"bubble_fraction needs n_stages >= 1"),
+        ("prepare_once(tmp_path / 'x.pt', 5)", TypeError, r"prepare_once: build, save and load"),
+        ("rank_zero_only(5)", TypeError, r"rank_zero_only decorates a function, got int"),
+    ],
+)
+def test_pipeline_and_chores_name_a_bad_argument(tmp_path, call, error, message):
+    from nbdist.strategies.parallel.pipeline import bubble_fraction, split_sequential  # noqa: F401
+    from nbdist.strategies.training.practical import prepare_once, rank_zero_only  # noqa: F401
+
+    # Before: str/int comparison errors, a negative idle share, "'int' object is not
+    # callable" on rank 0 alone, and a decorator that failed only when called.
+    with pytest.raises(error, match=message):
+        eval(call, {**globals(), **locals()})
+    assert not (tmp_path / "x.pt").exists()

@@ -56,6 +56,12 @@ def prepare_once(
 
         tokens = prepare_once("cache/tokens.pt", tokenize_corpus)
     """
+    if not callable(build) or not callable(save) or not callable(load):
+        # Checked on every rank, before the barriers: rank 0 alone would fail in build().
+        raise TypeError(
+            f"prepare_once: build, save and load must be functions, got build={build!r}: pass "
+            "the function itself, e.g. prepare_once(path, tokenize_corpus), not its result"
+        )
     target = Path(path)
     with rank_zero_first():
         if rank() == 0 and not target.exists():
@@ -68,8 +74,9 @@ def prepare_once(
                 partial.unlink(missing_ok=True)
         if not target.exists():
             raise FileNotFoundError(
-                f"{target} does not exist after rank 0 prepared it: the path must be on a file "
-                "system every rank sees (use a shared directory across machines)"
+                f"{target} does not exist after rank 0 prepared it: rank 0's build() or save() "
+                "raised (see its error), or the path is on no file system every rank sees "
+                "(use a shared directory across machines)"
             )
         return load(target)
 
@@ -83,6 +90,12 @@ def rank_zero_only(fn: Callable) -> Callable:
         def save_checkpoint(model, path):
             torch.save(model.state_dict(), path)
     """
+
+    if not callable(fn):
+        raise TypeError(
+            f"rank_zero_only decorates a function, got {type(fn).__name__}: write "
+            "@rank_zero_only above a def, or rank_zero_only(fn)(args)"
+        )
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
