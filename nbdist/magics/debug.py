@@ -58,6 +58,11 @@ class DebugMagics(SessionMagics):
 
         if asked_for_help(self.dist_debug, line):
             return
+        if is_digits(line.strip()):  # %dist_debug 1: the flag left out
+            raise UsageError(
+                f"%dist_debug {line.strip()!r}: name the rank with --rank, "
+                f"e.g. %dist_debug --rank {line.strip()}"
+            )
         args = parse_magic_line(self.dist_debug, line)
         session = self.dist.running_session()
         if args.rank is not None:

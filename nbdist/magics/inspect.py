@@ -130,6 +130,11 @@ class InspectMagics(SessionMagics):
 
         if asked_for_help(self.dist_where, line):
             return
+        if re.fullmatch(r"[0-9][0-9,-]*", line.strip()):  # %dist_where 1: the flag left out
+            raise UsageError(
+                f"%dist_where {line.strip()!r}: name the ranks with --ranks, "
+                f"e.g. %dist_where --ranks {line.strip()}"
+            )
         args = parse_magic_line(self.dist_where, line)
         session = self.dist.running_session()
         try:

@@ -264,3 +264,24 @@ def test_dist_export_does_not_overwrite_a_file_it_did_not_write(started, tmp_pat
     started.run_line_magic("dist_export", str(mine))
     assert "second_value = 2" in mine.read_text()
     assert "nbdist: wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "magic, line, message",
+    [
+        (
+            "dist_where",
+            "1",
+            "%dist_where '1': name the ranks with --ranks, e.g. %dist_where --ranks 1",
+        ),
+        ("dist_where", "0-1", "e.g. %dist_where --ranks 0-1"),
+        (
+            "dist_debug",
+            "1",
+            "%dist_debug '1': name the rank with --rank, e.g. %dist_debug --rank 1",
+        ),
+    ],
+)
+def test_ranks_given_without_their_flag_are_pointed_to_it(shell, magic, line, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        shell.run_line_magic(magic, line)
