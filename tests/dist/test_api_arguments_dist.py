@@ -143,6 +143,19 @@ def test_powersgd_rank_given_as_text_is_named(session):
     ]
 
 
+def test_mesh_of_an_unknown_device_type_is_refused(session):
+    session.run("from nbdist.strategies.parallel.mesh import ParallelDims\n", sink=ListSink())
+    # Before: a DeviceMesh of type 'gpu', failing at its first collective.
+    assert (
+        _outcomes(session, "ParallelDims(2).build_mesh(device_type='gpu')")
+        == [
+            "ValueError: device_mesh: device_type='gpu' is no torch device type: give 'cuda' or "
+            "'cpu' (or leave it out for this rank's device)"
+        ]
+        * 2
+    )
+
+
 # Last: before its fix, the uneven reduce-scatter aborted a rank, ending the session.
 def test_sequence_parallel_uneven_sequence_is_refused_on_every_rank(session):
     session.run(

@@ -427,3 +427,27 @@ def test_pipeline_and_chores_name_a_bad_argument(tmp_path, call, error, message)
     with pytest.raises(error, match=message):
         eval(call, {**globals(), **locals()})
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_activation_checkpointing_twice_is_refused():
+    from nbdist.strategies.parallel.checkpointing import apply_ac
+
+    model = apply_ac(_net(depth=2), blocks=nn.Linear)
+    # Before: accepted, each block checkpointed inside its checkpoint (a cell run twice).
+    with pytest.raises(ValueError, match=r"apply_ac: the model has checkpointed blocks already"):
+        apply_ac(model, blocks=nn.Linear)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"lr": "1e-3"}, r"lr='1e-3' is str"),
+        ({"freeze_step": "10"}, r"freeze_step='10' is str.*freeze_step=int\('10'\)"),
+    ],
+)
+def test_onebit_adam_names_numbers_given_as_text(kwargs, message):
+    from nbdist.strategies.optim.onebit_adam import apply_onebit_adam
+
+    # Before: lr='1e-3' accepted (failing at the first step), freeze_step a str/int error.
+    with pytest.raises(TypeError, match=rf"OneBitAdam: {message}"):
+        apply_onebit_adam(nn.Linear(2, 2), **kwargs)

@@ -205,9 +205,11 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self, params, defaults: dict, *, freeze_step: int, group=None, counter=None, name: str
     ) -> None:
         """Check ``freeze_step``, ``defaults["betas"]`` and the process group; ``name`` is for errors."""
-        from nbdist.strategies.arguments import require_params
+        from nbdist.strategies.arguments import require_numbers, require_params
 
         require_params(params, name)
+        numbers = {k: defaults[k] for k in ("lr", "eps", "weight_decay") if k in defaults}
+        require_numbers(name, freeze_step=freeze_step, **numbers)
         if freeze_step < 1:
             raise ValueError(
                 f"freeze_step={freeze_step}: the variance needs at least one warm-up step "

@@ -122,6 +122,14 @@ def apply_ac(model: nn.Module, *, blocks, every: int = 1) -> nn.Module:
         raise ValueError(
             f"apply_ac: every must be a whole number >= 1 (1 = every block), got {every!r}"
         )
+    done = [name for name, m in model.named_modules() if isinstance(m, Checkpointed)]
+    if done:
+        # A notebook cell run twice would checkpoint inside checkpoints: every block's
+        # forward recomputed once more in backward, for no memory saved.
+        raise ValueError(
+            f"apply_ac: the model has checkpointed blocks already ({', '.join(done[:3])}"
+            f"{', ...' if len(done) > 3 else ''}): apply it once, to a freshly built model"
+        )
     names = [name for name, _ in find_blocks(model, blocks, caller="apply_ac")]
     # A block nested in another chosen block is already covered by its parent.
     names = [n for n in names if not any(n.startswith(p + ".") for p in names if p != n)]

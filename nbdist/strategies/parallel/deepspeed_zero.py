@@ -195,6 +195,9 @@ def apply_deepspeed(
             f"gradient_clipping must be a number >= 0 (the largest global gradient norm; "
             f"0 turns clipping off), got {gradient_clipping!r}"
         )
+    from nbdist.strategies.arguments import require_numbers
+
+    require_numbers("apply_deepspeed", lr=lr)
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

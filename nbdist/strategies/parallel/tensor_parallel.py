@@ -36,6 +36,7 @@ def device_mesh(
     on 8 ranks. The product of ``shape`` must equal the world size.
     ``device_type`` overrides the rank's device type.
     """
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -63,6 +64,15 @@ def device_mesh(
         )
     if names is not None and len(names) != len(shape):
         raise ValueError(f"mesh names {names!r} must have one name per dimension of {shape}")
+    if device_type is not None:
+        try:
+            torch.device(device_type)
+        except (RuntimeError, TypeError):
+            # Accepted by DeviceMesh as any text, to fail at the first collective on it.
+            raise ValueError(
+                f"device_mesh: device_type={device_type!r} is no torch device type: give "
+                "'cuda' or 'cpu' (or leave it out for this rank's device)"
+            ) from None
     return init_device_mesh(device_type or device().type, shape, mesh_dim_names=names)
 
 
