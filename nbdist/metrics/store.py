@@ -156,7 +156,17 @@ class RunRecord:
 
 def runs(path: str | None = None) -> list[RunRecord]:
     """Every run in the history, oldest first (an empty list if there is none yet)."""
-    path = path or history_path()
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"runs: path={path!r}: give the history file's path (e.g. 'runs.db', as passed to "
+            "DistSession(history=...)), or leave it out for the default history"
+        )
+    path = os.fspath(path) if path else history_path()
+    if os.path.isdir(path):
+        raise ValueError(
+            f"runs: {path!r} is a directory: give the history file itself (one SQLite file, "
+            f"e.g. {os.path.join(path, 'history.sqlite')!r})"
+        )
     if not os.path.exists(path):
         return []
     conn = _connect(path, readonly=True)
@@ -166,6 +176,11 @@ def runs(path: str | None = None) -> list[RunRecord]:
             " (SELECT COALESCE(SUM(n), 0) FROM batches b WHERE b.run = r.id)"
             " FROM runs r ORDER BY r.id"
         ).fetchall()
+    except sqlite3.DatabaseError as exc:
+        raise ValueError(
+            f"runs: {path!r} is no nbdist run history ({exc}): give the file a session "
+            "wrote, or leave path out for the default history"
+        ) from None
     finally:
         conn.close()
     return [RunRecord(*row, path=path) for row in rows]

@@ -451,3 +451,20 @@ def test_onebit_adam_names_numbers_given_as_text(kwargs, message):
     # Before: lr='1e-3' accepted (failing at the first step), freeze_step a str/int error.
     with pytest.raises(TypeError, match=rf"OneBitAdam: {message}"):
         apply_onebit_adam(nn.Linear(2, 2), **kwargs)
+
+
+# -- nbdist.runs ----------------------------------------------------------------------
+
+
+def test_runs_names_a_path_that_is_no_history(tmp_path):
+    import nbdist
+
+    (tmp_path / "notes.txt").write_text("not a database")
+    # Before: sqlite3's "disk I/O error" / "file is not a database", and [] for a number.
+    with pytest.raises(ValueError, match=r"is a directory: give the history file itself"):
+        nbdist.runs(str(tmp_path))
+    with pytest.raises(ValueError, match=r"notes.txt' is no nbdist run history"):
+        nbdist.runs(str(tmp_path / "notes.txt"))
+    with pytest.raises(TypeError, match=r"runs: path=123: give the history file's path"):
+        nbdist.runs(123)
+    assert nbdist.runs(tmp_path / "not_yet.db") == []
