@@ -43,6 +43,7 @@ __all__ = [
     "end_cluster_thread",
     "interrupt_engines",
     "serializer_ready",
+    "slot_environments",
     "start_local",
     "start_processes",
     "stop_processes",
@@ -239,6 +240,19 @@ def start_local(
     return handle
 
 
+def slot_environments(placement) -> list[dict[str, str]]:
+    """Each rank's environment of its own, in rank order: its slot, LOCAL_RANK and the GPUs
+    its host's ranks see (CUDA_VISIBLE_DEVICES, none for CPU ranks)."""
+    # One mask per host, not per rank: each is a pass over every slot (per rank, 100,000
+    # ranks took 10^10 steps before the limits could refuse them).
+    masks = {host: placement.visible_mask(host) for host in placement.hosts}
+    return [
+        {"NBDIST_SLOT": str(s.local_rank), "LOCAL_RANK": str(s.local_rank)}
+        | ({"CUDA_VISIBLE_DEVICES": masks[s.host]} if masks[s.host] else {})
+        for s in placement.slots
+    ]
+
+
 def start_processes(options, placement) -> ClusterHandle:
     """The processes of one start: connect to ``options.connect``, or start the ``placement``.
 
@@ -247,20 +261,17 @@ def start_processes(options, placement) -> ClusterHandle:
     """
     if options.connect:
         return connect(options.connect, timeout=options.timeout)
-    slot_envs = [
-        {"NBDIST_SLOT": str(s.local_rank), "LOCAL_RANK": str(s.local_rank)}
-        | ({"CUDA_VISIBLE_DEVICES": mask} if (mask := placement.visible_mask(s.host)) else {})
-        for s in placement.slots
-    ]
     launch = options.launch
     local = launch is None and options.launcher is None
-    # Open files, threads, memory for this many ranks: or nothing starts (a note if a limit was raised).
+    # Open files, threads, memory for this many ranks: or nothing starts (a note if a limit was
+    # raised). First: a start far beyond them (%dist_start 100000) is refused at once.
     raised = capacity.check_limits(
         placement.world_size,
         local=placement.world_size if local else 0,
         threads=placement.threads_for(placement.slots[0]),
         spawn=options.start_method == "spawn",
     )
+    slot_envs = slot_environments(placement)
     if launch is not None:  # Slurm would run the job, every SSH host answers: or nothing starts
         remote_engines.check_before_start(launch)
     handle = start_local(

@@ -144,3 +144,46 @@ def test_current_limits_reads_this_machine():
 def test_an_impossible_start_raises_nbdist_error():
     with pytest.raises(NbdistError, match="Nothing was started"):
         check_limits(100_000, local=100_000)
+
+
+def test_a_start_far_beyond_the_machine_is_refused_before_any_work_per_rank(monkeypatch):
+    # %dist_start 100000 --cpu hung: each rank's environment was worked out before the limits
+    # were checked, by a pass over every slot per rank (10^10 steps). The limits come first now.
+    from nbdist.launch import cluster
+    from nbdist.launch.options import StartOptions, check_start_options
+    from nbdist.launch.placement import Placement, plan_start
+
+    options = check_start_options(StartOptions(n=100_000, cpu=True))
+    placement = plan_start(options)
+
+    def no_work_per_rank(self, host):
+        raise AssertionError("a rank's environment was worked out before the limits refused")
+
+    monkeypatch.setattr(Placement, "visible_mask", no_work_per_rank)
+    with pytest.raises(NbdistError, match="Nothing was started"):
+        cluster.start_processes(options, placement)
+
+
+def test_each_ranks_environment_takes_one_pass_per_host():
+    from nbdist.launch.cluster import slot_environments
+    from nbdist.launch.placement import Placement, RankSlot
+
+    hosts = ("a", "b")
+    slots = tuple(
+        RankSlot(rank=r, local_rank=r // 2, host=hosts[r % 2], gpu=r // 2, local_world_size=3)
+        for r in range(6)
+    )
+    placement = Placement(slots=slots, backend="nccl", threads={"a": 1, "b": 1})
+    calls = []
+    original = Placement.visible_mask
+
+    class Counted(Placement):
+        def visible_mask(self, host):
+            calls.append(host)
+            return original(self, host)
+
+    envs = slot_environments(Counted(slots=slots, backend="nccl", threads={"a": 1, "b": 1}))
+    assert sorted(calls) == ["a", "b"]
+    assert envs == slot_environments(placement)
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "1", "1", "2", "2"]
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"0,1,2"}
