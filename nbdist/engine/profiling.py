@@ -74,9 +74,10 @@ class Profile:
         with_stack: bool = False,
     ):
         """Profile ``steps`` steps after skipping ``skip``; nothing starts before ``__enter__``."""
-        if int(steps) < 1 or int(skip) < 0:
+        steps, skip = _whole(steps, "steps"), _whole(skip, "skip")
+        if steps < 1 or skip < 0:
             raise ValueError(f"nbdist.profile: steps={steps} must be >= 1 and skip={skip} >= 0")
-        self.steps, self.skip = int(steps), int(skip)
+        self.steps, self.skip = steps, skip
         self.options = dict(
             activities=activities,
             record_shapes=record_shapes,
@@ -306,3 +307,15 @@ def _uninstall_hook() -> None:
         return
     if on_log in step_hooks:
         step_hooks.remove(on_log)
+
+
+def _whole(value, name: str) -> int:
+    """A step count as an int (its text too); 2.5 or 'abc' refused naming ``name``."""
+    import operator
+
+    try:
+        return int(value) if isinstance(value, str) else operator.index(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"nbdist.profile: {name}={value!r} is not a whole number: give e.g. {name}=5"
+        ) from None

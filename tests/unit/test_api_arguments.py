@@ -468,3 +468,16 @@ def test_runs_names_a_path_that_is_no_history(tmp_path):
     with pytest.raises(TypeError, match=r"runs: path=123: give the history file's path"):
         nbdist.runs(123)
     assert nbdist.runs(tmp_path / "not_yet.db") == []
+
+
+# -- nbdist.profile ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [2.5, "abc"])
+def test_profile_step_count_that_is_no_whole_number_is_named(steps):
+    import nbdist
+
+    # Before: 2.5 profiled 2 steps; 'abc' raised int()'s message, naming nothing.
+    with pytest.raises(TypeError, match=r"nbdist.profile: steps=.* is not a whole number"):
+        nbdist.profile(steps=steps)
+    assert nbdist.profile(steps="3").steps == 3
