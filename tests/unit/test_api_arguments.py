@@ -481,3 +481,29 @@ def test_profile_step_count_that_is_no_whole_number_is_named(steps):
     with pytest.raises(TypeError, match=r"nbdist.profile: steps=.* is not a whole number"):
         nbdist.profile(steps=steps)
     assert nbdist.profile(steps="3").steps == 3
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        ("exclude_bias_and_norm('model', weight_decay=0.1)", r"exclude_bias_and_norm: model must"),
+        (
+            "exclude_bias_and_norm(nn.Linear(2, 2), weight_decay='0.1')",
+            r"exclude_bias_and_norm: weight_decay='0.1' is str",
+        ),
+        (
+            "compile_ddp(nn.Linear, ddp=False)",
+            r"compile_ddp: model must be a torch.nn.Module; Linear",
+        ),
+        ("apply_onebit_adam('model')", r"apply_onebit_adam: model must be a torch.nn.Module"),
+    ],
+)
+def test_optimizer_helpers_name_a_model_that_is_none(call, message):
+    from nbdist.strategies.optim.onebit_adam import apply_onebit_adam  # noqa: F401
+    from nbdist.strategies.optim.optimizers import exclude_bias_and_norm  # noqa: F401
+    from nbdist.strategies.training.compile import compile_ddp  # noqa: F401
+
+    # Before: AttributeError ('str' has no 'parameters'), torch.compile's AssertionError,
+    # or weight_decay='0.1' accepted until the optimizer compared it.
+    with pytest.raises(TypeError, match=message):
+        eval(call, {**globals(), **locals()})

@@ -362,6 +362,9 @@ def share_rank0_parameters(model: nn.Module, *, group=None, caller: str) -> None
     """
     from torch.nn.parallel import DistributedDataParallel
 
+    from nbdist.strategies.arguments import require_module
+
+    require_module(model, caller)
     if isinstance(model, DistributedDataParallel):
         raise TypeError(
             f"{caller} got a DistributedDataParallel model: DDP would all-reduce the "
@@ -390,6 +393,9 @@ def apply_onebit_adam(
 
         opt = apply_onebit_adam(model, lr=1e-3, freeze_step=50)
     """
+    from nbdist.strategies.arguments import require_module
+
+    require_module(model, "apply_onebit_adam")
     opt = OneBitAdam(
         model.parameters(),
         lr=lr,

@@ -208,6 +208,9 @@ def apply_onebit_lamb(
 
         opt = apply_onebit_lamb(model, lr=2e-3, freeze_step=50, weight_decay=0.01)
     """
+    from nbdist.strategies.arguments import require_module
+
+    require_module(model, "apply_onebit_lamb")
     opt = OneBitLamb(
         model.parameters(),
         lr=lr,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nbdist.strategies.arguments import require_numbers, require_params
+from nbdist.strategies.arguments import require_module, require_numbers, require_params
 from nbdist.strategies.measure import local_bytes
 
 __all__ = ["LAMB", "LARS", "exclude_bias_and_norm", "lamb_update", "state_bytes"]
@@ -209,6 +209,8 @@ def exclude_bias_and_norm(model: nn.Module, *, weight_decay: float) -> list[dict
 
         opt = LARS(exclude_bias_and_norm(model, weight_decay=5e-4), lr=1.0)
     """
+    require_module(model, "exclude_bias_and_norm")
+    require_numbers("exclude_bias_and_norm", weight_decay=weight_decay)
     matrices, vectors = [], []
     for p in model.parameters():
         if p.requires_grad:

@@ -49,6 +49,9 @@ def compile_ddp(
 
         model = compile_ddp(Net().to(nbdist.device()), example=(x[:1],))
     """
+    from nbdist.strategies.arguments import require_module
+
+    require_module(model, "compile_ddp")
     compiled = torch.compile(model, **compile_kwargs)
     if example is not None:
         from nbdist.engine.helpers import rank_zero_first
