@@ -67,7 +67,8 @@ def _path(path) -> str:
         raise CheckpointError(
             f"checkpoint path {path!r}: give a directory path, e.g. 'ckpt/step_100'"
         )
-    return os.path.abspath(os.fspath(path))
+    # "~/ckpt" means the home directory, as in a shell (not a directory named "~").
+    return os.path.abspath(os.path.expanduser(os.fspath(path)))
 
 
 def _check_objects(model, optimizer) -> None:

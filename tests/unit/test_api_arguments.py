@@ -507,3 +507,13 @@ def test_optimizer_helpers_name_a_model_that_is_none(call, message):
     # or weight_decay='0.1' accepted until the optimizer compared it.
     with pytest.raises(TypeError, match=message):
         eval(call, {**globals(), **locals()})
+
+
+def test_checkpoint_path_with_a_tilde_is_under_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    # Before: written to ./~/ckpt/step_1, a directory named "~" in the working directory.
+    where = save("~/ckpt/step_1", model=_net(), step=1)
+    assert where == str(tmp_path / "home" / "ckpt" / "step_1")
+    assert not (tmp_path / "~").exists()
+    assert latest("~/ckpt") == where
