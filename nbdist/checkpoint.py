@@ -219,6 +219,7 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
 
     flush()
     rank, world_size, barrier = _dist()
+    _same_path_everywhere(path)
     problem = _prepare_directory(path) if rank == 0 else None
     # Every rank learns whether rank 0 could make the directory: a failure there
     # raises on all ranks instead of leaving the others waiting in a collective.
@@ -267,6 +268,23 @@ def _prepare_directory(path: str) -> str | None:
             "you can write to (it is created if missing), e.g. 'ckpt/step_100'"
         )
     return None
+
+
+def _same_path_everywhere(path: str) -> None:
+    """Refuse, on every rank alike, a save whose ranks name different directories."""
+    import torch.distributed as dist
+
+    if not _grouped():
+        return
+    paths = [None] * dist.get_world_size()
+    dist.all_gather_object(paths, path)
+    if len(set(paths)) > 1:
+        other = next(r for r, p in enumerate(paths) if p != paths[0])
+        raise CheckpointError(
+            f"every rank must save to the same directory (each writes its shards into it), "
+            f"but rank 0 gave {paths[0]!r} and rank {other} {paths[other]!r}: pass one path, "
+            "e.g. save(f'ckpt/step_{step}', ...) without the rank in it"
+        )
 
 
 def _from_rank0(value):

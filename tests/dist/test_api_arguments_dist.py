@@ -68,6 +68,19 @@ def test_save_where_rank0_cannot_write_fails_on_every_rank(session, tmp_path):
     ]
 
 
+def test_save_with_a_path_per_rank_is_refused_on_every_rank(session, tmp_path):
+    session.push({"where": str(tmp_path)})
+    # Before: accepted; rank 1's shards went to a directory without index or marker,
+    # and rank 0's checkpoint lacked them (an FSDP2 model's could not be loaded).
+    outcomes = _outcomes(
+        session,
+        "nbdist.checkpoint.save(f'{where}/rank{nbdist.rank()}', model=nn.Linear(2, 2))",
+    )
+    assert all("every rank must save to the same directory" in o for o in outcomes), outcomes
+    assert all(f"rank 1 '{tmp_path}/rank1'" in o for o in outcomes), outcomes
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_context_parallel_checks_every_buffer_before_cutting_one(session):
     session.run(
         "from nbdist.strategies.parallel.context_parallel import context_parallel\n"
