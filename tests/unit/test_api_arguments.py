@@ -517,3 +517,14 @@ def test_checkpoint_path_with_a_tilde_is_under_home(tmp_path, monkeypatch):
     assert where == str(tmp_path / "home" / "ckpt" / "step_1")
     assert not (tmp_path / "~").exists()
     assert latest("~/ckpt") == where
+
+
+def test_prepare_once_path_with_a_tilde_is_under_home(tmp_path, monkeypatch):
+    from nbdist.strategies.training.practical import prepare_once
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    # Before: cached in ./~/cache/n.pt, a directory named "~" in the working directory.
+    assert prepare_once("~/cache/n.pt", lambda: 7) == 7
+    assert (tmp_path / "home" / "cache" / "n.pt").exists()
+    assert not (tmp_path / "~").exists()

@@ -62,7 +62,7 @@ def prepare_once(
             f"prepare_once: build, save and load must be functions, got build={build!r}: pass "
             "the function itself, e.g. prepare_once(path, tokenize_corpus), not its result"
         )
-    target = Path(path)
+    target = Path(path).expanduser()  # "~/cache" is the home directory, as in a shell
     with rank_zero_first():
         if rank() == 0 and not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
