@@ -199,6 +199,9 @@ def check_start_options(requested: StartOptions) -> StartOptions:
         isinstance(gpus, (str, bytes)) or not all(is_whole(g) and g >= 0 for g in gpus)
     ):
         raise PlacementError(f"gpus {gpus!r}: give GPU indices, e.g. [0, 1]")
+    if not isinstance(o.cpu, bool) and o.cpu not in (0, 1):
+        # cpu="no" would be true: a string from a config file must not start CPU ranks.
+        raise PlacementError(f"cpu {o.cpu!r}: give True (CPU ranks, gloo) or False")
     if o.start_method not in START_METHODS:
         raise PlacementError(f"start_method {o.start_method!r}: use 'fork' or 'spawn'")
     if o.connect and (o.launcher or o.profile):

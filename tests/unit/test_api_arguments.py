@@ -268,6 +268,18 @@ def test_session_history_that_is_no_path_is_refused(history):
         nbdist.DistSession(2, cpu=True, history=history)
 
 
+@pytest.mark.parametrize("cpu", ["no", "yes", 2, None])
+def test_session_cpu_that_is_no_truth_value_is_refused(cpu):
+    import nbdist
+    from nbdist.errors import PlacementError
+
+    # Before: cpu="no" was true (a non-empty string) and started CPU ranks.
+    with pytest.raises(
+        PlacementError, match=rf"cpu {cpu!r}: give True \(CPU ranks, gloo\) or False"
+    ):
+        nbdist.DistSession(2, cpu=cpu)
+
+
 # -- nbdist.integrations -----------------------------------------------------------
 
 
