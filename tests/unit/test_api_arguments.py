@@ -540,3 +540,16 @@ def test_prepare_once_path_with_a_tilde_is_under_home(tmp_path, monkeypatch):
     assert prepare_once("~/cache/n.pt", lambda: 7) == 7
     assert (tmp_path / "home" / "cache" / "n.pt").exists()
     assert not (tmp_path / "~").exists()
+
+
+# -- nbdist.strategies.training.evaluation -----------------------------------------
+
+
+@pytest.mark.parametrize("value", [[1, 2], (3.0,), 4])
+def test_all_gather_uneven_names_what_is_no_tensor(value):
+    from nbdist.strategies.training.evaluation import all_gather_uneven
+
+    # Before: AttributeError: 'list' object has no attribute 'dim' (or the value returned as
+    # it was without a process group, then the same error once ranks ran it).
+    with pytest.raises(TypeError, match=r"all_gather_uneven: tensor must be a torch.Tensor, got "):
+        all_gather_uneven(value)

@@ -140,6 +140,11 @@ def all_gather_uneven(tensor: torch.Tensor, *, group=None) -> torch.Tensor:
     Example: rank 0 holds ``[0, 1, 2]``, rank 1 holds ``[3, 4]``; every rank gets
     ``tensor([0, 1, 2, 3, 4])``.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(
+            f"all_gather_uneven: tensor must be a torch.Tensor, got {type(tensor).__name__}: "
+            "pass torch.as_tensor(...) of it"
+        )
     if not dist.is_initialized():
         return tensor
     if tensor.dim() == 0:
