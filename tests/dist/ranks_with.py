@@ -17,9 +17,12 @@ from nbdist.driver.sinks import ListSink
 __all__ = ["ranks_with"]
 
 
-def ranks_with(n: int, common: str, *, timeout: float = 120):
-    """Start ``n`` CPU ranks, run ``common`` on them, yield the session, stop it afterwards."""
-    session = nbdist.DistSession(n, cpu=True, timeout=timeout)
+def ranks_with(n: int, common: str, *, timeout: float = 120, **options):
+    """Start ``n`` CPU ranks, run ``common`` on them, yield the session, stop it afterwards.
+
+    ``options``: more of :class:`nbdist.DistSession`'s keywords (``group_timeout=``...).
+    """
+    session = nbdist.DistSession(n, cpu=True, timeout=timeout, **options)
     session.start()
     try:
         session.run(common, sink=ListSink())

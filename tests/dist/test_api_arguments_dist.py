@@ -8,6 +8,7 @@ the group's timeout. The single-process cases are in ``tests/unit/test_api_argum
 from __future__ import annotations
 
 import pytest
+from ranks_with import ranks_with
 
 import nbdist
 from nbdist.driver.sinks import ListSink
@@ -30,13 +31,7 @@ def outcome_of(fn):
 def session():
     # A short group timeout: a rank left waiting in a collective fails the test in
     # seconds rather than hanging it.
-    s = nbdist.DistSession(2, cpu=True, timeout=300, history=False, group_timeout=20)
-    s.start()
-    try:
-        s.run(SETUP, sink=ListSink())
-        yield s
-    finally:
-        s.stop()
+    yield from ranks_with(2, SETUP, timeout=300, history=False, group_timeout=20)
 
 
 # First in the file: it starts its own session before the module's one exists.

@@ -11,7 +11,6 @@ import re
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 from nbdist.magics.inspect import parse_profile_line
 from nbdist.magics.scripts import split_run_line
@@ -37,17 +36,6 @@ LINE_MAGICS = [
     "dist_export",
 ]
 CELL_MAGICS = ["on_all_ranks", "on_rank"]
-
-
-@pytest.fixture(scope="module")
-def shell():
-    sh = InteractiveShell.instance()
-    sh.run_cell("%load_ext nbdist")
-    # The shell is a process-wide singleton: start from no session, whatever ran before.
-    sh.run_line_magic("dist_stop", "")
-    sh.magics_manager.registry["DistMagics"].session = None
-    yield sh
-    sh.run_line_magic("dist_stop", "")
 
 
 def session_of(shell):
@@ -144,13 +132,6 @@ def test_dist_export_refuses_an_unknown_backend_and_writes_nothing(shell, tmp_pa
     with pytest.raises(UsageError, match=r"--backend 'ncl': use one of nccl, gloo"):
         shell.run_line_magic("dist_export", f"{target} --backend ncl")
     assert not target.exists()
-
-
-@pytest.fixture(scope="module")
-def started(shell):
-    result = shell.run_cell("%dist_start 2 --timeout 120 --cpu")
-    assert result.success, result.error_in_exec
-    return shell
 
 
 def test_dist_pull_of_an_undefined_name_is_one_line_naming_it(started):
