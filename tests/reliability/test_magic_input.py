@@ -27,15 +27,17 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
-# Any text a user could type on a magic's line (quotes, unicode digits, control characters...).
+# Any text a user could type on a magic's line (quotes, unicode digits, control characters...),
+# but the word --help: a line with it asks for the magic's help, which is printed and nothing
+# else happens (tests/magics/test_magic_arguments.py).
 ANY_TEXT = st.text(
     st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00\n\r"), max_size=30
-)
+).filter(lambda t: "--help" not in t.split())
 WORD = st.text(
     st.characters(blacklist_categories=("Cs", "Z", "Cc"), blacklist_characters="\x00"),
     min_size=1,
     max_size=12,
-)
+).filter(lambda w: w != "--help")
 
 
 def _not_whole_number(text: str, at_least: int = 1) -> bool:
