@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "awaiting_replies",
     "client_closed",
     "controller_interface",
     "fail_undecodable_replies",
@@ -26,6 +27,17 @@ __all__ = [
     "send_execute",
     "tolerate_shells_without_kernel",
 ]
+
+
+def awaiting_replies(client, engine_ids: Sequence[int]) -> set[int]:
+    """Those of ``engine_ids`` this client has sent a request and has no reply from yet.
+
+    The controller learns of a request a little after the client sent it, and of its
+    end a little after the reply came; the client's own book has neither delay.
+    """
+    waiting = client._outstanding_dict  # noqa: SLF001 - engine uuid -> msg ids awaiting a reply
+    uuids = client._engines  # noqa: SLF001 - engine id <-> uuid
+    return {eid for eid in engine_ids if eid in uuids and waiting.get(uuids[eid])}
 
 
 def per_engine_futures(async_result) -> list:

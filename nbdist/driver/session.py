@@ -518,7 +518,13 @@ class DistSession:
         run = self._hub.run if self._hub is not None else None
         drop = run.dropped if run is not None else None
         return rank_status(
-            self._handle, self.ranks, self.backend, self.dead_ranks(), dropped=drop, run=run
+            self._handle,
+            self.ranks,
+            self.backend,
+            self.dead_ranks(),
+            dropped=drop,
+            run=run,
+            settle=True,
         )
 
     def rank_states(self) -> dict[int, str]:

@@ -17,7 +17,10 @@ dead, a straggler, or in a state few share (busy while the others are idle).
 
 from __future__ import annotations
 
+import time
+
 from nbdist.dashboard.table import PER_RANK_UP_TO, fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
+from nbdist.driver.ipp_internals import awaiting_replies
 from nbdist.driver.where import control_request
 from nbdist.rank_states import BUSY, DEAD, IDLE
 from nbdist.text_table import format_table
@@ -65,6 +68,31 @@ def _memory_mib(pid: int) -> float | None:
     return rss
 
 
+def _queues(client, targets: list[int], settle: bool) -> tuple[dict, set[int]]:
+    """The controller's queue counts of ``targets``, and those this client awaits a reply from.
+
+    The controller counts a request a little after it was sent and its end a little
+    after the reply came: an engine this client awaits is busy whatever the counts
+    say, and with ``settle`` a count the controller still keeps for an engine this
+    client awaits nothing from is asked again, up to 3 times 50 ms apart (work from
+    elsewhere, another kernel attached to a named session, stays busy).
+    """
+    for attempt in range(4):
+        waiting = awaiting_replies(client, targets)
+        queues = client.queue_status(targets=targets)
+        lagging = [
+            eid
+            for eid in targets
+            if eid not in waiting
+            and isinstance(queues.get(eid), dict)
+            and (queues[eid].get("queue", 0) or queues[eid].get("tasks", 0))
+        ]
+        if not (settle and lagging) or attempt == 3:
+            return queues, waiting
+        time.sleep(0.05)
+    return queues, waiting
+
+
 def _gpu_figures(client, ranks, alive: set[int]) -> dict[int, dict]:
     """{rank: its GPU's figures} for the live ranks on a CUDA device that gave them."""
     asked = [r for r in ranks if r.engine_id in alive and str(r.device).startswith("cuda")]
@@ -89,6 +117,7 @@ def rank_status(
     gpu: bool = True,
     dropped: dict[int, int] | None = None,
     run=None,
+    settle: bool = False,
 ) -> list[dict]:
     """One dict per rank; ``dead``: {rank: how it died}, as the session noticed it.
 
@@ -102,16 +131,18 @@ def rank_status(
     ``gpu``: ask the ranks on GPUs for their GPU's figures (``row["gpu"]``: ``index``,
     ``name``, ``uuid``, ``util`` %, ``mem_used_mib``, ``mem_total_mib``, ``temp_c``;
     a figure the GPU does not report is None). Rows of ranks without one have no ``gpu``.
+
+    ``settle``: wait up to 150 ms for the controller to count a cell this kernel saw
+    end (``%dist_status`` right after a cell); the dashboard's per-cell look does not.
     """
     dead = dead or {}
     client = handle.client
     alive_ids = set(client.ids)
     try:
-        queues = client.queue_status(
-            targets=[r.engine_id for r in ranks if r.engine_id in alive_ids]
-        )
+        targets = [r.engine_id for r in ranks if r.engine_id in alive_ids]
+        queues, waiting = _queues(client, targets, settle)
     except Exception:  # controller gone: every rank shows as dead below
-        queues, alive_ids = {}, set()
+        queues, waiting, alive_ids = {}, set(), set()
     living = [r for r in ranks if r.rank not in dead]
     gpus = _gpu_figures(client, living, alive_ids) if gpu else {}
     rows = []
@@ -119,7 +150,7 @@ def rank_status(
         queue = queues.get(info.engine_id, {})
         if info.engine_id not in alive_ids:
             state = DEAD
-        elif queue.get("queue", 0) or queue.get("tasks", 0):
+        elif info.engine_id in waiting or queue.get("queue", 0) or queue.get("tasks", 0):
             state = BUSY
         else:
             state = IDLE

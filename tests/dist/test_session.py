@@ -323,6 +323,20 @@ def test_status_rows(session):
     assert all(r["memory_mib"] > 10 for r in rows)
 
 
+def test_status_says_busy_while_a_cell_runs_and_idle_once_it_ended(session):
+    # The status asks the controller again where it still counts a finished cell's work
+    # (the replies can arrive first): that must not hide a cell that really runs.
+    run = session.run(
+        "import time\ntime.sleep(3 if rank == 1 else 0)", block=False, sink=ListSink()
+    )
+    try:
+        busy = {r["rank"]: r["state"] for r in session.status()}
+    finally:
+        run.wait()
+    assert busy[1] == "busy", busy
+    assert {r["state"] for r in session.status()} == {"idle"}
+
+
 def test_starting_a_running_session_is_refused(session):
     with pytest.raises(NbdistError, match="already runs 2 ranks"):
         session.start()
