@@ -344,6 +344,8 @@ def test_block_sparse_layout_must_cover_the_sequence():
     layout = torch.ones(2, 2, dtype=torch.bool)
     assert block_mask(block_sparse(layout, 32), 64, block_size=32) is not None
     assert block_mask(block_sparse(layout, 32), 50, block_size=32) is not None  # a partial block
+    # A layout for longer sequences serves a shorter one by its first blocks.
+    assert block_mask(block_sparse(layout, 32), 32, block_size=32) is not None
     # Before: accepted, every position past the layout attending as its last block does.
     with pytest.raises(ValueError, match=r"layout is 2 x 2 blocks of 32 tokens, but 128 queries"):
         block_mask(block_sparse(layout, 32), 128, block_size=32)

@@ -152,11 +152,13 @@ def block_mask(
     if layout is not None:
         rows, cols, size = layout
         need = (-(-seq_len // size), -(-kv_len // size))
-        if need != (rows, cols):
+        # A layout for longer sequences serves shorter ones by its top-left blocks; one too
+        # small would clamp the positions past it onto its last row and column.
+        if need[0] > rows or need[1] > cols:
             raise ValueError(
                 f"the block_sparse layout is {rows} x {cols} blocks of {size} tokens, but "
                 f"{seq_len} queries x {kv_len} keys need {need[0]} x {need[1]} blocks: give a "
-                f"{need[0]} x {need[1]} layout (one entry per {size}-token block)"
+                f"layout of at least {need[0]} x {need[1]} (one entry per {size}-token block)"
             )
     return create_block_mask(
         mask_mod, None, None, seq_len, kv_len, device=device, BLOCK_SIZE=block_size
