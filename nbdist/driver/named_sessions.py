@@ -281,7 +281,10 @@ def _spawn_keeper(name: str, options: dict, timeout: float) -> dict:
         state = named_session_records.state_of(record) if record is not None else "starting"
         if state == "running":
             return record
-        if state == "failed":
+        # The keeper writes why it failed, then stops what it started and ends: by the next
+        # look it may be gone already, and its record still says why.
+        if record is not None and record.get("state") == "failed":
+            stop_named(name)  # the keeper's leftovers and its directory: nothing runs there
             raise NbdistError(f"session {name!r} did not start: {record.get('error')}")
         if (record is not None and state == "gone") or time.monotonic() > deadline:
             tail = _tail(log_path)

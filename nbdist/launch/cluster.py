@@ -335,9 +335,11 @@ def _start_failure(exc: BaseException, n: int, timeout: float, cluster) -> str:
             tail = ""
     message = (
         f"the {n} ranks did not all start within {timeout:g} s ({exc}): "
-        "raise --timeout if the machine is busy, or check the engine log below"
+        "raise --timeout if the machine is busy"
     )
-    return message + (f"\n--- engine log (last lines) ---\n{tail}" if tail else "")
+    if not tail.strip():  # the engines printed nothing yet: no log to point to
+        return message
+    return f"{message}, or check the engine log below\n--- engine log (last lines) ---\n{tail}"
 
 
 def _record_pids(handle: ClusterHandle) -> None:

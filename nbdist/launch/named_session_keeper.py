@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 
+from nbdist.errors import NbdistError
 from nbdist.launch import named_session_records
 from nbdist.metrics.run import Run
 
@@ -234,13 +235,19 @@ def main(argv: list[str] | None = None) -> int:
             keeper.watch()
     except BaseException as exc:  # the kernel waiting for the record reads why
         code = 1
+        # nbdist's own errors say what happened and the fix; anything else shows its type,
+        # and its traceback goes to the keeper's log.
+        expected = isinstance(exc, NbdistError)
         try:
-            keeper.write(state="failed", error=f"{type(exc).__name__}: {exc}")
+            keeper.write(
+                state="failed", error=str(exc) if expected else f"{type(exc).__name__}: {exc}"
+            )
         except OSError:
             pass
-        import traceback
+        if not expected:
+            import traceback
 
-        traceback.print_exc()
+            traceback.print_exc()
     finally:
         keeper.close()
     if code == 0 or keeper.stop.is_set():

@@ -219,6 +219,23 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
     assert named_session_records.read("api") is None
 
 
+def test_a_failed_start_says_why_in_one_message_and_leaves_nothing(history_env, cleanup_named):
+    # 10 ms: no rank can be up in time, whatever the machine; the keeper fails after starting
+    # its controller and engines, and must stop them.
+    cleanup_named.append("late")
+    with pytest.raises(NbdistError) as caught:
+        NamedSession(2, cpu=True, name="late", timeout=0.01).start()
+    message = str(caught.value)
+    assert message.startswith("session 'late' did not start: the 2 ranks did not all start within")
+    assert "raise --timeout" in message
+    # In 10 ms no engine printed a line: the message points to no log it does not show.
+    assert "log below" not in message or "--- engine log" in message
+    # nbdist's own error is the message; no traceback of the keeper is shown or logged.
+    assert "Traceback" not in message and "NbdistError" not in message
+    assert named_session_records.read("late") is None
+    assert [r for r in named_sessions() if r["name"] == "late"] == []
+
+
 def test_bad_names_and_options_are_refused_before_anything_starts():
     with pytest.raises(PlacementError, match="'no/slash'.*--name train1"):
         NamedSession(2, cpu=True, name="no/slash")
