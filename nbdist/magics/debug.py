@@ -135,13 +135,6 @@ class DebugMagics(SessionMagics):
                 f"--port {args.port!r}: give a TCP port, 1..65535, or 0 for a free one"
             )
         rank, port = int(args.rank), int(args.port)
-        if not debugpy_server.is_loopback(args.host):
-            print(
-                f"warning: debugpy on rank {rank} will listen on {args.host}, beyond loopback: "
-                "anyone who can reach that port can run any code on the rank (debugpy asks "
-                "for no password); an SSH tunnel to 127.0.0.1 is the safe way in",
-                file=sys.stderr,
-            )
         try:
             endpoint = session.apply(debugpy_server.listen, port, args.host, ranks=[rank])[0]
         except RankError as exc:  # debugpy could not bind: the port or the address is the problem
@@ -153,6 +146,16 @@ class DebugMagics(SessionMagics):
                 f"({why.partition(': ')[2] or why}): --port 0 picks a free port; --host must "
                 "be an address of the rank's host (default 127.0.0.1)"
             ) from None
+        # Warned once it listens, on the address it listens on (a rank listens once: asked
+        # again, it keeps its first address); an address it cannot take gets no warning.
+        host = endpoint.get("host")
+        if host and not debugpy_server.is_loopback(host):
+            print(
+                f"warning: debugpy on rank {rank} listens on {host}, beyond loopback: "
+                "anyone who can reach that port can run any code on the rank (debugpy asks "
+                "for no password); an SSH tunnel to 127.0.0.1 is the safe way in",
+                file=sys.stderr,
+            )
         print(debugpy_server.attach_text(endpoint))
 
     @magic_arguments()

@@ -217,6 +217,21 @@ def test_dist_debugpy_on_a_port_in_use_is_one_line_and_a_free_port_works_after(s
     assert "rank 1: debugpy listening on 127.0.0.1:" in capsys.readouterr().out
 
 
+def test_dist_debugpy_on_an_address_not_of_the_rank_host_is_refused_without_a_warning(
+    started, capsys
+):
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no host has it, so nothing ever listens there.
+    # Rank 0: a rank listens once, and the test above leaves rank 1 listening.
+    with pytest.raises(
+        UsageError,
+        match=r"rank 0 cannot listen on 192\.0\.2\.1:0 \(.*\): .*--host must be an address "
+        r"of the rank's host",
+    ):
+        started.run_line_magic("dist_debugpy", "0 --host 192.0.2.1")
+    # The beyond-loopback warning is for a port that listens; this one never did.
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_dist_run_of_a_script_that_is_not_python_names_the_line_and_sends_nothing(shell, tmp_path):
     script = tmp_path / "train.sh"
     script.write_text("#!/bin/sh\necho 'start\n")
