@@ -555,3 +555,14 @@ def test_all_gather_uneven_names_what_is_no_tensor(value):
     # it was without a process group, then the same error once ranks ran it).
     with pytest.raises(TypeError, match=r"all_gather_uneven: tensor must be a torch.Tensor, got "):
         all_gather_uneven(value)
+
+
+@pytest.mark.parametrize("group", ["dp", 0, [0, 1]])
+def test_sync_batchnorm_refuses_what_is_no_process_group(group):
+    from nbdist.strategies.parallel.syncbn import convert_sync_batchnorm
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    # Before: converted, and the first forward failed inside the collective.
+    with pytest.raises(TypeError, match=r"process_group must be a torch.distributed process group"):
+        convert_sync_batchnorm(model, process_group=group)
+    assert type(model[1]) is nn.BatchNorm1d  # nothing converted

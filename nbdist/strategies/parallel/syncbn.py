@@ -246,6 +246,24 @@ def convert_sync_batchnorm(module: nn.Module, process_group=None, *, device=None
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_sync_batchnorm expects an nn.Module, got {type(module).__name__}")
+    _check_group(process_group)
     if _target_device(module, device).type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     return _convert(module, process_group)
+
+
+def _check_group(process_group) -> None:
+    """Refuse what is no process group now, not at the first forward's collective."""
+    import torch.distributed as dist
+
+    if process_group is None or isinstance(process_group, dist.ProcessGroup):
+        return
+    hint = (
+        "a DeviceMesh: pass one of its dimensions' groups, e.g. mesh.get_group('dp')"
+        if type(process_group).__name__ == "DeviceMesh"
+        else f"got {type(process_group).__name__} {process_group!r}"
+    )
+    raise TypeError(
+        f"convert_sync_batchnorm: process_group must be a torch.distributed process group "
+        f"(torch.distributed.new_group(ranks)) or None for every rank; {hint}"
+    )
