@@ -565,8 +565,10 @@ class DistSession:
                 f"nbdist: {len(ranks)} ranks ready{where} · {what} · "
                 f"{self.startup_seconds:.1f} s{f'; {start_note}' if start_note else ''}"
             )
-        sharing = self.placement.sharing_note() if self.placement else ""
-        return f"{line}\nnbdist: {sharing}" if sharing else line
+        notes = (
+            [self.placement.sharing_note(), self.placement.threads_note()] if self.placement else []
+        )
+        return "\n".join([line, *(f"nbdist: {note}" for note in notes if note)])
 
     def __repr__(self) -> str:
         """``<DistSession: 2 ranks, gloo>``."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from nbdist.engine.devices import (
     SHARED_GPU_ENV,
@@ -83,6 +83,8 @@ class Placement:
     master_addr: str = "127.0.0.1"
     # NCCL's version where ranks share a GPU (asked only then), for the notice.
     nccl: tuple[int, ...] | None = None
+    # Cores per host, where known (this machine's, or what attached engines reported).
+    cores: dict[str, int] = field(default_factory=dict)
 
     @property
     def hosts(self) -> list[str]:
@@ -116,6 +118,28 @@ class Placement:
             if s.gpu is not None:
                 users.setdefault((s.host, s.gpu), []).append(s.rank)
         return {gpu: ranks for gpu, ranks in users.items() if len(ranks) > 1}
+
+    def threads_note(self) -> str:
+        """One line where ``--threads`` gives a host's ranks more threads than its cores ('' if not).
+
+        Only a count above the default share says so: ranks that outnumber the cores
+        (256 ranks on 2 cores, one thread each) are what was asked for.
+        """
+        notes = []
+        for host in self.hosts:
+            ranks = sum(1 for s in self.slots if s.host == host)
+            threads, cores = self.threads.get(host), self.cores.get(host)
+            if not cores or not threads or threads <= default_threads(cores, ranks):
+                continue
+            if threads * ranks > cores:
+                where = "" if host == "localhost" else f" of {host}"
+                notes.append(
+                    f"--threads {threads}: {ranks} rank{'s' if ranks > 1 else ''} × {threads} torch "
+                    f"threads on the "
+                    f"{cores} cores{where} take turns, so each step waits on the others; "
+                    f"leave --threads out (cores / ranks: {default_threads(cores, ranks)})"
+                )
+        return " · ".join(notes)
 
     def sharing_note(self) -> str:
         """One line on ranks sharing GPUs: which, the backend and what it costs ('' if none)."""
@@ -269,6 +293,7 @@ def plan_local(
         backend=chosen,
         threads={host: threads or default_threads(cores, count)},
         nccl=version,
+        cores={host: cores},
     )
 
 
@@ -306,7 +331,8 @@ def plan_start(options) -> Placement | None:
     if options.launch is not None:
         # Engines start on other hosts, whose GPUs this machine cannot see: a
         # provisional CPU layout of n ranks until they report (plan_attached).
-        return plan_local(options.launch.n, gpus_visible=[], cores=1, cpu=True)
+        # Their cores are unknown here too: none recorded, so no note is drawn from a guess.
+        return replace(plan_local(options.launch.n, gpus_visible=[], cores=1, cpu=True), cores={})
     return plan_local(
         options.n,
         gpus_visible=[] if options.cpu else visible_gpus(),
@@ -382,6 +408,7 @@ def plan_attached(
         threads=per_host,
         master_addr=master_addr,
         nccl=version,
+        cores={labels[key]: cores[key[0]] for key in by_host if cores.get(key[0])},
     )
     return placement, by_engine
 

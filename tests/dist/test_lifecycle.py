@@ -147,6 +147,9 @@ def test_several_threads_per_rank_still_fork():
     s = nbdist.DistSession(2, cpu=True, threads=2, timeout=120, history=False).start()
     try:
         assert "spawned" not in s.summary()
+        # 2 ranks × 2 threads: more than the cores where there are fewer than 4 (CI has 2).
+        noted = "nbdist: --threads 2: 2 ranks × 2 torch threads on the" in s.summary()
+        assert noted == ((os.cpu_count() or 1) < 4), s.summary()
         assert s.cluster.start_method == "fork"
         s.run("import os; info = (torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])")
         assert s.pull("info") == [(2, "2"), (2, "2")]

@@ -528,3 +528,25 @@ def test_one_host_without_gpus_puts_every_host_on_cpu():
     placement, _ = plan_attached(engines, cores={})
     assert placement.backend == "gloo"
     assert _gpus_per_host(placement) == {"gpu": [None], "cpu": [None]}
+
+
+def test_threads_beyond_the_cores_are_noted_and_the_default_share_is_not():
+    asked = plan_local(4, gpus_visible=[], cores=2, cpu=True, threads=8)
+    assert asked.threads_note() == (
+        "--threads 8: 4 ranks × 8 torch threads on the 2 cores take turns, so each step "
+        "waits on the others; leave --threads out (cores / ranks: 1)"
+    )
+    # The default share, one thread per rank where ranks outnumber cores, and a count
+    # that fits are what the user asked for: no note.
+    assert plan_local(4, gpus_visible=[], cores=2, cpu=True).threads_note() == ""
+    assert plan_local(256, gpus_visible=[], cores=2, cpu=True, threads=1).threads_note() == ""
+    assert plan_local(2, gpus_visible=[], cores=16, cpu=True, threads=8).threads_note() == ""
+
+
+def test_threads_note_names_the_host_whose_cores_are_short():
+    engines = [EngineInfo(0, "big", "10.0.0.1", 0), EngineInfo(1, "small", "10.0.0.2", 0)]
+    placement, _ = plan_attached(engines, cores={"big": 64, "small": 2}, threads=4)
+    assert placement.threads_note() == (
+        "--threads 4: 1 rank × 4 torch threads on the 2 cores of small take turns, so each "
+        "step waits on the others; leave --threads out (cores / ranks: 2)"
+    )
