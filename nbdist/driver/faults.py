@@ -12,7 +12,8 @@ Two pieces, used by :class:`~nbdist.driver.session.DistSession` and the cell run
 :class:`CellGuard`
     consulted by the cell's waiting loop. When a rank failed and the others
     are still running after a short grace, or when a rank died, or when an
-    interrupted rank does not stop, it *releases* the ranks: every live rank
+    interrupted rank does not stop, or when ranks wait in a collective for
+    ranks that finished the cell without it, it *releases* the ranks: every live rank
     breaks out of its collective (see :mod:`nbdist.engine.control`) and
     ranks still computing get SIGINT. After the cell the group is formed
     again on the surviving processes (their variables and models stay).
@@ -48,8 +49,20 @@ FAILURE_GRACE_S = 0.5
 INTERRUPT_GRACE_S = 0.5
 # Once released, how long a rank outside any collective may take to finish by itself.
 UNWIND_GRACE_S = 0.3
+# A rank that finished the cell enters no collective of it any more: a rank inside one that
+# waits for it would wait until the group's timeout (30 min). Looked for once ranks have
+# finished while others run this long, then again as often: in flight, a collective a
+# finished rank did enter completes within it, and a user suspects a hang after ~5 s.
+STRANDED_GRACE_S = 3.0
 # A release because ranks died: the words name every rank dead by the time they are read.
 _DIED = object()
+# What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
+_STRANDED = (
+    "ranks finished the cell while others waited for them in a collective: every rank of "
+    "a group must make the same collective calls (one under `if rank == 0:` waits for the "
+    "others until the group's timeout; nbdist.checkpoint.save and load are collectives "
+    "too: call them on every rank)"
+)
 
 
 def death_cause(status: int | None, oom: OomCounter | None = None) -> str:
@@ -207,6 +220,10 @@ class CellGuard:
         self.released = False
         self._first_failure: float | None = None
         self._interrupted_at: float | None = None
+        self._next_stranded_look: float | None = None  # once some ranks finished, others not
+        # {rank: what it waited in, for whom}: ranks released from a collective that ranks
+        # which finished the cell never entered.
+        self.stranded: dict[int, str] = {}
         self.reformed = ""  # what happened to the group after a release
 
     @property
@@ -253,6 +270,35 @@ class CellGuard:
             elif now - self._first_failure >= FAILURE_GRACE_S:
                 which = ", ".join(f"rank {r}" for r in failed)
                 self.release(run, f"{which} failed")
+        elif running and len(running) < len(states):
+            if self._next_stranded_look is None:
+                self._next_stranded_look = now + STRANDED_GRACE_S
+            elif now >= self._next_stranded_look:
+                self._next_stranded_look = now + STRANDED_GRACE_S
+                done = {r for r, s in states.items() if s == "ok"}
+                stranded = self._stranded(running, done)
+                if stranded:
+                    self.stranded = stranded
+                    self.release(run, _STRANDED)
+
+    def _stranded(self, running: list[int], done: set[int]) -> dict[int, str]:
+        """{rank: what it waits in, for whom} of running ranks that wait for finished ones."""
+        from nbdist.driver.where import ask
+
+        by_rank = {r.rank: r for r in self.ranks}
+        found = ask(self.session.client, [by_rank[r] for r in running], timeout=1.0)
+        stranded = {}
+        for w in found:
+            c = w.collective
+            if not w.answered or not c or not c["inside"] or c["seconds"] < STRANDED_GRACE_S:
+                continue
+            gone = sorted(set(c.get("ranks") or ()) & done)
+            if gone:
+                stranded[w.rank] = (
+                    f"waited in {c['op']} #{c['seq']} for {_ranks_text(gone)}, which finished "
+                    "the cell without entering it"
+                )
+        return stranded
 
     def interrupted(self) -> None:
         """SIGINT went to the ranks; release them if it does not land soon."""
@@ -358,11 +404,19 @@ class CellGuard:
         if not self.released:
             return ""
         parts = [f"rank {r} from {what}" for r, what in sorted(self.released_from.items())]
-        head = self.release_reason + (
-            f"; the others were released: {', '.join(parts)}" if parts else ""
-        )
+        released = "released" if self.stranded else "the others were released"
+        head = self.release_reason + (f"; {released}: {', '.join(parts)}" if parts else "")
         if self.session.dead_ranks():
             return head + ". %dist_restart brings the full set of ranks back."
         return head + (
             f". {self.reformed[0].upper()}{self.reformed[1:]}." if self.reformed else "."
         )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """'rank 1', 'ranks 1, 2 and 3', 'ranks 1-63' (ranks of a collective can be many)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 3:
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"

@@ -62,6 +62,8 @@ class CellTimeout(NbdistError, TimeoutError):
 class _NoGuard:
     """The guard of a run that has none (nbdist's own calls): it watches nothing, releases nothing."""
 
+    stranded: dict[int, str] = {}
+
     @property
     def released_from(self) -> dict[int, str]:
         return {}
@@ -432,6 +434,15 @@ class RankRun:
             # A released rank's error ("Connection closed by peer") is the release
             # itself; the note names those ranks, the failures are the cause.
             failures = genuine
+        elif self._guard.stranded:
+            # No rank failed: the released ranks' own error is the fault, said plainly.
+            stranded = self._guard.stranded
+            failures = [
+                RankFailure(f.rank, "CollectiveMismatch", stranded[f.rank], f.traceback)
+                if f.rank in stranded
+                else f
+                for f in failures
+            ]
         if failures:
             note = self._guard.note(failures)
             raise RankError(failures, world_ranks=self.ranks, note=note)

@@ -57,7 +57,7 @@ TRACKED_OPS = (
 
 
 class _Record:
-    __slots__ = ("op", "seq", "entered", "exited", "raised")
+    __slots__ = ("op", "seq", "entered", "exited", "raised", "group", "peer", "group_peer")
 
     def __init__(self, op: str, seq: int, entered: float) -> None:
         self.op = op
@@ -65,6 +65,36 @@ class _Record:
         self.entered = entered
         self.exited: float | None = None
         self.raised = False
+        # Whom the call waits for, read when asked (ranks()): its group (None: the default
+        # one) and, for point-to-point, its peer. The tensors are not kept.
+        self.group = None
+        self.peer: int | tuple[int, ...] | None = None  # a global rank, or batch_isend_irecv's
+        self.group_peer: int | None = None  # the peer as a rank of ``group``
+
+
+# Where each op takes its group and its peer, by position: (group, peer, group_peer).
+_PEER_ARGS = {"send": ("dst", "group_dst"), "recv": ("src", "group_src")}
+
+
+def _positions(op: str, fn) -> tuple[int | None, int | None, int | None]:
+    import inspect
+
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: keywords only
+        names = []
+    peer, group_peer = _PEER_ARGS.get(op, (None, None))
+
+    def at(name):
+        return names.index(name) if name in names else None
+
+    return at("group"), at(peer), at(group_peer)
+
+
+def _arg(args: tuple, kwargs: dict, name: str | None, index: int | None):
+    if name is not None and name in kwargs:
+        return kwargs[name]
+    return args[index] if index is not None and index < len(args) else None
 
 
 _seq = 0
@@ -73,11 +103,20 @@ _depth = 0  # > 0 inside a wrapped call: a collective made by another is not tim
 
 
 def _tracked(op: str, fn):
+    group_at, peer_at, group_peer_at = _positions(op, fn)
+    peer_name, group_peer_name = _PEER_ARGS.get(op, (None, None))
+
     @functools.wraps(fn)
     def tracked(*args, **kwargs):
         global _seq, _last, _depth
         _seq += 1
         record = _last = _Record(op, _seq, time.monotonic())
+        record.group = _arg(args, kwargs, "group", group_at)
+        if peer_name is not None:
+            record.peer = _arg(args, kwargs, peer_name, peer_at)
+            record.group_peer = _arg(args, kwargs, group_peer_name, group_peer_at)
+        elif op == "batch_isend_irecv" and args:
+            record.peer = tuple(getattr(p, "peer", None) for p in args[0])
         outer = _depth == 0
         end_event = None
         if outer and args:
@@ -127,7 +166,8 @@ def last() -> dict | None:
 
     ``inside`` is True while the call has not returned; ``seconds`` is how long
     it has been inside, or how long ago it returned; ``raised`` if it ended
-    with an exception.
+    with an exception; ``ranks``: the global ranks it waits for (its group's, or
+    a point-to-point call's peers; None where they cannot be read).
     """
     record = _last
     if record is None:
@@ -140,4 +180,29 @@ def last() -> dict | None:
         "inside": exited is None,
         "raised": record.raised,
         "seconds": now - (record.entered if exited is None else exited),
+        "ranks": _ranks(record),
     }
+
+
+def _ranks(record: _Record) -> list[int] | None:
+    """The global ranks ``record``'s call waits for, this rank left out."""
+    import torch.distributed as dist
+
+    try:
+        group = record.group if record.group is not None else dist.group.WORLD
+        if isinstance(record.peer, tuple):
+            found = set(record.peer)
+        elif record.op in _PEER_ARGS:
+            if record.peer is None and record.group_peer is None:
+                return None  # recv from any rank: waits for whoever sends
+            found = {
+                record.peer
+                if record.peer is not None
+                else dist.get_global_rank(group, record.group_peer)
+            }
+        else:
+            found = set(dist.get_process_group_ranks(group))
+        found.discard(dist.get_rank())
+    except Exception:  # a group destroyed since, or no group at all: not known
+        return None
+    return None if None in found else sorted(found)

@@ -42,3 +42,64 @@ def test_one_of_four_fails_and_all_three_others_are_released():
         assert [row["state"] for row in s.status()] == ["idle", "idle", "idle", "dead"]
     finally:
         s.stop()
+
+
+# Rank 1 is late by more than the guard's grace: a wait that ends by itself must not be cut.
+_LATE_S = 5.0
+
+
+def test_a_collective_some_ranks_skip_is_released_and_one_that_can_end_is_not():
+    # group_timeout 600 and --timeout 120: without the release, the cell would time out
+    # (CellTimeout) long before the group did.
+    s = nbdist.DistSession(4, cpu=True, timeout=120, group_timeout=600, history=False).start()
+    try:
+        s.run("import time\nkept = rank", sink=ListSink())
+        # Ranks 2 and 3 finish the cell; ranks 0 and 1 wait in a barrier of all four.
+        with pytest.raises(RankError) as info:
+            s.run("if rank < 2:\n    dist.barrier()\n", timeout=120, sink=ListSink())
+        err = info.value
+        assert [(f.rank, f.ename) for f in err.failures] == [
+            (0, "CollectiveMismatch"),
+            (1, "CollectiveMismatch"),
+        ]
+        assert err.failures[0].evalue == (
+            "waited in barrier #1 for ranks 2 and 3, which finished the cell without entering it"
+        )
+        assert "call them on every rank); released: rank 0 from barrier #1, rank 1 from" in str(err)
+        assert "The process group was formed again" in str(err)
+        s.run("t = torch.ones(1) * kept\ndist.all_reduce(t)", sink=ListSink())
+        assert [t.item() for t in s.pull("t")] == [6.0] * 4
+
+        # nbdist.checkpoint.save on rank 0 alone: the same, named by its collective.
+        with pytest.raises(RankError) as info:
+            s.run(
+                "import tempfile\nmodel = torch.nn.Linear(2, 2)\nif rank == 0:\n"
+                "    nbdist.checkpoint.save(tempfile.mkdtemp() + '/step_1', model=model)\n",
+                timeout=120,
+                sink=ListSink(),
+            )
+        [failure] = info.value.failures
+        assert (failure.rank, failure.ename) == (0, "CollectiveMismatch")
+        assert failure.evalue.startswith("waited in all_gather_object #")
+        assert "for ranks 1, 2 and 3, which finished the cell" in failure.evalue
+
+        # Waits that end by themselves, while ranks 2 and 3 have finished: an all_reduce
+        # of the pair {0, 1} and a recv from rank 1, each with rank 1 late. (The pair is
+        # made here: a group made before a release belongs to the group formed before it.)
+        s.run("pair = dist.new_group([0, 1])", sink=ListSink())
+        s.run(
+            f"if rank < 2:\n    if rank == 1:\n        time.sleep({_LATE_S})\n"
+            "    t = torch.ones(1) * kept\n    dist.all_reduce(t, group=pair)\n",
+            timeout=120,
+            sink=ListSink(),
+        )
+        assert [t.item() for t in s.pull("t")[:2]] == [1.0, 1.0]
+        s.run(
+            f"if rank == 1:\n    time.sleep({_LATE_S})\n    dist.send(torch.full((1,), 7.0), 0)\n"
+            "elif rank == 0:\n    got = torch.zeros(1)\n    dist.recv(got, 1)\n",
+            timeout=120,
+            sink=ListSink(),
+        )
+        assert s.pull("got", rank=0).item() == 7.0
+    finally:
+        s.stop()
