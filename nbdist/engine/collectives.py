@@ -65,11 +65,12 @@ class _Record:
         self.entered = entered
         self.exited: float | None = None
         self.raised = False
-        # Whom the call waits for, read when asked (ranks()): its group (None: the default
-        # one) and, for point-to-point, its peer. The tensors are not kept.
+        # Whom the call waits for, read when asked (_ranks): its group (None: the default
+        # one) and, for point-to-point, its peer (a global rank, or batch_isend_irecv's) or
+        # the peer as a rank of its group. The tensors are not kept.
         self.group = None
-        self.peer: int | tuple[int, ...] | None = None  # a global rank, or batch_isend_irecv's
-        self.group_peer: int | None = None  # the peer as a rank of ``group``
+        self.peer: int | tuple[int, ...] | None = None
+        self.group_peer: int | None = None
 
 
 # Where each op takes its group and its peer, by position: (group, peer, group_peer).
@@ -105,17 +106,22 @@ _depth = 0  # > 0 inside a wrapped call: a collective made by another is not tim
 def _tracked(op: str, fn):
     group_at, peer_at, group_peer_at = _positions(op, fn)
     peer_name, group_peer_name = _PEER_ARGS.get(op, (None, None))
+    batch = op == "batch_isend_irecv"
 
     @functools.wraps(fn)
     def tracked(*args, **kwargs):
         global _seq, _last, _depth
         _seq += 1
         record = _last = _Record(op, _seq, time.monotonic())
-        record.group = _arg(args, kwargs, "group", group_at)
+        # Inline, not a helper call: this runs on every collective.
+        if "group" in kwargs:
+            record.group = kwargs["group"]
+        elif group_at is not None and group_at < len(args):
+            record.group = args[group_at]
         if peer_name is not None:
             record.peer = _arg(args, kwargs, peer_name, peer_at)
             record.group_peer = _arg(args, kwargs, group_peer_name, group_peer_at)
-        elif op == "batch_isend_irecv" and args:
+        elif batch and args:
             record.peer = tuple(getattr(p, "peer", None) for p in args[0])
         outer = _depth == 0
         end_event = None
