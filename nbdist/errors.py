@@ -156,6 +156,9 @@ def _headline(failure: RankFailure) -> str:
     return f"{failure.ename}: {failure.evalue}" if failure.evalue else failure.ename
 
 
+_UNDEFINED = re.compile(r"name '([^']+)' is not defined")
+
+
 class RankError(NbdistError):
     """One or more ranks raised; carries every rank's failure, grouped.
 
@@ -188,6 +191,20 @@ class RankError(NbdistError):
     def ranks(self) -> list[int]:
         """The ranks that failed, sorted."""
         return sorted({failure.rank for failure in self.failures})
+
+    def undefined_name(self) -> str | None:
+        """The one name every failing rank lacked, when a NameError of it is all that failed.
+
+        A name the user has not defined on the ranks yet is a slip, not a rank's
+        error: the magics that evaluate a name or an expression say so in one line.
+        """
+        found = set()
+        for failure in self.failures:
+            match = _UNDEFINED.match(failure.evalue) if failure.ename == "NameError" else None
+            if match is None:
+                return None
+            found.add(match.group(1))
+        return found.pop() if len(found) == 1 else None
 
     def groups(self) -> list[tuple[list[int], RankFailure]]:
         """Identical failures grouped as (ranks, representative failure).

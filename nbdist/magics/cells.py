@@ -184,8 +184,7 @@ class CellMagics(SessionMagics):
             return session.pull(args.name, rank=rank)
         except RankError as exc:
             # The name itself missing is a slip of the user's, not a rank's error: one line.
-            missing = f"name {args.name!r} is not defined"
-            if all(f.ename == "NameError" and f.evalue.startswith(missing) for f in exc.failures):
+            if exc.undefined_name() == args.name:
                 raise UsageError(
                     f"%dist_pull {args.name!r}: not defined on {format_ranks(exc.ranks)}: "
                     "assign it in an %%on_all_ranks cell first (or pull a name that exists)"

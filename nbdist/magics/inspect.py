@@ -50,19 +50,11 @@ def split_diff_line(line: str) -> tuple[str, str | None, int]:
 
 def _undefined_name(expr: str, error: RankError) -> str | None:
     """The name of ``expr`` that every failing rank lacked, if that is all that failed."""
+    missing = error.undefined_name()
     names = {
         node.id for node in ast.walk(ast.parse(expr, mode="eval")) if isinstance(node, ast.Name)
     }
-    found = {
-        match.group(1)
-        for failure in error.failures
-        if failure.ename == "NameError"
-        and (match := re.match(r"name '([^']+)' is not defined", failure.evalue))
-    }
-    if len(found) != 1 or any(f.ename != "NameError" for f in error.failures):
-        return None
-    name = found.pop()
-    return name if name in names else None
+    return missing if missing in names else None
 
 
 def parse_profile_line(line: str) -> tuple[int | None, int, bool]:

@@ -178,3 +178,22 @@ def test_exception_hierarchy_and_messages():
     )
     assert str(ClusterNotRunning("custom")) == "custom"
     assert str(PlacementError("2 ranks on 1 GPU")) == "2 ranks on 1 GPU"
+
+
+def _name_error(rank: int, name: str) -> RankFailure:
+    return RankFailure(rank, "NameError", f"name '{name}' is not defined", "")
+
+
+@pytest.mark.parametrize(
+    "failures, name",
+    [
+        ([_name_error(0, "loss"), _name_error(1, "loss")], "loss"),
+        ([_name_error(1, "loss")], "loss"),
+        # Two names, or a NameError beside another failure: a rank's error, not one slip.
+        ([_name_error(0, "loss"), _name_error(1, "step")], None),
+        ([_name_error(0, "loss"), value_error(1)], None),
+        ([RankFailure(0, "NameError", "free variable 'x' referenced before assignment", "")], None),
+    ],
+)
+def test_undefined_name_is_the_one_name_every_rank_lacked(failures, name):
+    assert RankError(failures).undefined_name() == name
