@@ -286,13 +286,18 @@ class CellGuard:
         from nbdist.driver.where import ask
 
         by_rank = {r.rank: r for r in self.ranks}
-        found = ask(self.session.client, [by_rank[r] for r in running], timeout=1.0)
+        found = ask(self.session.client, [by_rank[r] for r in [*running, *done]], timeout=1.0)
+        # A finished rank counts only while idle: one already running a later cell (queued
+        # with --noblock) may still make the call.
+        idle = {w.rank for w in found if w.rank in done and w.answered and not w.busy}
         stranded = {}
         for w in found:
             c = w.collective
-            if not w.answered or not c or not c["inside"] or c["seconds"] < STRANDED_GRACE_S:
+            if w.rank in done or not w.answered or not c or not c["inside"]:
                 continue
-            gone = sorted(set(c.get("ranks") or ()) & done)
+            if c["seconds"] < STRANDED_GRACE_S:
+                continue
+            gone = sorted(set(c.get("ranks") or ()) & idle)
             if gone:
                 stranded[w.rank] = (
                     f"waited in {c['op']} #{c['seq']} for {_ranks_text(gone)}, which finished "

@@ -227,3 +227,16 @@ def test_timeout_reports_where_each_rank_was(session):
     assert "the cell was interrupted; the others were released: " in text
     assert f"rank 1 from all_reduce #{seq}. The process group was formed again" in text
     _reduce_works(session)
+
+
+def test_a_rank_that_makes_the_call_in_a_later_queued_cell_is_waited_for(session):
+    # Rank 1 finishes cell A at once and makes the matching barrier in cell B, queued
+    # behind it, 5 s later (beyond the guard's 3 s): it is busy, not gone, so rank 0's
+    # wait in A is not cut.
+    first = session.run("if rank == 0:\n    dist.barrier()\n", block=False, sink=ListSink())
+    second = session.run(
+        "import time\ntime.sleep(5)\ndist.barrier()\n", ranks=[1], block=False, sink=ListSink()
+    )
+    first.wait()
+    second.wait()
+    _reduce_works(session)
