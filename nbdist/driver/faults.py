@@ -54,14 +54,18 @@ UNWIND_GRACE_S = 0.3
 # finished while others run this long, then again as often: in flight, a collective a
 # finished rank did enter completes within it, and a user suspects a hang after ~5 s.
 STRANDED_GRACE_S = 3.0
+# While every rank still runs (a long training cell), ranks waiting in different collectives
+# are looked for after STRANDED_GRACE_S, then at doubling intervals up to this: a look is a
+# control message per rank, and a cell may run for hours.
+STRANDED_LOOK_MAX_S = 30.0
 # A release because ranks died: the words name every rank dead by the time they are read.
 _DIED = object()
 # What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
 _STRANDED = (
-    "ranks finished the cell while others waited for them in a collective: every rank of "
-    "a group must make the same collective calls (one under `if rank == 0:` waits for the "
-    "others until the group's timeout; nbdist.checkpoint.save and load are collectives "
-    "too: call them on every rank)"
+    "ranks waited in a collective that the ranks it needs skipped or called differently: "
+    "every rank of a group must make the same collective calls in the same order (one under "
+    "`if rank == 0:` waits for the others until the group's timeout; nbdist.checkpoint.save "
+    "and load are collectives too: call them on every rank)"
 )
 
 
@@ -220,7 +224,8 @@ class CellGuard:
         self.released = False
         self._first_failure: float | None = None
         self._interrupted_at: float | None = None
-        self._next_stranded_look: float | None = None  # once some ranks finished, others not
+        self._next_stranded_look: float | None = None  # the guard's next look at collectives
+        self._stranded_interval = STRANDED_GRACE_S / 2  # doubled before each look
         # {rank: what it waited in, for whom}: ranks released from a collective that ranks
         # which finished the cell never entered.
         self.stranded: dict[int, str] = {}
@@ -270,11 +275,17 @@ class CellGuard:
             elif now - self._first_failure >= FAILURE_GRACE_S:
                 which = ", ".join(f"rank {r}" for r in failed)
                 self.release(run, f"{which} failed")
-        elif running and len(running) < len(states):
+        elif running:
+            split = len(running) < len(states)  # some ranks finished: look every grace
             if self._next_stranded_look is None:
                 self._next_stranded_look = now + STRANDED_GRACE_S
             elif now >= self._next_stranded_look:
-                self._next_stranded_look = now + STRANDED_GRACE_S
+                self._stranded_interval = (
+                    STRANDED_GRACE_S
+                    if split
+                    else min(2 * self._stranded_interval, STRANDED_LOOK_MAX_S)
+                )
+                self._next_stranded_look = now + self._stranded_interval
                 done = {r for r, s in states.items() if s == "ok"}
                 stranded = self._stranded(running, done)
                 if stranded:
@@ -282,27 +293,51 @@ class CellGuard:
                     self.release(run, _STRANDED)
 
     def _stranded(self, running: list[int], done: set[int]) -> dict[int, str]:
-        """{rank: what it waits in, for whom} of running ranks that wait for finished ones."""
+        """{rank: what it waits in, and for whom} of running ranks whose collective cannot end.
+
+        Three cases, each certain once it has lasted ``STRANDED_GRACE_S``: the ranks it
+        waits for finished the cell and are idle; they all wait in a collective too, but
+        another one (``all_reduce`` against ``broadcast``); or two ranks each wait to
+        receive from (or send to) the other.
+        """
         from nbdist.driver.where import ask
 
         by_rank = {r.rank: r for r in self.ranks}
-        found = ask(self.session.client, [by_rank[r] for r in [*running, *done]], timeout=1.0)
+        asked = [by_rank[r] for r in [*running, *done]]
+        found = ask(self.session.client, asked, timeout=1.0, light=True)
         # A finished rank counts only while idle: one already running a later cell (queued
         # with --noblock) may still make the call.
         idle = {w.rank for w in found if w.rank in done and w.answered and not w.busy}
+        inside = {
+            w.rank: w.collective
+            for w in found
+            if w.rank not in done
+            and w.answered
+            and w.collective
+            and w.collective["inside"]
+            and w.collective["seconds"] >= STRANDED_GRACE_S
+        }
         stranded = {}
-        for w in found:
-            c = w.collective
-            if w.rank in done or not w.answered or not c or not c["inside"]:
-                continue
-            if c["seconds"] < STRANDED_GRACE_S:
-                continue
-            gone = sorted(set(c.get("ranks") or ()) & idle)
+        for rank, c in inside.items():
+            members = set(c.get("ranks") or ())
+            what = f"waited in {c['op']} #{c['seq']}"
+            gone = sorted(members & idle)
             if gone:
-                stranded[w.rank] = (
-                    f"waited in {c['op']} #{c['seq']} for {_ranks_text(gone)}, which finished "
-                    "the cell without entering it"
+                stranded[rank] = (
+                    f"{what} for {_ranks_text(gone)}, which finished the cell without entering it"
                 )
+                continue
+            if not members or not members <= inside.keys():
+                continue  # some rank it waits for is still computing: it may yet come
+            other = next((m for m in sorted(members) if inside[m]["op"] != c["op"]), None)
+            if other is not None:
+                theirs = inside[other]
+                stranded[rank] = (
+                    f"{what} while rank {other} waited in {theirs['op']} #{theirs['seq']}"
+                )
+            elif c["op"] in ("send", "recv") and inside[next(iter(members))].get("ranks") == [rank]:
+                peer = next(iter(members))
+                stranded[rank] = f"{what} while rank {peer} waited in {c['op']} from it too"
         return stranded
 
     def interrupted(self) -> None:

@@ -79,9 +79,16 @@ def control_request(client, engine_ids: Sequence[int], action: str, timeout: flo
     return replies
 
 
-def ask(client, ranks: Sequence, *, timeout: float = _ANSWER_TIMEOUT_S) -> list[RankWhere]:
-    """Each rank's :class:`RankWhere` (``ranks``: RankInfo objects); nothing is interrupted."""
-    replies = control_request(client, [r.engine_id for r in ranks], "where", timeout)
+def ask(
+    client, ranks: Sequence, *, timeout: float = _ANSWER_TIMEOUT_S, light: bool = False
+) -> list[RankWhere]:
+    """Each rank's :class:`RankWhere` (``ranks``: RankInfo objects); nothing is interrupted.
+
+    ``light``: only ``busy`` and ``collective`` (no stack, no flight recorder), for a
+    look repeated while a cell runs.
+    """
+    action = "collective" if light else "where"
+    replies = control_request(client, [r.engine_id for r in ranks], action, timeout)
     found = []
     for info, reply in zip(ranks, replies):
         if reply is None:
@@ -99,7 +106,7 @@ def ask(client, ranks: Sequence, *, timeout: float = _ANSWER_TIMEOUT_S) -> list[
                 info.rank,
                 True,
                 busy=w["busy"],
-                stack=w["stack"],
+                stack=w.get("stack", []),
                 collective=w["collective"],
                 flight=w.get("flight"),
             )

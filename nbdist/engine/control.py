@@ -9,6 +9,9 @@ ipykernel serves on its own thread (the one that also serves
 ``where``
     this rank's Python stack (main thread, from the cell's frame down) and
     the last collective it entered (:mod:`nbdist.engine.collectives`).
+``collective``
+    only whether a cell runs and the last collective: what the cell guard
+    asks every few seconds of a long cell (no stack text, no flight recorder).
 ``dap_open``, ``dap_send``, ``dap_poll``, ``dap_close``
     JupyterLab's debugger on a rank the kernel cannot connect to (another
     machine): the Debug Adapter Protocol relayed to the rank's debugpy on
@@ -40,6 +43,7 @@ from nbdist.engine.helpers import device, rank
 from nbdist.metrics.gpu import read_this_rank
 
 __all__ = [
+    "collective_state",
     "gpu",
     "group_sockets",
     "install",
@@ -195,6 +199,24 @@ def where() -> dict:
     }
 
 
+def collective_state() -> dict:
+    """Whether the main thread runs a cell or an apply, and this rank's last collective.
+
+    The cell guard's periodic look: walking the main thread's frames for the
+    cell's entry costs microseconds, where :func:`where` renders the stack and
+    reads the flight recorder.
+    """
+    frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001
+    busy = False
+    while frame is not None and not busy:
+        code = frame.f_code
+        busy = (code.co_name == "run_code" and "interactiveshell" in code.co_filename) or (
+            code.co_name == "do_apply"
+        )
+        frame = frame.f_back
+    return {"busy": busy, "collective": collectives.last()}
+
+
 def gpu() -> dict | None:
     """The figures of this rank's GPU (cached up to a second), None when its device is not CUDA.
 
@@ -213,6 +235,8 @@ def _handle(kernel, stream, idents, parent) -> None:
     try:
         if action == "where":
             reply = {"status": "ok", "where": where()}
+        elif action == "collective":
+            reply = {"status": "ok", "where": collective_state()}
         elif action == "release":
             reply = {"status": "ok", "release": release()}
         elif action == "gpu":

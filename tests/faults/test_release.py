@@ -240,3 +240,34 @@ def test_a_rank_that_makes_the_call_in_a_later_queued_cell_is_waited_for(session
     first.wait()
     second.wait()
     _reduce_works(session)
+
+
+@pytest.mark.parametrize(
+    "cell, rank0, rank1",
+    [
+        # Different collectives at once: gloo waits for the group's timeout (60 s here).
+        (
+            "t = torch.ones(4)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n    dist.broadcast(t, 0)\n",
+            "waited in all_reduce #1 while rank 1 waited in broadcast #1",
+            "waited in broadcast #1 while rank 0 waited in all_reduce #1",
+        ),
+        # Each rank waits to receive from the other: neither ever sends.
+        (
+            "got = torch.zeros(1)\ndist.recv(got, 1 - rank)\n",
+            "waited in recv #1 while rank 1 waited in recv from it too",
+            "waited in recv #1 while rank 0 waited in recv from it too",
+        ),
+    ],
+    ids=["all_reduce-vs-broadcast", "recv-recv"],
+)
+def test_ranks_waiting_in_collectives_that_cannot_match_are_released(session, cell, rank0, rank1):
+    session.run("from nbdist.engine import collectives\ncollectives.reset()", sink=ListSink())
+    with pytest.raises(RankError) as info:
+        session.run(cell, timeout=50, sink=ListSink())
+    failures = info.value.failures
+    assert [(f.rank, f.ename, f.evalue) for f in failures] == [
+        (0, "CollectiveMismatch", rank0),
+        (1, "CollectiveMismatch", rank1),
+    ]
+    assert "the same collective calls in the same order" in str(info.value)
+    _reduce_works(session)
