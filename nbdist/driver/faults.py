@@ -311,11 +311,7 @@ class CellGuard:
         inside = {
             w.rank: w.collective
             for w in found
-            if w.rank not in done
-            and w.answered
-            and w.collective
-            and w.collective["inside"]
-            and w.collective["seconds"] >= STRANDED_GRACE_S
+            if w.rank not in done and w.answered and w.collective and w.collective["inside"]
         }
         stranded = {}
         for rank, c in inside.items():
@@ -338,7 +334,11 @@ class CellGuard:
             elif c["op"] in ("send", "recv") and inside[next(iter(members))].get("ranks") == [rank]:
                 peer = next(iter(members))
                 stranded[rank] = f"{what} while rank {peer} waited in {c['op']} from it too"
-        return stranded
+        # One wait that lasted the grace makes the case: the others named with it may have
+        # begun later (a rank slow to start the cell) but wait for the same ranks.
+        if any(inside[r]["seconds"] >= STRANDED_GRACE_S for r in stranded):
+            return stranded
+        return {}
 
     def interrupted(self) -> None:
         """SIGINT went to the ranks; release them if it does not land soon."""
