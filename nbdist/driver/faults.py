@@ -62,7 +62,7 @@ STRANDED_LOOK_MAX_S = 30.0
 _DIED = object()
 # What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
 _STRANDED = (
-    "ranks waited in a collective that the ranks it needs skipped or called differently: "
+    "a collective cannot end while ranks of its group skip it or wait in another one: "
     "every rank of a group must make the same collective calls in the same order (one under "
     "`if rank == 0:` waits for the others until the group's timeout; nbdist.checkpoint.save "
     "and load are collectives too: call them on every rank)"
