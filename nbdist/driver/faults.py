@@ -427,6 +427,17 @@ class CellGuard:
                 session.group.released = True
                 self.released = True
                 self._release_reason = "the ranks stopped at different collectives"
+        if not interrupted and not self.released and session.group is not None:
+            broken = run.broken_group_error()
+            if broken:
+                # The group's own timeout (or a peer's) ended a collective: gloo's connections
+                # are closed and every later collective would fail with "Connection closed".
+                control_request(
+                    session.client, [r.engine_id for r in session.ranks], "release", 2.0
+                )
+                session.group.released = True
+                self.released = True
+                self._release_reason = f"the process group broke ({broken})"
         if session.group is not None and session.group.released:
             try:
                 session.reform_group()

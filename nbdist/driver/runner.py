@@ -12,6 +12,7 @@ callbacks and the loop interleave.
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -57,6 +58,14 @@ def _mib(chars: int) -> str:
 
 class CellTimeout(NbdistError, TimeoutError):
     """A cell ran past its ``--timeout``; the ranks were interrupted."""
+
+
+# What a rank's error says when the group's connections are gone (gloo's transport, which
+# names its own source file) or aborted (NCCL); a user's own "Connection reset" is not it.
+_BROKEN_GROUP = re.compile(
+    r"gloo/transport/[\w/.]+:\d+\] ([^\[]+)|Application timeout caused pair closure|"
+    r"NCCL communicator was aborted|Watchdog caught collective operation timeout"
+)
 
 
 class _NoGuard:
@@ -212,6 +221,21 @@ class RankRun:
             else:
                 states[rank] = "ok"
         return states
+
+    def broken_group_error(self) -> str:
+        """The first rank error that says the process group itself broke ('' if none does).
+
+        gloo's transport errors (a collective that timed out, a peer's closed
+        connection) and NCCL's aborted communicator leave the group unusable.
+        """
+        for rank, child in zip(self.ranks, self._children):
+            error = _child_result(child)
+            if isinstance(error, BaseException):
+                text = str(getattr(error, "evalue", error))
+                found = _BROKEN_GROUP.search(text)
+                if found:  # gloo's own words without its file name, else the match
+                    return f"rank {rank}: {(found.group(1) or found.group(0)).strip()}"
+        return ""
 
     def _all_done(self) -> bool:
         if self._ar.ready():

@@ -271,3 +271,23 @@ def test_ranks_waiting_in_collectives_that_cannot_match_are_released(session, ce
     ]
     assert "the same collective calls in the same order" in str(info.value)
     _reduce_works(session)
+
+
+def test_a_group_broken_by_its_own_timeout_is_formed_again_for_the_next_cell():
+    # torch's own functions, not the torch.distributed names nbdist records: nothing tells
+    # nbdist where the ranks wait, so gloo's 5 s timeout ends the cell on both ranks.
+    with nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=5, history=False) as s:
+        with pytest.raises(RankError) as info:
+            s.run(
+                "from torch.distributed import distributed_c10d as c10d\nt = torch.ones(4)\n"
+                "if rank == 0:\n    c10d.all_reduce(t)\nelse:\n    c10d.broadcast(t, 0)\n",
+                timeout=60,
+                sink=ListSink(),
+            )
+        assert re.search(
+            r"the process group broke \(rank \d: (Timed out waiting 5000ms|Connection closed"
+            r"|Application timeout).*\)\. The process group was formed again",
+            str(info.value),
+        ), str(info.value)
+        # Before: every later collective failed at once with "Connection closed by peer".
+        _reduce_works(s)
