@@ -300,18 +300,21 @@ class CellGuard:
         another one (``all_reduce`` against ``broadcast``); or two ranks each wait to
         receive from (or send to) the other.
         """
+        from nbdist.driver.ipp_internals import awaiting_replies
         from nbdist.driver.where import ask
 
         by_rank = {r.rank: r for r in self.ranks}
-        asked = [by_rank[r] for r in [*running, *done]]
-        found = ask(self.session.client, asked, timeout=1.0, light=True)
-        # A finished rank counts only while idle: one already running a later cell (queued
-        # with --noblock) may still make the call.
-        idle = {w.rank for w in found if w.rank in done and w.answered and not w.busy}
+        client = self.session.client
+        # A finished rank counts only while idle: one this kernel sent a later cell (queued
+        # with --noblock) may still make the call. Read from the client's own book, so only
+        # the running ranks are asked (at 256 ranks, the few still finishing a cell).
+        queued = awaiting_replies(client, [by_rank[r].engine_id for r in done])
+        idle = {r for r in done if by_rank[r].engine_id not in queued}
+        found = ask(client, [by_rank[r] for r in running], timeout=1.0, light=True)
         inside = {
             w.rank: w.collective
             for w in found
-            if w.rank not in done and w.answered and w.collective and w.collective["inside"]
+            if w.answered and w.collective and w.collective["inside"]
         }
         stranded = {}
         for rank, c in inside.items():
