@@ -2,9 +2,12 @@
 
 nbdist wraps the collective functions of ``torch.distributed`` on every rank
 (``dist.all_reduce``, ``dist.barrier``, ...) so that each call is counted and
-remembered: its name, its sequence number in this group, and whether it
-returned. When ranks hang, comparing these records says who is waiting for
-whom ("rank 1 never entered all_reduce #118").
+remembered: its name, its sequence number in this group, whether it
+returned, and whom it waits for (its group, or a point-to-point call's peer;
+never its tensors). When ranks hang, comparing these records says who is
+waiting for whom ("rank 1 never entered all_reduce #118"), and lets the
+kernel's cell guard release ranks whose collective can no longer end
+(:mod:`nbdist.driver.faults`).
 
 Only calls made through the ``torch.distributed`` namespace are counted (what
 user code and most libraries call); torch's own internal calls and DDP's
