@@ -229,6 +229,8 @@ class CellGuard:
         # {rank: what it waited in, for whom}: ranks released from a collective that ranks
         # which finished the cell never entered.
         self.stranded: dict[int, str] = {}
+        # {rank: 'all_reduce #9'}: a stranded wait nbdist's records do not see (DDP's, from C++).
+        self._untracked_wait: dict[int, str] = {}
         self.reformed = ""  # what happened to the group after a release
 
     @property
@@ -295,10 +297,12 @@ class CellGuard:
     def _stranded(self, running: list[int], done: set[int]) -> dict[int, str]:
         """{rank: what it waits in, and for whom} of running ranks whose collective cannot end.
 
-        Three cases, each certain once it has lasted ``STRANDED_GRACE_S``: the ranks it
+        Four cases, each certain once it has lasted ``STRANDED_GRACE_S``: the ranks it
         waits for finished the cell and are idle; they all wait in a collective too, but
-        another one (``all_reduce`` against ``broadcast``); or two ranks each wait to
-        receive from (or send to) the other.
+        another one (``all_reduce`` against ``broadcast``); two ranks each wait to
+        receive from (or send to) the other; or, where nbdist does not see the call (DDP's
+        gradient all-reduce, issued from C++), the process group's flight recorder holds
+        an open call that idle finished ranks never issued.
         """
         from nbdist.driver.ipp_internals import awaiting_replies
         from nbdist.driver.where import ask
@@ -310,7 +314,11 @@ class CellGuard:
         # the running ranks are asked (at 256 ranks, the few still finishing a cell).
         queued = awaiting_replies(client, [by_rank[r].engine_id for r in done])
         idle = {r for r in done if by_rank[r].engine_id not in queued}
-        found = ask(client, [by_rank[r] for r in running], timeout=1.0, light=True)
+        # With idle finished ranks, the running ones' flight recorders too: a call issued from
+        # C++ (DDP's gradient buckets) that the finished ranks never issued waits for them.
+        found = ask(
+            client, [by_rank[r] for r in running], timeout=1.0, light=True, flight=bool(idle)
+        )
         inside = {
             w.rank: w.collective
             for w in found
@@ -337,11 +345,46 @@ class CellGuard:
             elif c["op"] in ("send", "recv") and inside[next(iter(members))].get("ranks") == [rank]:
                 peer = next(iter(members))
                 stranded[rank] = f"{what} while rank {peer} waited in {c['op']} from it too"
+        lasted = [r for r in stranded if inside[r]["seconds"] >= STRANDED_GRACE_S]
+        opened = {
+            w.rank: w.flight_state["open"]
+            for w in found
+            if w.rank not in inside and w.flight_state and w.flight_state["open"]
+        }
+        if opened and idle:
+            stranded.update(self._issued_alone(opened, idle, by_rank))
+            lasted += [
+                r for r in opened if r in stranded and opened[r]["seconds"] >= STRANDED_GRACE_S
+            ]
         # One wait that lasted the grace makes the case: the others named with it may have
         # begun later (a rank slow to start the cell) but wait for the same ranks.
-        if any(inside[r]["seconds"] >= STRANDED_GRACE_S for r in stranded):
-            return stranded
-        return {}
+        return stranded if lasted else {}
+
+    def _issued_alone(self, opened: dict[int, dict], idle: set[int], by_rank) -> dict[int, str]:
+        """{rank: what it waits in} of ranks with a default-group call idle ranks never issued."""
+        from nbdist.driver.where import ask
+
+        found = ask(
+            self.session.client,
+            [by_rank[r] for r in sorted(idle)],
+            timeout=2.0,
+            light=True,
+            flight=True,
+        )
+        last = {w.rank: w.flight_state["last"] for w in found if w.flight_state}
+        alone = {}
+        for rank, call in opened.items():
+            behind = sorted(r for r, seq in last.items() if seq < call["seq"])
+            if behind:
+                self._untracked_wait[rank] = f"{call['op']} #{call['seq']}"
+                alone[rank] = (
+                    f"waited in {call['op']} #{call['seq']} of the process group (issued by torch "
+                    f"itself, e.g. DDP's gradient all-reduce) for {_ranks_text(behind)}, which "
+                    "finished the cell without issuing it: did the ranks run different numbers "
+                    "of steps? (give every rank as many batches: DistributedSampler, "
+                    "drop_last=True)"
+                )
+        return alone
 
     def interrupted(self) -> None:
         """SIGINT went to the ranks; release them if it does not land soon."""
@@ -386,7 +429,9 @@ class CellGuard:
             states = run.child_states()
             for rank in [r for r in computing if states.get(r) != "running"]:
                 c = computing.pop(rank)
-                self._released_from[rank] = f"{c['op']} #{c['seq']}" if c else "its running code"
+                self._released_from[rank] = self._untracked_wait.get(rank) or (
+                    f"{c['op']} #{c['seq']}" if c else "its running code"
+                )
             time.sleep(0.02)
         for rank in computing:
             self._released_from[rank] = "its running code (interrupted)"

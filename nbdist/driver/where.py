@@ -52,14 +52,18 @@ class RankWhere:
     note: str = ""
     # The process group's flight recorder: its last collectives, oldest first (None: not recorded).
     flight: list[dict] | None = None
+    # The default group's last and oldest open call there (the cell guard's look; None: not asked).
+    flight_state: dict | None = None
 
 
-def control_request(client, engine_ids: Sequence[int], action: str, timeout: float) -> list:
-    """Send nbdist's control ``action`` to the engines; replies (or None) in the same order."""
+def control_request(
+    client, engine_ids: Sequence[int], action: str, timeout: float, **options
+) -> list:
+    """Send nbdist's control ``action`` (with ``options``) to the engines; replies (or None) in order."""
     futures = []
     for eid in engine_ids:
         try:
-            futures.append(send_control(client, eid, REQUEST, {"action": action}))
+            futures.append(send_control(client, eid, REQUEST, {"action": action, **options}))
         except Exception:  # the engine left the cluster meanwhile (it died)
             futures.append(None)
     deadline = time.monotonic() + timeout
@@ -80,15 +84,22 @@ def control_request(client, engine_ids: Sequence[int], action: str, timeout: flo
 
 
 def ask(
-    client, ranks: Sequence, *, timeout: float = _ANSWER_TIMEOUT_S, light: bool = False
+    client,
+    ranks: Sequence,
+    *,
+    timeout: float = _ANSWER_TIMEOUT_S,
+    light: bool = False,
+    flight: bool = False,
 ) -> list[RankWhere]:
     """Each rank's :class:`RankWhere` (``ranks``: RankInfo objects); nothing is interrupted.
 
     ``light``: only ``busy`` and ``collective`` (no stack, no flight recorder), for a
-    look repeated while a cell runs.
+    look repeated while a cell runs; with ``flight``, also ``flight_state`` (the
+    default group's last and oldest open call in the flight recorder).
     """
     action = "collective" if light else "where"
-    replies = control_request(client, [r.engine_id for r in ranks], action, timeout)
+    options = {"flight": True} if light and flight else {}
+    replies = control_request(client, [r.engine_id for r in ranks], action, timeout, **options)
     found = []
     for info, reply in zip(ranks, replies):
         if reply is None:
@@ -109,6 +120,7 @@ def ask(
                 stack=w.get("stack", []),
                 collective=w["collective"],
                 flight=w.get("flight"),
+                flight_state=w.get("flight_state"),
             )
         )
     return found

@@ -199,12 +199,14 @@ def where() -> dict:
     }
 
 
-def collective_state() -> dict:
+def collective_state(flight: bool = False) -> dict:
     """Whether the main thread runs a cell or an apply, and this rank's last collective.
 
     The cell guard's periodic look: walking the main thread's frames for the
     cell's entry costs microseconds, where :func:`where` renders the stack and
-    reads the flight recorder.
+    reads the flight recorder. ``flight``: also the default group's state in the
+    flight recorder (:func:`nbdist.engine.flight_recorder.default_group_state`),
+    unless the rank waits in a collective nbdist records already.
     """
     frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001
     busy = False
@@ -214,7 +216,11 @@ def collective_state() -> dict:
             code.co_name == "do_apply"
         )
         frame = frame.f_back
-    return {"busy": busy, "collective": collectives.last()}
+    last = collectives.last()
+    state = {"busy": busy, "collective": last}
+    if flight and not (last and last["inside"]):
+        state["flight_state"] = flight_recorder.default_group_state()
+    return state
 
 
 def gpu() -> dict | None:
@@ -236,7 +242,7 @@ def _handle(kernel, stream, idents, parent) -> None:
         if action == "where":
             reply = {"status": "ok", "where": where()}
         elif action == "collective":
-            reply = {"status": "ok", "where": collective_state()}
+            reply = {"status": "ok", "where": collective_state(bool(content.get("flight")))}
         elif action == "release":
             reply = {"status": "ok", "release": release()}
         elif action == "gpu":

@@ -291,3 +291,28 @@ def test_a_group_broken_by_its_own_timeout_is_formed_again_for_the_next_cell():
         ), str(info.value)
         # Before: every later collective failed at once with "Connection closed by peer".
         _reduce_works(s)
+
+
+def test_ddp_with_a_step_more_on_one_rank_is_released_naming_the_uneven_steps(session):
+    # Rank 0 runs a third step: DDP's gradient all-reduce (issued from C++, which nbdist's
+    # records do not see) waits for rank 1, which finished after two. The flight recorder
+    # shows a call rank 1 never issued. Before: the group's timeout (60 s here; --timeout 50).
+    with pytest.raises(RankError) as info:
+        session.run(
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "ddp = DDP(torch.nn.Linear(4, 4))\n"
+            "for step in range(3 if rank == 0 else 2):\n"
+            "    ddp(torch.randn(8, 4)).sum().backward()\n",
+            timeout=50,
+            sink=ListSink(),
+        )
+    [failure] = info.value.failures
+    assert (failure.rank, failure.ename) == (0, "CollectiveMismatch")
+    assert re.fullmatch(
+        r"waited in all_reduce #\d+ of the process group \(issued by torch itself, e\.g\. DDP's "
+        r"gradient all-reduce\) for rank 1, which finished the cell without issuing it: did the "
+        r"ranks run different numbers of steps\? .*",
+        failure.evalue,
+    ), failure.evalue
+    assert re.search(r"released: rank 0 from all_reduce #\d+\. The process group", str(info.value))
+    _reduce_works(session)
