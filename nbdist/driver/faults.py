@@ -50,13 +50,13 @@ INTERRUPT_GRACE_S = 0.5
 # Once released, how long a rank outside any collective may take to finish by itself.
 UNWIND_GRACE_S = 0.3
 # A rank that finished the cell enters no collective of it any more: a rank inside one that
-# waits for it would wait until the group's timeout (30 min). Looked for once ranks have
-# finished while others run this long, then again as often: in flight, a collective a
-# finished rank did enter completes within it, and a user suspects a hang after ~5 s.
+# waits for it would wait until the group's timeout (30 min). A wait must last this long to
+# count, and the first look comes after it: in flight, a collective a finished rank did
+# enter completes within it, and a user suspects a hang after ~5 s.
 STRANDED_GRACE_S = 3.0
-# While every rank still runs (a long training cell), ranks waiting in different collectives
-# are looked for after STRANDED_GRACE_S, then at doubling intervals up to this: a look is a
-# control message per rank, and a cell may run for hours.
+# Looks come after STRANDED_GRACE_S, then at doubling intervals up to this: a look is a
+# control message per running rank (and, while some ranks finished, a read of the flight
+# recorder, ~20 ms), and a cell may run for hours, or rank 0 evaluate alone for minutes.
 STRANDED_LOOK_MAX_S = 30.0
 # A release because ranks died: the words name every rank dead by the time they are read.
 _DIED = object()
@@ -278,15 +278,10 @@ class CellGuard:
                 which = ", ".join(f"rank {r}" for r in failed)
                 self.release(run, f"{which} failed")
         elif running:
-            split = len(running) < len(states)  # some ranks finished: look every grace
             if self._next_stranded_look is None:
                 self._next_stranded_look = now + STRANDED_GRACE_S
             elif now >= self._next_stranded_look:
-                self._stranded_interval = (
-                    STRANDED_GRACE_S
-                    if split
-                    else min(2 * self._stranded_interval, STRANDED_LOOK_MAX_S)
-                )
+                self._stranded_interval = min(2 * self._stranded_interval, STRANDED_LOOK_MAX_S)
                 self._next_stranded_look = now + self._stranded_interval
                 done = {r for r, s in states.items() if s == "ok"}
                 stranded = self._stranded(running, done)
@@ -434,7 +429,8 @@ class CellGuard:
                 )
             time.sleep(0.02)
         for rank in computing:
-            self._released_from[rank] = "its running code (interrupted)"
+            what = self._untracked_wait.get(rank) or "its running code"
+            self._released_from[rank] = f"{what} (interrupted)"
         if computing:
             session.interrupt(sorted(computing))
 

@@ -314,5 +314,9 @@ def test_ddp_with_a_step_more_on_one_rank_is_released_naming_the_uneven_steps(se
         r"ranks run different numbers of steps\? .*",
         failure.evalue,
     ), failure.evalue
-    assert re.search(r"released: rank 0 from all_reduce #\d+\. The process group", str(info.value))
+    # Its wait ends once the sockets close, or on the SIGINT that follows 0.3 s later.
+    assert re.search(
+        r"released: rank 0 from all_reduce #\d+( \(interrupted\))?\. The process group",
+        str(info.value),
+    ), str(info.value)
     _reduce_works(session)
