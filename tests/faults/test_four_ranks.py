@@ -7,6 +7,7 @@ import pytest
 import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
+from tests.faults.failing import failing_cell
 
 
 def test_one_of_four_fails_and_all_three_others_are_released():
@@ -55,9 +56,7 @@ def test_a_collective_some_ranks_skip_is_released_and_one_that_can_end_is_not():
     try:
         s.run("import time\nkept = rank", sink=ListSink())
         # Ranks 2 and 3 finish the cell; ranks 0 and 1 wait in a barrier of all four.
-        with pytest.raises(RankError) as info:
-            s.run("if rank < 2:\n    dist.barrier()\n", timeout=120, sink=ListSink())
-        err = info.value
+        err = failing_cell(s, "if rank < 2:\n    dist.barrier()\n")
         assert [(f.rank, f.ename) for f in err.failures] == [
             (0, "CollectiveMismatch"),
             (1, "CollectiveMismatch"),
@@ -71,14 +70,11 @@ def test_a_collective_some_ranks_skip_is_released_and_one_that_can_end_is_not():
         assert [t.item() for t in s.pull("t")] == [6.0] * 4
 
         # nbdist.checkpoint.save on rank 0 alone: the same, named by its collective.
-        with pytest.raises(RankError) as info:
-            s.run(
-                "import tempfile\nmodel = torch.nn.Linear(2, 2)\nif rank == 0:\n"
-                "    nbdist.checkpoint.save(tempfile.mkdtemp() + '/step_1', model=model)\n",
-                timeout=120,
-                sink=ListSink(),
-            )
-        [failure] = info.value.failures
+        [failure] = failing_cell(
+            s,
+            "import tempfile\nmodel = torch.nn.Linear(2, 2)\nif rank == 0:\n"
+            "    nbdist.checkpoint.save(tempfile.mkdtemp() + '/step_1', model=model)\n",
+        ).failures
         assert (failure.rank, failure.ename) == (0, "CollectiveMismatch")
         assert failure.evalue.startswith("waited in all_gather_object #")
         assert "for ranks 1, 2 and 3, which finished the cell" in failure.evalue

@@ -21,6 +21,7 @@ from nbdist.driver.runner import CellTimeout
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.where import diagnose
 from nbdist.errors import RankError, RanksInterrupted
+from tests.faults.failing import failing_cell
 
 
 @pytest.fixture(scope="module")
@@ -262,14 +263,12 @@ def test_a_rank_that_makes_the_call_in_a_later_queued_cell_is_waited_for(session
 )
 def test_ranks_waiting_in_collectives_that_cannot_match_are_released(session, cell, rank0, rank1):
     session.run("from nbdist.engine import collectives\ncollectives.reset()", sink=ListSink())
-    with pytest.raises(RankError) as info:
-        session.run(cell, timeout=50, sink=ListSink())
-    failures = info.value.failures
-    assert [(f.rank, f.ename, f.evalue) for f in failures] == [
+    err = failing_cell(session, cell, timeout=50)
+    assert [(f.rank, f.ename, f.evalue) for f in err.failures] == [
         (0, "CollectiveMismatch", rank0),
         (1, "CollectiveMismatch", rank1),
     ]
-    assert "the same collective calls in the same order" in str(info.value)
+    assert "the same collective calls in the same order" in str(err)
     _reduce_works(session)
 
 
@@ -277,18 +276,17 @@ def test_a_group_broken_by_its_own_timeout_is_formed_again_for_the_next_cell():
     # torch's own functions, not the torch.distributed names nbdist records: nothing tells
     # nbdist where the ranks wait, so gloo's 5 s timeout ends the cell on both ranks.
     with nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=5, history=False) as s:
-        with pytest.raises(RankError) as info:
-            s.run(
-                "from torch.distributed import distributed_c10d as c10d\nt = torch.ones(4)\n"
-                "if rank == 0:\n    c10d.all_reduce(t)\nelse:\n    c10d.broadcast(t, 0)\n",
-                timeout=60,
-                sink=ListSink(),
-            )
+        err = failing_cell(
+            s,
+            "from torch.distributed import distributed_c10d as c10d\nt = torch.ones(4)\n"
+            "if rank == 0:\n    c10d.all_reduce(t)\nelse:\n    c10d.broadcast(t, 0)\n",
+            timeout=60,
+        )
         assert re.search(
             r"the process group broke \(rank \d: (Timed out waiting 5000ms|Connection closed"
             r"|Application timeout).*\)\. The process group was formed again",
-            str(info.value),
-        ), str(info.value)
+            str(err),
+        ), str(err)
         # Before: every later collective failed at once with "Connection closed by peer".
         _reduce_works(s)
 
@@ -297,16 +295,15 @@ def test_ddp_with_a_step_more_on_one_rank_is_released_naming_the_uneven_steps(se
     # Rank 0 runs a third step: DDP's gradient all-reduce (issued from C++, which nbdist's
     # records do not see) waits for rank 1, which finished after two. The flight recorder
     # shows a call rank 1 never issued. Before: the group's timeout (60 s here; --timeout 50).
-    with pytest.raises(RankError) as info:
-        session.run(
-            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
-            "ddp = DDP(torch.nn.Linear(4, 4))\n"
-            "for step in range(3 if rank == 0 else 2):\n"
-            "    ddp(torch.randn(8, 4)).sum().backward()\n",
-            timeout=50,
-            sink=ListSink(),
-        )
-    [failure] = info.value.failures
+    err = failing_cell(
+        session,
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "ddp = DDP(torch.nn.Linear(4, 4))\n"
+        "for step in range(3 if rank == 0 else 2):\n"
+        "    ddp(torch.randn(8, 4)).sum().backward()\n",
+        timeout=50,
+    )
+    [failure] = err.failures
     assert (failure.rank, failure.ename) == (0, "CollectiveMismatch")
     assert re.fullmatch(
         r"waited in all_reduce #\d+ of the process group \(issued by torch itself, e\.g\. DDP's "
@@ -317,6 +314,6 @@ def test_ddp_with_a_step_more_on_one_rank_is_released_naming_the_uneven_steps(se
     # Its wait ends once the sockets close, or on the SIGINT that follows 0.3 s later.
     assert re.search(
         r"released: rank 0 from all_reduce #\d+( \(interrupted\))?\. The process group",
-        str(info.value),
-    ), str(info.value)
+        str(err),
+    ), str(err)
     _reduce_works(session)
