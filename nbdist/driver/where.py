@@ -52,7 +52,7 @@ class RankWhere:
     note: str = ""
     # The process group's flight recorder: its last collectives, oldest first (None: not recorded).
     flight: list[dict] | None = None
-    # The default group's last and oldest open call there (the cell guard's look; None: not asked).
+    # The default group's last and newest open call there (the cell guard's look; None: not asked).
     flight_state: dict | None = None
 
 
@@ -95,7 +95,7 @@ def ask(
 
     ``light``: only ``busy`` and ``collective`` (no stack, no flight recorder), for a
     look repeated while a cell runs; with ``flight``, also ``flight_state`` (the
-    default group's last and oldest open call in the flight recorder).
+    default group's last and newest open call in the flight recorder).
     """
     action = "collective" if light else "where"
     options = {"flight": True} if light and flight else {}

@@ -201,6 +201,7 @@ def _join_group(spec: dict, device: str) -> None:
     # The group records its last collectives (what %dist_where shows of a hang) only
     # when asked before it forms.
     flight_recorder.enable()
+    flight_recorder.group_forming()
     init_kwargs = {}
     if spec["backend"] == "nccl":
         init_kwargs["device_id"] = torch.device(device)

@@ -122,14 +122,26 @@ def recent(n: int = 8) -> list[dict] | None:
 # The default group's name in the recorder; other groups' members are not recorded (gloo
 # leaves pg_config empty), so only the default group's calls are compared across ranks.
 DEFAULT_GROUP = "default_pg"
+# When this rank's current group began to form (time.time_ns(), the recorder's clock). The
+# recorder is one ring for the process: a group formed again after a release keeps the
+# old one's entries under the same name, with their own numbers (and calls never retired).
+_group_since_ns = 0
+
+
+def group_forming() -> None:
+    """Mark that a new group forms now: older entries belong to a group that is gone."""
+    import time
+
+    global _group_since_ns
+    _group_since_ns = time.time_ns()
 
 
 def default_group_state() -> dict | None:
-    """On the default group: the last call this rank issued, and the oldest one still open.
+    """On the default group: the last call this rank issued, and the newest one still open.
 
     ``{"last": seq, "open": {"seq", "op", "seconds"} or None}``: ``open`` is the
-    first recorded call not retired yet (its work not finished and waited for),
-    ``seconds`` its age. Calls issued from C++ (DDP's gradient buckets) count too.
+    newest recorded call not retired yet (its work not finished and waited for),
+    ``seconds`` its age; only calls of the group formed last count. Calls issued from C++ (DDP's gradient buckets) count too.
     None when nothing is recorded. Reading the recorder costs ~15-25 ms at 1,024
     entries (gloo, 2 cores): the cell guard asks only while ranks finished a cell
     and others still run.
@@ -142,11 +154,19 @@ def default_group_state() -> dict | None:
     mine = [
         e
         for e in found.get("entries", [])
-        if not e.get("is_p2p") and (e.get("process_group") or ["", ""])[-1] == DEFAULT_GROUP
+        if not e.get("is_p2p")
+        and (e.get("process_group") or ["", ""])[-1] == DEFAULT_GROUP
+        and e.get("time_created_ns", 0) >= _group_since_ns
     ]
     if not mine:
         return None
-    opened = next((e for e in mine if not e.get("retired", False)), None)
+    # The newest open call: an older one left open (an async_op whose work the code keeps
+    # without waiting) was issued by every rank, and would hide the one that waits.
+    opened = max(
+        (e for e in mine if not e.get("retired", False)),
+        key=lambda e: int(e.get("collective_seq_id", 0)),
+        default=None,
+    )
     state: dict = {"last": max(int(e.get("collective_seq_id", 0)) for e in mine), "open": None}
     if opened is not None:
         created = opened.get("time_created_ns")
