@@ -177,3 +177,25 @@ def test_the_flight_recorder_records_nccl_collectives_with_their_state(start_ses
     assert fr[1]["seq"] == fr[0]["seq"] + 1
     assert fr[0]["sizes"] == [[1000]]
     assert fr[0]["state"] == "completed"
+
+
+def test_a_barrier_on_one_rank_alone_is_released_naming_the_rank_that_skipped_it(start_session):
+    """Rank 0 calls ``dist.barrier()`` alone (two ranks on the GPU(s): gloo with CUDA tensors
+    on one GPU, NCCL on two), the others finish the cell: within the cell's 60 s ``--timeout``
+    (the group's is 120 s) the cell fails with ``CollectiveMismatch`` naming rank 1, and the
+    next collective works.
+
+    Named failure: ``CollectiveMismatch: waited in barrier #N for rank 1, which finished the
+    cell without entering it``.
+    """
+    s = start_session(2, group_timeout=120)
+    with pytest.raises(RankError) as info:
+        s.run("if rank == 0:\n    dist.barrier()\n", timeout=60, sink=ListSink())
+    [failure] = info.value.failures
+    assert (failure.rank, failure.ename) == (0, "CollectiveMismatch"), str(info.value)
+    assert re.fullmatch(
+        r"waited in barrier #\d+ for rank 1, which finished the cell without entering it",
+        failure.evalue,
+    ), failure.evalue
+    assert "The process group was formed again" in str(info.value)
+    _reduce_works(s)
