@@ -453,7 +453,7 @@ class CellGuard:
 
     def recover(self, run, *, interrupted: bool = False) -> None:
         """After the cell: form the group again if it was released or left inconsistent."""
-        from nbdist.driver.where import ask, control_request
+        from nbdist.driver.where import ask
 
         session = self.session
         if session.dead_ranks():
@@ -465,29 +465,29 @@ class CellGuard:
             seqs = {w.collective["seq"] if w.collective else 0 for w in found}
             stuck = any(w.collective and w.collective["inside"] for w in found)
             if len(seqs) > 1 or stuck or not all(w.answered for w in found):
-                control_request(
-                    session.client, [r.engine_id for r in session.ranks], "release", 2.0
-                )
-                session.group.released = True
-                self.released = True
-                self._release_reason = "the ranks stopped at different collectives"
+                self._release_after_cell("the ranks stopped at different collectives")
         if not interrupted and not self.released and session.group is not None:
             broken = run.broken_group_error()
             if broken:
                 # The group's own timeout (or a peer's) ended a collective: gloo's connections
                 # are closed and every later collective would fail with "Connection closed".
-                control_request(
-                    session.client, [r.engine_id for r in session.ranks], "release", 2.0
-                )
-                session.group.released = True
-                self.released = True
-                self._release_reason = f"the process group broke ({broken})"
+                self._release_after_cell(f"the process group broke ({broken})")
         if session.group is not None and session.group.released:
             try:
                 session.reform_group()
                 self.reformed = "the process group was formed again; variables and models are kept"
             except Exception as exc:
                 self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
+
+    def _release_after_cell(self, reason: str) -> None:
+        """Release every rank once the cell ended, so that the group is formed again."""
+        from nbdist.driver.where import control_request
+
+        session = self.session
+        control_request(session.client, [r.engine_id for r in session.ranks], "release", 2.0)
+        session.group.released = True
+        self.released = True
+        self._release_reason = reason
 
     def note(self, failures=()) -> str:
         """Lines added to the cell's error: the GPU a rank ran out of, which ranks were released."""

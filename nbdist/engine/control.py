@@ -158,12 +158,17 @@ def release() -> dict:
     return {"action": "shutdown", "detail": f"{closed} group sockets shut down"}
 
 
+def _runs_cell(name: str, filename: str) -> bool:
+    """Whether a frame of this function is IPython's run_code, which runs a cell's code."""
+    return name == "run_code" and "interactiveshell" in filename
+
+
 def _cell_frames(frame) -> list:
     """The main thread's frames from the user's cell down (innermost last)."""
     stack = traceback.extract_stack(frame)
     start = None
     for i, entry in enumerate(stack):
-        if entry.name == "run_code" and "interactiveshell" in entry.filename:
+        if _runs_cell(entry.name, entry.filename):
             start = i + 1
     if start is None:
         for i, entry in enumerate(stack):  # apply requests: ipyparallel's do_apply
@@ -212,9 +217,7 @@ def collective_state(flight: bool = False) -> dict:
     busy = False
     while frame is not None and not busy:
         code = frame.f_code
-        busy = (code.co_name == "run_code" and "interactiveshell" in code.co_filename) or (
-            code.co_name == "do_apply"
-        )
+        busy = _runs_cell(code.co_name, code.co_filename) or code.co_name == "do_apply"
         frame = frame.f_back
     last = collectives.last()
     state = {"busy": busy, "collective": last}
