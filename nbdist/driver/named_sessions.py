@@ -36,6 +36,7 @@ import sys
 import time
 
 from nbdist.driver.group import Group, RankInfo, form_group
+from nbdist.driver.ipp_internals import flush_sends
 from nbdist.driver.session import DistSession
 from nbdist.errors import NbdistError, PlacementError
 from nbdist.launch import named_session_records
@@ -209,6 +210,7 @@ class NamedSession(DistSession):
         self.group = None
         if handle is not None and handle.client is not None:
             try:
+                flush_sends(handle.client)  # a --noblock cell sent just before still runs
                 handle.client.close()
             except Exception:  # a dead controller: nothing to close
                 pass

@@ -202,11 +202,15 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
         assert os.stat(path).st_mode & 0o777 == 0o600, path
     with pytest.raises(NbdistError, match="'api' is running already"):
         NamedSession(2, cpu=True, name="api").start()
+    # A cell sent without waiting (--noblock) just before the kernel exits still runs:
+    # the client used to be closed before its request left, and the cell never ran.
+    session.run("y = rank + 50", block=False)
     live_sessions.stop_all()  # what a kernel's exit runs: a named session is only let go
     assert not session.running
     assert [p for p in pids if not psutil.pid_exists(p)] == []
     again = NamedSession.attach("api")
     assert again.pull("x") == [40, 41]
+    assert again.pull("y") == [50, 51]
     again.detach()
     # The keeper killed: its controller and ranks end with it, the record stays as 'gone'.
     os.kill(pids[0], signal.SIGKILL)

@@ -257,6 +257,33 @@ def test_a_ranks_first_prompt_is_kept_until_the_cell_is_followed(session):
     assert session.pull("answer") == ["n0", "n1"]
 
 
+def test_requests_sent_just_before_their_client_closes_still_reach_the_ranks(session):
+    """What a kernel letting go of a named session does after a --noblock cell: without
+    the flush, the client closed before its request left (19 times in 20 here)."""
+    import ipyparallel as ipp
+
+    from nbdist.driver.ipp_internals import flush_sends
+
+    engine_ids = [r.engine_id for r in session.ranks]
+    for i in range(5):
+        client = ipp.Client(session.cluster.client_file(), timeout=60)
+        client[engine_ids].execute(f"sent_{i} = {i} + rank", block=False)
+        assert flush_sends(client)
+        client.close()
+    # Delivered by zmq after the close: wait for them (a lost one never comes).
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert [session.pull(f"sent_{i}") for i in range(5)] == [[i, i + 1] for i in range(5)]
+            break
+        except RankError:
+            assert time.monotonic() < deadline, "a request sent before its client closed was lost"
+            time.sleep(0.2)
+    closed = ipp.Client(session.cluster.client_file(), timeout=60)
+    closed.close()
+    assert flush_sends(closed) is False  # nothing to flush on a closed client
+
+
 def test_cell_timeout_interrupts(session):
     with pytest.raises(NbdistError, match="--timeout"):
         session.run("import time\ntime.sleep(60)", timeout=1.0, sink=ListSink())
