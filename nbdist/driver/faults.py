@@ -38,6 +38,7 @@ import threading
 import time
 
 from nbdist.driver.oom import OomCounter, cuda_oom_note, oom_counter
+from nbdist.errors import format_ranks
 
 __all__ = ["CellGuard", "RankMonitor", "dead_ranks", "death_cause"]
 
@@ -232,6 +233,11 @@ class CellGuard:
         # {rank: 'all_reduce #9'}: a stranded wait nbdist's records do not see (DDP's, from C++).
         self._untracked_wait: dict[int, str] = {}
         self.reformed = ""  # what happened to the group after a release
+        self._started = time.monotonic()
+
+    def _age(self) -> float:
+        """Seconds since this cell was sent to the ranks."""
+        return time.monotonic() - self._started
 
     @property
     def released_from(self) -> dict[int, str]:
@@ -411,7 +417,10 @@ class CellGuard:
         for rank in sorted(running):
             w = found.get(rank)
             c = w.collective if w is not None else None
-            if c is not None and (c["inside"] or c.get("raised")):
+            # A call that raised in an earlier cell (a stale group's, caught by the user)
+            # is still the rank's last one: only this cell's counts.
+            raised_now = c is not None and c.get("raised") and c["seconds"] < self._age()
+            if c is not None and (c["inside"] or raised_now):
                 # Inside, or already failing out of it (gloo noticed a dead peer):
                 # the release ends it; SIGINT would only cut its traceback short.
                 self._released_from[rank] = f"{c['op']} #{c['seq']}"
@@ -474,8 +483,13 @@ class CellGuard:
                 self._release_after_cell(f"the process group broke ({broken})")
         if session.group is not None and session.group.released:
             try:
-                session.reform_group()
+                stale = session.reform_group()
                 self.reformed = "the process group was formed again; variables and models are kept"
+                if stale:
+                    self.reformed += (
+                        ", but these were made with the old group: make them again before "
+                        "using them: " + ", ".join(stale)
+                    )
             except Exception as exc:
                 self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
 
@@ -509,9 +523,10 @@ class CellGuard:
 
 
 def _ranks_text(ranks: list[int]) -> str:
-    """'rank 1', 'ranks 1, 2 and 3', 'ranks 1-63' (ranks of a collective can be many)."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 3:
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+    """'rank 1', 'ranks 1, 2 and 5' for a few; runs for more ('ranks 0-62,64-255').
+
+    A collective's group can hold hundreds of ranks: a list of each would bury the message.
+    """
+    if 1 < len(ranks) <= 3:
+        return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+    return format_ranks(ranks)

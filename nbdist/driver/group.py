@@ -198,11 +198,13 @@ def reform_group(
     group_timeout: float,
     timeout: float,
     interrupt: Callable[[Sequence[int]], None],
-) -> None:
+) -> list[str]:
     """Form ``group`` again on the same processes (a new rendezvous); clears ``released``.
 
     Only the group changes on the ranks: namespaces, models and tensors stay.
     ``group.released`` stays True if this fails, so the next cell tries again.
+    Returns the ranks' variables that hold the old group, to be made again
+    (``"ddp_model (DistributedDataParallel)"``; each name once, as any rank has it).
     """
     group.released = True
     rank0 = group.ranks[0]
@@ -217,8 +219,10 @@ def reform_group(
         backend=group.backend,
         timeout=group_timeout,
     )
-    ar = client[group.engine_ids].apply_async(bootstrap.rejoin_as_this_rank, base)
-    RankRun(
+    ar = client[group.engine_ids].apply_async(
+        bootstrap.rejoin_as_this_rank, base, _shell_reference()
+    )
+    rejoined = RankRun(
         ar,
         [r.rank for r in group.ranks],
         interrupt=interrupt,
@@ -227,6 +231,11 @@ def reform_group(
         "the next cell tries again, %dist_restart starts fresh ranks)",
     ).wait()
     group.released = False
+    stale: dict[str, str] = {}
+    for result in rejoined:
+        for name, what in (result or {}).get("stale", ()):
+            stale.setdefault(name, what)
+    return [f"{name} ({what})" for name, what in stale.items()]
 
 
 def metrics_key(client) -> bytes:

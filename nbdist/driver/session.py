@@ -485,14 +485,15 @@ class DistSession:
             which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
             raise NbdistError(f"{which}. %dist_restart (or restart()) brings every rank back")
 
-    def reform_group(self) -> None:
+    def reform_group(self) -> list[str]:
         """Form the process group again on the same processes, after its ranks were released.
 
         Namespaces, models and tensors stay; objects bound to the old group (a
-        ``DistributedDataParallel`` wrapper) must be made again.
+        ``DistributedDataParallel`` wrapper, a subgroup, a DeviceMesh, DTensors) must
+        be made again: returns the ranks' variables that hold one, as ``"name (what)"``.
         """
         self._require_running()
-        reform_group(
+        return reform_group(
             self._handle.client,
             self.group,
             group_timeout=self.options.group_timeout,

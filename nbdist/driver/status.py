@@ -77,7 +77,10 @@ def _queues(client, targets: list[int], settle: bool) -> tuple[dict, set[int]]:
     client awaits nothing from is asked again, up to 3 times 50 ms apart (work from
     elsewhere, another kernel attached to a named session, stays busy).
     """
-    for attempt in range(4):
+    attempts = 4 if settle else 1
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(0.05)
         waiting = awaiting_replies(client, targets)
         queues = client.queue_status(targets=targets)
         lagging = [
@@ -87,9 +90,8 @@ def _queues(client, targets: list[int], settle: bool) -> tuple[dict, set[int]]:
             and isinstance(queues.get(eid), dict)
             and (queues[eid].get("queue", 0) or queues[eid].get("tasks", 0))
         ]
-        if not (settle and lagging) or attempt == 3:
-            return queues, waiting
-        time.sleep(0.05)
+        if not lagging:
+            break
     return queues, waiting
 
 

@@ -27,6 +27,7 @@ from nbdist.engine import (
     collectives,
     control,
     flight_recorder,
+    group_bound,
     patches,
     torchrun_env,
     user_group,
@@ -249,22 +250,26 @@ def _leave_group() -> None:
         c10d._update_default_pg(None)  # noqa: SLF001
 
 
-def rejoin(spec: dict) -> dict:
+def rejoin(spec: dict, get_shell=None) -> dict:
     """Form the group again on a rank whose process survived (after a release).
 
     Only the group changes: the namespace, models and tensors stay. Objects
     bound to the old group (a ``DistributedDataParallel`` wrapper) must be
-    made again. Returns this rank's last collective before the group was formed again.
+    made again. Returns this rank's last collective before the group was formed
+    again (``before``) and the user's variables bound to the old group
+    (``stale``: ``(name, what)`` pairs; none without ``get_shell``).
     """
     before = collectives.last()
+    shell = get_shell() if get_shell is not None else None
+    stale = group_bound.bound_to_group(shell.user_ns) if shell is not None else []
     os.environ["MASTER_PORT"] = str(spec["master_port"])
     _join_group(spec, str(rank_device()))
-    return {"before": before}
+    return {"before": before, "stale": stale}
 
 
-def rejoin_as_this_rank(base: dict) -> dict:
+def rejoin_as_this_rank(base: dict, get_shell=None) -> dict:
     """:func:`rejoin` with this rank's own number (the kernel sends every rank the same ``base``)."""
-    return rejoin({**base, "rank": this_rank()})
+    return rejoin({**base, "rank": this_rank()}, get_shell)
 
 
 def _fill_namespace(shell, spec: dict, device: str) -> None:

@@ -133,11 +133,11 @@ class Placement:
                 continue
             if threads * ranks > cores:
                 where = "" if host == "localhost" else f" of {host}"
+                share = default_threads(cores, ranks)
+                counted = f"{ranks} rank{'s' if ranks > 1 else ''} × {threads} torch threads"
                 notes.append(
-                    f"--threads {threads}: {ranks} rank{'s' if ranks > 1 else ''} × {threads} torch "
-                    f"threads on the "
-                    f"{cores} cores{where} take turns, so each step waits on the others; "
-                    f"leave --threads out (cores / ranks: {default_threads(cores, ranks)})"
+                    f"--threads {threads}: {counted} on the {cores} cores{where} take turns, "
+                    f"so each step waits on the others; leave --threads out (cores / ranks: {share})"
                 )
         return " · ".join(notes)
 

@@ -110,19 +110,59 @@ def test_a_ddp_model_wrapped_again_trains_after_a_release(session):
     assert torch.equal(w0, w1)  # gradients were averaged over both ranks again
 
 
-def test_a_collective_of_a_subgroup_is_released_too(session):
-    session.run("sub = dist.new_group([0, 1])", sink=ListSink())
+def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group_is_named(
+    session,
+):
+    session.run(
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "from torch.distributed.tensor import Shard, distribute_tensor\n"
+        "sub = dist.new_group([0, 1])\n"
+        "mesh = init_device_mesh('cpu', (2,))\n"
+        "dt = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])\n"
+        "sharded = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)\n"
+        "adam = torch.optim.Adam(sharded.parameters())\n"
+        "plain = torch.nn.Linear(2, 2)\n",
+        sink=ListSink(),
+    )
     with pytest.raises(RankError) as info:
         session.run(
             "if rank == 0:\n    raise KeyError('rank 0')\ndist.all_reduce(torch.ones(1), group=sub)",
             sink=ListSink(),
         )
     assert info.value.ranks == [0]
-    assert "the others were released: rank 1 from all_reduce #" in str(info.value)
+    message = str(info.value)
+    assert "the others were released: rank 1 from all_reduce #" in message
     _reduce_works(session)
+    # The note names every variable bound to the old group (ddp: the test above), and
+    # nothing else; the subgroup and the sharded module then fail as it says.
+    head = "but these were made with the old group: make them again before using them: "
+    assert head in message, message
+    named = message.split(head)[1].rstrip(".").split(", ")
+    assert sorted(named) == [
+        "adam (Adam over DTensor parameters)",
+        "ddp (DistributedDataParallel)",
+        "dt (DTensor)",
+        "mesh (DeviceMesh)",
+        "sharded (FSDPLinear with DTensor parameters)",
+        "sub (process group)",
+    ], message
+    for stale in ("dist.all_reduce(torch.ones(1), group=sub)", "sharded(torch.ones(1, 4))"):
+        with pytest.raises(RankError, match="not initialized in the world group map"):
+            session.run(stale, sink=ListSink())
+    session.run("del ddp, sub, mesh, dt, sharded, adam", sink=ListSink())
 
 
 def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
+    # A collective that raised in an earlier cell (caught) is the ranks' last one: it must
+    # not be taken for one this cell's rank 1 is failing out of (it was, and rank 1 slept on).
+    session.run(
+        "try:\n    dist.all_reduce(torch.ones(1), group='no such group')\n"
+        "except Exception as exc:\n    caught = exc\n"
+        "last = nbdist.engine.collectives.last()\n",
+        sink=ListSink(),
+    )
+    assert all(c["raised"] and c["op"] == "all_reduce" for c in session.pull("last"))
     with pytest.raises(RankError) as info:
         session.run(
             "import time\n"

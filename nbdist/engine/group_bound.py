@@ -1,0 +1,69 @@
+"""Rank side: the user's variables that hold the process group, named before it is formed again.
+
+After a release (a failed or hung collective) nbdist forms the group again on the same
+processes: tensors, models and optimisers stay, but an object that holds the old group
+keeps using it and fails in a later cell, with gloo's "Connection closed" or torch's
+"... not initialized in the world group map", far from the cause. Such objects are a
+``DistributedDataParallel`` wrapper (and anything else with a ``process_group``: FSDP,
+``ZeroRedundancyOptimizer``), a subgroup from ``dist.new_group``, a ``DeviceMesh``, a
+``DTensor``, a module whose parameters are DTensors (``fully_shard``, tensor parallel)
+and an optimiser over such parameters. Naming them when the group is formed again
+tells the user what to make again.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["bound_to_group"]
+
+# IPython's own names in a namespace: never the user's objects.
+_IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
+
+
+def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
+    """``(name, what)`` for each top-level variable of ``namespace`` that holds a process group.
+
+    Only what was imported can exist: DTensor and DeviceMesh are looked for only where
+    their modules are loaded already (importing them would cost a rank ~0.3 s).
+    """
+    import torch
+    import torch.distributed as dist
+
+    dtensor_module = sys.modules.get("torch.distributed.tensor")
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")
+    dtensor = getattr(dtensor_module, "DTensor", None)
+    mesh = getattr(mesh_module, "DeviceMesh", None)
+    group = dist.ProcessGroup
+
+    def what(value) -> str:
+        if isinstance(value, group):
+            return "process group"
+        if mesh is not None and isinstance(value, mesh):
+            return "DeviceMesh"
+        if dtensor is not None and isinstance(value, dtensor):
+            return "DTensor"
+        if isinstance(getattr(value, "process_group", None), group):
+            return type(value).__name__
+        if dtensor is None:
+            return ""
+        if isinstance(value, torch.nn.Module):
+            if any(isinstance(p, dtensor) for p in value.parameters()):
+                return f"{type(value).__name__} with DTensor parameters"
+        elif isinstance(value, torch.optim.Optimizer):
+            params = (p for g in value.param_groups for p in g["params"])
+            if any(isinstance(p, dtensor) for p in params):
+                return f"{type(value).__name__} over DTensor parameters"
+        return ""
+
+    found = []
+    for name, value in list(namespace.items()):
+        if name.startswith("_") or name in _IPYTHON_NAMES:
+            continue
+        try:
+            kind = what(value)
+        except Exception:  # a user's object whose attributes raise: not ours to judge
+            continue
+        if kind:
+            found.append((name, kind))
+    return found
