@@ -186,9 +186,15 @@ def test_a_barrier_on_one_rank_alone_is_released_naming_the_rank_that_skipped_it
     next collective works.
 
     Named failure: ``CollectiveMismatch: waited in barrier #N for rank 1, which finished the
-    cell without entering it``.
+    cell without entering it``; the note names the DDP wrapper made with the old group.
     """
     s = start_session(2, group_timeout=120)
+    # A DDP wrapper on the GPU holds the group (NCCL's, or gloo's): the note names it.
+    s.run(
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "ddp = DDP(torch.nn.Linear(4, 4).to(device))\n",
+        sink=ListSink(),
+    )
     with pytest.raises(RankError) as info:
         s.run("if rank == 0:\n    dist.barrier()\n", timeout=60, sink=ListSink())
     [failure] = info.value.failures
@@ -198,4 +204,7 @@ def test_a_barrier_on_one_rank_alone_is_released_naming_the_rank_that_skipped_it
         failure.evalue,
     ), failure.evalue
     assert "The process group was formed again" in str(info.value)
+    assert str(info.value).endswith(
+        "make them again before using them: ddp (DistributedDataParallel)."
+    ), str(info.value)
     _reduce_works(s)
