@@ -123,8 +123,8 @@ def flush_sends(client, timeout: float = 5.0) -> bool:
     The client sends on its IO thread, and a stream passes a queued message to its
     socket only on the loop's next turn, while ``Client.close`` stops that loop after
     the current one: a cell sent with ``block=False`` just before the client closed
-    (``--noblock`` then ``%dist_detach``, or the kernel exiting) never reached the
-    ranks (19 times in 20, measured with a fresh client). Once handed to zmq, a
+    (``--noblock``, then the kernel exiting or ``NamedSession.detach()``) never reached
+    the ranks (19 times in 20, measured with a fresh client). Once handed to zmq, a
     message is delivered after the socket closes (zmq's linger). True when flushed
     within ``timeout`` s; False for a client whose IO thread has ended.
     """
