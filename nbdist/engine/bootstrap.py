@@ -261,7 +261,10 @@ def rejoin(spec: dict, get_shell=None) -> dict:
     """
     before = collectives.last()
     shell = get_shell() if get_shell is not None else None
-    stale = group_bound.bound_to_group(shell.user_ns) if shell is not None else []
+    try:
+        stale = group_bound.bound_to_group(shell.user_ns) if shell is not None else []
+    except Exception:  # a note for the user must never stop the group from forming again
+        stale = []
     os.environ["MASTER_PORT"] = str(spec["master_port"])
     _join_group(spec, str(rank_device()))
     return {"before": before, "stale": stale}
