@@ -4,11 +4,11 @@ After a release (a failed or hung collective) nbdist forms the group again on th
 processes: tensors, models and optimisers stay, but an object that holds the old group
 keeps using it and fails in a later cell, with gloo's "Connection closed" or torch's
 "... not initialized in the world group map", far from the cause. Such objects are a
-``DistributedDataParallel`` wrapper (and anything else with a ``process_group``: FSDP,
-``ZeroRedundancyOptimizer``), a subgroup from ``dist.new_group``, a ``DeviceMesh``, a
-``DTensor``, a module whose parameters are DTensors (``fully_shard``, tensor parallel)
-and an optimiser over such parameters. Naming them when the group is formed again
-tells the user what to make again.
+``DistributedDataParallel`` wrapper (and anything else with a ``process_group`` or a
+``group``: FSDP, ``ZeroRedundancyOptimizer``, a ``PipelineStage``), a subgroup from
+``dist.new_group``, a ``DeviceMesh``, a ``DTensor``, a module whose parameters are
+DTensors (``fully_shard``, tensor parallel) and an optimiser over such parameters.
+Naming them when the group is formed again tells the user what to make again.
 """
 
 from __future__ import annotations
@@ -43,8 +43,11 @@ def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
             return "DeviceMesh"
         if dtensor is not None and isinstance(value, dtensor):
             return "DTensor"
-        if isinstance(getattr(value, "process_group", None), group):
-            return type(value).__name__
+        # DDP, FSDP, ZeroRedundancyOptimizer, PowerSGD's state: ``process_group``;
+        # a PipelineStage given its group, nbdist's context-parallel helpers: ``group``.
+        for attribute in ("process_group", "group"):
+            if isinstance(getattr(value, attribute, None), group):
+                return type(value).__name__
         if dtensor is None:
             return ""
         if isinstance(value, torch.nn.Module):

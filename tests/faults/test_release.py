@@ -122,6 +122,7 @@ def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group
         "dt = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])\n"
         "sharded = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)\n"
         "adam = torch.optim.Adam(sharded.parameters())\n"
+        "import types\nholder = types.SimpleNamespace(group=sub)\n"
         "plain = torch.nn.Linear(2, 2)\n",
         sink=ListSink(),
     )
@@ -143,6 +144,7 @@ def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group
         "adam (Adam over DTensor parameters)",
         "ddp (DistributedDataParallel)",
         "dt (DTensor)",
+        "holder (SimpleNamespace)",
         "mesh (DeviceMesh)",
         "sharded (FSDPLinear with DTensor parameters)",
         "sub (process group)",
@@ -150,7 +152,7 @@ def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group
     for stale in ("dist.all_reduce(torch.ones(1), group=sub)", "sharded(torch.ones(1, 4))"):
         with pytest.raises(RankError, match="not initialized in the world group map"):
             session.run(stale, sink=ListSink())
-    session.run("del ddp, sub, mesh, dt, sharded, adam", sink=ListSink())
+    session.run("del ddp, sub, mesh, dt, sharded, adam, holder", sink=ListSink())
 
 
 def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
