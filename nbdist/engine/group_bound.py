@@ -13,16 +13,23 @@ Naming them when the group is formed again tells the user what to make again.
 
 from __future__ import annotations
 
+import itertools
 import sys
+import types
 
 __all__ = ["bound_to_group"]
 
 # IPython's own names in a namespace: never the user's objects.
 _IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
+# Entries looked at inside one variable: a list of a million tensors is not walked.
+_INNER_LIMIT = 64
 
 
 def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
-    """``(name, what)`` for each top-level variable of ``namespace`` that holds a process group.
+    """``(name, what)`` for each variable of ``namespace`` that holds a process group.
+
+    Top-level variables, and one level inside those that hold none themselves: a dict's
+    or list's entries (``models['a']``), a plain object's attributes (``trainer.model``).
 
     Only what was imported can exist: DTensor and DeviceMesh are looked for only where
     their modules are loaded already (importing them would cost a rank ~0.3 s).
@@ -59,14 +66,54 @@ def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
                 return f"{type(value).__name__} over DTensor parameters"
         return ""
 
+    def judged(value) -> str:
+        try:
+            return what(value)
+        except Exception:  # a user's object whose attributes raise: not ours to judge
+            return ""
+
     found = []
     for name, value in list(namespace.items()):
         if name.startswith("_") or name in _IPYTHON_NAMES:
             continue
-        try:
-            kind = what(value)
-        except Exception:  # a user's object whose attributes raise: not ours to judge
-            continue
+        kind = judged(value)
         if kind:
             found.append((name, kind))
+            continue
+        # One level in: a notebook's own trainer object (trainer.model = DDP(...)), or a
+        # dict or list of models.
+        inside = [
+            (suffix, kind)
+            for suffix, inner in _one_level_in(value, torch.nn.Module)
+            if (kind := judged(inner))
+        ]
+        if len(inside) > 1 and isinstance(value, (dict, list, tuple)):
+            # A list of 64 DTensors is one thing to make again, not 64 lines.
+            kinds = ", ".join(dict.fromkeys(kind for _, kind in inside))
+            found.append((name, f"{type(value).__name__} holding {len(inside)}: {kinds}"))
+        else:
+            found.extend((name + suffix, kind) for suffix, kind in inside)
     return found
+
+
+def _one_level_in(value, module_type) -> list[tuple[str, object]]:
+    """``(suffix, value)`` one level inside a dict, list, tuple or plain object; at most a few.
+
+    Modules (Python's and torch's) and classes are not entered: their attributes are
+    their machinery, and torch modules are judged whole.
+    """
+    if isinstance(value, dict):
+        items = ((f"[{key!r}]", inner) for key, inner in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"[{index}]", inner) for index, inner in enumerate(value))
+    elif isinstance(value, (types.ModuleType, type, module_type)):
+        return []
+    else:
+        attributes = getattr(value, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return []
+        items = ((f".{key}", inner) for key, inner in attributes.items() if key[:1] != "_")
+    try:
+        return list(itertools.islice(items, _INNER_LIMIT))
+    except Exception:  # a container that changes or raises while read
+        return []

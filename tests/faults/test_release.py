@@ -123,7 +123,13 @@ def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group
         "sharded = fully_shard(torch.nn.Linear(4, 4), mesh=mesh)\n"
         "adam = torch.optim.Adam(sharded.parameters())\n"
         "import types\nholder = types.SimpleNamespace(group=sub)\n"
-        "plain = torch.nn.Linear(2, 2)\n",
+        "plain = torch.nn.Linear(2, 2)\n"
+        "class Trainer:\n"
+        "    def __init__(self):\n"
+        "        self.model, self.opt, self.steps = sharded, adam, 0\n"
+        "trainer = Trainer()\n"
+        "shards = {'weight': sharded.weight, 'plain': plain.weight}\n"
+        "tensors = list(sharded.parameters()) + [plain.weight]\n",
         sink=ListSink(),
     )
     with pytest.raises(RankError) as info:
@@ -136,7 +142,9 @@ def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group
     assert "the others were released: rank 1 from all_reduce #" in message
     _reduce_works(session)
     # The note names every variable bound to the old group (ddp: the test above), and
-    # nothing else; the subgroup and the sharded module then fail as it says.
+    # one level inside the others (a trainer's attributes, a dict's entries; a list
+    # holding several is named once), and nothing else; the subgroup and the sharded
+    # module then fail as it says.
     head = "but these were made with the old group: make them again before using them: "
     assert head in message, message
     named = message.split(head)[1].rstrip(".").split(", ")
@@ -147,12 +155,18 @@ def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group
         "holder (SimpleNamespace)",
         "mesh (DeviceMesh)",
         "sharded (FSDPLinear with DTensor parameters)",
+        "shards['weight'] (DTensor)",
         "sub (process group)",
+        "tensors (list holding 2: DTensor)",
+        "trainer.model (FSDPLinear with DTensor parameters)",
+        "trainer.opt (Adam over DTensor parameters)",
     ], message
     for stale in ("dist.all_reduce(torch.ones(1), group=sub)", "sharded(torch.ones(1, 4))"):
         with pytest.raises(RankError, match="not initialized in the world group map"):
             session.run(stale, sink=ListSink())
-    session.run("del ddp, sub, mesh, dt, sharded, adam, holder", sink=ListSink())
+    session.run(
+        "del ddp, sub, mesh, dt, sharded, adam, holder, trainer, shards, tensors", sink=ListSink()
+    )
 
 
 def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
