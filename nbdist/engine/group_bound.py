@@ -83,9 +83,7 @@ def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
         # One level in: a notebook's own trainer object (trainer.model = DDP(...)), or a
         # dict or list of models.
         inside = [
-            (suffix, kind)
-            for suffix, inner in _one_level_in(value, torch.nn.Module)
-            if (kind := judged(inner))
+            (suffix, kind) for suffix, inner in _one_level_in(value) if (kind := judged(inner))
         ]
         if len(inside) > 1 and isinstance(value, (dict, list, tuple)):
             # A list of 64 DTensors is one thing to make again, not 64 lines.
@@ -96,17 +94,19 @@ def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
     return found
 
 
-def _one_level_in(value, module_type) -> list[tuple[str, object]]:
-    """``(suffix, value)`` one level inside a dict, list, tuple or plain object; at most a few.
+def _one_level_in(value) -> list[tuple[str, object]]:
+    """``(suffix, value)`` one level inside a dict, list, tuple or plain object; the first 64.
 
     Modules (Python's and torch's) and classes are not entered: their attributes are
     their machinery, and torch modules are judged whole.
     """
+    import torch
+
     if isinstance(value, dict):
         items = ((f"[{key!r}]", inner) for key, inner in value.items())
     elif isinstance(value, (list, tuple)):
         items = ((f"[{index}]", inner) for index, inner in enumerate(value))
-    elif isinstance(value, (types.ModuleType, type, module_type)):
+    elif isinstance(value, (types.ModuleType, type, torch.nn.Module)):
         return []
     else:
         attributes = getattr(value, "__dict__", None)
