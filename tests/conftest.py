@@ -7,7 +7,9 @@ an engine, nanny, zygote or controller behind.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +20,8 @@ import psutil
 import pytest
 
 _ISOLATED = tempfile.mkdtemp(prefix="nbdist-tests-")
+# Removed when pytest exits: every process of the run is gone by then (checked below).
+atexit.register(shutil.rmtree, _ISOLATED, ignore_errors=True)
 for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_CONFIG_DIR"):
     os.environ[_var] = os.path.join(_ISOLATED, _var.lower())
     os.makedirs(os.environ[_var], exist_ok=True)
@@ -75,7 +79,9 @@ def run_torchrun(script, nproc: int, env: dict, cwd, timeout: float = 240) -> tu
     """Run ``script`` under ``torchrun --standalone`` (torchrun's own one-node rendezvous) with
     ``nproc`` workers; its return code and its output (stderr in it). Past ``timeout`` seconds,
     torchrun and its workers (the process group started here) are killed."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    # torchrun's own logs under cwd: by default each run leaves a torchelastic_* in the temp dir.
+    log_dir = os.path.join(cwd, "torchrun-logs")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--log-dir", log_dir]
     proc = subprocess.Popen(
         [*command, "--nproc_per_node", str(nproc), str(script)],
         env=env,

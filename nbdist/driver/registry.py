@@ -19,8 +19,9 @@ Example::
         entry["backend"]              # 'gloo'
     registry.clusters()               # [] again: stop() removed the entry
 
-Only the standard library and psutil are imported here, so the server can
-read the registry without importing torch or ipyparallel.
+Only the standard library and psutil (through :mod:`nbdist.launch.process_tree`)
+are imported here, so the server can read the registry without importing torch
+or ipyparallel.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import re
 import time
 import weakref
 
-import psutil
+from nbdist.launch import process_tree
 
 __all__ = [
     "FORMAT",
@@ -91,13 +92,6 @@ def _client_file(handle, connection_file: str | None) -> str | None:
     return os.path.abspath(connection_file) if connection_file else handle.client_file()
 
 
-def _create_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except psutil.Error:
-        return None
-
-
 def register_cluster(
     owner,
     *,
@@ -140,7 +134,7 @@ def _entry(handle, ranks, backend, run_id, history, connection_file) -> dict:
         "format": FORMAT,
         "kernel_id": kernel_id(),
         "kernel_pid": pid,
-        "kernel_started": _create_time(pid),
+        "kernel_started": (process_tree.pid_entry(pid) or {}).get("created"),
         "kernel_connection_file": _connection_file(),
         "owned": bool(handle.owned),
         "profile_dir": handle.profile_dir,
@@ -190,19 +184,6 @@ def unregister_cluster(path: str | None) -> None:
         pass
 
 
-def _alive(pid: int | None, created: float | None) -> bool:
-    if not pid:
-        return False
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        # The same PID with another start time is another process (PID reuse).
-        return created is None or abs(proc.create_time() - created) < 1.0
-    except psutil.Error:
-        return False
-
-
 def clusters(folder: str | None = None) -> list[dict]:
     """Entries of clusters whose kernel is still alive, oldest first.
 
@@ -224,7 +205,8 @@ def clusters(folder: str | None = None) -> list[dict]:
             continue
         if not isinstance(entry, dict) or entry.get("format") != FORMAT:
             continue
-        if not _alive(entry.get("kernel_pid"), entry.get("kernel_started")):
+        kernel = {"pid": entry.get("kernel_pid"), "created": entry.get("kernel_started")}
+        if process_tree.alive(kernel) is None:
             try:  # its kernel cannot remove it any more
                 os.remove(path)
             except OSError:

@@ -26,7 +26,6 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from nbdist.errors import NbdistError
-from nbdist.launch import capacity, process_tree, remote_engines
+from nbdist.launch import capacity, private_profiles, process_tree, remote_engines
 from nbdist.launch.ssh_engines import SSHEngines
 
 __all__ = [
@@ -170,8 +169,10 @@ def start_local(
             remove = False
         else:
             # A private profile per session: its own connection files (0700 dir),
-            # and two notebooks never see each other's clusters.
-            kwargs["profile_dir"], remove = tempfile.mkdtemp(prefix="nbdist-"), True
+            # and two notebooks never see each other's clusters. Those a killed
+            # kernel left are cleared first.
+            private_profiles.remove_orphans()
+            kwargs["profile_dir"], remove = private_profiles.make(), True
         cluster = ipp.Cluster(
             n=n,
             cluster_id=f"nbdist-{os.getpid()}-{next(_counter)}",
@@ -237,6 +238,8 @@ def start_local(
         handle.start_method = remote_engines.launcher_name(launcher)
         handle.start_note = remote_engines.start_note(engines)
     _secure_connection_files(cluster.profile_dir)
+    if handle.remove_profile_dir:  # a later start may clear it once these are all gone
+        private_profiles.record_processes(cluster.profile_dir, handle.pids)
     return handle
 
 

@@ -33,7 +33,7 @@ import threading
 import time
 
 from nbdist.errors import NbdistError
-from nbdist.launch import named_session_records
+from nbdist.launch import named_session_records, process_tree
 from nbdist.metrics.run import Run
 
 __all__ = ["main"]
@@ -69,7 +69,7 @@ class _Keeper:
             "format": named_session_records.FORMAT,
             "name": name,
             "state": "starting",
-            "keeper": named_session_records.pid_entry(os.getpid()),
+            "keeper": process_tree.pid_entry(os.getpid()),
             "uid": os.getuid(),
             "n": options.get("n"),
             "launcher": options.get("launcher") or "local",
@@ -126,7 +126,7 @@ class _Keeper:
             n=placement.world_size,
             backend=placement.backend,
             gpus=sorted({s.gpu for s in placement.slots if s.gpu is not None}),
-            pids=[e for e in map(named_session_records.pid_entry, pids) if e],
+            pids=[e for e in map(process_tree.pid_entry, pids) if e],
             connection_file=handle.client_file(),
             profile_dir=handle.profile_dir,
             start_method=handle.start_method,
@@ -204,9 +204,7 @@ def _cells_running(client) -> bool:
 def _controller_alive(handle) -> bool:
     controller = getattr(handle.cluster, "controller", None)
     pid = getattr(controller, "pid", None)
-    return (
-        pid is None or named_session_records.alive(named_session_records.pid_entry(pid)) is not None
-    )
+    return pid is None or process_tree.alive(process_tree.pid_entry(pid)) is not None
 
 
 def main(argv: list[str] | None = None) -> int:

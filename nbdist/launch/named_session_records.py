@@ -43,17 +43,16 @@ from contextlib import contextmanager
 import psutil
 
 from nbdist.errors import NbdistError
+from nbdist.launch import process_tree
 
 __all__ = [
     "FORMAT",
-    "alive",
     "attached_kernels",
     "check_name",
     "claim",
     "describe_session",
     "mark_attached",
     "mark_detached",
-    "pid_entry",
     "read",
     "read_group",
     "records",
@@ -174,35 +173,12 @@ def read_group(name: str) -> dict | None:
     return _read_json(os.path.join(session_dir(name), GROUP))
 
 
-def pid_entry(pid: int) -> dict | None:
-    """``{"pid", "created"}`` of a running process (its start time tells it from a reused PID)."""
-    try:
-        return {"pid": pid, "created": psutil.Process(pid).create_time()}
-    except psutil.Error:
-        return None
-
-
-def alive(entry: dict | None) -> psutil.Process | None:
-    """The process of a :func:`pid_entry` if it still runs (same PID, same start time), else None."""
-    if not entry or not entry.get("pid"):
-        return None
-    try:
-        proc = psutil.Process(int(entry["pid"]))
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        if abs(proc.create_time() - float(entry.get("created") or 0)) >= 1.0:
-            return None  # the PID now names another process
-        return proc
-    except (psutil.Error, TypeError, ValueError):
-        return None
-
-
 def mark_attached(name: str, pid: int | None = None) -> None:
     """Note that the kernel ``pid`` (this process by default) is attached to session ``name``."""
     pid = os.getpid() if pid is None else pid
     folder = os.path.join(session_dir(name), ATTACHED)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    entry = pid_entry(pid)
+    entry = process_tree.pid_entry(pid)
     if entry is not None:
         write_json(os.path.join(folder, f"{pid}.json"), entry)
 
@@ -225,14 +201,14 @@ def attached_kernels(name: str) -> list[int]:
         return []
     pids = []
     for entry in sorted(names):
-        if entry.endswith(".json") and alive(_read_json(os.path.join(folder, entry))):
+        if entry.endswith(".json") and process_tree.alive(_read_json(os.path.join(folder, entry))):
             pids.append(int(entry[: -len(".json")]))
     return pids
 
 
 def state_of(record: dict) -> str:
     """'starting', 'running', 'failed', 'stopping' or 'gone' (its keeper process ended)."""
-    if alive(record.get("keeper")) is None:
+    if process_tree.alive(record.get("keeper")) is None:
         return "gone"
     state = record.get("state", "")
     return "running" if state == "ready" else state
@@ -270,7 +246,7 @@ def _memory(record: dict) -> int:
     # overstates what freeing them gives back, never understates what they hold.
     procs = {}
     for entry in [record.get("keeper"), *record.get("pids", [])]:
-        proc = alive(entry)
+        proc = process_tree.alive(entry)
         if proc is None:
             continue
         procs[proc.pid] = proc
@@ -326,15 +302,15 @@ def stop(name: str, *, wait: float = 20.0) -> list[int]:
             remove(name)  # a keeper that never wrote its record
             return []
         raise NbdistError(f"no named session {name!r}: %dist_sessions lists them")
-    keeper = alive(record.get("keeper"))
+    keeper = process_tree.alive(record.get("keeper"))
     if keeper is not None:
         try:
             keeper.terminate()
             keeper.wait(wait)
         except psutil.Error:  # gone meanwhile, or still there after ``wait``: ended below
             pass
-    procs = [p for p in map(alive, record.get("pids", [])) if p is not None]
-    if alive(record.get("keeper")) is not None:
+    procs = [p for p in map(process_tree.alive, record.get("pids", [])) if p is not None]
+    if process_tree.alive(record.get("keeper")) is not None:
         procs.append(keeper)
     killed = process_tree.end(procs + process_tree.descendants([p.pid for p in procs]))
     remove(name)

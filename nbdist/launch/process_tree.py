@@ -32,7 +32,15 @@ from collections.abc import Iterable
 
 import psutil
 
-__all__ = ["TERM_GRACE_S", "TreeStop", "become_subreaper", "descendants", "end"]
+__all__ = [
+    "TERM_GRACE_S",
+    "TreeStop",
+    "alive",
+    "become_subreaper",
+    "descendants",
+    "end",
+    "pid_entry",
+]
 
 # Seconds a process gets between SIGTERM and SIGKILL.
 TERM_GRACE_S = 3.0
@@ -85,6 +93,37 @@ def descendants(roots: Iterable[int]) -> list[psutil.Process]:
                 found[pid] = child
                 todo.append((pid, started))
     return list(found.values())
+
+
+def pid_entry(pid: int) -> dict | None:
+    """``{"pid", "created"}`` of a running process (its start time tells it from a reused PID).
+
+    What a file that outlives its writer keeps to find the process again (:func:`alive`).
+    """
+    try:
+        return {"pid": pid, "created": psutil.Process(pid).create_time()}
+    except psutil.Error:
+        return None
+
+
+def alive(entry: dict | None) -> psutil.Process | None:
+    """The process of a :func:`pid_entry` if it still runs (same PID, same start time), else None.
+
+    An entry without a start time (``"created"`` missing or None) matches any running
+    process with its PID.
+    """
+    if not isinstance(entry, dict) or not entry.get("pid"):
+        return None
+    try:
+        proc = psutil.Process(int(entry["pid"]))
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        created = entry.get("created")
+        if created is not None and abs(proc.create_time() - float(created)) >= 1.0:
+            return None  # the PID now names another process
+        return proc
+    except (psutil.Error, TypeError, ValueError):
+        return None
 
 
 def _started(proc) -> float | None:

@@ -21,7 +21,7 @@ from jupyter_server.base.handlers import APIHandler
 from tornado import web
 
 from nbdist.errors import NbdistError
-from nbdist.launch import named_session_records
+from nbdist.launch import named_session_records, process_tree
 
 __all__ = ["ROUTES", "session_pids"]
 
@@ -32,7 +32,7 @@ def session_pids() -> set[int]:
         entry["pid"]
         for record in named_session_records.records()
         for entry in record.get("pids", [])
-        if named_session_records.alive(entry) is not None
+        if process_tree.alive(entry) is not None
     }
 
 

@@ -61,6 +61,8 @@ def test_exported_script_trains_over_two_hosts_with_torchrun(tmp_path):
                 sys.executable,
                 "-m",
                 "torch.distributed.run",
+                "--log-dir",
+                str(tmp_path / f"torchrun-logs-{node}"),
                 "--nnodes",
                 "2",
                 "--nproc_per_node",

@@ -52,6 +52,10 @@ def test_every_process_nbdist_started_is_gone_within_10_s(kernels, how, ranks):
     # the kernel started nothing else nbdist does not know of.
     assert set(own) <= set(pids) and len(own) >= 4, (own, pids)
     assert set(pids) == set(own), f"processes below the kernel nbdist does not track: {pids}"
+    profile = kernel.ok(
+        "import nbdist\nprint(nbdist.current_session().cluster.profile_dir)"
+    ).stdout.strip()
+    assert os.path.isdir(profile), profile
     if ranks != "idle":
         _start_cell(kernel, BLOCKED if ranks == "blocked" else BUSY)
 
@@ -73,6 +77,13 @@ def test_every_process_nbdist_started_is_gone_within_10_s(kernels, how, ranks):
     print(
         f"{how} with ranks {ranks}: every nbdist process gone {gone_after:.1f} s after the kernel"
     )
+    if how == "sigkill":
+        # A killed kernel cannot remove its private profile directory; the next start does.
+        assert os.path.isdir(profile), "the killed kernel's profile directory vanished by itself"
+        kernels().start_dist(2)
+        assert not os.path.exists(profile), f"{profile} outlived the next %dist_start"
+    else:
+        assert not os.path.exists(profile), f"{profile} outlived the kernel's {how}"
 
     if how == "restart":
         # The new kernel works, and has no cluster until %dist_start.
