@@ -24,7 +24,6 @@ import glob
 import itertools
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -436,7 +435,7 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
                 continue
         killed = process_tree.end(mine + below)
     if handle.remove_profile_dir and handle.profile_dir:
-        shutil.rmtree(handle.profile_dir, ignore_errors=True)
+        private_profiles.remove(handle.profile_dir)
     return killed
 
 

@@ -2,7 +2,7 @@
 
 A start without a named profile gets a directory of its own,
 ``<temp dir>/nbdist-XXXXXXXX`` (``0700``): the cluster's connection files and its
-processes' logs. :func:`nbdist.launch.cluster.stop_processes` removes it. A kernel
+processes' logs. :func:`nbdist.launch.cluster.stop_processes` removes it (:func:`remove`). A kernel
 that is killed outright (SIGKILL, the out-of-memory killer) cannot: its controller
 and ranks end themselves (:mod:`nbdist.launch.parent_watchdog`, the zygote), but
 the directory stayed, one per killed kernel, for as long as the machine ran.
@@ -41,6 +41,7 @@ __all__ = [
     "UNRECORDED_GRACE_S",
     "make",
     "record_processes",
+    "remove",
     "remove_orphans",
 ]
 
@@ -77,6 +78,24 @@ def record_processes(path: str, pids: Iterable[int]) -> None:
         _write(path, {"owner": process_tree.pid_entry(os.getpid()), "processes": processes})
     except OSError:
         pass  # the directory is still removed by a clean stop; only a kill would leave it
+
+
+def remove(path: str) -> None:
+    """Remove the directory at ``path`` once its processes are stopped; never raises.
+
+    A process still ending may write a file while the tree is removed (the zygote notes
+    each rank's exit), which leaves the directory: it is tried again, and what still
+    stays is marked as owned by nobody, so the next start removes it.
+    """
+    for _ in range(3):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            return
+        time.sleep(0.1)
+    try:
+        _write(path, {"owner": {"pid": 0}, "processes": []})
+    except OSError:
+        pass
 
 
 def _orphaned(path: str, now: float) -> bool:

@@ -102,3 +102,34 @@ def test_an_unreadable_owner_file_keeps_the_directory(tmp_path, text):
     (path / private_profiles.OWNER_FILE).write_text(text)
     assert private_profiles.remove_orphans(str(tmp_path)) == []
     assert path.is_dir()
+
+
+def test_a_stop_that_leaves_files_behind_marks_the_directory_for_the_next_start(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    path = private_profiles.make()
+    real_rmtree = private_profiles.shutil.rmtree
+
+    def rank_exit_written_meanwhile(target, ignore_errors=False):
+        # What a zygote still reaping a rank does to a removal under way: a file appears
+        # after the listing, and the directory holding it stays.
+        real_rmtree(target, ignore_errors=ignore_errors)
+        os.makedirs(os.path.join(target, "log"), exist_ok=True)
+        with open(os.path.join(target, "log", "zygote.status.json.exit.4242"), "w") as f:
+            f.write("0")
+
+    monkeypatch.setattr(private_profiles.shutil, "rmtree", rank_exit_written_meanwhile)
+    private_profiles.remove(path)
+    assert os.path.isdir(path)
+    monkeypatch.setattr(private_profiles.shutil, "rmtree", real_rmtree)
+    # This process still runs, but the directory is marked as nobody's: the next start clears it.
+    assert private_profiles.remove_orphans(str(tmp_path)) == [path]
+
+
+def test_a_clean_stop_removes_the_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    path = private_profiles.make()
+    os.makedirs(os.path.join(path, "security"))
+    private_profiles.remove(path)
+    assert not os.path.exists(path)
