@@ -435,7 +435,7 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
                 continue
         killed = process_tree.end(mine + below)
     if handle.remove_profile_dir and handle.profile_dir:
-        private_profiles.remove(handle.profile_dir)
+        private_profiles.remove_profile(handle.profile_dir)
     return killed
 
 

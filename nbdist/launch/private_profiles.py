@@ -2,10 +2,11 @@
 
 A start without a named profile gets a directory of its own,
 ``<temp dir>/nbdist-XXXXXXXX`` (``0700``): the cluster's connection files and its
-processes' logs. :func:`nbdist.launch.cluster.stop_processes` removes it (:func:`remove`). A kernel
-that is killed outright (SIGKILL, the out-of-memory killer) cannot: its controller
-and ranks end themselves (:mod:`nbdist.launch.parent_watchdog`, the zygote), but
-the directory stayed, one per killed kernel, for as long as the machine ran.
+processes' logs. :func:`nbdist.launch.cluster.stop_processes` removes it
+(:func:`remove_profile`). A kernel that is killed outright (SIGKILL, the
+out-of-memory killer) cannot: its controller and ranks end themselves
+(:mod:`nbdist.launch.parent_watchdog`, the zygote), but the directory stayed, one
+per killed kernel, for as long as the machine ran.
 
 So each directory holds an ``owner.json``: the process that made it (PID and start
 time, so a reused PID is not taken for it) and, once the cluster is up, the
@@ -41,7 +42,7 @@ __all__ = [
     "UNRECORDED_GRACE_S",
     "make",
     "record_processes",
-    "remove",
+    "remove_profile",
     "remove_orphans",
 ]
 
@@ -80,7 +81,7 @@ def record_processes(path: str, pids: Iterable[int]) -> None:
         pass  # the directory is still removed by a clean stop; only a kill would leave it
 
 
-def remove(path: str) -> None:
+def remove_profile(path: str) -> None:
     """Remove the directory at ``path`` once its processes are stopped; never raises.
 
     A process still ending may write a file while the tree is removed (the zygote notes

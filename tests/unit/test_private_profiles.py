@@ -120,7 +120,7 @@ def test_a_stop_that_leaves_files_behind_marks_the_directory_for_the_next_start(
             f.write("0")
 
     monkeypatch.setattr(private_profiles.shutil, "rmtree", rank_exit_written_meanwhile)
-    private_profiles.remove(path)
+    private_profiles.remove_profile(path)
     assert os.path.isdir(path)
     monkeypatch.setattr(private_profiles.shutil, "rmtree", real_rmtree)
     # This process still runs, but the directory is marked as nobody's: the next start clears it.
@@ -131,5 +131,5 @@ def test_a_clean_stop_removes_the_directory(tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     path = private_profiles.make()
     os.makedirs(os.path.join(path, "security"))
-    private_profiles.remove(path)
+    private_profiles.remove_profile(path)
     assert not os.path.exists(path)
