@@ -149,6 +149,9 @@ def form_group(
             gloo_for_nccl=gloo_reason if placement.shared_gpus else "",
             group_world_size=len(host_index),
             run_id=run_id,
+            # Ranks a launcher started are nobody's children where they run: they watch
+            # for the controller themselves (the zygote's ranks die with the kernel).
+            controller_gone_s=options.controller_gone_s if owned else None,
         )
         pending[eid] = client[[eid]].apply_async(bootstrap.init_rank, spec, _shell_reference())
     # One wait for every rank, so what they print while joining (torch's c10d warnings, the

@@ -26,6 +26,7 @@ from nbdist.engine import (
     backend_support,
     collectives,
     control,
+    controller_watch,
     flight_recorder,
     group_bound,
     patches,
@@ -160,6 +161,8 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         world_size=spec["world_size"],
         device=device,
     )
+    if spec.get("controller_gone_s"):
+        controller_watch.start(spec["controller_gone_s"])
     kernel = getattr(shell, "kernel", None)
     patches.install_on_rank(kernel, shell)
     if kernel is not None:

@@ -25,16 +25,24 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import re
 import socket
 from collections.abc import Mapping
 
+from nbdist.engine.controller_watch import DEFAULT_GONE_S
 from nbdist.errors import PlacementError
 from nbdist.launch.launcher_options import LAUNCHERS, LaunchPlan, plan_launch
 from nbdist.launch.values import check_count, check_seconds, check_threads, is_digits, is_whole
 
-__all__ = ["StartOptions", "check_start_options", "parse_gpu_list", "parse_launch_options"]
+__all__ = [
+    "StartOptions",
+    "check_start_options",
+    "controller_gone_seconds",
+    "parse_gpu_list",
+    "parse_launch_options",
+]
 
 START_METHODS = ("fork", "spawn")
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
@@ -46,7 +54,10 @@ class StartOptions:
 
     ``launch_options``: the Slurm/SSH/MPI launcher's options, as given;
     ``launch``: their checked plan (None for engines on this machine, or an
-    cluster the session connects to), set by the check.
+    cluster the session connects to), set by the check. ``controller_gone_s``: how
+    long ranks that a launcher started wait for a vanished controller before they
+    end themselves (``NBDIST_CONTROLLER_GONE_S``; None for the zygote's ranks, which
+    end with the kernel, and for a cluster the session connects to), set by the check.
     """
 
     n: int | None = None
@@ -63,6 +74,7 @@ class StartOptions:
     group_timeout: float = 1800.0
     launch_options: Mapping[str, object] | None = None
     launch: LaunchPlan | None = None
+    controller_gone_s: float | None = None
 
 
 # -- a magic's words ---------------------------------------------------------------------
@@ -210,6 +222,7 @@ def check_start_options(requested: StartOptions) -> StartOptions:
     launch = None
     if not o.connect and (o.launch_options or str(o.launcher).lower() in LAUNCHERS):
         launch = plan_launch(o.launcher, o.n, ip=o.ip, **dict(o.launch_options or {}))
+    launched = not o.connect and (o.launcher is not None or launch is not None)
     return dataclasses.replace(
         o,
         cpu=bool(o.cpu),
@@ -217,4 +230,22 @@ def check_start_options(requested: StartOptions) -> StartOptions:
         timeout=check_seconds(o.timeout, "timeout"),
         group_timeout=check_seconds(o.group_timeout, "group_timeout"),
         launch=launch,
+        controller_gone_s=controller_gone_seconds() if launched else None,
     )
+
+
+def controller_gone_seconds() -> float:
+    """``NBDIST_CONTROLLER_GONE_S`` (seconds; unset: 30): see :mod:`nbdist.engine.controller_watch`."""
+    value = os.environ.get("NBDIST_CONTROLLER_GONE_S", "").strip()
+    if not value:
+        return DEFAULT_GONE_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise PlacementError(
+            f"NBDIST_CONTROLLER_GONE_S={value!r}: give a number of seconds above 0, "
+            f"e.g. 60, or unset it (default {DEFAULT_GONE_S:g})"
+        )
+    return seconds

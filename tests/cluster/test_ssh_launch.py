@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 
+import psutil
 import pytest
 
 import nbdist
@@ -63,3 +69,59 @@ def test_each_failure_is_named_before_anything_starts(sshd, case, words):
     assert words in str(info.value)
     assert not session.running
     assert _remote_dirs() == before
+
+
+# A driver of its own (a kernel, for what matters here): it starts the ranks over SSH, sets
+# them sleeping in a cell, prints their PIDs, and waits to be killed.
+_DRIVER = """
+import json, sys, time
+import nbdist
+options = {{"hosts": "nbdist-ssh-test:2", "ssh_args": "-F {config}", "python": sys.executable}}
+session = nbdist.DistSession(
+    None, cpu=True, timeout=180, history=False, launcher="ssh", launch_options=options
+)
+session.start()
+session.run("import time\\nprint('busy', flush=True)\\ntime.sleep(600)", block=False)
+time.sleep(3)
+print(json.dumps([r.pid for r in session.ranks]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_in_a_long_cell_end_themselves_when_their_kernel_is_killed(sshd):
+    before = _remote_dirs()
+    env = dict(os.environ, NBDIST_CONTROLLER_GONE_S="4")
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER.format(config=sshd.config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    started: list[int] = []
+    try:
+        ranks = json.loads(driver.stdout.readline())
+        # The SSH clients below the driver; the ranks and their nannies below sshd.
+        below = [psutil.Process(pid).children(recursive=True) for pid in [driver.pid, *ranks]]
+        started = ranks + [p.pid for procs in below for p in procs]
+        assert len(ranks) == 2 and all(psutil.pid_exists(p) for p in ranks)
+        driver.kill()  # as the out-of-memory killer would: nothing of the driver runs on
+        driver.wait()
+        # Without the watch they would sleep out their 600 s cell (ipyparallel's own
+        # heartbeat check waits for the cell to end); with it, 4 s after the controller
+        # went (itself ended with its kernel within ~6 s), checked every 4 s.
+        assert gone(ranks, timeout=60) == [], "ranks in a cell outlived their kernel"
+        # Their nannies and the launcher's SSH clients follow them.
+        assert gone(started, timeout=15) == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+        # What is left (after a failure): ended by PID, so nothing outlives the test.
+        for pid in gone(started, timeout=15):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        # Each host's copy of the connection file stays: a stop would have removed it.
+        for name in _remote_dirs() - before:
+            shutil.rmtree(os.path.join("/tmp", name), ignore_errors=True)

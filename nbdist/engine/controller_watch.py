@@ -1,0 +1,100 @@
+"""Rank side: a rank that a launcher started ends itself once its controller has gone.
+
+When its kernel is killed, a rank forked by nbdist's zygote dies with it (the zygote
+watches the kernel; each rank has ``PR_SET_PDEATHSIG``). A rank that a launcher
+started (``--launcher ssh``, ``slurm``, ``mpi``, ``local``) is nobody's child there.
+ipyparallel ends an idle engine about 30 s after the controller's heartbeats stop,
+but it checks on the engine's event loop, which a running cell holds. Measured over
+SSH: after the kernel was SIGKILLed, the idle ranks ended 29 s later, but a rank in
+a long cell ran on (and would have kept its GPU) until the cell ended.
+
+:func:`start` watches from a thread of its own, outside that loop. Every
+:data:`PERIOD_S` it opens, and closes at once, a TCP connection to the controller's
+registration port: the address the engine registered with. The controller ends with
+its kernel (or with a named session's keeper), and the connection is refused from
+then on. Once no connection has succeeded for ``gone_s`` seconds, the rank gets
+SIGTERM, and SIGKILL 5 s later if it is still there (ipyparallel's SIGTERM handler
+stops an idle engine cleanly, but waits for a running cell to end). A network that drops for less
+than that changes nothing; the controller itself gives up on a silent rank after 3 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+__all__ = ["DEFAULT_GONE_S", "PERIOD_S", "controller_address", "start"]
+
+# ipyparallel's own limit for an idle engine is ~30 s (50 missed checks): the same here.
+DEFAULT_GONE_S = 30.0
+PERIOD_S = 5.0
+_started: list[threading.Thread] = []
+
+
+def controller_address() -> tuple[str, int] | None:
+    """``(host, port)`` this engine registered with, None outside an ipyparallel engine."""
+    try:
+        from ipyparallel.engine.app import IPEngine
+
+        if not IPEngine.initialized():
+            return None
+        url = urlsplit(IPEngine.instance().registration_url)
+        return (url.hostname, url.port) if url.hostname and url.port else None
+    except Exception:  # not an engine, or an ipyparallel without these names
+        return None
+
+
+def _reachable(address: tuple[str, int], timeout: float) -> bool:
+    try:
+        with socket.create_connection(address, timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _watch(address: tuple[str, int], gone_s: float, period_s: float) -> None:
+    last_seen = time.monotonic()
+    while True:
+        if _reachable(address, timeout=period_s):
+            last_seen = time.monotonic()
+        elif time.monotonic() - last_seen >= gone_s:
+            break
+        time.sleep(period_s)
+    print(
+        f"nbdist: the controller at {address[0]}:{address[1]} has not answered for "
+        f"{gone_s:g} s (its kernel is gone): this rank ends",
+        flush=True,
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # still here: something caught SIGTERM
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start(
+    gone_s: float = DEFAULT_GONE_S,
+    *,
+    period_s: float = PERIOD_S,
+    address: tuple[str, int] | None = None,
+) -> bool:
+    """Start watching this engine's controller (once per process); False where there is none.
+
+    ``address``: ``(host, port)`` to watch instead of :func:`controller_address`.
+    """
+    if _started:
+        return True
+    address = address or controller_address()
+    if address is None:
+        return False
+    thread = threading.Thread(
+        target=_watch,
+        args=(address, float(gone_s), min(float(period_s), float(gone_s))),
+        name="nbdist-controller-watch",
+        daemon=True,
+    )
+    thread.start()
+    _started.append(thread)
+    return True
