@@ -124,6 +124,7 @@ def form_group(
     host_index = {host: i for i, host in enumerate(placement.hosts)}
     run_id = f"nbdist-{secrets.token_hex(6)}"
     gloo_reason = gloo_on_gpu_reason(placement)
+    ssh_launched = options.launch is not None and options.launch.engine_launcher == "ssh"
     pending = {}
     for eid, slot in slots.items():
         spec = dict(
@@ -152,6 +153,8 @@ def form_group(
             # Ranks a launcher started are nobody's children where they run: they watch
             # for the controller themselves (the zygote's ranks die with the kernel).
             controller_gone_s=options.controller_gone_s if owned else None,
+            # The SSH launcher's /tmp/nbdist-ssh-<cluster> on each host: made for the ranks.
+            engine_dir_is_ours=owned and ssh_launched,
         )
         pending[eid] = client[[eid]].apply_async(bootstrap.init_rank, spec, _shell_reference())
     # One wait for every rank, so what they print while joining (torch's c10d warnings, the

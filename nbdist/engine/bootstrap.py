@@ -162,7 +162,8 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         device=device,
     )
     if spec.get("controller_gone_s"):
-        controller_watch.start(spec["controller_gone_s"])
+        own_dir = controller_watch.engine_directory() if spec.get("engine_dir_is_ours") else None
+        controller_watch.start(spec["controller_gone_s"], remove_dir=own_dir)
     kernel = getattr(shell, "kernel", None)
     patches.install_on_rank(kernel, shell)
     if kernel is not None:

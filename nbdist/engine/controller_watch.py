@@ -16,18 +16,27 @@ then on. Once no connection has succeeded for ``gone_s`` seconds, the rank gets
 SIGTERM, and SIGKILL 5 s later if it is still there (ipyparallel's SIGTERM handler
 stops an idle engine cleanly, but waits for a running cell to end). A network that drops for less
 than that changes nothing; the controller itself gives up on a silent rank after 3 s.
+Ranks that the SSH launcher started also remove their host's copy of the connection
+file (``/tmp/nbdist-ssh-<cluster>``), which ``%dist_stop`` would have removed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import threading
 import time
 from urllib.parse import urlsplit
 
-__all__ = ["DEFAULT_GONE_S", "PERIOD_S", "controller_address", "start"]
+__all__ = [
+    "DEFAULT_GONE_S",
+    "PERIOD_S",
+    "controller_address",
+    "engine_directory",
+    "start",
+]
 
 # ipyparallel's own limit for an idle engine is ~30 s (50 missed checks): the same here.
 DEFAULT_GONE_S = 30.0
@@ -56,7 +65,19 @@ def _reachable(address: tuple[str, int], timeout: float) -> bool:
         return False
 
 
-def _watch(address: tuple[str, int], gone_s: float, period_s: float) -> None:
+def engine_directory() -> str | None:
+    """This engine's ipyparallel profile directory, None outside an engine."""
+    try:
+        from ipyparallel.engine.app import IPEngine
+
+        return IPEngine.instance().profile_dir.location if IPEngine.initialized() else None
+    except Exception:  # not an engine, or an ipyparallel without these names
+        return None
+
+
+def _watch(
+    address: tuple[str, int], gone_s: float, period_s: float, remove_dir: str | None
+) -> None:
     last_seen = time.monotonic()
     while True:
         if _reachable(address, timeout=period_s):
@@ -69,6 +90,8 @@ def _watch(address: tuple[str, int], gone_s: float, period_s: float) -> None:
         f"{gone_s:g} s (its kernel is gone): this rank ends",
         flush=True,
     )
+    if remove_dir:  # nothing else would: the kernel that made it is gone
+        shutil.rmtree(remove_dir, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)  # still here: something caught SIGTERM
     os.kill(os.getpid(), signal.SIGKILL)
@@ -79,10 +102,13 @@ def start(
     *,
     period_s: float = PERIOD_S,
     address: tuple[str, int] | None = None,
+    remove_dir: str | None = None,
 ) -> bool:
     """Start watching this engine's controller (once per process); False where there is none.
 
     ``address``: ``(host, port)`` to watch instead of :func:`controller_address`.
+    ``remove_dir``: a directory made for this host's engines alone (the SSH launcher's copy
+    of the connection file), removed before the rank ends.
     """
     if _started:
         return True
@@ -91,7 +117,7 @@ def start(
         return False
     thread = threading.Thread(
         target=_watch,
-        args=(address, float(gone_s), min(float(period_s), float(gone_s))),
+        args=(address, float(gone_s), min(float(period_s), float(gone_s)), remove_dir),
         name="nbdist-controller-watch",
         daemon=True,
     )

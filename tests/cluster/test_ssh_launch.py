@@ -110,8 +110,10 @@ def test_ranks_in_a_long_cell_end_themselves_when_their_kernel_is_killed(sshd):
         # heartbeat check waits for the cell to end); with it, 4 s after the controller
         # went (itself ended with its kernel within ~6 s), checked every 4 s.
         assert gone(ranks, timeout=60) == [], "ranks in a cell outlived their kernel"
-        # Their nannies and the launcher's SSH clients follow them.
+        # Their nannies and the launcher's SSH clients follow them, and the host's copy of
+        # the connection file goes with them.
         assert gone(started, timeout=15) == []
+        assert _remote_dirs() == before
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -122,6 +124,6 @@ def test_ranks_in_a_long_cell_end_themselves_when_their_kernel_is_killed(sshd):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        # Each host's copy of the connection file stays: a stop would have removed it.
+        # What is left of each host's copy of the connection file (after a failure).
         for name in _remote_dirs() - before:
             shutil.rmtree(os.path.join("/tmp", name), ignore_errors=True)
