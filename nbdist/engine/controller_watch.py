@@ -45,13 +45,22 @@ _started: list[threading.Thread] = []
 
 
 def controller_address() -> tuple[str, int] | None:
-    """``(host, port)`` this engine registered with, None outside an ipyparallel engine."""
+    """``(host, port)`` this engine registered with, None outside an ipyparallel engine.
+
+    None too for an engine that reaches its controller through an SSH tunnel
+    (``--sshserver``): it is not watched.
+    """
     try:
         from ipyparallel.engine.app import IPEngine
+        from ipyparallel.util import disambiguate_url
 
         if not IPEngine.initialized():
             return None
-        url = urlsplit(IPEngine.instance().registration_url)
+        engine = IPEngine.instance()
+        if engine.using_ssh:  # reached through an SSH tunnel: no address to try directly
+            return None
+        # As the engine itself connects: a wildcard (tcp://*) means the controller's host.
+        url = urlsplit(disambiguate_url(engine.registration_url, engine.location))
         return (url.hostname, url.port) if url.hostname and url.port else None
     except Exception:  # not an engine, or an ipyparallel without these names
         return None

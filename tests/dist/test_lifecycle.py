@@ -125,11 +125,22 @@ def test_spawn_start_method_and_a_dead_rank_in_status():
     assert wait_gone(pids, timeout=10) == []
 
 
-def test_ipyparallel_launcher_pass_through():
+def test_ipyparallel_launcher_pass_through(monkeypatch):
     """--launcher hands engine start-up to ipyparallel; ranks are still numbered and grouped."""
+    # Ranks a launcher started watch their controller: at 2 s, a healthy one must not be
+    # taken for gone while a cell outlasts that (the cell below sleeps 5 s).
+    monkeypatch.setenv("NBDIST_CONTROLLER_GONE_S", "2")
     s = nbdist.DistSession(2, cpu=True, launcher="local", timeout=120).start()
     try:
         assert s.world_size == 2
+        from nbdist.engine.controller_watch import controller_address
+
+        # The client's own record of where the controller registers engines: tcp://host:port.
+        registration = s.client._config["registration"]  # noqa: SLF001
+        host, port = registration.rpartition("//")[2].rsplit(":", 1)
+        assert s.client[:].apply_sync(controller_address) == [(host, int(port))] * 2
+        s.run("import time; time.sleep(5)")
+        assert all(psutil.pid_exists(r.pid) for r in s.ranks)
         s.run(
             "import os; env = (os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['WORLD_SIZE'])"
         )
