@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Iterable
 
-from nbdist.launch import process_tree
+from nbdist.launch import named_session_records, process_tree
 
 __all__ = [
     "OWNER_FILE",
@@ -56,10 +56,8 @@ _NAME = re.compile(r"^nbdist-[a-z0-9_]{8}$")
 
 
 def _write(path: str, owner: dict) -> None:
-    target = os.path.join(path, OWNER_FILE)
-    with open(f"{target}.tmp", "w") as f:
-        json.dump(owner, f)
-    os.replace(f"{target}.tmp", target)  # a sweep never reads half a file
+    # Atomic, so a sweep never reads half a file.
+    named_session_records.write_json(os.path.join(path, OWNER_FILE), owner)
 
 
 def make() -> str:
