@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -409,7 +410,15 @@ class DistSession:
         chosen = self.select(ranks)
         self._require_whole()
         if self.group.released:  # an earlier attempt to form the group again failed
-            self.reform_group()
+            stale = self.reform_group()
+            if stale:
+                # The cell's own note (faults.py) could not name them: that attempt failed.
+                print(
+                    "nbdist: the process group was formed again before this cell; these were "
+                    "made with the old group: make them again before using them: "
+                    + ", ".join(stale),
+                    file=sys.stderr,
+                )
         client, engine_ids = self._handle.client, [r.engine_id for r in chosen]
         watch = cell_watcher(self._hub.run, self.rank_states)
         run = submit(

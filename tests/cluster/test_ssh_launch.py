@@ -72,7 +72,8 @@ def test_each_failure_is_named_before_anything_starts(sshd, case, words):
 
 
 # A driver of its own (a kernel, for what matters here): it starts the ranks over SSH, sets
-# them sleeping in a cell, prints their PIDs, and waits to be killed.
+# them sleeping in a cell that started a process of its own, prints their PIDs, and waits
+# to be killed.
 _DRIVER = """
 import json, sys, time
 import nbdist
@@ -81,7 +82,12 @@ session = nbdist.DistSession(
     None, cpu=True, timeout=180, history=False, launcher="ssh", launch_options=options
 )
 session.start()
-session.run("import time\\nprint('busy', flush=True)\\ntime.sleep(600)", block=False)
+session.run(
+    "import subprocess, time\\n"
+    "child = subprocess.Popen(['sleep', '600'], stdout=subprocess.DEVNULL)\\n"
+    "print('busy', flush=True)\\ntime.sleep(600)",
+    block=False,
+)
 time.sleep(3)
 print(json.dumps([r.pid for r in session.ranks]), flush=True)
 time.sleep(600)
@@ -100,18 +106,19 @@ def test_ranks_in_a_long_cell_end_themselves_when_their_kernel_is_killed(sshd):
     started: list[int] = []
     try:
         ranks = json.loads(driver.stdout.readline())
-        # The SSH clients below the driver; the ranks and their nannies below sshd.
+        # The SSH clients below the driver; below each rank, its cell's own `sleep 600`.
         below = [psutil.Process(pid).children(recursive=True) for pid in [driver.pid, *ranks]]
         started = ranks + [p.pid for procs in below for p in procs]
         assert len(ranks) == 2 and all(psutil.pid_exists(p) for p in ranks)
+        assert [[p.name() for p in procs] for procs in below[1:]] == [["sleep"], ["sleep"]]
         driver.kill()  # as the out-of-memory killer would: nothing of the driver runs on
         driver.wait()
         # Without the watch they would sleep out their 600 s cell (ipyparallel's own
         # heartbeat check waits for the cell to end); with it, 4 s after the controller
         # went (itself ended with its kernel within ~6 s), checked every 4 s.
         assert gone(ranks, timeout=60) == [], "ranks in a cell outlived their kernel"
-        # Their nannies and the launcher's SSH clients follow them, and the host's copy of
-        # the connection file goes with them.
+        # Their nannies, the processes their cell started and the launcher's SSH clients
+        # follow them, and the host's copy of the connection file goes with them.
         assert gone(started, timeout=15) == []
         assert _remote_dirs() == before
     finally:

@@ -169,6 +169,21 @@ def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group
     )
 
 
+def test_a_group_formed_again_before_a_cell_names_what_holds_the_old_group(session, capsys):
+    # After a release whose re-formation failed, the group stays marked released (that is
+    # all reform_group leaves) and the next cell forms it first: what holds the old group
+    # is named there, since the failed cell's note could not name it.
+    session.run("sub = dist.new_group([0, 1])\nkept = torch.ones(1)", sink=ListSink())
+    session.group.released = True
+    capsys.readouterr()
+    session.run("after = 1", sink=ListSink())
+    err = capsys.readouterr().err
+    assert "the process group was formed again before this cell" in err, err
+    assert err.rstrip().endswith("make them again before using them: sub (process group)"), err
+    _reduce_works(session)
+    session.run("del sub, kept, after", sink=ListSink())
+
+
 def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
     # A collective that raised in an earlier cell (caught) is the ranks' last one: it must
     # not be taken for one this cell's rank 1 is failing out of (it was, and rank 1 slept on).
