@@ -110,7 +110,7 @@ def test_ranks_in_a_long_cell_end_themselves_when_their_kernel_is_killed(sshd):
         below = [psutil.Process(pid).children(recursive=True) for pid in [driver.pid, *ranks]]
         started = ranks + [p.pid for procs in below for p in procs]
         assert len(ranks) == 2 and all(psutil.pid_exists(p) for p in ranks)
-        assert [[p.name() for p in procs] for procs in below[1:]] == [["sleep"], ["sleep"]]
+        assert all("sleep" in [p.name() for p in procs] for procs in below[1:]), below
         driver.kill()  # as the out-of-memory killer would: nothing of the driver runs on
         driver.wait()
         # Without the watch they would sleep out their 600 s cell (ipyparallel's own

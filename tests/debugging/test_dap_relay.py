@@ -43,6 +43,10 @@ deadline = time.monotonic() + 60
 while not any(m.get("request_seq") == 1 for m in messages) and time.monotonic() < deadline:
     messages += dap_relay.handle("dap_poll", {"token": token, "wait": 1.0}, control)["messages"]
 seen["initialize"] = [m for m in messages if m.get("request_seq") == 1]
+# debugpy follows its reply with events of its own (a telemetry "output" event, which
+# arrived after the reply in one run out of many): read them all before the next step.
+while dap_relay.handle("dap_poll", {"token": token, "wait": 1.0}, control)["messages"]:
+    pass
 
 # Nothing from debugpy now; another control request waits: the poll gives way.
 kernel.send(b"the next control request")
