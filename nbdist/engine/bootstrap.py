@@ -29,6 +29,7 @@ from nbdist.engine import (
     controller_watch,
     flight_recorder,
     group_bound,
+    own_processes,
     patches,
     torchrun_env,
     user_group,
@@ -161,9 +162,10 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         world_size=spec["world_size"],
         device=device,
     )
-    if spec.get("controller_gone_s"):
+    if spec.get("controller_gone_s"):  # a rank a launcher started, maybe on another host
         own_dir = controller_watch.engine_directory() if spec.get("engine_dir_is_ours") else None
         controller_watch.start(spec["controller_gone_s"], remove_dir=own_dir)
+        own_processes.end_at_exit()  # no stop here can see below it
     kernel = getattr(shell, "kernel", None)
     patches.install_on_rank(kernel, shell)
     if kernel is not None:

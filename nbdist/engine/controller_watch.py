@@ -16,8 +16,8 @@ then on. Once no connection has succeeded for ``gone_s`` seconds, the rank gets
 SIGTERM, and SIGKILL 5 s later if it is still there (ipyparallel's SIGTERM handler
 stops an idle engine cleanly, but waits for a running cell to end). A network that
 drops for less than that changes nothing; the controller itself gives up on a silent
-rank after 3 s. The processes the rank's code started there (a ``subprocess``,
-DataLoader workers) are ended first, while they are still its descendants. Ranks that
+rank after 3 s. The processes the rank's code started there are ended first, while
+they are still its descendants (:mod:`nbdist.engine.own_processes`). Ranks that
 the SSH launcher started also remove their host's copy of the connection file
 (``/tmp/nbdist-ssh-<cluster>``), which ``%dist_stop`` would have removed.
 """
@@ -32,6 +32,8 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+from nbdist.engine import own_processes
+
 __all__ = [
     "DEFAULT_GONE_S",
     "PERIOD_S",
@@ -43,8 +45,6 @@ __all__ = [
 # ipyparallel's own limit for an idle engine is ~30 s (50 missed checks): the same here.
 DEFAULT_GONE_S = 30.0
 PERIOD_S = 5.0
-# Seconds the rank's own child processes get between SIGTERM and SIGKILL.
-CHILD_GRACE_S = 3.0
 _started: list[threading.Thread] = []
 
 
@@ -88,32 +88,6 @@ def engine_directory() -> str | None:
         return None
 
 
-def _end_children(grace: float = CHILD_GRACE_S) -> None:
-    """End what the rank's code started here (a ``subprocess``, DataLoader workers).
-
-    First, while they are still this process's descendants: once the rank ends they
-    belong to init, and nothing tells them from any other process of the host.
-    """
-    import psutil  # an ipyparallel dependency: every engine has it
-
-    try:
-        children = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return
-    for child in children:
-        try:
-            child.terminate()
-            child.resume()  # a stopped process acts on SIGTERM only once continued
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=grace)
-    for child in alive:
-        try:
-            child.kill()  # psutil checks the start time first: no reused PID is hit
-        except psutil.Error:
-            pass
-
-
 def _watch(
     address: tuple[str, int], gone_s: float, period_s: float, remove_dir: str | None
 ) -> None:
@@ -131,7 +105,7 @@ def _watch(
     )
     if remove_dir:  # nothing else would: the kernel that made it is gone
         shutil.rmtree(remove_dir, ignore_errors=True)
-    _end_children()
+    own_processes.end_children()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)  # still here: something caught SIGTERM
     os.kill(os.getpid(), signal.SIGKILL)

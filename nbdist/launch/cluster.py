@@ -345,14 +345,18 @@ def _start_failure(exc: BaseException, n: int, timeout: float, cluster) -> str:
 
 
 def _record_pids(handle: ClusterHandle) -> None:
+    from ipyparallel.cluster.launcher import SSHLauncher
+
     cluster = handle.cluster
-    roots = []
+    launchers = []
     if cluster is not None and cluster.controller is not None:
-        roots.append(getattr(cluster.controller, "pid", -1))
+        launchers.append(cluster.controller)
     engines = handle.engine_launcher()
     if engines is not None:
-        for launcher in getattr(engines, "launchers", {}).values() or [engines]:
-            roots.append(getattr(launcher, "pid", -1))
+        launchers += getattr(engines, "launchers", {}).values() or [engines]
+    # An SSH launcher's pid is its process's on that host: here it names some other
+    # process, or none. The ranks there end what they started (nbdist.engine.own_processes).
+    roots = [getattr(x, "pid", -1) for x in launchers if not isinstance(x, SSHLauncher)]
     for pid in roots:
         if pid and pid > 0:
             handle.pids.add(pid)

@@ -41,7 +41,22 @@ def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd):
         assert [t.item() for t in session.pull("t")] == [3.0, 3.0]  # 1 + 2, exact in float32
         pids = [r.pid for r in session.ranks]
         assert len(_remote_dirs() - before) == 1  # the engines' profile directory "there"
-    assert gone(pids) == []
+        # A rank's PID is a PID on its host: nbdist never signals it here, where it would
+        # name another process (on this test's loopback host it happens to be the rank).
+        assert not set(pids) & session._handle.pids  # noqa: SLF001
+        # What a cell starts on the ranks' hosts (a subprocess, a data server) is the
+        # ranks' to end: nothing else on those hosts knows it came from this session.
+        session.run(
+            "import subprocess\n"
+            "child = subprocess.Popen(['sleep', '600'], stdout=subprocess.DEVNULL)\n"
+            "child_pid = child.pid",
+            sink=ListSink(),
+        )
+        pids += session.pull("child_pid")
+    left = gone(pids)
+    for pid in left:  # after a failure: ended by PID, so nothing outlives the test
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
     assert _remote_dirs() == before
 
 

@@ -1,0 +1,56 @@
+"""Rank side: the processes a rank's own code started on its host, ended with the rank.
+
+A rank that nbdist's zygote forked has the zygote below the kernel: a stop ends the
+whole tree under it. A rank that a launcher started (``--launcher ssh``, ``slurm``,
+``mpi``, ``local``) may run on another host, where the kernel can neither see nor
+signal its processes, and where a PID the kernel knows names some other process. What
+the rank's cells started there (a ``subprocess``, a data server, DataLoader workers
+that outlive it) would run on under init after the rank ended. So such a rank ends
+them itself: when it exits (``%dist_stop``, a restart: :func:`end_at_exit`) and when
+it ends itself because its controller is gone (:mod:`nbdist.engine.controller_watch`).
+"""
+
+from __future__ import annotations
+
+import atexit
+
+__all__ = ["CHILD_GRACE_S", "end_at_exit", "end_children"]
+
+# Seconds the rank's child processes get between SIGTERM and SIGKILL.
+CHILD_GRACE_S = 3.0
+_registered: list[bool] = []
+
+
+def end_children(grace: float = CHILD_GRACE_S) -> list[int]:
+    """End every process below this one; the PIDs that were still there.
+
+    Taken while they are still this process's descendants: once it has ended they
+    belong to init, and nothing tells them from any other process of the host.
+    SIGTERM first, SIGKILL to what is left after ``grace`` seconds.
+    """
+    import psutil  # an ipyparallel dependency: every engine has it
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    for child in children:
+        try:
+            child.terminate()
+            child.resume()  # a stopped process acts on SIGTERM only once continued
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace)
+    for child in alive:
+        try:
+            child.kill()  # psutil checks the start time first: no reused PID is hit
+        except psutil.Error:
+            pass
+    return [child.pid for child in children]
+
+
+def end_at_exit() -> None:
+    """End this rank's child processes when it exits normally (once per process)."""
+    if not _registered:
+        atexit.register(end_children)
+        _registered.append(True)
