@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import threading
 import time
 
@@ -148,9 +147,8 @@ class RankMonitor:
         self._exit_record = exit_record
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
         self._oom: dict[int, OomCounter | None] = {}  # rank -> its memory cgroup's OOM kills
-        here = {socket.gethostname(), "localhost"}
         for info in ranks:
-            if info.host not in here:  # a PID on another host means nothing here
+            if not info.pid_here:  # a PID of another host (or namespace) names another process
                 continue
             try:
                 fd = os.pidfd_open(info.pid)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_without_kernel
 from nbdist.driver.runner import RankRun
 from nbdist.engine import bootstrap
+from nbdist.engine.pid_space import pid_space
 from nbdist.launch.cluster import serializer_ready
 from nbdist.launch.options import StartOptions
 from nbdist.launch.placement import EngineInfo, Placement, parse_ranks, plan_attached
@@ -47,6 +48,9 @@ class RankInfo:
     pid: int
     host: str
     device: str
+    # Whether ``pid`` names the rank's process on this (the kernel's) machine: False for
+    # a rank on another host or in another PID namespace, whose PID is never read here.
+    pid_here: bool = True
 
 
 @dataclass
@@ -175,8 +179,11 @@ def form_group(
         slot = slots[eid]
         # plan_local says "localhost"; attached hosts keep their placement label
         host = infos[eid]["host"] if slot.host == "localhost" else slot.host
+        here = infos[eid].get("pid_space") == pid_space()
         ranks.append(
-            RankInfo(slot.rank, slot.local_rank, eid, infos[eid]["pid"], host, result["device"])
+            RankInfo(
+                slot.rank, slot.local_rank, eid, infos[eid]["pid"], host, result["device"], here
+            )
         )
     ranks.sort(key=lambda r: r.rank)
     hosts = {r.rank: r.host for r in ranks} if len({r.host for r in ranks}) > 1 else {}

@@ -152,6 +152,7 @@ def _entry(handle, ranks, backend, run_id, history, connection_file) -> dict:
                 "pid": r.pid,
                 "host": r.host,
                 "device": r.device,
+                "pid_here": r.pid_here,  # False: the PID is another machine's (or namespace's)
             }
             for r in ranks
         ],

@@ -156,8 +156,10 @@ def rank_status(
             state = BUSY
         else:
             state = IDLE
-        memory = _memory_mib(info.pid) if handle.owned else None
-        if (handle.owned and memory is None) or info.rank in dead:
+        # A PID of another host (or PID namespace) names some other process here.
+        local = handle.owned and info.pid_here
+        memory = _memory_mib(info.pid) if local else None
+        if (local and memory is None) or info.rank in dead:
             state = DEAD
         rows.append(
             dict(

@@ -39,6 +39,7 @@ from nbdist.engine.helpers import device as rank_device
 from nbdist.engine.helpers import rank as this_rank
 from nbdist.engine.helpers import remember_identity
 from nbdist.engine.netif import address_towards, choose_socket_ifname
+from nbdist.engine.pid_space import pid_space
 from nbdist.metrics.log import configure, shutdown
 
 __all__ = [
@@ -58,6 +59,7 @@ def describe_rank(controller_host: str = "127.0.0.1") -> dict:
     """Facts about this engine; touches neither torch nor CUDA."""
     return {
         "pid": os.getpid(),
+        "pid_space": pid_space(),  # whether that PID means this process on the kernel's machine
         "host": socket.gethostname(),
         "address": reachable_address(controller_host),
         "gpus": len(visible_gpus()),

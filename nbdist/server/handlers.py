@@ -89,8 +89,10 @@ class ClusterActionHandler(_Base):
             self.write_json(self._through_kernel(entry, action), status=202)
 
     async def _interrupt(self, entry: dict) -> dict:
-        if not entry.get("owned"):
-            # Attached engines may live on other hosts: the kernel forwards SIGINT to them.
+        here = all(info.get("pid_here", True) for info in entry["ranks"])
+        if not entry.get("owned") or not here:
+            # Attached engines, and a launcher's on other hosts (whose PIDs name other
+            # processes here): the kernel forwards SIGINT to them.
             kernel = self._kernel(entry, "interrupt")
             await _maybe_await(kernel.interrupt_kernel())
             return {"action": "interrupt", "via": "kernel", "pids": []}

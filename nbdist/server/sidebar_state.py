@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sqlite3
 import time
 from collections import deque
@@ -205,7 +204,6 @@ class LiveView:
         self.registry_dir = registry_dir
         self._readers: dict[tuple[str, int], RunReader] = {}
         self._cpu: dict[int, tuple[float, float]] = {}  # pid -> (monotonic, cpu seconds)
-        self._hostnames = {socket.gethostname(), "localhost", "127.0.0.1"}
 
     def entries(self) -> list[dict]:
         """The registry entries of the clusters whose kernel is alive, oldest first."""
@@ -227,7 +225,8 @@ class LiveView:
         return reader
 
     def is_local(self, entry: dict) -> bool:
-        """True when the cluster's kernel started its engines, so their PIDs are checked here."""
+        """True when the cluster's kernel started its engines: the PIDs of those on this
+        machine (``pid_here``) are checked here."""
         return bool(entry.get("owned"))
 
     def _busy_by_cpu(self, pid: int) -> bool:
@@ -254,10 +253,12 @@ class LiveView:
         (:mod:`nbdist.server.stragglers`), "" when it is not (a dead rank never is).
         """
         reader = self.reader(entry)
-        local = self.is_local(entry)
+        owned = self.is_local(entry)
         now = time.time()
         rows = []
         for info in entry.get("ranks", []):
+            # A PID of another host (or PID namespace) names some other process here.
+            local = owned and info.get("pid_here", True)
             live = reader.ranks.get(info["rank"]) if reader else None
             proc = _local_process(info.get("pid")) if local else None
             last_seen = live.time if live else None

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -54,6 +55,74 @@ def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd):
         )
         pids += session.pull("child_pid")
     left = gone(pids)
+    for pid in left:  # after a failure: ended by PID, so nothing outlives the test
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+    assert _remote_dirs() == before
+
+
+def _own_pid_namespace_unavailable() -> str | None:
+    if shutil.which("unshare") is None:
+        return "no `unshare` (util-linux)"
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True
+    )
+    return f"`unshare --pid` failed: {probe.stderr.strip()}" if probe.returncode else None
+
+
+def test_ranks_whose_pids_name_other_processes_here_are_neither_read_nor_signalled(sshd, tmp_path):
+    # Each rank in a PID namespace of its own, as on another machine or in a container:
+    # its PID is 1 there, and 1 here is this machine's init.
+    why = _own_pid_namespace_unavailable()
+    if why:
+        pytest.skip(f"needs a PID namespace of its own (root): {why}")
+    wrapper = tmp_path / "python-in-its-own-pid-namespace"
+    # Only the engine: ipyparallel's SSH helper starts it in the background and exits,
+    # which would end a namespace it were the first process of.
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        'case "$1 $2" in "-m ipyparallel.engine"*)\n'
+        f'  exec unshare --pid --fork --kill-child --mount-proc {python()} "$@";;\n'
+        "esac\n"
+        f'exec {python()} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    before = _remote_dirs()
+    began = time.time() - 1
+    with _session("nbdist-ssh-test:2", sshd.config, python=str(wrapper)) as session:
+        assert [r.pid for r in session.ranks] == [1, 1]
+        assert not any(r.pid_here for r in session.ranks)
+        # %dist_status: alive and idle (from the controller), no memory read from this
+        # machine's PID 1.
+        rows = session.status()
+        assert [(row["state"], row["memory_mib"]) for row in rows] == [("idle", None)] * 2, rows
+        # The sidebar's view of the same ranks: nothing read from PID 1 either.
+        from nbdist.server.sidebar_state import LiveView
+
+        view = LiveView()
+        (entry,) = [e for e in view.entries() if e["kernel_pid"] == os.getpid()]
+        sidebar = view.rank_rows(entry)
+        assert [(row["state"], row["memory_mib"]) for row in sidebar] == [("idle", None)] * 2
+        # Nothing recorded to signal here names the ranks' PID (this machine's init).
+        assert 1 not in session._handle.pids  # noqa: SLF001
+        session.run(
+            "import subprocess\n"
+            "child = subprocess.Popen(['sleep', '600'], stdout=subprocess.DEVNULL)",
+            sink=ListSink(),
+        )
+        # The `sleep`s, seen from here (outside their namespace): below the ranks' `unshare`s
+        # (started detached by ipyparallel's SSH helper, so below no process of the test).
+        sleeps = [
+            p.pid
+            for u in psutil.process_iter(["name", "cmdline", "create_time"])
+            if u.info["name"] == "unshare"
+            and u.info["create_time"] >= began
+            and "ipyparallel.engine" in " ".join(u.info["cmdline"] or ())
+            for p in u.children(recursive=True)
+            if p.name() == "sleep"
+        ]
+        assert len(sleeps) == 2
+    left = gone(sleeps)
     for pid in left:  # after a failure: ended by PID, so nothing outlives the test
         os.kill(pid, signal.SIGKILL)
     assert left == []
