@@ -18,11 +18,24 @@ __all__ = ["CHILD_GRACE_S", "end_at_exit", "end_children"]
 
 # Seconds the rank's child processes get between SIGTERM and SIGKILL.
 CHILD_GRACE_S = 3.0
+# Helpers that end by themselves once the rank has gone, and must outlive it for that
+# moment: ipyparallel's nanny (it tells the controller how the engine ended) and
+# multiprocessing's resource tracker (it removes what a crashed process leaked; it
+# ignores SIGTERM, so ending it would also cost the whole grace at every exit).
+_HELPERS = ("ipyparallel.engine.nanny", "multiprocessing.resource_tracker")
 _registered: list[bool] = []
 
 
+def _is_helper(proc) -> bool:
+    try:
+        command = " ".join(proc.cmdline())
+    except Exception:  # gone, or not ours to read: not a helper to keep
+        return False
+    return any(helper in command for helper in _HELPERS)
+
+
 def end_children(grace: float = CHILD_GRACE_S) -> list[int]:
-    """End every process below this one; the PIDs that were still there.
+    """End every process below this one but the helpers that end with it; their PIDs.
 
     Taken while they are still this process's descendants: once it has ended they
     belong to init, and nothing tells them from any other process of the host.
@@ -34,6 +47,7 @@ def end_children(grace: float = CHILD_GRACE_S) -> list[int]:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
+    children = [child for child in children if not _is_helper(child)]
     for child in children:
         try:
             child.terminate()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -54,3 +55,27 @@ def test_a_rank_ends_what_it_started_when_it_exits_even_what_ignores_sigterm():
         if rank.poll() is None:
             rank.kill()
             rank.wait()
+
+
+# A rank with multiprocessing's resource tracker (a spawn-context semaphore starts it)
+# and a process of its own: only the latter is ended.
+_WITH_TRACKER = """
+import json, multiprocessing, subprocess
+from nbdist.engine import own_processes
+lock = multiprocessing.get_context("spawn").Semaphore()
+from multiprocessing import resource_tracker
+tracker = resource_tracker._resource_tracker._pid
+child = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL)
+ended = own_processes.end_children()
+print(json.dumps([tracker, child.pid, ended]))
+"""
+
+
+def test_the_helpers_that_end_with_the_rank_are_left_to_end_by_themselves():
+    out = subprocess.run(
+        [sys.executable, "-c", _WITH_TRACKER], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    tracker, child, ended = json.loads(out.stdout)
+    assert tracker is not None
+    assert ended == [child]
