@@ -417,7 +417,12 @@ class CellGuard:
             c = w.collective if w is not None else None
             # A call that raised in an earlier cell (a stale group's, caught by the user)
             # is still the rank's last one: only this cell's counts.
-            raised_now = c is not None and c.get("raised") and c["seconds"] < self._age()
+            raised_now = (
+                c is not None
+                and c.get("raised")
+                # The rank's own answer; by the kernel's clock where it has none.
+                and c.get("this_cell", c["seconds"] < self._age())
+            )
             if c is not None and (c["inside"] or raised_now):
                 # Inside, or already failing out of it (gloo noticed a dead peer):
                 # the release ends it; SIGINT would only cut its traceback short.

@@ -31,7 +31,7 @@ import time
 
 from nbdist.metrics import steptime
 
-__all__ = ["TRACKED_OPS", "install", "last", "reset"]
+__all__ = ["TRACKED_OPS", "cell_started", "install", "last", "reset"]
 
 TRACKED_OPS = (
     "all_gather",
@@ -104,6 +104,7 @@ def _arg(args: tuple, kwargs: dict, name: str | None, index: int | None):
 _seq = 0
 _last: _Record | None = None
 _depth = 0  # > 0 inside a wrapped call: a collective made by another is not timed twice
+_cell_began: float | None = None  # when this rank's current (or last) cell began
 
 
 def _tracked(op: str, fn):
@@ -170,12 +171,25 @@ def reset() -> None:
     _seq, _last = 0, None
 
 
+def cell_started() -> None:
+    """Note that a cell begins on this rank (IPython's ``pre_execute`` event).
+
+    :func:`last` then says whether its collective belongs to this cell, on this
+    rank's own clock: the kernel's clock, compared with ``seconds``, cannot tell a
+    collective of the previous cell that ended a few milliseconds before this one
+    was sent (the reply's way back to the kernel takes longer under load).
+    """
+    global _cell_began
+    _cell_began = time.monotonic()
+
+
 def last() -> dict | None:
     """The last collective this rank entered, or None if none since the group formed.
 
     ``inside`` is True while the call has not returned; ``seconds`` is how long
     it has been inside, or how long ago it returned; ``raised`` if it ended
-    with an exception; ``ranks``: the global ranks it waits for (its group's, or
+    with an exception; ``this_cell`` if it was entered during the cell running
+    now (or last); ``ranks``: the global ranks it waits for (its group's, or
     a point-to-point call's peers; None where they cannot be read).
     """
     record = _last
@@ -189,6 +203,7 @@ def last() -> dict | None:
         "inside": exited is None,
         "raised": record.raised,
         "seconds": now - (record.entered if exited is None else exited),
+        "this_cell": _cell_began is not None and record.entered >= _cell_began,
         "ranks": _ranks(record),
     }
 

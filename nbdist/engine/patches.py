@@ -172,6 +172,11 @@ def install_on_rank(kernel=None, shell=None) -> None:
         stdin_bridge.install(kernel)
         # Each execute reply says what the kernel needs to know after a cell.
         cell_reply.install(kernel, shell)
+    if shell is not None and collectives.cell_started not in shell.events.callbacks.get(
+        "pre_execute", []
+    ):
+        # A collective is known to be this cell's or an earlier one's (a release's rule).
+        shell.events.register("pre_execute", collectives.cell_started)
 
 
 def install_in_script(*, stage_p2p: bool) -> None:

@@ -156,6 +156,36 @@ def python() -> str:
     return sys.executable
 
 
+def own_pid_namespace_unavailable() -> str | None:
+    """Why a process cannot get a PID namespace of its own here (root, util-linux), or None."""
+    if shutil.which("unshare") is None:
+        return "no `unshare` (util-linux)"
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True
+    )
+    return f"`unshare --pid` failed: {probe.stderr.strip()}" if probe.returncode else None
+
+
+def python_in_own_pid_namespace(folder) -> str:
+    """An interpreter for ``python=`` whose engines each run in a PID namespace of their own.
+
+    As on another machine or in a container: an engine is PID 1 there, and PID 1 here is
+    this machine's init. Only the engine: ipyparallel's SSH helper starts it in the
+    background and exits, which would end a namespace it were the first process of.
+    """
+    wrapper = os.path.join(str(folder), "python-in-its-own-pid-namespace")
+    with open(wrapper, "w") as f:
+        f.write(
+            "#!/bin/sh\n"
+            'case "$1 $2" in "-m ipyparallel.engine"*)\n'
+            f'  exec unshare --pid --fork --kill-child --mount-proc {python()} "$@";;\n'
+            "esac\n"
+            f'exec {python()} "$@"\n'
+        )
+    os.chmod(wrapper, 0o755)
+    return wrapper
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",

@@ -16,7 +16,12 @@ import pytest
 import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import PlacementError
-from tests.cluster.conftest import gone, python
+from tests.cluster.conftest import (
+    gone,
+    own_pid_namespace_unavailable,
+    python,
+    python_in_own_pid_namespace,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,35 +66,16 @@ def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd):
     assert _remote_dirs() == before
 
 
-def _own_pid_namespace_unavailable() -> str | None:
-    if shutil.which("unshare") is None:
-        return "no `unshare` (util-linux)"
-    probe = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True
-    )
-    return f"`unshare --pid` failed: {probe.stderr.strip()}" if probe.returncode else None
-
-
 def test_ranks_whose_pids_name_other_processes_here_are_neither_read_nor_signalled(sshd, tmp_path):
     # Each rank in a PID namespace of its own, as on another machine or in a container:
     # its PID is 1 there, and 1 here is this machine's init.
-    why = _own_pid_namespace_unavailable()
+    why = own_pid_namespace_unavailable()
     if why:
         pytest.skip(f"needs a PID namespace of its own (root): {why}")
-    wrapper = tmp_path / "python-in-its-own-pid-namespace"
-    # Only the engine: ipyparallel's SSH helper starts it in the background and exits,
-    # which would end a namespace it were the first process of.
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        'case "$1 $2" in "-m ipyparallel.engine"*)\n'
-        f'  exec unshare --pid --fork --kill-child --mount-proc {python()} "$@";;\n'
-        "esac\n"
-        f'exec {python()} "$@"\n'
-    )
-    wrapper.chmod(0o755)
+    wrapper = python_in_own_pid_namespace(tmp_path)
     before = _remote_dirs()
     began = time.time() - 1
-    with _session("nbdist-ssh-test:2", sshd.config, python=str(wrapper)) as session:
+    with _session("nbdist-ssh-test:2", sshd.config, python=wrapper) as session:
         assert [r.pid for r in session.ranks] == [1, 1]
         assert not any(r.pid_here for r in session.ranks)
         # %dist_status: alive and idle (from the controller), no memory read from this

@@ -13,6 +13,8 @@ pytest.importorskip("pytest_jupyter", reason="pip install 'pytest-jupyter[server
 
 from pytest_jupyter.jupyter_server import *  # noqa: E402, F403
 
+from tests.cluster.conftest import sshd  # noqa: E402, F401 - an sshd on loopback, for SSH ranks
+
 
 @pytest.fixture
 def jp_server_config():

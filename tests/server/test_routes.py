@@ -22,6 +22,7 @@ from nbdist.dashboard.palette import rank_colours
 from nbdist.dashboard.table import rank_rows
 from nbdist.driver import registry
 from nbdist.metrics.store import RunStore
+from tests.cluster.conftest import own_pid_namespace_unavailable, python_in_own_pid_namespace
 from tests.conftest import wait_gone
 
 # One request per route nbdist registers; the test below fails if a route is missing here.
@@ -369,6 +370,57 @@ async def test_interrupt_of_an_attached_cluster_goes_through_its_kernel(
             "%%on_all_ranks\nt = torch.ones(1); dist.all_reduce(t); assert t.item() == 2",
             timeout=60,
         )
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        client.stop_channels()
+        kernel_pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.pid
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+        assert wait_gone([kernel_pid]) == []
+
+
+async def test_interrupt_of_ranks_on_other_hosts_goes_through_their_kernel(
+    jp_fetch, jp_serverapp, history, sshd, tmp_path
+):
+    """Ranks a launcher started elsewhere have PIDs that name other processes here: the
+    sidebar's Interrupt goes through their kernel, as for attached engines, and stops the cell.
+
+    Elsewhere, here: each rank over SSH in a PID namespace of its own (PID 1 there)."""
+    why = own_pid_namespace_unavailable()
+    if why:
+        pytest.skip(f"needs a PID namespace of its own (root): {why}")
+    wrapper = python_in_own_pid_namespace(tmp_path)
+    code, kernel = await _json(jp_fetch, "api", "kernels", method="POST", body={"name": "python3"})
+    kernel_id = kernel["id"]
+    client = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
+    client.start_channels()
+    try:
+        reply = await client.execute_interactive(
+            "%load_ext nbdist\n%dist_start --cpu --launcher ssh --hosts nbdist-ssh-test:2 "
+            f'--launch-opt "ssh_args=-F {sshd.config}" --launch-opt python={wrapper}',
+            timeout=180,
+        )
+        assert reply["content"]["status"] == "ok", reply["content"]
+        [cluster] = await _clusters(jp_fetch)
+        assert [r["pid"] for r in cluster["ranks"]] == [1, 1]
+        msg_id = client.execute(
+            "%%on_all_ranks\nimport time\nfor step in range(1200):\n"
+            "    nbdist.log(step=step, loss=1.0)\n    time.sleep(0.05)"
+        )
+        # Their state comes from their metrics, not from PIDs here.
+        await _wait_for(
+            jp_fetch, lambda cs: cs and all(r["state"] == "busy" for r in cs[0]["ranks"]), 60
+        )
+        code, body = await _json(
+            jp_fetch, "nbdist", "api", "clusters", cluster["id"], "interrupt", method="POST"
+        )
+        assert code == 200 and body == {"action": "interrupt", "via": "kernel", "pids": []}
+        while True:
+            reply = await client.get_shell_msg(timeout=60)  # not the 60 s the loop would take
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        assert reply["content"]["status"] == "error"
+        assert "KeyboardInterrupt" in "\n".join(reply["content"]["traceback"])
+        reply = await client.execute_interactive("%dist_stop", timeout=60)
         assert reply["content"]["status"] == "ok", reply["content"]
     finally:
         client.stop_channels()
