@@ -8,6 +8,7 @@ the real run history (SQLite).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -61,6 +62,25 @@ async def _json(jp_fetch, *parts, method="GET", body=None):
         kwargs["body"] = json.dumps(body or {})
     response = await jp_fetch(*parts, **kwargs)
     return response.code, json.loads(response.body)
+
+
+@contextlib.asynccontextmanager
+async def _kernel(jp_fetch, jp_serverapp):
+    """A python3 kernel the server started, and a client on it: ``(kernel_id, client)``.
+
+    Deleted through the server afterwards, and its process must be gone.
+    """
+    code, kernel = await _json(jp_fetch, "api", "kernels", method="POST", body={"name": "python3"})
+    kernel_id = kernel["id"]
+    client = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
+    client.start_channels()
+    try:
+        yield kernel_id, client
+    finally:
+        client.stop_channels()
+        kernel_pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.pid
+        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+        assert wait_gone([kernel_pid]) == []
 
 
 async def _clusters(jp_fetch) -> list[dict]:
@@ -259,11 +279,7 @@ def test_subshell_messages_do_not_set_the_kernel_state(jp_serverapp, jp_web_app)
 
 
 async def test_restart_and_stop_go_through_the_kernel(jp_fetch, jp_serverapp, history):
-    code, kernel = await _json(jp_fetch, "api", "kernels", method="POST", body={"name": "python3"})
-    kernel_id = kernel["id"]
-    client = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
-    client.start_channels()
-    try:
+    async with _kernel(jp_fetch, jp_serverapp) as (kernel_id, client):
         reply = await client.execute_interactive(
             "%load_ext nbdist\n%dist_start 2 --cpu", timeout=180
         )
@@ -297,11 +313,6 @@ async def test_restart_and_stop_go_through_the_kernel(jp_fetch, jp_serverapp, hi
                 "nbdist", "api", "clusters", restarted[0]["id"], "stop", method="POST", body=b"{}"
             )
         assert err.value.code == 404
-    finally:
-        client.stop_channels()
-        kernel_pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.pid
-        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
-        assert wait_gone([kernel_pid]) == []
 
 
 async def _wait_for(jp_fetch, predicate, timeout: float = 90.0):
@@ -334,11 +345,7 @@ async def test_interrupt_of_an_attached_cluster_goes_through_its_kernel(
     """Attached engines may be on other hosts: the sidebar's Interrupt interrupts the
     kernel, which relays SIGINT to every rank; the cell stops and the ranks stay usable."""
     client_file, _ = external_cluster
-    code, kernel = await _json(jp_fetch, "api", "kernels", method="POST", body={"name": "python3"})
-    kernel_id = kernel["id"]
-    client = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
-    client.start_channels()
-    try:
+    async with _kernel(jp_fetch, jp_serverapp) as (kernel_id, client):
         reply = await client.execute_interactive(
             f"%load_ext nbdist\n%dist_start --connect {client_file} --cpu", timeout=180
         )
@@ -371,11 +378,6 @@ async def test_interrupt_of_an_attached_cluster_goes_through_its_kernel(
             timeout=60,
         )
         assert reply["content"]["status"] == "ok", reply["content"]
-    finally:
-        client.stop_channels()
-        kernel_pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.pid
-        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
-        assert wait_gone([kernel_pid]) == []
 
 
 async def test_interrupt_of_ranks_on_other_hosts_goes_through_their_kernel(
@@ -389,11 +391,7 @@ async def test_interrupt_of_ranks_on_other_hosts_goes_through_their_kernel(
     if why:
         pytest.skip(f"needs a PID namespace of its own (root): {why}")
     wrapper = python_in_own_pid_namespace(tmp_path)
-    code, kernel = await _json(jp_fetch, "api", "kernels", method="POST", body={"name": "python3"})
-    kernel_id = kernel["id"]
-    client = jp_serverapp.kernel_manager.get_kernel(kernel_id).client()
-    client.start_channels()
-    try:
+    async with _kernel(jp_fetch, jp_serverapp) as (kernel_id, client):
         reply = await client.execute_interactive(
             "%load_ext nbdist\n%dist_start --cpu --launcher ssh --hosts nbdist-ssh-test:2 "
             f'--launch-opt "ssh_args=-F {sshd.config}" --launch-opt python={wrapper}',
@@ -422,8 +420,3 @@ async def test_interrupt_of_ranks_on_other_hosts_goes_through_their_kernel(
         assert "KeyboardInterrupt" in "\n".join(reply["content"]["traceback"])
         reply = await client.execute_interactive("%dist_stop", timeout=60)
         assert reply["content"]["status"] == "ok", reply["content"]
-    finally:
-        client.stop_channels()
-        kernel_pid = jp_serverapp.kernel_manager.get_kernel(kernel_id).provisioner.pid
-        await jp_fetch("api", "kernels", kernel_id, method="DELETE")
-        assert wait_gone([kernel_pid]) == []
