@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import atexit
 
-__all__ = ["CHILD_GRACE_S", "end_at_exit", "end_children"]
+from nbdist.engine import process_ending
 
-# Seconds the rank's child processes get between SIGTERM and SIGKILL.
-CHILD_GRACE_S = 3.0
+__all__ = ["end_at_exit", "end_children"]
+
 # Helpers that end by themselves once the rank has gone, and must outlive it for that
 # moment: ipyparallel's nanny (it tells the controller how the engine ended) and
 # multiprocessing's resource tracker (it removes what a crashed process leaked; it
@@ -34,32 +34,21 @@ def _is_helper(proc) -> bool:
     return any(helper in command for helper in _HELPERS)
 
 
-def end_children(grace: float = CHILD_GRACE_S) -> list[int]:
+def end_children(grace: float = process_ending.TERM_GRACE_S) -> list[int]:
     """End every process below this one but the helpers that end with it; their PIDs.
 
     Taken while they are still this process's descendants: once it has ended they
     belong to init, and nothing tells them from any other process of the host.
     SIGTERM first, SIGKILL to what is left after ``grace`` seconds.
     """
-    import psutil  # an ipyparallel dependency: every engine has it
+    import psutil
 
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:
         return []
     children = [child for child in children if not _is_helper(child)]
-    for child in children:
-        try:
-            child.terminate()
-            child.resume()  # a stopped process acts on SIGTERM only once continued
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=grace)
-    for child in alive:
-        try:
-            child.kill()  # psutil checks the start time first: no reused PID is hit
-        except psutil.Error:
-            pass
+    process_ending.end(children, grace)
     return [child.pid for child in children]
 
 

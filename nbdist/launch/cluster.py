@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from nbdist.engine import process_ending
 from nbdist.errors import NbdistError
 from nbdist.launch import capacity, private_profiles, process_tree, remote_engines
 from nbdist.launch.ssh_engines import SSHEngines
@@ -437,7 +438,7 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
                 mine.append(psutil.Process(pid))
             except psutil.NoSuchProcess:
                 continue
-        killed = process_tree.end(mine + below)
+        killed = process_ending.end(mine + below)
     if handle.remove_profile_dir and handle.profile_dir:
         private_profiles.remove_profile(handle.profile_dir)
     return killed

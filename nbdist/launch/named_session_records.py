@@ -42,6 +42,7 @@ from contextlib import contextmanager
 
 import psutil
 
+from nbdist.engine import process_ending
 from nbdist.errors import NbdistError
 from nbdist.launch import process_tree
 
@@ -294,8 +295,6 @@ def stop(name: str, *, wait: float = 20.0) -> list[int]:
     recorded processes (each checked by its start time) and everything below
     them are ended by PID, and the record removed. NbdistError if there is no such session.
     """
-    from nbdist.launch import process_tree
-
     record = read(check_name(name))
     if record is None:
         if os.path.isdir(session_dir(name)):
@@ -312,6 +311,6 @@ def stop(name: str, *, wait: float = 20.0) -> list[int]:
     procs = [p for p in map(process_tree.alive, record.get("pids", [])) if p is not None]
     if process_tree.alive(record.get("keeper")) is not None:
         procs.append(keeper)
-    killed = process_tree.end(procs + process_tree.descendants([p.pid for p in procs]))
+    killed = process_ending.end(procs + process_tree.descendants([p.pid for p in procs]))
     remove(name)
     return killed

@@ -13,7 +13,7 @@ daemon that forked twice and whose parent exited. None of them may outlive
   across ``fork``, so only the zygote has it; the engines reap their own
   children as before.
 - Ending goes by PID, SIGTERM first and SIGKILL after a grace period
-  (:func:`end`, :class:`TreeStop`). Each process is held as a
+  (:func:`nbdist.engine.process_ending.end`, :class:`TreeStop`). Each process is held as a
   ``psutil.Process``, which remembers the process's start time and refuses to
   signal a PID that was reused by another process since.
 
@@ -32,18 +32,12 @@ from collections.abc import Iterable
 
 import psutil
 
-__all__ = [
-    "TERM_GRACE_S",
-    "TreeStop",
-    "alive",
-    "become_subreaper",
-    "descendants",
-    "end",
-    "pid_entry",
-]
+from nbdist.engine.process_ending import TERM_GRACE_S
+from nbdist.engine.process_ending import running as _running
+from nbdist.engine.process_ending import send as _send
 
-# Seconds a process gets between SIGTERM and SIGKILL.
-TERM_GRACE_S = 3.0
+__all__ = ["TreeStop", "alive", "become_subreaper", "descendants", "pid_entry"]
+
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -132,41 +126,6 @@ def _started(proc) -> float | None:
         return (proc if isinstance(proc, psutil.Process) else psutil.Process(proc)).create_time()
     except psutil.Error:
         return None
-
-
-def _running(proc: psutil.Process) -> bool:
-    """Still running and still the same process (a zombie has finished)."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _send(proc: psutil.Process, sig: int) -> bool:
-    try:
-        proc.send_signal(sig)  # psutil checks the start time first: no reused PID is hit
-        return True
-    except psutil.Error:
-        return False
-
-
-def end(procs: Iterable[psutil.Process], grace: float = TERM_GRACE_S) -> list[int]:
-    """SIGTERM ``procs``, wait up to ``grace`` s, SIGKILL the rest; the PIDs that had to be killed.
-
-    Returns within ``grace`` + 1 s (a process in uninterruptible sleep may
-    take longer to disappear after SIGKILL; it is not waited for beyond that).
-    """
-    procs = [p for p in procs if _running(p)]
-    if not procs:
-        return []
-    for proc in procs:
-        _send(proc, signal.SIGTERM)
-        _send(proc, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
-    _, alive = psutil.wait_procs(procs, timeout=grace)
-    alive = [p for p in alive if _running(p)]
-    killed = [p.pid for p in alive if _send(p, signal.SIGKILL)]
-    psutil.wait_procs(alive, timeout=1.0)
-    return killed
 
 
 class TreeStop:

@@ -224,9 +224,10 @@ class LiveView:
         reader.update()
         return reader
 
-    def is_local(self, entry: dict) -> bool:
-        """True when the cluster's kernel started its engines: the PIDs of those on this
-        machine (``pid_here``) are checked here."""
+    def owns_engines(self, entry: dict) -> bool:
+        """True when the cluster's kernel started its engines (an attached cluster's are
+        someone else's); of those, only the ranks in this PID namespace (``pid_here``) are
+        read and signalled here."""
         return bool(entry.get("owned"))
 
     def _busy_by_cpu(self, pid: int) -> bool:
@@ -253,7 +254,7 @@ class LiveView:
         (:mod:`nbdist.server.stragglers`), "" when it is not (a dead rank never is).
         """
         reader = self.reader(entry)
-        owned = self.is_local(entry)
+        owned = self.owns_engines(entry)
         now = time.time()
         rows = []
         for info in entry.get("ranks", []):

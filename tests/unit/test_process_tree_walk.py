@@ -7,6 +7,7 @@ import time
 
 import psutil
 
+from nbdist.engine import process_ending
 from nbdist.launch import process_tree
 
 # A shell that starts a shell with two sleeps, and a sleep of its own: four processes below it.
@@ -33,6 +34,6 @@ def test_descendants_of_several_roots_are_every_process_below_them_once():
         assert process_tree.descendants([2**22 + 1]) == []
     finally:
         procs = [psutil.Process(s.pid) for s in shells]
-        process_tree.end(procs + process_tree.descendants([s.pid for s in shells]))
+        process_ending.end(procs + process_tree.descendants([s.pid for s in shells]))
         for s in shells:
             s.wait(timeout=10)
