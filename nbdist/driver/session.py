@@ -256,9 +256,11 @@ class DistSession:
         self._start_watching(handle, connection_file=self.options.connect)
 
     def _open_metrics(self, handle: ClusterHandle) -> None:
-        # The MetricsHub is opened at the first start; at a restart it is told of fresh ranks.
+        # The MetricsHub is opened at a start; at a restart it is told of fresh ranks. A
+        # stop closed it (its socket, thread and store): a start after that opens a new one
+        # and a new run, or the ranks would send their points to a closed port.
         key = metrics_key(handle.client)
-        if self._hub is not None:
+        if self._hub is not None and not self._hub.closed:
             # Fresh ranks count their points from 0 (under a new key if the cluster is new).
             self._hub.collector.new_cluster(key)
             return

@@ -166,3 +166,22 @@ def test_several_threads_per_rank_still_fork():
         assert s.pull("info") == [(2, "2"), (2, "2")]
     finally:
         s.stop()
+
+
+def test_a_session_started_again_after_a_stop_streams_into_a_new_run():
+    # A stop closes the metrics hub (its socket, thread and store); the ranks of the next
+    # start used to be given that closed port: their points were lost.
+    s = nbdist.DistSession(2, cpu=True, timeout=120).start()
+    try:
+        s.run("nbdist.log(step=0, loss=1.0)")
+        first = s.metrics
+        s.stop()
+        s.start()
+        s.run("for i in range(3):\n    nbdist.log(step=i, loss=2.0)")
+        second = s.metrics
+        assert second.id != first.id
+        assert [second.last(r)["loss"] for r in (0, 1)] == [2.0, 2.0]
+        assert len(second.rows()) == 6
+        assert len(first.rows()) == 2  # the first run is kept as it was
+    finally:
+        s.stop()
