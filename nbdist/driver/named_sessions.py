@@ -323,15 +323,16 @@ def _connect_client(record: dict, name: str, timeout: float) -> ClusterHandle:
             f"session {name!r}: {len(client.ids)} of {record['n']} ranks answer: "
             f"%dist_stop {name} and start it again"
         )
-    return ClusterHandle(
+    handle = ClusterHandle(
         client=client,
         cluster=None,  # the keeper's: this kernel stops nothing itself
         owned=True,  # local processes: signalled and watched by PID
         profile_dir=record.get("profile_dir"),
-        pids={e["pid"] for e in record.get("pids", [])},
         start_method=record.get("start_method") or "fork",
         start_note=f"session {name!r}",
     )
+    handle.note_entries(record.get("pids", []))  # each checked by its start time
+    return handle
 
 
 def _write_group(name: str, group: Group) -> None:

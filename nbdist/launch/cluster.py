@@ -75,6 +75,48 @@ class ClusterHandle:
     pids: set[int] = field(default_factory=set)  # every process nbdist started
     start_method: str = "external"
     start_note: str = ""
+    # Each noted PID's process, as psutil saw it then (with its start time): a process
+    # that has ended frees its PID (a crashed rank, reaped by the zygote at once), and a
+    # later stop or interrupt must not signal the process that has that number now.
+    noted: dict[int, psutil.Process] = field(default_factory=dict, repr=False)
+
+    def note(self, pids) -> None:
+        """Add ``pids`` (running processes nbdist started), each held with its start time."""
+        for pid in pids:
+            try:
+                self.noted[pid] = psutil.Process(pid)
+            except psutil.Error:
+                continue  # already gone: nothing to signal later
+            self.pids.add(pid)
+
+    def note_entries(self, entries) -> None:
+        """Add processes recorded as :func:`~nbdist.launch.process_tree.pid_entry` dicts."""
+        for entry in entries:
+            proc = process_tree.alive(entry)
+            if proc is not None:
+                self.noted[proc.pid] = proc
+                self.pids.add(proc.pid)
+
+    def forget(self, pids) -> None:
+        """Drop ``pids`` (processes that have ended)."""
+        for pid in pids:
+            self.pids.discard(pid)
+            self.noted.pop(pid, None)
+
+    def process(self, pid: int) -> psutil.Process | None:
+        """The process noted as ``pid`` if it still runs, None if it ended (or the PID is reused)."""
+        proc = self.noted.get(pid)
+        try:
+            # is_running() compares the start time psutil read when the PID was noted.
+            if proc is not None and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                return proc
+        except psutil.Error:
+            pass
+        return None
+
+    def processes(self) -> list[psutil.Process]:
+        """Every noted process still running (none that merely has a noted PID now)."""
+        return [p for p in map(self.process, sorted(self.pids)) if p is not None]
 
     def engine_launcher(self):
         """The ipyparallel engine-set launcher nbdist started, or None."""
@@ -233,7 +275,7 @@ def start_local(
         handle.start_method = status.get("method", "fork")
         if status.get("reason") and status.get("method") == "spawn":
             handle.start_note = f"engines spawned separately ({status['reason']})"
-        handle.pids.update(status.get("pids", []))
+        handle.note(status.get("pids", []))
     else:
         handle.start_method = remote_engines.launcher_name(launcher)
         handle.start_note = remote_engines.start_note(engines)
@@ -303,9 +345,12 @@ def interrupt_engines(handle: ClusterHandle, pids: list[int], engine_ids: list[i
     """
     if handle.owned and handle.start_method in ("fork", "spawn"):
         for pid in pids:
+            proc = handle.process(pid)  # None once the rank has ended: its PID may be reused
+            if proc is None:
+                continue
             try:
-                os.kill(pid, signal.SIGINT)
-            except ProcessLookupError:
+                proc.send_signal(signal.SIGINT)
+            except psutil.Error:
                 pass
     else:
         handle.client.send_signal(signal.SIGINT, targets=engine_ids, block=False)
@@ -360,9 +405,9 @@ def _record_pids(handle: ClusterHandle) -> None:
     roots = [getattr(x, "pid", -1) for x in launchers if not isinstance(x, SSHLauncher)]
     for pid in roots:
         if pid and pid > 0:
-            handle.pids.add(pid)
+            handle.note([pid])
             try:
-                handle.pids.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+                handle.note(p.pid for p in psutil.Process(pid).children(recursive=True))
             except psutil.Error:
                 pass
 
@@ -426,18 +471,14 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
         # What the ranks started, taken before anything stops: the zygote ends its
         # tree itself; this list is for what escaped it (other launchers, a zygote
         # killed before it finished).
-        below = process_tree.descendants(handle.pids)
+        # Only processes that still are the ones noted: a PID freed since names another.
+        mine = handle.processes()
+        below = process_tree.descendants([p.pid for p in mine])
         try:
             handle.cluster.stop_cluster_sync()
         except Exception:  # fall through to the PID sweep below
             pass
         end_cluster_thread(handle.cluster)
-        mine = []
-        for pid in handle.pids:
-            try:
-                mine.append(psutil.Process(pid))
-            except psutil.NoSuchProcess:
-                continue
         killed = process_ending.end(mine + below)
     if handle.remove_profile_dir and handle.profile_dir:
         private_profiles.remove_profile(handle.profile_dir)

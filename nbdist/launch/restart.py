@@ -85,7 +85,8 @@ def restart_in_place(handle: ClusterHandle, *, n: int, timeout: float) -> list[i
         status = engines.read_status()
     # The old engines are gone now (the zygote reaped them): their registrations go too.
     _unregister(handle, sorted(old_ids & set(client.ids)))
-    handle.pids = {p for p in handle.pids - old_pids if _alive(p)} | set(status["pids"])
+    handle.forget(old_pids | {p for p in handle.pids if handle.process(p) is None})
+    handle.note(status["pids"])
     deadline = time.monotonic() + timeout
     while True:
         ids = set(client.ids)
