@@ -61,15 +61,22 @@ def header(run, rows: Sequence) -> dict:
         "progress": progress,
         "total": None if total is None else int(total),
         "states": states,
-        "gpu": _gpu_line([row.gpu for row in rows if row.gpu and row.state != DEAD]),
+        "gpu": _gpu_line([(row.host, row.gpu) for row in rows if row.gpu and row.state != DEAD]),
     }
 
 
-def _gpu_line(readings: list[dict]) -> str | None:
+def _gpu_line(readings: list[tuple[str, dict]]) -> str | None:
+    """``readings``: ``(host, GPU reading)`` of each live rank that has one."""
     if not readings:
         return None
-    # Ranks sharing a GPU report the same device: count each GPU (by its index) once.
-    readings = list({g.get("gpu_index", i): g for i, g in enumerate(readings)}.values())
+    # Ranks sharing a GPU report the same device: count each GPU once. NVML's gpu_index
+    # numbers the GPUs of one host, so a GPU is its host and index (32 hosts of 8 GPUs
+    # are 256 GPUs, not 8); host is "" on one host. A reading without an index counts alone.
+    unique = {
+        (host, g["gpu_index"]) if "gpu_index" in g else (host, None, i): g
+        for i, (host, g) in enumerate(readings)
+    }
+    readings = list(unique.values())
     utils = [g["gpu_util"] for g in readings if _finite(g.get("gpu_util"))]
     used = [g["gpu_mem_mib"] for g in readings if _finite(g.get("gpu_mem_mib"))]
     total = [g["gpu_mem_total_mib"] for g in readings if _finite(g.get("gpu_mem_total_mib"))]

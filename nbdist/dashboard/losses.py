@@ -39,5 +39,8 @@ def loss_lines(run) -> list[str]:
             line += f"; the first by an error on rank {error[0]}: {error[1]}"
         lines.append(line)
     for key, (rank, what) in sorted(left_out.items()):
-        lines.append(f"{key!r} left out of the charts: rank {rank} logged {what}; {FIX}")
+        # A value under a reserved name (nbdist.metrics.batch.RESERVED_KEYS) was a number:
+        # its note says which name to log it under instead, not to log a number.
+        fix = "" if "log it under another name" in what else f"; {FIX}"
+        lines.append(f"{key!r} left out of the charts: rank {rank} logged {what}{fix}")
     return lines

@@ -22,10 +22,17 @@ import math
 
 from nbdist.metrics import steptime
 
-__all__ = ["PEAK", "Points", "to_columns", "what_it_was"]
+__all__ = ["PEAK", "RESERVED_KEYS", "Points", "to_columns", "what_it_was"]
 
 # The key under which a point's peak TFLOP/s waits for flush (never sent).
 PEAK = "__peak"
+# Names every point has of its own in the kernel (Run.last(), rows(), to_pandas()): a value
+# logged under one would replace the point's own (to_pandas() then fails on the duplicate
+# column), so it is left out and the user told, with a name to log it under instead.
+RESERVED_KEYS = {
+    "time": ("when the point was logged", "elapsed_s"),
+    "rank": ("the rank that logged it, on every point already", "rank_id"),
+}
 _PLAIN = frozenset((int, float, bool))
 
 
@@ -108,7 +115,8 @@ def to_columns(
     the key (None: every point). ``reading``: the rank's memory now, carried by every
     point of the batch (empty: none). ``left_out``, when given, gets
     ``{key: what the value was}`` for each key of which a value was no number (the
-    first such value of the batch), so the user can be told.
+    first such value of the batch), so the user can be told; a key of
+    :data:`RESERVED_KEYS` is left out and told the same way.
     """
     import numpy as np
 
@@ -118,7 +126,11 @@ def to_columns(
         for key, values in points.cols.items()
     }
     raw.update(points.sparse)
-    _numbers(raw, {} if left_out is None else left_out)
+    told = {} if left_out is None else left_out
+    for key in RESERVED_KEYS:  # checked here, once a flush, not on the training thread
+        if key in raw:
+            told.setdefault(key, _reserved(key, raw.pop(key)[1][0]))
+    _numbers(raw, told)
     peak = raw.pop(PEAK, None)
 
     out: dict[str, tuple] = {}
@@ -224,10 +236,17 @@ def _numbers(raw: dict, left_out: dict) -> None:
 
         for items in tensors.values():
             try:
-                stacked = torch.stack([v if v.dim() == 0 else v.reshape(()) for *_, v in items])
+                scalars = [v if v.dim() == 0 else v.reshape(()) for *_, v in items]
+                # float64, as a CPU tensor's item() gives: float32 rounds an int64 counter
+                # above 2**24 and a float64's digits. Mixed dtypes are made float64 before
+                # the stack, which would promote int64 with float32 to float32.
+                if len({v.dtype for v in scalars}) > 1:
+                    scalars = [v.double() for v in scalars]
+                stacked = torch.stack(scalars)
                 # .cpu() waits for the device (one sync per flush, never on the training
-                # thread) and lets go of the GIL while it waits.
-                numbers = stacked.detach().float().cpu().tolist()
+                # thread) and lets go of the GIL while it waits; made float64 on the host
+                # (no kernel of its own on the device).
+                numbers = stacked.detach().cpu().double().tolist()
             except Exception:  # one of them is not one element (or not a number)
                 numbers = [_as_float(v) if v.numel() == 1 else None for *_, v in items]
             for (key, values, j, value), number in zip(items, numbers):
@@ -253,6 +272,15 @@ def what_it_was(value) -> str:
         return f"{text} (a {type(value).__name__})"
     except Exception:
         return f"a {type(value).__name__}"
+
+
+def _reserved(key: str, value) -> str:
+    """What the user is told of a value logged under a name of :data:`RESERVED_KEYS`."""
+    meaning, instead = RESERVED_KEYS[key]
+    return (
+        f"{what_it_was(value)} under {key!r}, a name each point has of its own "
+        f"({meaning}): log it under another name, e.g. {instead}="
+    )
 
 
 def _comm(comm: float, events: list) -> float:

@@ -52,7 +52,10 @@ class Collector:
         self.key = key
         self.run = run
         self.store = store
-        self.rejected = 0  # messages with a bad signature or shape
+        self.rejected = 0  # messages with a bad signature or shape, or that raised
+        # The first error a signed message raised in _handle ("ValueError: ..."), or None:
+        # such a message is dropped and counted in ``rejected``, the stream goes on.
+        self.first_error: str | None = None
         self.store_errors = 0
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
@@ -86,7 +89,15 @@ class Collector:
                         frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    dirty = self._handle(frames) or dirty
+                    try:
+                        dirty = self._handle(frames) or dirty
+                    except Exception as exc:
+                        # A message of a shape _handle did not foresee (or a bug in it)
+                        # must not end the thread: that would silently end every rank's
+                        # metrics for the rest of the session. Dropped and counted.
+                        self.rejected += 1
+                        if self.first_error is None:
+                            self.first_error = f"{type(exc).__name__}: {exc}"[:200]
             # A commit per message cost more than everything else the collector does
             # (~0.5 ms each): commit after 100 ms of quiet, or every _COMMIT_EVERY_S.
             if dirty and (not got or time.monotonic() - committed > _COMMIT_EVERY_S):

@@ -289,6 +289,12 @@ def log(step: int | None = None, **scalars) -> None:
     is left out of the point (its key, and the value, shown once under the
     dashboard), and a ``step`` that is no whole number drops the point (counted, and
     the first error shown).
+
+    Reserved names: ``time`` and ``rank`` are every point's own (when it was
+    logged, the rank that logged it), so a value logged under either is left out
+    of the point and shown once under the dashboard like a value that is no
+    number: log it under another name (``elapsed_s=elapsed``). ``step`` is this
+    function's own argument. (:data:`nbdist.metrics.batch.RESERVED_KEYS`)
     """
     for hook in step_hooks:  # e.g. nbdist.profile counting steps; never raises
         hook(step)

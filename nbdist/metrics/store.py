@@ -105,9 +105,11 @@ class RunStore:
         """
         if not isinstance(points, str):
             n, points = len(points), json.dumps(points, separators=(",", ":"))
-        seq = self._seq.get((run_id, rank), 0)
-        self._seq[(run_id, rank)] = seq + 1
         with self._lock:
+            # Under the lock: the collector thread and mark_restart (the main thread) both
+            # append, and two batches of one rank must not get the same seq.
+            seq = self._seq.get((run_id, rank), 0)
+            self._seq[(run_id, rank)] = seq + 1
             # Not committed here: a commit per message cost more than the insert
             # itself; the collector commits when it has drained its socket.
             self._conn.execute(
