@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from nbdist.metrics.run import Run
 from nbdist.metrics.wire import batch_columns, concat
 
-__all__ = ["RunRecord", "RunStore", "history_path", "load_run", "pick_run", "runs"]
+__all__ = ["RunRecord", "RunStore", "history_path", "load_run", "pick_run", "run_version", "runs"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -236,3 +236,28 @@ def pick_run(run_id: int | None = None, *, current: Run | None = None, path=None
     if not history:
         raise LookupError("no runs yet: %dist_start, then log with nbdist.log(...) on the ranks")
     return history[-1].load()
+
+
+def run_version(run_id: int, *, path: str | None = None) -> tuple | None:
+    """What changes whenever run ``run_id``'s stored record or points change; None if no such run.
+
+    ``(started, ended, batches, last batch rowid)``, read from the index alone (no
+    point is decoded): a reader that cached something built from :func:`load_run`
+    compares it to know the run is unchanged (a finished run stays so). Batches are
+    only ever appended, and a history file made anew gives its runs other start times.
+    """
+    path = path or history_path()
+    if not (isinstance(run_id, int) and 0 <= run_id < 2**63) or not os.path.exists(path):
+        return None
+    conn = _connect(path, readonly=True)
+    try:
+        conn.execute("BEGIN")  # one snapshot for both queries
+        meta = conn.execute("SELECT started, ended FROM runs WHERE id=?", (run_id,)).fetchone()
+        if meta is None:
+            return None
+        count, last = conn.execute(
+            "SELECT COUNT(*), COALESCE(MAX(rowid), 0) FROM batches WHERE run=?", (run_id,)
+        ).fetchone()
+    finally:
+        conn.close()
+    return (*meta, count, last)

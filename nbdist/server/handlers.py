@@ -214,18 +214,29 @@ class RunsHandler(_Base):
 class RunHandler(_Base):
     @web.authenticated
     @authorized
-    def get(self, run_id: str) -> None:
-        from nbdist.server.runview import run_payload
+    async def get(self, run_id: str) -> None:
+        # Reading a long run's every point takes seconds (a 256-rank multi-hour run:
+        # millions of points): it happens in a worker thread, so the server's other
+        # requests (every notebook's) are answered meanwhile, and a run opened again
+        # unchanged comes from the cache (runview.PayloadCache) without reading its points.
+        from nbdist.server.runview import PayloadCache
 
-        for path in _history_paths(self.view):
-            try:
-                run = store.load_run(int(run_id), path=path)
-                break
-            except KeyError:
-                continue
-        else:
+        cache = self.settings.setdefault("nbdist_run_payloads", PayloadCache())
+        paths, live = _history_paths(self.view), _live_runs(self.view)
+
+        def body() -> str | None:
+            found = cache.payload(int(run_id), paths)
+            if found is None:
+                return None
+            path, payload = found
+            running = (path, payload["id"]) in live
+            return json.dumps({**payload, "running": running}, allow_nan=False)
+
+        text = await asyncio.to_thread(body)
+        if text is None:
             raise web.HTTPError(404, f"run {run_id} is not in the history: see GET nbdist/api/runs")
-        self.write_json(run_payload(run, running=(path, run.id) in _live_runs(self.view)))
+        self.set_header("Content-Type", "application/json")
+        self.finish(text)
 
 
 class PaletteHandler(_Base):

@@ -6,8 +6,15 @@ started, then what nbdist derives (step time and its parts, memory, TFLOP/s, MFU
 against step; titles, units and axis titles come from :mod:`nbdist.dashboard.labels`.
 Counters (``samples``, ``tokens``, ``flops``) and ``total_steps`` are no charts, nor is
 a metric that stayed 0 on every rank (``comm_s`` of ranks that never communicated). Each
-series is decimated to :data:`RUN_CHART_POINTS` per rank, keeping spikes (min and max
-per bucket), and NaN or infinite values are left out.
+series is decimated, keeping spikes (min and max per bucket), to :data:`RUN_CHART_POINTS`
+per rank up to the dashboard's ``PER_RANK_UP_TO`` ranks; above that the panel's
+:data:`RUN_TOTAL_POINTS` are shared out over the ranks (:func:`rank_budget`), so a
+256-rank run's payload is the size of an 8-rank one's, not a hundred MB. NaN or
+infinite values are left out.
+
+The server builds a run's payload off its event loop and keeps the last few
+(:class:`PayloadCache`): opening a finished run again reads only its version
+(:func:`nbdist.metrics.store.run_version`), not its points.
 
 Example::
 
@@ -19,15 +26,44 @@ Example::
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 
-from nbdist.dashboard.decimate import decimate
+from nbdist.dashboard.decimate import MIN_BUDGET, decimate
 from nbdist.dashboard.labels import describe_key
-from nbdist.dashboard.table import COUNTERS, PROGRESS_KEY, plotted_keys, throughput_key
+from nbdist.dashboard.table import (
+    COUNTERS,
+    PER_RANK_UP_TO,
+    PROGRESS_KEY,
+    plotted_keys,
+    throughput_key,
+)
+from nbdist.metrics import store
 
-__all__ = ["BY_TIME_GPU_KEYS", "RUN_CHART_POINTS", "panel_keys", "run_payload"]
+__all__ = [
+    "BY_TIME_GPU_KEYS",
+    "CACHED_RUNS",
+    "RUN_CHART_POINTS",
+    "RUN_TOTAL_POINTS",
+    "PayloadCache",
+    "panel_keys",
+    "rank_budget",
+    "run_payload",
+]
 
-RUN_CHART_POINTS = 2000
+RUN_CHART_POINTS = 2000  # points per rank and panel, up to PER_RANK_UP_TO ranks
+RUN_TOTAL_POINTS = PER_RANK_UP_TO * RUN_CHART_POINTS  # points per panel, shared out above that
 BY_TIME_GPU_KEYS = ("gpu_util", "gpu_mem_mib")  # the GPU panels the dashboard draws
+CACHED_RUNS = 4  # built payloads the server keeps (a 256-rank one is a few MB)
+
+
+def rank_budget(ranks: int) -> int:
+    """Points each rank's series of one panel is decimated to, for a run of ``ranks`` ranks.
+
+    :data:`RUN_CHART_POINTS` up to ``PER_RANK_UP_TO`` ranks, then :data:`RUN_TOTAL_POINTS`
+    shared out (62 each for 256 ranks), never below decimation's minimum.
+    """
+    return max(MIN_BUDGET, min(RUN_CHART_POINTS, RUN_TOTAL_POINTS // max(1, ranks)))
 
 
 def panel_keys(keys: list[str]) -> list[str]:
@@ -47,8 +83,10 @@ def run_payload(run, *, running: bool) -> dict:
     """The JSON of ``GET nbdist/api/runs/<id>``: the run's facts, ``keys``, ``panels``, ``series``.
 
     ``panels[key]``: ``title``, ``unit``, ``ytitle``, ``xtitle``, ``log`` and
-    ``by_time``; ``series[key][rank]``: ``[x, value]`` pairs, x a step or seconds.
+    ``by_time``; ``series[key][rank]``: ``[x, value]`` pairs, x a step or seconds,
+    at most :func:`rank_budget` of them.
     """
+    budget = rank_budget(len(run.ranks))
     keys = panel_keys(run.keys())
     rate = throughput_key(run.keys())
     panels, series = {}, {}
@@ -66,7 +104,7 @@ def run_payload(run, *, running: bool) -> dict:
             else:
                 xs, values = run.series(key, rank)
             if xs:
-                xs, ys = decimate(xs, values, budget=RUN_CHART_POINTS)
+                xs, ys = decimate(xs, values, budget=budget)
                 per_rank[str(rank)] = [
                     [x, float(y)] for x, y in zip(xs, ys) if y is not None and math.isfinite(y)
                 ]
@@ -86,3 +124,54 @@ def run_payload(run, *, running: bool) -> dict:
         series=series,
         running=running,
     )
+
+
+class PayloadCache:
+    """The last :data:`CACHED_RUNS` run payloads built, each kept while its run is unchanged.
+
+    Blocking (it reads the history): call :meth:`payload` from a worker thread, not
+    the server's event loop. Thread-safe; two requests for the same run at once
+    build it once (the second waits for the first, then reads the cache).
+    """
+
+    def __init__(self, size: int = CACHED_RUNS):
+        """Keep at most ``size`` payloads, the least recently asked for going first."""
+        self.size = size
+        self._built: OrderedDict[tuple[str, int], tuple[tuple, dict]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict[tuple[str, int], threading.Lock] = {}
+
+    def payload(self, run_id: int, paths: list[str]) -> tuple[str, dict] | None:
+        """``(history path, payload)`` of run ``run_id`` in the first of ``paths`` holding it.
+
+        The payload is :func:`run_payload`'s with ``running`` False (the caller knows
+        better); None when no history holds the run. Only the run's version is read
+        when a payload built from the same version is kept.
+        """
+        for path in paths:
+            key = (path, run_id)
+            with self._lock:
+                building = self._building.setdefault(key, threading.Lock())
+            with building:
+                version = store.run_version(run_id, path=path)
+                if version is None:
+                    continue
+                with self._lock:
+                    kept = self._built.get(key)
+                    if kept is not None and kept[0] == version:
+                        self._built.move_to_end(key)
+                        return path, kept[1]
+                try:
+                    run = store.load_run(run_id, path=path)
+                except KeyError:  # gone since its version was read
+                    continue
+                # Built from at least `version` (a batch stored since makes the next
+                # request's version differ, and rebuild): never served stale.
+                built = run_payload(run, running=False)
+                with self._lock:
+                    self._built[key] = (version, built)
+                    self._built.move_to_end(key)
+                    while len(self._built) > self.size:
+                        self._built.popitem(last=False)
+                return path, built
+        return None

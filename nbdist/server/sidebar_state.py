@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from nbdist.dashboard.table import HISTORY
 from nbdist.driver import registry
 from nbdist.metrics import wire
 from nbdist.metrics.gpu import GPU_KEYS
@@ -48,6 +49,9 @@ CHART_POINTS = 300  # recent points per rank and series kept for the sidebar's s
 _BUSY_CPU_FRACTION = 0.1
 _BUSY_RECENT_S = 3.0
 _RECENT_RATE_S = RECENT_RATE_S
+# Points per rank the first read of a run takes in: the charts' and the straggler rule's
+# (its (time, step) history).
+_TAIL_POINTS = max(CHART_POINTS, HISTORY)
 
 
 def _number(value) -> float | None:
@@ -134,7 +138,10 @@ class RunReader:
         """The first read of a run: only each rank's latest batches, and its point count.
 
         A run of 200k points took 1.4 s to read whole (blocking the server); the
-        sidebar shows the latest values and the last CHART_POINTS points only.
+        sidebar shows the latest values and the last CHART_POINTS points only, and
+        the straggler rule reads the last ``HISTORY``: each rank's newest batches
+        holding :data:`_TAIL_POINTS` points (a batch holds ``n`` points, often
+        dozens), and no more, are read.
         """
         counts = dict(
             conn.execute(
@@ -144,11 +151,18 @@ class RunReader:
         )
         rows = []
         for rank in counts:
-            rows += conn.execute(
-                "SELECT rowid, rank, points FROM batches WHERE run=? AND rank=?"
-                " ORDER BY seq DESC LIMIT ?",
-                (self.run_id, rank, CHART_POINTS),
-            ).fetchall()
+            taken = 0
+            # Newest first, fetched as they come: the cursor stops once enough points are in.
+            cursor = conn.execute(
+                "SELECT rowid, rank, n, points FROM batches WHERE run=? AND rank=? ORDER BY seq DESC",
+                (self.run_id, rank),
+            )
+            for rowid, _, n, text in cursor:
+                rows.append((rowid, rank, text))
+                taken += max(1, n)
+                if taken >= _TAIL_POINTS:
+                    break
+            cursor.close()
         rows.sort()
         return rows, counts
 

@@ -1,0 +1,117 @@
+"""GET nbdist/api/runs/<id> in a real jupyter_server: a run is read off the event loop, once.
+
+Real components: the server (pytest-jupyter), the real run history written by the
+real store (SQLite). The store's ``load_run`` is wrapped only to see where and how
+often it runs (and, in the first test, to hold it until the test lets it finish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+from nbdist.metrics import store
+from nbdist.metrics.store import RunStore
+
+
+def _write_run(path: str, *, ranks: int = 2, steps: int = 20) -> tuple[RunStore, int]:
+    """A run of ``ranks`` ranks logging loss for ``steps`` steps; the store is left open."""
+    writer = RunStore(path)
+    run = writer.new_run(world_size=ranks, backend="gloo")
+    t0 = time.time()
+    for rank in range(ranks):
+        writer.append(run.id, rank, [[s, t0 + s, {"loss": 2.0 - s / 100}] for s in range(steps)])
+    writer.commit()
+    return writer, run.id
+
+
+async def _get_run(jp_fetch, run_id: int) -> dict:
+    response = await jp_fetch("nbdist", "api", "runs", str(run_id))
+    assert response.code == 200
+    return json.loads(response.body)
+
+
+def _count_loads(monkeypatch, hold: threading.Event | None = None):
+    """Wrap store.load_run: ``(calls, entered)``, each call appending where it ran to
+    ``calls`` and setting ``entered``; ``hold`` keeps a call until it is set."""
+    real, calls = store.load_run, []
+    entered = threading.Event()
+
+    def load_run(run_id, *, path=None):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        calls.append({"thread": threading.get_ident(), "on_loop": on_loop})
+        entered.set()
+        if hold is not None:
+            # Only a handler that reads on the event loop waits this out (and then fails).
+            hold.wait(30)
+        return real(run_id, path=path)
+
+    monkeypatch.setattr(store, "load_run", load_run)
+    return calls, entered
+
+
+async def test_a_run_is_read_off_the_event_loop_while_other_requests_are_answered(
+    jp_fetch, history, monkeypatch
+):
+    writer, run_id = _write_run(history)
+    writer.end_run(run_id)
+    writer.close()
+    release = threading.Event()
+    calls, entered = _count_loads(monkeypatch, hold=release)
+
+    opening = asyncio.ensure_future(_get_run(jp_fetch, run_id))
+    try:
+        assert await asyncio.to_thread(entered.wait, 60), "the run was never read"
+        # The run's read is held in the store: the server still answers another request.
+        palette = await jp_fetch("nbdist", "api", "palette")
+        assert palette.code == 200
+        assert not opening.done(), "the run's request ended before its read was let go"
+    finally:
+        release.set()
+    chart = await opening
+    assert chart["id"] == run_id and chart["series"]["loss"]["1"][-1] == [19, 1.81]
+    [call] = calls
+    assert call["on_loop"] is False, "the run was read on the server's event loop"
+    assert call["thread"] != threading.get_ident()
+
+
+async def test_a_run_opened_again_unchanged_is_not_read_again(jp_fetch, history, monkeypatch):
+    writer, run_id = _write_run(history)
+    calls, _ = _count_loads(monkeypatch)
+
+    # Two clicks at once, then one more: one read of the run's points.
+    first, second = await asyncio.gather(_get_run(jp_fetch, run_id), _get_run(jp_fetch, run_id))
+    third = await _get_run(jp_fetch, run_id)
+    assert first == second == third
+    assert len(calls) == 1
+
+    # New points make it another run to show: read again, and they are in it.
+    t0 = time.time()
+    writer.append(run_id, 0, [[s, t0 + s, {"loss": 0.5}] for s in range(20, 25)])
+    writer.commit()
+    grown = await _get_run(jp_fetch, run_id)
+    assert len(calls) == 2 and grown["series"]["loss"]["0"][-1] == [24, 0.5]
+
+    # Ending the run changes it too (its end time); then it stays cached.
+    writer.end_run(run_id)
+    writer.close()
+    ended = await _get_run(jp_fetch, run_id)
+    assert ended["ended"] is not None and len(calls) == 3
+    assert await _get_run(jp_fetch, run_id) == ended and len(calls) == 3
+
+    # A run that is not in the history is still a 404, and reads no points.
+    from tornado.httpclient import HTTPClientError
+
+    try:
+        await jp_fetch("nbdist", "api", "runs", str(run_id + 100))
+    except HTTPClientError as err:
+        assert err.code == 404
+    else:
+        raise AssertionError("an unknown run answered")
+    assert len(calls) == 3
