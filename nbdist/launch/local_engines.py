@@ -14,6 +14,7 @@ Engines that Slurm, MPI or SSH start are awaited in :mod:`nbdist.launch.remote_e
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -95,10 +96,14 @@ class ZygoteEngineSetLauncher(LocalEngineLauncher):
             return {}
 
     def get_output(self, remove=False):
-        """The engines' output (ipyparallel's); ``remove`` also removes the status file."""
+        """The engines' output (ipyparallel's); ``remove`` also removes the status file and
+        the exit status the zygote kept for each engine it reaped."""
         if remove:
-            try:
-                os.remove(self.status_file)
-            except OSError:
-                pass
+            # In a named profile (--profile) the log folder stays: one exit file per rank
+            # and start or restart would pile up there for good.
+            for path in [self.status_file, *glob.glob(glob.escape(self.status_file) + ".exit.*")]:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
         return super().get_output(remove=remove)

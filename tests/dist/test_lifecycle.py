@@ -185,3 +185,21 @@ def test_a_session_started_again_after_a_stop_streams_into_a_new_run():
         assert len(first.rows()) == 2  # the first run is kept as it was
     finally:
         s.stop()
+
+
+def test_a_named_profile_keeps_no_exit_files_of_stopped_ranks(tmp_path, monkeypatch):
+    # The zygote keeps each reaped engine's exit status next to its status file; a named
+    # profile's log folder outlives the session, where they piled up at every stop and restart.
+    from IPython.core.profiledir import ProfileDir
+
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    ProfileDir.create_profile_dir_by_name(str(tmp_path), "kept")
+    s = nbdist.DistSession(2, cpu=True, profile="kept", timeout=120).start()
+    try:
+        s.restart()
+        s.run("x = 1")
+    finally:
+        s.stop()
+    log = tmp_path / "profile_kept" / "log"
+    assert log.is_dir()
+    assert sorted(p.name for p in log.iterdir() if ".exit." in p.name) == []
