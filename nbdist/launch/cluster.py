@@ -230,7 +230,10 @@ def start_local(
             send_engines_connection_env=launcher not in (None, SSHEngines),
             engine_launcher_class=engine_launcher_class,
             engine_timeout=int(max(1, timeout)),
-            shutdown_atexit=True,
+            # nbdist's own exit hook (driver/live_sessions.stop_all) stops it: ipyparallel's,
+            # registered later and so run first, stopped the roots before nbdist could
+            # find what lay below them (and printed "Stopping cluster" at every shutdown).
+            shutdown_atexit=False,
             config=config,
             log=_quiet_log(),
             **kwargs,

@@ -203,3 +203,34 @@ def test_a_named_profile_keeps_no_exit_files_of_stopped_ranks(tmp_path, monkeypa
     log = tmp_path / "profile_kept" / "log"
     assert log.is_dir()
     assert sorted(p.name for p in log.iterdir() if ".exit." in p.name) == []
+
+
+def test_a_driver_that_exits_without_stopping_is_cleaned_up_by_nbdist_alone(tmp_path):
+    """A script (or kernel) ends with ranks running: nbdist's exit hook stops them.
+
+    ipyparallel's own exit hook would run first and stop the cluster on its own, printing
+    "Stopping cluster" on stderr; nbdist leaves that to its hook, which also ends what lay
+    below the ranks.
+    """
+    script = tmp_path / "driver.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json
+            import nbdist
+            s = nbdist.DistSession(2, cpu=True, timeout=120).start()
+            s.run("import subprocess; child = subprocess.Popen(['sleep', '600'])")
+            below = s.pull("child.pid")
+            pids = sorted(set(s.cluster.pids) | {r.pid for r in s.ranks} | set(below))
+            print(json.dumps(pids), flush=True)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    pids = json.loads(done.stdout.splitlines()[-1])
+    assert len(pids) >= 6
+    assert wait_gone(pids, timeout=15) == []
+    assert "Stopping cluster" not in done.stderr
