@@ -440,7 +440,13 @@ def connect(path: str, *, timeout: float) -> ClusterHandle:
         raise NbdistError(
             f"--connect {path!r} is not a readable JSON connection file: {exc}"
         ) from exc
-    if "cluster" in content:
+    client_file = _client_file_of(content) if "cluster" in content else None
+    if client_file is not None:
+        client = ipp.Client(client_file, timeout=timeout)
+    elif "cluster" in content:
+        # Its controller's connection file is not here (one on another host, never
+        # fetched): ipyparallel's Cluster fetches it. That object keeps a thread, an event
+        # loop and a thread per process it lists, for the kernel's lifetime.
         cluster = ipp.Cluster.from_file(path)
         client = cluster.connect_client_sync()
     else:
@@ -455,6 +461,22 @@ def connect(path: str, *, timeout: float) -> ClusterHandle:
             "(ipengine) for it, then connect again"
         )
     return ClusterHandle(client=client, cluster=None, owned=False, start_method="attached")
+
+
+def _client_file_of(content: dict) -> str | None:
+    """The client connection file a cluster file's controller wrote, if it is on this machine.
+
+    Read directly: ``ipyparallel.Cluster.from_file`` would rebuild the cluster's launchers,
+    each with a thread waiting on its process, and a thread and event loop for its calls,
+    none of which ends when the kernel lets go of the cluster (every connect left them).
+    """
+    info = content.get("cluster") or {}
+    profile_dir, cluster_id = info.get("profile_dir"), info.get("cluster_id")
+    if not isinstance(profile_dir, str):
+        return None
+    name = f"ipcontroller-{cluster_id}-client.json" if cluster_id else "ipcontroller-client.json"
+    path = os.path.join(profile_dir, "security", name)
+    return path if os.path.exists(path) else None
 
 
 def stop_processes(handle: ClusterHandle) -> list[int]:

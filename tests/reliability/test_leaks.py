@@ -56,6 +56,35 @@ def test_start_stop_cycles_leave_no_thread_and_no_fd(kernels):
         )
 
 
+def test_connect_to_a_cluster_file_cycles_leave_no_thread_and_no_fd(kernels, tmp_path):
+    # A cluster file (cluster-*.json) is read into an ipyparallel Cluster, whose *_sync
+    # calls run on a thread and event loop of its own: each connect used to leave both.
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster(
+        n=2, profile_dir=str(tmp_path), cluster_id="shared", controller_ip="127.0.0.1"
+    )
+    cluster.start_cluster_sync()
+    try:
+        with cluster.connect_client_sync() as client:
+            client.wait_for_engines(2, timeout=120, interactive=False)
+        path = cluster.cluster_file
+        kernel = kernels()
+        kernel.ok("%load_ext nbdist")
+        proc = psutil.Process(kernel.pid)
+        samples = []
+        for _ in range(CYCLES):
+            kernel.ok(f"%dist_start --connect {path}", timeout=240)
+            kernel.ok("%dist_stop")
+            samples.append(_sample(proc, samples[0] if samples else None))
+        drift = _drift(samples)
+        assert all(abs(v) <= TOLERANCE for v in drift.values()), (
+            f"after {CYCLES} connect/stop cycles: {samples[0]} -> {samples[-1]} ({drift})"
+        )
+    finally:
+        cluster.stop_cluster_sync()
+
+
 DASHBOARD_OF_A_FINISHED_RUN = """
 import threading, time
 from nbdist.dashboard import show_run
