@@ -35,6 +35,7 @@ from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics
 from nbdist.driver.ipp_internals import fail_undecodable_replies
 from nbdist.driver.pulls import pull_values
 from nbdist.driver.runner import RankRun, submit
+from nbdist.driver.sigint_deferred import sigint_deferred
 from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
 from nbdist.engine import bootstrap
@@ -302,25 +303,27 @@ class DistSession:
         Returns the PIDs that had to be force-killed (normally none). The run's
         metrics stay readable (``session.metrics``, ``nbdist.runs()``).
         """
-        killed = self._stop_ranks()
-        if self._hub is not None:
-            self._hub.close()
-            from nbdist.dashboard.live import freeze_views
+        with sigint_deferred():  # a Ctrl-C midway would leave half a stop
+            killed = self._stop_ranks()
+            if self._hub is not None:
+                self._hub.close()
+                from nbdist.dashboard.live import freeze_views
 
-            freeze_views(self._hub.run)
+                freeze_views(self._hub.run)
         return killed
 
     def _stop_ranks(self) -> list[int]:
-        handle = self._unwatch()
-        if handle is None:
-            return []
-        group, self.group = self.group, None
-        if handle.client is not None and not handle.owned and group is not None:
-            try:  # leave the group so the engines of a connected cluster can be reused
-                handle.client[group.engine_ids].apply_async(bootstrap.teardown).get(5)
-            except Exception:
-                pass
-        return stop_processes(handle)
+        with sigint_deferred():  # the handle is let go of first: the rest must follow
+            handle = self._unwatch()
+            if handle is None:
+                return []
+            group, self.group = self.group, None
+            if handle.client is not None and not handle.owned and group is not None:
+                try:  # leave the group so the engines of a connected cluster can be reused
+                    handle.client[group.engine_ids].apply_async(bootstrap.teardown).get(5)
+                except Exception:
+                    pass
+            return stop_processes(handle)
 
     def _unwatch(self) -> ClusterHandle | None:
         # The handle, taken from the session, which no longer watches its ranks.

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.conftest import wait_gone
 from tests.notebooks.test_kernel import ranks_printed, shown_text
 from tests.reliability.conftest import DeathClock, survivors
 
@@ -91,3 +92,36 @@ def test_every_process_nbdist_started_is_gone_within_10_s(kernels, how, ranks):
         assert kernel.ok("%load_ext nbdist\n%dist_stop").stdout.strip() == (
             "nbdist: no cluster running"
         )
+
+
+def test_an_interrupt_during_dist_stop_lets_the_stop_finish_first(kernels):
+    # Each rank's cell started a process that ignores SIGTERM: the stop then waits out the
+    # grace before SIGKILL, and the interrupt comes during that wait.
+    kernel = kernels()
+    kernel.start_dist(2)
+    profile = kernel.ok(
+        "import nbdist\nprint(nbdist.current_session().cluster.profile_dir)"
+    ).stdout.strip()
+    kernel.ok(
+        "%%on_all_ranks\nimport subprocess\n"
+        "stubborn = subprocess.Popen(['sh', '-c', 'trap \"\" TERM; sleep 600'])"
+    )
+    ranks = kernel.nbdist_pids()
+    pids = kernel.descendants()
+    engines = [
+        int(p)
+        for p in kernel.ok("print(*[r.pid for r in nbdist.current_session().ranks])").stdout.split()
+    ]
+    msg_id = kernel.submit("%dist_stop")
+    # The ranks end first; the stubborn processes stay until SIGKILL, 3 s later.
+    assert wait_gone(engines, timeout=60) == []
+    kernel.km.interrupt_kernel()
+    outputs, _ = kernel.collect(msg_id, timeout=120)
+    reply = kernel.reply(msg_id)
+    # The user's interrupt is not lost: the cell ends in KeyboardInterrupt, after the stop.
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", reply
+    left = survivors(pids, until=time.monotonic() + GRACE_S)
+    assert left == [], "left running after an interrupted %dist_stop:\n" + "\n".join(left)
+    assert set(ranks) <= set(pids)
+    assert not os.path.exists(profile), f"{profile} (it holds the cluster key) outlived the stop"
+    assert kernel.ok("%dist_stop").stdout.strip() == "nbdist: no cluster running"
