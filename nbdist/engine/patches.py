@@ -43,6 +43,7 @@ from nbdist.engine import (
     stdin_bridge,
     user_group,
 )
+from nbdist.metrics import log as metrics_log
 
 __all__ = ["PATCHES", "Patch", "install_in_script", "install_on_group", "install_on_rank"]
 
@@ -172,11 +173,13 @@ def install_on_rank(kernel=None, shell=None) -> None:
         stdin_bridge.install(kernel)
         # Each execute reply says what the kernel needs to know after a cell.
         cell_reply.install(kernel, shell)
-    if shell is not None and collectives.cell_started not in shell.events.callbacks.get(
-        "pre_execute", []
-    ):
-        # A collective is known to be this cell's or an earlier one's (a release's rule).
-        shell.events.register("pre_execute", collectives.cell_started)
+    if shell is not None:
+        callbacks = shell.events.callbacks.get("pre_execute", [])
+        # A collective is known to be this cell's or an earlier one's (a release's rule);
+        # a cell's first point does not take the pause since the last cell as its step.
+        for began in (collectives.cell_started, metrics_log.cell_started):
+            if began not in callbacks:
+                shell.events.register("pre_execute", began)
 
 
 def install_in_script(*, stage_p2p: bool) -> None:

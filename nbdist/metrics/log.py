@@ -68,7 +68,16 @@ from nbdist.metrics.batch import Points, to_columns
 from nbdist.metrics.steptime import data_timer
 from nbdist.metrics.steptime import timers as _timers
 
-__all__ = ["configure", "data_timer", "dropped", "end_of_cell", "flush", "log", "shutdown"]
+__all__ = [
+    "cell_started",
+    "configure",
+    "data_timer",
+    "dropped",
+    "end_of_cell",
+    "flush",
+    "log",
+    "shutdown",
+]
 
 # <= 2 flushes a second per rank, so a point is in the kernel (and on the dashboard) within
 # ~0.5 s. Each flush wakes a thread that, with every core busy training, preempts a training
@@ -280,7 +289,8 @@ def log(step: int | None = None, **scalars) -> None:
 
     Values: Python numbers or 0-d tensors (a CPU tensor read now; a device tensor
     detached now, read on the flush thread, in batches: no sync here). ``samples`` / ``tokens`` give throughput; the time
-    between calls gives ``step_time`` and its breakdown (``comm_s``, ``data_s``,
+    between calls in one cell gives ``step_time`` (not the first call of a cell:
+    :func:`cell_started`) and its breakdown (``comm_s``, ``data_s``,
     ``compute_s``; ``data_time`` = seconds this step waited for data, else the
     time inside :func:`data_timer` blocks). ``flops`` (this step's FLOPs on this
     rank) gives ``tflops`` and ``mfu`` against the device's peak, or against
@@ -436,6 +446,25 @@ def dropped() -> int:
     """Points this rank logged but could not send (a full buffer, an error); normally 0."""
     channel = _channel
     return 0 if channel is None else channel.dropped
+
+
+def cell_started() -> None:
+    """A cell begins on this rank (IPython's ``pre_execute``): its first point starts afresh.
+
+    A point's step time is the time since the previous call of :func:`log`. Across
+    cells that is the pause between them as well (the user reading, editing), so the
+    first point of the next training cell took minutes as its step: its throughput
+    near 0, the breakdown's compute bar minutes high for the 20 points it averages.
+    The first point of a cell has no step time, as the rank's first point has none;
+    steps still count on.
+    """
+    channel = _channel
+    if channel is None:
+        return
+    with channel.send_lock:  # after the flush that set the buffer's first_last
+        with channel.lock:
+            if not channel.pending.n:  # a point logged by a thread meanwhile keeps it
+                channel.pending.first_last = None
 
 
 def end_of_cell() -> int | None:

@@ -52,6 +52,24 @@ def test_throughput_and_step_time_are_derived(session):
     assert last["memory_mib"] > 10  # the rank's RSS, sampled at the flush
 
 
+def test_a_cells_first_point_does_not_take_the_pause_before_the_cell_as_its_step(session):
+    # Steps no other test of the module logs (the session's run keeps them all).
+    cell = "for i in range(3):\n    nbdist.log(step=STEP + i, samples=32)\n"
+    session.run(cell.replace("STEP", "90000"), sink=ListSink())
+    time.sleep(1.5)  # the user reads the last cell's output
+    session.run(cell.replace("STEP", "90003"), sink=ListSink())
+    for rank in (0, 1):
+        steps, step_times = session.metrics.series("step_time", rank)
+        timed = {s: t for s, t in zip(steps, step_times) if s >= 90000}
+        # Within a cell each point has the time since the previous one; the first point of
+        # the second cell has none (it had the 1.5 s pause, and a samples/s near 0).
+        assert sorted(timed) == [90001, 90002, 90004, 90005]
+        assert all(t < 1.5 for t in timed.values())
+        rates = dict(zip(*session.metrics.series("samples_per_s", rank)))
+        assert 90003 not in rates and 90004 in rates
+        assert session.metrics.last(rank)["step"] == 90005  # steps still count on
+
+
 def test_history_has_the_points_after_the_run(session):
     record = [r for r in nbdist.runs(session.history) if r.id == session.metrics.id][0]
     frame = record.to_pandas()
