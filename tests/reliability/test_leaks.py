@@ -73,13 +73,14 @@ def test_connect_to_a_cluster_file_cycles_leave_no_thread_and_no_fd(kernels, tmp
         kernel.ok("%load_ext nbdist")
         proc = psutil.Process(kernel.pid)
         samples = []
-        for _ in range(CYCLES):
+        # Each connect left 4 threads and 6 fds: 3 cycles show it well past the tolerance.
+        for _ in range(3):
             kernel.ok(f"%dist_start --connect {path}", timeout=240)
             kernel.ok("%dist_stop")
             samples.append(_sample(proc, samples[0] if samples else None))
         drift = _drift(samples)
         assert all(abs(v) <= TOLERANCE for v in drift.values()), (
-            f"after {CYCLES} connect/stop cycles: {samples[0]} -> {samples[-1]} ({drift})"
+            f"after 3 connect/stop cycles: {samples[0]} -> {samples[-1]} ({drift})"
         )
     finally:
         cluster.stop_cluster_sync()
