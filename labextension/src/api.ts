@@ -91,7 +91,10 @@ export interface IClusterSummary {
 }
 
 export interface IRunRecord {
+  /** Counted from 1 in every history file: a run is named by its ``history`` and its id. */
   id: number;
+  /** The history file the run is in (the default one, or a live cluster's own ``history=``). */
+  history: string;
   started: number;
   ended: number | null;
   world_size: number;
@@ -101,6 +104,11 @@ export interface IRunRecord {
   points: number;
   /** True while a live cluster logs to it; a run whose kernel died is finished (ended may be null). */
   running: boolean;
+}
+
+/** A history's file name (``run.history`` is its path): tells two runs of one id apart at a glance. */
+export function historyName(history: string): string {
+  return history.split(/[\\/]/).pop() || history;
 }
 
 /** A metric's chart titles, as the notebook dashboard writes them. */
@@ -116,6 +124,7 @@ export interface IPanel {
 
 export interface IRunSeries {
   id: number;
+  history: string;
   started: number;
   ended: number | null;
   world_size: number;

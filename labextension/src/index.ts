@@ -17,7 +17,7 @@ import { Widget } from '@lumino/widgets';
 import { ClusterModel, IRunRecord } from './api';
 import { NamedSessionsView } from './named';
 import { ClusterPanel } from './panel';
-import { runChartWidget } from './runchart';
+import { runChartWidget, runWidgetId } from './runchart';
 import { StatusItem } from './status';
 
 const ICON_SVG = `<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">
@@ -45,7 +45,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     const model = new ClusterModel();
     const runs = new WidgetTracker<MainAreaWidget<Widget>>({ namespace: 'nbdist-runs' });
     const openRun = (record: IRunRecord) => {
-      const existing = runs.find(w => w.id === `nbdist-run-${record.id}`);
+      // One chart per run of each history: two histories' run 1 are two charts.
+      const existing = runs.find(w => w.id === runWidgetId(record));
       if (existing) {
         app.shell.activateById(existing.id);
         return;

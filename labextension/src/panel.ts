@@ -6,7 +6,7 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { ServiceManager } from '@jupyterlab/services';
 import { Widget } from '@lumino/widgets';
 
-import { act, Action, ClusterModel, ICluster, IRunRecord, requestAPI } from './api';
+import { act, Action, ClusterModel, historyName, ICluster, IRunRecord, requestAPI } from './api';
 import { lineChart, rankLegend } from './charts';
 import { rankTable, updateRankTable } from './ranks';
 import { drawnRanks, MEDIAN, summaryBox, updateSummary } from './summary';
@@ -129,7 +129,8 @@ export class ClusterPanel extends Widget {
       }
     }
     // A cluster that starts, restarts or stops changes which runs run: list them again.
-    const runs = clusters.map(c => String(c.run_id)).join(',');
+    // (The cluster's id too: two clusters' histories may each have a run of that id.)
+    const runs = clusters.map(c => `${c.id}:${c.run_id}`).join(',');
     if (runs !== this._runIds) {
       this._runIds = runs;
       void this._loadRuns();
@@ -300,15 +301,21 @@ export class ClusterPanel extends Widget {
       li.textContent = 'No runs in the history yet.';
       this._runs.appendChild(li);
     }
+    const several = new Set(runs.map(run => run.history)).size > 1;
     for (const run of runs.slice().reverse().slice(0, 50)) {
       const li = document.createElement('li');
       const link = document.createElement('button');
       link.className = 'nbdist-run-link';
+      // A run is (history, id): every history numbers its runs from 1.
       link.dataset.runId = String(run.id);
+      link.dataset.history = run.history;
+      link.title = `run ${run.id} of the history ${run.history}`;
       const when = new Date(run.started * 1000).toLocaleString();
       // Running only while a live cluster logs to it: a run whose kernel died is finished.
       link.dataset.state = run.running ? 'running' : 'finished';
-      link.textContent = `run ${run.id} · ${run.world_size} ranks · ${run.backend || '?'} · ${run.points} points · ${when} · ${run.running ? 'running' : 'finished'}`;
+      // With runs of more than one history listed, each names its history's file.
+      const where = several ? ` · ${historyName(run.history)}` : '';
+      link.textContent = `run ${run.id}${where} · ${run.world_size} ranks · ${run.backend || '?'} · ${run.points} points · ${when} · ${run.running ? 'running' : 'finished'}`;
       link.onclick = () => this.openRun(run);
       li.appendChild(link);
       this._runs.appendChild(li);

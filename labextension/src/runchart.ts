@@ -14,7 +14,7 @@ import { PageConfig, URLExt } from '@jupyterlab/coreutils';
 import type { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
-import { IRunRecord, IRunSeries, Palette, requestAPI } from './api';
+import { historyName, IRunRecord, IRunSeries, Palette, requestAPI } from './api';
 import { lineChart, rankLegend, Series } from './charts';
 
 const PLOT_HEIGHT = 300;
@@ -113,7 +113,10 @@ class RunChart extends Widget {
   private async _load(): Promise<void> {
     let run: IRunSeries;
     try {
-      [run] = await Promise.all([requestAPI<IRunSeries>(`runs/${this.record.id}`), this.palette.load()]);
+      // The run of its own history: another history has a run of the same id.
+      const query = URLExt.objectToQueryString({ history: this.record.history });
+      const path = `runs/${this.record.id}${query}`;
+      [run] = await Promise.all([requestAPI<IRunSeries>(path), this.palette.load()]);
     } catch (err) {
       this.node.textContent = `Cannot read run ${this.record.id}: ${(err as Error).message}`;
       return;
@@ -128,6 +131,7 @@ class RunChart extends Widget {
         ? new Date(run.ended * 1000).toLocaleString()
         : 'finished (its kernel ended it without a time)';
     head.textContent = `run ${run.id} · ${run.world_size} ranks · ${run.backend || '?'} · ${started} → ${ended}`;
+    head.title = `run ${run.id} of the history ${run.history}`;
     const note = document.createElement('div');
     note.className = 'nbdist-run-note';
     const grid = document.createElement('div');
@@ -278,10 +282,26 @@ class RunChart extends Widget {
   private _themeWatch = new MutationObserver(() => this._onThemeChange());
 }
 
+const historyNumbers = new Map<string, number>();
+
+/**
+ * The id of the chart widget of ``record`` (unique in the page): every history numbers
+ * its runs from 1, so the id names the history too (by a number kept for the page's life).
+ */
+export function runWidgetId(record: IRunRecord): string {
+  let n = historyNumbers.get(record.history);
+  if (n === undefined) {
+    n = historyNumbers.size;
+    historyNumbers.set(record.history, n);
+  }
+  return `nbdist-run-${n}-${record.id}`;
+}
+
 export function runChartWidget(record: IRunRecord, palette: Palette): MainAreaWidget<Widget> {
   const widget = new MainAreaWidget({ content: new RunChart(record, palette) });
-  widget.id = `nbdist-run-${record.id}`;
-  widget.title.label = `nbdist run ${record.id}`;
+  widget.id = runWidgetId(record);
+  widget.title.label = `nbdist run ${record.id} · ${historyName(record.history)}`;
+  widget.title.caption = `run ${record.id} of the history ${record.history}`;
   widget.title.closable = true;
   return widget;
 }

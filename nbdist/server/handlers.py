@@ -6,8 +6,8 @@ Routes, under the server's base URL::
     POST nbdist/api/clusters/<id>/interrupt       SIGINT to the cluster's engine PIDs
     POST nbdist/api/clusters/<id>/restart         restart the ranks, through the cluster's kernel
     POST nbdist/api/clusters/<id>/stop            stop the cluster, through the cluster's kernel
-    GET  nbdist/api/runs                          runs in the history, and which still run
-    GET  nbdist/api/runs/<run id>                 one run's series, decimated for a chart
+    GET  nbdist/api/runs                          runs of the histories, and which still run
+    GET  nbdist/api/runs/<run id>?history=<path>  one run's series, decimated for a chart
     GET  nbdist/api/palette                       the rank colours every view draws ranks in
     GET  nbdist/api/sessions                      named sessions (nbdist.server.named_session_handlers)
     POST nbdist/api/sessions/<name>/stop          end a named session, wherever it runs
@@ -18,6 +18,13 @@ pattern) rather than holding a websocket: each poll is one small read of the
 registry and the history, it goes through the server's ordinary token/cookie
 authentication and XSRF checks, survives proxies (JupyterHub) and server
 restarts without reconnection logic, and costs nothing when nobody looks.
+
+The histories are the default one and each live cluster's own (``DistSession(history=...)``).
+Run ids count from 1 in every file, so a run is named by its id *and* its history: each
+record of ``runs`` carries ``history`` (the file's path, which the client passes back as
+``?history=``). ``runs/<id>`` reads only a history the server lists (any other is a 404,
+never a file the client names); without ``history`` it takes the first history holding
+the run, the default one first.
 
 Example (with the server's token)::
 
@@ -178,6 +185,11 @@ def _live_runs(view: LiveView) -> set[tuple[str, int]]:
 
 
 def _history_paths(view: LiveView) -> list[str]:
+    """The histories the server reads: the default one, then each live cluster's own.
+
+    The only files ``GET runs/<id>?history=`` may name (compared as the exact text
+    ``GET runs`` gave out, so no other spelling of a path reaches another file).
+    """
     paths = [store.history_path()]
     for entry in view.entries():
         if entry.get("history") and entry["history"] not in paths:
@@ -198,6 +210,8 @@ class RunsHandler(_Base):
                 out.append(
                     dict(
                         id=record.id,
+                        # Every history numbers its runs from 1: (history, id) names a run.
+                        history=path,
                         started=record.started,
                         ended=record.ended,
                         world_size=record.world_size,
@@ -223,6 +237,16 @@ class RunHandler(_Base):
 
         cache = self.settings.setdefault("nbdist_run_payloads", PayloadCache())
         paths, live = _history_paths(self.view), _live_runs(self.view)
+        history = self.get_query_argument("history", None, strip=False)  # exact text
+        if history is not None:
+            # Only a history the server lists (GET runs): never a file the client names.
+            if history not in paths:
+                raise web.HTTPError(
+                    404,
+                    f"history {history!r} is not one the server reads (the default history or "
+                    "a running cluster's own; its cluster may have stopped): see GET nbdist/api/runs",
+                )
+            paths = [history]
 
         def body() -> str | None:
             found = cache.payload(int(run_id), paths)
@@ -230,11 +254,12 @@ class RunHandler(_Base):
                 return None
             path, payload = found
             running = (path, payload["id"]) in live
-            return json.dumps({**payload, "running": running}, allow_nan=False)
+            return json.dumps({**payload, "history": path, "running": running}, allow_nan=False)
 
         text = await asyncio.to_thread(body)
         if text is None:
-            raise web.HTTPError(404, f"run {run_id} is not in the history: see GET nbdist/api/runs")
+            where = "the history" if history is None else f"history {history!r}"
+            raise web.HTTPError(404, f"run {run_id} is not in {where}: see GET nbdist/api/runs")
         self.set_header("Content-Type", "application/json")
         self.finish(text)
 

@@ -266,6 +266,60 @@ def test_sidebar_status_bar_and_kernel_indicators(lab_factory, browser_page, art
     assert errors == [], errors
 
 
+TWO_RUN_1S_CELL = """import os, time, nbdist
+from nbdist.metrics.store import RunStore
+default = RunStore()  # the default history (the server's too): its run 1, losses 9 8 7
+run = default.new_run(world_size=1, backend="gloo")
+default.append(run.id, 0, [[i, time.time(), {"loss": 9.0 - i}] for i in range(3)])
+default.commit(); default.end_run(run.id); default.close()
+session = nbdist.DistSession(1, cpu=True, history=os.path.abspath("mine.sqlite"))
+session.start()  # its own history: its run is run 1 as well, losses 0.5 1.5 2.5 3.5
+session.run("for i in range(4):\\n    nbdist.log(step=i, loss=0.5 + i)")"""
+
+LOSSES = """() => {
+  const shown = [...document.querySelectorAll('.nbdist-run-chart')].filter(c => c.offsetParent);
+  const plot = shown.length === 1 && shown[0].querySelector('.nbdist-run-plot-loss');
+  return plot && plot.data ? plot.data[0].y : null;
+}"""  # the loss values of the run chart shown
+
+
+@pytest.mark.timeout(300)
+def test_two_histories_run_1_open_two_charts_of_their_own(lab_factory, browser_page):
+    """A live cluster's own history= file and the default history each have a run 1:
+    "Past runs" lists both, and each opens its own chart with its own points."""
+    server = lab_factory("two.ipynb", notebook_json([TWO_RUN_1S_CELL]))
+    page = browser_page
+    page.goto(f"{server.url}lab/tree/two.ipynb?token={server.token}")
+    # The kernel is ready before the cell is run (as in the test above).
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    page.locator(".jp-SideBar .lm-TabBar-tab[data-id='nbdist-sidebar']").click()
+    page.locator("li.lm-MenuBar-item", has_text="Run").click()
+    page.locator("li.lm-Menu-item[data-command='runmenu:run-all']").click()
+    mine = str(server.root_dir / "mine.sqlite")
+
+    def ones() -> list[dict]:
+        return [r for r in server.api("GET", "nbdist/api/runs")[1]["runs"] if r["id"] == 1]
+
+    assert poll(lambda: any(r["history"] == mine and r["points"] == 4 for r in ones()), 120)
+    page.locator(".nbdist-runs-refresh").click()
+    links = page.locator(".nbdist-run-link[data-run-id='1']")
+    assert poll(lambda: links.count() == 2, timeout=10), links.all_inner_texts()
+    # Newest first: the cluster's run 1, then the default history's; each opens its own chart.
+    for i, losses in enumerate(([0.5, 1.5, 2.5, 3.5], [9, 8, 7])):
+        links.nth(i).click()
+        assert poll(lambda want=losses: page.evaluate(LOSSES) == want, 60), page.evaluate(LOSSES)
+        assert page.locator(".nbdist-run-chart").count() == i + 1  # a chart of its own
+    histories = [links.nth(i).get_attribute("data-history") for i in range(2)]
+    assert histories == [mine, ones()[0]["history"]]  # and each names its history
+    assert "mine.sqlite" in links.nth(0).inner_text(), links.nth(0).inner_text()
+    links.nth(0).click()  # open already: shown again, not opened twice
+    assert page.locator(".nbdist-run-chart").count() == 2
+    assert poll(lambda: page.evaluate(LOSSES) == [0.5, 1.5, 2.5, 3.5], 10), page.evaluate(LOSSES)
+    page.locator(".nbdist-cluster button.nbdist-stop").click()
+    page.locator(".jp-Dialog button.jp-mod-accept").click()
+    assert poll(lambda: page.locator(".nbdist-cluster").count() == 0, timeout=60)
+
+
 def _start_notebook7(tmp: Path) -> tuple[subprocess.Popen, str, str]:
     """Notebook 7 on a free loopback port, isolated dirs, this checkout's extension build."""
     env = dict(os.environ)
