@@ -80,7 +80,9 @@ class RunStore:
 
     def __init__(self, path: str | None = None):
         """Open (creating it if needed) the history at ``path``, by default :func:`history_path`."""
-        self.path = path or history_path()
+        # Absolute: the Jupyter server (the sidebar) and other kernels read the history
+        # from the path this kernel registers, each from a working directory of its own.
+        self.path = os.path.abspath(path or history_path())
         self._conn = _connect(self.path)
         self._lock = threading.Lock()
         self._seq: dict[tuple[int, int], int] = {}

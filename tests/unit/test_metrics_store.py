@@ -199,3 +199,19 @@ def test_a_signed_message_the_kernel_cannot_read_is_counted_and_the_next_one_arr
     finally:
         push.close()
         collector.stop()
+
+
+def test_a_history_given_by_a_relative_path_is_found_from_another_directory(tmp_path, monkeypatch):
+    # The kernel registers its history's path; the Jupyter server (the sidebar) and other
+    # kernels read it from working directories of their own.
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "server").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    store = RunStore("mine.sqlite")
+    run = store.new_run(world_size=1, backend="gloo")
+    store.append(run.id, 0, [[0, 1.0, {"loss": 0.5}]])
+    store.commit()
+    store.close()
+    monkeypatch.chdir(tmp_path / "server")
+    assert store.path == str(tmp_path / "notebooks" / "mine.sqlite")
+    assert load_run(run.id, path=store.path).series("loss", 0) == ([0], [0.5])
