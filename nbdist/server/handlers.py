@@ -222,6 +222,9 @@ class RunsHandler(_Base):
                         running=(path, record.id) in live,
                     )
                 )
+        # Oldest first across every history (the sidebar shows the newest 50): listed
+        # history by history, a large cluster history pushed the default one's runs out.
+        out.sort(key=lambda record: (record["started"] or 0, record["id"]))
         self.write_json({"runs": out})
 
 

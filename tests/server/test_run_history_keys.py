@@ -60,7 +60,12 @@ async def test_two_run_1s_of_two_histories_each_open_their_own(jp_fetch, history
         await asyncio.to_thread(
             session.run, "for i in range(4):\n    nbdist.log(step=i, loss=0.5 + i)"
         )
+        later = RunStore(history)  # a run of the default history begun after mine
+        later.new_run(world_size=1, backend="gloo")
+        later.close()
         runs = (await _get(jp_fetch, "nbdist", "api", "runs"))["runs"]
+        # Oldest first across both histories: the sidebar shows the newest 50 of them.
+        assert [(r["history"], r["id"]) for r in runs] == [(history, 1), (mine, 1), (history, 2)]
         ones = {r["history"]: r for r in runs if r["id"] == 1}
         assert set(ones) == {history, mine}, runs  # both listed, told apart by their history
         assert (ones[history]["points"], ones[history]["running"]) == (3, False)
