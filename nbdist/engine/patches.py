@@ -177,7 +177,7 @@ def install_on_rank(kernel=None, shell=None) -> None:
         callbacks = shell.events.callbacks.get("pre_execute", [])
         # A collective is known to be this cell's or an earlier one's (a release's rule);
         # a cell's first point does not take the pause since the last cell as its step.
-        for began in (collectives.cell_started, metrics_log.cell_started):
+        for began in (collectives.cell_started, metrics_log.new_cell):
             if began not in callbacks:
                 shell.events.register("pre_execute", began)
 

@@ -69,13 +69,13 @@ from nbdist.metrics.steptime import data_timer
 from nbdist.metrics.steptime import timers as _timers
 
 __all__ = [
-    "cell_started",
     "configure",
     "data_timer",
     "dropped",
     "end_of_cell",
     "flush",
     "log",
+    "new_cell",
     "shutdown",
 ]
 
@@ -290,7 +290,7 @@ def log(step: int | None = None, **scalars) -> None:
     Values: Python numbers or 0-d tensors (a CPU tensor read now; a device tensor
     detached now, read on the flush thread, in batches: no sync here). ``samples`` / ``tokens`` give throughput; the time
     between calls in one cell gives ``step_time`` (not the first call of a cell:
-    :func:`cell_started`) and its breakdown (``comm_s``, ``data_s``,
+    :func:`new_cell`) and its breakdown (``comm_s``, ``data_s``,
     ``compute_s``; ``data_time`` = seconds this step waited for data, else the
     time inside :func:`data_timer` blocks). ``flops`` (this step's FLOPs on this
     rank) gives ``tflops`` and ``mfu`` against the device's peak, or against
@@ -448,7 +448,7 @@ def dropped() -> int:
     return 0 if channel is None else channel.dropped
 
 
-def cell_started() -> None:
+def new_cell() -> None:
     """A cell begins on this rank (IPython's ``pre_execute``): its first point starts afresh.
 
     A point's step time is the time since the previous call of :func:`log`. Across
