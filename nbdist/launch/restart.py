@@ -30,8 +30,16 @@ from nbdist.launch.local_engines import ZygoteEngineSetLauncher
 
 __all__ = ["in_place_refusal", "restart_in_place"]
 
-# The zygote's own stop grace (3 s) for what ignores SIGTERM, then forking.
+# The zygote's own stop grace (3 s) for what ignores SIGTERM, then ending and forking the
+# ranks, which grows with them: 18.5 s at 256 ranks on 2 cores (2026-11-29), where a fixed
+# 10 s gave up and fell back to a full restart (65 s instead of 48 s).
 _ZYGOTE_REPLY_S = 10.0
+_ZYGOTE_REPLY_PER_RANK_S = 0.15
+
+
+def _zygote_reply_s(n: int) -> float:
+    """Seconds the zygote may take to end ``n`` ranks and fork ``n`` fresh ones."""
+    return _ZYGOTE_REPLY_S + _ZYGOTE_REPLY_PER_RANK_S * n
 
 
 def in_place_refusal(handle: ClusterHandle) -> str:
@@ -74,12 +82,12 @@ def restart_in_place(handle: ClusterHandle, *, n: int, timeout: float) -> list[i
     old_ids, old_pids = set(client.ids), set(status.get("pids", []))
     generation = status.get("generation", 0) + 1
     zygote.send_signal(signal.SIGUSR1)  # psutil: never a reused PID
-    deadline = time.monotonic() + _ZYGOTE_REPLY_S
+    limit = _zygote_reply_s(n)
+    deadline = time.monotonic() + limit
     while status.get("generation", 0) < generation:
         if time.monotonic() > deadline or not zygote.is_running():
             raise NbdistError(
-                f"the engine zygote (pid {zygote.pid}) did not fork fresh ranks within "
-                f"{_ZYGOTE_REPLY_S:g} s"
+                f"the engine zygote (pid {zygote.pid}) did not fork fresh ranks within {limit:g} s"
             )
         time.sleep(0.005)
         status = engines.read_status()
