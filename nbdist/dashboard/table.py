@@ -333,13 +333,14 @@ def rank_rows(
     history: dict[int, list[tuple[float, int]]] = {}
     clock = "step_time" if "step_time" in run.keys() else (run.keys() or [None])[0]
     for rank in run.ranks:
-        _, values = run.series("step_time", rank)
+        # Only the latest points are read: a whole series grows with the session.
+        _, values = run.series("step_time", rank, start=-RECENT)
         if values:
-            step_times[rank] = values[-RECENT:]
+            step_times[rank] = values
         if clock is not None:
-            steps, _ = run.series(clock, rank)
-            times, _ = run.timeline(clock, rank)
-            history[rank] = list(zip(times[-HISTORY:], steps[-HISTORY:]))
+            steps, _ = run.series(clock, rank, start=-HISTORY)
+            times, _ = run.timeline(clock, rank, start=-HISTORY)
+            history[rank] = list(zip(times, steps))
     return build_rows(run, step_times, history, states, now=now, ratio=ratio, max_lag=max_lag)
 
 
