@@ -34,7 +34,8 @@ start, ``restart()`` on request, then ``restart()`` after rank 1 was SIGKILLed
 session's own start-to-ready; the figure is the median of those ratios (goal
 <= 0.5: the zygote forks fresh ranks, the controller stays).
 
-Usage: python bench/startup.py [--n 2 4] [--reps 3] [--no-spawn] [--no-restart] [--quick]
+Usage: python bench/startup.py [--n 2 4] [--reps 3] [--no-spawn] [--no-restart] [--no-floor-a]
+[--quick]
 """
 
 from __future__ import annotations
@@ -226,6 +227,11 @@ def _main(argv=None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: n=2, 1 repetition, no spawn row"
     )
+    parser.add_argument(
+        "--no-floor-a",
+        action="store_true",
+        help="skip floor (a) (n processes importing torch at once: 256 of them need ~75 GiB)",
+    )
     args = parser.parse_args(argv)
     ns = args.n or ([2] if args.quick else [2, 4])
     reps = args.reps or (1 if args.quick else 3)
@@ -266,7 +272,7 @@ def _main(argv=None) -> int:
                 "spawn": [],
             }
             for rep in range(reps):
-                samples["a"].append(floor_parallel_imports(n))
+                samples["a"].append(float("nan") if args.no_floor_a else floor_parallel_imports(n))
                 reaped, exited = floor_import_then_fork(n)
                 samples["b"].append(reaped)
                 samples["b_exit"].append(exited)
