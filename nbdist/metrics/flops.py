@@ -2,7 +2,7 @@
 
 ``nbdist.log(step=i, loss=loss, flops=F)`` with ``F`` the FLOPs of this step on
 this rank gives ``tflops`` (``F / step_time / 1e12``, with ``step_time`` the
-seconds since the rank's previous ``log`` call, as for ``samples_per_s``) and
+seconds since the rank's previous ``log`` call in the cell, as for ``samples_per_s``) and
 ``mfu`` (``tflops / peak``, a fraction). Two ways to get ``F``, once, before
 the loop:
 

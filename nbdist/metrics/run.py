@@ -8,7 +8,7 @@ one per cell. The collector thread adds points; dashboards and
 kernel restarts (:func:`nbdist.metrics.store.load_run`).
 
 Keys with a meaning, computed on the rank when the point is logged:
-``step_time`` (seconds since the rank's previous ``log`` call),
+``step_time`` (seconds since the rank's previous ``log`` call in the same cell),
 ``samples_per_s`` / ``tokens_per_s`` (from ``samples`` / ``tokens`` and
 ``step_time``), ``tflops`` / ``mfu`` (from ``flops``, the FLOPs of the step:
 ``flops / step_time / 1e12``, and that over the device's peak TFLOP/s, a

@@ -1,7 +1,7 @@
 """Rank side: where a step's time went (communication, data loading, compute) and the rank's memory.
 
-``nbdist.log`` turns the time between two of its calls (``step_time``) into
-three parts, stored with every point after the first::
+``nbdist.log`` turns the time between two of its calls in one cell (``step_time``)
+into three parts, stored with every point but a cell's first::
 
     comm_s     wall time inside nbdist's wrapped collectives (dist.all_reduce, ...)
     data_s     time waiting for data: nbdist.log(data_time=...) or nbdist.data_timer()

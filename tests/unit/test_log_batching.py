@@ -14,21 +14,7 @@ import torch
 
 from nbdist.metrics import log as metrics_log
 from nbdist.metrics.collector import Collector
-from nbdist.metrics.run import Run
 from nbdist.metrics.store import load_run
-
-
-@pytest.fixture
-def channel():
-    key = os.urandom(16)
-    run = Run(0, world_size=1)
-    collector = Collector(key, run, None)
-    metrics_log.configure(collector.url, key, 0)
-    try:
-        yield run, collector
-    finally:
-        metrics_log.shutdown()
-        collector.stop()
 
 
 def _stored_channel(tmp_path):

@@ -7,27 +7,8 @@ tests/unit/test_log_batching.py).
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
 from nbdist.dashboard.losses import loss_lines
 from nbdist.metrics import log as metrics_log
-from nbdist.metrics.collector import Collector
-from nbdist.metrics.run import Run
-
-
-@pytest.fixture
-def channel():
-    key = os.urandom(16)
-    run = Run(0, world_size=1)
-    collector = Collector(key, run, None)
-    metrics_log.configure(collector.url, key, 0)
-    try:
-        yield run, collector
-    finally:
-        metrics_log.shutdown()
-        collector.stop()
 
 
 def test_a_value_logged_as_time_or_rank_keeps_the_points_own_and_is_told(channel):
