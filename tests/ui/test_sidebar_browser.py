@@ -290,11 +290,21 @@ def test_two_histories_run_1_open_two_charts_of_their_own(lab_factory, browser_p
     server = lab_factory("two.ipynb", notebook_json([TWO_RUN_1S_CELL]))
     page = browser_page
     page.goto(f"{server.url}lab/tree/two.ipynb?token={server.token}")
-    # The kernel is ready before the cell is run (as in the test above).
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+    # The page shows "idle" before its kernel exists, and a Run All clicked before the
+    # kernel is connected is dropped: wait until the server sees the page connected.
+    assert poll(
+        lambda: any(
+            k["execution_state"] == "idle" and k["connections"] >= 1 for k in server.kernels()
+        ),
+        timeout=60,
+    ), server.kernels()
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
     page.locator(".jp-SideBar .lm-TabBar-tab[data-id='nbdist-sidebar']").click()
     page.locator("li.lm-MenuBar-item", has_text="Run").click()
     page.locator("li.lm-Menu-item[data-command='runmenu:run-all']").click()
+    prompt = page.locator(".jp-NotebookPanel .jp-Cell .jp-InputPrompt").first
+    assert poll(lambda: prompt.inner_text().strip() != "[ ]:", 10), "Run All ran no cell"
     mine = str(server.root_dir / "mine.sqlite")
 
     def ones() -> list[dict]:
