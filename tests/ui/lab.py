@@ -137,6 +137,11 @@ class LabServer:
         status, body = self.get("api/kernels")
         return json.loads(body) if status == 200 else []
 
+    def kernel_connected(self) -> bool:
+        """A kernel is started, idle and connected to the page. The page shows "idle" before
+        that, and a Run All clicked then is dropped: its cells never run."""
+        return any(k["execution_state"] == "idle" and k["connections"] >= 1 for k in self.kernels())
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

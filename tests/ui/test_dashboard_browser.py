@@ -130,18 +130,12 @@ class PageLog:
         return [e for e in self.errors if _OURS.search(e)]
 
 
-def _kernel_ready(server) -> bool:
-    """The notebook's kernel is started, idle and connected to the page."""
-    kernels = server.kernels()
-    return any(k["execution_state"] == "idle" and k["connections"] >= 1 for k in kernels)
-
-
 def _open_and_run_all(page, server, name: str) -> None:
     page.goto(f"{server.url}lab/tree/{name}?token={server.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
     # The page shows "idle" before its kernel exists, and a Run All clicked before the
     # kernel is connected is dropped: wait until the server sees the page connected.
-    assert poll(lambda: _kernel_ready(server), timeout=60, interval=0.2), server.kernels()
+    assert poll(server.kernel_connected, timeout=60, interval=0.2), server.kernels()
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=30_000)
     # A news / update toast would cover the page: the lab settings turn them off; just in case:
     for text in ("Would you like to get notified", "Would you like to receive"):

@@ -23,11 +23,6 @@ CELLS = [
 ]
 
 
-def _kernel_ready(server) -> bool:
-    kernels = server.kernels()
-    return any(k["execution_state"] == "idle" and k["connections"] >= 1 for k in kernels)
-
-
 def test_gutter_breakpoint_stops_both_ranks_in_the_callstack(
     lab_factory, browser_page, artifacts_dir
 ):
@@ -35,7 +30,7 @@ def test_gutter_breakpoint_stops_both_ranks_in_the_callstack(
     page = browser_page
     page.goto(f"{server.url}lab/tree/debug.ipynb?token={server.token}")
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
-    assert poll(lambda: _kernel_ready(server), timeout=60, interval=0.2), server.kernels()
+    assert poll(server.kernel_connected, timeout=60, interval=0.2), server.kernels()
     for text in ("Would you like to get notified", "Would you like to receive"):
         if page.get_by_text(text).count():
             page.get_by_role("button", name="No").first.click()

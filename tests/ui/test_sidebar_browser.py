@@ -83,12 +83,7 @@ def test_sidebar_status_bar_and_kernel_indicators(lab_factory, browser_page, art
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
     tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='nbdist-sidebar']")
     tab.wait_for(timeout=30_000)  # the extension is loaded
-    assert poll(
-        lambda: any(
-            k["execution_state"] == "idle" and k["connections"] >= 1 for k in server.kernels()
-        ),
-        timeout=60,
-    ), server.kernels()
+    assert poll(server.kernel_connected, timeout=60), server.kernels()
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=30_000)
     tab.click()
     sidebar = page.locator("#nbdist-sidebar")
@@ -293,12 +288,7 @@ def test_two_histories_run_1_open_two_charts_of_their_own(lab_factory, browser_p
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
     # The page shows "idle" before its kernel exists, and a Run All clicked before the
     # kernel is connected is dropped: wait until the server sees the page connected.
-    assert poll(
-        lambda: any(
-            k["execution_state"] == "idle" and k["connections"] >= 1 for k in server.kernels()
-        ),
-        timeout=60,
-    ), server.kernels()
+    assert poll(server.kernel_connected, timeout=60), server.kernels()
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
     page.locator(".jp-SideBar .lm-TabBar-tab[data-id='nbdist-sidebar']").click()
     page.locator("li.lm-MenuBar-item", has_text="Run").click()

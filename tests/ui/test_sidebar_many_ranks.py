@@ -31,12 +31,7 @@ def _open_sidebar(page, server, name: str) -> None:
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
     tab = page.locator(".jp-SideBar .lm-TabBar-tab[data-id='nbdist-sidebar']")
     tab.wait_for(timeout=30_000)
-    assert poll(
-        lambda: any(
-            k["execution_state"] == "idle" and k["connections"] >= 1 for k in server.kernels()
-        ),
-        timeout=60,
-    ), server.kernels()
+    assert poll(server.kernel_connected, timeout=60), server.kernels()
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=30_000)
     tab.click()
     page.locator("#nbdist-sidebar").wait_for(state="visible")
