@@ -49,6 +49,7 @@ __all__ = [
     "encode",
     "floats",
     "points",
+    "point_columns",
     "points_message",
 ]
 
@@ -77,20 +78,27 @@ def _sign(key: bytes, payload: bytes) -> bytes:
     return hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
 
 
+def point_columns(points) -> tuple[list, list, dict]:
+    """``(steps, times, {key: (indices, values)})`` of ``(step, time, {key: value})`` points,
+    each key with the indices of the points that carry it."""
+    steps, times, cols = [], [], {}
+    for i, (step, when, values) in enumerate(points):
+        steps.append(step)
+        times.append(when)
+        for key, value in values.items():
+            column = cols.get(key)
+            if column is None:
+                column = cols[key] = ([], [])
+            column[0].append(i)
+            column[1].append(value)
+    return steps, times, cols
+
+
 def columns(message: dict) -> tuple[list, list, dict]:
     """``(steps, times, {key: (indices or None, values)})`` of a points message, either
     form; NaN (JSON's null) restored. ``indices`` None: the key is on every point."""
     if "points" in message:  # the per-point form
-        steps, times, cols = [], [], {}
-        for i, (step, when, values) in enumerate(message["points"]):
-            steps.append(step)
-            times.append(when)
-            for key, value in values.items():
-                column = cols.get(key)
-                if column is None:
-                    column = cols[key] = ([], [])
-                column[0].append(i)
-                column[1].append(value)
+        steps, times, cols = point_columns(message["points"])
     else:
         if "step0" in message:  # steps that follow one another
             step0 = message["step0"]
