@@ -59,6 +59,7 @@ has_test_paths() {
 GPU_LIKE_TESTS=(
   tests/dist/test_gpu_like.py
   tests/dist/test_p2p_staging.py
+  tests/dist/test_functional_gather.py
   tests/dist/test_strategies_sharded.py
   tests/dist/test_strategies_sequence.py
   tests/dist/test_strategies_mesh.py

@@ -26,7 +26,7 @@ Example (on a rank)::
 
     >>> from nbdist.engine import patches
     >>> [p.name for p in patches.PATCHES if p.stage == "group"]
-    ['p2p_staging', 'gpu_like', 'collectives', 'user_group', 'control.track_subgroups']
+    ['p2p_staging', 'functional_gather', 'gpu_like', 'collectives', 'user_group', 'control.track_subgroups']
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from nbdist.engine import (
     cell_reply,
     collectives,
     control,
+    functional_gather,
     gpu_like,
     launcher_refusal,
     p2p_staging,
@@ -71,6 +72,17 @@ PATCHES: tuple[Patch, ...] = (
         "group on a send/recv of a CUDA tensor",
         turn_off="only installed for gloo on CUDA, where it cannot be done without (and for "
         "CPU tensors too with NBDIST_GPU_LIKE=1)",
+    ),
+    Patch(
+        "functional_gather",
+        "group",
+        wraps="nothing of torch's in Python: a CUDA kernel (torch.library) for the functional "
+        "all-gather operators (_c10d_functional.all_gather_into_tensor, _out, _coalesced) "
+        "that runs the c10d all-gather",
+        why="gloo with CUDA tensors (ranks sharing a GPU, NCCL < 2.30) dies of a segmentation "
+        "fault in torch's functional all-gather: DTensor full_tensor, tensor/sequence "
+        "parallel, full state dicts",
+        turn_off="only installed for gloo on CUDA (and for CPU tensors too with NBDIST_GPU_LIKE=1)",
     ),
     Patch(
         "gpu_like",
@@ -156,6 +168,7 @@ def install_on_group(*, stage_p2p: bool, gloo_for_nccl: str = "") -> None:
     if stage_p2p or gpu_like_paths:
         # NBDIST_GPU_LIKE=1: CPU tensors staged as CUDA tensors would be on gloo.
         p2p_staging.install(stage_cpu_tensors=gpu_like_paths)
+        functional_gather.install(cpu_tensors=gpu_like_paths)
     if gpu_like_paths:
         gpu_like.install()
     collectives.install()
@@ -189,3 +202,4 @@ def install_in_script(*, stage_p2p: bool) -> None:
     """
     if stage_p2p:
         p2p_staging.install()
+        functional_gather.install()
