@@ -209,6 +209,25 @@ def one_gpu(request):
     yield from ranks_on_one_gpu(request.param, getattr(request.module, "COMMON", ""))
 
 
+@pytest.fixture(autouse=True)
+def _one_gpu_alive(request):
+    """Before a test on ``one_gpu``: ranks an earlier test killed (a segfault) are started again.
+
+    The ranks are shared by a module's tests; without this, one crash fails every test
+    after it with "rank 0 died", and the GPU check's results name one cause many times.
+    """
+    if "one_gpu" in request.fixturenames:
+        session = request.getfixturevalue("one_gpu")
+        if session.dead_ranks():
+            session.restart()
+            common = getattr(request.module, "COMMON", "")
+            if common:
+                from nbdist.driver.sinks import ListSink
+
+                session.run(common, sink=ListSink())
+    yield
+
+
 def dist_stop_cleanly(shell) -> None:
     """``%dist_stop`` in ``shell``; fail if any process of its session outlives it."""
     session = shell.magics_manager.registry["DistMagics"].session

@@ -76,6 +76,7 @@ class Regression(L.LightningModule):
         self.layer = torch.nn.Linear(4, 1)
     def training_step(self, batch, i):
         x, y = batch
+        self.trained_on = x.device.type  # Lightning moves the model back to the CPU after fit
         return torch.nn.functional.mse_loss(self.layer(x), y)
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -86,7 +87,7 @@ trainer = L.Trainer(strategy="ddp", max_epochs=1, enable_progress_bar=False, log
                     enable_checkpointing=False, enable_model_summary=False,
                     **nbdist.integrations.lightning_trainer_kwargs())
 trainer.fit(model, loader)
-pl_facts = (trainer.world_size, trainer.global_rank, model.device.type)
+pl_facts = (trainer.world_size, trainer.global_rank, model.trained_on)
 pl_weights = torch.cat([model.layer.weight.detach().flatten(), model.layer.bias.detach()]).cpu()
 """,
     )

@@ -114,7 +114,7 @@ def train_mse(model, opt, steps=3):
     losses = []
     for _ in range(steps):
         opt.zero_grad()
-        loss = F.mse_loss(model(x), y)
+        loss = F.mse_loss(model(x).float(), y)  # bf16 outputs: CUDA's mse_loss backward wants one dtype
         loss.backward()
         opt.step()
         losses.append(loss.item())
