@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 
+from nbdist.driver import crash_stack
 from nbdist.driver.oom import OomCounter, cuda_oom_note, oom_counter
 from nbdist.errors import format_ranks
 
@@ -67,6 +68,10 @@ _STRANDED = (
     "`if rank == 0:` waits for the others until the group's timeout; nbdist.checkpoint.save "
     "and load are collectives too: call them on every rank)"
 )
+
+
+# The fatal signals faulthandler dumps the Python stack for.
+_DUMPED = {signal.SIGSEGV, signal.SIGFPE, signal.SIGABRT, signal.SIGBUS, signal.SIGILL}
 
 
 def death_cause(status: int | None, oom: OomCounter | None = None) -> str:
@@ -136,15 +141,18 @@ def _wait_for_record(exit_record, pid: int, timeout: float = 0.5) -> int | None:
 class RankMonitor:
     """Notices local ranks dying, at once, and records how (``dead``: {rank: cause})."""
 
-    def __init__(self, ranks, on_death=None, exit_record=None) -> None:
+    def __init__(self, ranks, on_death=None, exit_record=None, crash_record=None) -> None:
         """Watch the local ``ranks`` (RankInfo); ``on_death(rank)`` is called on the watcher thread.
 
         ``exit_record(pid)``: the wait status the ranks' parent kept, or None (for a
-        rank reaped before its zombie could be read).
+        rank reaped before its zombie could be read). ``crash_record(pid)``: what
+        faulthandler wrote when the rank died of a fatal signal ('' if nothing): the
+        cause then says where in Python it was (:mod:`nbdist.driver.crash_stack`).
         """
         self.dead: dict[int, str] = {}
         self._on_death = on_death
         self._exit_record = exit_record
+        self._crash_record = crash_record
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
         self._oom: dict[int, OomCounter | None] = {}  # rank -> its memory cgroup's OOM kills
         for info in ranks:
@@ -178,10 +186,16 @@ class RankMonitor:
                 if status is None and self._exit_record is not None:
                     status = _wait_for_record(self._exit_record, pid)
                 cause = death_cause(status, self._oom.get(rank))
-                self.dead[rank] = f"pid {pid} {cause}"
+                where = self._where(pid, status)
+                self.dead[rank] = f"pid {pid} {cause}" + (f"; {where}" if where else "")
                 os.close(fd)
                 if self._on_death is not None:
                     self._on_death(rank)
+
+    def _where(self, pid: int, status: int | None) -> str:
+        if self._crash_record is None or status is None or (status & 0x7F) not in _DUMPED:
+            return ""
+        return crash_stack.summary(self._crash_record(pid))
 
     def stop(self) -> None:
         """Stop watching and close the pidfds (idempotent)."""

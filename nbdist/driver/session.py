@@ -69,7 +69,8 @@ class _Watch:
         if handle.owned:
             status_file = getattr(handle.engine_launcher(), "status_file", None)
             record = functools.partial(zygote.read_exit, status_file) if status_file else None
-            self.monitor = RankMonitor(session.group.ranks, exit_record=record)
+            crash = functools.partial(zygote.read_crash, status_file) if status_file else None
+            self.monitor = RankMonitor(session.group.ranks, exit_record=record, crash_record=crash)
         live_sessions.started(session)
         self.session = session
         store = hub.store

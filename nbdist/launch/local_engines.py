@@ -96,12 +96,14 @@ class ZygoteEngineSetLauncher(LocalEngineLauncher):
             return {}
 
     def get_output(self, remove=False):
-        """The engines' output (ipyparallel's); ``remove`` also removes the status file and
-        the exit status the zygote kept for each engine it reaped."""
+        """The engines' output (ipyparallel's); ``remove`` also removes the status file,
+        the exit status the zygote kept for each engine it reaped and each engine's crash
+        record (faulthandler's file, empty unless it died of a fatal signal)."""
         if remove:
             # In a named profile (--profile) the log folder stays: one exit file per rank
             # and start or restart would pile up there for good.
-            for path in [self.status_file, *glob.glob(glob.escape(self.status_file) + ".exit.*")]:
+            kept = [glob.glob(glob.escape(self.status_file) + f".{k}.*") for k in ("exit", "crash")]
+            for path in [self.status_file, *kept[0], *kept[1]]:
                 try:
                     os.remove(path)
                 except OSError:

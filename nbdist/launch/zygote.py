@@ -45,7 +45,15 @@ import time
 
 from nbdist.launch import process_tree
 
-__all__ = ["ENGINE_MODULES", "fork_unsafe_reason", "import_all", "main", "read_exit", "record_exit"]
+__all__ = [
+    "ENGINE_MODULES",
+    "fork_unsafe_reason",
+    "import_all",
+    "main",
+    "read_crash",
+    "read_exit",
+    "record_exit",
+]
 
 _PR_SET_PDEATHSIG = 1
 # Blocked while engines are forked; SIGUSR1 asks for a restart (fresh engines).
@@ -141,7 +149,9 @@ def fork_unsafe_reason() -> str | None:
     return None
 
 
-def _fork_engine(slot_env: dict[str, str], engine_argv: list[str], threads: int) -> int:
+def _fork_engine(
+    slot_env: dict[str, str], engine_argv: list[str], threads: int, status_file: str | None
+) -> int:
     zygote = os.getpid()
     pid = os.fork()
     if pid:
@@ -154,6 +164,7 @@ def _fork_engine(slot_env: dict[str, str], engine_argv: list[str], threads: int)
             os._exit(1)
         _forget_zygote_signals()
         _unblock_signals()
+        _record_crashes(status_file)
         os.environ.update(slot_env)
         gc.enable()  # the zygote's objects stay frozen (start_all): collections skip them
         import random
@@ -303,7 +314,9 @@ class _Forker:
         for slot_env in self.slots:
             env = {**self.engine_env, **slot_env}
             if reason is None:
-                pids.append(_fork_engine(env, self.engine_argv, self.opts.threads))
+                pids.append(
+                    _fork_engine(env, self.engine_argv, self.opts.threads, self.opts.status_file)
+                )
             else:
                 pids.append(_spawn_engine(env, self.engine_argv))
         _write_status(
@@ -370,6 +383,38 @@ def read_exit(status_file: str, pid: int) -> int | None:
             return int(f.read())
     except (OSError, ValueError):
         return None
+
+
+def _crash_file(status_file: str, pid: int) -> str:
+    return f"{status_file}.crash.{pid}"
+
+
+_crash_log = None  # the open file faulthandler writes to: it must stay open while the rank runs
+
+
+def _record_crashes(status_file: str | None) -> None:
+    # In the forked engine: where a fatal signal (a segmentation fault in native code,
+    # SIGABRT, SIGBUS, ...) leaves the Python stack of every thread, for the kernel
+    # (read_crash). The rank's stderr is shared by all ranks and not read by the kernel.
+    global _crash_log
+    if not status_file:
+        return
+    import faulthandler
+
+    try:
+        _crash_log = open(_crash_file(status_file, os.getpid()), "w")  # noqa: SIM115
+    except OSError:
+        return
+    faulthandler.enable(file=_crash_log, all_threads=True)
+
+
+def read_crash(status_file: str, pid: int) -> str:
+    """What faulthandler wrote when engine ``pid`` died of a fatal signal ('' if nothing)."""
+    try:
+        with open(_crash_file(status_file, pid), errors="replace") as f:
+            return f.read(64 * 1024)
+    except OSError:
+        return ""
 
 
 def _write_atomically(path: str, text: str) -> None:

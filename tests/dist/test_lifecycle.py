@@ -187,7 +187,7 @@ def test_a_session_started_again_after_a_stop_streams_into_a_new_run():
         s.stop()
 
 
-def test_a_named_profile_keeps_no_exit_files_of_stopped_ranks(tmp_path, monkeypatch):
+def test_a_named_profile_keeps_no_exit_or_crash_files_of_stopped_ranks(tmp_path, monkeypatch):
     # The zygote keeps each reaped engine's exit status next to its status file; a named
     # profile's log folder outlives the session, where they piled up at every stop and restart.
     from IPython.core.profiledir import ProfileDir
@@ -195,14 +195,17 @@ def test_a_named_profile_keeps_no_exit_files_of_stopped_ranks(tmp_path, monkeypa
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
     ProfileDir.create_profile_dir_by_name(str(tmp_path), "kept")
     s = nbdist.DistSession(2, cpu=True, profile="kept", timeout=120).start()
+    log = tmp_path / "profile_kept" / "log"
     try:
+        # Each forked rank's crash record (faulthandler's file) sits there too while it runs.
+        assert len([p for p in log.iterdir() if ".crash." in p.name]) == 2
         s.restart()
         s.run("x = 1")
     finally:
         s.stop()
-    log = tmp_path / "profile_kept" / "log"
     assert log.is_dir()
-    assert sorted(p.name for p in log.iterdir() if ".exit." in p.name) == []
+    left = [p.name for p in log.iterdir() if ".exit." in p.name or ".crash." in p.name]
+    assert sorted(left) == []
 
 
 def test_a_driver_that_exits_without_stopping_is_cleaned_up_by_nbdist_alone(tmp_path):

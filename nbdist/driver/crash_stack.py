@@ -1,0 +1,87 @@
+"""Kernel side: where a rank was in Python when it died of a fatal signal, from faulthandler's record.
+
+A rank that dies of a segmentation fault (or SIGABRT, SIGBUS, SIGFPE, SIGILL)
+in native code says nothing itself; "crashed: segmentation fault in native
+code" alone leaves the user to guess which line of which cell. Each rank the
+zygote forks has faulthandler write every thread's Python stack to a file of
+its own (:func:`nbdist.launch.zygote.read_crash`); :func:`summary` turns that
+dump into one line for the rank's death: the innermost frames and the cell line
+that led there.
+
+The thread that crashed is faulthandler's "Current thread". A crash in a thread
+with no Python frames (gloo's and NCCL's own threads) has none: the thread
+running the cell is then the one whose stack passes through IPython's
+``run_code``, and the words say that it was waiting there.
+
+Example::
+
+    >>> summary('''Fatal Python error: Segmentation fault
+    ...
+    ... Current thread 0x00007f (most recent call first):
+    ...   File "/usr/lib/python3.12/ctypes/__init__.py", line 530 in string_at
+    ...   File "/tmp/ipykernel_77/3141.py", line 3 in <module>
+    ...   File "/venv/lib/python3.12/site-packages/IPython/core/interactiveshell.py", line 3577 in run_code
+    ... ''')
+    'in string_at (ctypes/__init__.py:530), from the cell, line 3'
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["summary"]
+
+# How many of the innermost frames the line names (the cell's line comes on top).
+INNERMOST = 3
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.+)$')
+_HEADER = re.compile(r"^(?P<current>Current thread|Thread) 0x[0-9a-f]+")
+# The stack of the thread running a cell passes through IPython's run_code.
+_CELL_RUNNER = "interactiveshell.py"
+_LIB = re.compile(r".*/(?:site-packages|dist-packages|lib/python3\.\d+)/")
+
+
+def _threads(dump: str) -> list[tuple[bool, list[tuple[str, int, str]]]]:
+    """[(is the current thread, [(file, line, function), innermost first])] of a dump."""
+    threads: list[tuple[bool, list[tuple[str, int, str]]]] = []
+    for line in dump.splitlines():
+        header = _HEADER.match(line)
+        if header:
+            threads.append((header["current"] == "Current thread", []))
+            continue
+        frame = _FRAME.match(line)
+        if frame and threads:
+            threads[-1][1].append((frame["file"], int(frame["line"]), frame["func"]))
+    return threads
+
+
+def _is_cell(path: str) -> bool:
+    # ipykernel compiles each cell to /tmp/ipykernel_<pid>/<hash>.py; IPython alone: <ipython-input-...>.
+    return "/ipykernel_" in path or path.startswith("<ipython-input")
+
+
+def _short(path: str) -> str:
+    return _LIB.sub("", path)
+
+
+def summary(dump: str) -> str:
+    """One line: where the crashed thread (or the cell's thread) was; '' if the dump names nothing."""
+    threads = [t for t in _threads(dump) if t[1]]
+    if not threads:
+        return ""
+    current = next((frames for is_current, frames in threads if is_current), None)
+    waiting = current is None
+    frames = current or next(
+        (frames for _, frames in threads if any(_CELL_RUNNER in f for f, _, _ in frames)),
+        threads[0][1],
+    )
+    # Frames below the cell (IPython's, the engine's) say nothing to the user.
+    cell_at = next((i for i, (f, _, _) in enumerate(frames) if _is_cell(f)), None)
+    inner = frames[: cell_at if cell_at is not None else INNERMOST][:INNERMOST]
+    parts = [f"{func} ({_short(path)}:{line})" for path, line, func in inner]
+    words = "in " + " <- ".join(parts) if parts else ""
+    if cell_at is not None:
+        cell = f"the cell, line {frames[cell_at][1]}"
+        words = f"{words}, from {cell}" if words else f"in {cell}"
+    if waiting:
+        words = f"a thread without Python frames crashed while the cell's thread was {words}"
+    return words

@@ -1,0 +1,60 @@
+"""The line a rank's death gets from faulthandler's record (nbdist.driver.crash_stack): pure parsing."""
+
+from __future__ import annotations
+
+from nbdist.driver.crash_stack import summary
+
+SITE = "/venv/lib/python3.12/site-packages"
+RUN_CODE = f'  File "{SITE}/IPython/core/interactiveshell.py", line 3577 in run_code'
+
+
+def test_the_crashed_threads_innermost_frames_and_the_cell_line():
+    dump = f"""Fatal Python error: Segmentation fault
+
+Thread 0x00007f01 (most recent call first):
+  File "{SITE}/zmq/sugar/socket.py", line 800 in recv_multipart
+  File "/usr/lib/python3.12/threading.py", line 1010 in run
+
+Current thread 0x00007f00 (most recent call first):
+  File "{SITE}/torch/_ops.py", line 872 in redispatch
+  File "{SITE}/torch/distributed/_functional_collectives.py", line 203 in all_gather_tensor
+  File "{SITE}/torch/distributed/tensor/placement_types.py", line 391 in _to_replicate_tensor
+  File "{SITE}/torch/distributed/tensor/_api.py", line 670 in full_tensor
+  File "/tmp/ipykernel_4242/2718.py", line 2 in <module>
+{RUN_CODE}
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
+"""
+    assert summary(dump) == (
+        "in redispatch (torch/_ops.py:872) <- all_gather_tensor "
+        "(torch/distributed/_functional_collectives.py:203) <- _to_replicate_tensor "
+        "(torch/distributed/tensor/placement_types.py:391), from the cell, line 2"
+    )
+
+
+def test_a_crash_outside_python_names_where_the_cells_thread_waited():
+    # gloo's own thread crashed: no "Current thread"; the cell's thread is the one in run_code.
+    dump = f"""Fatal Python error: Segmentation fault
+
+Thread 0x00007f01 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 355 in wait
+
+Thread 0x00007f00 (most recent call first):
+  File "{SITE}/torch/distributed/_functional_collectives.py", line 138 in wait_tensor
+  File "/tmp/ipykernel_4242/2718.py", line 5 in <module>
+{RUN_CODE}
+"""
+    assert summary(dump) == (
+        "a thread without Python frames crashed while the cell's thread was in wait_tensor "
+        "(torch/distributed/_functional_collectives.py:138), from the cell, line 5"
+    )
+
+
+def test_a_crash_in_the_cell_itself_and_a_dump_that_names_nothing():
+    dump = f"""Current thread 0x00007f00 (most recent call first):
+  File "/tmp/ipykernel_4242/2718.py", line 7 in <module>
+{RUN_CODE}
+"""
+    assert summary(dump) == "in the cell, line 7"
+    assert summary("") == ""
+    assert summary("Fatal Python error: Aborted\n\n<no Python frame>\n") == ""
