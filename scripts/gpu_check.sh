@@ -47,6 +47,9 @@ options:
   --since COMMIT  those, plus the jobs whose own files (a notebook, a GPU test file,
                   a benchmark) changed since COMMIT
   --previous FILE the earlier results.json (default: OUTDIR/results.json)
+  --pack          at the end, put logs/, notebooks/ and the pytest XML files into one
+                  OUTDIR/logs.tar.gz (for copying the results off a machine that hands
+                  back few files); results.md, results.json and gpu_check.log stay as they are
   --dry-run       list the jobs that would run, with their commands, and stop
                   (no wheelhouse, venv or GPU needed)
   --venv DIR      make (or reuse) the venv in DIR and keep it; default: a temporary
@@ -62,7 +65,7 @@ EOF
 die() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 
 WH="" OUTDIR="" STEPS="tests,notebooks,nccl,train,log" LIMIT="" VENV_ARG="" ALLOW_CPU=0
-EXAMPLES='[0-9][0-9]_*' BUDGET=540 SLOTS="" ONLY_FAILED=0 SINCE="" PREVIOUS="" DRY_RUN=0
+EXAMPLES='[0-9][0-9]_*' BUDGET=540 SLOTS="" ONLY_FAILED=0 SINCE="" PREVIOUS="" DRY_RUN=0 PACK=0
 while (($#)); do
   case "$1" in
     -h | --help) usage; exit 0 ;;
@@ -77,6 +80,7 @@ while (($#)); do
     --since) (($# >= 2)) || die "--since needs a commit"; SINCE="$2"; shift 2 ;;
     --previous) (($# >= 2)) || die "--previous needs a results.json"; PREVIOUS="$2"; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --pack) PACK=1; shift ;;
     -*) die "unknown option '$1' (see --help)" ;;
     *)
       if [[ -z "$WH" ]]; then WH="$1"
@@ -380,6 +384,19 @@ echo "== results (also in $OUTDIR/results.md)"
 echo
 cat "$OUTDIR/results.md"
 echo
+if ((PACK)); then
+  packed=()
+  for p in logs notebooks "$OUTDIR"/pytest-*.xml; do
+    p="${p#"$OUTDIR"/}"
+    [[ -e "$OUTDIR/$p" ]] && packed+=("$p")
+  done
+  if tar -czf "$OUTDIR/logs.tar.gz" -C "$OUTDIR" "${packed[@]}"; then
+    (cd "$OUTDIR" && rm -rf -- "${packed[@]}")
+    echo "logs, executed notebooks and pytest XML packed into $OUTDIR/logs.tar.gz"
+  else
+    echo "gpu_check: --pack: tar failed; the files stay in $OUTDIR"
+  fi
+fi
 if ((FAILED || JOBS_RC)); then
   echo "gpu_check: a step failed (exit $JOBS_RC from the jobs; $FAILED set-up step(s) failed)"
   exit 1
