@@ -301,10 +301,13 @@ def log(step: int | None = None, **scalars) -> None:
     the first error shown).
 
     Reserved names: ``time`` and ``rank`` are every point's own (when it was
-    logged, the rank that logged it), so a value logged under either is left out
-    of the point and shown once under the dashboard like a value that is no
-    number: log it under another name (``elapsed_s=elapsed``). ``step`` is this
-    function's own argument. (:data:`nbdist.metrics.batch.RESERVED_KEYS`)
+    logged, the rank that logged it), and nbdist works out ``step_time``, its
+    breakdown (``compute_s``, ``comm_s``, ``data_s``), ``samples_per_s``,
+    ``tokens_per_s``, ``tflops``, ``mfu`` and the memory and GPU figures itself,
+    so a value logged under one of those is left out of the point and shown once
+    under the dashboard like a value that is no number: log it under another name
+    (``elapsed_s=elapsed``, ``my_step_time=t``). ``step`` is this function's own
+    argument. (:data:`nbdist.metrics.batch.RESERVED_KEYS`)
     """
     for hook in step_hooks:  # e.g. nbdist.profile counting steps; never raises
         hook(step)

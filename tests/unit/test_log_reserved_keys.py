@@ -36,3 +36,23 @@ def test_a_value_logged_as_time_or_rank_keeps_the_points_own_and_is_told(channel
     assert any(line.startswith("'rank' left out") and "rank_id" in line for line in lines)
     assert not any("log a Python number" in line for line in lines)  # it was a number
     assert metrics_log.dropped() == 0
+
+
+def test_a_value_logged_under_a_name_nbdist_works_out_is_left_out_on_every_point(channel):
+    # step_time was replaced by nbdist's own where it had one and kept on a rank's first
+    # point (no step time there): one column of two meanings.
+    run, collector = channel
+    for step in range(3):
+        metrics_log.log(step=step, loss=1.0, step_time=99.0, samples=8, samples_per_s=-1.0)
+    total = metrics_log.end_of_cell()
+    assert collector.wait_for_points({0: total}, timeout=30)
+
+    rows = run.rows()
+    assert [row.get("step_time") for row in rows][0] is None  # the first point has none
+    times = [row["time"] for row in rows]
+    for before, row in zip(times, rows[1:]):
+        assert row["step_time"] == row["time"] - before != 99.0
+        assert row["samples_per_s"] == 8 / row["step_time"]
+    assert set(run.left_out) == {"step_time", "samples_per_s"}
+    lines = loss_lines(run)
+    assert any(line.startswith("'step_time' left out") and "my_step_time" in line for line in lines)
