@@ -26,7 +26,8 @@ FIX = "log a Python number or a one-element tensor"
 
 def loss_lines(run) -> list[str]:
     """One line for the points dropped on the ranks (with the first error that dropped
-    any), one per key left out; empty when nothing was lost."""
+    any), one each for messages the kernel could not read and history writes that failed,
+    one per key left out; empty when nothing was lost."""
     dropped = {r: n for r, n in sorted(getattr(run, "dropped", {}).items()) if n}
     left_out = dict(getattr(run, "left_out", {}))
     error = left_out.pop("", None)
@@ -38,6 +39,19 @@ def loss_lines(run) -> list[str]:
         if error is not None:
             line += f"; the first by an error on rank {error[0]}: {error[1]}"
         lines.append(line)
+    kernel = getattr(run, "kernel_losses", {})
+    if "unread" in kernel:
+        count, first = kernel["unread"]
+        lines.append(
+            f"{count} message{'s' if count != 1 else ''} of points from the ranks could not be "
+            f"read in the kernel (their points are missing); the first: {first}"
+        )
+    if "unstored" in kernel:
+        count, first = kernel["unstored"]
+        lines.append(
+            f"the run's history could not be written {count} time{'s' if count != 1 else ''} "
+            f"(the live charts have the points, the history may not); the first: {first}"
+        )
     for key, (rank, what) in sorted(left_out.items()):
         # A value under a reserved name (nbdist.metrics.batch.RESERVED_KEYS) was a number:
         # its note says which name to log it under instead, not to log a number.

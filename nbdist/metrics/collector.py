@@ -94,10 +94,11 @@ class Collector:
                     except Exception as exc:
                         # A message of a shape _handle did not foresee (or a bug in it)
                         # must not end the thread: that would silently end every rank's
-                        # metrics for the rest of the session. Dropped and counted.
+                        # metrics for the rest of the session. Dropped, counted, shown.
                         self.rejected += 1
                         if self.first_error is None:
                             self.first_error = f"{type(exc).__name__}: {exc}"[:200]
+                        self.run.note_kernel_loss("unread", exc)
             # A commit per message cost more than everything else the collector does
             # (~0.5 ms each): commit after 100 ms of quiet, or every _COMMIT_EVERY_S.
             if dirty and (not got or time.monotonic() - committed > _COMMIT_EVERY_S):
@@ -115,8 +116,9 @@ class Collector:
         if self.store is not None:
             try:
                 self.store.commit()
-            except Exception:
+            except Exception as exc:
                 self.store_errors += 1
+                self.run.note_kernel_loss("unstored", exc)
 
     def _handle(self, frames: list[bytes]) -> bool:
         """Take one message; True if it added rows to the history."""
@@ -132,8 +134,9 @@ class Collector:
             # only JSON's null (a NaN on the rank) needs turning back into NaN.
             try:
                 steps, times, cols = columns(message)
-            except (KeyError, TypeError, ValueError):  # a shape this kernel cannot read
+            except (KeyError, TypeError, ValueError) as exc:  # a shape this kernel cannot read
                 self.rejected += 1
+                self.run.note_kernel_loss("unread", exc)
                 return False
             self.run.record_losses(rank, message)
             if steps:
@@ -147,8 +150,9 @@ class Collector:
                 try:  # stored as it arrived (verified JSON): one row per batch, no re-encoding
                     self.store.append(self.run.id, rank, frames[1].decode(), len(steps))
                     stored = True
-                except Exception:  # a full disk must not stop live metrics
+                except Exception as exc:  # a full disk must not stop live metrics
                     self.store_errors += 1
+                    self.run.note_kernel_loss("unstored", exc)
             # Counted only now: a cell that waits for these points then commits them.
             total = message.get("total")
             if isinstance(total, int):

@@ -87,6 +87,9 @@ class Run:
         # key -> (rank, what it was): the first value of the key a rank left out of its point
         # as no number; key "": the first error that dropped whole points
         self.left_out: dict[str, tuple[int, str]] = {}
+        # What the kernel itself lost (Collector): "unread" signed messages it could not
+        # read, "unstored" batches the history could not take -> [count, the first error]
+        self.kernel_losses: dict[str, list] = {}
         self._ranks: dict[int, RankSeries] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Run], None]] = []
@@ -113,6 +116,15 @@ class Run:
                 if isinstance(key, str) and isinstance(what, str) and key not in self.left_out:
                     self.left_out[key] = (rank, what)
                     self.version += 1
+
+    def note_kernel_loss(self, kind: str, error: BaseException) -> None:
+        """Count one ``kind`` ("unread" or "unstored") loss in the kernel, keeping the first error."""
+        with self._lock:
+            entry = self.kernel_losses.setdefault(
+                kind, [0, f"{type(error).__name__}: {error}"[:200]]
+            )
+            entry[0] += 1
+            self.version += 1
 
     def record_losses(self, rank: int, message: dict) -> None:
         """What a points message of ``rank`` says it lost: its running ``dropped`` count and

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import zmq
 
+from nbdist.dashboard.losses import loss_lines
 from nbdist.metrics import wire
 from nbdist.metrics.collector import Collector
 from nbdist.metrics.run import Run
@@ -34,6 +35,32 @@ def test_a_signed_message_that_raises_is_dropped_and_the_stream_goes_on():
         assert run.series("loss", 0) == ([5], [0.5])
         assert collector.rejected == 2
         assert collector.first_error.startswith("ValueError: ")
+        # The user is told, under the dashboard: the kernel lost points.
+        (line,) = loss_lines(run)
+        assert line.startswith("2 messages of points from the ranks could not be read"), line
+        assert "the first: ValueError: " in line
+    finally:
+        push.close()
+        collector.stop()
+
+
+def test_a_history_that_cannot_be_written_is_told_and_live_points_go_on(tmp_path):
+    key = os.urandom(16)
+    store = RunStore(str(tmp_path / "h.sqlite"))
+    run = store.new_run(world_size=1)
+    store.close()  # every write to it raises now, as a full or vanished disk would
+    collector = Collector(key, run, store)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(collector.url)
+    try:
+        good = wire.points_message(0, [5], np.array([2.0]), {"loss": (None, np.array([0.5]))}, 1, 0)
+        push.send_multipart(wire.encode(key, good))
+        assert collector.wait_for_points({0: 1}, timeout=30)
+        assert run.series("loss", 0) == ([5], [0.5])  # live: the chart has it
+        (line,) = loss_lines(run)
+        assert line.startswith("the run's history could not be written 1 time "), line
+        assert "the first: " in line
     finally:
         push.close()
         collector.stop()
