@@ -47,9 +47,10 @@ options:
   --since COMMIT  those, plus the jobs whose own files (a notebook, a GPU test file,
                   a benchmark) changed since COMMIT
   --previous FILE the earlier results.json (default: OUTDIR/results.json)
-  --pack          at the end, put logs/, notebooks/ and the pytest XML files into one
-                  OUTDIR/logs.tar.gz (for copying the results off a machine that hands
-                  back few files); results.md, results.json and gpu_check.log stay as they are
+  --pack          on exit (after a failure or an interrupt too), put logs/, notebooks/
+                  and the pytest XML files into one OUTDIR/logs.tar.gz (for copying the
+                  results off a machine that hands back few files); results.md,
+                  results.json and gpu_check.log stay as they are
   --dry-run       list the jobs that would run, with their commands, and stop
                   (no wheelhouse, venv or GPU needed)
   --venv DIR      make (or reuse) the venv in DIR and keep it; default: a temporary
@@ -152,6 +153,23 @@ exec > >(tee "$OUTDIR/gpu_check.log") 2>&1
 
 TMP="$(mktemp -d "${TMPDIR:-/tmp}/nbdist-gpu-check.XXXXXX")"
 CURRENT="" TOKEN=""  # the running step's `timeout` (its PID is its process group) and token
+# --pack: logs, executed notebooks and pytest XML into one logs.tar.gz, at any exit (a
+# failure or an interrupt too: those are the runs whose logs are wanted most).
+pack_logs() {
+  ((PACK)) && [[ -d "$OUTDIR" ]] || return 0
+  local packed=() p
+  for p in logs notebooks "$OUTDIR"/pytest-*.xml; do
+    p="${p#"$OUTDIR"/}"
+    [[ -e "$OUTDIR/$p" ]] && packed+=("$p")
+  done
+  ((${#packed[@]})) || return 0
+  if tar -czf "$OUTDIR/logs.tar.gz" -C "$OUTDIR" "${packed[@]}"; then
+    (cd "$OUTDIR" && rm -rf -- "${packed[@]}")
+    echo "logs, executed notebooks and pytest XML packed into $OUTDIR/logs.tar.gz"
+  else
+    echo "gpu_check: --pack: tar failed; the files stay in $OUTDIR"
+  fi
+}
 cleanup() {
   if [[ -n "$CURRENT" ]]; then
     kill -INT -- "-$CURRENT" 2>/dev/null
@@ -164,6 +182,7 @@ cleanup() {
     if [[ -n "$left" ]]; then read -r -a pids <<<"$left"; kill -KILL "${pids[@]}" 2>/dev/null; fi
   fi
   rm -rf "$TMP"
+  pack_logs
 }
 trap cleanup EXIT
 trap 'echo "gpu_check.sh: interrupted"; exit 130' INT TERM
@@ -384,19 +403,6 @@ echo "== results (also in $OUTDIR/results.md)"
 echo
 cat "$OUTDIR/results.md"
 echo
-if ((PACK)); then
-  packed=()
-  for p in logs notebooks "$OUTDIR"/pytest-*.xml; do
-    p="${p#"$OUTDIR"/}"
-    [[ -e "$OUTDIR/$p" ]] && packed+=("$p")
-  done
-  if tar -czf "$OUTDIR/logs.tar.gz" -C "$OUTDIR" "${packed[@]}"; then
-    (cd "$OUTDIR" && rm -rf -- "${packed[@]}")
-    echo "logs, executed notebooks and pytest XML packed into $OUTDIR/logs.tar.gz"
-  else
-    echo "gpu_check: --pack: tar failed; the files stay in $OUTDIR"
-  fi
-fi
 if ((FAILED || JOBS_RC)); then
   echo "gpu_check: a step failed (exit $JOBS_RC from the jobs; $FAILED set-up step(s) failed)"
   exit 1

@@ -41,9 +41,12 @@ _LIB = re.compile(r".*/(?:site-packages|dist-packages|lib/python3\.\d+)/")
 
 
 def _threads(dump: str) -> list[tuple[bool, list[tuple[str, int, str]]]]:
-    """[(is the current thread, [(file, line, function), innermost first])] of a dump."""
+    """[(is the current thread, [(file, line, function), innermost first])] of the last dump."""
+    # One record can hold several dumps (an earlier fatal error the rank survived, as
+    # faulthandler.dump_traceback writes, say): the rank's death is the last.
+    last = dump.rfind("Fatal Python error")
     threads: list[tuple[bool, list[tuple[str, int, str]]]] = []
-    for line in dump.splitlines():
+    for line in dump[max(last, 0) :].splitlines():
         header = _HEADER.match(line)
         if header:
             threads.append((header["current"] == "Current thread", []))
@@ -63,25 +66,37 @@ def _short(path: str) -> str:
     return _LIB.sub("", path)
 
 
+def _frame(path: str, line: int, func: str) -> str:
+    # A function defined in a cell: its file is the cell's, which says nothing to the user.
+    return f"{func} (a cell, line {line})" if _is_cell(path) else f"{func} ({_short(path)}:{line})"
+
+
 def summary(dump: str) -> str:
     """One line: where the crashed thread (or the cell's thread) was; '' if the dump names nothing."""
     threads = [t for t in _threads(dump) if t[1]]
     if not threads:
         return ""
     current = next((frames for is_current, frames in threads if is_current), None)
-    waiting = current is None
-    frames = current or next(
-        (frames for _, frames in threads if any(_CELL_RUNNER in f for f, _, _ in frames)),
-        threads[0][1],
-    )
-    # Frames below the cell (IPython's, the engine's) say nothing to the user.
-    cell_at = next((i for i, (f, _, _) in enumerate(frames) if _is_cell(f)), None)
+    if current is None:
+        running = next(
+            (frames for _, frames in threads if any(_CELL_RUNNER in f for f, _, _ in frames)),
+            None,
+        )
+        if running is None:  # a thread of gloo's or NCCL's, between cells
+            return "in a thread without Python frames, while no cell was running"
+        frames = running
+    else:
+        frames = current
+    # The running cell's frame is the outermost of the cell files (a function defined in
+    # an earlier cell is one too); the frames below it (IPython's) say nothing to the user.
+    cells = [i for i, (f, _, _) in enumerate(frames) if _is_cell(f)]
+    cell_at = cells[-1] if cells else None
     inner = frames[: cell_at if cell_at is not None else INNERMOST][:INNERMOST]
-    parts = [f"{func} ({_short(path)}:{line})" for path, line, func in inner]
+    parts = [_frame(*frame) for frame in inner]
     words = "in " + " <- ".join(parts) if parts else ""
     if cell_at is not None:
         cell = f"the cell, line {frames[cell_at][1]}"
         words = f"{words}, from {cell}" if words else f"in {cell}"
-    if waiting:
+    if current is None:
         words = f"a thread without Python frames crashed while the cell's thread was {words}"
     return words

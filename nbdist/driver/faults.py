@@ -187,7 +187,8 @@ class RankMonitor:
                     status = _wait_for_record(self._exit_record, pid)
                 cause = death_cause(status, self._oom.get(rank))
                 where = self._where(pid, status)
-                self.dead[rank] = f"pid {pid} {cause}" + (f"; {where}" if where else "")
+                # " - ", not "; ": several ranks' causes are joined with "; ".
+                self.dead[rank] = f"pid {pid} {cause}" + (f" - {where}" if where else "")
                 os.close(fd)
                 if self._on_death is not None:
                     self._on_death(rank)

@@ -54,7 +54,9 @@ def _gather_into(out, tensor, group_name) -> None:
     _calls += 1
     # torch 2.13 renamed all_gather_into_tensor (the old name warns); the same collective.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, tensor.contiguous(), group=_resolve_process_group(group_name))
+    # The operators take a group's name, or (torch 2.13's schema says Any) the group itself.
+    group = group_name if isinstance(group_name, dist.ProcessGroup) else None
+    gather(out, tensor.contiguous(), group=group or _resolve_process_group(group_name))
 
 
 def _gathered_like(tensor, group_size):

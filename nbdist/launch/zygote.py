@@ -319,6 +319,11 @@ class _Forker:
                 )
             else:
                 pids.append(_spawn_engine(env, self.engine_argv))
+                if self.opts.status_file:  # no record of its own: none of an earlier PID's
+                    try:
+                        os.remove(_crash_file(self.opts.status_file, pids[-1]))
+                    except OSError:
+                        pass
         _write_status(
             self.opts.status_file,
             **self.status,
@@ -406,13 +411,21 @@ def _record_crashes(status_file: str | None) -> None:
     except OSError:
         return
     faulthandler.enable(file=_crash_log, all_threads=True)
+    # A child the rank forks (a DataLoader worker) would inherit the handler and write its
+    # own crash into the rank's record: it gets none.
+    os.register_at_fork(after_in_child=faulthandler.disable)
 
 
 def read_crash(status_file: str, pid: int) -> str:
-    """What faulthandler wrote when engine ``pid`` died of a fatal signal ('' if nothing)."""
+    """What faulthandler wrote when engine ``pid`` died of a fatal signal ('' if nothing).
+
+    Its last 64 KiB: the end of the last dump, the one of the rank's death.
+    """
     try:
-        with open(_crash_file(status_file, pid), errors="replace") as f:
-            return f.read(64 * 1024)
+        with open(_crash_file(status_file, pid), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            return f.read().decode(errors="replace")
     except OSError:
         return ""
 

@@ -58,3 +58,36 @@ def test_a_crash_in_the_cell_itself_and_a_dump_that_names_nothing():
     assert summary(dump) == "in the cell, line 7"
     assert summary("") == ""
     assert summary("Fatal Python error: Aborted\n\n<no Python frame>\n") == ""
+
+
+def test_a_function_of_an_earlier_cell_and_the_running_cells_line():
+    # f was defined in an earlier cell (a cell file too); the running cell's line is the
+    # outermost cell frame's.
+    dump = f"""Current thread 0x00007f00 (most recent call first):
+  File "/usr/lib/python3.12/ctypes/__init__.py", line 530 in string_at
+  File "/tmp/ipykernel_4242/1111.py", line 3 in f
+  File "/tmp/ipykernel_4242/2222.py", line 9 in <module>
+{RUN_CODE}
+"""
+    assert summary(dump) == (
+        "in string_at (ctypes/__init__.py:530) <- f (a cell, line 3), from the cell, line 9"
+    )
+
+
+def test_the_last_dump_of_a_record_and_a_crash_between_cells():
+    first = """Fatal Python error: Segmentation fault
+
+Current thread 0x00007f00 (most recent call first):
+  File "/tmp/ipykernel_4242/1111.py", line 1 in <module>
+"""
+    idle = f"""Fatal Python error: Aborted
+
+Thread 0x00007f01 (most recent call first):
+  File "{SITE}/zmq/sugar/socket.py", line 800 in recv_multipart
+
+Thread 0x00007f00 (most recent call first):
+  File "/usr/lib/python3.12/selectors.py", line 468 in select
+"""
+    assert summary(first + "\n" + idle) == (
+        "in a thread without Python frames, while no cell was running"
+    )

@@ -66,6 +66,6 @@ def test_a_segfault_is_named(session):
     assert (failure.rank, failure.ename) == (0, "RankDied")
     assert "segmentation fault (SIGSEGV, signal 11)" in failure.evalue
     # Where in Python it was, from faulthandler's record: ctypes' call, the cell's line 3.
-    assert "; in string_at (ctypes/__init__.py:" in failure.evalue
+    assert "in native code - in string_at (ctypes/__init__.py:" in failure.evalue
     assert failure.evalue.endswith("from the cell, line 3"), failure.evalue
     assert [row["state"] for row in session.status()] == ["dead", "idle"]

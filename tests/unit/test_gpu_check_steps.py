@@ -264,3 +264,23 @@ def test_a_job_that_runs_alone_starts_after_the_side_by_side_ones_end(tmp_path):
     # a and b side by side (both started before either ended), the alone job after both.
     assert abs(t["a"] - t["b"]) < 3, t
     assert t["alone"] >= max(t["a"], t["b"]) + 3 - 0.2, t
+
+
+def test_expected_times_come_from_the_previous_run_where_a_job_ran_to_its_end():
+    jobs = steps.plan_jobs(ROOT, python="PY")
+    by_name = {j.name: j for j in jobs}
+    table = by_name["examples/00_quickstart.ipynb"].expected_s
+    previous = {
+        "jobs": [
+            {"name": "examples/00_quickstart.ipynb", "status": "pass", "seconds": 29.4},
+            {"name": "examples/09_fsdp.ipynb", "status": "fail (exit 1)", "seconds": 44.0},
+            {"name": "examples/01_ddp_digits.ipynb", "status": "timeout", "seconds": 420.0},
+            {"name": "examples/02_dataparallel.ipynb", "status": "not run (time budget)"},
+        ]
+    }
+    steps.expect_from(jobs, previous)
+    assert by_name["examples/00_quickstart.ipynb"].expected_s == int(29.4 * 1.25) + 5 == 41
+    assert by_name["examples/09_fsdp.ipynb"].expected_s == 60
+    # A timeout or a job that did not run keeps the table's figure.
+    assert by_name["examples/01_ddp_digits.ipynb"].expected_s == table
+    assert by_name["examples/02_dataparallel.ipynb"].expected_s == table
