@@ -32,7 +32,11 @@ out = torch.empty(4, 3)
 torch.ops._c10d_functional.all_gather_into_tensor_out(mine, 2, group, out=out)
 pair = torch.ops._c10d_functional.all_gather_into_tensor_coalesced([mine, mine + 10], 2, group)
 pair = [funcol.wait_tensor(t).tolist() for t in pair]
-results = (gathered.tolist(), out.tolist(), pair, functional_gather.calls() - before)
+# torch 2.13's operators take the group itself too (schema: Any).
+by_group = funcol.wait_tensor(
+    torch.ops._c10d_functional.all_gather_into_tensor(mine, 2, dist.group.WORLD)
+).tolist()
+results = (gathered.tolist(), out.tolist(), pair, by_group, functional_gather.calls() - before)
 """
 
 
@@ -51,5 +55,6 @@ def test_dtensor_gathers_and_their_gradients_through_nbdists_kernel(gpu_like, mo
         # DTensor takes a replicated gradient as the same on every rank (no sum).
         grads = [[[float(3 * r + i + 1)] * 4 for i in range(3)] for r in range(2)]
         assert s.pull("grad") == grads
-        served = 4 if gpu_like else 0  # full_tensor, _out, and _coalesced's two tensors
-        assert s.pull("results") == [(full, zeros_then_ones, pair, served)] * 2
+        # full_tensor, _out, _coalesced's two tensors, the gather given the group itself
+        served = 5 if gpu_like else 0
+        assert s.pull("results") == [(full, zeros_then_ones, pair, zeros_then_ones, served)] * 2
