@@ -13,6 +13,7 @@ import pytest
 
 import nbdist
 from nbdist.driver.sinks import ListSink
+from tests.dist.gpu_like_ranks import two_cpu_ranks
 
 CELL = """
 import torch.distributed._functional_collectives as funcol
@@ -42,11 +43,7 @@ results = (gathered.tolist(), out.tolist(), pair, by_group, functional_gather.ca
 
 @pytest.mark.parametrize("gpu_like", [True, False], ids=["NBDIST_GPU_LIKE=1", "unset"])
 def test_dtensor_gathers_and_their_gradients_through_nbdists_kernel(gpu_like, monkeypatch):
-    if gpu_like:
-        monkeypatch.setenv("NBDIST_GPU_LIKE", "1")
-    else:
-        monkeypatch.delenv("NBDIST_GPU_LIKE", raising=False)
-    with nbdist.DistSession(2, cpu=True, timeout=120, history=False) as s:
+    with two_cpu_ranks(gpu_like, monkeypatch) as s:
         s.run(CELL, sink=ListSink())
         full = [[4.0 * r + c for c in range(4)] for r in range(6)]
         zeros_then_ones = [[0.0] * 3] * 2 + [[1.0] * 3] * 2

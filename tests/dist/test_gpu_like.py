@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-import nbdist
 from nbdist.driver.sinks import ListSink
+from tests.dist.gpu_like_ranks import two_cpu_ranks
 from nbdist.errors import RankError
 
 CELL = """
@@ -49,11 +49,7 @@ half_opt.step()
 def test_the_switch_gives_cpu_ranks_the_gpu_code_paths_and_nothing_without_it(
     gpu_like, monkeypatch
 ):
-    if gpu_like:
-        monkeypatch.setenv("NBDIST_GPU_LIKE", "1")
-    else:
-        monkeypatch.delenv("NBDIST_GPU_LIKE", raising=False)
-    with nbdist.DistSession(2, cpu=True, timeout=120, history=False) as s:
+    with two_cpu_ranks(gpu_like, monkeypatch) as s:
         s.run(CELL, sink=ListSink())
         assert s.pull("flags") == [(gpu_like, gpu_like)] * 2
         assert s.pull("foreach") == [True if gpu_like else None] * 2

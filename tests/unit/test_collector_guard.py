@@ -15,30 +15,45 @@ from nbdist.metrics.run import Run
 from nbdist.metrics.store import RunStore
 
 
+def _pusher(collector):
+    # What a rank sends with: a PUSH socket connected to the collector.
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(collector.url)
+    return push
+
+
+def _one_good_point(key, push, collector):
+    # A rank's point (step 5, loss 0.5), sent and seen in the run.
+    good = wire.points_message(0, [5], np.array([2.0]), {"loss": (None, np.array([0.5]))}, 1, 0)
+    push.send_multipart(wire.encode(key, good))
+    assert collector.wait_for_points({0: 1}, timeout=30)
+    assert collector.run.series("loss", 0) == ([5], [0.5])
+
+
+def _told_once(run, begins: str, first: str) -> None:
+    # One line under the dashboard, with the first error.
+    (line,) = loss_lines(run)
+    assert line.startswith(begins) and f"; the first: {first}" in line, line
+
+
 def test_a_signed_message_that_raises_is_dropped_and_the_stream_goes_on():
     key = os.urandom(16)
     run = Run(0, world_size=1)
     collector = Collector(key, run, None)
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(collector.url)
+    push = _pusher(collector)
     try:
         # Signed with the cluster key but of shapes _handle does not read: a cell marker
         # whose number is no number (int() raises), and columns that are a list.
         push.send_multipart(wire.encode(key, {"k": "cell", "rank": 0, "cell": "last"}))
         bad = {"k": "points", "rank": 0, "step0": 0, "n": 1, "times": wire.floats([1.0])}
         push.send_multipart(wire.encode(key, {**bad, "cols": [], "total": 1}))
-        good = wire.points_message(0, [5], np.array([2.0]), {"loss": (None, np.array([0.5]))}, 1, 0)
-        push.send_multipart(wire.encode(key, good))
         # One sender's messages arrive in order: the good one is taken after both bad ones.
-        assert collector.wait_for_points({0: 1}, timeout=30)
-        assert run.series("loss", 0) == ([5], [0.5])
+        _one_good_point(key, push, collector)
         assert collector.rejected == 2
         assert collector.first_error.startswith("ValueError: ")
         # The user is told, under the dashboard: the kernel lost points.
-        (line,) = loss_lines(run)
-        assert line.startswith("2 messages of points from the ranks could not be read"), line
-        assert "the first: ValueError: " in line
+        _told_once(run, "2 messages of points from the ranks could not be read", "ValueError: ")
     finally:
         push.close()
         collector.stop()
@@ -50,17 +65,10 @@ def test_a_history_that_cannot_be_written_is_told_and_live_points_go_on(tmp_path
     run = store.new_run(world_size=1)
     store.close()  # every write to it raises now, as a full or vanished disk would
     collector = Collector(key, run, store)
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(collector.url)
+    push = _pusher(collector)
     try:
-        good = wire.points_message(0, [5], np.array([2.0]), {"loss": (None, np.array([0.5]))}, 1, 0)
-        push.send_multipart(wire.encode(key, good))
-        assert collector.wait_for_points({0: 1}, timeout=30)
-        assert run.series("loss", 0) == ([5], [0.5])  # live: the chart has it
-        (line,) = loss_lines(run)
-        assert line.startswith("the run's history could not be written 1 time "), line
-        assert "the first: " in line
+        _one_good_point(key, push, collector)  # live: the chart has it
+        _told_once(run, "the run's history could not be written 1 time ", "")
     finally:
         push.close()
         collector.stop()
