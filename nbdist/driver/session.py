@@ -351,6 +351,9 @@ class DistSession:
         why = self._restart_in_place()
         if why:
             self._stop_ranks()
+            # A failed restart in place stopped its processes: its ranks are gone, whether
+            # the start below succeeds or not (world_size 0 and no ranks while not running).
+            self.group = None
             self.start()
         note = "" if why == "not running" else why
         self.restarted = Restarted(time.perf_counter() - t0, note, fresh=self._handle.owned)

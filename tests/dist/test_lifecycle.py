@@ -16,6 +16,7 @@ import pytest
 
 import nbdist
 from nbdist.driver.sinks import ListSink
+from nbdist.errors import NbdistError
 from tests.conftest import wait_gone
 
 
@@ -55,6 +56,23 @@ def test_four_ranks_start_reduce_and_stop_without_leftovers():
     assert killed == [], f"had to SIGKILL {killed}"
     assert wait_gone(pids, timeout=10) == []
     assert not s.running
+
+
+def test_a_restart_that_fails_leaves_no_ranks_named_and_no_process():
+    import dataclasses
+
+    s = nbdist.DistSession(2, cpu=True, timeout=120).start()
+    pids = _all_pids(s)
+    try:
+        # Too short a limit for anything: the restart in place fails, then the full start.
+        s.options = dataclasses.replace(s.options, timeout=0.001)
+        with pytest.raises(NbdistError, match="did not all start within 0.001 s"):
+            s.restart()
+        assert not s.running
+        assert (s.ranks, s.world_size) == ([], 0)  # were the two dead ranks of before
+    finally:
+        s.stop()
+    assert wait_gone(pids, timeout=10) == []
 
 
 def test_a_killed_driver_leaves_no_process(tmp_path):
