@@ -26,7 +26,15 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Iterable
 
-__all__ = ["COLLECTIVES", "StrategyUnavailable", "missing", "probe", "require"]
+__all__ = [
+    "COLLECTIVES",
+    "StrategyUnavailable",
+    "missing",
+    "probe",
+    "require",
+    "tensor_all_gather",
+    "tensor_reduce_scatter",
+]
 
 # A missing collective raises at once on every rank alike (gloo checks the device
 # before it sends anything, except send/recv: not probed on CUDA, see the module
@@ -51,26 +59,35 @@ def _broadcast(dist, torch, device, rank, world):
     return [dist.broadcast(t, src=0, async_op=True)], lambda: t.sum().item() == 0
 
 
-def _gather(dist):
-    # torch 2.13 renamed all_gather_into_tensor (same collective, the old name warns).
+def tensor_all_gather():
+    """``torch.distributed``'s all-gather into one tensor, under this torch's name.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` (the same
+    collective; the old name warns); older torch has only the old one.
+    """
+    import torch.distributed as dist
+
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _scatter(dist):
+def tensor_reduce_scatter():
+    """``reduce_scatter_tensor`` (torch 2.13: ``reduce_scatter_single``), as :func:`tensor_all_gather`."""
+    import torch.distributed as dist
+
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_gather_into_tensor(dist, torch, device, rank, world):
     out = torch.empty(2 * world, device=device)
     src = torch.full((2,), float(rank), device=device)
-    work = _gather(dist)(out, src, async_op=True)
+    work = tensor_all_gather()(out, src, async_op=True)
     return [work], lambda: out.tolist() == [float(r) for r in range(world) for _ in range(2)]
 
 
 def _reduce_scatter_tensor(dist, torch, device, rank, world):
     out = torch.empty(2, device=device)
     src = torch.ones(2 * world, device=device)
-    work = _scatter(dist)(out, src, async_op=True)
+    work = tensor_reduce_scatter()(out, src, async_op=True)
     return [work], lambda: out.tolist() == [float(world)] * 2
 
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 import os
 import time
 
+from nbdist.engine import backend_support
+
 __all__ = ["OPS", "PROBED_AS", "elements", "memory_limit", "time_collectives", "time_pairs"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -121,17 +123,14 @@ def _calls(dist, op: str, big, small, count: int, world: int):
         return lambda: dist.all_reduce(whole)
     if op == "broadcast":
         return lambda: dist.broadcast(whole, src=0)
-    # torch 2.13 renamed the tensor forms (the old names warn); older torch has only those.
     if op == "all_gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather = backend_support.tensor_all_gather()
         return lambda: gather(whole, shard)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter = backend_support.tensor_reduce_scatter()
     return lambda: scatter(shard, whole)
 
 
 def _skipped(ops) -> dict[str, str]:
-    from nbdist.engine import backend_support
-
     missing = backend_support.missing()
     return {op: missing[PROBED_AS[op]] for op in ops if PROBED_AS[op] in missing}
 

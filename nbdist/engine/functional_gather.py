@@ -28,6 +28,8 @@ copy either way.
 
 from __future__ import annotations
 
+from nbdist.engine import backend_support
+
 __all__ = ["calls", "install", "serves_cuda"]
 
 _OPS = ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced")
@@ -52,11 +54,10 @@ def _gather_into(out, tensor, group_name) -> None:
 
     global _calls
     _calls += 1
-    # torch 2.13 renamed all_gather_into_tensor (the old name warns); the same collective.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     # The operators take a group's name, or (torch 2.13's schema says Any) the group itself.
     group = group_name if isinstance(group_name, dist.ProcessGroup) else None
-    gather(out, tensor.contiguous(), group=group or _resolve_process_group(group_name))
+    group = group or _resolve_process_group(group_name)
+    backend_support.tensor_all_gather()(out, tensor.contiguous(), group=group)
 
 
 def _gathered_like(tensor, group_size):

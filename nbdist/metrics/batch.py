@@ -147,9 +147,8 @@ def to_columns(
     }
     raw.update(points.sparse)
     told = {} if left_out is None else left_out
-    for key in RESERVED_KEYS:  # checked here, once a flush, not on the training thread
-        if key in raw:
-            told.setdefault(key, _reserved(key, raw.pop(key)[1][0]))
+    for key in RESERVED_KEYS.keys() & raw.keys():  # once a flush, not on the training thread
+        told.setdefault(key, _reserved(key, raw.pop(key)[1][0]))
     _numbers(raw, told)
     peak = raw.pop(PEAK, None)
 

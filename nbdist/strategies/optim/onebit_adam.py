@@ -171,9 +171,9 @@ def compressed_allreduce(
 
 
 def _gather(output: torch.Tensor, mine: torch.Tensor, group=None) -> None:
-    # torch 2.13 renamed all_gather_into_tensor (same collective; the old name warns).
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, mine, group=group)
+    from nbdist.engine.backend_support import tensor_all_gather
+
+    tensor_all_gather()(output, mine, group=group)
 
 
 def padded_length(n: int, world: int) -> int:
