@@ -315,10 +315,12 @@ class DistSession:
 
     def _stop_ranks(self) -> list[int]:
         with sigint_deferred():  # the handle is let go of first: the rest must follow
+            # The ranks are gone after this, also where a failed restart in place let go of
+            # the handle and stopped the processes already (no ranks while not running).
+            group, self.group = self.group, None
             handle = self._unwatch()
             if handle is None:
                 return []
-            group, self.group = self.group, None
             if handle.client is not None and not handle.owned and group is not None:
                 try:  # leave the group so the engines of a connected cluster can be reused
                     handle.client[group.engine_ids].apply_async(bootstrap.teardown).get(5)
@@ -351,9 +353,6 @@ class DistSession:
         why = self._restart_in_place()
         if why:
             self._stop_ranks()
-            # A failed restart in place stopped its processes: its ranks are gone, whether
-            # the start below succeeds or not (world_size 0 and no ranks while not running).
-            self.group = None
             self.start()
         note = "" if why == "not running" else why
         self.restarted = Restarted(time.perf_counter() - t0, note, fresh=self._handle.owned)

@@ -22,6 +22,8 @@ import sys
 from ipyparallel.cluster.launcher import LocalEngineLauncher
 from traitlets import Dict, Integer, List, Unicode
 
+from nbdist.launch import zygote
+
 __all__ = ["ZygoteEngineSetLauncher", "watched_controller_cmd"]
 
 
@@ -102,8 +104,12 @@ class ZygoteEngineSetLauncher(LocalEngineLauncher):
         if remove:
             # In a named profile (--profile) the log folder stays: one exit file per rank
             # and start or restart would pile up there for good.
-            kept = [glob.glob(glob.escape(self.status_file) + f".{k}.*") for k in ("exit", "crash")]
-            for path in [self.status_file, *kept[0], *kept[1]]:
+            records = [
+                path
+                for kind in zygote.RECORD_KINDS
+                for path in glob.glob(glob.escape(self.status_file) + f".{kind}.*")
+            ]
+            for path in [self.status_file, *records]:
                 try:
                     os.remove(path)
                 except OSError:

@@ -47,6 +47,7 @@ from nbdist.launch import process_tree
 
 __all__ = [
     "ENGINE_MODULES",
+    "RECORD_KINDS",
     "fork_unsafe_reason",
     "import_all",
     "main",
@@ -319,11 +320,11 @@ class _Forker:
                 )
             else:
                 pids.append(_spawn_engine(env, self.engine_argv))
-                if self.opts.status_file:  # no record of its own: none of an earlier PID's
-                    try:
-                        os.remove(_crash_file(self.opts.status_file, pids[-1]))
-                    except OSError:
-                        pass
+            # A reused PID must not find an earlier process's records: its exit status,
+            # and for a spawned engine (which keeps no crash record) the crash record.
+            # A forked engine has opened its own crash record already.
+            for kind in ("exit",) if reason is None else ("exit", "crash"):
+                _forget_record(self.opts.status_file, kind, pids[-1])
         _write_status(
             self.opts.status_file,
             **self.status,
@@ -376,7 +377,7 @@ def record_exit(status_file: str | None, pid: int, status: int) -> None:
     """
     if status_file:
         try:
-            _write_atomically(f"{status_file}.exit.{pid}", str(status))
+            _write_atomically(_record_file(status_file, "exit", pid), str(status))
         except OSError:
             pass
 
@@ -384,14 +385,27 @@ def record_exit(status_file: str | None, pid: int, status: int) -> None:
 def read_exit(status_file: str, pid: int) -> int | None:
     """The wait status :func:`record_exit` kept for ``pid`` (None if none yet)."""
     try:
-        with open(f"{status_file}.exit.{pid}") as f:
+        with open(_record_file(status_file, "exit", pid)) as f:
             return int(f.read())
     except (OSError, ValueError):
         return None
 
 
-def _crash_file(status_file: str, pid: int) -> str:
-    return f"{status_file}.crash.{pid}"
+# Each engine's records, beside the status file: "exit" (its wait status, record_exit) and
+# "crash" (faulthandler's dump, _record_crashes). local_engines removes both at stop.
+RECORD_KINDS = ("exit", "crash")
+
+
+def _record_file(status_file: str, kind: str, pid: int) -> str:
+    return f"{status_file}.{kind}.{pid}"
+
+
+def _forget_record(status_file: str | None, kind: str, pid: int) -> None:
+    if status_file:
+        try:
+            os.remove(_record_file(status_file, kind, pid))
+        except OSError:
+            pass
 
 
 _crash_log = None  # the open file faulthandler writes to: it must stay open while the rank runs
@@ -407,7 +421,7 @@ def _record_crashes(status_file: str | None) -> None:
     import faulthandler
 
     try:
-        _crash_log = open(_crash_file(status_file, os.getpid()), "w")  # noqa: SIM115
+        _crash_log = open(_record_file(status_file, "crash", os.getpid()), "w")  # noqa: SIM115
     except OSError:
         return
     faulthandler.enable(file=_crash_log, all_threads=True)
@@ -422,7 +436,7 @@ def read_crash(status_file: str, pid: int) -> str:
     Its last 64 KiB: the end of the last dump, the one of the rank's death.
     """
     try:
-        with open(_crash_file(status_file, pid), "rb") as f:
+        with open(_record_file(status_file, "crash", pid), "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 64 * 1024))
             return f.read().decode(errors="replace")

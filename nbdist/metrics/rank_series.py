@@ -85,12 +85,6 @@ class _Column:
                 out.append((a + firsts[r] - starts[r], b + firsts[r] - starts[r]))
         return out
 
-    def points(self) -> list:
-        """Each value's point."""
-        if self.idx is not None:
-            return list(self.idx)
-        return [p for a, b in self.spans(0, len(self.vals)) for p in range(a, b)]
-
     def add(self, start: int, n: int, idx, vals: list) -> None:
         """Append a batch's values, any case: the batch's ``n`` points from point ``start``,
         ``idx`` the batch's points that carry the key (None: every one)."""
@@ -156,17 +150,6 @@ class RankSeries:
         self.steps = array("q")  # or a list, once a step was not an int
         self.times = array("d")  # or a list, once a time was not a float
         self.columns: dict[str, _Column] = {}
-
-    @property
-    def values(self) -> dict[str, tuple[list[int], list]]:
-        """``{key: (indices into steps/times, values)}`` as lists (a copy, for reading)."""
-        return {
-            key: (list(column.points()), list(column.vals)) for key, column in self.columns.items()
-        }
-
-    def add(self, step: int, when: float, scalars: dict[str, float]) -> None:
-        """Append one point: its step, its time (Unix seconds) and its ``{key: value}``."""
-        self.extend([step], [when], {key: ([0], [value]) for key, value in scalars.items()})
 
     def extend(self, steps: list, times: list, columns: dict) -> None:
         """Append a batch given as columns: ``steps``, ``times`` and ``{key: (indices or None,
