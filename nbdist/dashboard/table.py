@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from nbdist.dashboard.breakdown import breakdown, explain, slow_parts
 from nbdist.metrics.gpu import GPU_KEYS
-from nbdist.metrics.run import DERIVED_KEYS
+from nbdist.metrics.point_keys import DERIVED_KEYS
 from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = [

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import re
 
+from nbdist.engine.control import runs_cell
+
 __all__ = ["summary"]
 
 # How many of the innermost frames the line names (the cell's line comes on top).
 INNERMOST = 3
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.+)$')
 _HEADER = re.compile(r"^(?P<current>Current thread|Thread) 0x[0-9a-f]+")
-# The stack of the thread running a cell passes through IPython's run_code.
-_CELL_RUNNER = "interactiveshell.py"
 _LIB = re.compile(r".*/(?:site-packages|dist-packages|lib/python3\.\d+)/")
 
 
@@ -79,7 +79,7 @@ def summary(dump: str) -> str:
     current = next((frames for is_current, frames in threads if is_current), None)
     if current is None:
         running = next(
-            (frames for _, frames in threads if any(_CELL_RUNNER in f for f, _, _ in frames)),
+            (frames for _, frames in threads if any(runs_cell(func, f) for f, _, func in frames)),
             None,
         )
         if running is None:  # a thread of gloo's or NCCL's, between cells

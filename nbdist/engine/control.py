@@ -49,6 +49,7 @@ __all__ = [
     "install",
     "release",
     "remember_group_sockets",
+    "runs_cell",
     "track_subgroups",
     "where",
 ]
@@ -158,8 +159,9 @@ def release() -> dict:
     return {"action": "shutdown", "detail": f"{closed} group sockets shut down"}
 
 
-def _runs_cell(name: str, filename: str) -> bool:
-    """Whether a frame of this function is IPython's run_code, which runs a cell's code."""
+def runs_cell(name: str, filename: str) -> bool:
+    """Whether a frame of function ``name`` in ``filename`` is IPython's run_code, which runs
+    a cell's code (the rank's own stacks here, a crash record's in the kernel)."""
     return name == "run_code" and "interactiveshell" in filename
 
 
@@ -168,7 +170,7 @@ def _cell_frames(frame) -> list:
     stack = traceback.extract_stack(frame)
     start = None
     for i, entry in enumerate(stack):
-        if _runs_cell(entry.name, entry.filename):
+        if runs_cell(entry.name, entry.filename):
             start = i + 1
     if start is None:
         for i, entry in enumerate(stack):  # apply requests: ipyparallel's do_apply
@@ -217,7 +219,7 @@ def collective_state(flight: bool = False) -> dict:
     busy = False
     while frame is not None and not busy:
         code = frame.f_code
-        busy = _runs_cell(code.co_name, code.co_filename) or code.co_name == "do_apply"
+        busy = runs_cell(code.co_name, code.co_filename) or code.co_name == "do_apply"
         frame = frame.f_back
     last = collectives.last()
     state = {"busy": busy, "collective": last}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 from nbdist.metrics import steptime
-from nbdist.metrics.gpu import GPU_KEYS
+from nbdist.metrics.point_keys import WORKED_OUT
 
 __all__ = ["PEAK", "RESERVED_KEYS", "Points", "to_columns", "what_it_was"]
 
@@ -36,22 +36,9 @@ RESERVED_KEYS = {
 }
 # Names nbdist works out for a point itself: a value logged under one was replaced on the
 # points where nbdist had its own and kept on the others (a rank's first point has no step
-# time), so it is left out and told the same way. Not ``data_time``: a user's own
-# data-loading seconds are meant to replace the data timer's.
-_WORKED_OUT = {
-    "step_time": "the seconds since the rank's previous point",
-    "comm_s": "the step's seconds in collectives",
-    "data_s": "the step's seconds waiting for data",
-    "compute_s": "the step's other seconds",
-    "samples_per_s": "samples= over the step time",
-    "tokens_per_s": "tokens= over the step time",
-    "tflops": "flops= over the step time",
-    "mfu": "tflops over the device's peak",
-    **dict.fromkeys(steptime.MEMORY_KEYS, "the rank's memory, read by nbdist"),
-    **dict.fromkeys(GPU_KEYS, "the rank's GPU, read through NVML"),
-}
+# time), so it is left out and told the same way.
 RESERVED_KEYS.update(
-    {key: (f"{meaning}, worked out by nbdist", f"my_{key}") for key, meaning in _WORKED_OUT.items()}
+    {key: (f"{meaning}, worked out by nbdist", f"my_{key}") for key, meaning in WORKED_OUT.items()}
 )
 _PLAIN = frozenset((int, float, bool))
 

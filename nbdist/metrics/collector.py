@@ -52,10 +52,9 @@ class Collector:
         self.key = key
         self.run = run
         self.store = store
-        self.rejected = 0  # messages with a bad signature or shape, or that raised
-        # The first error a signed message raised in _handle ("ValueError: ..."), or None:
-        # such a message is dropped and counted in ``rejected``, the stream goes on.
-        self.first_error: str | None = None
+        # Messages with a bad signature or shape, or that raised: dropped, the stream goes
+        # on; the run keeps the first error of those it could not read (Run.kernel_losses).
+        self.rejected = 0
         self.store_errors = 0
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
@@ -96,8 +95,6 @@ class Collector:
                         # must not end the thread: that would silently end every rank's
                         # metrics for the rest of the session. Dropped, counted, shown.
                         self.rejected += 1
-                        if self.first_error is None:
-                            self.first_error = f"{type(exc).__name__}: {exc}"[:200]
                         self.run.note_kernel_loss("unread", exc)
             # A commit per message cost more than everything else the collector does
             # (~0.5 ms each): commit after 100 ms of quiet, or every _COMMIT_EVERY_S.

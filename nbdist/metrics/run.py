@@ -30,29 +30,17 @@ import time
 from array import array
 from collections.abc import Callable, Iterable
 
-from nbdist.metrics.gpu import GPU_KEYS
+from nbdist.metrics.point_keys import DERIVED_KEYS
 from nbdist.metrics.rank_series import RankSeries, as_list, numpy_dtype
-from nbdist.metrics.steptime import BREAKDOWN_KEYS, MEMORY_KEYS
 from nbdist.metrics.wire import point_columns
 
-__all__ = ["COUNT_KEYS", "DERIVED_KEYS", "EVENT_KEYS", "Run"]
+__all__ = ["COUNT_KEYS", "EVENT_KEYS", "Run"]
 
 # Points that mark an event rather than measure something (MetricsHub.mark_restart):
 # kept in the run and the history, but no chart or table column of their own.
 EVENT_KEYS = ("restart",)
 # Keys that count things: integers in to_pandas() when every value logged is whole.
 COUNT_KEYS = ("samples", "tokens", "epoch", "total_steps", "restart")
-DERIVED_KEYS = (
-    "step_time",
-    "samples_per_s",
-    "tokens_per_s",
-    "tflops",
-    "mfu",
-    *BREAKDOWN_KEYS,
-    "data_time",
-    *MEMORY_KEYS,
-    *GPU_KEYS,
-)
 
 
 class Run:

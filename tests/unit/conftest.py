@@ -23,3 +23,23 @@ def channel():
     finally:
         metrics_log.shutdown()
         collector.stop()
+
+
+@pytest.fixture
+def push_to():
+    """What a rank sends with: ``push_to(collector)`` is a PUSH socket connected to the
+    collector, closed after the test."""
+    import zmq
+
+    sockets = []
+
+    def connect(collector):
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(collector.url)
+        sockets.append(sock)
+        return sock
+
+    yield connect
+    for sock in sockets:
+        sock.close()

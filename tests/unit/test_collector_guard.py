@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import zmq
 
 from nbdist.dashboard.losses import loss_lines
 from nbdist.metrics import wire
@@ -15,11 +14,9 @@ from nbdist.metrics.run import Run
 from nbdist.metrics.store import RunStore
 
 
-def _pusher(collector):
+def _pusher(collector, push_to):
     # What a rank sends with: a PUSH socket connected to the collector.
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(collector.url)
+    push = push_to(collector)
     return push
 
 
@@ -37,11 +34,11 @@ def _told_once(run, begins: str, first: str) -> None:
     assert line.startswith(begins) and f"; the first: {first}" in line, line
 
 
-def test_a_signed_message_that_raises_is_dropped_and_the_stream_goes_on():
+def test_a_signed_message_that_raises_is_dropped_and_the_stream_goes_on(push_to):
     key = os.urandom(16)
     run = Run(0, world_size=1)
     collector = Collector(key, run, None)
-    push = _pusher(collector)
+    push = push_to(collector)
     try:
         # Signed with the cluster key but of shapes _handle does not read: a cell marker
         # whose number is no number (int() raises), and columns that are a list.
@@ -51,26 +48,23 @@ def test_a_signed_message_that_raises_is_dropped_and_the_stream_goes_on():
         # One sender's messages arrive in order: the good one is taken after both bad ones.
         _one_good_point(key, push, collector)
         assert collector.rejected == 2
-        assert collector.first_error.startswith("ValueError: ")
         # The user is told, under the dashboard: the kernel lost points.
         _told_once(run, "2 messages of points from the ranks could not be read", "ValueError: ")
     finally:
-        push.close()
         collector.stop()
 
 
-def test_a_history_that_cannot_be_written_is_told_and_live_points_go_on(tmp_path):
+def test_a_history_that_cannot_be_written_is_told_and_live_points_go_on(tmp_path, push_to):
     key = os.urandom(16)
     store = RunStore(str(tmp_path / "h.sqlite"))
     run = store.new_run(world_size=1)
     store.close()  # every write to it raises now, as a full or vanished disk would
     collector = Collector(key, run, store)
-    push = _pusher(collector)
+    push = push_to(collector)
     try:
         _one_good_point(key, push, collector)  # live: the chart has it
         _told_once(run, "the run's history could not be written 1 time ", "")
     finally:
-        push.close()
         collector.stop()
 
 

@@ -56,3 +56,21 @@ def test_a_value_logged_under_a_name_nbdist_works_out_is_left_out_on_every_point
     assert set(run.left_out) == {"step_time", "samples_per_s"}
     lines = loss_lines(run)
     assert any(line.startswith("'step_time' left out") and "my_step_time" in line for line in lines)
+
+
+def test_every_key_nbdist_works_out_is_refused_and_data_time_is_kept(channel):
+    # The kernel shows DERIVED_KEYS as nbdist's own; each must be refused on the rank too,
+    # or a user's value would stand in the column of nbdist's on some points.
+    from nbdist.metrics.point_keys import DERIVED_KEYS
+
+    run, collector = channel
+    worked_out = [key for key in DERIVED_KEYS if key != "data_time"]
+    logged = dict.fromkeys(worked_out, -3.0)
+    for step in range(2):
+        metrics_log.log(step=step, loss=1.0, data_time=0.0, **logged)
+    total = metrics_log.end_of_cell()
+    assert collector.wait_for_points({0: total}, timeout=30)
+
+    assert set(run.left_out) == set(worked_out)
+    assert all(row["data_time"] == 0.0 for row in run.rows())  # the user's own, kept
+    assert not any(row.get(key) == -3.0 for row in run.rows() for key in worked_out)

@@ -94,18 +94,14 @@ def _marker(rank: int, cell: int) -> dict:
     [(_points, "wait_for_points"), (_marker, "wait_for_cells")],
     ids=["notebook: running count of points", "script: end marker"],
 )
-def test_after_a_restart_the_end_of_a_cell_waits_for_the_new_ranks(message, wait):
+def test_after_a_restart_the_end_of_a_cell_waits_for_the_new_ranks(message, wait, push_to):
     """Fresh ranks count from 1 again: what the old ranks reached (9) must not do."""
-    import zmq
-
     from nbdist.metrics.collector import Collector
 
     old_key, new_key = b"k" * 32, b"n" * 32
     collector = Collector(old_key, Run(1, world_size=1), None)
     wait = getattr(collector, wait)
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(collector.url)
+    push = push_to(collector)
     try:
         push.send_multipart(wire.encode(old_key, message(0, 9)))
         assert wait({0: 9}, timeout=10)
@@ -114,24 +110,19 @@ def test_after_a_restart_the_end_of_a_cell_waits_for_the_new_ranks(message, wait
         push.send_multipart(wire.encode(new_key, message(0, 1)))
         assert wait({0: 1}, timeout=10)
     finally:
-        push.close()
         collector.stop()
 
 
-def test_the_end_of_a_cell_waits_until_a_ranks_points_are_in_the_history(tmp_path):
+def test_the_end_of_a_cell_waits_until_a_ranks_points_are_in_the_history(tmp_path, push_to):
     """A cell returns once the count its rank reported has arrived, and its points are
     readable from the history then, not only in memory."""
-    import zmq
-
     from nbdist.metrics.collector import Collector
 
     key = b"k" * 32
     store = RunStore(str(tmp_path / "runs.sqlite"))
     run = store.new_run(world_size=1, backend="gloo")
     collector = Collector(key, run, store)
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(collector.url)
+    push = push_to(collector)
     try:
         assert not collector.wait_for_points({0: 2}, timeout=0.2), "nothing was sent yet"
         push.send_multipart(wire.encode(key, _points(0, 1)))
@@ -141,7 +132,6 @@ def test_the_end_of_a_cell_waits_until_a_ranks_points_are_in_the_history(tmp_pat
         collector.commit()
         assert len(load_run(run.id, path=str(tmp_path / "runs.sqlite")).to_pandas()) == 2
     finally:
-        push.close()
         collector.stop()
         store.close()
 
@@ -168,19 +158,15 @@ def test_to_pandas_has_dates_and_whole_counts(tmp_path):
         assert frame["loss"].dtype == float
 
 
-def test_a_signed_message_the_kernel_cannot_read_is_counted_and_the_next_one_arrives():
+def test_a_signed_message_the_kernel_cannot_read_is_counted_and_the_next_one_arrives(push_to):
     """A message in a shape this kernel cannot read (a rank of another version, say) is
     rejected and counted; the collector goes on taking the ones after it."""
-    import zmq
-
     from nbdist.metrics.collector import Collector
 
     key = b"k" * 32
     run = Run(1, world_size=1)
     collector = Collector(key, run, None)
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    push.connect(collector.url)
+    push = push_to(collector)
     unreadable = {
         "k": "points",
         "rank": 0,
@@ -197,7 +183,6 @@ def test_a_signed_message_the_kernel_cannot_read_is_counted_and_the_next_one_arr
         assert collector.rejected == 1
         assert run.series("loss", 0) == ([2], [1.0])  # only the readable message's point
     finally:
-        push.close()
         collector.stop()
 
 
