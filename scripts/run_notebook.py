@@ -24,26 +24,48 @@ def _text(output) -> str:
     return data.get("text/plain", "") + "\n" if data else ""
 
 
+# A kernel that dies before its first reply is started again, this many times in all: the
+# ports of a new kernel are chosen free, released, and bound by the kernel a moment later,
+# so with many kernels starting at once (scripts/gpu_check.sh) another process can take one
+# in between and the kernel exits with "Address already in use" (its stderr, in this log).
+KERNEL_STARTS = 3
+
+
+def _died_at_start(exc: Exception, started: list[int]) -> bool:
+    return not started and "Kernel died before replying to kernel_info" in str(exc)
+
+
 def main(path: str) -> int:
     nb = nbformat.read(path, as_version=4)
     started: list[int] = []  # the index (among all cells) of each cell as it starts
-    client = NotebookClient(
-        nb,
-        timeout=900,
-        # nbclient's default is 60 s; a machine running many notebooks and test files side
-        # by side (scripts/gpu_check.sh) has taken longer to answer a new kernel's first request.
-        startup_timeout=180,
-        kernel_name="python3",
-        resources={"metadata": {"path": os.path.dirname(path) or "."}},
-        on_cell_start=lambda cell, cell_index: started.append(cell_index),
-    )
     failed = None
-    try:
-        client.execute()
-    except CellExecutionError as exc:
-        failed = exc
-    except Exception as exc:  # the kernel did not start or died, or a cell ran past its time
-        failed = exc
+    for attempt in range(1, KERNEL_STARTS + 1):
+        client = NotebookClient(
+            nb,
+            timeout=900,
+            # nbclient's default is 60 s; a machine running many notebooks and test files
+            # side by side (scripts/gpu_check.sh) has taken longer to answer a new kernel's
+            # first request.
+            startup_timeout=180,
+            kernel_name="python3",
+            resources={"metadata": {"path": os.path.dirname(path) or "."}},
+            on_cell_start=lambda cell, cell_index: started.append(cell_index),
+        )
+        try:
+            client.execute()
+            failed = None
+        except CellExecutionError as exc:
+            failed = exc
+        except Exception as exc:  # the kernel did not start or died, or a cell ran past its time
+            failed = exc
+        if failed is None or not _died_at_start(failed, started) or attempt == KERNEL_STARTS:
+            break
+        print(
+            f"the kernel died before its first reply (start {attempt} of {KERNEL_STARTS}; "
+            "its own error is above): starting another",
+            file=sys.stderr,
+            flush=True,
+        )
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue

@@ -7,6 +7,7 @@ when no cell raised: a kernel that died, or one that never started.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "scripts" / "run_notebook.py"
 
 
-def _run(tmp_path: Path, *sources: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *sources: str, env: dict | None = None) -> subprocess.CompletedProcess:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# a notebook")])
     nb.cells += [nbformat.v4.new_code_cell(src) for src in sources]
     path = tmp_path / "nb.ipynb"
@@ -28,6 +29,7 @@ def _run(tmp_path: Path, *sources: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
 
 
@@ -56,3 +58,37 @@ def test_every_cell_running_says_ok(tmp_path):
     res = _run(tmp_path, "print(6 * 7)")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "42" in res.stdout and res.stdout.rstrip().endswith("OK: every cell ran")
+
+
+def _kernels_that_die_at_start(tmp_path: Path, times: int) -> dict:
+    # An IPython startup file runs while the kernel starts, before it answers anything:
+    # exiting there is a kernel dying before its first reply, as one whose port another
+    # process took does. It dies ``times`` times, then starts.
+    startup = tmp_path / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-die.py").write_text(
+        "import os\n"
+        f"count = os.path.join({str(tmp_path)!r}, 'starts')\n"
+        "with open(count, 'a') as f:\n"
+        "    f.write('x')\n"
+        f"if os.path.getsize(count) <= {times}:\n"
+        "    os._exit(7)\n"
+    )
+    return {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython")}
+
+
+def test_a_kernel_that_dies_before_its_first_reply_is_started_again(tmp_path):
+    res = _run(tmp_path, "print(6 * 7)", env=_kernels_that_die_at_start(tmp_path, 1))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "the kernel died before its first reply (start 1 of 3" in res.stderr
+    assert res.stdout.rstrip().endswith("OK: every cell ran")
+    assert (tmp_path / "starts").read_text() == "xx"
+
+
+def test_a_kernel_that_never_starts_is_tried_three_times_and_named(tmp_path):
+    res = _run(tmp_path, "print(6 * 7)", env=_kernels_that_die_at_start(tmp_path, 99))
+    assert res.returncode == 1
+    assert (
+        "FAILED: the kernel, before the first cell, raised RuntimeError: Kernel died" in res.stderr
+    )
+    assert (tmp_path / "starts").read_text() == "xxx"
