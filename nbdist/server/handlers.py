@@ -200,32 +200,38 @@ def _history_paths(view: LiveView) -> list[str]:
 class RunsHandler(_Base):
     @web.authenticated
     @authorized
-    def get(self) -> None:
+    async def get(self) -> None:
         # A run is running while a live cluster logs to it. ``ended`` stays null for a run
         # whose kernel died or was killed before it could end the run: finished all the same.
-        live = _live_runs(self.view)
-        out = []
-        for path in _history_paths(self.view):
-            for record in store.runs(path):
-                out.append(
-                    dict(
-                        id=record.id,
-                        # Every history numbers its runs from 1: (history, id) names a run.
-                        history=path,
-                        started=record.started,
-                        ended=record.ended,
-                        world_size=record.world_size,
-                        backend=record.backend,
-                        label=record.label,
-                        host=record.host,
-                        points=record.points,
-                        running=(path, record.id) in live,
+        live, paths = _live_runs(self.view), _history_paths(self.view)
+
+        def listed() -> list[dict]:
+            # Each run's point count sums its batches: a long history takes a while, read
+            # in a worker thread so the server answers every notebook's requests meanwhile.
+            out = []
+            for path in paths:
+                for record in store.runs(path):
+                    out.append(
+                        dict(
+                            id=record.id,
+                            # Every history numbers its runs from 1: (history, id) names a run.
+                            history=path,
+                            started=record.started,
+                            ended=record.ended,
+                            world_size=record.world_size,
+                            backend=record.backend,
+                            label=record.label,
+                            host=record.host,
+                            points=record.points,
+                            running=(path, record.id) in live,
+                        )
                     )
-                )
-        # Oldest first across every history (the sidebar shows the newest 50): listed
-        # history by history, a large cluster history pushed the default one's runs out.
-        out.sort(key=lambda record: (record["started"] or 0, record["id"]))
-        self.write_json({"runs": out})
+            # Oldest first across every history (the sidebar shows the newest 50): listed
+            # history by history, a large cluster history pushed the default one's runs out.
+            out.sort(key=lambda record: (record["started"] or 0, record["id"]))
+            return out
+
+        self.write_json({"runs": await asyncio.to_thread(listed)})
 
 
 class RunHandler(_Base):

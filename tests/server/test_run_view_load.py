@@ -1,7 +1,8 @@
-"""GET nbdist/api/runs/<id> in a real jupyter_server: a run is read off the event loop, once.
+"""GET nbdist/api/runs and runs/<id> in a real jupyter_server: the history is read off the
+event loop, and a run once.
 
 Real components: the server (pytest-jupyter), the real run history written by the
-real store (SQLite). The store's ``load_run`` is wrapped only to see where and how
+real store (SQLite). The store's ``runs`` and ``load_run`` are wrapped only to see where and how
 often it runs (and, in the first test, to hold it until the test lets it finish).
 """
 
@@ -115,3 +116,33 @@ async def test_a_run_opened_again_unchanged_is_not_read_again(jp_fetch, history,
     else:
         raise AssertionError("an unknown run answered")
     assert len(calls) == 3
+
+
+async def test_the_list_of_runs_is_read_off_the_event_loop(jp_fetch, history, monkeypatch):
+    # GET runs sums every run's batches: a long history's read must not hold the server.
+    writer, run_id = _write_run(history)
+    writer.close()
+    real, release, entered, where = store.runs, threading.Event(), threading.Event(), []
+
+    def runs(path=None):
+        try:
+            asyncio.get_running_loop()
+            where.append("loop")
+        except RuntimeError:
+            where.append("thread")
+        entered.set()
+        release.wait(30)  # only a handler reading on the event loop waits this out
+        return real(path)
+
+    monkeypatch.setattr(store, "runs", runs)
+    listing = asyncio.ensure_future(jp_fetch("nbdist", "api", "runs"))
+    try:
+        assert await asyncio.to_thread(entered.wait, 60), "the history was never read"
+        palette = await jp_fetch("nbdist", "api", "palette")
+        assert palette.code == 200
+        assert not listing.done(), "the list came back before its read was let go"
+    finally:
+        release.set()
+    listed = json.loads((await listing).body)["runs"]
+    assert [r["id"] for r in listed] == [run_id] and listed[0]["points"] == 40
+    assert where == ["thread"], "the history was read on the server's event loop"
