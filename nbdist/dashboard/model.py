@@ -36,6 +36,7 @@ from nbdist.dashboard.header import header
 from nbdist.dashboard.heatmap import StepHeat
 from nbdist.dashboard.labels import describe_key
 from nbdist.dashboard.losses import loss_lines
+from nbdist.dashboard.notes import note_lines
 from nbdist.dashboard.table import (
     HISTORY,
     IDLE_AFTER_S,
@@ -485,7 +486,7 @@ class DashboardModel:
             if "comm_s" in keys
             else None,
             "dropped": {str(r): n for r, n in sorted(getattr(self.run, "dropped", {}).items())},
-            "lost": loss_lines(self.run),
+            "lost": loss_lines(self.run) + note_lines(self.run),
             "header": header(self.run, rows),
         }
         if {k: self._table.get(k) for k in table} == table:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 
 from nbdist.dashboard.breakdown import PARTS, breakdown, shares
 from nbdist.dashboard.losses import loss_lines
+from nbdist.dashboard.notes import note_lines
 from nbdist.dashboard.table import (
     PER_RANK_UP_TO,
     deviating_rows,
@@ -70,7 +71,7 @@ def summary_text(
         for rank, frac in shares(breakdown(run)).items():
             parts = " · ".join(f"{name} {100 * frac[key]:.0f} %" for key, name in PARTS)
             lines.append(f"  rank {rank}: {parts}")
-    lines += loss_lines(run)
+    lines += loss_lines(run) + note_lines(run)
     if keys:
         series = [
             [key, *(fmt_value(v) for v in _stats(run, key))]

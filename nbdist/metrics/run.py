@@ -78,6 +78,9 @@ class Run:
         # What the kernel itself lost (Collector): "unread" signed messages it could not
         # read, "unstored" batches the history could not take -> [count, the first error]
         self.kernel_losses: dict[str, list] = {}
+        # (rank, value) of the first MFU above 1 (a step faster than the peak it is divided
+        # by: a peak for another dtype, or flops= counting more than the step did), or None
+        self.mfu_above_1: tuple[int, float] | None = None
         self._ranks: dict[int, RankSeries] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Run], None]] = []
@@ -138,6 +141,7 @@ class Run:
         for key, (idx, vals) in columns.items():
             if len(idx) == n:  # on every point (a point names a key once)
                 columns[key] = (None, vals)
+        self._check_mfu(rank, columns)
         with self._lock:
             self._series(rank).extend(steps, times, columns)
             self.version += 1
@@ -151,6 +155,7 @@ class Run:
         ``steps[i]``, ``times[i]``, ``columns = {key: (indices or None, values)}`` with the
         indices of the points that carry the key (None: every point). Returns how many."""
         n = len(steps)
+        self._check_mfu(rank, columns)
         with self._lock:
             self._series(rank).extend(steps, times, columns)
             self.version += 1
@@ -165,6 +170,14 @@ class Run:
             points = []
         self._notify(listeners, point_listeners, rank, points)
         return n
+
+    def _check_mfu(self, rank: int, columns: dict) -> None:
+        # Until the first is found: a batch's MFU values, compared once as they arrive
+        # (a NaN compares False), instead of a scan of the run at every dashboard refresh.
+        if self.mfu_above_1 is None and "mfu" in columns:
+            above = next((v for v in columns["mfu"][1] if v > 1.0), None)
+            if above is not None:
+                self.mfu_above_1 = (rank, float(above))  # the add's version bump shows it
 
     def _series(self, rank: int) -> RankSeries:
         series = self._ranks.get(rank)
