@@ -133,6 +133,10 @@ export interface IRunSeries {
   series: { [key: string]: { [rank: string]: [number, number][] } };
   panels: { [key: string]: IPanel };
   running: boolean;
+  /** Above 8 ranks: the ranks ``series`` holds, the deviating ones, and why each. */
+  shown?: { rank: number; why: string }[];
+  /** Above 8 ranks: per chart, the median, min and max across every rank. */
+  bands?: { [key: string]: { median: [number, number][]; min: [number, number][]; max: [number, number][] } };
 }
 
 export type Action = 'interrupt' | 'restart' | 'stop';

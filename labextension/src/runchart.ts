@@ -2,7 +2,9 @@
  * A past run of the history in the main area: one interactive chart per logged metric
  * (hover read-out, drag to zoom, double-click to reset, a legend to hide ranks), a line
  * per rank, drawn with the plotly.js the nbdist server extension serves, as the notebook
- * dashboard draws its live charts. Titles and axes come from the server (the dashboard's
+ * dashboard draws its live charts. Above 8 ranks, as on the dashboard: the median across
+ * the ranks with their min-max band, and the few ranks that deviate on their own, each in
+ * a colour of its own, so the legend stays short. Titles and axes come from the server (the dashboard's
  * names for each metric), rank colours from its palette, and every other colour from
  * JupyterLab's theme variables, read again whenever the theme changes.
  *
@@ -16,6 +18,7 @@ import { Widget } from '@lumino/widgets';
 
 import { historyName, IRunRecord, IRunSeries, Palette, requestAPI } from './api';
 import { lineChart, rankLegend, Series } from './charts';
+import { MEDIAN } from './summary';
 
 const PLOT_HEIGHT = 300;
 
@@ -150,9 +153,12 @@ class RunChart extends Widget {
     }
     note.textContent = 'Hover for values, drag to zoom, double-click to zoom out, click a rank to hide or show it.';
     // One legend for every chart (as on the dashboard); a click hides or shows the rank everywhere.
-    const ranks = Array.from({ length: run.world_size }, (_, i) => i);
-    const legend = rankLegend(ranks, rank => this.palette.colour(rank));
+    const legend = rankLegend(this._ranks(), rank => this._colour(rank), rank => this._name(rank));
     legend.querySelectorAll<HTMLElement>('.nbdist-legend-item').forEach(item => {
+      const why = run.shown?.find(s => s.rank === Number(item.dataset.rank))?.why;
+      if (why) {
+        item.title = why;
+      }
       item.setAttribute('role', 'button');
       item.setAttribute('aria-pressed', 'false');
       item.tabIndex = 0;
@@ -180,29 +186,79 @@ class RunChart extends Widget {
     });
   }
 
-  private _traces(key: string): any[] {
+  /** The legend's entries: every rank, or above 8 ranks the median band and the ranks shown. */
+  private _ranks(): number[] {
+    const run = this._run!;
+    if (run.bands) {
+      return [MEDIAN, ...(run.shown ?? []).map(s => s.rank)];
+    }
+    return Array.from({ length: run.world_size }, (_, i) => i);
+  }
+
+  /** A rank's colour: its own up to 8 ranks; above, by its place among the few shown. */
+  private _colour(rank: number): string {
+    const run = this._run!;
+    if (!run.bands) {
+      return this.palette.colour(rank);
+    }
+    if (rank === MEDIAN) {
+      return 'currentColor';
+    }
+    return this.palette.colour(Math.max(0, (run.shown ?? []).findIndex(s => s.rank === rank)));
+  }
+
+  private _name(rank: number): string {
+    return rank === MEDIAN ? `median, min–max of all ${this._run!.world_size} ranks` : `rank ${rank}`;
+  }
+
+  private _traces(key: string, theme: ITheme): any[] {
     const run = this._run!;
     const perRank = run.series[key] ?? {};
     const x = run.panels[key]?.by_time ? '%{x:.1f} s' : 'step %{x}';
-    return Object.keys(perRank)
+    const lines: any[] = [];
+    const band = run.bands?.[key];
+    if (band) {
+      const visible = this._hidden.has(MEDIAN) ? 'legendonly' : true;
+      const trace = (name: string, points: [number, number][]) => ({
+        type: 'scatter',
+        mode: 'lines',
+        name,
+        visible,
+        x: points.map(p => p[0]),
+        y: points.map(p => p[1]),
+        hovertemplate: `${name}<br>${x}: %{y:.4g}<extra></extra>`
+      });
+      // min, then max filled down to it: the band every rank lies in; the median over it.
+      const edge = { width: 0.5, color: 'rgba(128,128,128,0.6)' };
+      lines.push(
+        { ...trace('min of the ranks', band.min), line: edge },
+        { ...trace('max of the ranks', band.max), line: edge, fill: 'tonexty', fillcolor: 'rgba(128,128,128,0.22)' },
+        { ...trace('median of the ranks', band.median), line: { width: 2.5, color: theme.fg } }
+      );
+    }
+    const ranks = Object.keys(perRank)
       .map(Number)
-      .sort((a, b) => a - b)
-      .map(rank => ({
+      .sort((a, b) => a - b);
+    for (const rank of ranks) {
+      lines.push({
         type: 'scatter',
         mode: 'lines',
         name: `rank ${rank}`,
         visible: this._hidden.has(rank) ? 'legendonly' : true,
         x: perRank[String(rank)].map(p => p[0]),
         y: perRank[String(rank)].map(p => p[1]),
-        line: { color: this.palette.colour(rank), width: 1.5 },
+        line: { color: this._colour(rank), width: band ? 1.6 : 1.5 },
         hovertemplate: `rank ${rank}<br>${x}: %{y:.4g}<extra></extra>`
-      }));
+      });
+    }
+    return lines;
   }
 
   private _plotLayout(key: string, theme: ITheme): any {
     const panel = this._run!.panels[key];
     const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true };
-    const positive = Object.values(this._run!.series[key] ?? {}).every(points => points.every(p => p[1] > 0));
+    const lines = [...Object.values(this._run!.series[key] ?? {}), ...Object.values(this._run!.bands?.[key] ?? {})];
+    const positive = lines.every(points => points.every(p => p[1] > 0));
     return {
       title: { text: panel?.title ?? key, font: { size: 13 } },
       height: PLOT_HEIGHT,
@@ -224,7 +280,7 @@ class RunChart extends Widget {
     this._themeKey = JSON.stringify(theme);
     for (const plot of this._plots) {
       const key = plot.dataset.key!;
-      void this._plotly.react(plot, this._traces(key), this._plotLayout(key, theme), {
+      void this._plotly.react(plot, this._traces(key, theme), this._plotLayout(key, theme), {
         displaylogo: false,
         responsive: true
       });
@@ -250,11 +306,15 @@ class RunChart extends Widget {
   }
 
   private _drawStatic(grid: HTMLElement, run: IRunSeries): void {
-    const colour = (rank: number) => this.palette.colour(rank);
-    const ranks = Array.from({ length: run.world_size }, (_, i) => i);
-    grid.before(rankLegend(ranks, colour));
+    const colour = (rank: number) => this._colour(rank);
+    const name = (rank: number) => this._name(rank);
+    grid.before(rankLegend(this._ranks(), colour, name));
     for (const key of run.keys) {
       const series: Series = new Map();
+      const median = run.bands?.[key]?.median;
+      if (median) {
+        series.set(MEDIAN, median);
+      }
       for (const [rank, points] of Object.entries(run.series[key] ?? {})) {
         series.set(Number(rank), points);
       }
@@ -267,7 +327,8 @@ class RunChart extends Widget {
           width: 460,
           height: 220,
           className: `nbdist-chart-${key}`,
-          colour
+          colour,
+          name
         })
       );
     }

@@ -42,12 +42,14 @@ from nbdist.dashboard.table import (
     IDLE_AFTER_S,
     PER_RANK_UP_TO,
     RECENT,
+    SHOWN_RANKS,
     build_rows,
     call_states,
     deviating_rows,
     has_gpu,
     headers,
     host_row,
+    outlying_ranks,
     plotted_keys,
     seen_column,
     throughput_key,
@@ -67,9 +69,7 @@ from nbdist.rank_states import DEAD
 __all__ = ["DEFAULT_BUDGET", "GPU_PANELS", "DashboardModel", "read_tail"]
 
 DEFAULT_BUDGET = 2000  # points per trace, kernel side and browser side
-# Above PER_RANK_UP_TO ranks: at most this many ranks drawn on their own (the deviating
-# ones), chosen again at most this often.
-SHOWN_RANKS = 4
+# Above PER_RANK_UP_TO ranks: the ranks drawn on their own are chosen again at most this often.
 CHOOSE_EVERY_S = 2.0
 HEAT_EVERY_S = 2.0  # the step-time heatmap (above PER_RANK_UP_TO ranks) goes at most this often
 # A "busy" from the states callable counts this long; during a cell it is read every second.
@@ -428,15 +428,8 @@ class DashboardModel:
         rows = self._rows
         picked = [r.rank for r in rows if r.straggler]
         picked += [r.rank for r in rows if r.state == DEAD and r.rank not in picked]
-        lasts = sorted(
-            (r.loss, r.rank) for r in rows if r.loss is not None and math.isfinite(r.loss)
-        )
-        if len(lasts) >= 4:
-            q1, q3 = lasts[len(lasts) // 4][0], lasts[(3 * len(lasts)) // 4][0]
-            middle = lasts[len(lasts) // 2][0]
-            fence = 1.5 * (q3 - q1)
-            far = [(abs(v - middle), r) for v, r in lasts if v < q1 - fence or v > q3 + fence]
-            picked += [r for _, r in sorted(far, reverse=True) if r not in picked]
+        lasts = [(r.loss, r.rank) for r in rows if r.loss is not None and math.isfinite(r.loss)]
+        picked += [r for r in outlying_ranks(lasts) if r not in picked]
         chosen = sorted(picked[:SHOWN_RANKS])
         if chosen == self._chosen:
             return set()

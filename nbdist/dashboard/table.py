@@ -41,6 +41,7 @@ from nbdist.rank_states import BUSY, DEAD, IDLE
 __all__ = [
     "IDLE_AFTER_S",
     "PER_RANK_UP_TO",
+    "SHOWN_RANKS",
     "deviating_rows",
     "host_row",
     "PROGRESS_KEY",
@@ -50,6 +51,7 @@ __all__ = [
     "fmt_tflops",
     "has_flops",
     "has_gpu",
+    "outlying_ranks",
     "plotted_keys",
     "rank_rows",
     "rank_state",
@@ -62,6 +64,9 @@ IDLE_AFTER_S = 2.0
 # Text views list every rank up to this many; above it, hosts with counts and the
 # ranks that deviate (the text summary, %dist_status without --all).
 PER_RANK_UP_TO = 8
+# Above PER_RANK_UP_TO ranks: at most this many ranks drawn on their own in a chart (the
+# deviating ones), the rest as the median and min-max band (live and past runs alike).
+SHOWN_RANKS = 4
 RECENT = 20  # step times per rank that make its "recent median"
 HISTORY = 512  # (time, step) points per rank kept for the lag check
 # Logged to make throughput and TFLOP/s; plotted as samples_per_s/tokens_per_s, tflops and mfu.
@@ -129,6 +134,19 @@ def deviating_rows(rows: Sequence[RankRow]) -> list[RankRow]:
         for r in rows
         if r.state == DEAD or r.straggler or (r.state in counts and counts[r.state] < common)
     ]
+
+
+def outlying_ranks(lasts: Sequence[tuple[float, int]]) -> list[int]:
+    """The ranks whose value lies far outside the others' (beyond 1.5 interquartile ranges),
+    farthest first; ``lasts``: ``(value, rank)`` pairs, finite, of at least 4 ranks to judge."""
+    lasts = sorted(lasts)
+    if len(lasts) < 4:
+        return []
+    q1, q3 = lasts[len(lasts) // 4][0], lasts[(3 * len(lasts)) // 4][0]
+    middle = lasts[len(lasts) // 2][0]
+    fence = 1.5 * (q3 - q1)
+    far = [(abs(v - middle), r) for v, r in lasts if v < q1 - fence or v > q3 + fence]
+    return [r for _, r in sorted(far, reverse=True)]
 
 
 def host_row(

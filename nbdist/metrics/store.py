@@ -181,6 +181,10 @@ def runs(path: str | None = None) -> list[RunRecord]:
             " FROM runs r ORDER BY r.id"
         ).fetchall()
     except sqlite3.DatabaseError as exc:
+        # A kernel creating the history makes the file a moment before its tables: read
+        # then, it is an empty history (the sidebar asks every few seconds), not a wrong file.
+        if _no_tables(conn):
+            return []
         raise ValueError(
             f"runs: {path!r} is no nbdist run history ({exc}): give the file a session "
             "wrote, or leave path out for the default history"
@@ -188,6 +192,13 @@ def runs(path: str | None = None) -> list[RunRecord]:
     finally:
         conn.close()
     return [RunRecord(*row, path=path) for row in rows]
+
+
+def _no_tables(conn: sqlite3.Connection) -> bool:
+    try:
+        return conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+    except sqlite3.DatabaseError:  # not SQLite at all
+        return False
 
 
 def load_run(run_id: int, *, path: str | None = None) -> Run:

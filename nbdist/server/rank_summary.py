@@ -25,7 +25,7 @@ import numpy as np
 from nbdist.dashboard.table import PER_RANK_UP_TO
 from nbdist.rank_states import BUSY, DEAD, IDLE
 
-__all__ = ["MAX_DEVIATING", "RECENT_RATE_S", "is_many", "median_series", "summarise"]
+__all__ = ["MAX_DEVIATING", "RECENT_RATE_S", "is_many", "median_series", "spread", "summarise"]
 
 RECENT_RATE_S = 5.0
 MAX_DEVIATING = 12  # ranks listed one by one at most (dead first, then stragglers)
@@ -103,17 +103,38 @@ def _count(rows: Sequence[dict], state: str) -> int:
     return sum(1 for r in rows if r["state"] == state)
 
 
+def spread(
+    xs: Sequence[Sequence[float]], ys: Sequence[Sequence[float]], *, bin_width: float | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(x, median, min, max)`` across ranks at each x of their series (``xs[i]``, ``ys[i]``:
+    rank ``i``'s), as arrays; NaN and infinite values left out.
+
+    ``x`` is shared when it is a step; times are not (each rank logs at its own moments):
+    with ``bin_width`` each x is taken down to its bin's start, and a bin's figures are over
+    every point in it. An x that fewer than half as many points reached as the fullest one
+    (a step only a few ranks got to so far) is left out: it is no median of them all.
+    """
+    if not xs or not any(len(x) for x in xs):
+        empty = np.empty(0)
+        return empty, empty, empty, empty
+    keys = np.concatenate([np.asarray(x, dtype=np.float64) for x in xs])
+    values = np.concatenate([np.asarray(y, dtype=np.float64) for y in ys])
+    finite = np.isfinite(values)
+    keys, values = keys[finite], values[finite]
+    if bin_width:
+        keys = np.floor(keys / bin_width) * bin_width
+    order = np.lexsort((values, keys))
+    keys, values = keys[order], values[order]
+    at, start, count = np.unique(keys, return_index=True, return_counts=True)
+    full = count >= max(1, count.max(initial=0) // 2)
+    start, count, at = start[full], count[full], at[full]
+    median = (values[start + (count - 1) // 2] + values[start + count // 2]) / 2
+    return at, median, values[start], values[start + count - 1]
+
+
 def median_series(series: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:
     """The median across ranks at each x of their ``[[x, y], ...]`` lists (``x`` shared: the step)."""
-    xs = [p[0] for points in series for p in points]
-    if not xs:
-        return []
-    ys = np.asarray([p[1] for points in series for p in points], dtype=np.float64)
-    keys = np.asarray(xs, dtype=np.float64)
-    order = np.lexsort((ys, keys))
-    keys, ys = keys[order], ys[order]
-    steps, start, count = np.unique(keys, return_index=True, return_counts=True)
-    median = (ys[start + (count - 1) // 2] + ys[start + count // 2]) / 2
-    # A step that only a few ranks reached so far is not yet a median of them all.
-    full = count >= max(1, count.max() // 2)
-    return [[float(x), float(y)] for x, y, keep in zip(steps, median, full) if keep]
+    at, median, _, _ = spread(
+        [[p[0] for p in points] for points in series], [[p[1] for p in points] for points in series]
+    )
+    return [[float(x), float(y)] for x, y in zip(at, median)]

@@ -6,11 +6,12 @@ started, then what nbdist derives (step time and its parts, memory, TFLOP/s, MFU
 against step; titles, units and axis titles come from :mod:`nbdist.dashboard.labels`.
 Counters (``samples``, ``tokens``, ``flops``) and ``total_steps`` are no charts, nor is
 a metric that stayed 0 on every rank (``comm_s`` of ranks that never communicated). Each
-series is decimated, keeping spikes (min and max per bucket), to :data:`RUN_CHART_POINTS`
-per rank up to the dashboard's ``PER_RANK_UP_TO`` ranks; above that the panel's
-:data:`RUN_TOTAL_POINTS` are shared out over the ranks (:func:`rank_budget`), so a
-256-rank run's payload is the size of an 8-rank one's, not a hundred MB. NaN or
-infinite values are left out.
+series is decimated, keeping spikes (min and max per bucket), to :data:`RUN_CHART_POINTS`.
+Up to the dashboard's ``PER_RANK_UP_TO`` ranks each rank has its line; above that, as on
+the dashboard, each panel has the median across the ranks with their min-max band, and at
+most ``SHOWN_RANKS`` ranks on their own, the ones that deviate (:mod:`nbdist.server.run_spread`),
+so a 256-rank run's payload is the size of an 8-rank one's and its charts stay readable.
+NaN or infinite values are left out.
 
 The server builds a run's payload off its event loop and keeps the last few
 (:class:`PayloadCache`): opening a finished run again reads only its version
@@ -29,7 +30,7 @@ import math
 import threading
 from collections import OrderedDict
 
-from nbdist.dashboard.decimate import MIN_BUDGET, decimate
+from nbdist.dashboard.decimate import decimate
 from nbdist.dashboard.labels import describe_key
 from nbdist.dashboard.table import (
     COUNTERS,
@@ -39,31 +40,20 @@ from nbdist.dashboard.table import (
     throughput_key,
 )
 from nbdist.metrics import store
+from nbdist.server.run_spread import band, shown_ranks
 
 __all__ = [
     "BY_TIME_GPU_KEYS",
     "CACHED_RUNS",
     "RUN_CHART_POINTS",
-    "RUN_TOTAL_POINTS",
     "PayloadCache",
     "panel_keys",
-    "rank_budget",
     "run_payload",
 ]
 
-RUN_CHART_POINTS = 2000  # points per rank and panel, up to PER_RANK_UP_TO ranks
-RUN_TOTAL_POINTS = PER_RANK_UP_TO * RUN_CHART_POINTS  # points per panel, shared out above that
+RUN_CHART_POINTS = 2000  # points per trace (a rank's line, the median, a band's edge)
 BY_TIME_GPU_KEYS = ("gpu_util", "gpu_mem_mib")  # the GPU panels the dashboard draws
-CACHED_RUNS = 4  # built payloads the server keeps (a 256-rank one is a few MB)
-
-
-def rank_budget(ranks: int) -> int:
-    """Points each rank's series of one panel is decimated to, for a run of ``ranks`` ranks.
-
-    :data:`RUN_CHART_POINTS` up to ``PER_RANK_UP_TO`` ranks, then :data:`RUN_TOTAL_POINTS`
-    shared out (62 each for 256 ranks), never below decimation's minimum.
-    """
-    return max(MIN_BUDGET, min(RUN_CHART_POINTS, RUN_TOTAL_POINTS // max(1, ranks)))
+CACHED_RUNS = 4  # built payloads the server keeps (a 256-rank one is a few hundred KB)
 
 
 def panel_keys(keys: list[str]) -> list[str]:
@@ -84,12 +74,16 @@ def run_payload(run, *, running: bool) -> dict:
 
     ``panels[key]``: ``title``, ``unit``, ``ytitle``, ``xtitle``, ``log`` and
     ``by_time``; ``series[key][rank]``: ``[x, value]`` pairs, x a step or seconds,
-    at most :func:`rank_budget` of them.
+    at most :data:`RUN_CHART_POINTS` of them. Above ``PER_RANK_UP_TO`` ranks
+    ``series`` holds only the ranks in ``shown`` (``[{"rank", "why"}]``, the deviating
+    ones), and ``bands[key]`` the ``median``, ``min`` and ``max`` across every rank.
     """
-    budget = rank_budget(len(run.ranks))
     keys = panel_keys(run.keys())
     rate = throughput_key(run.keys())
-    panels, series = {}, {}
+    many = len(run.ranks) > PER_RANK_UP_TO
+    shown = shown_ranks(run, keys[0]) if many and keys else []
+    drawn = [entry["rank"] for entry in shown] if many else run.ranks
+    panels, series, bands = {}, {}, {}
     for key in keys:
         by_time = key == rate or key in BY_TIME_GPU_KEYS
         panel = describe_key(key, by_time=by_time)
@@ -97,19 +91,23 @@ def run_payload(run, *, running: bool) -> dict:
             panel["title"] = f"throughput per rank ({panel['unit']})"  # no total drawn here
         panels[key] = {**panel, "by_time": by_time}
         per_rank = {}
-        for rank in run.ranks:
+        for rank in drawn:
             if by_time:
                 times, values = run.timeline(key, rank)
                 xs = [round(t - run.started, 3) for t in times]
             else:
                 xs, values = run.series(key, rank)
             if xs:
-                xs, ys = decimate(xs, values, budget=budget)
+                xs, ys = decimate(xs, values, budget=RUN_CHART_POINTS)
                 per_rank[str(rank)] = [
                     [x, float(y)] for x, y in zip(xs, ys) if y is not None and math.isfinite(y)
                 ]
-        if any(y != 0 for points in per_rank.values() for _, y in points):
+        spread = band(run, key, by_time=by_time, budget=RUN_CHART_POINTS) if many else {}
+        lines = [*per_rank.values(), *spread.values()]
+        if any(y != 0 for points in lines for _, y in points):
             series[key] = per_rank
+            if many:
+                bands[key] = spread
         else:
             del panels[key]
     keys = [k for k in keys if k in series]
@@ -123,6 +121,7 @@ def run_payload(run, *, running: bool) -> dict:
         panels=panels,
         series=series,
         running=running,
+        **({"shown": shown, "bands": bands} if many else {}),
     )
 
 

@@ -163,3 +163,86 @@ def test_named_session_list_shows_idle_time_and_what_it_holds(
             server.api("POST", "nbdist/api/sessions/held1/stop", {}, timeout=60)
         except OSError as exc:
             print(f"stopping held1: {exc}")
+
+
+# A finished 64-rank run in the default history (the server's too): rank 41 steps three
+# times slower than the others, rank 17's loss ends far from every other rank's.
+PAST_RANKS, PAST_SLOW, PAST_ASTRAY, PAST_STEPS = 64, 41, 17, 300
+PAST_RUN_CELL = f"""import time
+from nbdist.metrics.store import RunStore
+history = RunStore()
+run = history.new_run(world_size={PAST_RANKS}, backend="gloo")
+t0 = time.time()
+for rank in range({PAST_RANKS}):
+    dt = 0.3 if rank == {PAST_SLOW} else 0.1
+    history.append(run.id, rank, [
+        [s, t0 + s * dt, {{
+            "loss": 5.0 if rank == {PAST_ASTRAY} and s > 250 else 2.0 / (1 + 0.01 * s) + 0.001 * rank,
+            "step_time": dt,
+        }}]
+        for s in range({PAST_STEPS})
+    ])
+history.commit(); history.end_run(run.id); history.close()
+print("run", run.id, "written")"""
+
+PAST_PLOT = """() => {
+  const plot = document.querySelector('.nbdist-run-chart .nbdist-run-plot-loss');
+  if (!plot || !plot.data) return null;
+  const legend = [...document.querySelectorAll('.nbdist-run-chart .nbdist-legend-item')];
+  return {
+    traces: plot.data.map(t => [t.name, t.visible, t.line.color, t.fill || '']),
+    legend: legend.map(i => [i.textContent, i.title]),
+  };
+}"""
+
+
+@pytest.mark.timeout(300)
+def test_a_past_run_above_8_ranks_charts_the_median_band_and_the_deviating_ranks(
+    lab_factory, browser_page, artifacts_dir
+):
+    server = lab_factory("past.ipynb", notebook_json([PAST_RUN_CELL]))
+    page = browser_page
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+    _open_sidebar(page, server, "past.ipynb")
+    assert poll(
+        lambda: any(
+            r["world_size"] == PAST_RANKS and r["ended"]
+            for r in server.api("GET", "nbdist/api/runs")[1]["runs"]
+        ),
+        60,
+    )
+    page.locator(".nbdist-runs-refresh").click()
+    page.locator(".nbdist-run-link").first.click()
+    state = poll(lambda: page.evaluate(PAST_PLOT), timeout=60)
+    assert state, "the run's loss chart was not drawn"
+    names = [name for name, *_ in state["traces"]]
+    # Not 64 lines: the band every rank lies in, its median, and the two deviating ranks.
+    assert names == [
+        "min of the ranks",
+        "max of the ranks",
+        "median of the ranks",
+        f"rank {PAST_ASTRAY}",
+        f"rank {PAST_SLOW}",
+    ], names
+    assert state["traces"][1][3] == "tonexty"  # the band is filled
+    colours = [colour for name, _, colour, _ in state["traces"] if name.startswith("rank ")]
+    assert len(set(colours)) == 2, colours
+    legend = dict(state["legend"])
+    assert list(legend) == [
+        f"median, min–max of all {PAST_RANKS} ranks",
+        f"rank {PAST_SLOW}",
+        f"rank {PAST_ASTRAY}",
+    ], legend
+    assert "step time" in legend[f"rank {PAST_SLOW}"]  # why it is drawn, on hover
+    assert "far from the others" in legend[f"rank {PAST_ASTRAY}"]
+    page.locator(".nbdist-run-chart").first.screenshot(
+        path=str(artifacts_dir / "past-run-64-ranks.png")
+    )
+    # The median's legend entry hides the band and the median, as a rank's hides its line.
+    page.locator(".nbdist-run-chart .nbdist-legend-item").first.click()
+    assert poll(
+        lambda: [v for _, v, *_ in page.evaluate(PAST_PLOT)["traces"]][:3] == ["legendonly"] * 3,
+        10,
+    )
+    assert errors == [], errors

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from nbdist.dashboard.model import SHOWN_RANKS, DashboardModel
+from nbdist.dashboard.model import DashboardModel
+from nbdist.dashboard.table import SHOWN_RANKS
 from nbdist.metrics.run import Run
 
 T0 = 1_700_000_000.0

@@ -71,6 +71,21 @@ def test_runs_on_a_missing_history_is_empty(tmp_path):
         load_run(42, path=str(tmp_path / "h.sqlite"))
 
 
+def test_a_history_being_created_reads_as_empty_and_another_database_is_named(tmp_path):
+    # The file exists a moment before its tables (a kernel's RunStore is opening it): the
+    # sidebar, reading then, got "no such table: runs" as a server error.
+    import sqlite3
+
+    creating = tmp_path / "history.sqlite"
+    sqlite3.connect(creating).execute("PRAGMA journal_mode=WAL").fetchall()
+    assert creating.exists() and runs(str(creating)) == []
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE notes (text)")
+    with pytest.raises(ValueError, match="other.sqlite' is no nbdist run history"):
+        runs(str(other))
+
+
 def test_run_to_pandas_one_row_per_rank_and_step():
     run = Run(1, world_size=2)
     run.add(0, [(0, 1.0, {"loss": 3.0}), (0, 1.1, {"memory_mib": 5.0}), (1, 2.0, {"loss": 2.0})])
