@@ -208,7 +208,7 @@ class RunChart extends Widget {
   }
 
   private _name(rank: number): string {
-    return rank === MEDIAN ? `median, min–max of all ${this._run!.world_size} ranks` : `rank ${rank}`;
+    return rank === MEDIAN ? 'median, min–max of the ranks' : `rank ${rank}`;
   }
 
   private _traces(key: string, theme: ITheme): any[] {

@@ -42,14 +42,13 @@ from nbdist.dashboard.table import (
     IDLE_AFTER_S,
     PER_RANK_UP_TO,
     RECENT,
-    SHOWN_RANKS,
     build_rows,
     call_states,
     deviating_rows,
     has_gpu,
     headers,
     host_row,
-    outlying_ranks,
+    pick_shown,
     plotted_keys,
     seen_column,
     throughput_key,
@@ -426,11 +425,9 @@ class DashboardModel:
             return set()
         self._chosen_at = now
         rows = self._rows
-        picked = [r.rank for r in rows if r.straggler]
-        picked += [r.rank for r in rows if r.state == DEAD and r.rank not in picked]
         lasts = [(r.loss, r.rank) for r in rows if r.loss is not None and math.isfinite(r.loss)]
-        picked += [r for r in outlying_ranks(lasts) if r not in picked]
-        chosen = sorted(picked[:SHOWN_RANKS])
+        stragglers = [r.rank for r in rows if r.straggler]
+        chosen = sorted(pick_shown(stragglers, [r.rank for r in rows if r.state == DEAD], lasts))
         if chosen == self._chosen:
             return set()
         self._chosen = chosen
@@ -479,6 +476,7 @@ class DashboardModel:
             if "comm_s" in keys
             else None,
             "dropped": {str(r): n for r, n in sorted(getattr(self.run, "dropped", {}).items())},
+            # Every line under the table: what was lost, then figures that cannot be right.
             "lost": loss_lines(self.run) + note_lines(self.run),
             "header": header(self.run, rows),
         }

@@ -51,7 +51,7 @@ __all__ = [
     "fmt_tflops",
     "has_flops",
     "has_gpu",
-    "outlying_ranks",
+    "pick_shown",
     "plotted_keys",
     "rank_rows",
     "rank_state",
@@ -136,17 +136,22 @@ def deviating_rows(rows: Sequence[RankRow]) -> list[RankRow]:
     ]
 
 
-def outlying_ranks(lasts: Sequence[tuple[float, int]]) -> list[int]:
-    """The ranks whose value lies far outside the others' (beyond 1.5 interquartile ranges),
-    farthest first; ``lasts``: ``(value, rank)`` pairs, finite, of at least 4 ranks to judge."""
+def pick_shown(
+    stragglers: Sequence[int], dead: Sequence[int], lasts: Sequence[tuple[float, int]]
+) -> list[int]:
+    """The ranks a chart draws on their own above ``PER_RANK_UP_TO`` ranks: stragglers first,
+    then dead ranks, then ranks whose latest value (``lasts``: ``(value, rank)`` pairs,
+    finite) lies far outside the others' (beyond 1.5 interquartile ranges), farthest
+    first; at most ``SHOWN_RANKS``."""
     lasts = sorted(lasts)
-    if len(lasts) < 4:
-        return []
-    q1, q3 = lasts[len(lasts) // 4][0], lasts[(3 * len(lasts)) // 4][0]
-    middle = lasts[len(lasts) // 2][0]
-    fence = 1.5 * (q3 - q1)
-    far = [(abs(v - middle), r) for v, r in lasts if v < q1 - fence or v > q3 + fence]
-    return [r for _, r in sorted(far, reverse=True)]
+    far = []
+    if len(lasts) >= 4:  # fewer are no spread to stand out of
+        q1, q3 = lasts[len(lasts) // 4][0], lasts[(3 * len(lasts)) // 4][0]
+        middle = lasts[len(lasts) // 2][0]
+        fence = 1.5 * (q3 - q1)
+        far = [(abs(v - middle), r) for v, r in lasts if v < q1 - fence or v > q3 + fence]
+    outlying = [r for _, r in sorted(far, reverse=True)]
+    return list(dict.fromkeys([*stragglers, *dead, *outlying]))[:SHOWN_RANKS]
 
 
 def host_row(

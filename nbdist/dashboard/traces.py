@@ -12,7 +12,17 @@ import math
 
 from nbdist.dashboard.decimate import minmax_indices
 
-__all__ = ["TOTAL_BIN_S", "Aligned", "RateTotal", "Spread", "Trace", "elapsed", "merge", "wire"]
+__all__ = [
+    "TOTAL_BIN_S",
+    "Aligned",
+    "RateTotal",
+    "Spread",
+    "Trace",
+    "across_ranks",
+    "elapsed",
+    "merge",
+    "wire",
+]
 
 TOTAL_BIN_S = 1.0  # total throughput: one point per second of the run
 # A rank's step longer than a bin leaves bins without a point of it: its rate then
@@ -213,19 +223,23 @@ class Spread(Aligned):
 
     def spread(self, frontier: float) -> tuple[list, list[float], list[float], list[float]]:
         """(steps, medians, minima, maxima) up to step ``frontier``, taken out of pending."""
-        import numpy as np
+        steps, median, low, high, _ = across_ranks(*self._take(frontier))
+        return steps.tolist(), median.tolist(), low.tolist(), high.tolist()
 
-        keys, values = self._take(frontier)
-        finite = np.isfinite(values)
-        keys, values = keys[finite], values[finite]
-        if not keys.size:
-            return [], [], [], []
-        order = np.lexsort((values, keys))  # by step, then value
-        keys, values = keys[order], values[order]
-        steps, start, count = np.unique(keys, return_index=True, return_counts=True)
-        end = start + count - 1
-        median = (values[start + (count - 1) // 2] + values[start + count // 2]) / 2
-        return steps.tolist(), median.tolist(), values[start].tolist(), values[end].tolist()
+
+def across_ranks(keys, values):
+    """``(x, median, min, max, count)`` arrays at each distinct x of the ``(keys[i], values[i])``
+    pairs (the ranks' values at a step or in a time bin); NaN and infinite values left out."""
+    import numpy as np
+
+    keys, values = np.asarray(keys), np.asarray(values, dtype=np.float64)  # steps stay integers
+    finite = np.isfinite(values)
+    keys, values = keys[finite], values[finite]
+    order = np.lexsort((values, keys))  # by x, then value
+    keys, values = keys[order], values[order]
+    at, start, count = np.unique(keys, return_index=True, return_counts=True)
+    median = (values[start + (count - 1) // 2] + values[start + count // 2]) / 2
+    return at, median, values[start], values[start + count - 1], count
 
 
 def merge(extend: dict, where: tuple[int, int], compacted: bool, xs: list, ys: list) -> None:

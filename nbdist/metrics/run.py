@@ -78,9 +78,10 @@ class Run:
         # What the kernel itself lost (Collector): "unread" signed messages it could not
         # read, "unstored" batches the history could not take -> [count, the first error]
         self.kernel_losses: dict[str, list] = {}
-        # (rank, value) of the first MFU above 1 (a step faster than the peak it is divided
-        # by: a peak for another dtype, or flops= counting more than the step did), or None
-        self.mfu_above_1: tuple[int, float] | None = None
+        # rank -> the highest MFU of its latest batch, where above 1 (a step faster than the
+        # peak it is divided by: a peak for another dtype, or flops= counting more than the
+        # step did); a later batch within the peak (set_peak called) takes the rank out
+        self._mfu_above: dict[int, float] = {}
         self._ranks: dict[int, RankSeries] = {}
         self._lock = threading.Lock()
         self._listeners: list[Callable[[Run], None]] = []
@@ -141,8 +142,8 @@ class Run:
         for key, (idx, vals) in columns.items():
             if len(idx) == n:  # on every point (a point names a key once)
                 columns[key] = (None, vals)
-        self._check_mfu(rank, columns)
         with self._lock:
+            self._check_mfu(rank, columns)
             self._series(rank).extend(steps, times, columns)
             self.version += 1
             listeners = list(self._listeners)
@@ -155,8 +156,8 @@ class Run:
         ``steps[i]``, ``times[i]``, ``columns = {key: (indices or None, values)}`` with the
         indices of the points that carry the key (None: every point). Returns how many."""
         n = len(steps)
-        self._check_mfu(rank, columns)
         with self._lock:
+            self._check_mfu(rank, columns)
             self._series(rank).extend(steps, times, columns)
             self.version += 1
             listeners = list(self._listeners)
@@ -172,12 +173,25 @@ class Run:
         return n
 
     def _check_mfu(self, rank: int, columns: dict) -> None:
-        # Until the first is found: a batch's MFU values, compared once as they arrive
-        # (a NaN compares False), instead of a scan of the run at every dashboard refresh.
-        if self.mfu_above_1 is None and "mfu" in columns:
-            above = next((v for v in columns["mfu"][1] if v > 1.0), None)
-            if above is not None:
-                self.mfu_above_1 = (rank, float(above))  # the add's version bump shows it
+        # A batch's MFU values, compared once as they arrive (under the lock; a NaN compares
+        # False), instead of a scan of the run at every dashboard refresh.
+        column = columns.get("mfu")
+        if column is None:
+            return
+        above = max((v for v in column[1] if isinstance(v, float) and v > 1.0), default=None)
+        if above is None:
+            self._mfu_above.pop(rank, None)
+        else:
+            self._mfu_above[rank] = float(above)
+
+    @property
+    def mfu_above_1(self) -> tuple[int, float] | None:
+        """``(rank, MFU)`` of the lowest rank whose latest batch had an MFU above 1, or None."""
+        with self._lock:
+            if not self._mfu_above:
+                return None
+            rank = min(self._mfu_above)
+            return rank, self._mfu_above[rank]
 
     def _series(self, rank: int) -> RankSeries:
         series = self._ranks.get(rank)

@@ -71,7 +71,8 @@ def _connect(path: str, *, readonly: bool = False) -> sqlite3.Connection:
         conn = sqlite3.connect(path, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at checkpoints, fast
-        conn.executescript(_SCHEMA)
+        # One transaction: a reader sees no table or every one, never runs without batches.
+        conn.executescript(f"BEGIN;{_SCHEMA}COMMIT;")
     return conn
 
 

@@ -145,7 +145,20 @@ def concat(batches: list[tuple[list, list, dict]]) -> tuple[list, list, dict]:
                 column[0] = list(range(len(column[1])))
             column[0].extend(range(start, start + n) if idx is None else [start + i for i in idx])
             column[1].extend(values)
-    return steps, times, {key: (idx, values) for key, (idx, values) in cols.items()}
+    # A key on every point of the first batches and missing from a later one is on the
+    # points before that one only: named by index, or the run would put the key's next
+    # values at the wrong points.
+    return (
+        steps,
+        times,
+        {
+            key: (
+                list(range(len(values))) if idx is None and len(values) != len(steps) else idx,
+                values,
+            )
+            for key, (idx, values) in cols.items()
+        },
+    )
 
 
 def batch_columns(stored) -> tuple[dict, tuple[list, list, dict]]:

@@ -5,7 +5,9 @@ counts by state, one entry per host (its ranks counted by state, its step range 
 rate), then the ranks that deviate: dead, stragglers, and ranks in a state few of the
 living share (busy while the others are idle, or idle while they are busy). Only those
 ranks keep their recent points for the sidebar's charts; the others' are summed up in
-a median line per chart, so a poll of 256 ranks stays a few tens of KB.
+a median line per chart, so a poll of 256 ranks stays a few tens of KB. :func:`spread`
+(the median and min-max band across ranks) also draws a past run of many ranks
+(:mod:`nbdist.server.run_spread`).
 
 Example::
 
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from nbdist.dashboard.table import PER_RANK_UP_TO
+from nbdist.dashboard.traces import across_ranks
 from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = ["MAX_DEVIATING", "RECENT_RATE_S", "is_many", "median_series", "spread", "summarise"]
@@ -107,29 +110,35 @@ def spread(
     xs: Sequence[Sequence[float]], ys: Sequence[Sequence[float]], *, bin_width: float | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(x, median, min, max)`` across ranks at each x of their series (``xs[i]``, ``ys[i]``:
-    rank ``i``'s), as arrays; NaN and infinite values left out.
+    one rank's), as arrays; NaN and infinite values left out.
 
-    ``x`` is shared when it is a step; times are not (each rank logs at its own moments):
-    with ``bin_width`` each x is taken down to its bin's start, and a bin's figures are over
-    every point in it. An x that fewer than half as many points reached as the fullest one
-    (a step only a few ranks got to so far) is left out: it is no median of them all.
+    x a step (shared by the ranks): a step a rank logged twice (a loop run again) counts
+    its last value, as on the dashboard, and a step fewer than half as many ranks reached
+    as the most did (one only a few got to so far) is left out: it is no median of them
+    all. With ``bin_width``, x is a time (each rank logs at moments of its own): taken to
+    the middle of its bin, a bin's figures are over every point in it.
     """
-    if not xs or not any(len(x) for x in xs):
+    keys, values = [], []
+    for x, y in zip(xs, ys):
+        x, y = np.asarray(x), np.asarray(y, dtype=np.float64)
+        if not x.size:
+            continue
+        if bin_width:
+            x = (np.floor(x / bin_width) + 0.5) * bin_width
+        else:
+            _, back = np.unique(x[::-1], return_index=True)
+            last = x.size - 1 - back
+            x, y = x[last], y[last]
+        keys.append(x)
+        values.append(y)
+    if not keys:
         empty = np.empty(0)
         return empty, empty, empty, empty
-    keys = np.concatenate([np.asarray(x, dtype=np.float64) for x in xs])
-    values = np.concatenate([np.asarray(y, dtype=np.float64) for y in ys])
-    finite = np.isfinite(values)
-    keys, values = keys[finite], values[finite]
-    if bin_width:
-        keys = np.floor(keys / bin_width) * bin_width
-    order = np.lexsort((values, keys))
-    keys, values = keys[order], values[order]
-    at, start, count = np.unique(keys, return_index=True, return_counts=True)
-    full = count >= max(1, count.max(initial=0) // 2)
-    start, count, at = start[full], count[full], at[full]
-    median = (values[start + (count - 1) // 2] + values[start + count // 2]) / 2
-    return at, median, values[start], values[start + count - 1]
+    at, median, low, high, count = across_ranks(np.concatenate(keys), np.concatenate(values))
+    if not bin_width:
+        full = count >= max(1, count.max(initial=0) // 2)
+        at, median, low, high = at[full], median[full], low[full], high[full]
+    return at, median, low, high
 
 
 def median_series(series: Sequence[Sequence[Sequence[float]]]) -> list[list[float]]:

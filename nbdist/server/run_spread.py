@@ -7,8 +7,11 @@ min-max band, and at most ``SHOWN_RANKS`` ranks on their own, the ones that
 deviate by the dashboard's rules: stragglers first (its straggler rule on each
 rank's latest steps, :func:`nbdist.server.stragglers.flag`), then the ranks whose
 last value of the first chart lies far outside the others'
-(:func:`nbdist.dashboard.table.outlying_ranks`). The band is worked out from
-every point of every rank, then decimated like any trace.
+(:func:`nbdist.dashboard.table.pick_shown`). The band is worked out from every
+point of every rank (:func:`nbdist.server.rank_summary.spread`), then decimated
+like any trace. Unlike the live dashboard, which draws the ranks' total
+throughput above 8 ranks and the GPU's figures rank by rank, every panel here
+has the band: throughput per rank and the GPU's figures in bins of time.
 
 Example::
 
@@ -24,9 +27,9 @@ import math
 
 import numpy as np
 
-from nbdist.dashboard.breakdown import PARTS
+from nbdist.dashboard.breakdown import PARTS, WINDOW
 from nbdist.dashboard.decimate import decimate
-from nbdist.dashboard.table import HISTORY, SHOWN_RANKS, outlying_ranks
+from nbdist.dashboard.table import HISTORY, pick_shown
 from nbdist.dashboard.traces import TOTAL_BIN_S
 from nbdist.server.rank_summary import spread
 from nbdist.server.stragglers import RecentPoints, flag
@@ -34,35 +37,42 @@ from nbdist.server.stragglers import RecentPoints, flag
 __all__ = ["band", "shown_ranks"]
 
 
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _recent(run, rank: int, first_key: str) -> RecentPoints:
-    """The rank's latest points as the straggler rule reads them: step times, (time, step)
-    pairs and the step breakdown's parts."""
+    """The rank's latest points as the dashboard's straggler rule reads them: step times and
+    ``(time, step)`` pairs from its step-time points (else the first chart's), and the
+    latest parts of its step breakdown."""
     recent = RecentPoints()
-    steps = run.series(first_key, rank, -HISTORY)[0]
-    times = run.timeline(first_key, rank, -HISTORY)[0]
-    by_key = {}
-    for key in ("step_time", *(k for k, _ in PARTS)):
-        at, values = run.series(key, rank, -HISTORY)
-        if at:
-            by_key[key] = dict(zip(at, values))
-    for step, when in zip(steps, times):
-        recent.add(step, when, {k: m[step] for k, m in by_key.items() if step in m})
+    key = "step_time" if run.series("step_time", rank, -1)[0] else first_key
+    steps, values = run.series(key, rank, -HISTORY)
+    times = run.timeline(key, rank, -HISTORY)[0]
+    for step, when, value in zip(steps, times, values):
+        recent.add(step, when, {"step_time": value} if key == "step_time" else {})
+    for part, _ in PARTS:
+        recent.parts[part].extend(
+            v
+            for v in run.series(part, rank, -WINDOW)[1]
+            if isinstance(v, float) and math.isfinite(v)
+        )
     return recent
 
 
 def shown_ranks(run, first_key: str) -> list[dict]:
-    """``[{"rank", "why"}]``: the ranks drawn on their own, stragglers first, then the ranks
-    whose last ``first_key`` value is far from the others', at most ``SHOWN_RANKS``."""
-    recent = {rank: _recent(run, rank, first_key) for rank in run.ranks}
-    picked = dict(sorted(flag(recent).items()))
+    """``[{"rank", "why"}]``: the ranks drawn on their own, by the dashboard's choice
+    (:func:`nbdist.dashboard.table.pick_shown`): stragglers, then the ranks whose last
+    ``first_key`` value is far from the others', at most ``SHOWN_RANKS``."""
+    stragglers = flag({rank: _recent(run, rank, first_key) for rank in run.ranks})
     lasts = []
     for rank in run.ranks:
         values = run.series(first_key, rank, -1)[1]
-        if values and math.isfinite(values[-1]):
+        if values and _finite(values[-1]):
             lasts.append((values[-1], rank))
-    for rank in outlying_ranks(lasts):
-        picked.setdefault(rank, f"last {first_key} far from the others'")
-    return [{"rank": rank, "why": why} for rank, why in list(picked.items())[:SHOWN_RANKS]]
+    far = f"last {first_key} far from the others'"
+    picked = pick_shown(sorted(stragglers), [], lasts)
+    return [{"rank": rank, "why": stragglers.get(rank, far)} for rank in picked]
 
 
 def band(run, key: str, *, by_time: bool, budget: int) -> dict[str, list[list[float]]]:

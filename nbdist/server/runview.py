@@ -53,7 +53,7 @@ __all__ = [
 
 RUN_CHART_POINTS = 2000  # points per trace (a rank's line, the median, a band's edge)
 BY_TIME_GPU_KEYS = ("gpu_util", "gpu_mem_mib")  # the GPU panels the dashboard draws
-CACHED_RUNS = 4  # built payloads the server keeps (a 256-rank one is a few hundred KB)
+CACHED_RUNS = 4  # built payloads the server keeps (a few MB each in memory at most)
 
 
 def panel_keys(keys: list[str]) -> list[str]:

@@ -230,7 +230,7 @@ def test_a_past_run_above_8_ranks_charts_the_median_band_and_the_deviating_ranks
     assert len(set(colours)) == 2, colours
     legend = dict(state["legend"])
     assert list(legend) == [
-        f"median, min–max of all {PAST_RANKS} ranks",
+        "median, min–max of the ranks",
         f"rank {PAST_SLOW}",
         f"rank {PAST_ASTRAY}",
     ], legend

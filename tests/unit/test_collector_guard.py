@@ -14,12 +14,6 @@ from nbdist.metrics.run import Run
 from nbdist.metrics.store import RunStore
 
 
-def _pusher(collector, push_to):
-    # What a rank sends with: a PUSH socket connected to the collector.
-    push = push_to(collector)
-    return push
-
-
 def _one_good_point(key, push, collector):
     # A rank's point (step 5, loss 0.5), sent and seen in the run.
     good = wire.points_message(0, [5], np.array([2.0]), {"loss": (None, np.array([0.5]))}, 1, 0)

@@ -14,7 +14,6 @@ from nbdist.dashboard.table import PER_RANK_UP_TO, SHOWN_RANKS
 from nbdist.metrics.store import RunStore, load_run
 from nbdist.server.runview import RUN_CHART_POINTS, run_payload
 
-
 STRAGGLER, ASTRAY = 201, 17
 
 

@@ -51,3 +51,24 @@ def test_a_joined_run_reads_as_its_batches_added_one_by_one():
     for key in ("loss", "step_time", "lr", "grad_norm"):
         assert joined.series(key, 0) == one_by_one.series(key, 0)
     assert joined.rows() == one_by_one.rows()
+
+
+def test_a_key_gone_from_a_later_batch_keeps_its_points_on_a_run_that_goes_on():
+    # A followed run (an attached named session's dashboard) adds one poll's batches onto
+    # the points it has: lr on every point of the first polled batch, absent from the next.
+    first = ([0], [0.9], {"lr": (None, [0.1])})
+    polled = [
+        ([1, 2], [1.0, 1.1], {"lr": (None, [0.2, 0.3]), "loss": (None, [2.0, 1.9])}),
+        ([3, 4], [1.2, 1.3], {"loss": (None, [1.8, 1.7])}),
+    ]
+    last = ([5], [1.4], {"lr": (None, [0.6])})
+    joined, one_by_one = Run(1, world_size=1), Run(2, world_size=1)
+    joined.add_columns(0, *first)
+    joined.add_columns(0, *wire.concat(polled))
+    joined.add_columns(0, *last)
+    for batch in (first, *polled, last):
+        one_by_one.add_columns(0, *batch)
+    assert (
+        joined.series("lr", 0) == one_by_one.series("lr", 0) == ([0, 1, 2, 5], [0.1, 0.2, 0.3, 0.6])
+    )
+    assert joined.rows() == one_by_one.rows()
