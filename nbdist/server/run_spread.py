@@ -52,11 +52,7 @@ def _recent(run, rank: int, first_key: str) -> RecentPoints:
     for step, when, value in zip(steps, times, values):
         recent.add(step, when, {"step_time": value} if key == "step_time" else {})
     for part, _ in PARTS:
-        recent.parts[part].extend(
-            v
-            for v in run.series(part, rank, -WINDOW)[1]
-            if isinstance(v, float) and math.isfinite(v)
-        )
+        recent.parts[part].extend(v for v in run.series(part, rank, -WINDOW)[1] if _finite(v))
     return recent
 
 
