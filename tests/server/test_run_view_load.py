@@ -34,13 +34,13 @@ async def _get_run(jp_fetch, run_id: int) -> dict:
     return json.loads(response.body)
 
 
-def _count_loads(monkeypatch, hold: threading.Event | None = None):
-    """Wrap store.load_run: ``(calls, entered)``, each call appending where it ran to
-    ``calls`` and setting ``entered``; ``hold`` keeps a call until it is set."""
-    real, calls = store.load_run, []
+def _watch(monkeypatch, name: str, hold: threading.Event | None = None):
+    """Wrap ``store.<name>`` (load_run or runs): ``(calls, entered)``, each call appending
+    where it ran to ``calls`` and setting ``entered``; ``hold`` keeps a call until it is set."""
+    real, calls = getattr(store, name), []
     entered = threading.Event()
 
-    def load_run(run_id, *, path=None):
+    def watched(*args, **kwargs):
         try:
             asyncio.get_running_loop()
             on_loop = True
@@ -51,10 +51,25 @@ def _count_loads(monkeypatch, hold: threading.Event | None = None):
         if hold is not None:
             # Only a handler that reads on the event loop waits this out (and then fails).
             hold.wait(30)
-        return real(run_id, path=path)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(store, "load_run", load_run)
+    monkeypatch.setattr(store, name, watched)
     return calls, entered
+
+
+async def _answered_meanwhile(jp_fetch, request, entered, release):
+    """Send ``request`` (a coroutine); once its read is held in the store, the server must
+    still answer another request and ``request`` must still wait; then the read goes on.
+    Returns what ``request`` returned."""
+    pending = asyncio.ensure_future(request)
+    try:
+        assert await asyncio.to_thread(entered.wait, 60), "the history was never read"
+        palette = await jp_fetch("nbdist", "api", "palette")
+        assert palette.code == 200
+        assert not pending.done(), "the request ended before its read was let go"
+    finally:
+        release.set()
+    return await pending
 
 
 async def test_a_run_is_read_off_the_event_loop_while_other_requests_are_answered(
@@ -64,18 +79,9 @@ async def test_a_run_is_read_off_the_event_loop_while_other_requests_are_answere
     writer.end_run(run_id)
     writer.close()
     release = threading.Event()
-    calls, entered = _count_loads(monkeypatch, hold=release)
+    calls, entered = _watch(monkeypatch, "load_run", hold=release)
 
-    opening = asyncio.ensure_future(_get_run(jp_fetch, run_id))
-    try:
-        assert await asyncio.to_thread(entered.wait, 60), "the run was never read"
-        # The run's read is held in the store: the server still answers another request.
-        palette = await jp_fetch("nbdist", "api", "palette")
-        assert palette.code == 200
-        assert not opening.done(), "the run's request ended before its read was let go"
-    finally:
-        release.set()
-    chart = await opening
+    chart = await _answered_meanwhile(jp_fetch, _get_run(jp_fetch, run_id), entered, release)
     assert chart["id"] == run_id and chart["series"]["loss"]["1"][-1] == [19, 1.81]
     [call] = calls
     assert call["on_loop"] is False, "the run was read on the server's event loop"
@@ -84,7 +90,7 @@ async def test_a_run_is_read_off_the_event_loop_while_other_requests_are_answere
 
 async def test_a_run_opened_again_unchanged_is_not_read_again(jp_fetch, history, monkeypatch):
     writer, run_id = _write_run(history)
-    calls, _ = _count_loads(monkeypatch)
+    calls, _ = _watch(monkeypatch, "load_run")
 
     # Two clicks at once, then one more: one read of the run's points.
     first, second = await asyncio.gather(_get_run(jp_fetch, run_id), _get_run(jp_fetch, run_id))
@@ -122,27 +128,12 @@ async def test_the_list_of_runs_is_read_off_the_event_loop(jp_fetch, history, mo
     # GET runs sums every run's batches: a long history's read must not hold the server.
     writer, run_id = _write_run(history)
     writer.close()
-    real, release, entered, where = store.runs, threading.Event(), threading.Event(), []
-
-    def runs(path=None):
-        try:
-            asyncio.get_running_loop()
-            where.append("loop")
-        except RuntimeError:
-            where.append("thread")
-        entered.set()
-        release.wait(30)  # only a handler reading on the event loop waits this out
-        return real(path)
-
-    monkeypatch.setattr(store, "runs", runs)
-    listing = asyncio.ensure_future(jp_fetch("nbdist", "api", "runs"))
-    try:
-        assert await asyncio.to_thread(entered.wait, 60), "the history was never read"
-        palette = await jp_fetch("nbdist", "api", "palette")
-        assert palette.code == 200
-        assert not listing.done(), "the list came back before its read was let go"
-    finally:
-        release.set()
-    listed = json.loads((await listing).body)["runs"]
+    release = threading.Event()
+    calls, entered = _watch(monkeypatch, "runs", hold=release)
+    listing = await _answered_meanwhile(
+        jp_fetch, jp_fetch("nbdist", "api", "runs"), entered, release
+    )
+    listed = json.loads(listing.body)["runs"]
     assert [r["id"] for r in listed] == [run_id] and listed[0]["points"] == 40
-    assert where == ["thread"], "the history was read on the server's event loop"
+    [call] = calls
+    assert call["on_loop"] is False, "the history was read on the server's event loop"
