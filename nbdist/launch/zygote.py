@@ -211,10 +211,21 @@ def _spawned_child_setup() -> None:
     _unblock_signals()
 
 
-def _spawn_engine(slot_env: dict[str, str], engine_argv: list[str]) -> int:
+# A spawned engine: ipyparallel's engine (what ``python -m ipyparallel.engine`` runs), its
+# crash record opened first, as a forked engine's is (argv: the status file, or "", then
+# the engine's own arguments).
+_SPAWNED_ENGINE = """import sys
+from nbdist.launch.zygote import _record_crashes
+_record_crashes(sys.argv[1])
+from ipyparallel.engine.app import IPEngine
+IPEngine.launch_instance(argv=sys.argv[2:])
+"""
+
+
+def _spawn_engine(slot_env: dict[str, str], engine_argv: list[str], status_file: str | None) -> int:
     env = dict(os.environ, **slot_env)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ipyparallel.engine", *engine_argv],
+        [sys.executable, "-c", _SPAWNED_ENGINE, status_file or "", *engine_argv],
         env=env,
         preexec_fn=_spawned_child_setup,  # noqa: PLW1509 - single-threaded or we would have forked
     )
@@ -319,12 +330,11 @@ class _Forker:
                     _fork_engine(env, self.engine_argv, self.opts.threads, self.opts.status_file)
                 )
             else:
-                pids.append(_spawn_engine(env, self.engine_argv))
-            # A reused PID must not find an earlier process's records: its exit status,
-            # and for a spawned engine (which keeps no crash record) the crash record.
-            # A forked engine has opened its own crash record already.
-            for kind in ("exit",) if reason is None else ("exit", "crash"):
-                _forget_record(self.opts.status_file, kind, pids[-1])
+                pids.append(_spawn_engine(env, self.engine_argv, self.opts.status_file))
+            # A reused PID must not find an earlier process's exit status. Its crash record
+            # the engine itself opens anew, emptied (a forked one has already; removing it
+            # here could take a spawned one's from under it).
+            _forget_record(self.opts.status_file, "exit", pids[-1])
         _write_status(
             self.opts.status_file,
             **self.status,
@@ -412,7 +422,7 @@ _crash_log = None  # the open file faulthandler writes to: it must stay open whi
 
 
 def _record_crashes(status_file: str | None) -> None:
-    # In the forked engine: where a fatal signal (a segmentation fault in native code,
+    # In the engine (forked or spawned): where a fatal signal (a segmentation fault in native code,
     # SIGABRT, SIGBUS, ...) leaves the Python stack of every thread, for the kernel
     # (read_crash). The rank's stderr is shared by all ranks and not read by the kernel.
     global _crash_log

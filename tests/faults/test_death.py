@@ -69,3 +69,20 @@ def test_a_segfault_is_named(session):
     assert "in native code - in string_at (ctypes/__init__.py:" in failure.evalue
     assert failure.evalue.endswith("from the cell, line 3"), failure.evalue
     assert [row["state"] for row in session.status()] == ["dead", "idle"]
+
+
+def test_a_segfault_on_a_spawned_rank_is_named_too():
+    # Engines spawned (start_method="spawn": separate processes, nothing forked) open their
+    # crash record as forked ones do.
+    with nbdist.DistSession(
+        2, cpu=True, timeout=120, group_timeout=60, history=False, start_method="spawn"
+    ) as spawned:
+        with pytest.raises(RankError) as info:
+            spawned.run(
+                "import ctypes\nif rank == 1:\n    ctypes.string_at(0)\ndist.barrier()\n",
+                sink=ListSink(),
+            )
+        failure = info.value.failures[0]
+        assert (failure.rank, failure.ename) == (1, "RankDied")
+        assert "in native code - in string_at (ctypes/__init__.py:" in failure.evalue
+        assert failure.evalue.endswith("from the cell, line 3"), failure.evalue
