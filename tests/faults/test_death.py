@@ -56,18 +56,24 @@ def test_a_killed_rank_fails_the_cell_releases_the_other_and_restart_brings_it_b
     _reduce_works(session)
 
 
-def test_a_segfault_is_named(session):
+def _segfault_on(session, rank: int):
+    """Run a cell whose ``rank`` segfaults in ctypes at the cell's line 3; its failure,
+    checked to say so: the signal, and where in Python it was (faulthandler's record)."""
     with pytest.raises(RankError) as info:
         session.run(
-            "import ctypes\nif rank == 0:\n    ctypes.string_at(0)\ndist.barrier()\n",
+            f"import ctypes\nif rank == {rank}:\n    ctypes.string_at(0)\ndist.barrier()\n",
             sink=ListSink(),
         )
     failure = info.value.failures[0]
-    assert (failure.rank, failure.ename) == (0, "RankDied")
+    assert (failure.rank, failure.ename) == (rank, "RankDied")
     assert "segmentation fault (SIGSEGV, signal 11)" in failure.evalue
-    # Where in Python it was, from faulthandler's record: ctypes' call, the cell's line 3.
     assert "in native code - in string_at (ctypes/__init__.py:" in failure.evalue
     assert failure.evalue.endswith("from the cell, line 3"), failure.evalue
+    return failure
+
+
+def test_a_segfault_is_named(session):
+    _segfault_on(session, 0)
     assert [row["state"] for row in session.status()] == ["dead", "idle"]
 
 
@@ -77,12 +83,4 @@ def test_a_segfault_on_a_spawned_rank_is_named_too():
     with nbdist.DistSession(
         2, cpu=True, timeout=120, group_timeout=60, history=False, start_method="spawn"
     ) as spawned:
-        with pytest.raises(RankError) as info:
-            spawned.run(
-                "import ctypes\nif rank == 1:\n    ctypes.string_at(0)\ndist.barrier()\n",
-                sink=ListSink(),
-            )
-        failure = info.value.failures[0]
-        assert (failure.rank, failure.ename) == (1, "RankDied")
-        assert "in native code - in string_at (ctypes/__init__.py:" in failure.evalue
-        assert failure.evalue.endswith("from the cell, line 3"), failure.evalue
+        _segfault_on(spawned, 1)
