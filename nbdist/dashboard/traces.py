@@ -19,6 +19,7 @@ __all__ = [
     "Spread",
     "Trace",
     "across_ranks",
+    "last_per_step",
     "elapsed",
     "merge",
     "wire",
@@ -207,10 +208,7 @@ class Aligned:
             if not take.any():
                 continue
             keys, values = keys[take], values[take]
-            # the same step twice on a rank (a loop re-run): its last value counts
-            _, back = np.unique(keys[::-1], return_index=True)
-            last = len(keys) - 1 - back
-            parts.append((keys[last], values[last]))
+            parts.append(last_per_step(keys, values))
         if not parts:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         keys = np.concatenate([p[0] for p in parts])
@@ -225,6 +223,16 @@ class Spread(Aligned):
         """(steps, medians, minima, maxima) up to step ``frontier``, taken out of pending."""
         steps, median, low, high, _ = across_ranks(*self._take(frontier))
         return steps.tolist(), median.tolist(), low.tolist(), high.tolist()
+
+
+def last_per_step(keys, values):
+    """One rank's ``(keys, values)`` arrays with each step once, sorted: a step logged twice
+    (a loop run again, a restart) keeps its last value."""
+    import numpy as np
+
+    _, back = np.unique(keys[::-1], return_index=True)
+    last = len(keys) - 1 - back
+    return keys[last], values[last]
 
 
 def across_ranks(keys, values):

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from nbdist.dashboard.table import PER_RANK_UP_TO
-from nbdist.dashboard.traces import across_ranks
+from nbdist.dashboard.traces import across_ranks, last_per_step
 from nbdist.rank_states import BUSY, DEAD, IDLE
 
 __all__ = ["MAX_DEVIATING", "RECENT_RATE_S", "is_many", "median_series", "spread", "summarise"]
@@ -126,9 +126,7 @@ def spread(
         if bin_width:
             x = (np.floor(x / bin_width) + 0.5) * bin_width
         else:
-            _, back = np.unique(x[::-1], return_index=True)
-            last = x.size - 1 - back
-            x, y = x[last], y[last]
+            x, y = last_per_step(x, y)
         keys.append(x)
         values.append(y)
     if not keys:

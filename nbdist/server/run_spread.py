@@ -46,8 +46,11 @@ def _recent(run, rank: int, first_key: str) -> RecentPoints:
     ``(time, step)`` pairs from its step-time points (else the first chart's), and the
     latest parts of its step breakdown."""
     recent = RecentPoints()
-    key = "step_time" if run.series("step_time", rank, -1)[0] else first_key
+    key = "step_time"
     steps, values = run.series(key, rank, -HISTORY)
+    if not steps:
+        key = first_key
+        steps, values = run.series(key, rank, -HISTORY)
     times = run.timeline(key, rank, -HISTORY)[0]
     for step, when, value in zip(steps, times, values):
         recent.add(step, when, {"step_time": value} if key == "step_time" else {})
