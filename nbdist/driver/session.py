@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nbdist.driver import live_sessions, registry
+from nbdist.driver import file_sync, live_sessions, registry
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.faults import CellGuard, RankMonitor, dead_ranks
 from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics_key, reform_group
@@ -293,6 +293,7 @@ class DistSession:
         if self.group.hosts:  # the dashboard names each rank's host
             self._hub.run.hosts = dict(self.group.hosts)
         self.cells = []  # fresh namespaces: earlier cells no longer describe them
+        file_sync.resync(self)  # fresh ranks: the synced paths on their sys.path again
 
     def _start_watching(self, handle: ClusterHandle, *, connection_file: str | None) -> None:
         # The group is formed: watch the ranks, count as live, appear in the sidebar.
@@ -326,6 +327,7 @@ class DistSession:
                     handle.client[group.engine_ids].apply_async(bootstrap.teardown).get(5)
                 except Exception:
                     pass
+            file_sync.session_stopping(self, handle.client)
             return stop_processes(handle)
 
     def _unwatch(self) -> ClusterHandle | None:

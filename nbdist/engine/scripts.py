@@ -13,6 +13,7 @@ from __future__ import annotations
 import runpy
 import sys
 
+from nbdist.engine.synced_files import local_path
 from nbdist.engine.torchrun_env import CELL_ARGV
 
 __all__ = ["ScriptExit", "run_script"]
@@ -23,7 +24,11 @@ class ScriptExit(RuntimeError):
 
 
 def run_script(path: str, args: list[str], namespace: dict) -> None:
-    """Run ``path`` with ``sys.argv = [path, *args]``; its globals land in ``namespace``."""
+    """Run ``path`` with ``sys.argv = [path, *args]``; its globals land in ``namespace``.
+
+    A script under a path ``%dist_sync`` copied to this machine runs from the copy.
+    """
+    path = local_path(path)
     sys.argv[:] = [path, *args]
     found: dict = {}
     try:

@@ -17,7 +17,8 @@ and the others' help texts are the manual.
 - :mod:`~nbdist.magics.perf`: ``%dist_bench``.
 - :mod:`~nbdist.magics.named_sessions`: ``%dist_sessions``, ``%dist_attach`` (sessions
   that outlive the kernel).
-- :mod:`~nbdist.magics.scripts`: ``%dist_run``, ``%dist_export`` (torchrun scripts in and out).
+- :mod:`~nbdist.magics.scripts`: ``%dist_sync``, ``%dist_run``, ``%dist_export`` (files to the
+  ranks' machines, torchrun scripts in and out).
 - :mod:`~nbdist.magics.args`: how every magic reads its line, and the flags several share.
 
 IPython is imported only when the magics are registered (``%load_ext nbdist``).

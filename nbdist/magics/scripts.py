@@ -1,4 +1,6 @@
-"""Kernel side: the magics that carry scripts in and out of the ranks: %dist_run, %dist_export.
+"""Kernel side: the magics that carry files and scripts to and from the ranks.
+
+``%dist_sync``, ``%dist_run``, ``%dist_export``.
 
 ``%dist_run train.py --lr 0.1`` runs a torchrun-style script on every rank as
 ``__main__`` with its own ``sys.argv`` (:mod:`nbdist.engine.scripts`), so
@@ -7,6 +9,8 @@ arguments, its ``init_process_group`` meets the group nbdist formed and its
 ``destroy_process_group`` leaves it up (:mod:`nbdist.engine.user_group`);
 afterwards its globals are in the ranks' namespaces for the next cell.
 ``%dist_export`` goes the other way: the session's cells as a torchrun script.
+``%dist_sync src`` makes this machine's files importable on ranks on other
+machines (:mod:`nbdist.driver.file_sync`), ``%dist_run`` of a synced script included.
 """
 
 from __future__ import annotations
@@ -70,6 +74,12 @@ def _check_python(script: str, path: str) -> None:
         raise UsageError(f"%dist_run: cannot read {script} as a Python file ({exc})") from None
 
 
+def _unquoted(word: str) -> str:
+    if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"":
+        return word[1:-1]
+    return word
+
+
 def _someone_elses(path: str) -> bool:
     """True if ``path`` is an existing file whose first lines are not a %dist_export header."""
     path = os.path.abspath(os.path.expanduser(path))
@@ -85,7 +95,61 @@ def _someone_elses(path: str) -> bool:
 
 @magics_class
 class ScriptMagics(SessionMagics):
-    """%dist_run and %dist_export: on the session ``self.dist`` holds."""
+    """%dist_sync, %dist_run and %dist_export: on the session ``self.dist`` holds."""
+
+    @magic_arguments()
+    @argument("paths", nargs="*", help="directories or files on this machine, e.g. src train.py")
+    @argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out names or relative paths that match (repeatable), e.g. 'data/*'",
+    )
+    @argument(
+        "--copy", action="store_true", help="a copy on every machine, even where seen in place"
+    )
+    @argument(
+        "--reload", action="store_true", help="reload modules the ranks imported from changed files"
+    )
+    @line_magic
+    def dist_sync(self, line=""):
+        """Make directories or files of this machine importable on every rank, wherever it runs.
+
+        A machine that sees the path itself with the same files (this one, a shared
+        file system) uses it in place; any other gets a copy, and a later
+        %dist_sync sends only the files whose content changed (and removes those
+        deleted). Each path goes first on the ranks' sys.path, and %dist_run of a
+        script under it runs the copy. Left out: .git, __pycache__, *.pyc,
+        .ipynb_checkpoints, .venv, venv, node_modules and tool caches, and what
+        --exclude names; more than 1 GiB is refused. A restart syncs the paths
+        again; %dist_stop removes the copies. Modules the ranks imported from a
+        changed file are named (--reload reloads them). From a script:
+        nbdist.driver.file_sync.sync_files(session, ["src"]). Examples::
+
+            %dist_sync src
+            %dist_sync . --exclude 'data/*' --exclude '*.ckpt'
+            %dist_sync src --reload
+        """
+        if asked_for_help(self.dist_sync, line):
+            return None
+        args = parse_magic_line(self.dist_sync, line)
+        # IPython's parser keeps quotes: a pattern quoted against the shell's habit, 'data/*'.
+        args.paths = [_unquoted(p) for p in args.paths]
+        args.exclude = [_unquoted(p) for p in args.exclude]
+        session = self.dist.running_session()
+        if not args.paths:
+            raise UsageError("%dist_sync needs a directory or file, e.g. %dist_sync src")
+        from nbdist.driver.file_sync import sync_files
+
+        try:
+            report = sync_files(
+                session, args.paths, exclude=args.exclude, copy=args.copy, reload=args.reload
+            )
+        except NbdistError as exc:
+            raise UsageError(str(exc)) from None
+        print(report)
+        return None
 
     @line_magic
     def dist_run(self, line=""):

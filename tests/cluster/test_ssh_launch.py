@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 import nbdist
+from nbdist.driver.file_sync import sync_files
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import PlacementError
 from tests.cluster.conftest import (
@@ -37,7 +38,7 @@ def _remote_dirs() -> set[str]:
     return {name for name in os.listdir("/tmp") if name.startswith("nbdist-ssh-")}
 
 
-def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd):
+def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd, tmp_path):
     before = _remote_dirs()
     # The ssh config's alias points at 127.0.0.1: engines on this machine, the
     # controller stays on loopback.
@@ -59,11 +60,17 @@ def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd):
             sink=ListSink(),
         )
         pids += session.pull("child_pid")
+        # %dist_sync --copy: the copy a machine without the notebook's files gets, there.
+        (tmp_path / "model.py").write_text("VALUE = 7\n")
+        copy = sync_files(session, [tmp_path], copy=True).used[0][str(tmp_path)]
+        session.run("import model", sink=ListSink())
+        assert session.pull("model.__file__") == [os.path.join(copy, "model.py")] * 2
     left = gone(pids)
     for pid in left:  # after a failure: ended by PID, so nothing outlives the test
         os.kill(pid, signal.SIGKILL)
     assert left == []
     assert _remote_dirs() == before
+    assert not os.path.exists(os.path.dirname(copy)), "the stop removed the copies there"
 
 
 def test_ranks_whose_pids_name_other_processes_here_are_neither_read_nor_signalled(sshd, tmp_path):
@@ -91,6 +98,10 @@ def test_ranks_whose_pids_name_other_processes_here_are_neither_read_nor_signall
         assert [(row["state"], row["memory_mib"]) for row in sidebar] == [("idle", None)] * 2
         # Nothing recorded to signal here names the ranks' PID (this machine's init).
         assert 1 not in session._handle.pids  # noqa: SLF001
+        # Each rank's mount namespace is its own, as in a container: for %dist_sync two
+        # machines, each checked (and, without the files, written) by its own rank.
+        report = sync_files(session, [tmp_path])
+        assert (report.machines, report.in_place) == (2, 2), str(report)
         session.run(
             "import subprocess\n"
             "child = subprocess.Popen(['sleep', '600'], stdout=subprocess.DEVNULL)",

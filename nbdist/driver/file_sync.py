@@ -1,0 +1,397 @@
+"""Kernel side: ``%dist_sync``: this machine's files importable on every rank, wherever it runs.
+
+Ranks on other machines see none of the notebook's files unless a shared file
+system holds them. :func:`sync_files` makes a directory (or files) the
+notebook's machine has importable on every rank: a machine that sees the path
+itself with the same files (this one, a shared file system) uses it in place;
+any other gets a copy, and later syncs send only the files whose content changed
+(and remove those deleted). One rank per machine writes
+(:func:`nbdist.engine.synced_files.machine_key`), so 256 ranks on 32 machines
+receive each file 32 times, not 256. Each path is put first on the ranks'
+``sys.path``; ``%dist_run`` of a script under a synced path runs the copy.
+
+A restart syncs the paths again (its ranks are fresh processes); a stop removes
+the copies. Example::
+
+    report = sync_files(session, ["src", "train.py"])
+    print(report)   # nbdist: synced src/ (12 files, 48.0 KiB) ... to 2 machines ...
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import uuid
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from nbdist.engine import synced_files
+from nbdist.errors import ClusterNotRunning, NbdistError
+
+__all__ = [
+    "DEFAULT_EXCLUDES",
+    "MAX_BYTES",
+    "SyncReport",
+    "session_stopping",
+    "resync",
+    "sync_files",
+]
+
+# Never sent: version control, caches, environments and notebook checkpoints.
+DEFAULT_EXCLUDES = (
+    ".git",
+    ".hg",
+    "__pycache__",
+    "*.pyc",
+    ".ipynb_checkpoints",
+    ".venv",
+    "venv",
+    "node_modules",
+    ".mypy_cache",
+    ".pytest_cache",
+    ".ruff_cache",
+)
+# A sync is for code and small files: more than this goes through the controller slowly.
+MAX_BYTES = 1 << 30
+_CHUNK_BYTES = 16 << 20  # per message to a rank
+
+
+@dataclass
+class _Entry:
+    # One synced directory (or the chosen files of one), in the order first synced.
+    index: int
+    origin: str  # the directory's absolute path on this machine
+    files: set[str] | None  # None: the whole directory; else these names in it
+    excludes: tuple[str, ...]
+    in_place: dict[str, bool] = field(default_factory=dict)  # by machine key
+    last: dict[str, list] | None = None  # the manifest the last sync sent
+
+
+@dataclass
+class _State:
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    entries: dict[str, _Entry] = field(default_factory=dict)
+    copy: bool = False
+    writers_with_copies: list[int] = field(default_factory=list)  # engine ids
+    digests: dict[tuple, str] = field(default_factory=dict)  # (path, size, mtime_ns) -> sha256
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class SyncReport:
+    """What one sync did; ``str()`` is the line ``%dist_sync`` prints."""
+
+    paths: list[str]
+    files: int
+    bytes: int
+    machines: int
+    in_place: int  # machines that use the paths where they are
+    sent_files: int  # new or changed files sent (each once however many machines lacked it)
+    sent_bytes: int
+    removed: int
+    used: dict[int, dict[str, str]]  # rank -> {path here: path on the rank}
+    modules: dict[str, list[int]]  # stale (or, with reload, reloaded) module -> ranks
+    reloaded: bool
+    reload_errors: dict[str, str]  # module -> what reloading it raised (first rank's words)
+
+    def __str__(self) -> str:
+        """The report in words, one line (more when changed modules were imported)."""
+        copied = self.machines - self.in_place
+        parts = []
+        if self.in_place:
+            parts.append(f"{self.in_place} see{'s' * (self.in_place == 1)} them in place")
+        if copied:
+            sent = (
+                f"{self.sent_files} file{'s' * (self.sent_files != 1)} sent, {_size(self.sent_bytes)}"
+                if self.sent_files
+                else "up to date"
+            )
+            gone = f", {self.removed} removed" if self.removed else ""
+            parts.append(f"{copied} hold{'s' * (copied == 1)} a copy ({sent}{gone})")
+        line = (
+            f"nbdist: synced {', '.join(self.paths)} ({self.files} file{'s' * (self.files != 1)}, "
+            f"{_size(self.bytes)}) to {self.machines} machine{'s' * (self.machines != 1)}: "
+            + "; ".join(parts)
+        )
+        names = ", ".join(sorted(self.modules))
+        if self.modules and self.reloaded:
+            line += f"\nnbdist: reloaded on the ranks: {names}"
+            for name, error in sorted(self.reload_errors.items()):
+                line += f"\nnbdist: reloading {name} failed: {error}"
+        elif self.modules:
+            line += (
+                f"\nnbdist: the ranks imported {names} before its file changed: "
+                "%dist_sync --reload reloads it (or %dist_restart)"
+            )
+        return line
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _excluded(rel: str, patterns: Sequence[str]) -> bool:
+    parts = rel.split(os.sep)
+    return any(fnmatch.fnmatch(part, pat) for part in parts for pat in patterns) or any(
+        fnmatch.fnmatch(rel, pat) for pat in patterns
+    )
+
+
+def _digest(state: _State, path: str, st: os.stat_result) -> str:
+    key = (path, st.st_size, st.st_mtime_ns)
+    sha = state.digests.get(key)
+    if sha is None:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        sha = state.digests[key] = h.hexdigest()
+    return sha
+
+
+def _manifest(state: _State, entry: _Entry) -> dict[str, list]:
+    # {relative path: [size, mtime_ns, sha256]} of the files the entry covers.
+    manifest: dict[str, list] = {}
+    if entry.files is not None:
+        candidates = [(name, os.path.join(entry.origin, name)) for name in sorted(entry.files)]
+    else:
+        candidates = []
+        for here, dirs, names in os.walk(entry.origin):
+            rel_dir = os.path.relpath(here, entry.origin)
+            # Excluded folders are not entered at all (a .venv can hold 100,000 files).
+            dirs[:] = sorted(
+                d
+                for d in dirs
+                if not _excluded(os.path.normpath(os.path.join(rel_dir, d)), entry.excludes)
+            )
+            for name in sorted(names):
+                rel = os.path.normpath(os.path.join(rel_dir, name))
+                if not _excluded(rel, entry.excludes):
+                    candidates.append((rel, os.path.join(here, name)))
+    for rel, path in candidates:
+        try:
+            st = os.stat(path)
+        except OSError:  # a dangling link, a file deleted meanwhile
+            continue
+        if not os.path.isfile(path):
+            continue
+        manifest[rel] = [st.st_size, st.st_mtime_ns, _digest(state, path, st)]
+    return manifest
+
+
+def _entries_for(state: _State, paths: Sequence[str], excludes: tuple[str, ...]) -> list[_Entry]:
+    # Each path checked before anything is sent: a bad one changes nothing.
+    chosen: list[_Entry] = []
+    for given in paths:
+        path = os.path.abspath(os.path.expanduser(os.fspath(given)))
+        if os.path.isdir(path):
+            origin, name = path, None
+        elif os.path.isfile(path):
+            origin, name = os.path.dirname(path), os.path.basename(path)
+        else:
+            raise NbdistError(
+                f"%dist_sync: no file or directory {given!r} (looked for {path}): "
+                "give a path on the notebook's machine, e.g. %dist_sync src"
+            )
+        entry = state.entries.get(origin)
+        if entry is None:
+            entry = state.entries[origin] = _Entry(len(state.entries), origin, set(), excludes)
+        entry.excludes = excludes
+        if name is None:
+            entry.files = None
+        elif entry.files is not None:
+            entry.files.add(name)
+        if entry not in chosen:
+            chosen.append(entry)
+    return chosen
+
+
+def _shown(entry: _Entry) -> str:
+    home = os.path.expanduser("~")
+    if entry.files is not None:
+        names = [os.path.join(entry.origin, n) for n in sorted(entry.files)]
+    else:
+        names = [entry.origin + os.sep]
+    out = []
+    for name in names:
+        try:
+            rel = os.path.relpath(name, os.getcwd())
+        except ValueError:
+            rel = name
+        if rel.startswith(".."):
+            rel = "~" + name[len(home) :] if name.startswith(home + os.sep) else name
+        out.append(rel + (os.sep if name.endswith(os.sep) and not rel.endswith(os.sep) else ""))
+    return ", ".join(out)
+
+
+def sync_files(
+    session,
+    paths: Sequence[str],
+    *,
+    exclude: Sequence[str] = (),
+    copy: bool = False,
+    reload: bool = False,
+    max_bytes: int = MAX_BYTES,
+) -> SyncReport:
+    """Make ``paths`` (directories or files here) importable on every rank of ``session``.
+
+    ``exclude``: more glob patterns left out (matched against each name and each
+    relative path), besides :data:`DEFAULT_EXCLUDES`. ``copy``: a copy on every
+    machine even where the path is seen in place (a network file system slow under
+    many ranks). ``reload``: reload the modules the ranks imported from files that
+    changed. More than ``max_bytes`` in all is refused before anything is sent.
+    """
+    if not session.running:
+        raise ClusterNotRunning("%dist_sync: no ranks to sync to: %dist_start first")
+    if not paths:
+        raise NbdistError("%dist_sync: give a directory or file to sync, e.g. %dist_sync src")
+    state = _STATES.setdefault(session, _State())
+    state.copy = state.copy or copy
+    excludes = tuple(DEFAULT_EXCLUDES) + tuple(exclude)
+    entries = _entries_for(state, paths, excludes)
+    return _sync(session, state, entries, reload=reload, max_bytes=max_bytes)
+
+
+def _sync(
+    session, state: _State, entries: list[_Entry], *, reload: bool, max_bytes: int
+) -> SyncReport:
+    manifests = {e.origin: _manifest(state, e) for e in entries}
+    total = sum(size for m in manifests.values() for size, _, _ in m.values())
+    if total > max_bytes:
+        biggest = sorted(
+            (
+                (size, os.path.join(o, rel))
+                for o, m in manifests.items()
+                for rel, (size, _, _) in m.items()
+            ),
+            reverse=True,
+        )[:3]
+        named = ", ".join(f"{os.path.relpath(p)} ({_size(s)})" for s, p in biggest)
+        raise NbdistError(
+            f"%dist_sync: {_size(total)} to send, above the {_size(max_bytes)} limit (largest: {named}): "
+            "leave data out with --exclude 'data/*' (it travels through the controller), "
+            "or put it on a file system every machine mounts"
+        )
+    ranks = session.ranks
+    keys = session.apply(synced_files.machine_key)
+    writers: dict[str, int] = {}  # machine key -> its lowest rank
+    for info, key in zip(ranks, keys, strict=True):
+        writers.setdefault(key, info.rank)
+    sent_files = sent_bytes = removed = 0
+    changed: dict[str, list[str]] = {}
+    for entry in entries:
+        manifest = manifests[entry.origin]
+        args = (state.token, entry.index, entry.origin, manifest, state.copy)
+        looks = session.apply(synced_files.look, *args, ranks=sorted(writers.values()))
+        by_rank = dict(zip(sorted(writers.values()), looks, strict=True))
+        entry.in_place = {key: by_rank[r]["in_place"] for key, r in writers.items()}
+        copying = [r for r in sorted(by_rank) if not by_rank[r]["in_place"]]
+        wanted = sorted({rel for r in copying for rel in by_rank[r]["missing"]})
+        # Changed since the last sync (by content): what makes an imported module stale.
+        if entry.last is not None:
+            changed[entry.origin] = [
+                rel
+                for rel, v in manifest.items()
+                if rel not in entry.last or entry.last[rel][2] != v[2]
+            ]
+        entry.last = manifest
+        for chunk, lacking in _chunks(entry, manifest, wanted, by_rank, copying):
+            session.apply(synced_files.write, *args[:3], chunk, ranks=lacking)
+        sent_files += len(wanted)
+        sent_bytes += sum(manifest[rel][0] for rel in wanted)
+        if copying:
+            removed = max(
+                [removed, *session.apply(synced_files.finish_copy, *args[:4], ranks=copying)]
+            )
+            engine_ids = {i.rank: i.engine_id for i in ranks}
+            state.writers_with_copies = sorted(
+                set(state.writers_with_copies) | {engine_ids[r] for r in copying}
+            )
+    paths = [(e.index, e.origin, e.in_place) for e in state.entries.values() if e.in_place]
+    results = session.apply(synced_files.activate, state.token, paths, changed, reload)
+    modules: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    for info, (_used, found) in zip(ranks, results, strict=True):
+        for name, error in found:
+            modules.setdefault(name, []).append(info.rank)
+            if error:
+                errors.setdefault(name, error)
+    return SyncReport(
+        paths=[_shown(e) for e in entries],
+        files=sum(len(m) for m in manifests.values()),
+        bytes=total,
+        machines=len(writers),
+        in_place=sum(1 for key in writers if all(e.in_place[key] for e in entries)),
+        sent_files=sent_files,
+        sent_bytes=sent_bytes,
+        removed=removed,
+        used={info.rank: used for info, (used, _) in zip(ranks, results, strict=True)},
+        modules=modules,
+        reloaded=reload,
+        reload_errors=errors,
+    )
+
+
+def _chunks(entry, manifest, wanted, by_rank, copying):
+    # ({relative path: (bytes, sha256, executable)}, the writers that lack them), at most
+    # _CHUNK_BYTES a message (a bigger file goes alone).
+    chunk: dict[str, tuple] = {}
+    size = 0
+    for rel in wanted:
+        path = os.path.join(entry.origin, rel)
+        with open(path, "rb") as f:
+            data = f.read()
+        if size and size + len(data) > _CHUNK_BYTES:
+            yield chunk, _lacking(chunk, by_rank, copying)
+            chunk, size = {}, 0
+        chunk[rel] = (data, manifest[rel][2], os.access(path, os.X_OK))
+        size += len(data)
+    if chunk:
+        yield chunk, _lacking(chunk, by_rank, copying)
+
+
+def _lacking(chunk, by_rank, copying) -> list[int]:
+    return [r for r in copying if any(rel in by_rank[r]["missing"] for rel in chunk)]
+
+
+def resync(session) -> SyncReport | None:
+    """After a restart (fresh ranks): the synced paths again, as they are now; None if none.
+
+    A path that is gone, or a rank that fails, is a warning: the restart itself succeeded.
+    """
+    state = _STATES.get(session)
+    if state is None or not state.entries:
+        return None
+    state.writers_with_copies = []
+    for entry in state.entries.values():
+        entry.in_place = {}
+    try:
+        return _sync(
+            session, state, list(state.entries.values()), reload=False, max_bytes=MAX_BYTES
+        )
+    except Exception as exc:  # noqa: BLE001 - told, and the ranks are up
+        warnings.warn(f"nbdist: the synced paths could not be synced again: {exc}", stacklevel=2)
+        return None
+
+
+def session_stopping(session, client) -> None:
+    """Before the ranks stop: each machine's copies removed (best effort, 10 s at most)."""
+    state = _STATES.get(session)
+    if state is None or not state.writers_with_copies or client is None:
+        return
+    try:
+        client[state.writers_with_copies].apply_async(synced_files.remove_copies, state.token).get(
+            10
+        )
+    except Exception:  # noqa: BLE001 - a dead or hung rank: prune() removes them later
+        pass
+    state.writers_with_copies = []

@@ -1,0 +1,275 @@
+"""Rank side: the files ``%dist_sync`` sends, kept on this rank's machine and put on ``sys.path``.
+
+The kernel (:mod:`nbdist.driver.file_sync`) sends a *manifest* of each path it
+syncs: ``{relative path: [size, mtime_ns, sha256]}``. One rank per machine
+(:func:`machine_key` says which ranks share one) answers :func:`look`: whether
+this machine sees the path itself with the same files (the kernel's machine, a
+shared file system: then nothing is copied), and otherwise which files its copy
+lacks. Those arrive in chunks (:func:`write`); :func:`finish_copy` removes files the
+path no longer has, and every rank then :func:`activate`\\ s the paths: each is
+put first on ``sys.path`` and remembered, so ``%dist_run`` of a script under a
+synced path runs this machine's copy (:func:`local_path`).
+
+A copy lives in ``$NBDIST_SYNC_DIR`` (default: the temporary directory), under
+``nbdist-sync-<uid>/<session>/<n>-<name>``; :func:`remove_copies` deletes a session's
+copies at ``%dist_stop``, and :func:`prune` those of sessions whose ranks are all
+gone (a rank killed with ``kill -9`` never removes them itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+
+import psutil  # an ipyparallel dependency: every engine has it
+
+__all__ = [
+    "SYNC_DIR_ENV",
+    "activate",
+    "copies_dir",
+    "finish_copy",
+    "local_path",
+    "look",
+    "machine_key",
+    "prune",
+    "reload_stale",
+    "remove_copies",
+    "write",
+]
+
+SYNC_DIR_ENV = "NBDIST_SYNC_DIR"
+_OWNERS = ".owners"  # in a session's folder: one empty file per rank that uses its copies
+# {path on the kernel's machine: path here}, for every path synced in this process.
+_ACTIVE: dict[str, str] = {}
+# Modules imported from files a sync has changed since: named at each sync until reloaded.
+_STALE: set[str] = set()
+
+
+def machine_key() -> str:
+    """Ranks that share this key see one file system: the host, its boot and its mount namespace.
+
+    The mount namespace tells two containers on one host apart (they share the boot id).
+    """
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/mnt").st_ino))
+    except OSError:  # not Linux: the host name alone
+        pass
+    return "/".join(parts)
+
+
+def copies_dir(session: str) -> str:
+    """Where this machine keeps the copies of session ``session``."""
+    root = os.environ.get(SYNC_DIR_ENV) or tempfile.gettempdir()
+    return os.path.join(root, f"nbdist-sync-{os.getuid()}", session)
+
+
+def _copy_dir(session: str, index: int, origin: str) -> str:
+    # Numbered: two synced paths of one name (a/src, b/src) keep apart.
+    name = os.path.basename(origin.rstrip(os.sep)) or "root"
+    return os.path.join(copies_dir(session), f"{index}-{name}")
+
+
+def _same_file(path: str, size: int, mtime_ns: int) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_size == size and st.st_mtime_ns == mtime_ns
+
+
+def _stored(copy: str) -> dict:
+    try:
+        with open(os.path.join(copy, ".nbdist-manifest.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def look(session: str, index: int, origin: str, manifest: dict, copy: bool) -> dict:
+    """Whether this machine needs a copy of ``origin``, and of which files.
+
+    ``{"in_place": True}`` when ``copy`` is False and every file of ``manifest`` is
+    at ``origin`` here with the same size and modification time (the kernel's machine,
+    a shared file system); else ``{"in_place": False, "missing": [relative paths]}``:
+    the files this machine's copy lacks or holds in another version.
+    """
+    if not copy and all(
+        _same_file(os.path.join(origin, rel), size, mtime)
+        for rel, (size, mtime, _sha) in manifest.items()
+    ):
+        return {"in_place": True}
+    prune()
+    have = _stored(_copy_dir(session, index, origin))
+    # By content: a file touched but not changed is not sent again.
+    missing = [
+        rel for rel, entry in manifest.items() if rel not in have or have[rel][2] != entry[2]
+    ]
+    return {"in_place": False, "missing": missing}
+
+
+def write(session: str, index: int, origin: str, files: dict) -> int:
+    """Write ``{relative path: (bytes, sha256, executable)}`` into this machine's copy.
+
+    Each file is checked against its digest and replaced whole (written beside it,
+    then renamed), so a rank importing meanwhile sees the old or the new file, never
+    half of one. Returns the bytes written.
+    """
+    target = _copy_dir(session, index, origin)
+    _own(session)
+    written = 0
+    for rel, (data, sha, executable) in files.items():
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise OSError(f"{rel}: the copy received differs from the file sent (digest)")
+        path = os.path.join(target, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        part = f"{path}.nbdist-part-{os.getpid()}"
+        with open(part, "wb") as f:
+            f.write(data)
+        os.chmod(part, 0o755 if executable else 0o644)
+        os.replace(part, path)
+        written += len(data)
+    return written
+
+
+def finish_copy(session: str, index: int, origin: str, manifest: dict) -> int:
+    """Remove the files of this machine's copy that ``manifest`` lacks; record it. Files removed."""
+    target = _copy_dir(session, index, origin)
+    os.makedirs(target, exist_ok=True)
+    removed = 0
+    for here, dirs, names in os.walk(target, topdown=False):
+        for name in names:
+            rel = os.path.relpath(os.path.join(here, name), target)
+            if rel != ".nbdist-manifest.json" and rel not in manifest:
+                os.remove(os.path.join(here, name))
+                removed += 1
+        for name in dirs:
+            try:
+                os.rmdir(os.path.join(here, name))  # only empty ones
+            except OSError:
+                pass
+    record = os.path.join(target, ".nbdist-manifest.json")
+    with open(f"{record}.part", "w") as f:
+        json.dump(manifest, f)
+    os.replace(f"{record}.part", record)
+    return removed
+
+
+def activate(session: str, paths: list, changed: dict, reload: bool) -> tuple[dict, list]:
+    """Put each synced path (or this machine's copy of it) first on ``sys.path``.
+
+    ``paths``: ``[(index, origin, {machine key: in place})]``; files are reached under
+    the origin's own path where this machine sees it in place, else under the copy's.
+    ``changed``: ``{origin: [relative paths]}`` whose content changed since the last
+    sync: modules imported from them are stale until reloaded (:func:`reload_stale`,
+    which ``reload`` calls). Returns ``({origin: the path used here}, [(stale or
+    reloaded module, what reloading it raised or "")])``.
+    """
+    key = machine_key()
+    used = {}
+    for index, origin, in_place_by_machine in paths:
+        in_place = in_place_by_machine[key]
+        here = origin if in_place else _copy_dir(session, index, origin)
+        if not in_place:
+            _own(session)
+        before = _ACTIVE.get(origin)
+        if before is not None and before != here and before in sys.path:
+            sys.path.remove(before)
+        if here in sys.path:
+            sys.path.remove(here)
+        sys.path.insert(0, here)
+        _ACTIVE[origin] = used[origin] = here
+    importlib.invalidate_caches()  # files written since the last import are found
+    # A module counts as imported from a file by the origin's path or the copy's.
+    files = {
+        os.path.realpath(os.path.join(root, rel))
+        for origin, rels in changed.items()
+        for root in {origin, used.get(origin, origin)}
+        for rel in rels
+    }
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and os.path.realpath(file) in files:
+            _STALE.add(name)
+    return used, reload_stale() if reload else [
+        (name, "") for name in sorted(_STALE & set(sys.modules))
+    ]
+
+
+def reload_stale() -> list:
+    """Reload the modules imported from files a sync changed since; ``[(module, error or "")]``."""
+    out = []
+    for name in sorted(_STALE):
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        error = ""
+        try:
+            importlib.reload(module)
+        except Exception as exc:  # the user's module: say what it raised, go on
+            error = f"{type(exc).__name__}: {exc}"
+        out.append((name, error))
+    _STALE.clear()
+    return out
+
+
+def local_path(path: str) -> str:
+    """``path`` (on the kernel's machine) as this machine reaches it: in a synced copy, if any."""
+    for origin, here in _ACTIVE.items():
+        if here == origin:
+            continue
+        prefix = origin.rstrip(os.sep) + os.sep
+        if path == origin or path.startswith(prefix):
+            there = os.path.join(here, os.path.relpath(path, origin))
+            if os.path.exists(there):
+                return there
+    return path
+
+
+def _own(session: str) -> None:
+    # This process uses the session's copies: noted (one file per rank, no shared file to
+    # race on), so prune keeps them while it lives.
+    folder = os.path.join(copies_dir(session), _OWNERS)
+    os.makedirs(folder, exist_ok=True)
+    me = psutil.Process()
+    open(os.path.join(folder, f"{me.pid}-{me.create_time():.3f}"), "w").close()
+
+
+def _alive(owner: str) -> bool:
+    pid, _, created = owner.partition("-")
+    try:
+        return abs(psutil.Process(int(pid)).create_time() - float(created)) < 0.01
+    except (psutil.Error, ValueError):
+        return False
+
+
+def remove_copies(session: str) -> None:
+    """Delete this machine's copies of session ``session`` (``%dist_stop``)."""
+    shutil.rmtree(copies_dir(session), ignore_errors=True)
+
+
+def prune() -> list[str]:
+    """Delete the copies of sessions whose ranks are all gone; the sessions removed."""
+    root = os.path.dirname(copies_dir("x"))
+    try:
+        sessions = os.listdir(root)
+    except OSError:
+        return []
+    gone = []
+    for name in sessions:
+        try:
+            owners = os.listdir(os.path.join(root, name, _OWNERS))
+        except OSError:  # being made, or not nbdist's
+            continue
+        if not any(_alive(owner) for owner in owners):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            gone.append(name)
+    return gone

@@ -1,0 +1,57 @@
+"""Synced files across a session's life (2 CPU ranks, gloo): a restart, a stop, a rank killed.
+
+A restart's ranks are fresh processes: the synced paths are on their ``sys.path``
+again, with the files as they are at the restart. A stop removes the machine's
+copies; copies whose ranks were all killed (nobody left to remove them) go at the
+next copying sync on that machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+
+import nbdist
+from nbdist.driver.file_sync import sync_files
+from nbdist.engine import synced_files
+
+
+def test_a_restart_syncs_again_and_a_stop_removes_the_copies(tmp_path, monkeypatch):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "model.py").write_text("VALUE = 1\n")
+    # The ranks inherit it: their copies land in the test's folder.
+    monkeypatch.setenv(synced_files.SYNC_DIR_ENV, str(tmp_path / "sync"))
+    with nbdist.DistSession(2, cpu=True, timeout=120) as s:
+        report = sync_files(s, [proj], copy=True)
+        copy = report.used[0][str(proj)]
+        assert copy.startswith(str(tmp_path / "sync")) and os.path.isfile(os.path.join(copy, "model.py"))
+        (proj / "model.py").write_text("VALUE = 2\n")
+        s.restart()
+        assert s.restarted.fresh
+        # Fresh ranks import the file as it was at the restart, from the copy.
+        s.run("import model")
+        assert s.pull("model.__file__") == [os.path.join(copy, "model.py")] * 2
+        assert s.pull("model.VALUE") == [2, 2]
+    assert not os.path.exists(os.path.dirname(copy)), "the stop removed the session's copies"
+
+
+def test_copies_whose_ranks_are_all_gone_are_pruned_and_no_other(tmp_path, monkeypatch):
+    monkeypatch.setenv(synced_files.SYNC_DIR_ENV, str(tmp_path))
+    # A session whose rank was killed: its owner file names a process that has ended.
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    created = psutil.Process(ended.pid).create_time()
+    ended.wait()
+    dead = synced_files.copies_dir("dead-session")
+    os.makedirs(os.path.join(dead, ".owners"))
+    open(os.path.join(dead, ".owners", f"{ended.pid}-{created:.3f}"), "w").close()
+    # A session whose rank lives (this process), and one being made (no owner yet).
+    synced_files.write("live-session", 0, "/x/src", {})
+    made = synced_files.copies_dir("being-made")
+    os.makedirs(made)
+    assert synced_files.prune() == ["dead-session"]
+    assert not os.path.exists(dead)
+    assert os.path.isdir(synced_files.copies_dir("live-session")) and os.path.isdir(made)

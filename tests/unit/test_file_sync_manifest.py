@@ -1,0 +1,82 @@
+"""What ``%dist_sync`` would send: the files of a path, the left-out ones, one file at a time."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from nbdist.driver.file_sync import DEFAULT_EXCLUDES, SyncReport, _entries_for, _manifest, _State
+
+
+def _tree(root):
+    for rel, text in {
+        "a.py": "a",
+        "pkg/b.py": "bb",
+        "pkg/__pycache__/b.cpython-311.pyc": "x",
+        ".git/HEAD": "ref",
+        "data/train/x.bin": "0123",
+        "notes.ipynb": "{}",
+        ".ipynb_checkpoints/notes-checkpoint.ipynb": "{}",
+        ".venv/lib/site.py": "v",
+    }.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    os.symlink(root / "missing", root / "dangling.py")
+
+
+def _sent(state, entries):
+    return {e.origin: sorted(_manifest(state, e)) for e in entries}
+
+
+def test_a_directory_without_caches_environments_and_what_exclude_names(tmp_path):
+    _tree(tmp_path)
+    state = _State()
+    (entry,) = _entries_for(state, [tmp_path], tuple(DEFAULT_EXCLUDES))
+    assert _sent(state, [entry]) == {
+        str(tmp_path): ["a.py", "data/train/x.bin", "notes.ipynb", "pkg/b.py"]
+    }
+    # A relative path pattern and a name pattern; the dangling link is no file.
+    (entry,) = _entries_for(state, [tmp_path], (*DEFAULT_EXCLUDES, "data/*", "*.ipynb"))
+    manifest = _manifest(state, entry)
+    assert sorted(manifest) == ["a.py", "pkg/b.py"]
+    assert (
+        manifest["pkg/b.py"][0] == 2
+        and manifest["pkg/b.py"][2] == hashlib.sha256(b"bb").hexdigest()
+    )
+
+
+def test_files_add_up_per_directory_until_the_directory_itself_is_synced(tmp_path):
+    _tree(tmp_path)
+    state = _State()
+    (first,) = _entries_for(state, [tmp_path / "a.py"], DEFAULT_EXCLUDES)
+    (second,) = _entries_for(state, [str(tmp_path / "notes.ipynb")], DEFAULT_EXCLUDES)
+    assert first is second and sorted(_manifest(state, first)) == ["a.py", "notes.ipynb"]
+    (whole,) = _entries_for(state, [tmp_path], DEFAULT_EXCLUDES)
+    assert whole is first and whole.files is None and len(_manifest(state, whole)) == 4
+    # Another directory is another entry, numbered after it (its copy keeps apart).
+    (other,) = _entries_for(state, [tmp_path / "pkg"], DEFAULT_EXCLUDES)
+    assert (other.index, sorted(_manifest(state, other))) == (1, ["b.py"])
+
+
+def test_the_report_says_what_travelled_and_what_is_stale(tmp_path):
+    report = SyncReport(
+        paths=["src/"],
+        files=12,
+        bytes=49_152,
+        machines=3,
+        in_place=1,
+        sent_files=1,
+        sent_bytes=2048,
+        removed=2,
+        used={},
+        modules={"model": [0, 1]},
+        reloaded=False,
+        reload_errors={},
+    )
+    assert str(report) == (
+        "nbdist: synced src/ (12 files, 48.0 KiB) to 3 machines: 1 sees them in place; "
+        "2 hold a copy (1 file sent, 2.0 KiB, 2 removed)\n"
+        "nbdist: the ranks imported model before its file changed: %dist_sync --reload reloads it "
+        "(or %dist_restart)"
+    )
