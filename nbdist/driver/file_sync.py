@@ -19,6 +19,7 @@ the copies. Example::
 
 from __future__ import annotations
 
+import copy as copy_module
 import fnmatch
 import hashlib
 import os
@@ -189,19 +190,21 @@ def _manifest(state: _State, entry: _Entry) -> dict[str, list]:
 
 
 def _entries_for(state: _State, paths: Sequence[str], excludes: tuple[str, ...]) -> list[_Entry]:
-    # Each path checked before anything is sent: a bad one changes nothing.
-    chosen: list[_Entry] = []
+    # Every path checked before any is remembered: a bad one changes nothing.
+    found: list[tuple[str, str | None]] = []
     for given in paths:
         path = os.path.abspath(os.path.expanduser(os.fspath(given)))
         if os.path.isdir(path):
-            origin, name = path, None
+            found.append((path, None))
         elif os.path.isfile(path):
-            origin, name = os.path.dirname(path), os.path.basename(path)
+            found.append((os.path.dirname(path), os.path.basename(path)))
         else:
             raise NbdistError(
                 f"%dist_sync: no file or directory {given!r} (looked for {path}): "
                 "give a path on the notebook's machine, e.g. %dist_sync src"
             )
+    chosen: list[_Entry] = []
+    for origin, name in found:
         entry = state.entries.get(origin)
         if entry is None:
             entry = state.entries[origin] = _Entry(len(state.entries), origin, set(), excludes)
@@ -255,10 +258,16 @@ def sync_files(
     if not paths:
         raise NbdistError("%dist_sync: give a directory or file to sync, e.g. %dist_sync src")
     state = _STATES.setdefault(session, _State())
-    state.copy = state.copy or copy
     excludes = tuple(DEFAULT_EXCLUDES) + tuple(exclude)
-    entries = _entries_for(state, paths, excludes)
-    return _sync(session, state, entries, reload=reload, max_bytes=max_bytes)
+    # A refused sync (a bad path, too much) leaves the paths synced before as they were.
+    before = copy_module.deepcopy(state.entries), state.copy
+    state.copy = state.copy or copy
+    try:
+        entries = _entries_for(state, paths, excludes)
+        return _sync(session, state, entries, reload=reload, max_bytes=max_bytes)
+    except BaseException:
+        state.entries, state.copy = before
+        raise
 
 
 def _sync(

@@ -40,6 +40,17 @@ def _project(root):
     return proj
 
 
+@pytest.fixture
+def project(started, tmp_path, monkeypatch):
+    """A project in the test's folder (the working directory), and where the ranks' copies go."""
+    monkeypatch.chdir(tmp_path)
+    sync_dir = tmp_path / "sync"
+    _on_ranks(
+        started, f"__import__('os').environ.__setitem__('NBDIST_SYNC_DIR', {str(sync_dir)!r})"
+    )
+    return _project(tmp_path), sync_dir
+
+
 def _on_ranks(sh, code):
     # The value of ``code``'s last line on each rank, as a list by rank.
     s = _session(sh)
@@ -60,13 +71,8 @@ def test_before_dist_start_it_says_to_start(shell):
         shell.run_line_magic("dist_sync", "src")
 
 
-def test_in_place_where_the_machine_sees_the_path(started, tmp_path, capsys, monkeypatch):
-    proj = _project(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    sync_dir = tmp_path / "sync"
-    _on_ranks(
-        started, f"__import__('os').environ.__setitem__('NBDIST_SYNC_DIR', {str(sync_dir)!r})"
-    )
+def test_in_place_where_the_machine_sees_the_path(started, project, capsys):
+    proj, sync_dir = project
     out = _sync(started, capsys, "proj")
     # 5 files: model.py, pkg/__init__.py, train.py, run.sh, data/big.bin (.git and __pycache__ left out).
     assert "nbdist: synced proj/ (5 files, 1.1 KiB) to 1 machine: 1 sees them in place" in out
@@ -79,13 +85,8 @@ def test_in_place_where_the_machine_sees_the_path(started, tmp_path, capsys, mon
     )
 
 
-def test_a_copy_then_only_what_changed(started, tmp_path, capsys, monkeypatch):
-    proj = _project(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    sync_dir = tmp_path / "sync"
-    _on_ranks(
-        started, f"__import__('os').environ.__setitem__('NBDIST_SYNC_DIR', {str(sync_dir)!r})"
-    )
+def test_a_copy_then_only_what_changed(started, project, capsys):
+    proj, sync_dir = project
     out = _sync(started, capsys, "proj --copy --exclude 'data/*'")
     assert (
         "nbdist: synced proj/ (4 files, 91 B) to 1 machine: 1 holds a copy (4 files sent, 91 B)"
@@ -128,23 +129,22 @@ def test_a_copy_then_only_what_changed(started, tmp_path, capsys, monkeypatch):
     assert f"train {os.path.join(copy[0], 'train.py')} ['--x', '1']" in out
 
 
-def test_bad_paths_and_too_much_change_nothing(started, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_bad_paths_and_too_much_change_nothing(started, project, capsys):
+    proj, sync_dir = project
+    # One bad path among good ones: nothing synced, the good one not remembered either.
     with pytest.raises(UsageError, match=r"no file or directory 'nope' \(looked for .*nope\)"):
-        started.run_line_magic("dist_sync", "nope")
+        started.run_line_magic("dist_sync", "proj/pkg nope")
     with pytest.raises(UsageError, match="needs a directory or file, e.g. %dist_sync src"):
         started.run_line_magic("dist_sync", "")
     from nbdist.driver.file_sync import sync_files
     from nbdist.errors import NbdistError
 
-    proj = _project(tmp_path)
-    sync_dir = tmp_path / "sync"
-    _on_ranks(
-        started, f"__import__('os').environ.__setitem__('NBDIST_SYNC_DIR', {str(sync_dir)!r})"
-    )
     with pytest.raises(
         NbdistError,
         match=r"1.1 KiB to send, above the 100 B limit \(largest: proj/data/big.bin \(1000 B\)",
     ):
         sync_files(_session(started), [proj], copy=True, max_bytes=100)
     assert not sync_dir.exists(), "nothing was sent"
+    # Neither refusal is remembered: model.py alone is synced, not the rest of proj/.
+    report = sync_files(_session(started), [proj / "model.py"])
+    assert report.files == 1 and str(proj / "pkg") not in report.used[0], str(report)
