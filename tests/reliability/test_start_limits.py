@@ -74,7 +74,7 @@ def _why_not_256() -> str | None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(_why_not_256() is not None, reason=str(_why_not_256()))
-def test_256_ranks_start_all_reduce_print_and_stop_leaving_nothing(kernels):
+def test_256_ranks_start_all_reduce_print_and_stop_leaving_nothing(kernels, tmp_path):
     kernel = kernels()
     kernel.ok("%load_ext nbdist")
     proc = psutil.Process(kernel.pid)
@@ -95,8 +95,25 @@ def test_256_ranks_start_all_reduce_print_and_stop_leaving_nothing(kernels):
     ).stdout
     assert out.strip().splitlines() == ["[ranks 0-255] sum 256"], out
 
+    # %dist_sync: one machine, so one rank writes the copy and all 256 import from it.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.py").write_text("VALUE = 256\n")
+    copies = tmp_path / "copies"
+    kernel.ok(f"import os; os.chdir({str(tmp_path)!r})")
+    kernel.ok(
+        f"%%on_all_ranks\nimport os; os.environ['NBDIST_SYNC_DIR'] = {str(copies)!r}",
+        timeout=300,
+    )
+    out = kernel.ok("%dist_sync src --copy", timeout=300).stdout
+    assert "synced src/ (1 file, 12 B) to 1 machine: 1 holds a copy (1 file sent, 12 B)" in out, out
+    out = kernel.ok("%%on_all_ranks\nimport model; print(model.VALUE)", timeout=300).stdout
+    assert out.strip().splitlines() == ["[ranks 0-255] 256"], out
+
     kernel.ok("%dist_stop", timeout=120)
     assert wait_gone(pids, timeout=30) == []
+    assert list((copies / f"nbdist-sync-{os.getuid()}").iterdir()) == [], (
+        "the stop removed the copies"
+    )
     assert proc.children(recursive=True) == []
     assert _settled(proc, before["fds"]) <= before["fds"] + 2
     deadline = time.monotonic() + 10
