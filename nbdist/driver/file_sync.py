@@ -23,6 +23,7 @@ import copy as copy_module
 import fnmatch
 import hashlib
 import os
+import stat
 import uuid
 import warnings
 import weakref
@@ -75,6 +76,7 @@ class _Entry:
 class _State:
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     entries: dict[str, _Entry] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # origins, first on sys.path first
     copy: bool = False
     writers_with_copies: list[int] = field(default_factory=list)  # engine ids
     digests: dict[tuple, str] = field(default_factory=dict)  # (path, size, mtime_ns) -> sha256
@@ -159,37 +161,60 @@ def _digest(state: _State, path: str, st: os.stat_result) -> str:
     return sha
 
 
-def _manifest(state: _State, entry: _Entry) -> dict[str, list]:
-    # {relative path: [size, mtime_ns, sha256]} of the files the entry covers.
-    manifest: dict[str, list] = {}
+def _listing(entry: _Entry) -> dict[str, tuple[str, os.stat_result]]:
+    # {relative path: (path, its stat)} of the files the entry covers; a linked folder is
+    # followed as the importing rank would (once: a link back up is no loop here).
+    if not os.path.isdir(entry.origin):
+        raise NbdistError(
+            f"%dist_sync: {entry.origin} is gone (or no longer a directory): "
+            "sync a path that exists, or %dist_restart without it after a new %dist_start"
+        )
     if entry.files is not None:
         candidates = [(name, os.path.join(entry.origin, name)) for name in sorted(entry.files)]
     else:
         candidates = []
-        for here, dirs, names in os.walk(entry.origin):
+        seen = {os.path.realpath(entry.origin)}
+        for here, dirs, names in os.walk(entry.origin, followlinks=True):
             rel_dir = os.path.relpath(here, entry.origin)
-            # Excluded folders are not entered at all (a .venv can hold 100,000 files).
-            dirs[:] = sorted(
-                d
-                for d in dirs
-                if not _excluded(os.path.normpath(os.path.join(rel_dir, d)), entry.excludes)
-            )
+            kept = []
+            for d in sorted(dirs):
+                real = os.path.realpath(os.path.join(here, d))
+                # Excluded folders are not entered at all (a .venv can hold 100,000 files).
+                if real in seen or _excluded(
+                    os.path.normpath(os.path.join(rel_dir, d)), entry.excludes
+                ):
+                    continue
+                seen.add(real)
+                kept.append(d)
+            dirs[:] = kept
             for name in sorted(names):
                 rel = os.path.normpath(os.path.join(rel_dir, name))
                 if not _excluded(rel, entry.excludes):
                     candidates.append((rel, os.path.join(here, name)))
+    listing = {}
     for rel, path in candidates:
         try:
             st = os.stat(path)
         except OSError:  # a dangling link, a file deleted meanwhile
+            if entry.files is not None:
+                raise NbdistError(
+                    f"%dist_sync: {path} is gone: sync the files that exist"
+                ) from None
             continue
-        if not os.path.isfile(path):
-            continue
-        manifest[rel] = [st.st_size, st.st_mtime_ns, _digest(state, path, st)]
-    return manifest
+        if stat.S_ISREG(st.st_mode):
+            listing[rel] = (path, st)
+    return listing
 
 
-def _entries_for(state: _State, paths: Sequence[str], excludes: tuple[str, ...]) -> list[_Entry]:
+def _manifest(state: _State, listing: dict) -> dict[str, list]:
+    # {relative path: [size, mtime_ns, sha256]}: what the ranks compare and keep.
+    return {
+        rel: [st.st_size, st.st_mtime_ns, _digest(state, path, st)]
+        for rel, (path, st) in listing.items()
+    }
+
+
+def _entries_for(state: _State, paths: Sequence[str], exclude: tuple[str, ...]) -> list[_Entry]:
     # Every path checked before any is remembered: a bad one changes nothing.
     found: list[tuple[str, str | None]] = []
     for given in paths:
@@ -207,8 +232,11 @@ def _entries_for(state: _State, paths: Sequence[str], excludes: tuple[str, ...])
     for origin, name in found:
         entry = state.entries.get(origin)
         if entry is None:
-            entry = state.entries[origin] = _Entry(len(state.entries), origin, set(), excludes)
-        entry.excludes = excludes
+            entry = state.entries[origin] = _Entry(
+                len(state.entries), origin, set(), (*DEFAULT_EXCLUDES, *exclude)
+            )
+        elif exclude:  # given again: these now; not given: the path's earlier ones still
+            entry.excludes = (*DEFAULT_EXCLUDES, *exclude)
         if name is None:
             entry.files = None
         elif entry.files is not None:
@@ -257,31 +285,37 @@ def sync_files(
         raise ClusterNotRunning("%dist_sync: no ranks to sync to: %dist_start first")
     if not paths:
         raise NbdistError("%dist_sync: give a directory or file to sync, e.g. %dist_sync src")
-    state = _STATES.setdefault(session, _State())
-    excludes = tuple(DEFAULT_EXCLUDES) + tuple(exclude)
+    state = _STATES.get(session)
+    if state is None:
+        # A named session's copies outlive this kernel: another that attaches finds them.
+        name = getattr(session, "name", None)
+        state = _STATES[session] = _State(token=f"named-{name}") if name else _State()
+    # 'data/' means the folder, as in .gitignore.
+    exclude = tuple(p.rstrip("/") or p for p in exclude)
     # A refused sync (a bad path, too much) leaves the paths synced before as they were.
-    before = copy_module.deepcopy(state.entries), state.copy
+    before = copy_module.deepcopy((state.entries, state.order)), state.copy
     state.copy = state.copy or copy
     try:
-        entries = _entries_for(state, paths, excludes)
+        entries = _entries_for(state, paths, exclude)
+        # The paths of this call first, in the order given (as in PYTHONPATH).
+        state.order = [e.origin for e in entries] + [
+            o for o in state.order if o not in {e.origin for e in entries}
+        ]
         return _sync(session, state, entries, reload=reload, max_bytes=max_bytes)
     except BaseException:
-        state.entries, state.copy = before
+        (state.entries, state.order), state.copy = before
         raise
 
 
 def _sync(
     session, state: _State, entries: list[_Entry], *, reload: bool, max_bytes: int
 ) -> SyncReport:
-    manifests = {e.origin: _manifest(state, e) for e in entries}
-    total = sum(size for m in manifests.values() for size, _, _ in m.values())
+    listings = {e.origin: _listing(e) for e in entries}
+    # Refused by the files' sizes, before any is read (%dist_sync . in a home folder).
+    total = sum(st.st_size for files in listings.values() for _, st in files.values())
     if total > max_bytes:
         biggest = sorted(
-            (
-                (size, os.path.join(o, rel))
-                for o, m in manifests.items()
-                for rel, (size, _, _) in m.items()
-            ),
+            ((st.st_size, path) for files in listings.values() for path, st in files.values()),
             reverse=True,
         )[:3]
         named = ", ".join(f"{os.path.relpath(p)} ({_size(s)})" for s, p in biggest)
@@ -290,6 +324,7 @@ def _sync(
             "leave data out with --exclude 'data/*' (it travels through the controller), "
             "or put it on a file system every machine mounts"
         )
+    manifests = {origin: _manifest(state, files) for origin, files in listings.items()}
     ranks = session.ranks
     keys = session.apply(synced_files.machine_key)
     writers: dict[str, int] = {}  # machine key -> its lowest rank
@@ -313,6 +348,11 @@ def _sync(
                 if rel not in entry.last or entry.last[rel][2] != v[2]
             ]
         entry.last = manifest
+        # Known before the first file lands: a stop after an interrupted sync removes it too.
+        engine_ids = {i.rank: i.engine_id for i in ranks}
+        state.writers_with_copies = sorted(
+            set(state.writers_with_copies) | {engine_ids[r] for r in copying}
+        )
         for chunk, lacking in _chunks(entry, manifest, wanted, by_rank, copying):
             session.apply(synced_files.write, *args[:3], chunk, ranks=lacking)
         sent_files += len(wanted)
@@ -321,11 +361,8 @@ def _sync(
             removed = max(
                 [removed, *session.apply(synced_files.finish_copy, *args[:4], ranks=copying)]
             )
-            engine_ids = {i.rank: i.engine_id for i in ranks}
-            state.writers_with_copies = sorted(
-                set(state.writers_with_copies) | {engine_ids[r] for r in copying}
-            )
-    paths = [(e.index, e.origin, e.in_place) for e in state.entries.values() if e.in_place]
+    synced = [state.entries[origin] for origin in state.order]
+    paths = [(e.index, e.origin, e.in_place) for e in synced if e.in_place]
     results = session.apply(synced_files.activate, state.token, paths, changed, reload)
     modules: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
@@ -380,15 +417,32 @@ def resync(session) -> SyncReport | None:
     state = _STATES.get(session)
     if state is None or not state.entries:
         return None
-    state.writers_with_copies = []
+    state.writers_with_copies = []  # a full restart's machines may be others
     for entry in state.entries.values():
         entry.in_place = {}
+    gone = [o for o in state.order if not os.path.isdir(o)]
+    if gone:
+        warnings.warn(
+            f"nbdist: synced before, now gone, so no longer synced: {', '.join(gone)}",
+            stacklevel=2,
+        )
+        for origin in gone:
+            state.order.remove(origin)
+            del state.entries[origin]
     try:
         return _sync(
-            session, state, list(state.entries.values()), reload=False, max_bytes=MAX_BYTES
+            session,
+            state,
+            [state.entries[o] for o in state.order],
+            reload=False,
+            max_bytes=MAX_BYTES,
         )
-    except Exception as exc:  # noqa: BLE001 - told, and the ranks are up
-        warnings.warn(f"nbdist: the synced paths could not be synced again: {exc}", stacklevel=2)
+    except (Exception, KeyboardInterrupt) as exc:  # told: the restart itself succeeded
+        warnings.warn(
+            f"nbdist: the synced paths could not be synced again ({type(exc).__name__}: {exc}): "
+            "%dist_sync them again",
+            stacklevel=2,
+        )
         return None
 
 

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 
+from nbdist.driver import file_sync
 from nbdist.driver.group import Group, RankInfo, form_group
 from nbdist.driver.ipp_internals import flush_sends
 from nbdist.driver.session import DistSession
@@ -225,6 +226,8 @@ class NamedSession(DistSession):
 
         Returns the PIDs that had to be force-killed (normally none).
         """
+        if self._handle is not None:  # while this kernel still reaches the ranks
+            file_sync.session_stopping(self, self._handle.client)
         self.detach()
         try:
             return stop_named(self.name)

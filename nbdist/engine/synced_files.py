@@ -18,6 +18,7 @@ gone (a rank killed with ``kill -9`` never removes them itself).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -66,10 +67,18 @@ def machine_key() -> str:
     return "/".join(parts)
 
 
+def _machine_tag() -> str:
+    return hashlib.sha256(machine_key().encode()).hexdigest()[:8]
+
+
 def copies_dir(session: str) -> str:
-    """Where this machine keeps the copies of session ``session``."""
+    """Where this machine keeps the copies of session ``session``.
+
+    Named by the machine too: a ``$NBDIST_SYNC_DIR`` that several machines share
+    holds one folder per machine, and :func:`prune` on one never judges another's.
+    """
     root = os.environ.get(SYNC_DIR_ENV) or tempfile.gettempdir()
-    return os.path.join(root, f"nbdist-sync-{os.getuid()}", session)
+    return os.path.join(root, f"nbdist-sync-{os.getuid()}", f"{session}-{_machine_tag()}")
 
 
 def _copy_dir(session: str, index: int, origin: str) -> str:
@@ -121,7 +130,8 @@ def write(session: str, index: int, origin: str, files: dict) -> int:
 
     Each file is checked against its digest and replaced whole (written beside it,
     then renamed), so a rank importing meanwhile sees the old or the new file, never
-    half of one. Returns the bytes written.
+    half of one. A folder where a file now goes (or a file where a folder now goes)
+    is removed first. Returns the bytes written.
     """
     target = _copy_dir(session, index, origin)
     _own(session)
@@ -130,32 +140,59 @@ def write(session: str, index: int, origin: str, files: dict) -> int:
         if hashlib.sha256(data).hexdigest() != sha:
             raise OSError(f"{rel}: the copy received differs from the file sent (digest)")
         path = os.path.join(target, rel)
+        _clear_way(target, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         part = f"{path}.nbdist-part-{os.getpid()}"
-        with open(part, "wb") as f:
-            f.write(data)
-        os.chmod(part, 0o755 if executable else 0o644)
-        os.replace(part, path)
+        try:
+            with open(part, "wb") as f:
+                f.write(data)
+            os.chmod(part, 0o755 if executable else 0o644)
+            os.replace(part, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(part)
+            raise
         written += len(data)
     return written
 
 
+def _clear_way(target: str, rel: str) -> None:
+    # The last sync's tree may differ in kind: a file where a folder of ``rel`` now is,
+    # or a folder where the file ``rel`` now goes.
+    parts = rel.split(os.sep)
+    for depth in range(1, len(parts)):
+        above = os.path.join(target, *parts[:depth])
+        if os.path.lexists(above) and not os.path.isdir(above):
+            os.remove(above)
+            break
+    path = os.path.join(target, rel)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+
+
 def finish_copy(session: str, index: int, origin: str, manifest: dict) -> int:
-    """Remove the files of this machine's copy that ``manifest`` lacks; record it. Files removed."""
+    """Remove from this machine's copy the files the last sync sent that ``manifest`` lacks.
+
+    Only those: what the ranks wrote there themselves (``__pycache__``, a script's
+    output beside it) stays. Records ``manifest``; returns the files removed.
+    """
     target = _copy_dir(session, index, origin)
     os.makedirs(target, exist_ok=True)
     removed = 0
-    for here, dirs, names in os.walk(target, topdown=False):
-        for name in names:
-            rel = os.path.relpath(os.path.join(here, name), target)
-            if rel != ".nbdist-manifest.json" and rel not in manifest:
-                os.remove(os.path.join(here, name))
-                removed += 1
-        for name in dirs:
+    for rel in set(_stored(target)) - set(manifest):
+        path = os.path.join(target, rel)
+        # A folder there now holds files this sync sent (see _clear_way): it stays.
+        if os.path.isfile(path) or os.path.islink(path):
+            os.remove(path)
+            removed += 1
+        # Folders the removal emptied go too (only empty ones: rmdir refuses the rest).
+        folder = os.path.dirname(path)
+        while folder != target and folder.startswith(target + os.sep):
             try:
-                os.rmdir(os.path.join(here, name))  # only empty ones
+                os.rmdir(folder)
             except OSError:
-                pass
+                break
+            folder = os.path.dirname(folder)
     record = os.path.join(target, ".nbdist-manifest.json")
     with open(f"{record}.part", "w") as f:
         json.dump(manifest, f)
@@ -166,7 +203,8 @@ def finish_copy(session: str, index: int, origin: str, manifest: dict) -> int:
 def activate(session: str, paths: list, changed: dict, reload: bool) -> tuple[dict, list]:
     """Put each synced path (or this machine's copy of it) first on ``sys.path``.
 
-    ``paths``: ``[(index, origin, {machine key: in place})]``; files are reached under
+    ``paths``: ``[(index, origin, {machine key: in place})]``, the first to come first
+    on ``sys.path`` (as in ``PYTHONPATH``); files are reached under
     the origin's own path where this machine sees it in place, else under the copy's.
     ``changed``: ``{origin: [relative paths]}`` whose content changed since the last
     sync: modules imported from them are stale until reloaded (:func:`reload_stale`,
@@ -175,7 +213,7 @@ def activate(session: str, paths: list, changed: dict, reload: bool) -> tuple[di
     """
     key = machine_key()
     used = {}
-    for index, origin, in_place_by_machine in paths:
+    for index, origin, in_place_by_machine in reversed(paths):  # each inserted first
         in_place = in_place_by_machine[key]
         here = origin if in_place else _copy_dir(session, index, origin)
         if not in_place:
@@ -207,7 +245,14 @@ def activate(session: str, paths: list, changed: dict, reload: bool) -> tuple[di
 def reload_stale() -> list:
     """Reload the modules imported from files a sync changed since; ``[(module, error or "")]``."""
     out = []
-    for name in sorted(_STALE):
+    # Submodules before their packages, and the packages above a changed module too: a
+    # package's `from .sub import f` then finds the new f. (Names other modules imported
+    # from a reloaded one keep the old objects, as with importlib.reload.)
+    names = set(_STALE)
+    for name in _STALE:
+        parts = name.split(".")
+        names.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if _synced(p))
+    for name in sorted(names, key=lambda n: (-n.count("."), n)):
         module = sys.modules.get(name)
         if module is None:
             continue
@@ -219,6 +264,16 @@ def reload_stale() -> list:
         out.append((name, error))
     _STALE.clear()
     return out
+
+
+def _synced(name: str) -> bool:
+    # Whether module ``name`` was imported from a synced path (never torch, never nbdist).
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if not file:
+        return False
+    file = os.path.realpath(file)
+    roots = {os.path.realpath(p) for pair in _ACTIVE.items() for p in pair}
+    return any(file.startswith(root + os.sep) for root in roots)
 
 
 def local_path(path: str) -> str:
@@ -258,13 +313,16 @@ def remove_copies(session: str) -> None:
 
 def prune() -> list[str]:
     """Delete the copies of sessions whose ranks are all gone; the sessions removed."""
-    root = os.path.dirname(copies_dir("x"))
+    root = os.path.dirname(copies_dir("any"))
     try:
         sessions = os.listdir(root)
     except OSError:
         return []
     gone = []
+    mine = f"-{_machine_tag()}"
     for name in sessions:
+        if not name.endswith(mine):  # another machine's (a shared $NBDIST_SYNC_DIR)
+            continue
         try:
             owners = os.listdir(os.path.join(root, name, _OWNERS))
         except OSError:  # being made, or not nbdist's

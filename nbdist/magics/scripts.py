@@ -119,8 +119,8 @@ class ScriptMagics(SessionMagics):
         A machine that sees the path itself with the same files (this one, a shared
         file system) uses it in place; any other gets a copy, and a later
         %dist_sync sends only the files whose content changed (and removes those
-        deleted). Each path goes first on the ranks' sys.path, and %dist_run of a
-        script under it runs the copy. Left out: .git, __pycache__, *.pyc,
+        deleted). The paths go first on the ranks' sys.path, the first given
+        first, and %dist_run of a script under one runs the copy. Left out: .git, __pycache__, *.pyc,
         .ipynb_checkpoints, .venv, venv, node_modules and tool caches, and what
         --exclude names; more than 1 GiB is refused. A restart syncs the paths
         again; %dist_stop removes the copies. Modules the ranks imported from a

@@ -223,6 +223,28 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
     assert named_session_records.read("api") is None
 
 
+def test_synced_copies_outlive_a_detach_serve_the_next_kernel_and_go_at_the_stop(
+    history_env, cleanup_named, tmp_path
+):
+    from nbdist.driver.file_sync import sync_files
+
+    cleanup_named.append("synced")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.py").write_text("VALUE = 5\n")
+    session = NamedSession(2, cpu=True, name="synced", timeout=START_TIMEOUT).start()
+    copy = sync_files(session, [tmp_path / "src"], copy=True).used[0][str(tmp_path / "src")]
+    session.detach()  # a kernel's exit: the ranks and their copies stay
+    assert os.path.isfile(os.path.join(copy, "model.py"))
+    again = NamedSession.attach("synced")
+    # The next kernel's sync finds the copy the first one made: nothing travels again.
+    report = sync_files(again, [tmp_path / "src"], copy=True)
+    assert report.used[0][str(tmp_path / "src")] == copy and report.sent_files == 0, str(report)
+    again.run("import model")
+    assert again.pull("model.VALUE") == [5, 5]
+    again.stop()
+    assert not os.path.exists(os.path.dirname(copy)), "the stop removed the copies"
+
+
 def test_a_failed_start_says_why_in_one_message_and_leaves_nothing(history_env, cleanup_named):
     # 10 ms: no rank can be up in time, whatever the machine; the keeper fails after starting
     # its controller and engines, and must stop them.

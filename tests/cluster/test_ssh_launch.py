@@ -102,6 +102,11 @@ def test_ranks_whose_pids_name_other_processes_here_are_neither_read_nor_signall
         # machines, each checked (and, without the files, written) by its own rank.
         report = sync_files(session, [tmp_path])
         assert (report.machines, report.in_place) == (2, 2), str(report)
+        # With --copy each writes its own copy (one folder per machine, even in a shared /tmp).
+        report = sync_files(session, [tmp_path], copy=True)
+        assert (report.machines, report.in_place) == (2, 0), str(report)
+        copies = [report.used[r][str(tmp_path)] for r in (0, 1)]
+        assert copies[0] != copies[1] and all(os.path.isdir(c) for c in copies), copies
         session.run(
             "import subprocess\n"
             "child = subprocess.Popen(['sleep', '600'], stdout=subprocess.DEVNULL)",
@@ -124,6 +129,7 @@ def test_ranks_whose_pids_name_other_processes_here_are_neither_read_nor_signall
         os.kill(pid, signal.SIGKILL)
     assert left == []
     assert _remote_dirs() == before
+    assert not any(os.path.exists(os.path.dirname(c)) for c in copies), "each machine's removed"
 
 
 @pytest.mark.parametrize(

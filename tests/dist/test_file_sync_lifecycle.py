@@ -9,10 +9,12 @@ next copying sync on that machine.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 import psutil
+import pytest
 
 import nbdist
 from nbdist.driver.file_sync import sync_files
@@ -29,8 +31,14 @@ def test_a_restart_syncs_again_and_a_stop_removes_the_copies(tmp_path, monkeypat
         report = sync_files(s, [proj], copy=True)
         copy = report.used[0][str(proj)]
         assert copy.startswith(str(tmp_path / "sync")) and os.path.isfile(os.path.join(copy, "model.py"))
+        gone = tmp_path / "gone"
+        gone.mkdir()
+        (gone / "helper.py").write_text("")
+        sync_files(s, [gone], copy=True)
         (proj / "model.py").write_text("VALUE = 2\n")
-        s.restart()
+        shutil.rmtree(gone)
+        with pytest.warns(UserWarning, match=f"now gone, so no longer synced: {gone}"):
+            s.restart()
         assert s.restarted.fresh
         # Fresh ranks import the file as it was at the restart, from the copy.
         s.run("import model")
@@ -52,6 +60,11 @@ def test_copies_whose_ranks_are_all_gone_are_pruned_and_no_other(tmp_path, monke
     synced_files.write("live-session", 0, "/x/src", {})
     made = synced_files.copies_dir("being-made")
     os.makedirs(made)
-    assert synced_files.prune() == ["dead-session"]
+    # Another machine's session in a shared folder: judged by that machine, never here.
+    elsewhere = os.path.join(os.path.dirname(dead), "other-session-0123abcd")
+    os.makedirs(os.path.join(elsewhere, ".owners"))
+    open(os.path.join(elsewhere, ".owners", f"{ended.pid}-{created:.3f}"), "w").close()
+    assert synced_files.prune() == [os.path.basename(dead)]
     assert not os.path.exists(dead)
     assert os.path.isdir(synced_files.copies_dir("live-session")) and os.path.isdir(made)
+    assert os.path.isdir(elsewhere)

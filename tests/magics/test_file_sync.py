@@ -148,3 +148,56 @@ def test_bad_paths_and_too_much_change_nothing(started, project, capsys):
     # Neither refusal is remembered: model.py alone is synced, not the rest of proj/.
     report = sync_files(_session(started), [proj / "model.py"])
     assert report.files == 1 and str(proj / "pkg") not in report.used[0], str(report)
+
+
+def test_what_the_ranks_wrote_stays_and_files_and_folders_may_swap(started, project, capsys):
+    proj, sync_dir = project
+    out = _sync(started, capsys, "proj --copy --exclude data")
+    copy = _on_ranks(started, "__import__('os').path.dirname(__import__('train').__file__)")[0]
+    # Written by the ranks beside the synced files: bytecode, a script's output.
+    for rel in ("__pycache__/train.cpython-311.pyc", "out.ckpt"):
+        os.makedirs(os.path.dirname(os.path.join(copy, rel)), exist_ok=True)
+        open(os.path.join(copy, rel), "w").close()
+    # model.py becomes a package model/, and pkg/ a module pkg.py.
+    (proj / "model.py").unlink()
+    (proj / "model").mkdir()
+    (proj / "model" / "__init__.py").write_text("VALUE = 'package'\n")
+    (proj / "pkg" / "__init__.py").unlink()
+    (proj / "pkg").rmdir()
+    (proj / "pkg.py").write_text("NAME = 'module'\n")
+    out = _sync(started, capsys, "proj")
+    assert "1 holds a copy (2 files sent, 34 B, 2 removed)" in out, out
+    assert os.path.exists(os.path.join(copy, "out.ckpt"))
+    assert os.path.exists(os.path.join(copy, "__pycache__", "train.cpython-311.pyc"))
+    assert os.path.isdir(os.path.join(copy, "model")) and os.path.isfile(
+        os.path.join(copy, "pkg.py")
+    )
+    _session(started).run(
+        "import sys; sys.modules.pop('model'); sys.modules.pop('pkg')", sink=ListSink()
+    )
+    assert (
+        _on_ranks(started, "(__import__('model').VALUE, __import__('pkg').NAME)")
+        == [("package", "module")] * 2
+    )
+
+
+def test_paths_given_first_come_first_and_reload_reaches_the_package(
+    started, project, capsys, tmp_path
+):
+    proj, _ = project
+    other = tmp_path / "other"
+    (other / "lib").mkdir(parents=True)
+    (other / "model.py").write_text("VALUE = 'other'\n")
+    (other / "lib" / "__init__.py").write_text("from .core import f\n")
+    (other / "lib" / "core.py").write_text("def f():\n    return 1\n")
+    _sync(started, capsys, f"{other} proj --copy --exclude data")
+    # Both hold model.py: the path given first wins, as in PYTHONPATH.
+    _session(started).run("import sys; sys.modules.pop('model', None)", sink=ListSink())
+    assert _on_ranks(started, "__import__('model').VALUE") == ["other", "other"]
+    assert _on_ranks(started, "__import__('lib').f()") == [1, 1]
+    (other / "lib" / "core.py").write_text("def f():\n    return 2\n")
+    out = _sync(started, capsys, f"{other} --reload")
+    # The package above the changed module is reloaded after it: its `from .core import f`
+    # then takes the new f.
+    assert "nbdist: reloaded on the ranks: lib, lib.core" in out, out
+    assert _on_ranks(started, "__import__('lib').f()") == [2, 2]

@@ -5,7 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 
-from nbdist.driver.file_sync import DEFAULT_EXCLUDES, SyncReport, _entries_for, _manifest, _State
+from nbdist.driver.file_sync import (
+    SyncReport,
+    _entries_for,
+    _listing,
+    _manifest,
+    _State,
+)
 
 
 def _tree(root):
@@ -26,19 +32,19 @@ def _tree(root):
 
 
 def _sent(state, entries):
-    return {e.origin: sorted(_manifest(state, e)) for e in entries}
+    return {e.origin: sorted(_manifest(state, _listing(e))) for e in entries}
 
 
 def test_a_directory_without_caches_environments_and_what_exclude_names(tmp_path):
     _tree(tmp_path)
     state = _State()
-    (entry,) = _entries_for(state, [tmp_path], tuple(DEFAULT_EXCLUDES))
+    (entry,) = _entries_for(state, [tmp_path], ())
     assert _sent(state, [entry]) == {
         str(tmp_path): ["a.py", "data/train/x.bin", "notes.ipynb", "pkg/b.py"]
     }
     # A relative path pattern and a name pattern; the dangling link is no file.
-    (entry,) = _entries_for(state, [tmp_path], (*DEFAULT_EXCLUDES, "data/*", "*.ipynb"))
-    manifest = _manifest(state, entry)
+    (entry,) = _entries_for(state, [tmp_path], ("data/*", "*.ipynb"))
+    manifest = _manifest(state, _listing(entry))
     assert sorted(manifest) == ["a.py", "pkg/b.py"]
     assert (
         manifest["pkg/b.py"][0] == 2
@@ -49,14 +55,14 @@ def test_a_directory_without_caches_environments_and_what_exclude_names(tmp_path
 def test_files_add_up_per_directory_until_the_directory_itself_is_synced(tmp_path):
     _tree(tmp_path)
     state = _State()
-    (first,) = _entries_for(state, [tmp_path / "a.py"], DEFAULT_EXCLUDES)
-    (second,) = _entries_for(state, [str(tmp_path / "notes.ipynb")], DEFAULT_EXCLUDES)
-    assert first is second and sorted(_manifest(state, first)) == ["a.py", "notes.ipynb"]
-    (whole,) = _entries_for(state, [tmp_path], DEFAULT_EXCLUDES)
-    assert whole is first and whole.files is None and len(_manifest(state, whole)) == 4
+    (first,) = _entries_for(state, [tmp_path / "a.py"], ())
+    (second,) = _entries_for(state, [str(tmp_path / "notes.ipynb")], ())
+    assert first is second and sorted(_manifest(state, _listing(first))) == ["a.py", "notes.ipynb"]
+    (whole,) = _entries_for(state, [tmp_path], ())
+    assert whole is first and whole.files is None and len(_manifest(state, _listing(whole))) == 4
     # Another directory is another entry, numbered after it (its copy keeps apart).
-    (other,) = _entries_for(state, [tmp_path / "pkg"], DEFAULT_EXCLUDES)
-    assert (other.index, sorted(_manifest(state, other))) == (1, ["b.py"])
+    (other,) = _entries_for(state, [tmp_path / "pkg"], ())
+    assert (other.index, sorted(_manifest(state, _listing(other)))) == (1, ["b.py"])
 
 
 def test_the_report_says_what_travelled_and_what_is_stale(tmp_path):
@@ -80,3 +86,31 @@ def test_the_report_says_what_travelled_and_what_is_stale(tmp_path):
         "nbdist: the ranks imported model before its file changed: %dist_sync --reload reloads it "
         "(or %dist_restart)"
     )
+
+
+def test_earlier_excludes_hold_until_given_again_and_a_trailing_slash_means_the_folder(tmp_path):
+    _tree(tmp_path)
+    state = _State()
+    _entries_for(state, [tmp_path], ("data",))
+    # A file of the same folder synced later, no --exclude: data/ stays out.
+    (entry,) = _entries_for(state, [tmp_path / "a.py"], ())
+    assert "data/train/x.bin" not in _manifest(state, _listing(entry))
+    (entry,) = _entries_for(state, [tmp_path], ("*.ipynb",))
+    assert "data/train/x.bin" in _manifest(state, _listing(entry))
+
+
+def test_a_linked_folder_is_followed_once(tmp_path):
+    _tree(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "c.py").write_text("c")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "pkg" / "linked")
+    os.symlink(tmp_path, tmp_path / "pkg" / "up")  # a loop back to the top
+    state = _State()
+    (entry,) = _entries_for(state, [tmp_path / "pkg"], ())
+    assert sorted(_manifest(state, _listing(entry))) == [
+        "b.py",
+        "linked/c.py",
+        "up/a.py",
+        "up/data/train/x.bin",
+        "up/notes.ipynb",
+    ]
