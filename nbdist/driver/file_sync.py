@@ -80,6 +80,7 @@ class _State:
     copy: bool = False
     writers_with_copies: list[int] = field(default_factory=list)  # engine ids
     digests: dict[tuple, str] = field(default_factory=dict)  # (path, size, mtime_ns) -> sha256
+    machines: tuple | None = None  # ((engine id, pid) of each rank, their machine keys)
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -326,16 +327,15 @@ def _sync(
         )
     manifests = {origin: _manifest(state, files) for origin, files in listings.items()}
     ranks = session.ranks
-    keys = session.apply(synced_files.machine_key)
-    writers: dict[str, int] = {}  # machine key -> its lowest rank
-    for info, key in zip(ranks, keys, strict=True):
-        writers.setdefault(key, info.rank)
+    writers = _writers(session, state, ranks)
     sent_files = sent_bytes = removed = 0
     changed: dict[str, list[str]] = {}
     for entry in entries:
         manifest = manifests[entry.origin]
-        args = (state.token, entry.index, entry.origin, manifest, state.copy)
-        looks = session.apply(synced_files.look, *args, ranks=sorted(writers.values()))
+        args = (state.token, entry.index, entry.origin)
+        looks = session.apply(
+            synced_files.look, *args, manifest, state.copy, ranks=sorted(writers.values())
+        )
         by_rank = dict(zip(sorted(writers.values()), looks, strict=True))
         entry.in_place = {key: by_rank[r]["in_place"] for key, r in writers.items()}
         copying = [r for r in sorted(by_rank) if not by_rank[r]["in_place"]]
@@ -353,14 +353,20 @@ def _sync(
         state.writers_with_copies = sorted(
             set(state.writers_with_copies) | {engine_ids[r] for r in copying}
         )
-        for chunk, lacking in _chunks(entry, manifest, wanted, by_rank, copying):
-            session.apply(synced_files.write, *args[:3], chunk, ranks=lacking)
+        # Writers that lack the same files get the same messages; one with nothing to do
+        # (up to date, nothing removed) gets none.
+        groups: dict[tuple, list[int]] = {}
+        for r in copying:
+            if by_rank[r]["missing"] or by_rank[r]["gone"]:
+                groups.setdefault(tuple(by_rank[r]["missing"]), []).append(r)
+        for missing, group in groups.items():
+            chunks = list(_chunks(entry, manifest, missing)) or [{}]
+            for i, chunk in enumerate(chunks):
+                last = manifest if i == len(chunks) - 1 else None
+                results = session.apply(synced_files.write, *args, chunk, last, ranks=group)
+            removed = max([removed, *(gone for _, gone in results)])
         sent_files += len(wanted)
         sent_bytes += sum(manifest[rel][0] for rel in wanted)
-        if copying:
-            removed = max(
-                [removed, *session.apply(synced_files.finish_copy, *args[:4], ranks=copying)]
-            )
     synced = [state.entries[origin] for origin in state.order]
     paths = [(e.index, e.origin, e.in_place) for e in synced if e.in_place]
     results = session.apply(synced_files.activate, state.token, paths, changed, reload)
@@ -387,9 +393,9 @@ def _sync(
     )
 
 
-def _chunks(entry, manifest, wanted, by_rank, copying):
-    # ({relative path: (bytes, sha256, executable)}, the writers that lack them), at most
-    # _CHUNK_BYTES a message (a bigger file goes alone).
+def _chunks(entry: _Entry, manifest: dict, wanted):
+    # {relative path: (bytes, sha256, executable)} at most _CHUNK_BYTES a message (a bigger
+    # file goes alone).
     chunk: dict[str, tuple] = {}
     size = 0
     for rel in wanted:
@@ -397,16 +403,24 @@ def _chunks(entry, manifest, wanted, by_rank, copying):
         with open(path, "rb") as f:
             data = f.read()
         if size and size + len(data) > _CHUNK_BYTES:
-            yield chunk, _lacking(chunk, by_rank, copying)
+            yield chunk
             chunk, size = {}, 0
         chunk[rel] = (data, manifest[rel][2], os.access(path, os.X_OK))
         size += len(data)
     if chunk:
-        yield chunk, _lacking(chunk, by_rank, copying)
+        yield chunk
 
 
-def _lacking(chunk, by_rank, copying) -> list[int]:
-    return [r for r in copying if any(rel in by_rank[r]["missing"] for rel in chunk)]
+def _writers(session, state: _State, ranks) -> dict[str, int]:
+    # {machine key: its lowest rank}. Asked once per set of rank processes: the same
+    # processes stay on the same machines (a restart gives new ones, and new PIDs).
+    who = tuple((r.engine_id, r.pid) for r in ranks)
+    if state.machines is None or state.machines[0] != who:
+        state.machines = (who, session.apply(synced_files.machine_key))
+    writers: dict[str, int] = {}
+    for info, key in zip(ranks, state.machines[1], strict=True):
+        writers.setdefault(key, info.rank)
+    return writers
 
 
 def resync(session) -> SyncReport | None:

@@ -108,8 +108,9 @@ def look(session: str, index: int, origin: str, manifest: dict, copy: bool) -> d
 
     ``{"in_place": True}`` when ``copy`` is False and every file of ``manifest`` is
     at ``origin`` here with the same size and modification time (the kernel's machine,
-    a shared file system); else ``{"in_place": False, "missing": [relative paths]}``:
-    the files this machine's copy lacks or holds in another version.
+    a shared file system); else ``{"in_place": False, "missing": [relative paths],
+    "gone": n}``: the files this machine's copy lacks or holds in another version,
+    and how many it holds that the last sync sent and ``manifest`` no longer has.
     """
     if not copy and all(
         _same_file(os.path.join(origin, rel), size, mtime)
@@ -122,16 +123,19 @@ def look(session: str, index: int, origin: str, manifest: dict, copy: bool) -> d
     missing = [
         rel for rel, entry in manifest.items() if rel not in have or have[rel][2] != entry[2]
     ]
-    return {"in_place": False, "missing": missing}
+    return {"in_place": False, "missing": missing, "gone": len(set(have) - set(manifest))}
 
 
-def write(session: str, index: int, origin: str, files: dict) -> int:
+def write(
+    session: str, index: int, origin: str, files: dict, manifest: dict | None = None
+) -> tuple[int, int]:
     """Write ``{relative path: (bytes, sha256, executable)}`` into this machine's copy.
 
     Each file is checked against its digest and replaced whole (written beside it,
     then renamed), so a rank importing meanwhile sees the old or the new file, never
     half of one. A folder where a file now goes (or a file where a folder now goes)
-    is removed first. Returns the bytes written.
+    is removed first. The last call of a sync brings its ``manifest``: then
+    :func:`finish_copy` (in the same round trip). Returns (bytes written, files removed).
     """
     target = _copy_dir(session, index, origin)
     _own(session)
@@ -153,7 +157,8 @@ def write(session: str, index: int, origin: str, files: dict) -> int:
                 os.remove(part)
             raise
         written += len(data)
-    return written
+    removed = finish_copy(session, index, origin, manifest) if manifest is not None else 0
+    return written, removed
 
 
 def _clear_way(target: str, rel: str) -> None:
@@ -233,10 +238,15 @@ def activate(session: str, paths: list, changed: dict, reload: bool) -> tuple[di
         for root in {origin, used.get(origin, origin)}
         for rel in rels
     }
-    for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if file and os.path.realpath(file) in files:
-            _STALE.add(name)
+    if files:
+        # Only modules under a synced path are resolved (os.path.realpath of each of
+        # torch's thousand modules would cost tens of milliseconds at every sync).
+        roots = tuple({p for origin in changed for p in (origin, used.get(origin, origin))})
+        roots += tuple(os.path.realpath(r) for r in roots)
+        for name, module in list(sys.modules.items()):
+            file = getattr(module, "__file__", None)
+            if file and file.startswith(roots) and os.path.realpath(file) in files:
+                _STALE.add(name)
     return used, reload_stale() if reload else [
         (name, "") for name in sorted(_STALE & set(sys.modules))
     ]
