@@ -63,8 +63,7 @@ _CHUNK_BYTES = 16 << 20  # per message to a rank
 
 @dataclass
 class _Entry:
-    # One synced directory (or the chosen files of one), in the order first synced.
-    index: int
+    # One synced directory (or the chosen files of one).
     origin: str  # the directory's absolute path on this machine
     files: set[str] | None  # None: the whole directory; else these names in it
     excludes: tuple[str, ...]
@@ -79,7 +78,7 @@ class _State:
     order: list[str] = field(default_factory=list)  # origins, first on sys.path first
     copy: bool = False
     writers_with_copies: list[int] = field(default_factory=list)  # engine ids
-    digests: dict[tuple, str] = field(default_factory=dict)  # (path, size, mtime_ns) -> sha256
+    digests: dict[str, tuple] = field(default_factory=dict)  # path -> (size, mtime_ns, sha256)
     machines: tuple | None = None  # ((engine id, pid) of each rank, their machine keys)
 
 
@@ -151,15 +150,21 @@ def _excluded(rel: str, patterns: Sequence[str]) -> bool:
 
 
 def _digest(state: _State, path: str, st: os.stat_result) -> str:
-    key = (path, st.st_size, st.st_mtime_ns)
-    sha = state.digests.get(key)
-    if sha is None:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        sha = state.digests[key] = h.hexdigest()
+    # Read again only when its size or modification time changed (one entry per path).
+    known = state.digests.get(path)
+    if known is not None and known[:2] == (st.st_size, st.st_mtime_ns):
+        return known[2]
+    sha = _sha256_of(path)
+    state.digests[path] = (st.st_size, st.st_mtime_ns, sha)
     return sha
+
+
+def _sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _listing(entry: _Entry) -> dict[str, tuple[str, os.stat_result]]:
@@ -174,18 +179,20 @@ def _listing(entry: _Entry) -> dict[str, tuple[str, os.stat_result]]:
         candidates = [(name, os.path.join(entry.origin, name)) for name in sorted(entry.files)]
     else:
         candidates = []
-        seen = {os.path.realpath(entry.origin)}
+        # The real folders on the way down to each folder walked: a link to one of them
+        # would be a loop. A second link to one folder elsewhere is followed, as an import
+        # through it would be.
+        above = {".": {os.path.realpath(entry.origin)}}
         for here, dirs, names in os.walk(entry.origin, followlinks=True):
             rel_dir = os.path.relpath(here, entry.origin)
             kept = []
             for d in sorted(dirs):
+                rel = os.path.normpath(os.path.join(rel_dir, d))
                 real = os.path.realpath(os.path.join(here, d))
                 # Excluded folders are not entered at all (a .venv can hold 100,000 files).
-                if real in seen or _excluded(
-                    os.path.normpath(os.path.join(rel_dir, d)), entry.excludes
-                ):
+                if real in above[rel_dir] or _excluded(rel, entry.excludes):
                     continue
-                seen.add(real)
+                above[rel] = above[rel_dir] | {real}
                 kept.append(d)
             dirs[:] = kept
             for name in sorted(names):
@@ -233,9 +240,7 @@ def _entries_for(state: _State, paths: Sequence[str], exclude: tuple[str, ...]) 
     for origin, name in found:
         entry = state.entries.get(origin)
         if entry is None:
-            entry = state.entries[origin] = _Entry(
-                len(state.entries), origin, set(), (*DEFAULT_EXCLUDES, *exclude)
-            )
+            entry = state.entries[origin] = _Entry(origin, set(), (*DEFAULT_EXCLUDES, *exclude))
         elif exclude:  # given again: these now; not given: the path's earlier ones still
             entry.excludes = (*DEFAULT_EXCLUDES, *exclude)
         if name is None:
@@ -267,9 +272,9 @@ def _shown(entry: _Entry) -> str:
 
 def sync_files(
     session,
-    paths: Sequence[str],
+    paths: Sequence[str | os.PathLike] | str | os.PathLike,
     *,
-    exclude: Sequence[str] = (),
+    exclude: Sequence[str] | str = (),
     copy: bool = False,
     reload: bool = False,
     max_bytes: int = MAX_BYTES,
@@ -284,6 +289,11 @@ def sync_files(
     """
     if not session.running:
         raise ClusterNotRunning("%dist_sync: no ranks to sync to: %dist_start first")
+    # One path or pattern given as such, not as a list: not read letter by letter.
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]
+    if isinstance(exclude, (str, bytes)):
+        exclude = [exclude]
     if not paths:
         raise NbdistError("%dist_sync: give a directory or file to sync, e.g. %dist_sync src")
     state = _STATES.get(session)
@@ -325,6 +335,14 @@ def _sync(
             "leave data out with --exclude 'data/*' (it travels through the controller), "
             "or put it on a file system every machine mounts"
         )
+    for entry in entries:
+        if not listings[entry.origin]:
+            extra = entry.excludes[len(DEFAULT_EXCLUDES) :]
+            by = f"--exclude {' '.join(extra)} or " if extra else ""
+            raise NbdistError(
+                f"%dist_sync: nothing to sync in {_shown(entry)}: it holds no file, or every "
+                f"file is left out (by {by}the default exclusions): sync a path with files in it"
+            )
     manifests = {origin: _manifest(state, files) for origin, files in listings.items()}
     ranks = session.ranks
     writers = _writers(session, state, ranks)
@@ -332,7 +350,7 @@ def _sync(
     changed: dict[str, list[str]] = {}
     for entry in entries:
         manifest = manifests[entry.origin]
-        args = (state.token, entry.index, entry.origin)
+        args = (state.token, entry.origin)
         looks = session.apply(
             synced_files.look, *args, manifest, state.copy, ranks=sorted(writers.values())
         )
@@ -356,6 +374,7 @@ def _sync(
         # Writers that lack the same files get the same messages; one with nothing to do
         # (up to date, nothing removed) gets none.
         groups: dict[tuple, list[int]] = {}
+        removed_here = 0
         for r in copying:
             if by_rank[r]["missing"] or by_rank[r]["gone"]:
                 groups.setdefault(tuple(by_rank[r]["missing"]), []).append(r)
@@ -364,11 +383,12 @@ def _sync(
             for i, chunk in enumerate(chunks):
                 last = manifest if i == len(chunks) - 1 else None
                 results = session.apply(synced_files.write, *args, chunk, last, ranks=group)
-            removed = max([removed, *(gone for _, gone in results)])
+            removed_here = max(removed_here, *(gone for _, gone in results))
+        removed += removed_here  # the same files on each machine: counted once per path
         sent_files += len(wanted)
         sent_bytes += sum(manifest[rel][0] for rel in wanted)
     synced = [state.entries[origin] for origin in state.order]
-    paths = [(e.index, e.origin, e.in_place) for e in synced if e.in_place]
+    paths = [(e.origin, e.in_place) for e in synced if e.in_place]
     results = session.apply(synced_files.activate, state.token, paths, changed, reload)
     modules: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
@@ -405,7 +425,12 @@ def _chunks(entry: _Entry, manifest: dict, wanted):
         if size and size + len(data) > _CHUNK_BYTES:
             yield chunk
             chunk, size = {}, 0
-        chunk[rel] = (data, manifest[rel][2], os.access(path, os.X_OK))
+        sha = hashlib.sha256(data).hexdigest()
+        if sha != manifest[rel][2]:
+            raise NbdistError(
+                f"%dist_sync: {path} changed while it was being synced: %dist_sync again"
+            )
+        chunk[rel] = (data, sha, os.access(path, os.X_OK))
         size += len(data)
     if chunk:
         yield chunk
@@ -431,7 +456,10 @@ def resync(session) -> SyncReport | None:
     state = _STATES.get(session)
     if state is None or not state.entries:
         return None
-    state.writers_with_copies = []  # a full restart's machines may be others
+    # Fresh processes: their machines are asked again (a full restart may give others),
+    # and their engines hold the copies from now on (the former ones are gone).
+    state.machines = None
+    former, state.writers_with_copies = state.writers_with_copies, []
     for entry in state.entries.values():
         entry.in_place = {}
     gone = [o for o in state.order if not os.path.isdir(o)]
@@ -452,6 +480,7 @@ def resync(session) -> SyncReport | None:
             max_bytes=MAX_BYTES,
         )
     except (Exception, KeyboardInterrupt) as exc:  # told: the restart itself succeeded
+        state.writers_with_copies = sorted(set(former) | set(state.writers_with_copies))
         warnings.warn(
             f"nbdist: the synced paths could not be synced again ({type(exc).__name__}: {exc}): "
             "%dist_sync them again",
@@ -463,12 +492,15 @@ def resync(session) -> SyncReport | None:
 def session_stopping(session, client) -> None:
     """Before the ranks stop: each machine's copies removed (best effort, 10 s at most)."""
     state = _STATES.get(session)
-    if state is None or not state.writers_with_copies or client is None:
+    if state is None:
+        return
+    state.machines = None  # the next ranks are other processes
+    # Engines that are still there (a failed resync may have left former ones listed).
+    writers = [i for i in state.writers_with_copies if client is not None and i in client.ids]
+    if not writers:
         return
     try:
-        client[state.writers_with_copies].apply_async(synced_files.remove_copies, state.token).get(
-            10
-        )
+        client[writers].apply_async(synced_files.remove_copies, state.token).get(10)
     except Exception:  # noqa: BLE001 - a dead or hung rank: prune() removes them later
         pass
     state.writers_with_copies = []

@@ -48,8 +48,9 @@ SYNC_DIR_ENV = "NBDIST_SYNC_DIR"
 _OWNERS = ".owners"  # in a session's folder: one empty file per rank that uses its copies
 # {path on the kernel's machine: path here}, for every path synced in this process.
 _ACTIVE: dict[str, str] = {}
-# Modules imported from files a sync has changed since: named at each sync until reloaded.
-_STALE: set[str] = set()
+# Modules imported from files a sync has changed since: named at each sync until reloaded
+# (or imported afresh by hand: the module object is no longer the one noted). name -> id.
+_STALE: dict[str, int] = {}
 
 
 def machine_key() -> str:
@@ -81,10 +82,13 @@ def copies_dir(session: str) -> str:
     return os.path.join(root, f"nbdist-sync-{os.getuid()}", f"{session}-{_machine_tag()}")
 
 
-def _copy_dir(session: str, index: int, origin: str) -> str:
-    # Numbered: two synced paths of one name (a/src, b/src) keep apart.
+def _copy_dir(session: str, origin: str) -> str:
+    # Named by the origin's whole path too: two synced paths of one name (a/src, b/src)
+    # keep apart, and a path gets the same folder whichever kernel syncs it, in any order.
     name = os.path.basename(origin.rstrip(os.sep)) or "root"
-    return os.path.join(copies_dir(session), f"{index}-{name}")
+    return os.path.join(
+        copies_dir(session), f"{hashlib.sha256(origin.encode()).hexdigest()[:8]}-{name}"
+    )
 
 
 def _same_file(path: str, size: int, mtime_ns: int) -> bool:
@@ -95,6 +99,13 @@ def _same_file(path: str, size: int, mtime_ns: int) -> bool:
     return st.st_size == size and st.st_mtime_ns == mtime_ns
 
 
+def _same_size(path: str, size: int) -> bool:
+    try:
+        return os.stat(path).st_size == size
+    except OSError:
+        return False
+
+
 def _stored(copy: str) -> dict:
     try:
         with open(os.path.join(copy, ".nbdist-manifest.json")) as f:
@@ -103,7 +114,7 @@ def _stored(copy: str) -> dict:
         return {}
 
 
-def look(session: str, index: int, origin: str, manifest: dict, copy: bool) -> dict:
+def look(session: str, origin: str, manifest: dict, copy: bool) -> dict:
     """Whether this machine needs a copy of ``origin``, and of which files.
 
     ``{"in_place": True}`` when ``copy`` is False and every file of ``manifest`` is
@@ -118,17 +129,21 @@ def look(session: str, index: int, origin: str, manifest: dict, copy: bool) -> d
     ):
         return {"in_place": True}
     prune()
-    have = _stored(_copy_dir(session, index, origin))
-    # By content: a file touched but not changed is not sent again.
+    target = _copy_dir(session, origin)
+    have = _stored(target)
+    # By content: a file touched but not changed is not sent again; one the copy lost
+    # meanwhile (a /tmp cleaner in a long session, a rank's own rm) is.
     missing = [
-        rel for rel, entry in manifest.items() if rel not in have or have[rel][2] != entry[2]
+        rel
+        for rel, entry in manifest.items()
+        if rel not in have
+        or have[rel][2] != entry[2]
+        or not _same_size(os.path.join(target, rel), entry[0])
     ]
     return {"in_place": False, "missing": missing, "gone": len(set(have) - set(manifest))}
 
 
-def write(
-    session: str, index: int, origin: str, files: dict, manifest: dict | None = None
-) -> tuple[int, int]:
+def write(session: str, origin: str, files: dict, manifest: dict | None = None) -> tuple[int, int]:
     """Write ``{relative path: (bytes, sha256, executable)}`` into this machine's copy.
 
     Each file is checked against its digest and replaced whole (written beside it,
@@ -137,7 +152,7 @@ def write(
     is removed first. The last call of a sync brings its ``manifest``: then
     :func:`finish_copy` (in the same round trip). Returns (bytes written, files removed).
     """
-    target = _copy_dir(session, index, origin)
+    target = _copy_dir(session, origin)
     _own(session)
     written = 0
     for rel, (data, sha, executable) in files.items():
@@ -157,7 +172,7 @@ def write(
                 os.remove(part)
             raise
         written += len(data)
-    removed = finish_copy(session, index, origin, manifest) if manifest is not None else 0
+    removed = finish_copy(session, origin, manifest) if manifest is not None else 0
     return written, removed
 
 
@@ -175,13 +190,13 @@ def _clear_way(target: str, rel: str) -> None:
         shutil.rmtree(path)
 
 
-def finish_copy(session: str, index: int, origin: str, manifest: dict) -> int:
+def finish_copy(session: str, origin: str, manifest: dict) -> int:
     """Remove from this machine's copy the files the last sync sent that ``manifest`` lacks.
 
     Only those: what the ranks wrote there themselves (``__pycache__``, a script's
     output beside it) stays. Records ``manifest``; returns the files removed.
     """
-    target = _copy_dir(session, index, origin)
+    target = _copy_dir(session, origin)
     os.makedirs(target, exist_ok=True)
     removed = 0
     for rel in set(_stored(target)) - set(manifest):
@@ -208,7 +223,7 @@ def finish_copy(session: str, index: int, origin: str, manifest: dict) -> int:
 def activate(session: str, paths: list, changed: dict, reload: bool) -> tuple[dict, list]:
     """Put each synced path (or this machine's copy of it) first on ``sys.path``.
 
-    ``paths``: ``[(index, origin, {machine key: in place})]``, the first to come first
+    ``paths``: ``[(origin, {machine key: in place})]``, the first to come first
     on ``sys.path`` (as in ``PYTHONPATH``); files are reached under
     the origin's own path where this machine sees it in place, else under the copy's.
     ``changed``: ``{origin: [relative paths]}`` whose content changed since the last
@@ -218,9 +233,9 @@ def activate(session: str, paths: list, changed: dict, reload: bool) -> tuple[di
     """
     key = machine_key()
     used = {}
-    for index, origin, in_place_by_machine in reversed(paths):  # each inserted first
+    for origin, in_place_by_machine in reversed(paths):  # each inserted first
         in_place = in_place_by_machine[key]
-        here = origin if in_place else _copy_dir(session, index, origin)
+        here = origin if in_place else _copy_dir(session, origin)
         if not in_place:
             _own(session)
         before = _ACTIVE.get(origin)
@@ -246,10 +261,11 @@ def activate(session: str, paths: list, changed: dict, reload: bool) -> tuple[di
         for name, module in list(sys.modules.items()):
             file = getattr(module, "__file__", None)
             if file and file.startswith(roots) and os.path.realpath(file) in files:
-                _STALE.add(name)
-    return used, reload_stale() if reload else [
-        (name, "") for name in sorted(_STALE & set(sys.modules))
-    ]
+                _STALE[name] = id(module)
+    for name, noted in list(_STALE.items()):
+        if id(sys.modules.get(name)) != noted:
+            del _STALE[name]
+    return used, reload_stale() if reload else [(name, "") for name in sorted(_STALE)]
 
 
 def reload_stale() -> list:

@@ -28,13 +28,13 @@ def test_a_restart_syncs_again_and_a_stop_removes_the_copies(tmp_path, monkeypat
     # The ranks inherit it: their copies land in the test's folder.
     monkeypatch.setenv(synced_files.SYNC_DIR_ENV, str(tmp_path / "sync"))
     with nbdist.DistSession(2, cpu=True, timeout=120) as s:
-        report = sync_files(s, [proj], copy=True)
-        copy = report.used[0][str(proj)]
-        assert copy.startswith(str(tmp_path / "sync")) and os.path.isfile(os.path.join(copy, "model.py"))
         gone = tmp_path / "gone"
         gone.mkdir()
         (gone / "helper.py").write_text("")
         sync_files(s, [gone], copy=True)
+        report = sync_files(s, [proj], copy=True)
+        copy = report.used[0][str(proj)]
+        assert copy.startswith(str(tmp_path / "sync")) and os.path.isfile(os.path.join(copy, "model.py"))
         (proj / "model.py").write_text("VALUE = 2\n")
         shutil.rmtree(gone)
         with pytest.warns(UserWarning, match=f"now gone, so no longer synced: {gone}"):
@@ -44,6 +44,12 @@ def test_a_restart_syncs_again_and_a_stop_removes_the_copies(tmp_path, monkeypat
         s.run("import model")
         assert s.pull("model.__file__") == [os.path.join(copy, "model.py")] * 2
         assert s.pull("model.VALUE") == [2, 2]
+        # A path of the same name synced after the gone one was dropped keeps apart.
+        (tmp_path / "other" / "proj").mkdir(parents=True)
+        (tmp_path / "other" / "proj" / "tool.py").write_text("NAME = 'tool'\n")
+        sync_files(s, [tmp_path / "other" / "proj"], copy=True)
+        s.run("import sys; sys.modules.pop('model')\nimport model, tool")
+        assert s.pull("(model.VALUE, tool.NAME)") == [(2, "tool")] * 2
     assert not os.path.exists(os.path.dirname(copy)), "the stop removed the session's copies"
 
 
@@ -57,7 +63,7 @@ def test_copies_whose_ranks_are_all_gone_are_pruned_and_no_other(tmp_path, monke
     os.makedirs(os.path.join(dead, ".owners"))
     open(os.path.join(dead, ".owners", f"{ended.pid}-{created:.3f}"), "w").close()
     # A session whose rank lives (this process), and one being made (no owner yet).
-    synced_files.write("live-session", 0, "/x/src", {})
+    synced_files.write("live-session", "/x/src", {})
     made = synced_files.copies_dir("being-made")
     os.makedirs(made)
     # Another machine's session in a shared folder: judged by that machine, never here.

@@ -201,3 +201,32 @@ def test_paths_given_first_come_first_and_reload_reaches_the_package(
     # then takes the new f.
     assert "nbdist: reloaded on the ranks: lib, lib.core" in out, out
     assert _on_ranks(started, "__import__('lib').f()") == [2, 2]
+
+
+def test_one_path_as_a_string_removals_of_two_paths_and_a_copy_that_lost_a_file(
+    started, project, tmp_path
+):
+    from nbdist.driver.file_sync import sync_files
+    from nbdist.errors import NbdistError
+
+    proj, _ = project
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.py").write_text("")
+    (other / "b.py").write_text("")
+    session = _session(started)
+    # A string is one path (or one pattern), not a list of letters.
+    report = sync_files(session, str(proj), exclude="data", copy=True)
+    assert report.files == 4, str(report)
+    sync_files(session, [other], copy=True)
+    (proj / "train.py").unlink()
+    (other / "b.py").unlink()
+    report = sync_files(session, [proj, other])
+    assert "(up to date, 2 removed)" in str(report), str(report)
+    # A file the copy lost meanwhile (a /tmp cleaner, a rank's own rm) is sent again.
+    os.remove(os.path.join(report.used[0][str(other)], "a.py"))
+    assert "(1 file sent, 0 B)" in str(sync_files(session, [other]))
+    with pytest.raises(
+        NbdistError, match=r"nothing to sync in .*other/: .*by --exclude \*\.py or the default"
+    ):
+        sync_files(session, [other], exclude="*.py")
