@@ -29,6 +29,7 @@ __all__ = [
     "assert_no_children",
     "balanced_orders",
     "private_history",
+    "conclude",
     "cores",
     "load",
     "machine",
@@ -140,6 +141,28 @@ def print_summary(summary: dict) -> None:
     """The last line of every benchmark: one JSON object."""
     sys.stdout.flush()
     print(json.dumps(summary, sort_keys=False), flush=True)
+
+
+def conclude(
+    bench: str,
+    *,
+    goal: str,
+    goal_ratio: float,
+    ok: bool,
+    leftovers,
+    cpu: dict,
+    info: dict,
+    quick: bool,
+    **fields,
+) -> None:
+    """The goal and CPU lines, then the JSON summary with the fields every ratio benchmark has.
+
+    ``fields`` (rows, extra goals) follow the common ones in the summary.
+    """
+    print_goal_and_cpu(goal, ok, leftovers, cpu)
+    summary = dict(bench=bench, quick=quick, machine=info, load_end=load(), cpu=cpu)
+    summary |= dict(goal_ratio=goal_ratio, goal_met=ok, leftover_pids=leftovers)
+    print_summary(summary | fields)
 
 
 def assert_no_children(grace: float = 5.0) -> list[int]:

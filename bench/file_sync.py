@@ -32,17 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (  # noqa: E402
-    CpuMeter,
-    assert_no_children,
-    load,
-    machine,
-    median,
-    print_goal_and_cpu,
-    print_summary,
-    ratio,
-    run_benchmark,
-)
+from _common import CpuMeter, assert_no_children, conclude, machine, median, ratio, run_benchmark  # noqa: E402
 
 # The edit loop's goal: after an edit (or none) a re-sync costs less than sending everything.
 GOAL = 1.0
@@ -182,21 +172,16 @@ def _main(argv=None) -> int:
         r = row[case]
         print(f"{case:<10} {r['sync_ms']:>8.1f}ms {r['baseline_ms']:>8.1f}ms {r['ratio']:>6.3f}x")
     ok = row["one edit"]["ratio"] <= GOAL and row["unchanged"]["ratio"] <= GOAL
-    print_goal_and_cpu(
-        f"a one-file or unchanged re-sync <= {GOAL}x sending every file", ok, leftovers, cpu
-    )
-    print_summary(
-        dict(
-            bench="file_sync",
-            quick=args.quick,
-            machine=info,
-            load_end=load(),
-            cpu=cpu,
-            goal_ratio=GOAL,
-            goal_met=ok,
-            leftover_pids=leftovers,
-            row=row,
-        )
+    conclude(
+        "file_sync",
+        goal=f"a one-file or unchanged re-sync <= {GOAL}x sending every file",
+        goal_ratio=GOAL,
+        ok=ok,
+        leftovers=leftovers,
+        cpu=cpu,
+        info=info,
+        quick=args.quick,
+        row=row,
     )
     return 0
 

@@ -46,12 +46,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     CpuMeter,
     assert_no_children,
+    conclude,
     load,
     machine,
     median,
     p90,
-    print_goal_and_cpu,
-    print_summary,
     ratio,
     run_benchmark,
 )
@@ -181,22 +180,19 @@ def _main(argv=None) -> int:
     print(
         f"no-op %%on_all_ranks <= {LOOP_GOAL}x raw execute: {'met' if loop_ok else 'not met'} ({magic})"
     )
-    print_goal_and_cpu(f"session.run and %%on_all_ranks <= {GOAL}x raw execute", ok, leftovers, cpu)
-    print_summary(
-        dict(
-            bench="roundtrip",
-            quick=args.quick,
-            code=CODE,
-            machine=info,
-            load_end=load(),
-            cpu=cpu,
-            goal_ratio=GOAL,
-            goal_met=ok,
-            loop_goal_ratio=LOOP_GOAL,
-            loop_goal_met=loop_ok,
-            leftover_pids=leftovers,
-            rows=rows,
-        )
+    conclude(
+        "roundtrip",
+        goal=f"session.run and %%on_all_ranks <= {GOAL}x raw execute",
+        goal_ratio=GOAL,
+        ok=ok,
+        leftovers=leftovers,
+        cpu=cpu,
+        info=info,
+        quick=args.quick,
+        code=CODE,
+        loop_goal_ratio=LOOP_GOAL,
+        loop_goal_met=loop_ok,
+        rows=rows,
     )
     return 0
 

@@ -42,11 +42,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (  # noqa: E402
     CpuMeter,
     assert_no_children,
+    conclude,
     load,
     machine,
     median,
-    print_goal_and_cpu,
-    print_summary,
     ratio,
     run_benchmark,
 )
@@ -257,25 +256,17 @@ def _main(argv=None) -> int:
         + ", ".join(f"N={r['n']} {p:.2f}" for r, p in zip(rows, per_rank))
         + f" ({'at most linear' if linear else 'grows faster than linear'} in N)"
     )
-    print_goal_and_cpu(
-        f"no-op %%on_all_ranks <= {NOOP_GOAL}x raw DirectView.execute at every N",
-        ok,
-        leftovers,
-        cpu,
-    )
-    print_summary(
-        dict(
-            bench="scale",
-            quick=args.quick,
-            machine=info,
-            load_end=load(),
-            cpu=cpu,
-            goal_ratio=NOOP_GOAL,
-            goal_met=ok,
-            kernel_cpu_linear=linear,
-            leftover_pids=leftovers,
-            rows=rows,
-        )
+    conclude(
+        "scale",
+        goal=f"no-op %%on_all_ranks <= {NOOP_GOAL}x raw DirectView.execute at every N",
+        goal_ratio=NOOP_GOAL,
+        ok=ok,
+        leftovers=leftovers,
+        cpu=cpu,
+        info=info,
+        quick=args.quick,
+        kernel_cpu_linear=linear,
+        rows=rows,
     )
     return 0
 
