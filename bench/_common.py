@@ -143,18 +143,7 @@ def print_summary(summary: dict) -> None:
     print(json.dumps(summary, sort_keys=False), flush=True)
 
 
-def conclude(
-    bench: str,
-    *,
-    goal: str,
-    goal_ratio: float,
-    ok: bool,
-    leftovers,
-    cpu: dict,
-    info: dict,
-    quick: bool,
-    **fields,
-) -> None:
+def conclude(bench, goal, goal_ratio, ok, leftovers, cpu, info, quick, **fields) -> None:
     """The goal and CPU lines, then the JSON summary with the fields every ratio benchmark has.
 
     ``fields`` (rows, extra goals) follow the common ones in the summary.

@@ -172,17 +172,8 @@ def _main(argv=None) -> int:
         r = row[case]
         print(f"{case:<10} {r['sync_ms']:>8.1f}ms {r['baseline_ms']:>8.1f}ms {r['ratio']:>6.3f}x")
     ok = row["one edit"]["ratio"] <= GOAL and row["unchanged"]["ratio"] <= GOAL
-    conclude(
-        "file_sync",
-        goal=f"a one-file or unchanged re-sync <= {GOAL}x sending every file",
-        goal_ratio=GOAL,
-        ok=ok,
-        leftovers=leftovers,
-        cpu=cpu,
-        info=info,
-        quick=args.quick,
-        row=row,
-    )
+    goal = f"a one-file or unchanged re-sync <= {GOAL}x sending every file"
+    conclude("file_sync", goal, GOAL, ok, leftovers, cpu, info, args.quick, row=row)
     return 0
 
 

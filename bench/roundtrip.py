@@ -180,20 +180,9 @@ def _main(argv=None) -> int:
     print(
         f"no-op %%on_all_ranks <= {LOOP_GOAL}x raw execute: {'met' if loop_ok else 'not met'} ({magic})"
     )
-    conclude(
-        "roundtrip",
-        goal=f"session.run and %%on_all_ranks <= {GOAL}x raw execute",
-        goal_ratio=GOAL,
-        ok=ok,
-        leftovers=leftovers,
-        cpu=cpu,
-        info=info,
-        quick=args.quick,
-        code=CODE,
-        loop_goal_ratio=LOOP_GOAL,
-        loop_goal_met=loop_ok,
-        rows=rows,
-    )
+    goal = f"session.run and %%on_all_ranks <= {GOAL}x raw execute"
+    extra = dict(code=CODE, loop_goal_ratio=LOOP_GOAL, loop_goal_met=loop_ok, rows=rows)
+    conclude("roundtrip", goal, GOAL, ok, leftovers, cpu, info, args.quick, **extra)
     return 0
 
 

@@ -256,18 +256,9 @@ def _main(argv=None) -> int:
         + ", ".join(f"N={r['n']} {p:.2f}" for r, p in zip(rows, per_rank))
         + f" ({'at most linear' if linear else 'grows faster than linear'} in N)"
     )
-    conclude(
-        "scale",
-        goal=f"no-op %%on_all_ranks <= {NOOP_GOAL}x raw DirectView.execute at every N",
-        goal_ratio=NOOP_GOAL,
-        ok=ok,
-        leftovers=leftovers,
-        cpu=cpu,
-        info=info,
-        quick=args.quick,
-        kernel_cpu_linear=linear,
-        rows=rows,
-    )
+    goal = f"no-op %%on_all_ranks <= {NOOP_GOAL}x raw DirectView.execute at every N"
+    extra = dict(kernel_cpu_linear=linear, rows=rows)
+    conclude("scale", goal, NOOP_GOAL, ok, leftovers, cpu, info, args.quick, **extra)
     return 0
 
 
