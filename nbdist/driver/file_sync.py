@@ -37,8 +37,9 @@ __all__ = [
     "DEFAULT_EXCLUDES",
     "MAX_BYTES",
     "SyncReport",
-    "session_stopping",
+    "copies_by_rank",
     "resync",
+    "session_stopping",
     "sync_files",
 ]
 
@@ -80,6 +81,7 @@ class _State:
     writers_with_copies: list[int] = field(default_factory=list)  # engine ids
     digests: dict[str, tuple] = field(default_factory=dict)  # path -> (size, mtime_ns, sha256)
     machines: tuple | None = None  # ((engine id, pid) of each rank, their machine keys)
+    used: dict[int, dict[str, str]] = field(default_factory=dict)  # rank -> {origin: path there}
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -390,6 +392,7 @@ def _sync(
     synced = [state.entries[origin] for origin in state.order]
     paths = [(e.origin, e.in_place) for e in synced if e.in_place]
     results = session.apply(synced_files.activate, state.token, paths, changed, reload)
+    state.used = {info.rank: used for info, (used, _) in zip(ranks, results, strict=True)}
     modules: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
     for info, (_used, found) in zip(ranks, results, strict=True):
@@ -406,7 +409,7 @@ def _sync(
         sent_files=sent_files,
         sent_bytes=sent_bytes,
         removed=removed,
-        used={info.rank: used for info, (used, _) in zip(ranks, results, strict=True)},
+        used=state.used,
         modules=modules,
         reloaded=reload,
         reload_errors=errors,
@@ -446,6 +449,15 @@ def _writers(session, state: _State, ranks) -> dict[str, int]:
     for info, key in zip(ranks, state.machines[1], strict=True):
         writers.setdefault(key, info.rank)
     return writers
+
+
+def copies_by_rank(session) -> dict[int, dict[str, str]]:
+    """``{rank: {synced path here: its copy's path there}}`` for the ranks that run copies."""
+    state = _STATES.get(session)
+    if state is None:
+        return {}
+    copies = {r: {o: p for o, p in used.items() if p != o} for r, used in state.used.items()}
+    return {r: c for r, c in copies.items() if c}
 
 
 def resync(session) -> SyncReport | None:

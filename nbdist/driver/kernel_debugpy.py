@@ -5,7 +5,7 @@ make every Python process the kernel starts from then on a debuggee too: the
 ranks, controller and launcher of a ``%dist_start`` run with the debugger on
 would start too slowly to register (the controller never wrote its connection
 files). :func:`leave_children_alone` is called when nbdist puts its router in
-front of the kernel's debugger (:func:`nbdist.driver.lab_debugger.install`).
+front of the kernel's debugger (:func:`nbdist.driver.lab_debugger_cells.install`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 JupyterLab's debugger talks to the kernel with ``debug_request`` messages on the
 control channel (the Debug Adapter Protocol inside); ipykernel answers them with
-its own debugger, which sees only the kernel's process. :func:`install` puts a
-router in front of it (the kernel's ``do_debug_request``; ipykernel itself is not
+its own debugger, which sees only the kernel's process.
+:func:`nbdist.driver.lab_debugger_cells.install` puts a router in front of it (the kernel's ``do_debug_request``; ipykernel itself is not
 changed):
 
 - every request still reaches the kernel's debugger, which keeps debugging
@@ -12,7 +12,7 @@ changed):
   (``setExceptionBreakpoints``) are also set on every rank whose debugpy this
   router is connected to, and on ranks that connect later;
 - a ``%%on_all_ranks``/``%%on_rank`` cell run while the debugger is on calls
-  :func:`prepare_cell` first: it starts debugpy on the ranks the first time
+  :func:`~nbdist.driver.lab_debugger_cells.prepare_cell` first: it starts debugpy on the ranks the first time
   (loopback, one connection per rank from the kernel) and tells each rank the
   notebook cell's path (what ``dumpCell`` returned for it) and the line its body
   starts on, so a breakpoint in the cell's gutter stops the ranks there
@@ -37,20 +37,23 @@ A rank on another machine (or network namespace) listens on its own machine's
 loopback, which the kernel does not reach, and nbdist opens no debugger port
 beyond loopback: the router reaches its debugpy through the engine's control
 channel instead (:mod:`nbdist.driver.rank_relay`), and it is debugged as a
-rank on the kernel's machine is. :func:`prepare_cell` chooses, per rank.
+rank on the kernel's machine is. ``prepare_cell`` chooses, per rank.
+
+A rank that runs a machine's copy of a synced file (``%dist_sync``) has it at
+another path: breakpoints set in the file go to that rank at its copy's path,
+and its frames name the file's own path (:mod:`nbdist.driver.lab_debug_paths`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import threading
 import time
 
-from nbdist.driver import kernel_debugpy
 from nbdist.driver import rank_debugpy as dap
 from nbdist.driver.lab_debug_ids import FIRST_ID, RankIds
+from nbdist.driver.lab_debug_paths import RankPaths
 from nbdist.driver.rank_relay import RelayedRankConnection
 from nbdist.errors import format_ranks
 
@@ -60,10 +63,6 @@ __all__ = [
     "RANKS_THREAD",
     "SUMMARY_PREFIX",
     "LabDebugRouter",
-    "install",
-    "prepare_cell",
-    "router",
-    "session_ended",
 ]
 
 # The thread id under which every stopped rank appears (debugpy numbers the kernel's
@@ -124,6 +123,7 @@ class LabDebugRouter:
         self._exceptions: dict | None = None  # setExceptionBreakpoints arguments
         self._stopped: dict[int, int] = {}  # rank -> its stopped thread
         self._ids = RankIds()  # ids given to JupyterLab <-> (rank, rank's id)
+        self._paths = RankPaths()  # files each rank runs from a %dist_sync copy
         # The rank whose frame JupyterLab has selected (None: the summary frame, every
         # stopped rank), and that frame's id: JupyterLab keeps a selected frame across a
         # Callstack refresh when its id is still listed, else selects the first frame.
@@ -194,7 +194,8 @@ class LabDebugRouter:
     async def _to_all_ranks(self, command: str, arguments: dict) -> None:
         ranks = list(self._ranks)
         await asyncio.gather(
-            *(self._ask(r, command, arguments) for r in ranks), return_exceptions=True
+            *(self._ask(r, command, self._paths.to_rank(r, arguments)) for r in ranks),
+            return_exceptions=True,
         )
 
     async def _on_ranks_thread(self, request: dict) -> dict:
@@ -249,7 +250,9 @@ class LabDebugRouter:
                 path = (frame.get("source") or {}).get("path") or ""
                 if any(part in path for part in _MACHINERY):
                     break
-                frame = dict(frame, id=self._ids.give(rank, frame["id"]))
+                frame = dict(
+                    self._paths.from_rank(rank, frame), id=self._ids.give(rank, frame["id"])
+                )
                 frame["name"] = f"rank {rank} · {frame.get('name', '?')}"
                 frames.append(frame)
         if frames:
@@ -433,7 +436,9 @@ class LabDebugRouter:
             if not connection.initialized.wait(dap.CONNECT_TIMEOUT_S):
                 raise TimeoutError(f"rank {rank}'s debugpy did not start a debug session")
             for arguments in list(self._breakpoints.values()):
-                dap.succeeded(connection.request("setBreakpoints", arguments))
+                dap.succeeded(
+                    connection.request("setBreakpoints", self._paths.to_rank(rank, arguments))
+                )
             if self._exceptions is not None:
                 dap.succeeded(connection.request("setExceptionBreakpoints", self._exceptions))
             dap.succeeded(connection.request("configurationDone"))
@@ -463,6 +468,15 @@ class LabDebugRouter:
                 if isinstance(c, RelayedRankConnection) and c.through(client)
             ]
         _leave(gone)
+
+    def use_copies(self, copies: dict[int, dict[str, str]]) -> None:
+        """Where each rank runs ``%dist_sync``'s copies now: breakpoints in them set again there
+        (answered before the cell starts, which could otherwise pass them first)."""
+        for rank in self._paths.update(copies):
+            connection = self._ranks.get(rank)
+            for arguments in list(self._breakpoints.values()) if connection else ():
+                moved = self._paths.to_rank(rank, arguments)
+                dap.succeeded(connection.request("setBreakpoints", moved))
 
     def connected(self) -> list[int]:
         """The ranks this router is attached to."""
@@ -503,94 +517,3 @@ def _function(frame: dict) -> str:
 
 async def _gone(rank: int) -> dict:
     return {"success": False, "message": f"rank {rank} has no frame"}
-
-
-_router: list[LabDebugRouter | None] = [None]
-
-
-def router() -> LabDebugRouter | None:
-    """This kernel's router, once :func:`install` put it in place."""
-    return _router[0]
-
-
-def install(ipython) -> LabDebugRouter | None:
-    """Route ``ipython``'s kernel's debug requests through a :class:`LabDebugRouter` (once).
-
-    None when there is no ipykernel kernel with a debugger (a terminal IPython).
-    """
-    kernel = getattr(ipython, "kernel", None)
-    if kernel is None or getattr(kernel, "debugger", None) is None:
-        return None
-    if _router[0] is not None and _router[0].kernel is kernel:
-        return _router[0]
-    found = LabDebugRouter(kernel)
-    found.adopt(kernel.debugger)
-    kernel_debugpy.leave_children_alone()
-    kernel.do_debug_request = found.handle
-    _router[0] = found
-    return found
-
-
-def prepare_cell(session, ranks, body: str) -> None:
-    """Before a ``%%on_all_ranks``/``%%on_rank`` cell: when JupyterLab's debugger is on, make its
-    breakpoints stop the ranks in this cell.
-
-    ``body``: what the magic runs on ``ranks``. Does nothing while the debugger
-    is off. A cell whose notebook text is not the magic line then ``body`` (a
-    call from a script, a cell IPython transformed) runs without breakpoints.
-    """
-    found = router()
-    if found is None or not found.active:
-        return
-    from ipykernel.compiler import get_file_name
-
-    from nbdist.engine import lab_debug
-
-    source = ((found.kernel.get_parent("shell") or {}).get("content") or {}).get("code", "")
-    # IPython ends the cell it hands a cell magic with a newline the notebook's text may lack.
-    text, code = source.rstrip("\n"), body.rstrip("\n")
-    if not text or not code or not text.endswith(code):
-        return
-    offset = text[: len(text) - len(code)].count("\n")
-    path = get_file_name(source)
-    events = found.kernel.shell.events
-
-    def ended(*_):
-        events.unregister("post_execute", ended)
-        found.cell_ended(ranks)
-
-    # An interrupt or a failure ends the cell with ranks still marked paused: unmark them.
-    events.register("post_execute", ended)
-    endpoints = session.apply(lab_debug.prepare, body, path, offset, source, ranks=ranks)
-    here = set(lab_debug.machine_addresses())
-    engines = {r.rank: r.engine_id for r in getattr(session, "ranks", ())}
-    for rank, endpoint in zip(ranks, endpoints):
-        if endpoint.get("port") is None or found.attached(rank, endpoint):
-            continue
-        addresses = set(endpoint.get("addresses") or ())
-        relay = None
-        if endpoint.get("hostname") != socket.gethostname() or (
-            addresses and here and not addresses & here
-        ):
-            # Its loopback is not this kernel's: through the engine's control channel.
-            relay = (session.client, engines[rank])
-        try:
-            found.connect(
-                rank, endpoint["host"], endpoint["port"], pid=endpoint.get("pid"), relay=relay
-            )
-        except (OSError, RuntimeError) as exc:
-            found.tell(
-                [rank],
-                [endpoint],
-                f"nbdist: JupyterLab's debugger could not attach to rank {rank} ({exc}); "
-                "breakpoints do not stop it, the other ranks stop as usual",
-            )
-
-
-def session_ended(client) -> None:
-    """A session's ranks are stopping (``%dist_stop``, ``%dist_restart``) and ``client``, its
-    ipyparallel client, is about to close: the debugger's relays through it close first, so
-    ranks that outlive the session (a cluster it connected to) are left undebugged."""
-    found = router()
-    if found is not None:
-        found.leave_relayed(client)

@@ -339,7 +339,7 @@ class DistSession:
         if handle is not None and handle.client is not None:
             # JupyterLab's debugger may reach ranks on other machines through this
             # client: those relays close while the client can still tell the ranks.
-            from nbdist.driver.lab_debugger import session_ended
+            from nbdist.driver.lab_debugger_cells import session_ended
 
             session_ended(handle.client)
         return handle

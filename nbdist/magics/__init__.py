@@ -40,7 +40,7 @@ def register(ipython):
         magics = register(get_ipython())
         magics.session          # the session %dist_start started, or None
     """
-    from nbdist.driver.lab_debugger import install as install_lab_debugger
+    from nbdist.driver.lab_debugger_cells import install as install_lab_debugger
     from nbdist.magics.cells import CellMagics
     from nbdist.magics.debug import DebugMagics
     from nbdist.magics.inspect import InspectMagics

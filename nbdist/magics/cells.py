@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from nbdist.driver.lab_debugger import prepare_cell
+from nbdist.driver.lab_debugger_cells import prepare_cell
 from nbdist.errors import NbdistError, PlacementError, RankError, format_ranks
 from nbdist.launch.values import is_digits
 from nbdist.magics.args import (

@@ -303,6 +303,39 @@ def test_breakpoint_in_a_file_the_ranks_import(lab, tmp_path):
     assert "scaled 0 3" in text and "scaled 1 6" in text, text
 
 
+def test_breakpoint_in_a_synced_file_stops_ranks_that_run_its_copy(lab, tmp_path):
+    kernel, dbg = lab
+    dbg.events.clear()
+    src = tmp_path / "synced_src"
+    src.mkdir()
+    module = src / "synced_helper.py"
+    module.write_text("def triple(v):\n    w = v * 3\n    return w\n")
+    _debugger_on(dbg, "%%on_all_ranks\npass\n", [])
+    # The breakpoint first, the copy after: the router sets it again at the copy's path.
+    assert dbg.request("setBreakpoints", source={"path": str(module)}, breakpoints=[{"line": 3}])[
+        "success"
+    ]
+    msg_id = kernel.submit(f"%dist_sync {src} --copy")
+    assert "1 holds a copy (1 file sent" in dbg.cell_output(msg_id)
+    cell = (
+        "%%on_all_ranks\nimport synced_helper\nprint('from', synced_helper.__file__)\n"
+        "print('tripled', rank, synced_helper.triple(rank + 1))\n"
+    )
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    tops = _stack(dbg)
+    assert sorted(tops) == [0, 1], tops
+    for rank, frame in tops.items():
+        # Named as JupyterLab knows the file, where the rank runs its copy.
+        assert frame["name"] == f"rank {rank} · triple", frame
+        assert (frame["source"]["path"], frame["line"]) == (str(module), 3), frame
+    _select_all(dbg)
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert "tripled 0 3" in text and "tripled 1 6" in text, text
+    assert "nbdist-sync-" in text and f"from {module}" not in text, text
+
+
 def test_switching_the_debugger_off_lets_the_ranks_run_through(lab):
     kernel, dbg = lab
     assert dbg.started, "runs after the tests that set breakpoints"
