@@ -271,6 +271,18 @@ def test_interrupting_the_kernel_while_ranks_are_paused(lab):
     assert "z 5" in text and "z 6" in text, text
 
 
+def _both_stop_in(dbg, kernel, cell: str, module, function: str) -> tuple[str, dict]:
+    """Submit ``cell``; both ranks stop in ``function`` at line 3 of ``module``. (msg id, tops)."""
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    tops = _stack(dbg)
+    assert sorted(tops) == [0, 1], tops
+    for rank, frame in tops.items():
+        assert frame["name"] == f"rank {rank} · {function}", frame
+        assert (frame["source"]["path"], frame["line"]) == (str(module), 3), frame
+    return msg_id, tops
+
+
 def test_breakpoint_in_a_file_the_ranks_import(lab, tmp_path):
     kernel, dbg = lab
     dbg.events.clear()
@@ -284,13 +296,7 @@ def test_breakpoint_in_a_file_the_ranks_import(lab, tmp_path):
         f"%%on_all_ranks\nimport sys\nsys.path.insert(0, {str(tmp_path)!r})\n"
         "from lab_debug_helper import scale\nprint('scaled', rank, scale(rank + 1))\n"
     )
-    msg_id = kernel.submit(cell)
-    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
-    tops = _stack(dbg)
-    assert sorted(tops) == [0, 1], tops
-    for rank, frame in tops.items():
-        assert frame["name"] == f"rank {rank} · scale", frame
-        assert (frame["source"]["path"], frame["line"]) == (str(module), 3), frame
+    msg_id, tops = _both_stop_in(dbg, kernel, cell, module, "scale")
     scopes = dbg.request("scopes", frameId=tops[1]["id"])["body"]["scopes"]
     names = {}
     for scope in scopes:
@@ -321,14 +327,8 @@ def test_breakpoint_in_a_synced_file_stops_ranks_that_run_its_copy(lab, tmp_path
         "%%on_all_ranks\nimport synced_helper\nprint('from', synced_helper.__file__)\n"
         "print('tripled', rank, synced_helper.triple(rank + 1))\n"
     )
-    msg_id = kernel.submit(cell)
-    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
-    tops = _stack(dbg)
-    assert sorted(tops) == [0, 1], tops
-    for rank, frame in tops.items():
-        # Named as JupyterLab knows the file, where the rank runs its copy.
-        assert frame["name"] == f"rank {rank} · triple", frame
-        assert (frame["source"]["path"], frame["line"]) == (str(module), 3), frame
+    # Named as JupyterLab knows the file, where the rank runs its copy.
+    msg_id, _ = _both_stop_in(dbg, kernel, cell, module, "triple")
     _select_all(dbg)
     assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
     text = dbg.cell_output(msg_id)
