@@ -37,7 +37,6 @@ __all__ = [
     "DEFAULT_EXCLUDES",
     "MAX_BYTES",
     "SyncReport",
-    "copies_by_rank",
     "resync",
     "session_stopping",
     "sync_files",
@@ -81,7 +80,6 @@ class _State:
     writers_with_copies: list[int] = field(default_factory=list)  # engine ids
     digests: dict[str, tuple] = field(default_factory=dict)  # path -> (size, mtime_ns, sha256)
     machines: tuple | None = None  # ((engine id, pid) of each rank, their machine keys)
-    used: dict[int, dict[str, str]] = field(default_factory=dict)  # rank -> {origin: path there}
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -112,7 +110,8 @@ class SyncReport:
             parts.append(f"{self.in_place} see{'s' * (self.in_place == 1)} them in place")
         if copied:
             sent = (
-                f"{self.sent_files} file{'s' * (self.sent_files != 1)} sent, {_size(self.sent_bytes)}"
+                f"{self.sent_files} file{'s' * (self.sent_files != 1)} sent, "
+                f"{_size(self.sent_bytes)}"
                 if self.sent_files
                 else "up to date"
             )
@@ -333,7 +332,8 @@ def _sync(
         )[:3]
         named = ", ".join(f"{os.path.relpath(p)} ({_size(s)})" for s, p in biggest)
         raise NbdistError(
-            f"%dist_sync: {_size(total)} to send, above the {_size(max_bytes)} limit (largest: {named}): "
+            f"%dist_sync: {_size(total)} to send, above the {_size(max_bytes)} limit "
+            f"(largest: {named}): "
             "leave data out with --exclude 'data/*' (it travels through the controller), "
             "or put it on a file system every machine mounts"
         )
@@ -392,7 +392,6 @@ def _sync(
     synced = [state.entries[origin] for origin in state.order]
     paths = [(e.origin, e.in_place) for e in synced if e.in_place]
     results = session.apply(synced_files.activate, state.token, paths, changed, reload)
-    state.used = {info.rank: used for info, (used, _) in zip(ranks, results, strict=True)}
     modules: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
     for info, (_used, found) in zip(ranks, results, strict=True):
@@ -409,7 +408,7 @@ def _sync(
         sent_files=sent_files,
         sent_bytes=sent_bytes,
         removed=removed,
-        used=state.used,
+        used={info.rank: used for info, (used, _) in zip(ranks, results, strict=True)},
         modules=modules,
         reloaded=reload,
         reload_errors=errors,
@@ -449,15 +448,6 @@ def _writers(session, state: _State, ranks) -> dict[str, int]:
     for info, key in zip(ranks, state.machines[1], strict=True):
         writers.setdefault(key, info.rank)
     return writers
-
-
-def copies_by_rank(session) -> dict[int, dict[str, str]]:
-    """``{rank: {synced path here: its copy's path there}}`` for the ranks that run copies."""
-    state = _STATES.get(session)
-    if state is None:
-        return {}
-    copies = {r: {o: p for o, p in used.items() if p != o} for r, used in state.used.items()}
-    return {r: c for r, c in copies.items() if c}
 
 
 def resync(session) -> SyncReport | None:

@@ -3,9 +3,11 @@
 A rank on a machine that holds a copy of a synced path (``%dist_sync``) imports
 the file from its copy: debugpy there knows it by the copy's path, JupyterLab by
 the path on the notebook's machine. :class:`RankPaths` keeps, per rank, which
-synced paths it runs from a copy, and translates the two directions the router
-needs: a breakpoint's source path on its way to the rank, a frame's source path
-on its way back.
+synced paths it runs from a copy (as the rank itself reports them, so a kernel
+that attached to a named session knows them too), and translates the two
+directions the router needs: a breakpoint on its way to the rank goes to both
+paths (the copy may lack the file: one left out, one next to a single synced
+file), a frame's source path on its way back names the notebook's file.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ __all__ = ["RankPaths"]
 
 
 def _moved(path: str, pairs: dict[str, str]) -> str:
-    # ``path`` under one of ``pairs``' keys, carried under the matching value.
-    for old, new in pairs.items():
+    # ``path`` under one of ``pairs``' keys (the longest that holds it), under its value.
+    for old in sorted(pairs, key=len, reverse=True):
         if path == old or path.startswith(old.rstrip(os.sep) + os.sep):
-            return new + path[len(old) :]
+            return pairs[old] + path[len(old) :]
     return path
 
 
@@ -31,20 +33,29 @@ class RankPaths:
         self._copies: dict[int, dict[str, str]] = {}
 
     def update(self, copies: dict[int, dict[str, str]]) -> list[int]:
-        """Take ``copies`` (:func:`nbdist.driver.file_sync.copies_by_rank`); the ranks whose changed."""
-        changed = [
-            r for r in set(copies) | set(self._copies) if copies.get(r) != self._copies.get(r)
-        ]
-        self._copies = {r: dict(c) for r, c in copies.items() if c}
-        return sorted(changed)
+        """Take the copies of the ranks in ``copies``, as they reported them.
 
-    def to_rank(self, rank: int, arguments: dict) -> dict:
-        """``setBreakpoints`` arguments as ``rank`` knows the file (unchanged where it is in place)."""
+        Returns the ranks whose copies changed.
+        """
+        changed = sorted(r for r, c in copies.items() if (c or None) != self._copies.get(r))
+        for rank, pairs in copies.items():
+            if pairs:
+                self._copies[rank] = dict(pairs)
+            else:
+                self._copies.pop(rank, None)
+        return changed
+
+    def to_rank(self, rank: int, arguments: dict) -> list[dict]:
+        """``setBreakpoints`` arguments for ``rank``: as given, and at its copy's path if any.
+
+        An empty list of breakpoints goes to both alike, so a removal reaches both.
+        """
         pairs = self._copies.get(rank)
         path = (arguments.get("source") or {}).get("path")
-        if not pairs or not path or _moved(path, pairs) == path:
-            return arguments
-        return dict(arguments, source=dict(arguments["source"], path=_moved(path, pairs)))
+        moved = _moved(path, pairs) if pairs and path else path
+        if moved == path:
+            return [arguments]
+        return [arguments, dict(arguments, source=dict(arguments["source"], path=moved))]
 
     def from_rank(self, rank: int, frame: dict) -> dict:
         """A stack frame of ``rank`` with its source path as the notebook's machine has it."""

@@ -3,8 +3,8 @@
 JupyterLab's debugger talks to the kernel with ``debug_request`` messages on the
 control channel (the Debug Adapter Protocol inside); ipykernel answers them with
 its own debugger, which sees only the kernel's process.
-:func:`nbdist.driver.lab_debugger_cells.install` puts a router in front of it (the kernel's ``do_debug_request``; ipykernel itself is not
-changed):
+:func:`nbdist.driver.lab_debugger_cells.install` puts a router in front of it
+(the kernel's ``do_debug_request``; ipykernel itself is not changed):
 
 - every request still reaches the kernel's debugger, which keeps debugging
   cells that run in the kernel exactly as before;
@@ -12,10 +12,11 @@ changed):
   (``setExceptionBreakpoints``) are also set on every rank whose debugpy this
   router is connected to, and on ranks that connect later;
 - a ``%%on_all_ranks``/``%%on_rank`` cell run while the debugger is on calls
-  :func:`~nbdist.driver.lab_debugger_cells.prepare_cell` first: it starts debugpy on the ranks the first time
-  (loopback, one connection per rank from the kernel) and tells each rank the
-  notebook cell's path (what ``dumpCell`` returned for it) and the line its body
-  starts on, so a breakpoint in the cell's gutter stops the ranks there
+  :func:`~nbdist.driver.lab_debugger_cells.prepare_cell` first: it starts debugpy
+  on the ranks the first time (loopback, one connection per rank from the kernel)
+  and tells each rank the notebook cell's path (what ``dumpCell`` returned for
+  it) and the line its body starts on, so a breakpoint in the cell's gutter stops
+  the ranks there
   (:mod:`nbdist.engine.lab_debug`);
 - stopped ranks appear as one more thread, "ranks", whose stack lists every
   stopped rank's frames, each named ``rank R · function``, under a first
@@ -164,7 +165,8 @@ class LabDebugRouter:
         if command == "setBreakpoints":
             path = (args.get("source") or {}).get("path")
             if path:
-                self._breakpoints[path] = args
+                with self._lock:
+                    self._breakpoints[path] = args
                 await self._to_all_ranks("setBreakpoints", args)
         elif command == "setExceptionBreakpoints":
             self._exceptions = args
@@ -192,11 +194,9 @@ class LabDebugRouter:
         return await asyncio.wait_for(asyncio.wrap_future(future), dap.REPLY_TIMEOUT_S)
 
     async def _to_all_ranks(self, command: str, arguments: dict) -> None:
-        ranks = list(self._ranks)
-        await asyncio.gather(
-            *(self._ask(r, command, self._paths.to_rank(r, arguments)) for r in ranks),
-            return_exceptions=True,
-        )
+        with self._lock:  # translated as use_copies last left the ranks' copies
+            asks = [(r, a) for r in self._ranks for a in self._paths.to_rank(r, arguments)]
+        await asyncio.gather(*(self._ask(r, command, a) for r, a in asks), return_exceptions=True)
 
     async def _on_ranks_thread(self, request: dict) -> dict:
         command = request["command"]
@@ -247,12 +247,11 @@ class LabDebugRouter:
             if isinstance(reply, BaseException):
                 continue
             for frame in (reply.get("body") or {}).get("stackFrames", []):
+                frame = self._paths.from_rank(rank, frame)  # named as JupyterLab knows the file
                 path = (frame.get("source") or {}).get("path") or ""
                 if any(part in path for part in _MACHINERY):
                     break
-                frame = dict(
-                    self._paths.from_rank(rank, frame), id=self._ids.give(rank, frame["id"])
-                )
+                frame = dict(frame, id=self._ids.give(rank, frame["id"]))
                 frame["name"] = f"rank {rank} · {frame.get('name', '?')}"
                 frames.append(frame)
         if frames:
@@ -436,9 +435,8 @@ class LabDebugRouter:
             if not connection.initialized.wait(dap.CONNECT_TIMEOUT_S):
                 raise TimeoutError(f"rank {rank}'s debugpy did not start a debug session")
             for arguments in list(self._breakpoints.values()):
-                dap.succeeded(
-                    connection.request("setBreakpoints", self._paths.to_rank(rank, arguments))
-                )
+                for moved in self._paths.to_rank(rank, arguments):
+                    dap.succeeded(connection.request("setBreakpoints", moved))
             if self._exceptions is not None:
                 dap.succeeded(connection.request("setExceptionBreakpoints", self._exceptions))
             dap.succeeded(connection.request("configurationDone"))
@@ -470,13 +468,38 @@ class LabDebugRouter:
         _leave(gone)
 
     def use_copies(self, copies: dict[int, dict[str, str]]) -> None:
-        """Where each rank runs ``%dist_sync``'s copies now: breakpoints in them set again there
-        (answered before the cell starts, which could otherwise pass them first)."""
-        for rank in self._paths.update(copies):
-            connection = self._ranks.get(rank)
-            for arguments in list(self._breakpoints.values()) if connection else ():
-                moved = self._paths.to_rank(rank, arguments)
-                dap.succeeded(connection.request("setBreakpoints", moved))
+        """Where ``copies``' ranks run ``%dist_sync``'s copies now, as each reported it.
+
+        Breakpoints are set again at the copies' paths, answered before the cell starts
+        (it could pass them first). A rank that does not answer is left and told; the
+        next cell attaches it again, breakpoints and all.
+        """
+        with self._lock:
+            changed = self._paths.update(copies)
+            asks = [
+                (rank, connection, connection.request("setBreakpoints", moved))
+                for rank in changed
+                if (connection := self._ranks.get(rank)) is not None
+                for arguments in list(self._breakpoints.values())
+                for moved in self._paths.to_rank(rank, arguments)[1:]
+            ]
+        deadline = time.monotonic() + dap.REPLY_TIMEOUT_S
+        failed: dict[int, tuple] = {}
+        for rank, connection, future in asks:
+            try:
+                dap.succeeded(future, max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - that rank is left, the others go on
+                failed.setdefault(rank, (connection, exc))
+        for rank, (connection, exc) in failed.items():
+            with self._lock:
+                if self._ranks.get(rank) is connection:
+                    del self._ranks[rank]
+            connection.close()
+            print(
+                f"nbdist: JupyterLab's debugger lost rank {rank} ({exc}); the next cell "
+                "attaches it again",
+                file=sys.stderr,
+            )
 
     def connected(self) -> list[int]:
         """The ranks this router is attached to."""

@@ -6,7 +6,7 @@ at ``%load_ext nbdist``) stands it in front of the kernel's debugger;
 :func:`prepare_cell`, before each ``%%on_all_ranks``/``%%on_rank`` cell while
 the debugger is on, starts debugpy on the ranks, tells them the cell's path,
 attaches the router (directly, or relayed for a rank on another machine) and
-tells it where each rank runs the files ``%dist_sync`` copied;
+tells it where each rank runs the files ``%dist_sync`` copied (as the rank says);
 :func:`session_ended` closes the relays of a stopping session.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import socket
 
-from nbdist.driver import file_sync, kernel_debugpy
+from nbdist.driver import kernel_debugpy
 from nbdist.driver.lab_debugger import LabDebugRouter
 
 __all__ = ["install", "prepare_cell", "router", "session_ended"]
@@ -76,7 +76,8 @@ def prepare_cell(session, ranks, body: str) -> None:
     # An interrupt or a failure ends the cell with ranks still marked paused: unmark them.
     events.register("post_execute", ended)
     endpoints = session.apply(lab_debug.prepare, body, path, offset, source, ranks=ranks)
-    found.use_copies(file_sync.copies_by_rank(session))  # before attaching: they need them too
+    # Before attaching: a rank attached now gets its breakpoints at its copies' paths too.
+    found.use_copies({rank: e.get("copies") or {} for rank, e in zip(ranks, endpoints)})
     here = set(lab_debug.machine_addresses())
     engines = {r.rank: r.engine_id for r in getattr(session, "ranks", ())}
     for rank, endpoint in zip(ranks, endpoints):

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-from nbdist.engine import dap_relay, debugpy_server, netif
+from nbdist.engine import dap_relay, debugpy_server, netif, synced_files
 
 __all__ = ["machine_addresses", "prepare"]
 
@@ -130,7 +130,8 @@ def prepare(body: str, path: str, offset: int, source: str) -> dict:
     ``path``). Starts debugpy listening on loopback the first time; returns its
     endpoint (:func:`nbdist.engine.debugpy_server.listen`) with ``addresses``, this
     machine's (:func:`machine_addresses`: the kernel reaches this loopback only when
-    it runs on the same machine).
+    it runs on the same machine), and ``copies``, the synced paths this rank runs
+    from a copy at another path (:func:`nbdist.engine.synced_files.copies_here`).
     """
     shell = _shell()
     if shell is None:
@@ -138,6 +139,7 @@ def prepare(body: str, path: str, offset: int, source: str) -> dict:
             "JupyterLab's debugger needs ranks that run IPython (ipyparallel engines)"
         )
     endpoint = dict(debugpy_server.listen(), addresses=machine_addresses())
+    endpoint["copies"] = synced_files.copies_here()
     _install(shell)
     if sys.gettrace() is None:
         import debugpy

@@ -34,6 +34,7 @@ __all__ = [
     "SYNC_DIR_ENV",
     "activate",
     "copies_dir",
+    "copies_here",
     "finish_copy",
     "local_path",
     "look",
@@ -300,6 +301,11 @@ def _synced(name: str) -> bool:
     file = os.path.realpath(file)
     roots = {os.path.realpath(p) for pair in _ACTIVE.items() for p in pair}
     return any(file.startswith(root + os.sep) for root in roots)
+
+
+def copies_here() -> dict[str, str]:
+    """``{synced path on the kernel's machine: its copy here}``, for the paths run from copies."""
+    return {origin: here for origin, here in _ACTIVE.items() if here != origin}
 
 
 def local_path(path: str) -> str:

@@ -334,6 +334,21 @@ def test_breakpoint_in_a_synced_file_stops_ranks_that_run_its_copy(lab, tmp_path
     text = dbg.cell_output(msg_id)
     assert "tripled 0 3" in text and "tripled 1 6" in text, text
     assert "nbdist-sync-" in text and f"from {module}" not in text, text
+    # Removed in JupyterLab: gone at the copy's path too, the ranks run through.
+    assert dbg.request("setBreakpoints", source={"path": str(module)}, breakpoints=[])["success"]
+    dbg.events.clear()
+    msg_id = kernel.submit(cell)
+    assert "tripled 1 6" in dbg.cell_output(msg_id)
+    assert not [e for e in dbg.events if e.get("event") == "stopped"], dbg.events
+    # Set again now that the ranks run the copy: it reaches the copy's path at once.
+    assert dbg.request("setBreakpoints", source={"path": str(module)}, breakpoints=[{"line": 3}])[
+        "success"
+    ]
+    msg_id, _ = _both_stop_in(dbg, kernel, cell, module, "triple")
+    _select_all(dbg)
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    assert "tripled 1 6" in dbg.cell_output(msg_id)
+    assert dbg.request("setBreakpoints", source={"path": str(module)}, breakpoints=[])["success"]
 
 
 def test_switching_the_debugger_off_lets_the_ranks_run_through(lab):
