@@ -19,6 +19,7 @@ the copies. Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy as copy_module
 import fnmatch
 import hashlib
@@ -77,7 +78,6 @@ class _State:
     entries: dict[str, _Entry] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # origins, first on sys.path first
     copy: bool = False
-    writers_with_copies: list[int] = field(default_factory=list)  # engine ids
     digests: dict[str, tuple] = field(default_factory=dict)  # path -> (size, mtime_ns, sha256)
     machines: tuple | None = None  # ((engine id, pid) of each rank, their machine keys)
 
@@ -205,10 +205,8 @@ def _listing(entry: _Entry) -> dict[str, tuple[str, os.stat_result]]:
         try:
             st = os.stat(path)
         except OSError:  # a dangling link, a file deleted meanwhile
-            if entry.files is not None:
-                raise NbdistError(
-                    f"%dist_sync: {path} is gone: sync the files that exist"
-                ) from None
+            if entry.files is not None:  # a file synced by name and deleted since: no longer
+                entry.files.discard(rel)
             continue
         if stat.S_ISREG(st.st_mode):
             listing[rel] = (path, st)
@@ -217,10 +215,23 @@ def _listing(entry: _Entry) -> dict[str, tuple[str, os.stat_result]]:
 
 def _manifest(state: _State, listing: dict) -> dict[str, list]:
     # {relative path: [size, mtime_ns, sha256]}: what the ranks compare and keep.
-    return {
-        rel: [st.st_size, st.st_mtime_ns, _digest(state, path, st)]
-        for rel, (path, st) in listing.items()
-    }
+    manifest = {}
+    for rel, (path, st) in listing.items():
+        with _readable(path):
+            manifest[rel] = [st.st_size, st.st_mtime_ns, _digest(state, path, st)]
+    return manifest
+
+
+@contextlib.contextmanager
+def _readable(path: str):
+    # A file this kernel cannot read (permissions, deleted meanwhile): said with its name.
+    try:
+        yield
+    except OSError as exc:
+        raise NbdistError(
+            f"%dist_sync: cannot read {path} ({exc.strerror or exc}): "
+            "leave it out with --exclude, or make it readable"
+        ) from None
 
 
 def _entries_for(state: _State, paths: Sequence[str], exclude: tuple[str, ...]) -> list[_Entry]:
@@ -255,7 +266,7 @@ def _entries_for(state: _State, paths: Sequence[str], exclude: tuple[str, ...]) 
 
 def _shown(entry: _Entry) -> str:
     home = os.path.expanduser("~")
-    if entry.files is not None:
+    if entry.files:
         names = [os.path.join(entry.origin, n) for n in sorted(entry.files)]
     else:
         names = [entry.origin + os.sep]
@@ -368,11 +379,6 @@ def _sync(
                 if rel not in entry.last or entry.last[rel][2] != v[2]
             ]
         entry.last = manifest
-        # Known before the first file lands: a stop after an interrupted sync removes it too.
-        engine_ids = {i.rank: i.engine_id for i in ranks}
-        state.writers_with_copies = sorted(
-            set(state.writers_with_copies) | {engine_ids[r] for r in copying}
-        )
         # Writers that lack the same files get the same messages; one with nothing to do
         # (up to date, nothing removed) gets none.
         groups: dict[tuple, list[int]] = {}
@@ -422,7 +428,7 @@ def _chunks(entry: _Entry, manifest: dict, wanted):
     size = 0
     for rel in wanted:
         path = os.path.join(entry.origin, rel)
-        with open(path, "rb") as f:
+        with _readable(path), open(path, "rb") as f:
             data = f.read()
         if size and size + len(data) > _CHUNK_BYTES:
             yield chunk
@@ -451,58 +457,51 @@ def _writers(session, state: _State, ranks) -> dict[str, int]:
 
 
 def resync(session) -> SyncReport | None:
-    """After a restart (fresh ranks): the synced paths again, as they are now; None if none.
+    """After a restart (fresh ranks): the synced paths again, as they are now; the last report.
 
-    A path that is gone, or a rank that fails, is a warning: the restart itself succeeded.
+    Each path on its own: one that is gone or fails is a warning, the others are synced
+    (the restart itself succeeded).
     """
     state = _STATES.get(session)
     if state is None or not state.entries:
         return None
-    # Fresh processes: their machines are asked again (a full restart may give others),
-    # and their engines hold the copies from now on (the former ones are gone).
+    # Fresh processes: their machines are asked again (a full restart may give others).
     state.machines = None
-    former, state.writers_with_copies = state.writers_with_copies, []
     for entry in state.entries.values():
         entry.in_place = {}
-    gone = [o for o in state.order if not os.path.isdir(o)]
-    if gone:
-        warnings.warn(
-            f"nbdist: synced before, now gone, so no longer synced: {', '.join(gone)}",
-            stacklevel=2,
-        )
-        for origin in gone:
+    report = None
+    for origin in list(state.order):
+        entry = state.entries[origin]
+        try:
+            if not os.path.isdir(origin):
+                raise NbdistError(f"%dist_sync: {_shown(entry)} is gone, so no longer synced")
+            report = _sync(session, state, [entry], reload=False, max_bytes=MAX_BYTES)
+        except (Exception, KeyboardInterrupt) as exc:  # told: the restart itself succeeded
+            why = str(exc) if isinstance(exc, NbdistError) else f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"nbdist: {_shown(entry)} not synced again after the restart ({why}); "
+                "%dist_sync it again once it can be",
+                stacklevel=2,
+            )
             state.order.remove(origin)
             del state.entries[origin]
-    try:
-        return _sync(
-            session,
-            state,
-            [state.entries[o] for o in state.order],
-            reload=False,
-            max_bytes=MAX_BYTES,
-        )
-    except (Exception, KeyboardInterrupt) as exc:  # told: the restart itself succeeded
-        state.writers_with_copies = sorted(set(former) | set(state.writers_with_copies))
-        warnings.warn(
-            f"nbdist: the synced paths could not be synced again ({type(exc).__name__}: {exc}): "
-            "%dist_sync them again",
-            stacklevel=2,
-        )
-        return None
+    return report
 
 
 def session_stopping(session, client) -> None:
-    """Before the ranks stop: each machine's copies removed (best effort, 10 s at most)."""
+    """Before the ranks stop: the session's copies removed on every machine (best effort, 10 s).
+
+    Asked of every engine, not only the ranks that wrote: a rank of an earlier start, a
+    kernel that attached to a named session and never synced. Removing is idempotent.
+    """
     state = _STATES.get(session)
-    if state is None:
-        return
-    state.machines = None  # the next ranks are other processes
-    # Engines that are still there (a failed resync may have left former ones listed).
-    writers = [i for i in state.writers_with_copies if client is not None and i in client.ids]
-    if not writers:
+    name = getattr(session, "name", None)
+    if state is not None:
+        state.machines = None  # the next ranks are other processes
+    token = state.token if state is not None else (f"named-{name}" if name else None)
+    if token is None or client is None or not client.ids:
         return
     try:
-        client[writers].apply_async(synced_files.remove_copies, state.token).get(10)
+        client[list(client.ids)].apply_async(synced_files.remove_copies, token).get(10)
     except Exception:  # noqa: BLE001 - a dead or hung rank: prune() removes them later
         pass
-    state.writers_with_copies = []

@@ -17,10 +17,14 @@ import os
 __all__ = ["RankPaths"]
 
 
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def _moved(path: str, pairs: dict[str, str]) -> str:
     # ``path`` under one of ``pairs``' keys (the longest that holds it), under its value.
     for old in sorted(pairs, key=len, reverse=True):
-        if path == old or path.startswith(old.rstrip(os.sep) + os.sep):
+        if _under(path, old):
             return pairs[old] + path[len(old) :]
     return path
 
@@ -46,16 +50,17 @@ class RankPaths:
         return changed
 
     def to_rank(self, rank: int, arguments: dict) -> list[dict]:
-        """``setBreakpoints`` arguments for ``rank``: as given, and at its copy's path if any.
+        """``setBreakpoints`` arguments for ``rank``: as given, and at each of its copies' paths.
 
         An empty list of breakpoints goes to both alike, so a removal reaches both.
         """
-        pairs = self._copies.get(rank)
-        path = (arguments.get("source") or {}).get("path")
-        moved = _moved(path, pairs) if pairs and path else path
-        if moved == path:
-            return [arguments]
-        return [arguments, dict(arguments, source=dict(arguments["source"], path=moved))]
+        pairs = self._copies.get(rank) or {}
+        path = (arguments.get("source") or {}).get("path") or ""
+        # Each synced path that holds the file (nested ones: /a and /a/src) has its copy.
+        moved = [pairs[o] + path[len(o) :] for o in sorted(pairs) if path and _under(path, o)]
+        return [arguments] + [
+            dict(arguments, source=dict(arguments["source"], path=m)) for m in moved
+        ]
 
     def from_rank(self, rank: int, frame: dict) -> dict:
         """A stack frame of ``rank`` with its source path as the notebook's machine has it."""

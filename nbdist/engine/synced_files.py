@@ -11,7 +11,8 @@ put first on ``sys.path`` and remembered, so ``%dist_run`` of a script under a
 synced path runs this machine's copy (:func:`local_path`).
 
 A copy lives in ``$NBDIST_SYNC_DIR`` (default: the temporary directory), under
-``nbdist-sync-<uid>/<session>/<n>-<name>``; :func:`remove_copies` deletes a session's
+``nbdist-sync-<uid>/<session>-<machine>/<hash of the path>-<name>``;
+:func:`remove_copies` deletes a session's
 copies at ``%dist_stop``, and :func:`prune` those of sessions whose ranks are all
 gone (a rank killed with ``kill -9`` never removes them itself).
 """
@@ -129,7 +130,8 @@ def look(session: str, origin: str, manifest: dict, copy: bool) -> dict:
         for rel, (size, mtime, _sha) in manifest.items()
     ):
         return {"in_place": True}
-    prune()
+    with _copies_writable(session):
+        prune()
     target = _copy_dir(session, origin)
     have = _stored(target)
     # By content: a file touched but not changed is not sent again; one the copy lost
@@ -154,7 +156,8 @@ def write(session: str, origin: str, files: dict, manifest: dict | None = None) 
     :func:`finish_copy` (in the same round trip). Returns (bytes written, files removed).
     """
     target = _copy_dir(session, origin)
-    _own(session)
+    with _copies_writable(session):
+        _own(session)
     written = 0
     for rel, (data, sha, executable) in files.items():
         if hashlib.sha256(data).hexdigest() != sha:
@@ -175,6 +178,19 @@ def write(session: str, origin: str, files: dict, manifest: dict | None = None) 
         written += len(data)
     removed = finish_copy(session, origin, manifest) if manifest is not None else 0
     return written, removed
+
+
+@contextlib.contextmanager
+def _copies_writable(session: str):
+    # This machine's copies folder cannot be made or written: said with the setting that moves it.
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(
+            f"cannot keep %dist_sync's copies in {copies_dir(session)} on "
+            f"{socket.gethostname()} ({exc.strerror or exc}): set {SYNC_DIR_ENV} on the ranks "
+            "to a folder they can write"
+        ) from None
 
 
 def _clear_way(target: str, rel: str) -> None:

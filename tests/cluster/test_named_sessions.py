@@ -241,7 +241,12 @@ def test_synced_copies_outlive_a_detach_serve_the_next_kernel_and_go_at_the_stop
     assert report.used[0][str(tmp_path / "src")] == copy and report.sent_files == 0, str(report)
     again.run("import model")
     assert again.pull("model.VALUE") == [5, 5]
-    again.stop()
+    again.detach()
+    # A third kernel that never syncs: the ranks still import the copy, and its stop removes it.
+    third = NamedSession.attach("synced")
+    third.run("import sys; sys.modules.pop('model'); import model")
+    assert third.pull("model.__file__") == [os.path.join(copy, "model.py")] * 2
+    third.stop()
     assert not os.path.exists(os.path.dirname(copy)), "the stop removed the copies"
 
 

@@ -37,7 +37,7 @@ def test_a_restart_syncs_again_and_a_stop_removes_the_copies(tmp_path, monkeypat
         assert copy.startswith(str(tmp_path / "sync")) and os.path.isfile(os.path.join(copy, "model.py"))
         (proj / "model.py").write_text("VALUE = 2\n")
         shutil.rmtree(gone)
-        with pytest.warns(UserWarning, match=f"now gone, so no longer synced: {gone}"):
+        with pytest.warns(UserWarning, match=f"{gone}/? not synced again after the restart \\(%dist_sync: {gone}/? is gone"):
             s.restart()
         assert s.restarted.fresh
         # Fresh ranks import the file as it was at the restart, from the copy.

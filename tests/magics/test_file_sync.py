@@ -230,3 +230,29 @@ def test_one_path_as_a_string_removals_of_two_paths_and_a_copy_that_lost_a_file(
         NbdistError, match=r"nothing to sync in .*other/: .*by --exclude \*\.py or the default"
     ):
         sync_files(session, [other], exclude="*.py")
+
+
+def test_a_file_synced_by_name_and_deleted_is_dropped_and_a_restart_keeps_the_rest(
+    started, project, tmp_path, capsys
+):
+    from nbdist.driver.file_sync import sync_files
+
+    proj, _ = project
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "keep.py").write_text("KEEP = 1\n")
+    (single / "scratch.py").write_text("")
+    session = _session(started)
+    sync_files(session, [single / "keep.py", single / "scratch.py"], copy=True)
+    (single / "scratch.py").unlink()
+    report = sync_files(session, [single / "keep.py"])
+    assert report.files == 1 and "1 removed" in str(report), str(report)
+    # A restart syncs each path on its own: the others are there for the fresh ranks.
+    sync_files(session, [proj], exclude="data")
+    (single / "keep.py").unlink()
+    with pytest.warns(
+        UserWarning,
+        match=r"single/ not synced again after the restart \(%dist_sync: nothing to sync",
+    ):
+        started.run_line_magic("dist_restart", "")
+    assert _on_ranks(started, "__import__('model').VALUE") == [1, 1]

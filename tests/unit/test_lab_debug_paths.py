@@ -27,11 +27,14 @@ def test_a_breakpoint_goes_to_both_paths_on_a_rank_with_a_copy_and_as_is_elsewhe
     assert len(paths.to_rank(0, _breakpoints("/home/u/proj/m.py", ()))) == 2
 
 
-def test_nested_synced_paths_take_the_longest_and_frames_come_back_by_it():
+def test_nested_synced_paths_each_get_the_breakpoint_and_frames_come_back_by_the_longest():
     paths = RankPaths()
     paths.update({0: {"/a": "/tmp/c/x-a", "/a/src": "/tmp/c/y-src"}})
-    assert paths.to_rank(0, _breakpoints("/a/src/m.py"))[1]["source"]["path"] == "/tmp/c/y-src/m.py"
-    assert paths.to_rank(0, _breakpoints("/a/m.py"))[1]["source"]["path"] == "/tmp/c/x-a/m.py"
+    # A file in both: each copy gets the breakpoint (a rank may import it through either).
+    sent = [a["source"]["path"] for a in paths.to_rank(0, _breakpoints("/a/src/m.py"))]
+    assert sent == ["/a/src/m.py", "/tmp/c/x-a/src/m.py", "/tmp/c/y-src/m.py"]
+    sent = [a["source"]["path"] for a in paths.to_rank(0, _breakpoints("/a/m.py"))]
+    assert sent == ["/a/m.py", "/tmp/c/x-a/m.py"]
     frame = {"id": 7, "source": {"path": "/tmp/c/y-src/m.py", "name": "m.py"}, "line": 3}
     assert paths.from_rank(0, frame)["source"] == {"path": "/a/src/m.py", "name": "m.py"}
     assert paths.from_rank(1, frame) is frame  # a rank without copies: untouched
