@@ -15,7 +15,9 @@ import stat
 import pytest
 from IPython.core.error import UsageError
 
+from nbdist.driver.file_sync import sync_files
 from nbdist.driver.sinks import ListSink
+from nbdist.errors import NbdistError
 
 
 def _session(sh):
@@ -49,6 +51,13 @@ def project(started, tmp_path, monkeypatch):
         started, f"__import__('os').environ.__setitem__('NBDIST_SYNC_DIR', {str(sync_dir)!r})"
     )
     return _project(tmp_path), sync_dir
+
+
+def _folder(path, files: dict):
+    path.mkdir()
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return path
 
 
 def _on_ranks(sh, code):
@@ -136,9 +145,6 @@ def test_bad_paths_and_too_much_change_nothing(started, project, capsys):
         started.run_line_magic("dist_sync", "proj/pkg nope")
     with pytest.raises(UsageError, match="needs a directory or file, e.g. %dist_sync src"):
         started.run_line_magic("dist_sync", "")
-    from nbdist.driver.file_sync import sync_files
-    from nbdist.errors import NbdistError
-
     with pytest.raises(
         NbdistError,
         match=r"1.1 KiB to send, above the 100 B limit \(largest: proj/data/big.bin \(1000 B\)",
@@ -206,14 +212,8 @@ def test_paths_given_first_come_first_and_reload_reaches_the_package(
 def test_one_path_as_a_string_removals_of_two_paths_and_a_copy_that_lost_a_file(
     started, project, tmp_path
 ):
-    from nbdist.driver.file_sync import sync_files
-    from nbdist.errors import NbdistError
-
     proj, _ = project
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "a.py").write_text("")
-    (other / "b.py").write_text("")
+    other = _folder(tmp_path / "other", {"a.py": "", "b.py": ""})
     session = _session(started)
     # A string is one path (or one pattern), not a list of letters.
     report = sync_files(session, str(proj), exclude="data", copy=True)
@@ -233,15 +233,10 @@ def test_one_path_as_a_string_removals_of_two_paths_and_a_copy_that_lost_a_file(
 
 
 def test_a_file_synced_by_name_and_deleted_is_dropped_and_a_restart_keeps_the_rest(
-    started, project, tmp_path, capsys
+    started, project, tmp_path
 ):
-    from nbdist.driver.file_sync import sync_files
-
     proj, _ = project
-    single = tmp_path / "single"
-    single.mkdir()
-    (single / "keep.py").write_text("KEEP = 1\n")
-    (single / "scratch.py").write_text("")
+    single = _folder(tmp_path / "single", {"keep.py": "KEEP = 1\n", "scratch.py": ""})
     session = _session(started)
     sync_files(session, [single / "keep.py", single / "scratch.py"], copy=True)
     (single / "scratch.py").unlink()
