@@ -6,7 +6,8 @@ through the engine's control channel instead. The test sends what JupyterLab's
 debugger sends and reads what it would show: a breakpoint in a
 ``%%on_all_ranks`` cell stops the ranks in both namespaces, the Callstack lists
 each as ``rank R · <module>``, a rank's Variables and an evaluate show that
-rank's values, Continue lets the cell finish with its output; ``%dist_stop``
+rank's values, Continue lets the cell finish with its output; a breakpoint in a
+file ``%dist_sync`` copied to each machine stops the ranks in their copies; ``%dist_stop``
 or ``%dist_restart`` while ranks are paused lets them run on, closes the
 relays and ends the kernel's threads for them, as switching the debugger off
 does. Skipped where network namespaces cannot be made.
@@ -58,7 +59,7 @@ def _variables(dbg: LabDebugClient, frame_id: int) -> dict[str, str]:
     return found
 
 
-def test_ranks_on_other_machines_stop_at_breakpoints(two_hosts):  # noqa: F811
+def test_ranks_on_other_machines_stop_at_breakpoints(two_hosts, tmp_path):  # noqa: F811
     hosts, client_file, procs = two_hosts
     kernel = Kernel()
     try:
@@ -105,6 +106,31 @@ def test_ranks_on_other_machines_stop_at_breakpoints(two_hosts):  # noqa: F811
         )
         said = [line for line in listens.splitlines() if "debugpy listens" in line]
         assert said and all(line.endswith("['127.0.0.1']") for line in said), listens
+
+        # A file %dist_sync copied to each machine: a breakpoint set in it (at the notebook's
+        # path) stops the relayed ranks in their copies, and their frames name that path.
+        src = tmp_path / "relayed_src"
+        src.mkdir()
+        module = src / "relayed_helper.py"
+        module.write_text("def twice(v):\n    w = v * 2\n    return w\n")
+        assert "hold a copy" in _run(kernel, dbg, f"%dist_sync {src} --copy")
+        breakpoint_in = dict(source={"path": str(module)}, breakpoints=[{"line": 3}])
+        assert dbg.request("setBreakpoints", **breakpoint_in)["success"]
+        dbg.events.clear()
+        msg_id = kernel.submit(
+            "%%on_all_ranks\nimport relayed_helper\nprint('twice', rank, relayed_helper.twice(rank))"
+        )
+        dbg.wait_event("stopped", threadId=RANKS_THREAD, count=4, timeout=180)
+        tops = _stack(dbg)
+        assert sorted(tops) == [0, 1, 2, 3], tops
+        for rank, frame in tops.items():
+            assert frame["name"] == f"rank {rank} · twice", frame
+            assert (frame["source"]["path"], frame["line"]) == (str(module), 3), frame
+        _select_all(dbg)
+        assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+        text = dbg.cell_output(msg_id, timeout=180)
+        assert kernel.reply(msg_id)["status"] == "ok" and "twice 3 6" in text, text
+        assert dbg.request("setBreakpoints", **dict(breakpoint_in, breakpoints=[]))["success"]
 
         # %dist_stop while the ranks are paused: the ranks of this connected cluster
         # outlive the session, so their relays must close and let them run on.
