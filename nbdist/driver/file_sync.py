@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from nbdist.driver.comm_table import format_size
 from nbdist.engine import synced_files
 from nbdist.errors import ClusterNotRunning, NbdistError
 
@@ -111,7 +112,7 @@ class SyncReport:
         if copied:
             sent = (
                 f"{self.sent_files} file{'s' * (self.sent_files != 1)} sent, "
-                f"{_size(self.sent_bytes)}"
+                f"{format_size(self.sent_bytes)}"
                 if self.sent_files
                 else "up to date"
             )
@@ -119,7 +120,7 @@ class SyncReport:
             parts.append(f"{copied} hold{'s' * (copied == 1)} a copy ({sent}{gone})")
         line = (
             f"nbdist: synced {', '.join(self.paths)} ({self.files} file{'s' * (self.files != 1)}, "
-            f"{_size(self.bytes)}) to {self.machines} machine{'s' * (self.machines != 1)}: "
+            f"{format_size(self.bytes)}) to {self.machines} machine{'s' * (self.machines != 1)}: "
             + "; ".join(parts)
         )
         names = ", ".join(sorted(self.modules))
@@ -133,14 +134,6 @@ class SyncReport:
                 "%dist_sync --reload reloads it (or %dist_restart)"
             )
         return line
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _excluded(rel: str, patterns: Sequence[str]) -> bool:
@@ -341,9 +334,9 @@ def _sync(
             ((st.st_size, path) for files in listings.values() for path, st in files.values()),
             reverse=True,
         )[:3]
-        named = ", ".join(f"{os.path.relpath(p)} ({_size(s)})" for s, p in biggest)
+        named = ", ".join(f"{os.path.relpath(p)} ({format_size(s)})" for s, p in biggest)
         raise NbdistError(
-            f"%dist_sync: {_size(total)} to send, above the {_size(max_bytes)} limit "
+            f"%dist_sync: {format_size(total)} to send, above the {format_size(max_bytes)} limit "
             f"(largest: {named}): "
             "leave data out with --exclude 'data/*' (it travels through the controller), "
             "or put it on a file system every machine mounts"

@@ -81,8 +81,8 @@ def test_the_report_says_what_travelled_and_what_is_stale(tmp_path):
         reload_errors={},
     )
     assert str(report) == (
-        "nbdist: synced src/ (12 files, 48.0 KiB) to 3 machines: 1 sees them in place; "
-        "2 hold a copy (1 file sent, 2.0 KiB, 2 removed)\n"
+        "nbdist: synced src/ (12 files, 48 KiB) to 3 machines: 1 sees them in place; "
+        "2 hold a copy (1 file sent, 2 KiB, 2 removed)\n"
         "nbdist: the ranks imported model before its file changed: %dist_sync --reload reloads it "
         "(or %dist_restart)"
     )
