@@ -12,6 +12,11 @@
 # parallel, 2D/3D, autoplan, compare, staged point-to-point), with NBDIST_GPU_LIKE=1 on
 # the ranks: optimizers forced to foreach kernels and point-to-point staged through host
 # memory, as on GPU ranks (nbdist/engine/gpu_like.py). Test paths given replace the tier's.
+#
+# The whole suite runs on $NBDIST_TEST_WORKERS pytest-xdist workers (default 2; 1 runs it in
+# one process): the tests spend much of their time waiting for processes to start and answer,
+# so two workers on 2 cores take ~0.6 of one's time. How the tests are shared out:
+# tests/conftest.py (pytest_xdist_make_scheduler).
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
   cat <<'USAGE'
 usage: bash scripts/test.sh [--gpu-like] [PYTEST ARGS...]
@@ -20,10 +25,16 @@ Creates .venv with nbdist[test] on first use, then runs pytest:
   bash scripts/test.sh                        every tier of tests/, then the GPU-like tier (as CI does)
   bash scripts/test.sh tests/unit -x          the paths and options given, nothing else
   bash scripts/test.sh --gpu-like             the GPU-like tier alone (NBDIST_GPU_LIKE=1 on the ranks)
+The whole suite runs on NBDIST_TEST_WORKERS pytest-xdist workers (default 2; 1: one process).
 Debian's chromium and Playwright are installed only when the run selects tests/ui.
 Every other argument goes to pytest: .venv/bin/python -m pytest --help lists them.
 USAGE
   exit 0
+fi
+workers="${NBDIST_TEST_WORKERS:-2}"
+if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
+  echo "NBDIST_TEST_WORKERS=$workers: give a number of pytest workers, 1 or more (1: one process)" >&2
+  exit 2
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
@@ -84,11 +95,13 @@ if has_test_paths "$@"; then
   exec "$PY" -m pytest -q -p no:cacheprovider "$@"
 fi
 # The whole suite (what CI runs): every tier, then the GPU-like tier; fails if either fails.
+parallel=()
+((workers > 1)) && parallel=(-n "$workers" --dist loadscope)
 status=0
-"$PY" -m pytest -q -p no:cacheprovider "$@" || status=$?
+"$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" || status=$?
 echo "== the GPU-like tier (NBDIST_GPU_LIKE=1): ${#GPU_LIKE_TESTS[@]} test paths"
 tier=0
-NBDIST_GPU_LIKE=1 "$PY" -m pytest -q -p no:cacheprovider "$@" "${GPU_LIKE_TESTS[@]}" || tier=$?
+NBDIST_GPU_LIKE=1 "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" "${GPU_LIKE_TESTS[@]}" || tier=$?
 # 5: a -k or -m filter left the tier nothing to run, which is not a failure.
 if [[ "$tier" != 0 && "$tier" != 5 ]]; then
   status=$tier

@@ -1,8 +1,10 @@
-"""Shared test set-up: isolated IPython/Jupyter dirs, and a check that no process outlives the run.
+"""Shared test set-up: isolated IPython/Jupyter dirs, a check that no process outlives the run,
+and how the tests share out between pytest-xdist's workers.
 
 The check is by PID: every process this test run started (children of the
 pytest process, recursively) must be gone at the end; nbdist must never leave
-an engine, nanny, zygote or controller behind.
+an engine, nanny, zygote or controller behind. Under ``-n N`` each worker is a
+test run of its own here (its own isolated dirs, its own processes checked).
 """
 
 from __future__ import annotations
@@ -32,6 +34,41 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # may be) inherits SIGINT ignored, and the interrupt would do nothing: restore Python's
 # default, as a kernel has.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# How pytest-xdist's workers (``-n 2 --dist loadscope``, as scripts/test.sh runs the whole suite)
+# share the tests: a module's tests stay together on one worker, in file order (a module-scoped
+# session starts once; tests that follow one another still do), with two exceptions:
+# - each example notebook goes to whichever worker is free: each starts its own kernel and
+#   ranks, and together they are the longest module;
+# - tests/cluster runs on one worker, one test after another: its tests share one Slurm cluster
+#   and sshd, and some look for the processes they started among all of the machine's.
+_SPREAD_MODULES = ("tests/notebooks/test_examples.py",)
+_ONE_WORKER_FOLDERS = ("tests/cluster/",)
+
+
+def _scope(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    if module in _SPREAD_MODULES:
+        return nodeid
+    for folder in _ONE_WORKER_FOLDERS:
+        if module.startswith(folder):
+            return folder
+    return module
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist installed, never called
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with the scopes above (xdist's own would group by module only)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TestScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(nodeid)
+
+    return TestScopes(config, log)
 
 
 def _descendants() -> list[psutil.Process]:
