@@ -15,8 +15,9 @@
 #
 # The whole suite runs on $NBDIST_TEST_WORKERS pytest-xdist workers (default 2; 1 runs it in
 # one process): the tests spend much of their time waiting for processes to start and answer,
-# so two workers on 2 cores take ~0.6 of one's time. How the tests are shared out:
-# tests/conftest.py (pytest_xdist_make_scheduler).
+# so two workers on 2 cores take about two thirds of one's time. The tests marked `alone` (the
+# browser tests, 256 ranks) then run in one process with nothing beside them. How the tests
+# are shared out: tests/conftest.py.
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
   cat <<'USAGE'
 usage: bash scripts/test.sh [--gpu-like] [PYTEST ARGS...]
@@ -98,7 +99,18 @@ fi
 parallel=()
 ((workers > 1)) && parallel=(-n "$workers" --dist loadscope)
 status=0
-"$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" || status=$?
+if ((workers > 1)); then
+  # The tests marked `alone` (tests/conftest.py: the browser tests, 256 ranks) after the rest.
+  "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" -m "not alone" "$@" || status=$?
+  echo "== the tests that run alone (the browser tests, 256 ranks)"
+  alone=0
+  "$PY" -m pytest -q -p no:cacheprovider -m alone "$@" || alone=$?
+  if [[ "$alone" != 0 && "$alone" != 5 ]]; then # 5: a -k filter left nothing to run
+    status=$alone
+  fi
+else
+  "$PY" -m pytest -q -p no:cacheprovider "$@" || status=$?
+fi
 echo "== the GPU-like tier (NBDIST_GPU_LIKE=1): ${#GPU_LIKE_TESTS[@]} test paths"
 tier=0
 NBDIST_GPU_LIKE=1 "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" "${GPU_LIKE_TESTS[@]}" || tier=$?

@@ -45,6 +45,18 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 #   and sshd, and some look for the processes they started among all of the machine's.
 _SPREAD_MODULES = ("tests/notebooks/test_examples.py",)
 _ONE_WORKER_FOLDERS = ("tests/cluster/",)
+# Tests marked ``alone``, which scripts/test.sh runs after the others, in one process with
+# nothing beside them: the browser tests time how fast the page answers (a machine shared with
+# another test's ranks stretched one answer past 20 s), and 256 ranks starting at once fill
+# the machine (they would starve whatever ran beside them).
+_ALONE = ("tests/ui/", "tests/reliability/test_start_limits.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that must run with nothing beside them ``alone`` (see above)."""
+    for item in items:
+        if item.nodeid.startswith(_ALONE):
+            item.add_marker(pytest.mark.alone)
 
 
 def _scope(nodeid: str) -> str:
