@@ -31,13 +31,14 @@ import re
 
 from nbdist.engine.control import runs_cell
 
-__all__ = ["summary"]
+__all__ = ["crash_words", "summary"]
 
 # How many of the innermost frames the line names (the cell's line comes on top).
 INNERMOST = 3
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.+)$')
 _HEADER = re.compile(r"^(?P<current>Current thread|Thread) 0x[0-9a-f]+")
 _LIB = re.compile(r".*/(?:site-packages|dist-packages|lib/python3\.\d+)/")
+_FATAL = re.compile(r"^Fatal Python error: (?P<what>.+)$", re.MULTILINE)
 
 
 def _threads(dump: str) -> list[tuple[bool, list[tuple[str, int, str]]]]:
@@ -100,3 +101,26 @@ def summary(dump: str) -> str:
     if current is None:
         words = f"a thread without Python frames crashed while the cell's thread was {words}"
     return words
+
+
+def crash_words(dump: str) -> str:
+    """For a rank whose exit status is not known: 'crashed: <what>, <where>' if ``dump`` records
+    a fatal error, else ''.
+
+    Example::
+
+        >>> crash_words('''Fatal Python error: Segmentation fault
+        ...
+        ... Current thread 0x00007f (most recent call first):
+        ...   File "/tmp/ipykernel_77/3141.py", line 3 in <module>
+        ... ''')
+        'crashed: Segmentation fault, in the cell, line 3'
+        >>> crash_words("")
+        ''
+    """
+    fatal = list(_FATAL.finditer(dump))
+    if not fatal:
+        return ""
+    where = summary(dump)
+    what = fatal[-1]["what"].strip()
+    return f"crashed: {what}, {where}" if where else f"crashed: {what}"

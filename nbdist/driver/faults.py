@@ -187,14 +187,23 @@ class RankMonitor:
                     status = _wait_for_record(self._exit_record, pid)
                 cause = death_cause(status, self._oom.get(rank))
                 where = self._where(pid, status)
-                # " - ", not "; ": several ranks' causes are joined with "; ".
-                self.dead[rank] = f"pid {pid} {cause}" + (f" - {where}" if where else "")
+                if status is None and where:  # 'crashed: <what>, <where>' from its record
+                    self.dead[rank] = f"pid {pid} {where}"
+                else:
+                    # " - ", not "; ": several ranks' causes are joined with "; ".
+                    self.dead[rank] = f"pid {pid} {cause}" + (f" - {where}" if where else "")
                 os.close(fd)
                 if self._on_death is not None:
                     self._on_death(rank)
 
     def _where(self, pid: int, status: int | None) -> str:
-        if self._crash_record is None or status is None or (status & 0x7F) not in _DUMPED:
+        if self._crash_record is None:
+            return ""
+        if status is None:
+            # A launcher's rank, reaped by its own parent (slurmstepd, orted, sshd's child)
+            # before its status could be read: its record says whether it crashed.
+            return crash_stack.crash_words(self._crash_record(pid))
+        if (status & 0x7F) not in _DUMPED:
             return ""
         return crash_stack.summary(self._crash_record(pid))
 
@@ -213,16 +222,22 @@ class RankMonitor:
         self._fds.clear()
 
 
-def dead_ranks(monitor: RankMonitor | None, client, ranks, among=None) -> dict[int, str]:
+def dead_ranks(
+    monitor: RankMonitor | None, client, ranks, among=None, crashes=None
+) -> dict[int, str]:
     """{rank: how it died}: what ``monitor`` saw end, and engines the controller no longer has.
 
-    ``ranks``: RankInfo of the group; ``among``: only these rank numbers (None: all).
+    ``ranks``: RankInfo of the group; ``among``: only these rank numbers (None: all);
+    ``crashes``: the launcher-started ranks' crash records
+    (:class:`nbdist.driver.launcher_crashes.CrashRecords`), for where a vanished one crashed.
     """
     dead = dict(monitor.dead) if monitor is not None else {}
     alive_ids = set(client.ids)
     for info in ranks:
         if info.engine_id not in alive_ids and info.rank not in dead:
-            dead[info.rank] = "its engine stopped answering the controller's heartbeat"
+            cause = "its engine stopped answering the controller's heartbeat"
+            where = crashes.words(info.rank, client) if crashes else ""
+            dead[info.rank] = f"{cause} - {where}" if where else cause
     return {r: c for r, c in dead.items() if among is None or r in among}
 
 

@@ -51,6 +51,9 @@ class RankInfo:
     # Whether ``pid`` names the rank's process on this (the kernel's) machine: False for
     # a rank on another host or in another PID namespace, whose PID is never read here.
     pid_here: bool = True
+    # Where faulthandler writes this rank's Python stacks on a fatal signal, on the rank's
+    # machine: ranks a launcher started (:mod:`nbdist.engine.crash_record`); '' for others.
+    crash_record: str = ""
 
 
 @dataclass
@@ -182,7 +185,14 @@ def form_group(
         here = infos[eid].get("pid_space") == pid_space()
         ranks.append(
             RankInfo(
-                slot.rank, slot.local_rank, eid, infos[eid]["pid"], host, result["device"], here
+                slot.rank,
+                slot.local_rank,
+                eid,
+                infos[eid]["pid"],
+                host,
+                result["device"],
+                here,
+                crash_record=result.get("crash_record", ""),
             )
         )
     ranks.sort(key=lambda r: r.rank)

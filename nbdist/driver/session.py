@@ -20,7 +20,6 @@ them. :meth:`DistSession.summary` is the line ``%dist_start`` and
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -28,19 +27,20 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nbdist.driver import file_sync, live_sessions, registry
+from nbdist.driver import file_sync
 from nbdist.driver.cells import cell_channel
-from nbdist.driver.faults import CellGuard, RankMonitor, dead_ranks
+from nbdist.driver.faults import CellGuard, dead_ranks
 from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics_key, reform_group
 from nbdist.driver.ipp_internals import fail_undecodable_replies
 from nbdist.driver.pulls import pull_values
 from nbdist.driver.runner import RankRun, submit
+from nbdist.driver.session_watch import SessionWatch
 from nbdist.driver.sigint_deferred import sigint_deferred
 from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
 from nbdist.engine import bootstrap
 from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError
-from nbdist.launch import restart, zygote
+from nbdist.launch import restart
 from nbdist.launch.cluster import ClusterHandle, interrupt_engines, start_processes, stop_processes
 from nbdist.launch.options import StartOptions, check_start_options
 from nbdist.launch.placement import Placement, plan_start
@@ -59,37 +59,6 @@ class Restarted:
     seconds: float
     note: str = ""
     fresh: bool = True
-
-
-class _Watch:
-    """A running session's watchers: the rank monitor (local ranks), its live entry, its sidebar entry."""
-
-    def __init__(self, session, handle, hub, *, connection_file: str | None) -> None:
-        self.monitor = None
-        if handle.owned:
-            status_file = getattr(handle.engine_launcher(), "status_file", None)
-            record = functools.partial(zygote.read_exit, status_file) if status_file else None
-            crash = functools.partial(zygote.read_crash, status_file) if status_file else None
-            self.monitor = RankMonitor(session.group.ranks, exit_record=record, crash_record=crash)
-        live_sessions.started(session)
-        self.session = session
-        store = hub.store
-        self.registry_path = registry.register_cluster(
-            session,
-            handle=handle,
-            ranks=session.ranks,
-            backend=session.backend,
-            run_id=hub.run.id if store is not None else None,
-            history=store.path if store is not None else None,
-            connection_file=connection_file,
-        )
-
-    def end(self) -> None:
-        # The ranks are about to stop, or to be replaced.
-        live_sessions.stopped(self.session)
-        if self.monitor is not None:
-            self.monitor.stop()
-        registry.unregister_cluster(self.registry_path)
 
 
 def _history_option(history) -> str | bool | None:
@@ -183,7 +152,7 @@ class DistSession:
         self.group: Group | None = None  # the formed process group, while running
         self._hub = None  # nbdist.metrics.hub.MetricsHub, made at the first start
         self._handle: ClusterHandle | None = None
-        self._watch: _Watch | None = None  # rank monitor and sidebar entry, while running
+        self._watch: SessionWatch | None = None  # rank monitor and sidebar entry, while running
 
     # -- what it is -------------------------------------------------------
     @property
@@ -297,7 +266,7 @@ class DistSession:
 
     def _start_watching(self, handle: ClusterHandle, *, connection_file: str | None) -> None:
         # The group is formed: watch the ranks, count as live, appear in the sidebar.
-        self._watch = _Watch(self, handle, self._hub, connection_file=connection_file)
+        self._watch = SessionWatch(self, handle, self._hub, connection_file=connection_file)
 
     def stop(self) -> list[int]:
         """Stop the ranks nbdist started (disconnect from a connected cluster); idempotent.
@@ -334,7 +303,7 @@ class DistSession:
         # The handle, taken from the session, which no longer watches its ranks.
         handle, self._handle = self._handle, None
         if self._watch is not None:
-            self._watch.end()
+            self._watch.end(handle.client if handle is not None else None)
             self._watch = None
         if handle is not None and handle.client is not None:
             # JupyterLab's debugger may reach ranks on other machines through this
@@ -496,7 +465,8 @@ class DistSession:
         if self._handle is None:
             return {}
         monitor = self._watch.monitor if self._watch is not None else None
-        return dead_ranks(monitor, self._handle.client, self.ranks, among)
+        crashes = self._watch.crashes if self._watch is not None else None
+        return dead_ranks(monitor, self._handle.client, self.ranks, among, crashes)
 
     def _require_whole(self) -> None:
         dead = self.dead_ranks()

@@ -27,6 +27,7 @@ from nbdist.engine import (
     collectives,
     control,
     controller_watch,
+    crash_record,
     flight_recorder,
     group_bound,
     own_processes,
@@ -168,6 +169,10 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         own_dir = controller_watch.engine_directory() if spec.get("engine_dir_is_ours") else None
         controller_watch.start(spec["controller_gone_s"], remove_dir=own_dir)
         own_processes.end_at_exit()  # no stop here can see below it
+        # No zygote keeps its crash record: where it died of a fatal signal, read by the kernel.
+        record = crash_record.open_record()
+    else:
+        record = ""
     kernel = getattr(shell, "kernel", None)
     patches.install_on_rank(kernel, shell)
     if kernel is not None:
@@ -180,7 +185,12 @@ def init_rank(spec: dict, get_shell=None) -> dict:
             )
     # Plain str: torch.__version__ is a TorchVersion, and unpickling it would
     # import torch (seconds) in a kernel that may never need it.
-    return {"device": device, "torch": str(torch.__version__), "threads": torch.get_num_threads()}
+    return {
+        "device": device,
+        "torch": str(torch.__version__),
+        "threads": torch.get_num_threads(),
+        "crash_record": record,
+    }
 
 
 def _join_group(spec: dict, device: str) -> None:

@@ -16,6 +16,10 @@ ipykernel serves on its own thread (the one that also serves
     JupyterLab's debugger on a rank the kernel cannot connect to (another
     machine): the Debug Adapter Protocol relayed to the rank's debugpy on
     its loopback (:mod:`nbdist.engine.dap_relay`).
+``crash_record``
+    read (or, with ``remove``, remove) a crash record on this rank's machine:
+    another rank's, one that died (:mod:`nbdist.engine.crash_record`); with
+    ``remove_own``, this rank's own, at the stop.
 ``release``
     break this rank out of the collective it waits in. NCCL: abort the
     communicators (``_abort_process_group``). gloo has no abort (its
@@ -38,7 +42,7 @@ import sys
 import threading
 import traceback
 
-from nbdist.engine import collectives, dap_relay, flight_recorder
+from nbdist.engine import collectives, crash_record, dap_relay, flight_recorder
 from nbdist.engine.helpers import device, rank
 from nbdist.metrics.gpu import read_this_rank
 
@@ -252,6 +256,15 @@ def _handle(kernel, stream, idents, parent) -> None:
             reply = {"status": "ok", "release": release()}
         elif action == "gpu":
             reply = {"status": "ok", "gpu": gpu()}
+        elif action == "crash_record":
+            path = str(content.get("path", ""))
+            if content.get("remove_own"):  # the session stops: this rank's own record goes
+                crash_record.remove_own_record()
+                reply = {"status": "ok", "removed": True}
+            elif content.get("remove"):
+                reply = {"status": "ok", "removed": crash_record.remove_record(path)}
+            else:
+                reply = {"status": "ok", "record": crash_record.read_record(path)}
         elif action in dap_relay.ACTIONS:
             # JupyterLab's debugger, relayed to this rank's debugpy (a kernel on another machine).
             found = dap_relay.handle(action, content, getattr(stream, "socket", None))

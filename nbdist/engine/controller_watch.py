@@ -32,7 +32,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from nbdist.engine import own_processes
+from nbdist.engine import crash_record, own_processes
 
 __all__ = [
     "DEFAULT_GONE_S",
@@ -105,6 +105,7 @@ def _watch(
     )
     if remove_dir:  # nothing else would: the kernel that made it is gone
         shutil.rmtree(remove_dir, ignore_errors=True)
+    crash_record.remove_own_record()  # no kernel is left to read it
     own_processes.end_children()
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(5)  # still here: something caught SIGTERM

@@ -75,6 +75,10 @@ def main(argv: list[str]) -> None:
 
 
 def _end_now(signum, frame) -> None:
+    # Ended, not crashed: its crash record (nbdist.engine.crash_record) has nothing to tell.
+    from nbdist.engine.crash_record import remove_own_record
+
+    remove_own_record()
     os._exit(128 + signum)
 
 

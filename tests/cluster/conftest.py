@@ -22,6 +22,11 @@ from tests.conftest import wait_gone
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
+# Rank 1 dies of a segmentation fault on line 3; rank 0 waits in the collective for it.
+SEGFAULT_CELL = (
+    "import ctypes\nif rank == 1:\n    ctypes.string_at(0)\ndist.all_reduce(torch.ones(1))\n"
+)
+
 
 def squeue() -> list[tuple[str, str, str, str]]:
     """Every job Slurm lists: (id, name, state, reason)."""

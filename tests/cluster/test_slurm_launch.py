@@ -21,7 +21,7 @@ from IPython.core.interactiveshell import InteractiveShell
 import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import NbdistError, PlacementError, RankError
-from tests.cluster.conftest import gone, squeue
+from tests.cluster.conftest import SEGFAULT_CELL, gone, squeue
 
 pytestmark = pytest.mark.slow
 
@@ -137,6 +137,25 @@ def test_kill_of_one_task_names_that_rank_and_stop_cancels_the_job(slurm):
         survivor = session.ranks[0].pid
     assert squeue() == []
     assert gone([survivor]) == []
+
+
+def test_a_task_that_segfaults_names_the_cells_line_and_stop_removes_the_records(slurm):
+    with _session() as session:
+        records = [r.crash_record for r in session.ranks]
+        victim = session.ranks[1].pid
+        assert all(os.path.isfile(path) for path in records), records
+        with pytest.raises(RankError) as info:
+            session.run(SEGFAULT_CELL, sink=ListSink())
+        assert info.value.ranks == [1]
+        cause = info.value.failures[0].evalue
+        # Slurm's step daemon reaps the rank at once: where the kernel read the exit status
+        # first, the signal is named ("crashed: segmentation fault (SIGSEGV, ...) - in ..."),
+        # else the record says it ("crashed: Segmentation fault, in ...").
+        assert re.match(rf"pid {victim} crashed: segmentation fault[ ,(]", cause, re.I), cause
+        assert "in string_at (ctypes/__init__.py:" in cause, cause
+        assert cause.endswith("from the cell, line 3"), cause
+    assert squeue() == []
+    assert [path for path in records if os.path.exists(path)] == []
 
 
 class _Watched(io.TextIOBase):

@@ -16,8 +16,9 @@ import pytest
 import nbdist
 from nbdist.driver.file_sync import sync_files
 from nbdist.driver.sinks import ListSink
-from nbdist.errors import PlacementError
+from nbdist.errors import PlacementError, RankError
 from tests.cluster.conftest import (
+    SEGFAULT_CELL,
     gone,
     own_pid_namespace_unavailable,
     python,
@@ -130,6 +131,27 @@ def test_ranks_whose_pids_name_other_processes_here_are_neither_read_nor_signall
     assert left == []
     assert _remote_dirs() == before
     assert not any(os.path.exists(os.path.dirname(c)) for c in copies), "each machine's removed"
+
+
+def test_a_rank_in_its_own_pid_namespace_that_segfaults_names_the_cells_line(sshd, tmp_path):
+    # Its PID names nothing here: the kernel learns of the death from the controller's
+    # heartbeat and reads the rank's crash record from the machine's temp dir.
+    why = own_pid_namespace_unavailable()
+    if why:
+        pytest.skip(f"needs a PID namespace of its own (root): {why}")
+    wrapper = python_in_own_pid_namespace(tmp_path)
+    with _session("nbdist-ssh-test:2", sshd.config, python=wrapper) as session:
+        records = [r.crash_record for r in session.ranks]
+        assert len(set(records)) == 2 and all(os.path.isfile(p) for p in records), records
+        with pytest.raises(RankError) as info:
+            session.run(SEGFAULT_CELL, sink=ListSink())
+        # Rank 0 may fail first, its gloo connection to the dead rank reset.
+        assert 1 in info.value.ranks, str(info.value)
+        cause = next(f.evalue for f in info.value.failures if f.rank == 1)
+        assert cause.startswith("its engine stopped answering the controller's heartbeat"), cause
+        assert "crashed: Segmentation fault, in string_at" in cause, cause
+        assert cause.endswith("from the cell, line 3"), cause
+    assert [p for p in records if os.path.exists(p)] == []
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,57 @@
+"""Kernel side: a running session's watchers, from the group's forming to the ranks' stop.
+
+The rank monitor (local ranks' deaths, at once, with how and where), the
+launcher-started ranks' crash records, the session's entry among the kernel's
+live sessions (the dashboard's) and its entry in the registry (the JupyterLab
+sidebar's). :class:`nbdist.driver.session.DistSession` makes one when its group
+forms and ends it before the ranks stop or are replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from nbdist.driver import live_sessions, registry
+from nbdist.driver.faults import RankMonitor
+from nbdist.driver.launcher_crashes import CrashRecords
+from nbdist.launch import zygote
+
+__all__ = ["SessionWatch"]
+
+
+class SessionWatch:
+    """A running session's watchers: the rank monitor (local ranks), its live entry, its sidebar entry."""
+
+    def __init__(self, session, handle, hub, *, connection_file: str | None) -> None:
+        """Watch ``session``'s ranks (its group formed), started through ``handle``."""
+        self.monitor = None
+        # Ranks a launcher started keep crash records of their own (the zygote's are below).
+        self.crashes = CrashRecords(session.group.ranks)
+        if handle.owned:
+            status_file = getattr(handle.engine_launcher(), "status_file", None)
+            record = functools.partial(zygote.read_exit, status_file) if status_file else None
+            crash = functools.partial(zygote.read_crash, status_file) if status_file else None
+            if crash is None and self.crashes:
+                crash = self.crashes.read_here
+            self.monitor = RankMonitor(session.group.ranks, exit_record=record, crash_record=crash)
+        live_sessions.started(session)
+        self.session = session
+        store = hub.store
+        self.registry_path = registry.register_cluster(
+            session,
+            handle=handle,
+            ranks=session.ranks,
+            backend=session.backend,
+            run_id=hub.run.id if store is not None else None,
+            history=store.path if store is not None else None,
+            connection_file=connection_file,
+        )
+
+    def end(self, client) -> None:
+        """The ranks are about to stop, or to be replaced (``client``: None if already gone)."""
+        live_sessions.stopped(self.session)
+        if client is not None:
+            self.crashes.remove(client, dead=self.monitor.dead if self.monitor is not None else ())
+        if self.monitor is not None:
+            self.monitor.stop()
+        registry.unregister_cluster(self.registry_path)
