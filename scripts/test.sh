@@ -101,10 +101,24 @@ parallel=()
 status=0
 if ((workers > 1)); then
   # The tests marked `alone` (tests/conftest.py: the browser tests, 256 ranks) after the rest.
-  "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" -m "not alone" "$@" || status=$?
+  # A -m EXPR given here joins the split (pytest keeps only the last -m of a command line).
+  mark="" rest=()
+  args=("$@")
+  for ((i = 0; i < ${#args[@]}; i++)); do
+    case "${args[i]}" in
+      -m) mark="${args[i + 1]:-}" && i=$((i + 1)) ;;
+      -m?*) mark="${args[i]#-m}" ;;
+      *) rest+=("${args[i]}") ;;
+    esac
+  done
+  others="not alone" alone_tests="alone"
+  if [[ -n "$mark" ]]; then
+    others="($mark) and not alone" alone_tests="($mark) and alone"
+  fi
+  "$PY" -m pytest -q -p no:cacheprovider "${parallel[@]}" -m "$others" "${rest[@]}" || status=$?
   echo "== the tests that run alone (the browser tests, 256 ranks)"
   alone=0
-  "$PY" -m pytest -q -p no:cacheprovider -m alone "$@" || alone=$?
+  "$PY" -m pytest -q -p no:cacheprovider -m "$alone_tests" "${rest[@]}" || alone=$?
   if [[ "$alone" != 0 && "$alone" != 5 ]]; then # 5: a -k filter left nothing to run
     status=$alone
   fi

@@ -26,7 +26,8 @@ _ASK_TIMEOUT_S = 2.0
 
 
 def _on_this_machine(info) -> bool:
-    return info.pid_here or info.host == socket.gethostname()
+    # The record's name carries the rank's own host name (``host`` may be the placement's alias).
+    return info.pid_here or crash_record.record_host(info.crash_record) == socket.gethostname()
 
 
 def _peers(info, ranks: Sequence, alive_ids: set[int]) -> list:
@@ -44,8 +45,8 @@ def _read(client, info, ranks: Sequence, alive_ids: set[int]) -> str | None:
         (reply,) = control_request(
             client, [peer.engine_id], "crash_record", _ASK_TIMEOUT_S, path=info.crash_record
         )
-        if reply is not None and reply.get("record") is not None:
-            return reply["record"]
+        if reply is not None:  # the first that answers: '' where it found no record
+            return reply.get("record") or ""
     return None
 
 
@@ -76,7 +77,7 @@ class CrashRecords:
         words = ""
         if info is not None:
             found = _read(client, info, self._ranks, set(client.ids))
-            if found is None and not _on_this_machine(info):
+            if found is None and not _on_this_machine(info):  # no rank of its host answered
                 words = f"its crash record, if it crashed, is on {info.host}: {info.crash_record}"
             else:
                 words = crash_stack.crash_words(found or "")

@@ -228,6 +228,7 @@ class NamedSession(DistSession):
         """
         if self._handle is not None:  # while this kernel still reaches the ranks
             file_sync.session_stopping(self, self._handle.client)
+            self._remove_crash_records()
         self.detach()
         try:
             return stop_named(self.name)

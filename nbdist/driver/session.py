@@ -287,6 +287,7 @@ class DistSession:
         with sigint_deferred():  # the handle is let go of first: the rest must follow
             # The ranks are gone after this, also where a failed restart in place let go of
             # the handle and stopped the processes already (no ranks while not running).
+            self._remove_crash_records()
             group, self.group = self.group, None
             handle = self._unwatch()
             if handle is None:
@@ -299,11 +300,16 @@ class DistSession:
             file_sync.session_stopping(self, handle.client)
             return stop_processes(handle)
 
+    def _remove_crash_records(self) -> None:
+        # The ranks are about to end: the crash records of those a launcher started go.
+        if self._watch is not None and self._handle is not None and self._handle.client:
+            self._watch.remove_crash_records(self._handle.client)
+
     def _unwatch(self) -> ClusterHandle | None:
         # The handle, taken from the session, which no longer watches its ranks.
         handle, self._handle = self._handle, None
         if self._watch is not None:
-            self._watch.end(handle.client if handle is not None else None)
+            self._watch.end()
             self._watch = None
         if handle is not None and handle.client is not None:
             # JupyterLab's debugger may reach ranks on other machines through this

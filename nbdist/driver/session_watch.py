@@ -47,11 +47,13 @@ class SessionWatch:
             connection_file=connection_file,
         )
 
-    def end(self, client) -> None:
-        """The ranks are about to stop, or to be replaced (``client``: None if already gone)."""
+    def remove_crash_records(self, client) -> None:
+        """The ranks are about to end (not at a named session's detach): their records go."""
+        self.crashes.remove(client, dead=self.monitor.dead if self.monitor is not None else ())
+
+    def end(self) -> None:
+        """The ranks are about to stop, or to be replaced, or this kernel lets go of them."""
         live_sessions.stopped(self.session)
-        if client is not None:
-            self.crashes.remove(client, dead=self.monitor.dead if self.monitor is not None else ())
         if self.monitor is not None:
             self.monitor.stop()
         registry.unregister_cluster(self.registry_path)

@@ -39,7 +39,7 @@ def dead_record(session):
     """A record left by a rank that died (its PID ends no process), where the ranks keep theirs."""
     folder = session.client[session.ranks[0].engine_id].apply_sync(crash_record.record_dir)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    path = os.path.join(folder, "other-1-999999.txt")
+    path = os.path.join(folder, "other-0000abcd-999999.txt")
     with open(path, "w") as f:
         f.write(DUMP)
     yield path
@@ -75,7 +75,7 @@ def test_with_no_live_rank_on_its_host_the_line_says_where_the_record_is(session
 
 
 def test_a_rank_reads_no_file_but_crash_records_for_the_kernel(session, tmp_path):
-    secret = tmp_path / "other-1-1.txt"  # a record's name, outside the records' folder
+    secret = tmp_path / "other-0000abcd-1.txt"  # a record's name, outside the records' folder
     secret.write_text("not a record")
     eid = session.ranks[0].engine_id
     (read,) = control_request(session.client, [eid], "crash_record", 5, path=str(secret))
