@@ -41,13 +41,16 @@ def _read(client, info, ranks: Sequence, alive_ids: set[int]) -> str | None:
         found = crash_record.read_record(info.crash_record)
         if found is not None:
             return found
+    answered = False
     for peer in _peers(info, ranks, alive_ids):
         (reply,) = control_request(
             client, [peer.engine_id], "crash_record", _ASK_TIMEOUT_S, path=info.crash_record
         )
-        if reply is not None:  # the first that answers: '' where it found no record
-            return reply.get("record") or ""
-    return None
+        if reply is not None and reply.get("record") is not None:
+            return reply["record"]
+        # A peer that sees no such file may sit in another container of the same host: ask on.
+        answered = answered or reply is not None
+    return "" if answered else None
 
 
 class CrashRecords:

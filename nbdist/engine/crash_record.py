@@ -181,12 +181,18 @@ def remove_record(path: str) -> bool:
 
 
 def remove_own_record() -> None:
-    """This rank ends without a crash: its record goes (faulthandler off first)."""
+    """This rank ends without a crash: its record goes (faulthandler off first).
+
+    Called from the control thread, the controller watch, a signal handler or at exit: the
+    state is taken before anything else, so two callers cannot both act on it.
+    """
     global _own, _file
-    if not _own:
+    own, file = _own, _file
+    _own, _file = "", None
+    if not own:
         return
     faulthandler.disable()
     with contextlib.suppress(OSError):
-        _file.close()
-        os.remove(_own)
-    _own, _file = "", None
+        file.close()
+    with contextlib.suppress(OSError):
+        os.remove(own)

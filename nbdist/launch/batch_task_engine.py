@@ -20,6 +20,8 @@ import os
 import signal
 import sys
 
+from nbdist.engine.crash_record import remove_own_record
+
 __all__ = ["task_numbers"]
 
 # (rank, local rank) variables, by launcher: Slurm, Open MPI, MPICH/Hydra (and Intel MPI).
@@ -75,11 +77,10 @@ def main(argv: list[str]) -> None:
 
 
 def _end_now(signum, frame) -> None:
-    # Ended, not crashed: its crash record (nbdist.engine.crash_record) has nothing to tell.
-    from nbdist.engine.crash_record import remove_own_record
-
-    remove_own_record()
-    os._exit(128 + signum)
+    try:  # ended, not crashed: its crash record has nothing to tell
+        remove_own_record()
+    finally:  # whatever happened there, the scheduler's SIGTERM ends the rank
+        os._exit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,14 @@ print(path, flush=True)
 """
 
 
+def _env(tmp_path) -> dict:
+    # faulthandler on from the start (PYTHONFAULTHANDLER) would keep the record from opening.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    return {**env, "NBDIST_CRASH_DIR": str(tmp_path)}
+
+
 def _run(tmp_path, code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NBDIST_CRASH_DIR": str(tmp_path)}
+    env = _env(tmp_path)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(OPEN + code)],
         env=env,
@@ -47,6 +53,7 @@ def test_a_segfault_leaves_the_record_with_the_stack_and_an_orderly_exit_leaves_
     os.remove(path)
     ended = _run(tmp_path, "print('done')\n")
     assert ended.returncode == 0, ended.stderr
+    assert ended.stdout.split()[0].endswith(".txt"), ended.stdout  # it had one
     assert _records(tmp_path) == []
 
 
@@ -70,7 +77,7 @@ def test_a_child_that_ends_takes_neither_the_parents_record_nor_its_handler(tmp_
 def test_a_record_is_pruned_once_its_process_is_gone_never_while_it_runs(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", OPEN + "sys.stdin.read()\n"],
-        env={**os.environ, "NBDIST_CRASH_DIR": str(tmp_path)},
+        env=_env(tmp_path),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
