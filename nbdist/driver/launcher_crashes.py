@@ -93,6 +93,8 @@ class CrashRecords:
         ranks = self._ranks
         alive_ids = set(client.ids)
         with_records = [r for r in ranks if r.crash_record]
+        if not with_records:  # the zygote's ranks: nothing to ask
+            return
         asked = [r for r in with_records if r.engine_id in alive_ids and r.rank not in dead]
         replies = control_request(
             client, [r.engine_id for r in asked], "crash_record", _ASK_TIMEOUT_S, remove_own=True

@@ -68,17 +68,13 @@ def record_host(path: str) -> str:
 def _space() -> str:
     # Where a PID names one process: this boot of the machine and its PID namespace (ranks in
     # containers, or in namespaces of their own, may share a temp dir and a PID).
-    parts = []
-    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
-        try:
-            if source.endswith("boot_id"):
-                with open(source) as f:
-                    parts.append(f.read().strip())
-            else:
-                parts.append(str(os.stat(source).st_ino))
-        except OSError:
-            parts.append("")
-    return hashlib.sha256("/".join(parts).encode()).hexdigest()[:8]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: the host name alone tells the processes apart
+        boot, namespace = "", 0
+    return hashlib.sha256(f"{boot}/{namespace}".encode()).hexdigest()[:8]
 
 
 def _private_folder(folder: str) -> bool:
@@ -142,10 +138,8 @@ def _prune(folder: str, host: str, space: str) -> None:
             continue
         try:
             os.kill(pid, 0)
-            continue
-        except PermissionError:  # another user's process holds that PID now: ours is gone
-            pass
-        except OSError:
+            continue  # it runs
+        except OSError:  # gone (or the PID is another user's process now: ours is gone)
             pass
         with contextlib.suppress(OSError):
             os.remove(os.path.join(folder, name))
