@@ -62,10 +62,21 @@ class CellTimeout(NbdistError, TimeoutError):
 
 # What a rank's error says when the group's connections are gone (gloo's transport, which
 # names its own source file) or aborted (NCCL); a user's own "Connection reset" is not it.
+# gloo's own words end at its first sentence: "Connection closed by peer [127.0.0.1]:27337",
+# "Read error [127.0.0.1]:27337: Connection reset by peer" (the advice that follows is gloo's).
 _BROKEN_GROUP = re.compile(
-    r"gloo/transport/[\w/.]+:\d+\] ([^\[]+)|Application timeout caused pair closure|"
+    r"gloo/transport/[\w/.]+:\d+\] ([^\n]+?)(?:\. |\.?(?:\n|$))|Application timeout caused pair closure|"
     r"NCCL communicator was aborted|Watchdog caught collective operation timeout"
 )
+
+
+def broken_group_words(text: str) -> str:
+    """What in a rank's error says that the process group broke ('' if nothing does).
+
+    gloo's own first sentence without its file name, else NCCL's or gloo's known words.
+    """
+    found = _BROKEN_GROUP.search(text)
+    return (found.group(1) or found.group(0)).strip() if found else ""
 
 
 class _NoGuard:
@@ -231,10 +242,9 @@ class RankRun:
         for rank, child in zip(self.ranks, self._children):
             error = _child_result(child)
             if isinstance(error, BaseException):
-                text = str(getattr(error, "evalue", error))
-                found = _BROKEN_GROUP.search(text)
-                if found:  # gloo's own words without its file name, else the match
-                    return f"rank {rank}: {(found.group(1) or found.group(0)).strip()}"
+                words = broken_group_words(str(getattr(error, "evalue", error)))
+                if words:
+                    return f"rank {rank}: {words}"
         return ""
 
     def _all_done(self) -> bool:

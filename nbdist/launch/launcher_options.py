@@ -350,7 +350,7 @@ def plan_launch(launcher: str, n: int | None, *, ip: str, **options) -> LaunchPl
 
     slurm: partition, time, account, qos, nodes, gpus_per_node, cpus_per_task,
     sbatch (extra long options). ssh: hosts ('node1:4,node2:4'), python (the
-    remote interpreter), ssh_args. mpi: hosts, mpi_args, mpi_cmd.
+    remote interpreter), ssh_args. mpi: hosts, mpi_args, mpi_cmd, python.
     """
     if launcher is None:
         raise PlacementError(

@@ -28,8 +28,8 @@ replace it.
 
 Example (on a rank)::
 
-    flops = nbdist.flops_per_step(model, x)                # once
-    nbdist.set_peak(dtype=torch.bfloat16)                  # training in bf16
+    flops = nbdist.metrics.flops_per_step(model, x)        # once
+    nbdist.metrics.set_peak(dtype=torch.bfloat16)          # training in bf16
     for step, x in enumerate(loader):
         ...
         nbdist.log(step=step, loss=loss, flops=flops)      # -> tflops, mfu

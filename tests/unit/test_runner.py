@@ -1,11 +1,11 @@
-"""How streamed rank output is read from ipyparallel's accumulated text."""
+"""How streamed rank output is read from ipyparallel's accumulated text; a broken group's words."""
 
 from __future__ import annotations
 
 import pytest
 
 from nbdist.driver.output import OutputMerger
-from nbdist.driver.runner import _stream_delta
+from nbdist.driver.runner import _stream_delta, broken_group_words
 from nbdist.driver.sinks import ListSink
 
 
@@ -33,3 +33,37 @@ def test_reads_of_a_rewritten_progress_line_end_in_its_final_text():
         seen = text
     merger.close()
     assert [e[3] for e in sink.events if e[0] == "line"] == ["epoch 1", "100%", "next"]
+
+
+_GLOO = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
+
+
+@pytest.mark.parametrize(
+    "error, words",
+    [
+        # The texts torch 2.13's gloo raised on two CPU ranks, one in all_reduce and one in
+        # broadcast, with a 2 s group timeout (the address and port as they were).
+        (
+            _GLOO + "unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation to complete",
+            "Timed out waiting 2000ms for recv operation to complete",
+        ),
+        (
+            _GLOO + "pair.cc:553] Connection closed by peer [127.0.0.1]:27337. This is typically "
+            "caused by a remote worker crashing. Check the logs of the remote worker before "
+            "reporting an error. GLHF!",
+            "Connection closed by peer [127.0.0.1]:27337",
+        ),
+        ("Application timeout caused pair closure", "Application timeout caused pair closure"),
+        # A failed read keeps its cause, which follows the address.
+        (
+            _GLOO + "pair.cc:534] Read error [127.0.0.1]:27337: Connection reset by peer\n"
+            "Exception raised from handleReadWrite",
+            "Read error [127.0.0.1]:27337: Connection reset by peer",
+        ),
+        ("NCCL communicator was aborted on rank 1.", "NCCL communicator was aborted"),
+        # The user's own words are no broken group.
+        ("RuntimeError: Connection reset by peer", ""),
+    ],
+)
+def test_a_broken_groups_words_are_gloos_first_sentence(error, words):
+    assert broken_group_words(error) == words
