@@ -23,6 +23,7 @@ import contextlib
 import copy as copy_module
 import fnmatch
 import hashlib
+import heapq
 import os
 import stat
 import uuid
@@ -60,6 +61,9 @@ DEFAULT_EXCLUDES = (
 )
 # A sync is for code and small files: more than this goes through the controller slowly.
 MAX_BYTES = 1 << 30
+# Far more than a project's code; %dist_sync of a home folder (or of /, whose /proc holds
+# files by the million) is refused at this count, not after walking all of it.
+MAX_FILES = 100_000
 _CHUNK_BYTES = 16 << 20  # per message to a rank
 
 
@@ -161,18 +165,53 @@ def _sha256_of(path: str) -> str:
     return h.hexdigest()
 
 
-def _listing(entry: _Entry) -> dict[str, tuple[str, os.stat_result]]:
+class _Tally:
+    """What the walks of one sync found so far, over all its paths: refused past a limit."""
+
+    def __init__(self, max_bytes: int, max_files: int = MAX_FILES) -> None:
+        self.max_bytes, self.max_files = max_bytes, max_files
+        self.bytes = self.files = 0
+        self.largest: list[tuple[int, str]] = []  # the 3 largest files, a min-heap
+
+    def add(self, path: str, size: int) -> None:
+        self.bytes += size
+        self.files += 1
+        heapq.heappush(self.largest, (size, path))
+        if len(self.largest) > 3:
+            heapq.heappop(self.largest)
+        if self.bytes > self.max_bytes:
+            named = ", ".join(
+                f"{os.path.relpath(p)} ({format_size(s)})" for s, p in sorted(self.largest)[::-1]
+            )
+            raise NbdistError(
+                f"%dist_sync: more than {format_size(self.max_bytes)} to send, the limit "
+                f"({format_size(self.bytes)} in the first {self.files:,} files; largest: {named}): "
+                "leave data out with --exclude 'data/*' (it travels through the controller), "
+                "or put it on a file system every machine mounts"
+            )
+        if self.files > self.max_files:
+            raise NbdistError(
+                f"%dist_sync: more than {self.max_files:,} files to send (the last one found: "
+                f"{path}): sync the folders that hold your code, e.g. %dist_sync src, or leave "
+                "the rest out with --exclude"
+            )
+
+
+def _listing(entry: _Entry, tally: _Tally | None = None) -> dict[str, tuple[str, os.stat_result]]:
     # {relative path: (path, its stat)} of the files the entry covers; a linked folder is
-    # followed as the importing rank would (once: a link back up is no loop here).
+    # followed as the importing rank would (once: a link back up is no loop here). ``tally``
+    # refuses the sync as soon as the files found pass its limits.
+    tally = tally or _Tally(MAX_BYTES)
     if not os.path.isdir(entry.origin):
         raise NbdistError(
             f"%dist_sync: {entry.origin} is gone (or no longer a directory): "
             "sync a path that exists, or %dist_restart without it after a new %dist_start"
         )
+    listing: dict[str, tuple[str, os.stat_result]] = {}
     if entry.files is not None:
-        candidates = [(name, os.path.join(entry.origin, name)) for name in sorted(entry.files)]
+        for name in sorted(entry.files):
+            _found(entry, listing, name, os.path.join(entry.origin, name), tally)
     else:
-        candidates = []
         # The real folders on the way down to each folder walked: a link to one of them
         # would be a loop. A second link to one folder elsewhere is followed, as an import
         # through it would be.
@@ -192,18 +231,20 @@ def _listing(entry: _Entry) -> dict[str, tuple[str, os.stat_result]]:
             for name in sorted(names):
                 rel = os.path.normpath(os.path.join(rel_dir, name))
                 if not _excluded(rel, entry.excludes):
-                    candidates.append((rel, os.path.join(here, name)))
-    listing = {}
-    for rel, path in candidates:
-        try:
-            st = os.stat(path)
-        except OSError:  # a dangling link, a file deleted meanwhile
-            if entry.files is not None:  # a file synced by name and deleted since: no longer
-                entry.files.discard(rel)
-            continue
-        if stat.S_ISREG(st.st_mode):
-            listing[rel] = (path, st)
+                    _found(entry, listing, rel, os.path.join(here, name), tally)
     return listing
+
+
+def _found(entry: _Entry, listing: dict, rel: str, path: str, tally: _Tally) -> None:
+    try:
+        st = os.stat(path)
+    except OSError:  # a dangling link, a file deleted meanwhile
+        if entry.files is not None:  # a file synced by name and deleted since: no longer
+            entry.files.discard(rel)
+        return
+    if stat.S_ISREG(st.st_mode):
+        listing[rel] = (path, st)
+        tally.add(path, st.st_size)
 
 
 def _manifest(state: _State, listing: dict) -> dict[str, list]:
@@ -326,21 +367,11 @@ def sync_files(
 def _sync(
     session, state: _State, entries: list[_Entry], *, reload: bool, max_bytes: int
 ) -> SyncReport:
-    listings = {e.origin: _listing(e) for e in entries}
-    # Refused by the files' sizes, before any is read (%dist_sync . in a home folder).
-    total = sum(st.st_size for files in listings.values() for _, st in files.values())
-    if total > max_bytes:
-        biggest = sorted(
-            ((st.st_size, path) for files in listings.values() for path, st in files.values()),
-            reverse=True,
-        )[:3]
-        named = ", ".join(f"{os.path.relpath(p)} ({format_size(s)})" for s, p in biggest)
-        raise NbdistError(
-            f"%dist_sync: {format_size(total)} to send, above the {format_size(max_bytes)} limit "
-            f"(largest: {named}): "
-            "leave data out with --exclude 'data/*' (it travels through the controller), "
-            "or put it on a file system every machine mounts"
-        )
+    # Refused by the files' sizes and number while they are found, before any is read
+    # (%dist_sync . in a home folder).
+    tally = _Tally(max_bytes)
+    listings = {e.origin: _listing(e, tally) for e in entries}
+    total = tally.bytes
     for entry in entries:
         if not listings[entry.origin]:
             extra = entry.excludes[len(DEFAULT_EXCLUDES) :]

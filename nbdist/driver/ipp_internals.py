@@ -27,6 +27,7 @@ __all__ = [
     "flush_sends",
     "per_engine_futures",
     "per_engine_metadata",
+    "queue_status",
     "reply_content",
     "send_control",
     "send_execute",
@@ -43,6 +44,25 @@ def awaiting_replies(client, engine_ids: Sequence[int]) -> set[int]:
     waiting = client._outstanding_dict  # noqa: SLF001 - engine uuid -> msg ids awaiting a reply
     uuids = client._engines  # noqa: SLF001 - engine id <-> uuid
     return {eid for eid in engine_ids if eid in uuids and waiting.get(uuids[eid])}
+
+
+def queue_status(client, engine_ids: Sequence[int], timeout: float) -> dict:
+    """``client.queue_status(engine_ids)`` answered within ``timeout`` s, else TimeoutError.
+
+    ipyparallel's own waits for the controller's reply without end: a controller that
+    was killed, or ended with its named session elsewhere, would hang ``%dist_status``.
+    """
+    from ipyparallel import util
+
+    content = {"targets": list(engine_ids), "verbose": False}
+    query = client._query_stream  # noqa: SLF001 - the controller's query channel
+    future = client._send(query, "queue_request", content=content)  # noqa: SLF001
+    if not future.wait(timeout):
+        raise TimeoutError(f"the controller did not answer within {timeout:g} s")
+    content = future.result()["content"]
+    if content.pop("status") != "ok":
+        raise client._unwrap_exception(content)  # noqa: SLF001 - as queue_status does
+    return util.int_keys(content)
 
 
 def per_engine_futures(async_result) -> list:

@@ -149,6 +149,7 @@ class DistSession:
         self.restarted: Restarted | None = None  # the last restart, until the next start
         # Code run on every rank since the group formed, in order: what %dist_export writes.
         self.cells: list[str] = []
+        self._cells_ranks = 0  # how many ranks ran the recorded cells (export after a stop)
         self.group: Group | None = None  # the formed process group, while running
         self._hub = None  # nbdist.metrics.hub.MetricsHub, made at the first start
         self._handle: ClusterHandle | None = None
@@ -432,17 +433,29 @@ class DistSession:
     def record_cell(self, code: str) -> None:
         """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""
         self.cells.append(code)
+        self._cells_ranks = self.world_size
 
     def export(self, path: str, **options) -> str:
         """Write the recorded cells as a ``torchrun`` script; see :func:`nbdist.driver.export.export_script`."""
         from nbdist.driver.export import export_script
 
-        options.setdefault("ranks", max(1, self.world_size))
+        options.setdefault("ranks", max(1, self.world_size or self._cells_ranks))
         return export_script(self.cells, path, **options)
 
     def _on_ranks(self, ranks, send: Callable) -> list:
         # send(view) -> AsyncResult; waited for like a cell (errors by rank, Ctrl-C relayed).
         chosen = self.select(ranks)
+        dead = self.dead_ranks([r.rank for r in chosen])
+        if dead:
+            # ipyparallel would answer with a KeyError (or wait for an engine that is gone).
+            which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
+            alive = [r.rank for r in self.ranks if r.rank not in self.dead_ranks()]
+            keep = (
+                f"; what a live rank holds can be pulled first: %dist_pull NAME --rank {alive[0]}"
+                if alive
+                else ""
+            )
+            raise NbdistError(f"{which}. %dist_restart (or restart()) brings every rank back{keep}")
         fail_undecodable_replies(self._handle.client)  # a value the kernel cannot unpickle
         ar = send(self._handle.client[[r.engine_id for r in chosen]])
         return RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 
 from nbdist.dashboard.table import PER_RANK_UP_TO, fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
-from nbdist.driver.ipp_internals import awaiting_replies
+from nbdist.driver.ipp_internals import awaiting_replies, queue_status
 from nbdist.driver.where import control_request
 from nbdist.rank_states import BUSY, DEAD, IDLE
 from nbdist.text_table import format_table
@@ -36,6 +36,8 @@ __all__ = [
 
 # A rank holding the GIL in native code does not answer; its GPU figures are then left out.
 _GPU_ANSWER_TIMEOUT_S = 1.0
+# A live controller answers in well under a second, with 256 ranks on 2 busy cores too.
+_CONTROLLER_ANSWERS_S = 5.0
 _STATES = (BUSY, IDLE, DEAD)
 # Past this many, the grouped table lists the first deviating ranks (dead, stragglers) and a count.
 _DEVIATING_SHOWN = 16
@@ -82,7 +84,7 @@ def _queues(client, targets: list[int], settle: bool) -> tuple[dict, set[int]]:
         if attempt:
             time.sleep(0.05)
         waiting = awaiting_replies(client, targets)
-        queues = client.queue_status(targets=targets)
+        queues = queue_status(client, targets, timeout=_CONTROLLER_ANSWERS_S)
         lagging = [
             eid
             for eid in targets

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import inspect
 import re
+import shlex
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics
-from IPython.core.magic_arguments import argument, parse_argstring
+from IPython.core.magic_arguments import argument
 
 from nbdist.errors import PlacementError
 from nbdist.launch.values import parse_seconds
@@ -27,6 +28,7 @@ __all__ = [
     "SessionMagics",
     "asked_for_help",
     "magic_name",
+    "line_words",
     "parse_magic_line",
     "seconds",
 ]
@@ -72,10 +74,23 @@ def asked_for_help(magic, line: str, anywhere: bool = True) -> bool:
     return True
 
 
+def line_words(line: str) -> list[str]:
+    """A magic's line split as a shell splits it: quotes group words and are taken off.
+
+    (IPython's own ``parse_argstring`` keeps them: ``--name "train1"`` would name
+    ``"train1"``, and a path with a space could not be given at all.)
+    """
+    try:
+        return shlex.split(line)
+    except ValueError as exc:  # the line's quotes do not close
+        raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
+
+
 def parse_magic_line(magic, line: str):
     """``line`` parsed by ``magic``'s declared arguments; bad input is a UsageError."""
+    words = line_words(line)
     try:
-        return parse_argstring(magic, line)
+        return magic.parser.parse_args(words)
     except UsageError as exc:  # argparse's words: add which value, and where the help is
         message = str(exc)
         missing = _NO_VALUE.match(message)
@@ -86,8 +101,6 @@ def parse_magic_line(magic, line: str):
         raise UsageError(f"{message}; see {magic_name(magic)}? for its arguments") from None
     except SystemExit as exc:  # argparse's own exit on bad input
         raise UsageError(f"could not parse {line!r}: see the magic's help (?)") from exc
-    except ValueError as exc:  # the line's quotes do not close
-        raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
 
 
 class SessionMagics(Magics):

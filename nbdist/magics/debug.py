@@ -50,7 +50,7 @@ class DebugMagics(SessionMagics):
             # [rank 1] 1
 
         A front end without stdin (nbclient or nbconvert without allow_stdin,
-        papermill) gets an error at once. Breakpoints (``breakpoint()`` in a
+        papermill) gets an error at once, and the rank keeps its error. Breakpoints (``breakpoint()`` in a
         cell) use the same path; see docs/debugging.md.
         """
         from nbdist.driver.debugging import failed_rank, post_mortem_on_rank
@@ -65,6 +65,7 @@ class DebugMagics(SessionMagics):
             )
         args = parse_magic_line(self.dist_debug, line)
         session = self.dist.running_session()
+        last = None  # the error debugged, when it chose the rank
         if args.rank is not None:
             if not is_digits(args.rank) or int(args.rank) >= session.world_size:
                 raise UsageError(
@@ -72,14 +73,31 @@ class DebugMagics(SessionMagics):
                 )
             rank = int(args.rank)
         else:
-            # The error IPython showed last, as its own %debug uses it.
+            # The error IPython showed last, as its own %debug uses it (through a refusal
+            # of ours, below: the error it was refused for).
             last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+            refused = getattr(self, "_refused", None)
+            if refused is not None and last is refused[0]:
+                last = refused[1]
             rank = failed_rank(last)
             if rank is None:
                 raise UsageError(
                     "%dist_debug: the last error was not a failed cell on the ranks; "
                     "name a rank to debug its last failed cell, e.g. %dist_debug --rank 1"
                 )
+        from nbdist.driver.prompts import stdin_attached
+
+        if not stdin_attached():
+            # Refused before the rank runs anything: a post-mortem failing there would become
+            # the rank's last error, in place of the one to debug. This refusal becomes the
+            # kernel's last error: the next %dist_debug looks through it.
+            refusal = UsageError(
+                f"%dist_debug: this front end sends no input (nbclient, nbconvert, papermill): "
+                f"nobody could answer pdb on rank {rank}; its error is kept for a %dist_debug "
+                "from JupyterLab, Notebook or a terminal"
+            )
+            self._refused = (refusal, last)
+            raise refusal
         post_mortem_on_rank(session, rank)
 
     @magic_arguments()

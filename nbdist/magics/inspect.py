@@ -65,7 +65,7 @@ def parse_profile_line(line: str) -> tuple[int | None, int, bool]:
         word = words.pop(0)
         if word == "--collect":
             collect = True
-        elif word.startswith("--skip"):
+        elif word == "--skip" or word.startswith("--skip="):
             value = word.partition("=")[2] or (words.pop(0) if words else "")
             if not value.isdigit():
                 raise UsageError(f"--skip {value!r}: give a number of steps, e.g. --skip 1")
@@ -86,6 +86,10 @@ def parse_profile_line(line: str) -> tuple[int | None, int, bool]:
     return steps, skip, collect
 
 
+def _pids(session) -> tuple:
+    return tuple((r.host, r.pid) for r in session.ranks)
+
+
 @magics_class
 class InspectMagics(SessionMagics):
     """%dist_where, %dist_dashboard, %dist_diff, %dist_profile: on the session ``self.dist`` holds."""
@@ -94,6 +98,10 @@ class InspectMagics(SessionMagics):
         """Magics for ``shell`` on ``dist_magics.session``; after each cell, gathers a finished profile."""
         super().__init__(shell, dist_magics)
         self._profile_armed = False
+        # (steps, skip) of the last %dist_profile N, and the rank processes it armed: a
+        # restart's fresh ones are armed again after the cell that restarted them.
+        self._profile_request: tuple[int, int] = (0, 0)
+        self._profile_pids: tuple = ()
         if shell is not None:
             # After each cell: gather a profile the ranks finished (cheap unless one may be ready).
             callbacks = shell.events.callbacks["post_run_cell"]
@@ -264,6 +272,7 @@ class InspectMagics(SessionMagics):
             return
         session.apply(profiling.arm, steps, skip)
         self._profile_armed = True
+        self._profile_request, self._profile_pids = (steps, skip), _pids(session)
         print(
             f"nbdist: profiling {steps} steps after {skip} skipped, from the next nbdist.log call;"
             " the merged trace is written after the cell that finishes them"
@@ -278,6 +287,17 @@ class InspectMagics(SessionMagics):
             return
         session = self.dist.session
         if session is None or not session.running:
+            return
+        if self._profile_armed and self._profile_pids != _pids(session):
+            from nbdist.engine import profiling
+
+            steps, skip = self._profile_request
+            session.apply(profiling.arm, steps, skip)
+            self._profile_pids = _pids(session)
+            print(
+                f"nbdist: the ranks were restarted before the profile was taken: %dist_profile "
+                f"{steps} armed again on the new ones, from their next nbdist.log call"
+            )
             return
         from nbdist.driver.trace_merge import collect
 

@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from nbdist.errors import PlacementError
 from nbdist.launch.options import parse_gpu_list, parse_launch_options
 from nbdist.launch.values import parse_count, parse_duration, parse_seconds
-from nbdist.magics.args import asked_for_help, parse_magic_line
+from nbdist.magics.args import asked_for_help, line_words, parse_magic_line
 
 __all__ = ["DistMagics"]
 
@@ -172,6 +172,11 @@ class DistMagics(Magics):
             session.start()
         except PlacementError as exc:  # what a launcher refused before starting anything
             raise UsageError(str(exc)) from None
+        except KeyboardInterrupt:
+            # start() stopped what it had started; the frames of a start are no help here.
+            raise UsageError(
+                "%dist_start interrupted: what it had started was stopped; run it again to start"
+            ) from None
         self.session = session
         print(session.summary())
         if args.check:  # warns about a link far slower than the others (comm_check)
@@ -190,10 +195,15 @@ class DistMagics(Magics):
         """
         if asked_for_help(self.dist_stop, line):
             return
-        if line.strip():
+        words = line_words(line)
+        if len(words) > 1:
+            raise UsageError(
+                f"%dist_stop {line.strip()!r}: give one session name, e.g. %dist_stop train1"
+            )
+        if words:
             from nbdist.magics.named_sessions import stop_named_session
 
-            return stop_named_session(self, line.strip())
+            return stop_named_session(self, words[0])
         if self.session is None or not self.session.running:
             print("nbdist: no cluster running")
             return

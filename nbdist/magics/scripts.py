@@ -74,12 +74,6 @@ def _check_python(script: str, path: str) -> None:
         raise UsageError(f"%dist_run: cannot read {script} as a Python file ({exc})") from None
 
 
-def _unquoted(word: str) -> str:
-    if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"":
-        return word[1:-1]
-    return word
-
-
 def _someone_elses(path: str) -> bool:
     """True if ``path`` is an existing file whose first lines are not a %dist_export header."""
     path = os.path.abspath(os.path.expanduser(path))
@@ -134,9 +128,6 @@ class ScriptMagics(SessionMagics):
         if asked_for_help(self.dist_sync, line):
             return None
         args = parse_magic_line(self.dist_sync, line)
-        # IPython's parser keeps quotes: a pattern quoted against the shell's habit, 'data/*'.
-        args.paths = [_unquoted(p) for p in args.paths]
-        args.exclude = [_unquoted(p) for p in args.exclude]
         session = self.dist.running_session()
         if not args.paths:
             raise UsageError("%dist_sync needs a directory or file, e.g. %dist_sync src")

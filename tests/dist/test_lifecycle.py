@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -24,7 +25,7 @@ def _all_pids(session) -> set[int]:
     return set(session.cluster.pids) | {r.pid for r in session.ranks}
 
 
-def test_four_ranks_start_reduce_and_stop_without_leftovers():
+def test_four_ranks_start_reduce_and_stop_without_leftovers(tmp_path):
     s = nbdist.DistSession(4, cpu=True, timeout=120).start()
     try:
         assert s.world_size == 4
@@ -51,11 +52,15 @@ def test_four_ranks_start_reduce_and_stop_without_leftovers():
         for name in os.listdir(security):
             mode = stat.S_IMODE(os.stat(os.path.join(security, name)).st_mode)
             assert mode == 0o600, f"{name} has mode {oct(mode)}"
+        s.record_cell("print(rank)")
     finally:
         killed = s.stop()
     assert killed == [], f"had to SIGKILL {killed}"
     assert wait_gone(pids, timeout=10) == []
     assert not s.running
+    # Exported after the stop: the script still runs as many processes as the cells had ranks.
+    script = s.export(str(tmp_path / "after_stop.py"))
+    assert "torchrun --nproc_per_node 4 after_stop.py" in open(script).read()
 
 
 def test_a_restart_that_fails_leaves_no_ranks_named_and_no_process():
@@ -255,3 +260,28 @@ def test_a_driver_that_exits_without_stopping_is_cleaned_up_by_nbdist_alone(tmp_
     assert len(pids) >= 6
     assert wait_gone(pids, timeout=15) == []
     assert "Stopping cluster" not in done.stderr
+
+
+def test_status_with_the_controller_killed_answers_and_the_stop_leaves_nothing():
+    # ipyparallel's queue_status waits for the controller's reply without end: %dist_status
+    # hung once the controller was gone.
+    s = nbdist.DistSession(2, cpu=True, timeout=120, history=False).start()
+    pids = _all_pids(s)
+    try:
+        # The controller, not its schedulers (forked from it, with its command line).
+        watchdogs = [
+            pid
+            for pid in s.cluster.pids
+            if "nbdist.launch.parent_watchdog" in " ".join(psutil.Process(pid).cmdline())
+        ]
+        [controller] = [pid for pid in watchdogs if psutil.Process(pid).ppid() not in watchdogs]
+        os.kill(controller, signal.SIGKILL)
+        rows: list = []
+        asking = threading.Thread(target=lambda: rows.extend(s.status()), daemon=True)
+        asking.start()
+        asking.join(60)  # a guard against the hang, not a measure of speed
+        assert not asking.is_alive(), "status() still waits for a controller that is gone"
+        assert [row["state"] for row in rows] == ["dead", "dead"]
+    finally:
+        s.stop()
+    assert wait_gone(pids, timeout=15) == []

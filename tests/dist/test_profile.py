@@ -187,3 +187,19 @@ def test_dist_profile_collect_stops_a_profile_cut_short(session, shell, capsys):
     out = capsys.readouterr().out
     # Started at the 1st log call, 1 step skipped, 2 completed, the 3rd cut short by --collect.
     assert "nbdist: merged profile of 2 ranks (rank 0: 2, rank 1: 2 steps)" in out
+
+
+def test_a_profile_armed_before_a_restart_is_armed_again_on_the_fresh_ranks(
+    session, shell, capsys
+):
+    # Last in this module: the restart empties the ranks' namespaces.
+    shell.run_line_magic("dist_profile", "2")
+    assert shell.run_cell("%dist_restart").success
+    assert (
+        "nbdist: the ranks were restarted before the profile was taken: %dist_profile 2 armed "
+        "again on the new ones, from their next nbdist.log call"
+    ) in capsys.readouterr().out
+    session.run(SETUP, sink=ListSink())
+    assert shell.run_cell("%%on_all_ranks\n" + LOGGING_LOOP.format(n=5)).success
+    out = capsys.readouterr().out
+    assert "nbdist: merged profile of 2 ranks (rank 0: 2, rank 1: 2 steps)" in out, out

@@ -49,6 +49,23 @@ def test_a_killed_rank_fails_the_cell_releases_the_other_and_restart_brings_it_b
     # The survivor is idle, not blocked; the next cell says what to do.
     with pytest.raises(NbdistError, match=r"rank 1 died: .*%dist_restart"):
         session.run("print(rank)", sink=ListSink())
+    # Pull, push and apply say the same (ipyparallel's own answer was "KeyError: 3"), and
+    # point to the live rank, whose values can still be pulled before the restart.
+    for call in (
+        lambda: session.pull("t"),
+        lambda: session.push({"x": 1}),
+        lambda: session.apply(abs, -1),
+        lambda: session.pull("t", rank=1),
+    ):
+        with pytest.raises(
+            NbdistError,
+            match=r"^rank 1 died: pid \d+ killed by SIGKILL .*%dist_restart \(or restart\(\)\) "
+            r"brings every rank back; what a live rank holds can be pulled first: "
+            r"%dist_pull NAME --rank 0$",
+        ):
+            call()
+    assert session.pull("rank", rank=0) == 0
+    assert session.apply(abs, -1, ranks=[0]) == [1]
 
     session.restart()
     assert [row["state"] for row in session.status()] == ["idle", "idle"]

@@ -172,6 +172,10 @@ def test_dist_profile_refuses_steps_with_collect():
         parse_profile_line("3 --collect")
     assert parse_profile_line("--collect") == (None, 1, True)
     assert parse_profile_line("3 --skip 2") == (3, 2, False)
+    assert parse_profile_line("3 --skip=0") == (3, 0, False)
+    # Not a typo's prefix: --skipper is no --skip.
+    with pytest.raises(UsageError, match=r"'--skipper' not understood"):
+        parse_profile_line("3 --skipper 2")
 
 
 def test_dist_push_of_an_unpicklable_value_names_it_and_sends_nothing(started):
@@ -260,6 +264,22 @@ def test_dist_export_does_not_overwrite_a_file_it_did_not_write(started, tmp_pat
     started.run_line_magic("dist_export", str(mine))
     assert "second_value = 2" in mine.read_text()
     assert "nbdist: wrote" in capsys.readouterr().out
+
+
+def test_quotes_group_a_magics_words_and_are_taken_off(started, shell, tmp_path):
+    # IPython's own parser kept them: a name was refused as '"train1"', a path with a space
+    # could not be given at all.
+    spaced = tmp_path / "my script.py"
+    started.run_line_magic("dist_export", f'"{spaced}"')
+    assert "second_value = 2" in spaced.read_text()
+    started.user_ns.pop("exported_value", None)
+    assert started.run_line_magic("dist_pull", "'exported_value' --rank '1'") == 1
+    with pytest.raises(UsageError, match=r"session name 'no good!': use letters"):
+        shell.run_line_magic("dist_stop", '"no good!"')
+    with pytest.raises(UsageError, match=r"could not parse .*: close the quotes"):
+        shell.run_line_magic("dist_pull", '"exported_value')
+    with pytest.raises(UsageError, match=r"give one session name, e\.g\. %dist_stop train1"):
+        shell.run_line_magic("dist_stop", "one two")
 
 
 @pytest.mark.parametrize(

@@ -125,3 +125,27 @@ def test_an_interrupt_during_dist_stop_lets_the_stop_finish_first(kernels):
     assert set(ranks) <= set(pids)
     assert not os.path.exists(profile), f"{profile} (it holds the cluster key) outlived the stop"
     assert kernel.ok("%dist_stop").stdout.strip() == "nbdist: no cluster running"
+
+
+def test_an_interrupted_dist_start_is_one_line_and_leaves_nothing(kernels):
+    kernel = kernels()
+    kernel.ok("%load_ext nbdist")
+    # Spawned ranks each import torch before they register: the interrupt, sent once the
+    # controller runs, comes while the start still waits for them.
+    msg_id = kernel.submit("%dist_start 2 --cpu --spawn")
+    deadline = time.monotonic() + 60
+    while not kernel.descendants() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = kernel.descendants()
+    assert seen, "the start started no process"
+    kernel.km.interrupt_kernel()
+    outputs, _ = kernel.collect(msg_id, timeout=120)
+    reply = kernel.reply(msg_id)
+    assert (reply["status"], reply["ename"]) == ("error", "UsageError"), reply
+    assert reply["evalue"] == (
+        "%dist_start interrupted: what it had started was stopped; run it again to start"
+    )
+    assert not reply["traceback"] or len(reply["traceback"]) <= 2, reply["traceback"]
+    left = survivors([*seen, *kernel.descendants()], until=time.monotonic() + GRACE_S)
+    assert left == [], "left running after an interrupted %dist_start:\n" + "\n".join(left)
+    assert "nbdist: 2 ranks ready" in kernel.ok("%dist_start 2 --cpu").stdout

@@ -5,13 +5,17 @@ from __future__ import annotations
 import hashlib
 import os
 
+import pytest
+
 from nbdist.driver.file_sync import (
     SyncReport,
     _entries_for,
     _listing,
     _manifest,
     _State,
+    _Tally,
 )
+from nbdist.errors import NbdistError
 
 
 def _tree(root):
@@ -112,3 +116,21 @@ def test_linked_folders_are_followed_and_a_link_back_up_is_not_a_loop(tmp_path):
     state = _State()
     (entry,) = _entries_for(state, [tmp_path / "pkg"], ())
     assert sorted(_manifest(state, _listing(entry))) == ["again/c.py", "b.py", "linked/c.py"]
+
+
+def test_a_walk_stops_at_the_file_past_a_limit_naming_it(tmp_path):
+    # %dist_sync of a home folder (or of /) is refused as soon as the limit is passed, not
+    # after walking everything below it.
+    for i in range(10):
+        (tmp_path / f"f{i}.py").write_text("x" * 10)
+    (entry,) = _entries_for(_State(), [tmp_path], ())
+    with pytest.raises(
+        NbdistError, match=r"more than 3 files to send \(the last one found: .*f3\.py\)"
+    ):
+        _listing(entry, _Tally(max_bytes=1 << 30, max_files=3))
+    with pytest.raises(
+        NbdistError,
+        match=r"more than 25 B to send, the limit \(30 B in the first 3 files; largest: .*f\d\.py \(10 B\)",
+    ):
+        _listing(entry, _Tally(max_bytes=25))
+    assert len(_listing(entry, _Tally(max_bytes=100, max_files=10))) == 10
