@@ -116,7 +116,7 @@ class ScriptMagics(SessionMagics):
         deleted). The paths go first on the ranks' sys.path, the first given
         first, and %dist_run of a script under one runs the copy. Left out: .git, __pycache__, *.pyc,
         .ipynb_checkpoints, .venv, venv, node_modules and tool caches, and what
-        --exclude names; more than 1 GiB is refused. A restart syncs the paths
+        --exclude names; more than 1 GiB (or 100,000 files) is refused. A restart syncs the paths
         again; %dist_stop removes the copies. Modules the ranks imported from a
         changed file are named (--reload reloads them). From a script:
         nbdist.driver.file_sync.sync_files(session, ["src"]). Examples::
