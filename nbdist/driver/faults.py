@@ -549,7 +549,7 @@ class CellGuard:
         released = "released" if self.stranded else "the others were released"
         head = self.release_reason + (f"; {released}: {', '.join(parts)}" if parts else "")
         if self.session.dead_ranks():
-            return head + ". %dist_restart brings the full set of ranks back."
+            return head + f". {self.session.restart_hint()}."
         return head + (
             f". {self.reformed[0].upper()}{self.reformed[1:]}." if self.reformed else "."
         )

@@ -235,6 +235,19 @@ class NamedSession(DistSession):
         except NbdistError:  # stopped already (here, or from another kernel)
             return []
 
+    def restart_hint(self) -> str:
+        """Not %dist_restart: a named session starts again by its name (and was maybe stopped)."""
+        record = named_session_records.read(self.name)
+        if record is None or named_session_records.state_of(record) == "gone":
+            return (
+                f"Session {self.name!r} was stopped (%dist_stop {self.name} in another kernel, "
+                f"or its keeper ended): %dist_start with --name {self.name} starts it again"
+            )
+        return (
+            f"A named session's ranks are not restarted from a kernel: %dist_stop {self.name}, "
+            f"then %dist_start with --name {self.name} again"
+        )
+
     def restart(self) -> NamedSession:
         """Not offered: a named session's processes belong to its keeper, not to this kernel."""
         raise NbdistError(

@@ -445,17 +445,8 @@ class DistSession:
     def _on_ranks(self, ranks, send: Callable) -> list:
         # send(view) -> AsyncResult; waited for like a cell (errors by rank, Ctrl-C relayed).
         chosen = self.select(ranks)
-        dead = self.dead_ranks([r.rank for r in chosen])
-        if dead:
-            # ipyparallel would answer with a KeyError (or wait for an engine that is gone).
-            which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
-            alive = [r.rank for r in self.ranks if r.rank not in self.dead_ranks()]
-            keep = (
-                f"; what a live rank holds can be pulled first: %dist_pull NAME --rank {alive[0]}"
-                if alive
-                else ""
-            )
-            raise NbdistError(f"{which}. %dist_restart (or restart()) brings every rank back{keep}")
+        # ipyparallel would answer with a KeyError (or wait for an engine that is gone).
+        self._require_alive([r.rank for r in chosen])
         fail_undecodable_replies(self._handle.client)  # a value the kernel cannot unpickle
         ar = send(self._handle.client[[r.engine_id for r in chosen]])
         return RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait()
@@ -488,10 +479,25 @@ class DistSession:
         return dead_ranks(monitor, self._handle.client, self.ranks, among, crashes)
 
     def _require_whole(self) -> None:
-        dead = self.dead_ranks()
-        if dead:
-            which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
-            raise NbdistError(f"{which}. %dist_restart (or restart()) brings every rank back")
+        self._require_alive(None)
+
+    def _require_alive(self, among) -> None:
+        # NbdistError naming the dead ranks among ``among`` (None: all), and what brings them back.
+        dead = self.dead_ranks(among)
+        if not dead:
+            return
+        which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
+        alive = [r.rank for r in self.ranks if r.rank not in self.dead_ranks()]
+        keep = (
+            f"; what a live rank holds can be pulled first: %dist_pull NAME --rank {alive[0]}"
+            if alive and among is not None
+            else ""
+        )
+        raise NbdistError(f"{which}. {self.restart_hint()}{keep}")
+
+    def restart_hint(self) -> str:
+        """What brings dead ranks back, as the errors that name them say it."""
+        return "%dist_restart (or restart()) brings every rank back"
 
     def reform_group(self) -> list[str]:
         """Form the process group again on the same processes, after its ranks were released.

@@ -250,6 +250,29 @@ def test_synced_copies_outlive_a_detach_serve_the_next_kernel_and_go_at_the_stop
     assert not os.path.exists(os.path.dirname(copy)), "the stop removed the copies"
 
 
+def test_a_session_stopped_from_elsewhere_says_so_to_a_kernel_still_attached(
+    history_env, cleanup_named
+):
+    # Not "%dist_restart brings every rank back", which a named session does not offer.
+    cleanup_named.append("elsewhere")
+    session = NamedSession(2, cpu=True, name="elsewhere", timeout=START_TIMEOUT).start()
+    pids = _session_pids("elsewhere")
+    try:
+        session.run("x = rank")
+        stop_named("elsewhere")  # what %dist_stop elsewhere does in another kernel
+        assert wait_gone(pids, timeout=30) == []
+        stopped = (
+            r"Session 'elsewhere' was stopped \(%dist_stop elsewhere in another kernel, or its "
+            r"keeper ended\): %dist_start with --name elsewhere starts it again"
+        )
+        with pytest.raises(NbdistError, match=r"^rank \d died: .*" + stopped):
+            session.run("print(x)")
+        with pytest.raises(NbdistError, match=stopped):
+            session.pull("x")
+    finally:
+        session.detach()
+
+
 def test_a_failed_start_says_why_in_one_message_and_leaves_nothing(history_env, cleanup_named):
     # 10 ms: no rank can be up in time, whatever the machine; the keeper fails after starting
     # its controller and engines, and must stop them.

@@ -39,7 +39,7 @@ def test_a_killed_rank_fails_the_cell_releases_the_other_and_restart_brings_it_b
     assert err.failures[0].ename == "RankDied"
     assert f"pid {victim} killed by SIGKILL (signal 9)" in err.failures[0].evalue
     assert "rank 1 died; the others were released: rank 0 from all_reduce #1" in str(err)
-    assert "%dist_restart brings the full set of ranks back" in str(err)
+    assert "%dist_restart (or restart()) brings every rank back" in str(err)
 
     rows = session.status()
     assert [row["state"] for row in rows] == ["idle", "dead"]
