@@ -193,7 +193,7 @@ class _Tally:
             raise NbdistError(
                 f"%dist_sync: more than {self.max_files:,} files to send (the last one found: "
                 f"{path}): sync the folders that hold your code, e.g. %dist_sync src, or leave "
-                "the rest out with --exclude"
+                "the rest out with --exclude (from Python: sync_files(..., max_files=N))"
             )
 
 
@@ -324,6 +324,7 @@ def sync_files(
     copy: bool = False,
     reload: bool = False,
     max_bytes: int = MAX_BYTES,
+    max_files: int = MAX_FILES,
 ) -> SyncReport:
     """Make ``paths`` (directories or files here) importable on every rank of ``session``.
 
@@ -331,7 +332,8 @@ def sync_files(
     relative path), besides :data:`DEFAULT_EXCLUDES`. ``copy``: a copy on every
     machine even where the path is seen in place (a network file system slow under
     many ranks). ``reload``: reload the modules the ranks imported from files that
-    changed. More than ``max_bytes`` in all is refused before anything is sent.
+    changed. More than ``max_bytes`` in all, or more than ``max_files`` files, is refused
+    before anything is sent.
     """
     if not session.running:
         raise ClusterNotRunning("%dist_sync: no ranks to sync to: %dist_start first")
@@ -358,18 +360,26 @@ def sync_files(
         state.order = [e.origin for e in entries] + [
             o for o in state.order if o not in {e.origin for e in entries}
         ]
-        return _sync(session, state, entries, reload=reload, max_bytes=max_bytes)
+        return _sync(
+            session, state, entries, reload=reload, max_bytes=max_bytes, max_files=max_files
+        )
     except BaseException:
         (state.entries, state.order), state.copy = before
         raise
 
 
 def _sync(
-    session, state: _State, entries: list[_Entry], *, reload: bool, max_bytes: int
+    session,
+    state: _State,
+    entries: list[_Entry],
+    *,
+    reload: bool,
+    max_bytes: int,
+    max_files: int = MAX_FILES,
 ) -> SyncReport:
     # Refused by the files' sizes and number while they are found, before any is read
     # (%dist_sync . in a home folder).
-    tally = _Tally(max_bytes)
+    tally = _Tally(max_bytes, max_files)
     listings = {e.origin: _listing(e, tally) for e in entries}
     total = tally.bytes
     for entry in entries:

@@ -46,18 +46,23 @@ def awaiting_replies(client, engine_ids: Sequence[int]) -> set[int]:
     return {eid for eid in engine_ids if eid in uuids and waiting.get(uuids[eid])}
 
 
-def queue_status(client, engine_ids: Sequence[int], timeout: float) -> dict:
-    """``client.queue_status(engine_ids)`` answered within ``timeout`` s, else TimeoutError.
+def queue_status(
+    client, engine_ids: Sequence[int] | None, timeout: float, *, verbose: bool = False
+) -> dict:
+    """``client.queue_status(engine_ids, verbose)`` answered within ``timeout`` s, else TimeoutError.
 
     ipyparallel's own waits for the controller's reply without end: a controller that
     was killed, or ended with its named session elsewhere, would hang ``%dist_status``.
+    ``engine_ids`` None: every engine.
     """
     from ipyparallel import util
 
-    content = {"targets": list(engine_ids), "verbose": False}
+    targets = None if engine_ids is None else list(engine_ids)
+    content = {"targets": targets, "verbose": verbose}
     query = client._query_stream  # noqa: SLF001 - the controller's query channel
     future = client._send(query, "queue_request", content=content)  # noqa: SLF001
     if not future.wait(timeout):
+        client._futures.pop(future.msg_id, None)  # noqa: SLF001 - no reply will come for it
         raise TimeoutError(f"the controller did not answer within {timeout:g} s")
     content = future.result()["content"]
     if content.pop("status") != "ok":

@@ -20,9 +20,10 @@ import ast
 import time
 from collections.abc import Callable, Sequence
 
+from nbdist.driver.ipp_internals import queue_status
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.sinks import default_sink
-from nbdist.errors import RankError, RankFailure
+from nbdist.errors import NbdistError, RankError, RankFailure
 
 __all__ = ["follow_unfinished", "unfinished_cells"]
 
@@ -32,12 +33,20 @@ _POLL_S = 0.1
 _OUTPUT_GRACE_S = 2.0
 _INTERRUPT_GRACE_S = 10.0
 _QUIET_S = 0.3
+# A live controller answers in well under a second; a gone one never (an attach then fails).
+_CONTROLLER_ANSWERS_S = 10.0
 _KEYS = ["msg_id", "stdout", "stderr", "completed", "result_content", "execute_result"]
 
 
 def unfinished_cells(client, group) -> list[dict[int, str]]:
     """Cells the controller still has queued or running on the ranks: [{rank: msg_id}], oldest first."""
-    status = client.queue_status(verbose=True)
+    try:
+        status = queue_status(client, None, _CONTROLLER_ANSWERS_S, verbose=True)
+    except TimeoutError as exc:
+        raise NbdistError(
+            f"the session's controller did not answer ({exc}): it may be gone; "
+            "%dist_sessions shows the session's state"
+        ) from None
     queues = {r.rank: list(status.get(r.engine_id, {}).get("queue", [])) for r in group.ranks}
     depth = max((len(q) for q in queues.values()), default=0)
     # The n-th request queued on each rank belongs to the n-th cell: nbdist sends a cell to

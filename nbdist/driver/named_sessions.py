@@ -28,6 +28,7 @@ Records live in ``<jupyter runtime dir>/nbdist/sessions`` (:mod:`nbdist.launch.n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -294,6 +295,20 @@ def _spawn_keeper(name: str, options: dict, timeout: float) -> dict:
             close_fds=True,
         )
         first.wait()  # it forks the keeper proper and exits at once
+    try:
+        return _wait_for_keeper(name, log_path, timeout)
+    except KeyboardInterrupt:
+        # The keeper is no child of this kernel: it is ended through its record, which it
+        # writes first thing (a few ms after the fork).
+        until = time.monotonic() + 5.0
+        while named_session_records.read(name) is None and time.monotonic() < until:
+            time.sleep(0.05)
+        with contextlib.suppress(NbdistError):
+            stop_named(name)
+        raise
+
+
+def _wait_for_keeper(name: str, log_path: str, timeout: float) -> dict:
     deadline = time.monotonic() + timeout + _KEEPER_SLACK_S
     while True:
         record = named_session_records.read(name)

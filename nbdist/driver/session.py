@@ -497,6 +497,12 @@ class DistSession:
 
     def restart_hint(self) -> str:
         """What brings dead ranks back, as the errors that name them say it."""
+        if self._handle is not None and not self._handle.owned:
+            return (
+                "The engines of a cluster nbdist connected to (--connect) are started by "
+                "whoever started them: start the missing ones again, then %dist_restart "
+                "(or restart()) forms the group"
+            )
         return "%dist_restart (or restart()) brings every rank back"
 
     def reform_group(self) -> list[str]:

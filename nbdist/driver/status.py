@@ -142,9 +142,16 @@ def rank_status(
     dead = dead or {}
     client = handle.client
     alive_ids = set(client.ids)
+    targets = [r.engine_id for r in ranks if r.engine_id in alive_ids]
     try:
-        targets = [r.engine_id for r in ranks if r.engine_id in alive_ids]
         queues, waiting = _queues(client, targets, settle)
+    except TimeoutError:
+        # Slow (a large push on busy cores) is not gone: the states this kernel knows, unless
+        # the controller it started has ended.
+        if handle.controller_running() is False:
+            queues, waiting, alive_ids = {}, set(), set()
+        else:
+            queues, waiting = {}, awaiting_replies(client, targets)
     except Exception:  # controller gone: every rank shows as dead below
         queues, waiting, alive_ids = {}, set(), set()
     living = [r for r in ranks if r.rank not in dead]

@@ -114,6 +114,16 @@ class ClusterHandle:
             pass
         return None
 
+    def controller_running(self) -> bool | None:
+        """Whether the controller nbdist started still runs (None: not nbdist's, or not known)."""
+        pid = getattr(getattr(self.cluster, "controller", None), "pid", None)
+        if not self.owned or not pid:
+            return None
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
     def processes(self) -> list[psutil.Process]:
         """Every noted process still running (none that merely has a noted PID now)."""
         return [p for p in map(self.process, sorted(self.pids)) if p is not None]

@@ -97,8 +97,9 @@ def parse_launch_options(items: list[str] | None) -> dict[str, str]:
     """['partition=gpu', 'time=1:00:00'] (from repeated --launch-opt) -> a dict.
 
     A value with spaces is quoted whole in the magic's line, ``--launch-opt
-    "mpi_args=--bind-to none"``; IPython hands the item over with its quotes, which
-    are taken off here (as they are from a quoted value, ``ssh_args="-p 2222"``).
+    "mpi_args=--bind-to none"`` (the magics take off the quotes around a whole word);
+    an item that still holds its quotes has them taken off here, as a quoted value
+    (``ssh_args="-p 2222"`` in a list given from Python) has.
     """
     out: dict[str, str] = {}
     for item in items or []:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import inspect
 import re
-import shlex
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics
 from IPython.core.magic_arguments import argument
+from IPython.utils.process import arg_split
 
 from nbdist.errors import PlacementError
 from nbdist.launch.values import parse_seconds
@@ -75,15 +75,24 @@ def asked_for_help(magic, line: str, anywhere: bool = True) -> bool:
 
 
 def line_words(line: str) -> list[str]:
-    """A magic's line split as a shell splits it: quotes group words and are taken off.
+    """A magic's line in words: quotes group words, and a word quoted whole loses them.
 
-    (IPython's own ``parse_argstring`` keeps them: ``--name "train1"`` would name
-    ``"train1"``, and a path with a space could not be given at all.)
+    IPython's own split (``parse_argstring``) keeps them: ``--name "train1"`` would
+    name ``"train1"``, a path with a space could not be given at all. Its split is
+    kept otherwise, unlike a shell's: a backslash (``C:\\data``) and a quote inside a
+    word (``/tmp/o'brien``) stay as typed.
     """
     try:
-        return shlex.split(line)
+        words = arg_split(line, strict=True)
     except ValueError as exc:  # the line's quotes do not close
         raise UsageError(f"could not parse {line!r} ({exc}): close the quotes") from None
+    return [_unquoted(word) for word in words]
+
+
+def _unquoted(word: str) -> str:
+    if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"":
+        return word[1:-1]
+    return word
 
 
 def parse_magic_line(magic, line: str):

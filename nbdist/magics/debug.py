@@ -65,7 +65,12 @@ class DebugMagics(SessionMagics):
             )
         args = parse_magic_line(self.dist_debug, line)
         session = self.dist.running_session()
-        last = None  # the error debugged, when it chose the rank
+        # The error IPython showed last, as its own %debug uses it (through a refusal of
+        # ours, below: the error it was refused for).
+        last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        refused = getattr(self, "_refused", None)
+        if refused is not None and last is refused[0]:
+            last = refused[1]
         if args.rank is not None:
             if not is_digits(args.rank) or int(args.rank) >= session.world_size:
                 raise UsageError(
@@ -73,12 +78,6 @@ class DebugMagics(SessionMagics):
                 )
             rank = int(args.rank)
         else:
-            # The error IPython showed last, as its own %debug uses it (through a refusal
-            # of ours, below: the error it was refused for).
-            last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-            refused = getattr(self, "_refused", None)
-            if refused is not None and last is refused[0]:
-                last = refused[1]
             rank = failed_rank(last)
             if rank is None:
                 raise UsageError(

@@ -102,6 +102,7 @@ class InspectMagics(SessionMagics):
         # restart's fresh ones are armed again after the cell that restarted them.
         self._profile_request: tuple[int, int] = (0, 0)
         self._profile_pids: tuple = ()
+        self._profile_session = None
         if shell is not None:
             # After each cell: gather a profile the ranks finished (cheap unless one may be ready).
             callbacks = shell.events.callbacks["post_run_cell"]
@@ -273,9 +274,27 @@ class InspectMagics(SessionMagics):
         session.apply(profiling.arm, steps, skip)
         self._profile_armed = True
         self._profile_request, self._profile_pids = (steps, skip), _pids(session)
+        self._profile_session = session
         print(
             f"nbdist: profiling {steps} steps after {skip} skipped, from the next nbdist.log call;"
             " the merged trace is written after the cell that finishes them"
+        )
+
+    def _arm_again(self, session) -> None:
+        # The session was restarted after %dist_profile N: its fresh ranks know nothing of it.
+        from nbdist.engine import profiling
+
+        steps, skip = self._profile_request
+        self._profile_pids = _pids(session)
+        try:
+            session.apply(profiling.arm, steps, skip)
+        except Exception as exc:  # the cell itself succeeded: say why, do not fail it
+            self._profile_armed = False
+            print(f"nbdist: could not arm the profile again after the restart: {exc}")
+            return
+        print(
+            f"nbdist: the ranks were restarted before the profile was taken: %dist_profile "
+            f"{steps} armed again on the new ones, from their next nbdist.log call"
         )
 
     def _gather_profile(self, result=None):
@@ -288,16 +307,10 @@ class InspectMagics(SessionMagics):
         session = self.dist.session
         if session is None or not session.running:
             return
+        if self._profile_armed and session is not self._profile_session:
+            self._profile_armed = False  # armed on ranks that were stopped: nothing to gather
         if self._profile_armed and self._profile_pids != _pids(session):
-            from nbdist.engine import profiling
-
-            steps, skip = self._profile_request
-            session.apply(profiling.arm, steps, skip)
-            self._profile_pids = _pids(session)
-            print(
-                f"nbdist: the ranks were restarted before the profile was taken: %dist_profile "
-                f"{steps} armed again on the new ones, from their next nbdist.log call"
-            )
+            self._arm_again(session)
             return
         from nbdist.driver.trace_merge import collect
 

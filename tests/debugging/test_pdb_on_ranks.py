@@ -198,10 +198,11 @@ def test_dist_debug_after_zero_division_on_rank_1(kernel):
         "rank 1: ZeroDivisionError"
     )
     # Headless first: refused at once, and rank 1 keeps its error for a front end with stdin.
-    headless, prompts = run_with_stdin(kernel, "%dist_debug", _script(), allow_stdin=False)
-    assert (headless.status, prompts) == ("error", [])
-    assert headless.reply["ename"] == "UsageError"
-    assert "this front end sends no input" in headless.reply["evalue"]
+    for line in ("%dist_debug", "%dist_debug --rank 1"):
+        headless, prompts = run_with_stdin(kernel, line, _script(), allow_stdin=False)
+        assert (headless.status, prompts) == ("error", [])
+        assert headless.reply["ename"] == "UsageError"
+        assert "this front end sends no input" in headless.reply["evalue"]
     result, prompts = run_with_stdin(kernel, "%dist_debug", _script("p z", "q"))
     assert result.status == "ok", result.error_text()
     assert prompts == ["(Pdb rank 1) ", "(Pdb rank 1) "]

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from tests.conftest import wait_gone
@@ -127,17 +128,30 @@ def test_an_interrupt_during_dist_stop_lets_the_stop_finish_first(kernels):
     assert kernel.ok("%dist_stop").stdout.strip() == "nbdist: no cluster running"
 
 
+def _engines_below(kernel) -> list[int]:
+    found = []
+    for pid in kernel.descendants():
+        try:
+            line = " ".join(psutil.Process(pid).cmdline())
+        except psutil.Error:
+            continue
+        if "engine" in line and "controller" not in line:
+            found.append(pid)
+    return found
+
+
 def test_an_interrupted_dist_start_is_one_line_and_leaves_nothing(kernels):
     kernel = kernels()
     kernel.ok("%load_ext nbdist")
-    # Spawned ranks each import torch before they register: the interrupt, sent once the
-    # controller runs, comes while the start still waits for them.
+    # Spawned ranks each import torch before they register: the interrupt, sent once both
+    # engine processes run (nothing more is launched after them), comes while the start
+    # still waits for them.
     msg_id = kernel.submit("%dist_start 2 --cpu --spawn")
     deadline = time.monotonic() + 60
-    while not kernel.descendants() and time.monotonic() < deadline:
+    while len(_engines_below(kernel)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     seen = kernel.descendants()
-    assert seen, "the start started no process"
+    assert len(_engines_below(kernel)) == 2, "the start launched no engines"
     kernel.km.interrupt_kernel()
     outputs, _ = kernel.collect(msg_id, timeout=120)
     reply = kernel.reply(msg_id)

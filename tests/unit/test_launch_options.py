@@ -177,7 +177,8 @@ def test_parse_launch_options():
 def test_a_launch_option_with_spaces_is_quoted_whole_in_the_magic_line():
     from IPython.utils.process import arg_split
 
-    # How the magic's line reaches parse_launch_options: IPython keeps the quotes.
+    # Items that still hold their quotes (IPython's own split keeps them; the magics take
+    # off those around a whole word) lose them here.
     items = arg_split('"mpi_args=--bind-to none --oversubscribe" partition=gpu', posix=False)
     assert parse_launch_options(items) == {
         "mpi_args": "--bind-to none --oversubscribe",
