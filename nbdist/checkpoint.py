@@ -24,7 +24,9 @@ Layout of a checkpoint directory::
 so a save interrupted by a dead rank leaves a directory without it, which
 :func:`load` refuses and :func:`latest` skips. Plain ``extra`` values
 (numbers, strings, lists, dicts) go to that JSON file; objects with
-``state_dict()`` (an LR scheduler, a GradScaler) and tensors go with the shards.
+``state_dict()`` (an LR scheduler, a GradScaler) and tensors go with the shards. A
+tensor is each rank's own (a per-rank RNG state comes back to the rank that saved
+it), so it loads on as many ranks as saved it, or fewer.
 
 Example (in ``%%on_all_ranks`` cells)::
 
@@ -210,15 +212,16 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
     if not state and not stateful and not tensors and step is None and not plain:
         raise CheckpointError("nothing to save: pass model=, optimizer=, step= or extra values")
     state.update({f"extra.{name}": obj.state_dict() for name, obj in stateful.items()})
+    rank, world_size, barrier = _dist()
     if tensors:
-        state["tensors"] = tensors
+        # Under a key of this rank's: a key every rank has is written once, rank 0's value.
+        state["tensors"] = {name: {str(rank): tensor} for name, tensor in tensors.items()}
     # Points logged up to here leave the rank now, not at the next timed flush: if
     # the rank dies after this checkpoint, training resumes from it and re-logs
     # only later steps, so earlier points still buffered would be a hole in the run.
     from nbdist.metrics.log import flush
 
     flush()
-    rank, world_size, barrier = _dist()
     _same_path_everywhere(path)
     problem = _prepare_directory(path) if rank == 0 else None
     # Every rank learns whether rank 0 could make the directory: a failure there
@@ -233,6 +236,7 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
             "extra": plain,
             "stateful": sorted(stateful),
             "tensors": sorted(tensors),
+            "tensors_per_rank": True,
             "model": model is not None,
             "optimizer": optimizer is not None,
             "world_size": world_size,
@@ -352,7 +356,7 @@ def load(path, *, model=None, optimizer=None, **extra) -> dict:
         _check_same_model(path, state["model"])
     saved_tensors = info.get("tensors", [])
     if saved_tensors:
-        state["tensors"] = _tensor_templates(path, saved_tensors)
+        state["tensors"] = _tensor_templates(path, info)
     if state:
         _dcp(dcp.load, state, path)
     if model is not None:
@@ -367,7 +371,8 @@ def load(path, *, model=None, optimizer=None, **extra) -> dict:
     for name, obj in extra.items():
         obj.load_state_dict(state[f"extra.{name}"])
     result = {"step": info.get("step"), **info.get("extra", {})}
-    result.update(state.get("tensors", {}))
+    for name, saved in state.get("tensors", {}).items():
+        result[name] = next(iter(saved.values())) if isinstance(saved, dict) else saved
     return result
 
 
@@ -413,16 +418,27 @@ def _few(names: list[str]) -> str:
     return f"{shown}{more} {'is' if len(names) == 1 else 'are'}"
 
 
-def _tensor_templates(path: str, names: list[str]) -> dict:
-    """Empty tensors shaped as the saved ones, for dcp.load to fill."""
+def _tensor_templates(path: str, info: dict) -> dict:
+    """Empty tensors shaped as the saved ones (this rank's), for dcp.load to fill."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    rank, world_size, _ = _dist()
+    per_rank = info.get("tensors_per_rank", False)  # saved before: one tensor for all
+    saved_world = info.get("world_size", 1)
+    if per_rank and world_size > saved_world:  # alike on every rank: none waits in a load
+        raise CheckpointError(
+            f"checkpoint {path!r} holds the tensors {', '.join(info['tensors'])} of each of "
+            f"{saved_world} rank(s), none for rank {saved_world} and above: load it with "
+            f"{saved_world} rank(s) or fewer, or without those values"
+        )
     out = {}
-    for name in names:
-        meta = metadata[f"tensors.{name}"]
-        out[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    for name in info["tensors"]:
+        key = f"tensors.{name}.{rank}" if per_rank else f"tensors.{name}"
+        meta = metadata[key]
+        empty = torch.empty(meta.size, dtype=meta.properties.dtype)
+        out[name] = {str(rank): empty} if per_rank else empty
     return out
 
 

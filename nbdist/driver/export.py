@@ -112,13 +112,21 @@ def export_script(
     overwrite: bool = True,
 ) -> str:
     """Write :func:`script_text` to ``path`` (a ``.py`` file); returns the absolute path."""
-    path = os.path.abspath(os.path.expanduser(str(path)))
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"export to {path!r}: give the script's path, e.g. 'train.py'")
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if not path.endswith(".py"):
         raise NbdistError(f"export to {path!r}: name a Python file, e.g. train.py")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise NbdistError(
+            f"export to {path!r}: there is no directory {os.path.dirname(path)}: make it first, "
+            "or name a file in one that exists"
+        )
     if not exportable_cells(cells):
         raise NbdistError(
             "nothing to export: no %%on_all_ranks cell has run on every rank since "
-            "%dist_start (cells marked no-export, --ranks and failed cells are left out)"
+            "%dist_start (cells marked no-export, --ranks and failed cells are left out; "
+            "from Python, session.record_cell(code) records code run with session.run)"
         )
     if os.path.exists(path) and not overwrite:
         raise NbdistError(f"{path} exists: choose another name, or allow overwriting")

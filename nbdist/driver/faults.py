@@ -241,6 +241,18 @@ def dead_ranks(
     return {r: c for r, c in dead.items() if among is None or r in among}
 
 
+def dead_ranks_message(dead: dict[int, str], hint: str, alive: int | None) -> str:
+    """What a call on dead ranks says: how each died, ``hint`` (what brings them back), and,
+    with ``alive`` (a live rank), that its values can still be pulled first."""
+    which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
+    keep = (
+        ""
+        if alive is None
+        else f"; what a live rank holds can be pulled first: %dist_pull NAME --rank {alive}"
+    )
+    return f"{which}. {hint}{keep}"
+
+
 class CellGuard:
     """Watches one cell's ranks: releases the others when one fails, hangs or dies."""
 

@@ -28,8 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nbdist.driver import file_sync
+from nbdist.driver.call_arguments import check_cell_timeout, check_code, check_names, check_one_rank
 from nbdist.driver.cells import cell_channel
-from nbdist.driver.faults import CellGuard, dead_ranks
+from nbdist.driver.faults import CellGuard, dead_ranks, dead_ranks_message
 from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics_key, reform_group
 from nbdist.driver.ipp_internals import fail_undecodable_replies
 from nbdist.driver.pulls import pull_values
@@ -393,6 +394,7 @@ class DistSession:
         """
         from nbdist.dashboard import cell_watcher
 
+        code, timeout = check_code(code), check_cell_timeout(timeout)
         chosen = self.select(ranks)
         self._require_whole()
         if self.group.released:  # an earlier attempt to form the group again failed
@@ -457,10 +459,12 @@ class DistSession:
 
     def push(self, mapping: Mapping[str, object], ranks=None) -> None:
         """Copy names from here into the ranks' namespaces."""
-        self._on_ranks(ranks, lambda view: view.push(dict(mapping), block=False))
+        names = check_names(mapping)
+        self._on_ranks(ranks, lambda view: view.push(names, block=False))
 
     def pull(self, name: str, rank: int | None = None):
         """A name's value from one rank, or a list of values by rank when ``rank`` is None."""
+        rank = check_one_rank(rank)
         values = pull_values(self._on_ranks, name, rank)
         return values[0] if rank is not None else values
 
@@ -484,16 +488,10 @@ class DistSession:
     def _require_alive(self, among) -> None:
         # NbdistError naming the dead ranks among ``among`` (None: all), and what brings them back.
         dead = self.dead_ranks(among)
-        if not dead:
-            return
-        which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
-        alive = [r.rank for r in self.ranks if r.rank not in self.dead_ranks()]
-        keep = (
-            f"; what a live rank holds can be pulled first: %dist_pull NAME --rank {alive[0]}"
-            if alive and among is not None
-            else ""
-        )
-        raise NbdistError(f"{which}. {self.restart_hint()}{keep}")
+        if dead:
+            alive = [r.rank for r in self.ranks if r.rank not in self.dead_ranks()]
+            first = alive[0] if alive and among is not None else None
+            raise NbdistError(dead_ranks_message(dead, self.restart_hint(), first))
 
     def restart_hint(self) -> str:
         """What brings dead ranks back, as the errors that name them say it."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from nbdist.engine.devices import (
@@ -28,7 +28,7 @@ from nbdist.engine.devices import (
     visible_gpus,
 )
 from nbdist.errors import PlacementError
-from nbdist.launch.values import check_count, check_threads, is_digits, is_whole
+from nbdist.launch.values import as_index, check_count, check_threads, is_digits
 
 __all__ = [
     "DEFAULT_CPU_RANKS",
@@ -194,10 +194,15 @@ def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list
     """Rank selection: '0,2', '0-3', '1', [0, 2] or None (all ranks)."""
     if text is None:
         return list(range(world_size))
-    if isinstance(text, bool) or (
-        not isinstance(text, (int, str)) and any(not is_whole(r) for r in text)
-    ):
-        raise PlacementError(f"ranks {text!r}: give whole rank numbers, e.g. [0, 2] or '0-3'")
+    given = text
+    if as_index(text) is not None:  # one rank (NumPy's integers too)
+        text = as_index(text)
+    elif not isinstance(text, str):
+        # A list, tuple, range or array of ranks (read once: it may be a generator).
+        text = list(text) if isinstance(text, Iterable) else [None]
+        if any(as_index(r) is None for r in text):
+            raise PlacementError(f"ranks {given!r}: give whole rank numbers, e.g. [0, 2] or '0-3'")
+        text = [as_index(r) for r in text]
     if isinstance(text, int):
         items: list[int] = [text]
     elif isinstance(text, str):

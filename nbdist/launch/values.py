@@ -17,11 +17,13 @@ Example::
 from __future__ import annotations
 
 import math
+import operator
 import re
 
 from nbdist.errors import PlacementError
 
 __all__ = [
+    "as_index",
     "check_count",
     "check_seconds",
     "check_threads",
@@ -40,6 +42,19 @@ _UNIT_S = {None: 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.
 def is_whole(value) -> bool:
     """An int that is not a bool (``True`` is an int to Python, not a count to a user)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def as_index(value) -> int | None:
+    """``value`` as an int if it is a whole number a list index takes (NumPy's too), else None.
+
+    Bools are none: ``True`` is an int to Python, not a rank to a user.
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def is_digits(text: str) -> bool:

@@ -229,7 +229,12 @@ def _numbers(raw: dict, left_out: dict) -> None:
             if cls is float:
                 continue
             if cls in _PLAIN:
-                values[j] = float(value)
+                try:
+                    values[j] = float(value)
+                except OverflowError:  # an int beyond a float's range: this value alone goes
+                    values[j] = None
+                    bad = True
+                    left_out.setdefault(key, what_it_was(value))
             elif hasattr(value, "detach"):
                 tensors.setdefault(str(value.device), []).append((key, values, j, value))
             else:
@@ -275,6 +280,8 @@ def what_it_was(value) -> str:
         text = repr(value)
         if len(text) > 40:
             text = text[:37] + "..."
+        if isinstance(value, int):  # a number still, but none a float can hold
+            return f"{text} (an int beyond a float's range)"
         return f"{text} (a {type(value).__name__})"
     except Exception:
         return f"a {type(value).__name__}"

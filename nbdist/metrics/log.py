@@ -331,7 +331,10 @@ def log(step: int | None = None, **scalars) -> None:
         if "flops" in scalars or "peak_tflops" in scalars:
             resume = _flops_peak(channel, scalars, resume)
         if step is not None:
-            step = int(step)
+            whole = int(step)
+            if whole != step:  # 7.5 (or '8'): the point would be placed at another step
+                raise ValueError(f"step {step!r} is no whole number")
+            step = whole
         lock = channel.lock
         lock.acquire()  # (not ``with``: two special-method lookups fewer on the hot path)
         try:

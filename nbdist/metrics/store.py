@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import socket
 import sqlite3
@@ -205,8 +206,14 @@ def _no_tables(conn: sqlite3.Connection) -> bool:
 def load_run(run_id: int, *, path: str | None = None) -> Run:
     """A finished (or running) run read back from the history."""
     path = path or history_path()
+    if isinstance(run_id, bool) or not isinstance(run_id, numbers.Integral):
+        raise TypeError(
+            f"run id {run_id!r} (a {type(run_id).__name__}): give the run's number, e.g. "
+            "load_run(3); nbdist.runs() lists them"
+        )
+    run_id = int(run_id)  # NumPy's integers too (a DataFrame's column)
     # SQLite integers are 64-bit; and no history file yet means no run in it.
-    if not (isinstance(run_id, int) and 0 <= run_id < 2**63) or not os.path.exists(path):
+    if not 0 <= run_id < 2**63 or not os.path.exists(path):
         raise KeyError(f"run {run_id} is not in the history at {path}: see nbdist.runs()")
     conn = _connect(path, readonly=True)
     try:

@@ -7,6 +7,7 @@ the function, the argument, what it got, and what to write instead.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable
 
@@ -21,6 +22,7 @@ __all__ = [
     "require_numbers",
     "require_optimizer",
     "require_params",
+    "require_whole",
 ]
 
 _DTYPES = {
@@ -98,6 +100,20 @@ def require_numbers(caller: str, **values) -> None:
             raise TypeError(
                 f"{caller}: {arg}={value!r} is {type(value).__name__}, not a number: "
                 f"pass a number{hint}"
+            )
+
+
+def require_whole(caller: str, **values) -> None:
+    """Refuse what is no whole number given for a count (``n_stages=2.5``, ``"8"``).
+
+    NumPy's integers are whole numbers too; ranges are each caller's to check.
+    """
+    require_numbers(caller, **values)
+    for arg, value in values.items():
+        if not isinstance(value, numbers.Integral):
+            example = int(value) if math.isfinite(value) and value >= 1 else 1
+            raise TypeError(
+                f"{caller}: {arg}={value!r} is no whole number: pass a count, e.g. {arg}={example}"
             )
 
 

@@ -6,6 +6,7 @@ import operator
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -128,6 +129,37 @@ def test_pull_of_a_missing_name_is_a_rank_error(session):
 def test_bad_rank_selection_is_refused(session):
     with pytest.raises(nbdist.PlacementError, match="rank 5 does not exist"):
         session.run("pass", ranks="5")
+    # NumPy's integers are rank numbers (an array of them too); a float is refused.
+    session.run("y = rank * 10", sink=ListSink())
+    assert session.pull("y", rank=np.int64(1)) == 10
+    assert session.apply(abs, -1, ranks=np.array([0, 1])) == [1, 1]
+    with pytest.raises(nbdist.PlacementError, match=r"ranks 1.5: give whole rank numbers"):
+        session.run("pass", ranks=1.5)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        # Before: it waited for ever.
+        (lambda s: s.run(None), TypeError, r"code must be a str of Python source, got None"),
+        # Before: base64 text ran on the ranks.
+        (lambda s: s.run(b"x = 1"), TypeError, r"got b'x = 1' \(a bytes\): decode it first"),
+        (lambda s: s.run("x = 1", timeout=-1), nbdist.PlacementError, r"timeout must be a positive"),
+        (lambda s: s.run("x = 1", timeout="a"), nbdist.PlacementError, r"got 'a'"),
+        # Before: a SyntaxError, then a TypeError, on every rank.
+        (lambda s: s.push({"1a": 1}), nbdist.PlacementError, r"'1a' is no Python name"),
+        (lambda s: s.push({1: 1}), nbdist.PlacementError, r"1 is no Python name"),
+        (lambda s: s.push(None), TypeError, r"give a dict of names to values"),
+        # Before: rank 0's value alone, as if one rank had been asked for.
+        (lambda s: s.pull("y", rank=[0, 1]), nbdist.PlacementError, r"rank=\[0, 1\] is not one"),
+        (lambda s: s.pull("y", rank="0-1"), nbdist.PlacementError, r"rank='0-1' is not one"),
+    ],
+)
+def test_what_run_push_and_pull_are_given_is_checked_in_the_kernel(session, call, error, message):
+    session.run("y = rank * 10", sink=ListSink())
+    with pytest.raises(error, match=message):
+        call(session)
+    assert session.pull("y") == [0, 10]  # nothing reached the ranks
 
 
 def test_interrupt_reaches_every_rank_and_next_run_works(session):

@@ -127,6 +127,35 @@ def test_ddp_checkpoint_loads_into_one_process_without_a_group(session, tmp_path
     torch.testing.assert_close(flat, session.pull("weights", rank=0))
 
 
+def test_a_tensor_extra_comes_back_to_the_rank_that_saved_it(session, tmp_path):
+    # Before: a key every rank had was written once, rank 0's: rank 1 got rank 0's tensor
+    # (a per-rank RNG state restored wrong, without a word).
+    path = str(tmp_path / "per_rank")
+    session.push({"path": path})
+    session.run(
+        "net, opt = build('ddp')\n"
+        "nbdist.checkpoint.save(path, model=net, step=1, mine=torch.tensor([float(rank)]),\n"
+        "                       rng=torch.get_rng_state())\n"
+        "rng_saved = torch.get_rng_state()\n"
+        "torch.rand(5)\n"
+        "info = nbdist.checkpoint.load(path, model=net)\n"
+        "mine, rng_back = info['mine'].item(), bool(torch.equal(info['rng'], rng_saved))\n"
+    )
+    assert session.pull("mine") == [0.0, 1.0]
+    assert session.pull("rng_back") == [True, True]
+    # One process without a group: rank 0's; more ranks than saved it: refused alike.
+    assert load(path)["mine"].item() == 0.0
+    one = str(tmp_path / "one_process")
+    save(one, step=1, mine=torch.tensor([5.0]))
+    session.push({"one": one})
+    with pytest.raises(RankError) as info:
+        session.run("nbdist.checkpoint.load(one)")
+    assert info.value.ranks == [0, 1]
+    assert "holds the tensors mine of each of 1 rank(s), none for rank 1 and above" in str(
+        info.value
+    )
+
+
 def test_stateful_extras_round_trip(tmp_path):
     model = torch.nn.Linear(3, 3)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -428,6 +428,9 @@ def test_checkpoint_takes_numpy_numbers_for_step_and_extra_values(tmp_path):
     [
         ("split_sequential(_net(depth=2), '2')", TypeError, r"n_stages='2' is str.*int\('2'\)"),
         ("bubble_fraction(0, 4)", ValueError, r"bubble_fraction needs n_stages >= 1"),
+        # A count: 2.5 stages gave an idle share for a pipeline that cannot exist.
+        ("bubble_fraction(2.5, 4)", TypeError, r"n_stages=2.5 is no whole number.*n_stages=2"),
+        ("split_sequential(_net(depth=2), 2.5)", TypeError, r"n_stages=2.5 is no whole number"),
         ("prepare_once(tmp_path / 'x.pt', 5)", TypeError, r"prepare_once: build, save and load"),
         ("rank_zero_only(5)", TypeError, r"rank_zero_only decorates a function, got int"),
     ],

@@ -68,10 +68,16 @@ def test_export_writes_the_file(tmp_path):
 def test_export_needs_a_python_file_name(tmp_path):
     with pytest.raises(NbdistError, match=r"train\.txt.*e\.g\. train\.py"):
         export_script(["a = 1"], str(tmp_path / "train.txt"))
+    # Before: a file named "None", and a raw FileNotFoundError.
+    with pytest.raises(TypeError, match=r"export to None: give the script's path"):
+        export_script(["a = 1"], None)
+    with pytest.raises(NbdistError, match=r"there is no directory .*nodir: make it first"):
+        export_script(["a = 1"], tmp_path / "nodir" / "train.py")
+    assert not (tmp_path / "nodir").exists()
 
 
 def test_export_with_nothing_recorded_says_why(tmp_path):
-    with pytest.raises(NbdistError, match="nothing to export"):
+    with pytest.raises(NbdistError, match=r"nothing to export: .*session\.record_cell\(code\)"):
         export_script(["# nbdist: no-export\nprint(1)"], str(tmp_path / "t.py"))
     assert not (tmp_path / "t.py").exists()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,6 +149,11 @@ def test_columns_keep_sparse_keys_at_their_steps_live_and_in_the_history(tmp_pat
         assert got.series("step_time", 0)[0] == list(range(1, 2000))
         assert got.series("memory_mib", 0)[0] == list(range(2000))
     assert loaded.series("step_time", 0) == run.series("step_time", 0)
+    # A run id from a DataFrame is a NumPy integer; text is refused naming its type.
+    again = load_run(np.int64(run.id), path=str(tmp_path / "h.sqlite"))
+    assert again.series("loss", 0) == loaded.series("loss", 0)
+    with pytest.raises(TypeError, match=rf"run id '{run.id}' \(a str\): give the run's number"):
+        load_run(str(run.id), path=str(tmp_path / "h.sqlite"))
 
 
 def test_a_follower_of_the_history_sees_every_point_of_the_columns(tmp_path):
@@ -299,10 +305,13 @@ def test_a_value_that_is_no_number_is_named_once_and_the_rest_of_the_point_kept(
         metrics_log.log(step=0, loss=0.5, note="fast")
         metrics_log.log(step=1, loss=torch.ones(3))  # three elements: which one is the loss?
         metrics_log.log(step="two", loss=0.25)  # no whole number: the point cannot be placed
+        metrics_log.log(step=2.5, loss=0.25)  # nor this (it was taken for step 2)
         metrics_log.log(step=3, loss=0.125, note="faster")
         metrics_log.flush()
         metrics_log.log(step=4, loss=torch.ones(2), note=[1])  # the same keys again: not retold
         metrics_log.log(step=5, loss=0.0625)
+        # An int beyond a float's range is left out alone (it lost the whole flush's points).
+        metrics_log.log(step=6, loss=0.03125, big=10**400)
         _settle(collector)
         told_again = metrics_log._channel.left_out_unsent
     finally:
@@ -312,16 +321,17 @@ def test_a_value_that_is_no_number_is_named_once_and_the_rest_of_the_point_kept(
         "note": (0, "'fast' (a str)"),
         "loss": (0, "a tensor of shape (3,) on cpu"),
         "": (0, "ValueError: invalid literal for int() with base 10: 'two'"),
+        "big": (0, "1000000000000000000000000000000000000... (an int beyond a float's range)"),
     }
     loaded = load_run(run.id, path=str(tmp_path / "h.sqlite"))
     for got in (run, loaded):
         assert got.left_out == expected
-        assert got.series("loss", 0) == ([0, 3, 5], [0.5, 0.125, 0.0625])
-        assert "note" not in got.keys()
-        assert got.dropped == {0: 1}
+        assert got.series("loss", 0) == ([0, 3, 5, 6], [0.5, 0.125, 0.0625, 0.03125])
+        assert "note" not in got.keys() and "big" not in got.keys()
+        assert got.dropped == {0: 2}
     text = summary_text(run)
     assert (
-        "1 point dropped on the ranks (rank 0: 1); the first by an error on rank 0: "
+        "2 points dropped on the ranks (rank 0: 2); the first by an error on rank 0: "
         "ValueError: invalid literal for int() with base 10: 'two'" in text
     )
     fix = "log a Python number or a one-element tensor"

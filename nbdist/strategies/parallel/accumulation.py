@@ -36,9 +36,9 @@ def is_sync_step(micro_step: int, every: int) -> bool:
     >>> [is_sync_step(i, 3) for i in range(6)]
     [False, False, True, False, False, True]
     """
-    from nbdist.strategies.arguments import require_numbers
+    from nbdist.strategies.arguments import require_whole
 
-    require_numbers("accumulate", micro_step=micro_step, every=every)
+    require_whole("accumulate", micro_step=micro_step, every=every)
     if every < 1:
         raise ValueError(f"every={every} micro-batches per step: it must be >= 1")
     if micro_step < 0:

@@ -57,9 +57,9 @@ def split_sequential(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]
             f"{type(model).__name__}; write the model as nn.Sequential(...) or split it by hand"
         )
     layers = list(model)
-    from nbdist.strategies.arguments import require_numbers
+    from nbdist.strategies.arguments import require_whole
 
-    require_numbers("split_sequential", n_stages=n_stages)
+    require_whole("split_sequential", n_stages=n_stages)
     if not 1 <= n_stages <= len(layers):
         raise ValueError(
             f"cannot split {len(layers)} layers into {n_stages} stages: use 1..{len(layers)} stages"
@@ -107,9 +107,9 @@ def pipeline_schedule(
 
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    from nbdist.strategies.arguments import require_numbers
+    from nbdist.strategies.arguments import require_whole
 
-    require_numbers("pipeline_schedule", n_microbatches=n_microbatches)
+    require_whole("pipeline_schedule", n_microbatches=n_microbatches)
     if n_microbatches < 1:
         raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -134,9 +134,9 @@ def pipeline_schedule(
 
 def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
     """The idle share of a GPipe/1F1B step with equal stages: ``(p - 1) / (m + p - 1)``."""
-    from nbdist.strategies.arguments import require_numbers
+    from nbdist.strategies.arguments import require_whole
 
-    require_numbers("bubble_fraction", n_stages=n_stages, n_microbatches=n_microbatches)
+    require_whole("bubble_fraction", n_stages=n_stages, n_microbatches=n_microbatches)
     if n_stages < 1 or n_microbatches < 1:
         raise ValueError(
             f"bubble_fraction needs n_stages >= 1 and n_microbatches >= 1, got "

@@ -1,0 +1,62 @@
+"""Kernel side: what ``DistSession.run``, ``push`` and ``pull`` are given, checked before any rank sees it.
+
+A value of the wrong kind would otherwise fail on every rank with an error of
+its own (``s.run(b"x = 1")`` runs base64 text there, ``push({"1a": 1})`` is a
+SyntaxError on each rank) or not at all (``s.run(None)`` waited for ever). Each
+refusal names the value and what to give instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from nbdist.errors import PlacementError
+from nbdist.launch.values import as_index, check_seconds
+
+__all__ = ["check_code", "check_cell_timeout", "check_names", "check_one_rank"]
+
+
+def check_code(code) -> str:
+    """``code`` if it is Python source text; TypeError otherwise."""
+    if not isinstance(code, str):
+        shown = repr(code)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise TypeError(
+            f"run(): code must be a str of Python source, got {shown} (a {type(code).__name__})"
+            + (": decode it first, code.decode()" if isinstance(code, bytes) else "")
+        )
+    return code
+
+
+def check_cell_timeout(timeout) -> float | None:
+    """A cell's ``timeout`` as seconds > 0 (None: no limit); refused as the session's own are."""
+    return None if timeout is None else check_seconds(timeout, "timeout")
+
+
+def check_names(mapping) -> dict:
+    """``mapping`` as a dict of Python names to values, for the ranks' namespaces."""
+    if not isinstance(mapping, Mapping):
+        raise TypeError(
+            f"push(): give a dict of names to values, e.g. push({{'lr': 0.1}}), "
+            f"got a {type(mapping).__name__}"
+        )
+    bad = [k for k in mapping if not (isinstance(k, str) and k.isidentifier())]
+    if bad:
+        raise PlacementError(
+            f"push(): {bad[0]!r} is no Python name: the keys become variables on the ranks "
+            "(letters, digits and _, not starting with a digit); nothing was pushed"
+        )
+    return dict(mapping)
+
+
+def check_one_rank(rank) -> int | None:
+    """``pull``'s ``rank``: one rank number (NumPy's integers too), or None for every rank."""
+    if rank is None:
+        return None
+    index = as_index(rank)
+    if index is None:
+        raise PlacementError(
+            f"pull(): rank={rank!r} is not one rank number: give one, e.g. rank=0, or leave "
+            "it out for a list of every rank's value"
+        )
+    return index
