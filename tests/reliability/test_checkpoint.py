@@ -54,6 +54,17 @@ def flat(net):
 """
 
 
+# Each rank saves its own tensors (its rank, its RNG state), draws, and loads them back.
+PER_RANK_TENSORS = """
+net, opt = build('ddp')
+rng_saved = torch.get_rng_state()
+nbdist.checkpoint.save({path!r}, model=net, step=1, mine=torch.tensor([float(rank)]), rng=rng_saved)
+torch.rand(5)
+info = nbdist.checkpoint.load({path!r}, model=net)
+mine, rng_back = info['mine'].item(), bool(torch.equal(info['rng'], rng_saved))
+"""
+
+
 @pytest.fixture(scope="module")
 def session():
     s = nbdist.DistSession(2, cpu=True, timeout=120, history=False)
@@ -131,16 +142,7 @@ def test_a_tensor_extra_comes_back_to_the_rank_that_saved_it(session, tmp_path):
     # Before: a key every rank had was written once, rank 0's: rank 1 got rank 0's tensor
     # (a per-rank RNG state restored wrong, without a word).
     path = str(tmp_path / "per_rank")
-    session.push({"path": path})
-    session.run(
-        "net, opt = build('ddp')\n"
-        "nbdist.checkpoint.save(path, model=net, step=1, mine=torch.tensor([float(rank)]),\n"
-        "                       rng=torch.get_rng_state())\n"
-        "rng_saved = torch.get_rng_state()\n"
-        "torch.rand(5)\n"
-        "info = nbdist.checkpoint.load(path, model=net)\n"
-        "mine, rng_back = info['mine'].item(), bool(torch.equal(info['rng'], rng_saved))\n"
-    )
+    session.run(PER_RANK_TENSORS.format(path=path))
     assert session.pull("mine") == [0.0, 1.0]
     assert session.pull("rng_back") == [True, True]
     # One process without a group: rank 0's; more ranks than saved it: refused alike.
