@@ -26,7 +26,8 @@ so a save interrupted by a dead rank leaves a directory without it, which
 (numbers, strings, lists, dicts) go to that JSON file; objects with
 ``state_dict()`` (an LR scheduler, a GradScaler) and tensors go with the shards. A
 tensor is each rank's own (a per-rank RNG state comes back to the rank that saved
-it), so it loads on as many ranks as saved it, or fewer.
+it; a rank beyond those that saved it gets None, and a warning); a DTensor is one
+tensor, sharded. An object's state must be the same on every rank: one rank's is kept.
 
 Example (in ``%%on_all_ranks`` cells)::
 
@@ -213,9 +214,13 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
         raise CheckpointError("nothing to save: pass model=, optimizer=, step= or extra values")
     state.update({f"extra.{name}": obj.state_dict() for name, obj in stateful.items()})
     rank, world_size, barrier = _dist()
+    own = sorted(name for name, tensor in tensors.items() if not _is_dtensor(tensor))
     if tensors:
-        # Under a key of this rank's: a key every rank has is written once, rank 0's value.
-        state["tensors"] = {name: {str(rank): tensor} for name, tensor in tensors.items()}
+        # A key every rank has is written once, by one of them: each rank's own tensor goes
+        # under a key of its rank's. A DTensor is one tensor in shards, under one key.
+        state["tensors"] = {
+            name: {str(rank): tensor} if name in own else tensor for name, tensor in tensors.items()
+        }
     # Points logged up to here leave the rank now, not at the next timed flush: if
     # the rank dies after this checkpoint, training resumes from it and re-logs
     # only later steps, so earlier points still buffered would be a hole in the run.
@@ -236,7 +241,7 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
             "extra": plain,
             "stateful": sorted(stateful),
             "tensors": sorted(tensors),
-            "tensors_per_rank": True,
+            "tensors_per_rank": own,
             "model": model is not None,
             "optimizer": optimizer is not None,
             "world_size": world_size,
@@ -354,10 +359,12 @@ def load(path, *, model=None, optimizer=None, **extra) -> dict:
     state.update({f"extra.{name}": obj.state_dict() for name, obj in extra.items()})
     if model is not None:
         _check_same_model(path, state["model"])
-    saved_tensors = info.get("tensors", [])
-    if saved_tensors:
-        state["tensors"] = _tensor_templates(path, info)
-    if state:
+    templates = _tensor_templates(path, info) if info.get("tensors") else {}
+    if templates:
+        state["tensors"] = templates
+    # Decided alike on every rank (a rank beyond those that saved its tensors may have
+    # nothing to read, and still takes part in the load's collectives).
+    if state or info.get("tensors"):
         _dcp(dcp.load, state, path)
     if model is not None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -371,7 +378,8 @@ def load(path, *, model=None, optimizer=None, **extra) -> dict:
     for name, obj in extra.items():
         obj.load_state_dict(state[f"extra.{name}"])
     result = {"step": info.get("step"), **info.get("extra", {})}
-    for name, saved in state.get("tensors", {}).items():
+    for name in info.get("tensors", []):
+        saved = templates.get(name)
         result[name] = next(iter(saved.values())) if isinstance(saved, dict) else saved
     return result
 
@@ -425,21 +433,46 @@ def _tensor_templates(path: str, info: dict) -> dict:
 
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     rank, world_size, _ = _dist()
-    per_rank = info.get("tensors_per_rank", False)  # saved before: one tensor for all
+    own = set(info.get("tensors_per_rank") or ())  # saved before 2026-11-30: none
     saved_world = info.get("world_size", 1)
-    if per_rank and world_size > saved_world:  # alike on every rank: none waits in a load
+    # Every rank looks at every rank's keys (one index for all): a tensor some rank did not
+    # save is refused on all ranks alike, none left waiting in the load's collective.
+    missing = [
+        f"{name!r} of rank {r}"
+        for name in sorted(own)
+        for r in range(min(world_size, saved_world))
+        if f"tensors.{name}.{r}" not in metadata
+    ]
+    if missing:
         raise CheckpointError(
-            f"checkpoint {path!r} holds the tensors {', '.join(info['tensors'])} of each of "
-            f"{saved_world} rank(s), none for rank {saved_world} and above: load it with "
-            f"{saved_world} rank(s) or fewer, or without those values"
+            f"checkpoint {path!r} holds no tensor {missing[0]} (not every rank saved it): "
+            "save the same extra values on every rank"
         )
     out = {}
     for name in info["tensors"]:
-        key = f"tensors.{name}.{rank}" if per_rank else f"tensors.{name}"
-        meta = metadata[key]
+        if name in own and rank >= saved_world:
+            continue  # nothing of its own: None in the result
+        meta = metadata[f"tensors.{name}.{rank}" if name in own else f"tensors.{name}"]
         empty = torch.empty(meta.size, dtype=meta.properties.dtype)
-        out[name] = {str(rank): empty} if per_rank else empty
+        out[name] = {str(rank): empty} if name in own else empty
+    none = sorted(own - set(out))
+    if none:
+        import warnings
+
+        warnings.warn(
+            f"checkpoint {path!r} was saved by {saved_world} rank(s): rank {rank} has no "
+            f"{', '.join(none)} of its own (None in what load returns)",
+            stacklevel=3,
+        )
     return out
+
+
+def _is_dtensor(tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor: none is one
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def latest(directory) -> str | None:

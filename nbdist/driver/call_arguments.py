@@ -8,6 +8,7 @@ refusal names the value and what to give instead.
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Mapping
 
 from nbdist.errors import PlacementError
@@ -30,6 +31,8 @@ def check_code(code) -> str:
 
 def check_cell_timeout(timeout) -> float | None:
     """A cell's ``timeout`` as seconds > 0 (None: no limit); refused as the session's own are."""
+    if isinstance(timeout, bool):  # True is 1 to float(), not a number of seconds to a user
+        raise PlacementError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return None if timeout is None else check_seconds(timeout, "timeout")
 
 
@@ -40,11 +43,15 @@ def check_names(mapping) -> dict:
             f"push(): give a dict of names to values, e.g. push({{'lr': 0.1}}), "
             f"got a {type(mapping).__name__}"
         )
-    bad = [k for k in mapping if not (isinstance(k, str) and k.isidentifier())]
+    bad = [
+        k
+        for k in mapping
+        if not (isinstance(k, str) and k.isidentifier() and not keyword.iskeyword(k))
+    ]
     if bad:
         raise PlacementError(
             f"push(): {bad[0]!r} is no Python name: the keys become variables on the ranks "
-            "(letters, digits and _, not starting with a digit); nothing was pushed"
+            "(letters, digits and _, not starting with a digit, no keyword); nothing was pushed"
         )
     return dict(mapping)
 

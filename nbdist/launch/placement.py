@@ -198,8 +198,9 @@ def parse_ranks(text: str | Sequence[int] | int | None, world_size: int) -> list
     if as_index(text) is not None:  # one rank (NumPy's integers too)
         text = as_index(text)
     elif not isinstance(text, str):
-        # A list, tuple, range or array of ranks (read once: it may be a generator).
-        text = list(text) if isinstance(text, Iterable) else [None]
+        # A list, tuple, range or array of ranks (read once: it may be a generator); bytes
+        # would be read as their character codes.
+        text = list(text) if isinstance(text, Iterable) and not isinstance(text, bytes) else [None]
         if any(as_index(r) is None for r in text):
             raise PlacementError(f"ranks {given!r}: give whole rank numbers, e.g. [0, 2] or '0-3'")
         text = [as_index(r) for r in text]

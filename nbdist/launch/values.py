@@ -49,7 +49,7 @@ def as_index(value) -> int | None:
 
     Bools are none: ``True`` is an int to Python, not a rank to a user.
     """
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", type(value).__name__)):
         return None
     try:
         return operator.index(value)

@@ -234,7 +234,8 @@ def _numbers(raw: dict, left_out: dict) -> None:
                 except OverflowError:  # an int beyond a float's range: this value alone goes
                     values[j] = None
                     bad = True
-                    left_out.setdefault(key, what_it_was(value))
+                    shown = what_it_was(value).rpartition(" (")[0]
+                    left_out.setdefault(key, f"{shown} (an int beyond a float's range)")
             elif hasattr(value, "detach"):
                 tensors.setdefault(str(value.device), []).append((key, values, j, value))
             else:
@@ -280,8 +281,6 @@ def what_it_was(value) -> str:
         text = repr(value)
         if len(text) > 40:
             text = text[:37] + "..."
-        if isinstance(value, int):  # a number still, but none a float can hold
-            return f"{text} (an int beyond a float's range)"
         return f"{text} (a {type(value).__name__})"
     except Exception:
         return f"a {type(value).__name__}"

@@ -330,9 +330,12 @@ def log(step: int | None = None, **scalars) -> None:
         resume = now
         if "flops" in scalars or "peak_tflops" in scalars:
             resume = _flops_peak(channel, scalars, resume)
-        if step is not None:
-            whole = int(step)
-            if whole != step:  # 7.5 (or '8'): the point would be placed at another step
+        if step is not None and step.__class__ is not int:
+            # Read once (a tensor's .item(), as int() would); 7.5 or '8' would be placed
+            # at another step.
+            number = step.item() if hasattr(step, "item") else step
+            whole = int(number)
+            if whole != number:
                 raise ValueError(f"step {step!r} is no whole number")
             step = whole
         lock = channel.lock

@@ -149,6 +149,9 @@ def test_bad_rank_selection_is_refused(session):
         # Before: a SyntaxError, then a TypeError, on every rank.
         (lambda s: s.push({"1a": 1}), nbdist.PlacementError, r"'1a' is no Python name"),
         (lambda s: s.push({1: 1}), nbdist.PlacementError, r"1 is no Python name"),
+        (lambda s: s.push({"class": 1}), nbdist.PlacementError, r"'class' is no Python name"),
+        (lambda s: s.run("x = 1", timeout=True), nbdist.PlacementError, r"got True"),
+        (lambda s: s.run("x = 1", ranks=b"0,1"), nbdist.PlacementError, r"give whole rank"),
         (lambda s: s.push(None), TypeError, r"give a dict of names to values"),
         # Before: rank 0's value alone, as if one rank had been asked for.
         (lambda s: s.pull("y", rank=[0, 1]), nbdist.PlacementError, r"rank=\[0, 1\] is not one"),

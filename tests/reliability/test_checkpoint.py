@@ -15,6 +15,7 @@ import torch
 
 import nbdist
 from nbdist.checkpoint import CheckpointError, latest, load, save
+from nbdist.driver.sinks import ListSink
 from nbdist.errors import RankError
 
 # Builds the same model and optimizer on every rank (seeded), wrapped as asked;
@@ -145,17 +146,27 @@ def test_a_tensor_extra_comes_back_to_the_rank_that_saved_it(session, tmp_path):
     session.run(PER_RANK_TENSORS.format(path=path))
     assert session.pull("mine") == [0.0, 1.0]
     assert session.pull("rng_back") == [True, True]
-    # One process without a group: rank 0's; more ranks than saved it: refused alike.
+    # One process without a group: rank 0's. More ranks than saved it: the others get None,
+    # and a warning; the rest loads.
     assert load(path)["mine"].item() == 0.0
     one = str(tmp_path / "one_process")
-    save(one, step=1, mine=torch.tensor([5.0]))
+    save(one, step=7, mine=torch.tensor([5.0]))
     session.push({"one": one})
-    with pytest.raises(RankError) as info:
-        session.run("nbdist.checkpoint.load(one)")
-    assert info.value.ranks == [0, 1]
-    assert "holds the tensors mine of each of 1 rank(s), none for rank 1 and above" in str(
-        info.value
+    sink = ListSink()
+    session.run("back = nbdist.checkpoint.load(one)", sink=sink)
+    assert session.pull("back")[0] == {"step": 7, "mine": torch.tensor([5.0])}
+    assert session.pull("back")[1] == {"step": 7, "mine": None}
+    warned = " ".join(e[3] for e in sink.events if e[0] == "line" and e[2] == "rank 1")
+    assert "was saved by 1 rank(s): rank 1 has no mine of its own (None" in warned, sink.events
+    # A tensor only some ranks saved: refused on every rank alike, none left waiting.
+    session.run(
+        "extras = {'best': torch.ones(1)} if rank == 0 else {}\n"
+        "nbdist.checkpoint.save(path + '_some', model=net, step=1, **extras)"
     )
+    with pytest.raises(RankError) as info:
+        session.run("nbdist.checkpoint.load(path + '_some', model=net)")
+    assert info.value.ranks == [0, 1]
+    assert "holds no tensor 'best' of rank 1 (not every rank saved it)" in str(info.value)
 
 
 def test_stateful_extras_round_trip(tmp_path):
