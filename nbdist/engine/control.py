@@ -192,6 +192,9 @@ def _cell_frames(frame) -> list:
 def where() -> dict:
     """This rank's main-thread stack (from the cell down) and last collective."""
     main = threading.main_thread()
+    # The record first, then the stack: read the other way round, a rank entering a
+    # collective showed the record inside it and the stack still on the line before.
+    last = collectives.last()
     # The only way to read another thread's stack (the control thread reads the main one).
     frame = sys._current_frames().get(main.ident)  # noqa: SLF001
     frames = _cell_frames(frame) if frame is not None else []
@@ -203,7 +206,7 @@ def where() -> dict:
             {"file": f.filename, "line": f.lineno, "name": f.name, "code": (f.line or "").strip()}
             for f in frames
         ],
-        "collective": collectives.last(),
+        "collective": last,
         # The group's own record (C++-issued collectives too: DDP buckets, FSDP gathers).
         "flight": flight_recorder.recent(),
         "released": _released,

@@ -265,12 +265,14 @@ def test_where_shows_who_never_entered_the_collective_without_stopping_anything(
         found = []
         deadline = time.monotonic() + 60
         # Until rank 0 is inside its all_reduce and rank 1 sleeps: rank 0 leaves the
-        # barrier once rank 1 entered it, so rank 1 may still be returning from it.
+        # barrier once rank 1 entered it, so rank 1 may still be returning from it. Rank 0's
+        # record is read before its stack: once it says inside, the stack shows the call.
         while time.monotonic() < deadline:
             found = session.where()
             c = found[0].collective
             asleep = any("time.sleep(120)" in f["code"] for f in found[1].stack)
-            if c and c["inside"] and c["op"] == "all_reduce" and asleep:
+            calling = any("dist.all_reduce" in f["code"] for f in found[0].stack)
+            if c and c["inside"] and c["op"] == "all_reduce" and asleep and calling:
                 break
             time.sleep(0.02)
         seq = found[0].collective["seq"]
