@@ -487,9 +487,10 @@ class DistSession:
 
     def _require_alive(self, among) -> None:
         # NbdistError naming the dead ranks among ``among`` (None: all), and what brings them back.
-        dead = self.dead_ranks(among)
+        every = self.dead_ranks()  # asked once: a vanished rank's words may need a peer
+        dead = {r: c for r, c in every.items() if among is None or r in among}
         if dead:
-            alive = [r.rank for r in self.ranks if r.rank not in self.dead_ranks()]
+            alive = [r.rank for r in self.ranks if r.rank not in every]
             first = alive[0] if alive and among is not None else None
             raise NbdistError(dead_ranks_message(dead, self.restart_hint(), first))
 
