@@ -41,6 +41,8 @@ _CONTROLLER_ANSWERS_S = 5.0
 _STATES = (BUSY, IDLE, DEAD)
 # Past this many, the grouped table lists the first deviating ranks (dead, stragglers) and a count.
 _DEVIATING_SHOWN = 16
+# Under the table when a rank died; a session gives its own (a named session is not restarted).
+RESTART_HINT = "%dist_restart brings every rank back"
 
 
 def _memory_mib(pid: int) -> float | None:
@@ -222,7 +224,9 @@ def _gpu_cells(gpu: dict | None) -> list[str]:
     ]
 
 
-def _table(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
+def _table(
+    rows: list[dict], hint: str = RESTART_HINT
+) -> tuple[list[str], list[list[str]], list[str]]:
     """The headers, cells and notes both forms of the table show.
 
     The ipyparallel engine id is left out: it is nbdist's plumbing, differs from
@@ -255,7 +259,7 @@ def _table(rows: list[dict]) -> tuple[list[str], list[list[str]], list[str]]:
     for r in dead:
         notes.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
     if dead:
-        notes.append("%dist_restart brings every rank back")
+        notes.append(hint)
     for r in rows:
         if r.get("straggler") and r["state"] != DEAD:
             notes.append(f"rank {r['rank']} is a straggler: {r['straggler']}")
@@ -327,12 +331,12 @@ def _grouped(rows: list[dict]) -> tuple[str, list[str], list[list[str]], list[di
     return " · ".join(words), headers, cells, deviating(rows)
 
 
-def _grouped_lines(rows: list[dict]) -> list[str]:
+def _grouped_lines(rows: list[dict], hint: str) -> list[str]:
     line, host_headers, host_cells, odd = _grouped(rows)
     lines = [line, format_table(host_headers, host_cells, right=range(1, len(host_headers)))]
     if odd:
         shown = odd[:_DEVIATING_SHOWN]
-        headers, table, notes = _table(shown)
+        headers, table, notes = _table(shown, hint)
         lines += [
             f"{len(odd)} rank{'s' if len(odd) > 1 else ''} deviating "
             "(%dist_status --all lists every rank):",
@@ -346,19 +350,19 @@ def _grouped_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def format_status(rows: list[dict], *, all_ranks: bool = False) -> str:
+def format_status(rows: list[dict], *, all_ranks: bool = False, hint: str = RESTART_HINT) -> str:
     """A fixed-width text table of :func:`rank_status` rows, then its notes (dead ranks...).
 
     Above ``PER_RANK_UP_TO`` rows, unless ``all_ranks``: the counts by state, a
     row per host, and only the ranks that deviate (:func:`deviating`).
     """
     if len(rows) > PER_RANK_UP_TO and not all_ranks:
-        return "\n".join(_grouped_lines(rows))
-    headers, table, notes = _table(rows)
+        return "\n".join(_grouped_lines(rows, hint))
+    headers, table, notes = _table(rows, hint)
     return "\n".join([format_table(headers, table), *notes])
 
 
-def status_html(rows: list[dict], *, all_ranks: bool = False) -> str:
+def status_html(rows: list[dict], *, all_ranks: bool = False, hint: str = RESTART_HINT) -> str:
     """The same table as HTML: each rank in its dashboard colour, a dead rank's state in red.
 
     Grouped by host, like :func:`format_status`, above ``PER_RANK_UP_TO`` rows
@@ -374,7 +378,7 @@ def status_html(rows: list[dict], *, all_ranks: bool = False) -> str:
                 f"<div>{len(odd)} rank{'s' if len(odd) > 1 else ''} deviating "
                 "(<code>%dist_status --all</code> lists every rank):</div>"
             )
-            parts.append(_rank_html(odd[:_DEVIATING_SHOWN]))
+            parts.append(_rank_html(odd[:_DEVIATING_SHOWN], hint))
             if len(odd) > _DEVIATING_SHOWN:
                 parts.append(
                     f"<div>... and {len(odd) - _DEVIATING_SHOWN} more deviating "
@@ -385,7 +389,7 @@ def status_html(rows: list[dict], *, all_ranks: bool = False) -> str:
                 "<div>no rank deviates (<code>%dist_status --all</code> lists every rank)</div>"
             )
         return "".join(parts)
-    return _rank_html(rows)
+    return _rank_html(rows, hint)
 
 
 def _html_table(headers: list[str], cells: list[list[str]]) -> str:
@@ -401,12 +405,12 @@ def _html_table(headers: list[str], cells: list[list[str]]) -> str:
     )
 
 
-def _rank_html(rows: list[dict]) -> str:
+def _rank_html(rows: list[dict], hint: str) -> str:
     from html import escape
 
     from nbdist.dashboard.palette import rank_colour
 
-    headers, table, notes = _table(rows)
+    headers, table, notes = _table(rows, hint)
     head = "".join(f"<th style='text-align:left'>{escape(h)}</th>" for h in headers)
     body = []
     for r, cells in zip(rows, table):
@@ -430,17 +434,22 @@ def _rank_html(rows: list[dict]) -> str:
 class StatusTable:
     """What ``%dist_status`` displays: HTML in a notebook, the text table elsewhere."""
 
-    def __init__(self, rows: list[dict], *, all_ranks: bool = False):
-        """``rows``: :func:`rank_status`'s; ``all_ranks``: a row per rank at any number of ranks."""
+    def __init__(self, rows: list[dict], *, all_ranks: bool = False, hint: str = RESTART_HINT):
+        """``rows``: :func:`rank_status`'s; ``all_ranks``: a row per rank at any number of ranks.
+
+        ``hint``: what brings dead ranks back, said under the table when a rank died
+        (a named session's is not ``%dist_restart``: the session's ``restart_hint()``).
+        """
         self.rows = rows
         self.all_ranks = all_ranks
+        self.hint = hint
 
     def __repr__(self) -> str:
         """The text table (a terminal, a saved notebook's text/plain)."""
-        return format_status(self.rows, all_ranks=self.all_ranks)
+        return format_status(self.rows, all_ranks=self.all_ranks, hint=self.hint)
 
     def _repr_html_(self) -> str:
-        return status_html(self.rows, all_ranks=self.all_ranks)
+        return status_html(self.rows, all_ranks=self.all_ranks, hint=self.hint)
 
 
 def _shared_gpus(rows: list[dict]) -> str:

@@ -248,7 +248,8 @@ class DistMagics(Magics):
         words = line.split()
         if any(word != "--all" for word in words):
             raise UsageError(f"%dist_status takes only --all, got {line.strip()!r}")
-        display(StatusTable(self.running_session().status(), all_ranks=bool(words)))
+        session = self.running_session()
+        display(StatusTable(session.status(), all_ranks=bool(words), hint=session.restart_hint()))
 
 
 def _connection_file(args) -> str | None:

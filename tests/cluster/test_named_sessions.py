@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import time
 
@@ -19,6 +20,7 @@ from jupyter_client import KernelManager
 
 from nbdist.driver import live_sessions
 from nbdist.driver.named_sessions import NamedSession, named_sessions, stop_named
+from nbdist.driver.status import StatusTable
 from nbdist.errors import NbdistError, PlacementError
 from nbdist.launch import named_session_records
 from tests.conftest import wait_gone
@@ -269,6 +271,9 @@ def test_a_session_stopped_from_elsewhere_says_so_to_a_kernel_still_attached(
             session.run("print(x)")
         with pytest.raises(NbdistError, match=stopped):
             session.pull("x")
+        # %dist_status's note under the table says the same.
+        table = repr(StatusTable(session.status(), hint=session.restart_hint()))
+        assert re.search(stopped, table) and "%dist_restart" not in table, table
     finally:
         session.detach()
 

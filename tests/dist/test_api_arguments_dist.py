@@ -145,6 +145,14 @@ def test_powersgd_rank_given_as_text_is_named(session):
         ]
         * 2
     )
+    # Before: accepted; torch's PowerSGD failed at its first compressed step ("empty(): argument
+    # 'size' ... must be tuple of ints, not float").
+    assert (
+        _outcomes(session, "apply_comm_hook(ddp, 'powersgd', matrix_rank=1.5)")
+        == ["TypeError: apply_comm_hook: matrix_rank=1.5 is no whole number: pass a count, "
+            "e.g. matrix_rank=1"]
+        * 2
+    )
     assert _outcomes(session, "apply_comm_hook(ddp, 'powersgd', matrix_rank=2) and None") == [
         "ok",
         "ok",

@@ -208,14 +208,11 @@ def apply_comm_hook(
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression={compression!r} is not one of {COMPRESSIONS}")
     if compression == "powersgd":
-        from nbdist.strategies.arguments import require_numbers
+        from nbdist.strategies.arguments import require_numbers, require_whole
 
-        require_numbers(
-            "apply_comm_hook",
-            matrix_rank=matrix_rank,
-            start_iter=start_iter,
-            min_compression_rate=min_compression_rate,
-        )
+        require_numbers("apply_comm_hook", min_compression_rate=min_compression_rate)
+        # A rank of P Q^T and a step count: 2.5 would reach torch as a tensor shape.
+        require_whole("apply_comm_hook", matrix_rank=matrix_rank, start_iter=start_iter)
         if matrix_rank < 1:
             raise ValueError(f"matrix_rank={matrix_rank}: the rank of P Q^T must be at least 1")
         if (error_feedback or warm_start) and start_iter < 2:
