@@ -146,14 +146,33 @@ class ClusterHandle:
         return found[0] if found else None
 
 
+_LOG_NAME = "nbdist.launch.cluster"
+
+
 def _quiet_log():
     """ipyparallel logs each start/stop at INFO; nbdist prints its own one-line summary."""
     import logging
 
-    log = logging.getLogger("nbdist.launch.cluster")
+    log = logging.getLogger(_LOG_NAME)
     if log.level == logging.NOTSET:
         log.setLevel(logging.WARNING)
     return log
+
+
+class _OwnStopWords:
+    """A logging filter: ipyparallel's words on processes nbdist is stopping itself.
+
+    Its launchers warn of any non-zero exit ("Controller stopped: {'exit_code':
+    -15 ...}", "engine set stopped ...", "Output for ipcontroller-...") — how
+    a controller that fails on its own shows its output, but noise above nbdist's one line when nbdist
+    stopped it (an interrupted ``%dist_start`` stops a controller still starting,
+    which ends by SIGTERM). Only those records, and only during the stop.
+    """
+
+    _WORDS = ("Controller stopped:", "engine set stopped", "Output for %s")
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self._WORDS)
 
 
 def _base_config(controller_ip: str):
@@ -509,11 +528,19 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
         # Only processes that still are the ones noted: a PID freed since names another.
         mine = handle.processes()
         below = process_tree.descendants([p.pid for p in mine])
+        words = _OwnStopWords()
+        log = _quiet_log()
+        log.addFilter(words)
         try:
             handle.cluster.stop_cluster_sync()
         except Exception:  # fall through to the PID sweep below
             pass
-        end_cluster_thread(handle.cluster)
+        finally:
+            # After the cluster's thread ends: its launchers' last callbacks log on it.
+            try:
+                end_cluster_thread(handle.cluster)
+            finally:
+                log.removeFilter(words)
         killed = process_ending.end(mine + below)
     if handle.remove_profile_dir and handle.profile_dir:
         private_profiles.remove_profile(handle.profile_dir)

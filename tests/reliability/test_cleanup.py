@@ -156,9 +156,12 @@ def test_an_interrupted_dist_start_is_one_line_and_leaves_nothing(kernels):
     outputs, _ = kernel.collect(msg_id, timeout=120)
     reply = kernel.reply(msg_id)
     assert (reply["status"], reply["ename"]) == ("error", "UsageError"), reply
-    assert reply["evalue"] == (
-        "%dist_start interrupted: what it had started was stopped; run it again to start"
-    )
+    said = "%dist_start interrupted: what it had started was stopped; run it again to start"
+    assert reply["evalue"] == said
+    # The one line is all the cell shows: not ipyparallel's warning of the controller nbdist
+    # stopped ("Controller stopped: {'exit_code': <Negsignal.SIGTERM: -15> ...}").
+    shown = "".join(o["content"].get("text", "") for o in outputs if o["msg_type"] == "stream")
+    assert shown.strip() == f"UsageError: {said}", shown
     assert not reply["traceback"] or len(reply["traceback"]) <= 2, reply["traceback"]
     left = survivors([*seen, *kernel.descendants()], until=time.monotonic() + GRACE_S)
     assert left == [], "left running after an interrupted %dist_start:\n" + "\n".join(left)
