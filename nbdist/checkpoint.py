@@ -169,8 +169,32 @@ def _split_extra(extra: dict) -> tuple[dict, dict, dict]:
                     f"extra value {name}={type(value).__name__}: give a number, string, list or "
                     "dict, a tensor, or an object with state_dict()/load_state_dict()"
                 ) from None
+            key = _key_not_text(value)
+            if key is not None:
+                raise CheckpointError(
+                    f"extra value {name}: its key {key!r} ({type(key).__name__}) would load as "
+                    f"{json.dumps({key: 0})[1:-4]} (the checkpoint's values are JSON, whose keys "
+                    "are text): use string keys, or save it as a list of pairs"
+                )
             plain[name] = value
     return plain, stateful, tensors
+
+
+def _key_not_text(value):
+    """The first dict key in ``value`` that is no string (JSON would turn it into one), or None."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            if not isinstance(key, str):
+                return key
+            found = _key_not_text(inner)
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for inner in value:
+            found = _key_not_text(inner)
+            if found is not None:
+                return found
+    return None
 
 
 def _model_state(model, optimizer) -> dict:
@@ -196,7 +220,8 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
     """Write a sharded checkpoint to the directory ``path``; every rank must call it.
 
     ``model`` (plain, DDP or FSDP2), ``optimizer``, ``step`` and any ``extra``
-    keyword values (JSON-able values, tensors, objects with ``state_dict()``).
+    keyword values (JSON-able values: a tuple loads as a list, a dict's keys must be strings;
+    tensors; objects with ``state_dict()``).
     Returns the absolute path. Example::
 
         nbdist.checkpoint.save(f"ckpt/step_{step}", model=model, optimizer=opt, step=step,

@@ -377,7 +377,8 @@ class Run:
         ``time`` is when the point was logged (a UTC datetime); counts (``samples``,
         ``tokens``, ``epoch``...) are integers when every value is whole.
 
-        Several points logged with the same step on a rank are merged (last value wins).
+        Several points logged with the same step on a rank are merged: the later point's
+        values win (a NaN too), a key it lacks keeps the earlier value.
         That is also how a resumed run reads: training restarted from a checkpoint
         logs the steps after it again, and the later points replace the earlier
         ones, so each step appears once. The history itself keeps every point as
@@ -385,10 +386,22 @@ class Run:
         """
         import pandas as pd
 
-        frame = pd.DataFrame(self.rows(), columns=None)
+        rows = self.rows()
+        frame = pd.DataFrame(rows, columns=None)
         if frame.empty:
             return pd.DataFrame(columns=["rank", "step", "time", *self.keys()])
-        frame = frame.groupby(["rank", "step"], as_index=False, sort=True).last()
+        again = frame.duplicated(["rank", "step"], keep=False).to_numpy()
+        if again.any():
+            # Merged as dicts, in arrival order: a key the later point has replaces the
+            # earlier value, a NaN too (a resumed run that diverged); a key it lacks keeps
+            # the earlier one. (A DataFrame's groupby().last() skips NaN: it showed the
+            # value from before the resume.)
+            merged: dict[tuple, dict] = {}
+            for i in again.nonzero()[0]:
+                row = rows[i]
+                merged.setdefault((row["rank"], row["step"]), {}).update(row)
+            frame = pd.concat([frame[~again], pd.DataFrame(list(merged.values()))])
+        frame = frame.sort_values(["rank", "step"], kind="stable")
         ordered = ["rank", "step", "time", *[k for k in self.keys() if k in frame.columns]]
         frame = frame[ordered].reset_index(drop=True)
         # When each point was logged, as a date (UTC) rather than an epoch float.

@@ -204,6 +204,11 @@ def test_latest_skips_incomplete_checkpoints(tmp_path):
         (lambda p: save(p), "nothing to save"),
         (lambda p: save(p, step=-1), r"step=-1: give a whole number"),
         (lambda p: save(p, step=2, blob=object()), "extra value blob=object"),
+        # Before: saved, and loaded as {'1': 'a'}: info["table"][1] raised KeyError.
+        (
+            lambda p: save(p, step=2, table={"a": [{1: "x"}]}),
+            r"extra value table: its key 1 \(int\) would load as \"1\" .*use string keys",
+        ),
         (lambda p: save("", step=1), "checkpoint path ''"),
         (lambda p: load(os.path.join(p, "missing")), "does not exist"),
     ],

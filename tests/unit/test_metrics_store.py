@@ -96,6 +96,19 @@ def test_run_to_pandas_one_row_per_rank_and_step():
     assert row["loss"] == 3.0 and row["memory_mib"] == 5.0  # merged by (rank, step)
 
 
+def test_run_to_pandas_a_later_nan_wins_over_the_value_before_it():
+    # A resumed run logs step 5 again and has diverged: the frame shows the NaN it logged
+    # last (not the 0.25 from before the resume); a key the later point lacks stays merged.
+    run = Run(1, world_size=1)
+    run.add(0, [(4, 1.0, {"loss": 0.5}), (5, 1.1, {"loss": 0.25, "acc": 0.9})])
+    run.add(0, [(5, 9.0, {"loss": math.nan}), (6, 9.1, {"loss": math.inf})])
+    frame = run.to_pandas()
+    assert frame["step"].tolist() == [4, 5, 6]
+    assert frame["loss"].tolist()[0] == 0.5 and math.isnan(frame["loss"].tolist()[1])
+    assert frame["loss"].tolist()[2] == math.inf and frame["acc"].tolist()[1] == 0.9
+    assert frame["time"].iloc[1].timestamp() == 9.0  # when the step was last logged
+
+
 def _points(rank: int, total: int) -> dict:
     return {"k": "points", "rank": rank, "points": [[total, 1.0, {"loss": 1.0}]], "total": total}
 
