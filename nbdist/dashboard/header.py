@@ -22,17 +22,25 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from nbdist.dashboard.table import PROGRESS_KEY, fmt_gpu_memory, fmt_gpu_util
+from nbdist.dashboard.table import (
+    PER_RANK_UP_TO,
+    PROGRESS_KEY,
+    fmt_gpu_memory,
+    fmt_gpu_util,
+    plotted_keys,
+    plural,
+)
 from nbdist.rank_states import DEAD, RANK_STATES
 
-__all__ = ["header"]
+__all__ = ["header", "nonfinite"]
 
 
 def header(run, rows: Sequence) -> dict:
     """The header's fields: ``name``, ``detail``, ``started``, ``ended``, ``last`` (newest
     point's time), ``step`` (the furthest rank's), ``steps`` ("min–max" over ranks),
     ``points``, ``progress`` (0..1, or None), ``total`` (``total_steps`` or None),
-    ``states`` ("2 busy · 1 dead") and ``gpu`` (a line, or None without GPU readings).
+    ``states`` ("2 busy · 1 dead"), ``gpu`` (a line, or None without GPU readings) and
+    ``nonfinite`` (:func:`nonfinite`: the ranks whose latest loss is NaN/inf, or None).
 
     ``rows``: the table's :class:`~nbdist.dashboard.table.RankRow` list.
     """
@@ -46,7 +54,7 @@ def header(run, rows: Sequence) -> dict:
         # Steps count from 0: step s of n done means s + 1 of n.
         progress = round(min(1.0, (step + 1) / total), 4)
     name = f"run {run.id}" + (f" · {run.label}" if run.label else "")
-    detail = f"{run.world_size} ranks" + (f" · {run.backend}" if run.backend else "")
+    detail = plural(run.world_size, "rank") + (f" · {run.backend}" if run.backend else "")
     counts = Counter(row.state for row in rows)
     states = " · ".join(f"{counts[s]} {s}" for s in RANK_STATES if counts[s])
     return {
@@ -62,7 +70,26 @@ def header(run, rows: Sequence) -> dict:
         "total": None if total is None else int(total),
         "states": states,
         "gpu": _gpu_line([(row.host, row.gpu) for row in rows if row.gpu and row.state != DEAD]),
+        "nonfinite": nonfinite(run, rows),
     }
+
+
+def nonfinite(run, rows: Sequence) -> str | None:
+    """``"loss NaN/inf on 1 rank (3): left out of the median and band"``, or None when every
+    rank's latest loss (the first chart's key) is finite.
+
+    Above ``PER_RANK_UP_TO`` ranks the band cannot show such a value (there is no median
+    of NaN), and at most a few ranks are drawn on their own: the count says how many
+    the band left out. With fewer ranks each has its line; the ranks are named.
+    """
+    broken = [r.rank for r in rows if r.loss is not None and not _finite(r.loss)]
+    if not broken:
+        return None
+    key = (plotted_keys(run.keys()) or ["loss"])[0]
+    named = ", ".join(map(str, broken[:4])) + (", ..." if len(broken) > 4 else "")
+    if len(rows) > PER_RANK_UP_TO:
+        return f"{key} NaN/inf on {plural(len(broken), 'rank')} ({named}): left out of the band"
+    return f"{key} NaN/inf on rank{'s' if len(broken) > 1 else ''} {named}"
 
 
 def _gpu_line(readings: list[tuple[str, dict]]) -> str | None:
@@ -83,7 +110,7 @@ def _gpu_line(readings: list[tuple[str, dict]]) -> str | None:
     util = fmt_gpu_util(sum(utils) / len(utils) if utils else None)
     memory = fmt_gpu_memory(sum(used) if used else None, sum(total) if total else None)
     n = len(readings)
-    return f"{n} GPU{'s' if n > 1 else ''}: utilisation {util} (mean) · memory {memory}"
+    return f"{plural(n, 'GPU')}: utilisation {util} (mean) · memory {memory}"
 
 
 def _finite(value) -> bool:

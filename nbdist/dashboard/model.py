@@ -337,7 +337,10 @@ class DashboardModel:
                 elif panel.aggregate:
                     panel.aligned.add(rank, steps, xs, values)
                 own = panel.rank_traces[rank] if panel.summary else panel.traces[rank]
-                compacted = own.extend(xs, values, self.budget)
+                if panel.by_time:
+                    compacted = own.extend(xs, values, self.budget)
+                else:  # a step going back (a loop run again) starts a new segment
+                    compacted, xs, values = own.extend_steps(xs, values, self.budget)
                 where = panel.position(rank)
                 if where is not None:
                     merge(extend, (panel.index, where), compacted, xs, values)
@@ -394,7 +397,10 @@ class DashboardModel:
             if whole:  # a point already drawn changed: the trace goes again, whole
                 panel.traces[-1] = Trace()
             if xs or whole:
-                compacted = panel.traces[-1].extend(xs, values, self.budget) or whole
+                if panel.by_time:
+                    compacted = panel.traces[-1].extend(xs, values, self.budget) or whole
+                else:  # the steps start over (a loop run again): a new segment
+                    compacted, xs, values = panel.traces[-1].extend_steps(xs, values, self.budget)
                 merge(extend, (panel.index, self._nranks), compacted, xs, values)
 
     def _summarise(self, panel: _Panel, by_bin: float, by_step: float, extend: dict) -> None:
@@ -403,8 +409,8 @@ class DashboardModel:
             steps, *lines = panel.spread.spread(by_step)
             if steps:
                 for i, ys in enumerate(lines):
-                    compacted = panel.band[i].extend(steps, ys, self.budget)
-                    merge(extend, (panel.index, i), compacted, steps, ys)
+                    compacted, xs, ys = panel.band[i].extend_steps(steps, ys, self.budget)
+                    merge(extend, (panel.index, i), compacted, xs, ys)
         elif panel.total is not None:
             xs, values, whole = panel.aligned.ready(by_bin)
             if whole:  # a point already drawn changed: the trace goes again, whole
@@ -418,14 +424,15 @@ class DashboardModel:
         """Pick the ranks drawn on their own above ``PER_RANK_UP_TO`` ranks; the panels that changed.
 
         Stragglers first, then dead ranks, then ranks whose latest value of the
-        first chart lies far outside the others' (beyond 1.5 interquartile ranges),
+        first chart is NaN or infinite (the band leaves it out), then those whose value
+        lies far outside the others' (beyond 1.5 interquartile ranges),
         at most ``SHOWN_RANKS``; looked at every ``CHOOSE_EVERY_S`` so lines do not flicker.
         """
         if self._nranks <= PER_RANK_UP_TO or now - self._chosen_at < CHOOSE_EVERY_S:
             return set()
         self._chosen_at = now
         rows = self._rows
-        lasts = [(r.loss, r.rank) for r in rows if r.loss is not None and math.isfinite(r.loss)]
+        lasts = [(r.loss, r.rank) for r in rows if r.loss is not None]
         stragglers = [r.rank for r in rows if r.straggler]
         chosen = sorted(pick_shown(stragglers, [r.rank for r in rows if r.state == DEAD], lasts))
         if chosen == self._chosen:

@@ -45,6 +45,7 @@ __all__ = [
     "deviating_rows",
     "host_row",
     "PROGRESS_KEY",
+    "plural",
     "RankRow",
     "find_stragglers",
     "fmt_percent",
@@ -89,6 +90,8 @@ class RankRow:
     seen: float | None = None  # time.time() of the latest point
     state: str = IDLE
     straggler: str = ""  # why it is flagged, "" when it is not
+    # Why it deviates other than by speed ("loss nan", "no points logged"), "" when it does not.
+    note: str = ""
     host: str = ""  # shown next to the rank when the ranks span several hosts
     gpu: dict[str, float] | None = None  # the latest GPU reading, by GPU_KEYS; None without one
     tflops: float | None = None  # the latest achieved TFLOP/s
@@ -120,19 +123,26 @@ class RankRow:
             *(gpu_cells if gpu else []),
             fmt_ago(None if self.seen is None else now - self.seen),
             self.state,
-            f"⚠ straggler ({self.straggler})" if self.straggler else "",
+            " · ".join(
+                ([f"⚠ straggler ({self.straggler})"] if self.straggler else [])
+                + ([f"⚠ {self.note}"] if self.note else [])
+            ),
         ]
 
 
 def deviating_rows(rows: Sequence[RankRow]) -> list[RankRow]:
-    """The rows that stand out: dead, stragglers, or in a state few of the living share."""
+    """The rows that stand out: dead, stragglers, in a state few of the living share, or with
+    a ``note`` (:func:`build_rows`: a NaN/inf loss, no points while the others log)."""
     living = [r for r in rows if r.state != DEAD]
     counts = {state: sum(1 for r in living if r.state == state) for state in (BUSY, IDLE)}
     common = max(counts.values(), default=0)
     return [
         r
         for r in rows
-        if r.state == DEAD or r.straggler or (r.state in counts and counts[r.state] < common)
+        if r.state == DEAD
+        or r.straggler
+        or r.note
+        or (r.state in counts and counts[r.state] < common)
     ]
 
 
@@ -140,10 +150,15 @@ def pick_shown(
     stragglers: Sequence[int], dead: Sequence[int], lasts: Sequence[tuple[float, int]]
 ) -> list[int]:
     """The ranks a chart draws on their own above ``PER_RANK_UP_TO`` ranks: stragglers first,
-    then dead ranks, then ranks whose latest value (``lasts``: ``(value, rank)`` pairs,
-    finite) lies far outside the others' (beyond 1.5 interquartile ranges), farthest
-    first; at most ``SHOWN_RANKS``."""
-    lasts = sorted(lasts)
+    then dead ranks, then the outliers among ``lasts`` (``(value, rank)`` pairs of each rank's
+    latest value): a NaN or infinite value first (a diverged rank: the band leaves it out,
+    so only its own line shows it; when most ranks diverged, none is an outlier), then
+    ranks whose value lies far outside the others' (beyond 1.5 interquartile ranges),
+    farthest first; at most ``SHOWN_RANKS``."""
+    broken = sorted(r for v, r in lasts if not math.isfinite(v))
+    lasts = sorted((v, r) for v, r in lasts if math.isfinite(v))
+    if len(broken) >= len(lasts):
+        broken = []
     far = []
     if len(lasts) >= 4:  # fewer are no spread to stand out of
         q1, q3 = lasts[len(lasts) // 4][0], lasts[(3 * len(lasts)) // 4][0]
@@ -151,7 +166,7 @@ def pick_shown(
         fence = 1.5 * (q3 - q1)
         far = [(abs(v - middle), r) for v, r in lasts if v < q1 - fence or v > q3 + fence]
     outlying = [r for _, r in sorted(far, reverse=True)]
-    return list(dict.fromkeys([*stragglers, *dead, *outlying]))[:SHOWN_RANKS]
+    return list(dict.fromkeys([*stragglers, *dead, *broken, *outlying]))[:SHOWN_RANKS]
 
 
 def host_row(
@@ -175,7 +190,7 @@ def host_row(
         seen=max((r.seen for r in rows if r.seen is not None), default=None),
     )
     cells = summary.cells(now, gpu=gpu, flops=flops)
-    cells[0] = f"{host}: {len(rows)} ranks"
+    cells[0] = f"{host}: {plural(len(rows), 'rank')}"
     if steps and min(steps) != max(steps):
         cells[1] = f"{min(steps)}–{max(steps)}"
     states = {s: sum(1 for r in rows if r.state == s) for s in (BUSY, IDLE, DEAD)}
@@ -324,7 +339,27 @@ def build_rows(
         if row.state != DEAD:  # a dead rank is behind because it is dead: never a straggler
             row.straggler = flagged.get(rank, "")
         rows.append(row)
+    _note(run, rows, user[0] if user else "loss", max_lag)
     return rows
+
+
+def _note(run, rows: list[RankRow], key: str, max_lag: int) -> None:
+    """Say why a rank deviates where no straggler check sees it (:attr:`RankRow.note`).
+
+    A rank whose latest ``key`` is NaN or infinite, while more ranks have a finite one,
+    diverged: medians and bands leave that value out, so without the note it would not
+    show at all. A rank with no points while another logged more than ``max_lag`` has
+    no step to lag behind with (the same allowance as a lag: ranks start a moment apart).
+    """
+    broken = [r for r in rows if r.loss is not None and not math.isfinite(r.loss)]
+    finite = sum(1 for r in rows if r.loss is not None and math.isfinite(r.loss))
+    if len(broken) < finite:  # when most ranks diverged, the rest are the odd ones out
+        for row in broken:
+            row.note = f"{key} {fmt_value(row.loss)}"
+    if any(run.count(r.rank) > max_lag for r in rows if r.step is not None):
+        for row in rows:
+            if row.step is None:
+                row.note = "no points logged"
 
 
 def rank_state(run, rank: int, states: Mapping[int, str], *, now: float, last=None) -> str:
@@ -378,6 +413,11 @@ def call_states(states: Callable[[], Mapping[int, str]] | None) -> dict[int, str
 
 
 # -- formatting -------------------------------------------------------------------------
+
+
+def plural(n: int, word: str) -> str:
+    """``"1 rank"``, ``"2 ranks"``, ``"1,024 points"``: a count and its noun."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def fmt_value(v: float | None) -> str:

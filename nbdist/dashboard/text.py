@@ -13,7 +13,8 @@ Example::
 Above ``PER_RANK_UP_TO`` ranks the per-rank table gives way to a line of counts
 (ranks by state, the step range, the total throughput, the straggler named),
 one row per host, and the rows of the ranks that deviate: dead, stragglers,
-and ranks in a state few share (busy while the others are idle).
+ranks in a state few share (busy while the others are idle), a loss gone NaN or
+infinite, no points while the others log.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from nbdist.dashboard.table import (
     has_flops,
     has_gpu,
     headers,
+    plural,
     rank_rows,
     throughput_key,
 )
@@ -49,8 +51,10 @@ def summary_text(
 ) -> str:
     """A fixed-width table per rank, then one line per series: last / mean / min / max.
 
-    ``last`` is the mean over ranks of each rank's latest value; mean, min and
-    max are over every point of every rank (NaN and inf left out).
+    ``last`` is the mean over ranks of each rank's latest value, as logged: NaN (or
+    inf) when one is, so a diverged rank shows there, and a line under the table says
+    on how many ranks; mean, min and max are over every point of every rank (NaN and
+    inf left out).
     ``states``: {rank: state} or a callable returning it (``"dead"`` is shown).
     """
     now = time.time() if now is None else now
@@ -73,15 +77,20 @@ def summary_text(
             lines.append(f"  rank {rank}: {parts}")
     lines += loss_lines(run) + note_lines(run)
     if keys:
-        series = [
-            [key, *(fmt_value(v) for v in _stats(run, key))]
-            for key in keys
-            if key != "gpu_index"  # a GPU's number, not a figure to average
-        ]
+        stats = {key: _stats(run, key) for key in keys if key != "gpu_index"}  # a GPU's number
+        series = [[key, *(fmt_value(v) for v in figures[:4])] for key, figures in stats.items()]
         lines.append("")
         lines.append(
             format_table(["series", "last", "mean", "min", "max"], series, right={1, 2, 3, 4})
         )
+        for key, (*_, broken, of) in stats.items():
+            if broken:
+                named = ", ".join(str(r) for r in broken[:8]) + (", ..." if len(broken) > 8 else "")
+                lines.append(
+                    f"{key}: latest value NaN/inf on {len(broken)} of {plural(of, 'rank')} "
+                    f"(rank{'s' if len(broken) > 1 else ''} {named}); mean, min and max "
+                    "leave NaN/inf out"
+                )
     return "\n".join(lines)
 
 
@@ -91,7 +100,7 @@ def _grouped(rows: list, rate_key: str | None) -> list[str]:
     hosts: dict[str, list] = {}
     for row in rows:
         hosts.setdefault(row.host or "all", []).append(row)
-    words = [f"{len(rows)} ranks" + (f" on {len(hosts)} hosts" if len(hosts) > 1 else "")]
+    words = [plural(len(rows), "rank") + (f" on {len(hosts)} hosts" if len(hosts) > 1 else "")]
     words += [f"{n} {state}" for state, n in states.items() if n]
     steps = [r.step for r in rows if r.step is not None]
     if steps:
@@ -127,37 +136,50 @@ def _grouped(rows: list, rate_key: str | None) -> list[str]:
         format_table(
             ["host", "ranks", BUSY, IDLE, DEAD, "steps", "throughput"], table, right=range(1, 7)
         ),
-        f"{len(odd)} rank{'s' if len(odd) != 1 else ''} deviating (dead, straggling, or "
-        "busy while the others are idle)" + (":" if odd else ""),
+        f"{plural(len(odd), 'rank')} deviating (dead, straggling, busy while the others are "
+        "idle, a NaN/inf loss, or no points)" + (":" if odd else ""),
     ]
 
 
 def _title(run) -> str:
-    parts = [f"run {run.id}", f"{run.world_size} ranks"]
+    parts = [f"run {run.id}", plural(run.world_size, "rank")]
     if run.backend:
         parts.append(run.backend)
     if run.label:
         parts.append(run.label)
     count = run.count()
-    parts.append(f"{count:,} points" if count else "no points yet")
+    parts.append(plural(count, "point") if count else "no points yet")
     if getattr(run, "ended", None) is not None:
         parts.append("finished")  # the sidebar's word for a run whose session stopped
     return " · ".join(parts)
 
 
-def _stats(run, key: str) -> tuple[float | None, ...]:
+def _stats(run, key: str) -> tuple:
+    """``(last, mean, min, max, ranks whose latest value is NaN/inf, ranks with a value)``.
+
+    ``last`` takes each rank's latest value as it is: leaving NaN out there would show a
+    finite loss for a run whose every rank diverged. Mean, min and max are of the finite
+    values (one NaN would otherwise hide every other figure).
+    """
     import numpy as np
 
     lasts: list[float] = []
+    broken: list[int] = []
     chunks = []
     for rank in run.ranks:
         _, values = run.series(key, rank)
         y = np.asarray(values, dtype=np.float64)  # None (not carried by the wire) -> NaN
-        y = y[np.isfinite(y)]
-        if y.size:
-            lasts.append(float(y[-1]))
-            chunks.append(y)
-    if not chunks:
-        return (None, None, None, None)
+        if not y.size:
+            continue
+        lasts.append(float(y[-1]))
+        if not np.isfinite(y[-1]):
+            broken.append(rank)
+        chunks.append(y[np.isfinite(y)])
+    if not lasts:
+        return (None, None, None, None, [], 0)
     every = np.concatenate(chunks)
-    return (sum(lasts) / len(lasts), float(every.mean()), float(every.min()), float(every.max()))
+    with np.errstate(invalid="ignore"):  # inf and -inf together: NaN, as it should read
+        last = float(np.mean(lasts))
+    if not every.size:
+        return (last, None, None, None, broken, len(lasts))
+    return (last, float(every.mean()), float(every.min()), float(every.max()), broken, len(lasts))

@@ -32,9 +32,15 @@ _HOLD_S = 10.0
 
 
 class Trace:
-    """What the browser holds of one trace: at most ``budget`` of the logged points."""
+    """What the browser holds of one trace: at most ``budget`` of the logged points.
 
-    __slots__ = ("pos", "total", "xs", "ys")
+    A trace against step whose step goes back (a loop run again, training resumed
+    from a checkpoint) starts a new segment (:meth:`extend_steps`): a gap, a NaN the
+    browser gets as null, goes before the earlier step, so no line is drawn back to
+    it. Decimation keeps the gaps (up to ``budget // 4`` of them, the latest).
+    """
+
+    __slots__ = ("gaps", "pos", "total", "xs", "ys")
 
     def __init__(self) -> None:
         """An empty trace."""
@@ -42,6 +48,7 @@ class Trace:
         self.ys: list[float] = []
         self.pos: list[int] = []  # each kept point's index among all points of this trace
         self.total = 0
+        self.gaps: list[int] = []  # the positions of the gaps before a step going back
 
     def extend(self, xs: list, ys: list[float], budget: int) -> bool:
         """Append; True when that went over budget and the trace was re-decimated (send it whole)."""
@@ -52,10 +59,35 @@ class Trace:
         if len(self.xs) <= budget:
             return False
         keep = minmax_indices(self.ys, budget // 2, self.pos).tolist()
+        if self.gaps:
+            # NaN is never a bucket's min or max: without this a gap would go and the line
+            # from the last step back to the earlier one come back.
+            del self.gaps[: -max(1, budget // 4)]
+            gaps = set(self.gaps)
+            keep = sorted({*keep, *(i for i, p in enumerate(self.pos) if p in gaps)})
         self.xs = [self.xs[i] for i in keep]
         self.ys = [self.ys[i] for i in keep]
         self.pos = [self.pos[i] for i in keep]
         return True
+
+    def extend_steps(self, xs: list, ys: list[float], budget: int) -> tuple[bool, list, list]:
+        """:meth:`extend` for a trace against step: ``(re-decimated?, xs, ys)`` as appended,
+        with a gap (x, NaN) before each step lower than the one before it."""
+        import numpy as np
+
+        if not xs:
+            return self.extend(xs, ys, budget), xs, ys
+        at = np.fromiter(xs, dtype=np.float64, count=len(xs))  # vectorised: a first read is long
+        back = (np.flatnonzero(at[1:] < at[:-1]) + 1).tolist()
+        if self.xs and xs[0] < self.xs[-1]:
+            back.insert(0, 0)
+        if back:
+            xs, ys = list(xs), list(ys)
+            for shift, i in enumerate(back):  # each gap moves the later points one on
+                xs.insert(i + shift, xs[i + shift])
+                ys.insert(i + shift, math.nan)
+                self.gaps.append(self.total + i + shift)
+        return self.extend(xs, ys, budget), xs, ys
 
 
 class RateTotal:

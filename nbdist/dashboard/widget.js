@@ -688,8 +688,10 @@ function render({ model, el }) {
       const of = h.total ? ` of ${h.total}` : "";
       parts.push(`step ${h.step}${of}${h.steps ? ` (ranks at ${h.steps})` : ""}`);
     }
-    parts.push(`${Number(h.points).toLocaleString("en")} points`);
+    parts.push(`${Number(h.points).toLocaleString("en")} point${Number(h.points) === 1 ? "" : "s"}`);
     if (h.states) parts.push(h.states);
+    // Ranks whose latest loss is NaN/inf: the band (many ranks) leaves them out.
+    if (h.nonfinite) parts.push(h.nonfinite);
     facts.textContent = parts.join(" · ");
     progress.hidden = h.progress === null || h.progress === undefined;
     progressBar.style.width = `${100 * (h.progress || 0)}%`;
