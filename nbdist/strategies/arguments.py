@@ -141,7 +141,8 @@ def layer_names(value: Iterable[str], arg: str, caller: str) -> list[str]:
 
 def as_dtype(value, arg: str, caller: str) -> torch.dtype | None:
     """A torch dtype from ``torch.bfloat16`` or its short name (``"bf16"``); None stays None."""
-    if value is None or isinstance(value, torch.dtype):
+    # FSDP computes and reduces gradients in it: an integer dtype fails deep in torch.
+    if value is None or (isinstance(value, torch.dtype) and value.is_floating_point):
         return value
     if isinstance(value, str) and value.lower().removeprefix("torch.") in _DTYPES:
         return _DTYPES[value.lower().removeprefix("torch.")]

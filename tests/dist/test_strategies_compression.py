@@ -466,6 +466,78 @@ for i in range(4):
     assert 0 < per_step[3] < per_step[0] / 10, per_step
 
 
+def test_powersgd_refuses_a_default_ddp_and_the_bucket_size_it_names_trains(session):
+    # 3.0 MiB of gradients in torch's default DDP: under its 25 MiB cap but over its 1 MiB
+    # first bucket, so two buckets once DDP rebuilds them. Before: accepted, and gloo aborted
+    # ("Received data size doesn't match expected size") or hung after the plain steps.
+    run(
+        session,
+        """
+import re
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from nbdist.strategies.optim.compression import apply_comm_hook
+def build(**kw):
+    torch.manual_seed(0)
+    return DDP(nn.Linear(1024, 768), **kw)
+try:
+    apply_comm_hook(build(), "powersgd", start_iter=2)
+    message = None
+except ValueError as e:
+    message = str(e)
+per_step = []
+if message is not None:  # accepted, two buckets would abort the ranks: train only as advised
+    cap = int(re.search(r"bucket_cap_mb=(\\d+)", message).group(1))
+    model = build(bucket_cap_mb=cap)
+    sent = apply_comm_hook(model, "powersgd", start_iter=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for i in range(6):
+        opt.zero_grad()
+        model(torch.randn(4, 1024, generator=g)).pow(2).mean().backward()
+        opt.step()
+        per_step.append(sent.take())
+""",
+    )
+    for rank in (0, 1):
+        message = session.pull("message", rank=rank) or ""
+        assert "3.0 MiB over DDP's first bucket of 1 MiB (bucket_cap_mb unset)" in message
+        assert "DistributedDataParallel(model, bucket_cap_mb=5)" in message
+        per_step = session.pull("per_step", rank=rank)
+        # The advice taken: plain steps, then rank-1 factors, every step on both ranks.
+        assert len(per_step) == 6 and 0 < per_step[5] < per_step[0] / 10, per_step
+
+
+def test_onebit_adam_names_ranks_that_froze_different_layers(session):
+    # Frozen parameters stay out of the all-reduces: ranks that froze different layers would
+    # send different sizes and gloo would abort. Every rank raises instead, at the first step.
+    run(
+        session,
+        MODEL
+        + """
+from nbdist.strategies.optim.onebit_adam import apply_onebit_adam
+model = build()
+if rank == 1:
+    model[0].requires_grad_(False)
+opt = apply_onebit_adam(model, lr=1e-2, weight_decay=0.1, freeze_step=5)
+x, y = shard(0, rank)
+nn.functional.mse_loss(model(x), y).backward()
+try:
+    opt.step()
+    message = None
+except ValueError as e:
+    message = str(e)
+""",
+    )
+    for rank, mine in ((0, "4 tensors of 212"), (1, "2 tensors of 68")):
+        message = session.pull("message", rank=rank)
+        assert (
+            f"OneBitAdam: the ranks train different parameters (this rank {mine} numbers; 2 to 4 tensors"
+            in message
+        )
+        assert "freeze the same layers (requires_grad_(False)) on every rank" in message
+
+
 def test_onebit_adam_refuses_to_run_without_a_group():
     from nbdist.strategies.optim.onebit_adam import OneBitAdam
 

@@ -141,6 +141,31 @@ def _counted_powersgd(inner, counter: CommCounter):
     return hook
 
 
+def _one_bucket_bytes(model) -> tuple[int, str]:
+    """The most gradient bytes DDP keeps in one bucket once it rebuilds them after step 1, and
+    how the user set that limit (for the error).
+
+    The rebuilt buckets' limits are ``[first, cap, cap, ...]``: torch's default DDP (no
+    ``bucket_cap_mb``) has a 1 MiB first bucket under its 25 MiB cap, so 1-25 MiB of
+    gradients make two buckets although they are under ``bucket_cap_mb``.
+    """
+    import torch.distributed as dist
+
+    cap = int(getattr(model, "bucket_bytes_cap", 0) or 0)
+    per_bucket = [int(c) for c in getattr(model, "bucket_bytes_cap_list", None) or ()]
+    # torch 2.13 keeps the first bucket's size in _bucket_config; older torch in this flag.
+    config = getattr(model, "_bucket_config", None)
+    first = getattr(config, "first_bucket_bytes_cap", None)
+    if first is None:
+        default = getattr(model, "bucket_bytes_cap_default", False)
+        first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20) if default else cap
+    if per_bucket and min(per_bucket) < cap:
+        return min(per_bucket), f"bucket_cap_mb_list's {min(per_bucket) / 2**20:g} MiB bucket"
+    if 0 < first < cap:
+        return first, f"DDP's first bucket of {first / 2**20:g} MiB (bucket_cap_mb unset)"
+    return cap, f"bucket_cap_mb={cap / 2**20:g}"
+
+
 def _one_bucket_on_gloo(model, group) -> None:
     """PowerSGD over gloo: DDP's gradients must fit one bucket, or a rank aborts (or the cell hangs).
 
@@ -155,13 +180,13 @@ def _one_bucket_on_gloo(model, group) -> None:
     if dist.get_backend(pg) != "gloo":
         return
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    cap = int(getattr(model, "bucket_bytes_cap", 0) or 0)
-    if cap and grad_bytes > cap:
+    limit, limit_is = _one_bucket_bytes(model)
+    if limit and grad_bytes > limit:
         need = -(-grad_bytes // 2**20) + 1
         raise ValueError(
             f"PowerSGD over gloo needs DDP's gradients in one bucket: this model's are "
-            f"{grad_bytes / 2**20:.1f} MiB over bucket_cap_mb={cap / 2**20:g} (several buckets "
-            f"make gloo's all-reduces interleave differently per rank and abort). Build "
+            f"{grad_bytes / 2**20:.1f} MiB over {limit_is} (several buckets make gloo's "
+            f"all-reduces interleave differently per rank and abort). Build "
             f"DistributedDataParallel(model, bucket_cap_mb={need}), or use 'fp16'/'bf16'"
         )
 
@@ -189,7 +214,8 @@ def apply_comm_hook(
     random start of ``Q``, the same on every rank). ``group``: the process group
     (default: DDP's). Returns the :class:`CommCounter` (``counter`` if given).
     PowerSGD over gloo needs the gradients in one DDP bucket (``bucket_cap_mb``
-    at least their size): a clear error says so before anything runs.
+    given, at least their size: without it DDP's first bucket holds 1 MiB): a
+    clear error says so, and which ``bucket_cap_mb`` to pass, before anything runs.
 
     Example::
 

@@ -205,11 +205,17 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self, params, defaults: dict, *, freeze_step: int, group=None, counter=None, name: str
     ) -> None:
         """Check ``freeze_step``, ``defaults["betas"]`` and the process group; ``name`` is for errors."""
-        from nbdist.strategies.arguments import require_numbers, require_params
+        from nbdist.strategies.arguments import require_numbers, require_params, require_whole
 
         require_params(params, name)
         numbers = {k: defaults[k] for k in ("lr", "eps", "weight_decay") if k in defaults}
-        require_numbers(name, freeze_step=freeze_step, **numbers)
+        require_numbers(name, **numbers)
+        # A step count: the warm-up ends when steps == freeze_step, never for 2.5.
+        require_whole(name, freeze_step=freeze_step)
+        for arg, value in numbers.items():
+            if not value >= 0:  # torch.optim.Adam refuses these too; a minus sign is a typo
+                fix = -value if math.isfinite(value) else {"lr": 1e-3, "eps": 1e-8}.get(arg, 0.0)
+                raise ValueError(f"{name}: {arg}={value!r} must be >= 0: pass e.g. {arg}={fix!r}")
         if freeze_step < 1:
             raise ValueError(
                 f"freeze_step={freeze_step}: the variance needs at least one warm-up step "
@@ -224,6 +230,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 "or call torch.distributed.init_process_group first"
             )
         super().__init__(params, defaults)
+        self._name = name
         self.freeze_step = freeze_step
         self.process_group = group
         self.counter = counter if counter is not None else CommCounter()
@@ -241,13 +248,26 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
         Warm-up gradients are averaged over the ranks (one fp32 all-reduce of
         all of them, as DDP would do, counted); afterwards they are this
-        rank's own. A missing gradient counts as zero, so the ranks' calls match.
+        rank's own. Frozen parameters (``requires_grad=False``) are left out,
+        untouched as in torch's optimizers; a trainable one's missing gradient
+        counts as zero, so the ranks' calls match.
         """
-        pairs = [(p, g) for g in self.param_groups for p in g["params"]]
+        pairs = [(p, g) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if self.steps == 0:
+            self._check_same_parameters(pairs)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p, _ in pairs]
+        warmup = self.steps + 1 <= self.freeze_step
+        late = [p for p, _ in pairs if not self.state[p]]
+        if not warmup and late:
+            # Unfrozen after the warm-up: no variance was gathered to freeze (a step of lr / eps).
+            raise ValueError(
+                f"{self._name}: {len(late)} parameter(s) (the first of shape "
+                f"{tuple(late[0].shape)}) became trainable after the warm-up (freeze_step="
+                f"{self.freeze_step}) and have no variance to freeze: unfreeze them before "
+                "step freeze_step, or build a new optimizer"
+            )
         self.steps += 1
-        warmup = self.steps <= self.freeze_step
-        if warmup:
+        if warmup and pairs:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.process_group)
             flat.div_(self._world)
@@ -257,6 +277,21 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 for g, (p, _) in zip(torch.split(flat, [p.numel() for p, _ in pairs]), pairs)
             ]
         return pairs, grads, warmup
+
+    def _check_same_parameters(self, pairs: list) -> None:
+        # Every rank must send the same tensors, or the all-reduces do not match and gloo
+        # aborts (or the cell hangs): one rank froze a layer the others train.
+        mine = [len(pairs), sum(p.numel() for p, _ in pairs)]
+        device = next((p.device for g in self.param_groups for p in g["params"]), None)
+        both = torch.tensor([*mine, *(-n for n in mine)], device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.process_group)
+        high, low = both[:2].tolist(), (-both[2:]).tolist()
+        if high != low:
+            raise ValueError(
+                f"{self._name}: the ranks train different parameters (this rank {mine[0]} tensors "
+                f"of {mine[1]} numbers; {low[0]} to {high[0]} tensors across the ranks): "
+                "freeze the same layers (requires_grad_(False)) on every rank"
+            )
 
     def average_momentum(self, p: torch.Tensor, exp_avg: torch.Tensor) -> None:
         """Average ``p``'s momentum over the ranks at one bit per number, in place.
@@ -288,9 +323,10 @@ class OneBitAdam(OneBitOptimizer):
     ``freeze_step``). Warm-up steps all-reduce the gradients (one flat fp32
     buffer) and equal ``torch.optim.Adam`` on the global batch. After that each
     parameter's momentum is compressed on its own, as DeepSpeed does, so each
-    tensor (a layer's weight, a bias) gets its own scales. Every parameter takes
-    part on every rank (a missing gradient counts as zero), so the ranks' calls
-    match. Keeps ``counter`` (bytes sent) and ``steps``.
+    tensor (a layer's weight, a bias) gets its own scales. Every trainable
+    parameter takes part on every rank (a missing gradient counts as zero), so
+    the ranks' calls match; frozen ones (``requires_grad=False``) are not
+    touched, weight decay included. Keeps ``counter`` (bytes sent) and ``steps``.
 
     Example::
 

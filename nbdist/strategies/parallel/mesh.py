@@ -23,6 +23,7 @@ Example (in the kernel, or on every rank of 8)::
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 __all__ = ["DIM_ORDER", "ParallelDims", "dims_of"]
@@ -69,8 +70,10 @@ class ParallelDims:
         """Check the numbers; resolve ``dp=-1``."""
         for name in ("world_size", "dp", "tp", "pp"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            # NumPy's integers are whole numbers too (a size from a config array); kept as int.
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"ParallelDims: {name} must be an int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         world, tp, pp = self.world_size, self.tp, self.pp
         if world < 1:
             raise ValueError(f"ParallelDims: world_size must be >= 1, got {world}")
@@ -137,6 +140,19 @@ class ParallelDims:
         pipeline parallel needs a layer per stage; each data-parallel replica
         gets ``batch // dp`` samples, cut into ``n_microbatches``.
         """
+        given = dict(n_heads=n_heads, hidden=hidden, n_layers=n_layers, batch=batch)
+        given["n_microbatches"] = n_microbatches
+        for name, value in given.items():
+            # Counts, checked first: 0 micro-batches divided by zero, "8" compared with an int.
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                fix = f"int({value!r})" if isinstance(value, str) else "a whole number"
+                raise TypeError(f"check_model: {name}={value!r} is no count: pass {name}={fix}")
+            if value < 1:
+                raise ValueError(
+                    f"check_model: {name}={value!r} must be a count >= 1 (or None: unchecked)"
+                )
         tp, pp, dp = self.tp, self.pp, self.dp
         if n_heads is not None and n_heads % tp:
             raise ValueError(f"tp {tp} must divide the number of attention heads ({n_heads})")

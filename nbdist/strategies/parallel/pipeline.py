@@ -97,7 +97,8 @@ def pipeline_schedule(
     ``model`` is split over all ranks (:func:`split_sequential`); this rank
     keeps part ``rank`` and moves it to ``device`` (default: this rank's).
     ``schedule`` is ``"gpipe"`` or ``"1f1b"``. Gradients are those of the mean
-    of the micro-batch losses (= the full-batch loss for a mean loss).
+    of the micro-batch losses (= the full-batch loss for a mean loss);
+    ``loss_fn=None`` runs forward only (inference: no loss, no gradients).
     """
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -112,6 +113,12 @@ def pipeline_schedule(
     require_whole("pipeline_schedule", n_microbatches=n_microbatches)
     if n_microbatches < 1:
         raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+    # None is torch's forward-only schedule (inference); anything else must be called.
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"pipeline_schedule: loss_fn={loss_fn!r} is no function: give the last stage's loss, "
+            "e.g. loss_fn=nn.functional.mse_loss (None: forward only, no gradients)"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "pipeline_schedule needs a torch.distributed process group: call it on the ranks "

@@ -17,6 +17,7 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 from torch import nn
@@ -50,8 +51,15 @@ def device_mesh(
     world = dist.get_world_size()
     if shape is None:
         shape = (world,)
-    elif isinstance(shape, int):
+    elif isinstance(shape, numbers.Integral):
         shape = (shape,)
+    # Whole sizes only: int() would cut 1.5 to 1, and a string "12" to (1, 2), without a word.
+    sizes = [shape] if isinstance(shape, str) or not isinstance(shape, Iterable) else list(shape)
+    if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sizes):
+        raise TypeError(
+            f"device_mesh: shape={shape!r} must hold whole numbers, one size per dimension, "
+            f"whose product is the world size: e.g. shape=({world},)"
+        )
     shape = tuple(int(s) for s in shape)
     product = 1
     for s in shape:

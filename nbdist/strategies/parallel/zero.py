@@ -34,9 +34,16 @@ def zero_optimizer(params, optimizer_class=torch.optim.Adam, *, overlap_with_ddp
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from nbdist.engine.backend_support import require
-    from nbdist.strategies.arguments import require_params
+    from nbdist.strategies.arguments import require_numbers, require_params
 
     require_params(params, "zero_optimizer")
+    # "1e-3" from a config file would fail inside torch's optimizer as "'<=' not supported";
+    # a tensor lr is torch's own (capturable) choice and stays allowed.
+    hyper = ("lr", "eps", "weight_decay", "momentum")
+    require_numbers(
+        "zero_optimizer",
+        **{k: v for k, v in defaults.items() if k in hyper and not isinstance(v, torch.Tensor)},
+    )
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

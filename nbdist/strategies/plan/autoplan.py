@@ -51,6 +51,7 @@ Example (on every rank)::
 from __future__ import annotations
 
 import gc
+import numbers
 import re
 from collections.abc import Callable, Sequence
 
@@ -71,11 +72,12 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": _
 
 def parse_bytes(value) -> float:
     """``memory_per_rank`` in bytes: a number of bytes, or a string such as ``"64 MiB"``, ``"2GB"``."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0:
         return float(value)
     if isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
-        if match and match.group(2).lower() in _UNITS:
+        # One decimal number ("1.2.3" is none) and a unit; "0 MiB" is refused as 0 is.
+        match = re.fullmatch(r"\s*([0-9]+\.?[0-9]*|\.[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if match and match.group(2).lower() in _UNITS and float(match.group(1)) > 0:
             return float(match.group(1)) * _UNITS[match.group(2).lower()]
     raise ValueError(
         f"memory_per_rank={value!r}: give bytes (a positive number) or a string such as "
@@ -152,19 +154,24 @@ def autoplan(
         plan = autoplan(build, (x, y), world_size=4, memory_per_rank="8 MiB")
         plan.table          # rows for nbdist.dashboard.plan_comparison.plans_table
     """
-    from nbdist.strategies.arguments import require_builder
+    from nbdist.strategies.arguments import require_builder, require_whole
 
     require_builder(model_fn, "autoplan", "model_fn")
+    # Counts: "4" from a config file is no rank count, and 2.5 steps cannot be run.
+    counts = dict(world_size=world_size, top_k=top_k, steps=steps, warmup=warmup)
+    if microbatches is not None:
+        counts["microbatches"] = microbatches
+    require_whole("autoplan", **counts)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("autoplan() runs on the ranks (%%on_all_ranks): no process group")
     if world_size != dist.get_world_size():
         raise ValueError(
-            f"autoplan(world_size={world_size}) but the process group has "
+            f"autoplan(world_size={world_size!r}) but the process group has "
             f"{dist.get_world_size()} ranks: pass world_size=world_size"
         )
     if top_k < 1 or steps < 1 or warmup < 0:
         raise ValueError(
-            f"top_k ({top_k}) and steps ({steps}) must be >= 1, warmup ({warmup}) >= 0"
+            f"top_k ({top_k!r}) and steps ({steps!r}) must be >= 1, warmup ({warmup!r}) >= 0"
         )
     budget = parse_bytes(memory_per_rank)
     from nbdist.engine.helpers import device as rank_device
