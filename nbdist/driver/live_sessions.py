@@ -16,7 +16,10 @@ from nbdist.errors import ClusterNotRunning
 __all__ = ["current_session", "started", "stop_all", "stopped"]
 
 _current: weakref.ReferenceType | None = None
-_live: weakref.WeakSet = weakref.WeakSet()
+# Held strongly from start to stop: a running session whose variable was rebound
+# (``s = DistSession(2).start()`` run twice) is garbage to Python but not to the
+# machine: its processes run on, and only a session found here is stopped at exit.
+_live: set = set()
 
 
 def started(session) -> None:

@@ -114,6 +114,9 @@ def register_cluster(
     """
     try:
         entry = _entry(handle, ranks, backend, run_id, history, connection_file)
+        # Entries of kernels that are gone (killed: none removed its own) go as a new one
+        # comes, not only when the server lists them: kernels run without one too.
+        clusters()
         path = _write(entry, path)
     except Exception as exc:
         import warnings

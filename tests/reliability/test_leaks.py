@@ -14,6 +14,8 @@ import time
 
 import psutil
 
+from tests.conftest import wait_gone
+
 CYCLES = 5
 TOLERANCE = 2
 
@@ -224,3 +226,27 @@ def test_a_stop_keeps_no_table_of_the_machines_processes(kernels):
     machine = int(out.split("machine ")[1].split()[0])
     # A few may be held by what the kernel still uses (its own process); not one per process.
     assert held < 10 < machine, out
+
+
+def test_a_running_session_whose_variable_was_rebound_is_still_stopped(kernels):
+    """``s = DistSession(2).start()`` run twice: the first session's processes must still end.
+
+    A running session was held weakly: once its variable named another, Python collected
+    it, and nothing stopped its 12 processes (not ``%unload_ext``, not the sidebar's Stop:
+    "no running cluster"), until the parent watchdogs noticed the kernel gone.
+    """
+    kernel = kernels()
+    kernel.ok("import gc, nbdist\nfrom nbdist.driver import registry")
+    kernel.ok("s = nbdist.DistSession(2, cpu=True).start()", timeout=240)
+    first = kernel.descendants()
+    kernel.ok("s = nbdist.DistSession(2, cpu=True).start()\ngc.collect()", timeout=240)
+    # The sidebar lists the first one and its Stop reaches it.
+    out = kernel.ok("registry.act(registry.clusters()[0]['id'], 'stop')\nprint('stopped')").stdout
+    assert "stopped" in out, out
+    assert wait_gone(first) == [], "the first session's processes outlived its Stop"
+    kernel.ok("s = None\ngc.collect()")
+    running = kernel.descendants()
+    assert running, "the second session should still run"
+    kernel.ok("%load_ext nbdist")
+    kernel.ok("%unload_ext nbdist")  # stops every session of the kernel, as its exit does
+    assert wait_gone(running) == [], "a dropped running session outlived %unload_ext"
