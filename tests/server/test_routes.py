@@ -339,6 +339,26 @@ def test_registry_skips_entries_of_dead_kernels(tmp_path):
     assert not (folder / "cluster-1-0.json").exists()
 
 
+def test_a_new_cluster_removes_the_entries_of_killed_kernels_without_a_server(
+    tmp_path, monkeypatch
+):
+    # A kernel killed with SIGKILL leaves its entry; only a server listing the clusters
+    # removed such entries, so kernels run without one gathered a file per killed kernel.
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    folder = registry.registry_dir(create=True)
+    dead = psutil.Popen(["true"])
+    dead.wait()
+    stale = os.path.join(folder, "cluster-1-0.json")
+    with open(stale, "w") as f:
+        json.dump({"format": registry.FORMAT, "kernel_pid": dead.pid, "ranks": [], "started": 1}, f)
+    session = DistSession(2, cpu=True, timeout=120).start()
+    try:
+        assert not os.path.exists(stale)
+        assert len(os.listdir(folder)) == 1  # this session's own
+    finally:
+        session.stop()
+
+
 async def test_interrupt_of_an_attached_cluster_goes_through_its_kernel(
     jp_fetch, jp_serverapp, history, external_cluster
 ):
