@@ -223,8 +223,21 @@ class DistMagics(Magics):
             return
         if line.strip():
             raise UsageError(f"%dist_restart takes no arguments, got {line.strip()!r}")
-        self.running_session().restart()
-        print(self.session.summary())
+        session = self.running_session()
+        try:
+            session.restart()
+        except KeyboardInterrupt:
+            # A restart cut short stops what it had (no half-formed group is left to use);
+            # the frames of a restart are no help here.
+            if session.running:
+                raise UsageError(
+                    "%dist_restart interrupted: the ranks kept running; run it again to restart"
+                ) from None
+            raise UsageError(
+                "%dist_restart interrupted: the ranks were stopped (a group half formed is "
+                "of no use); %dist_start starts them again"
+            ) from None
+        print(session.summary())
 
     @line_magic
     def dist_status(self, line=""):

@@ -140,6 +140,34 @@ def _engines_below(kernel) -> list[int]:
     return found
 
 
+def test_an_interrupted_dist_restart_says_the_ranks_were_stopped_and_leaves_nothing(kernels):
+    kernel = kernels()
+    kernel.ok("%load_ext nbdist")
+    kernel.ok("%dist_start 2 --cpu --spawn", timeout=240)
+    before = set(_engines_below(kernel))
+    # Spawned ranks restart in full (stop, then start): the new engines import torch
+    # before they register, and the interrupt comes while the restart waits for them.
+    msg_id = kernel.submit("%dist_restart")
+    deadline = time.monotonic() + 60
+    while len(set(_engines_below(kernel)) - before) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = kernel.descendants()
+    assert len(set(_engines_below(kernel)) - before) == 2, "the restart launched no engines"
+    kernel.km.interrupt_kernel()
+    outputs, _ = kernel.collect(msg_id, timeout=120)
+    reply = kernel.reply(msg_id)
+    # Before: a bare KeyboardInterrupt with the restart's frames, and nothing said the
+    # ranks were gone until the next cell found no cluster.
+    assert (reply["status"], reply["ename"]) == ("error", "UsageError"), reply
+    assert reply["evalue"] == (
+        "%dist_restart interrupted: the ranks were stopped (a group half formed is of no use); "
+        "%dist_start starts them again"
+    )
+    left = survivors([*before, *seen, *kernel.descendants()], until=time.monotonic() + GRACE_S)
+    assert left == [], "left running after an interrupted %dist_restart:\n" + "\n".join(left)
+    assert "nbdist: 2 ranks ready" in kernel.ok("%dist_start 2 --cpu").stdout
+
+
 def test_an_interrupted_dist_start_is_one_line_and_leaves_nothing(kernels):
     kernel = kernels()
     kernel.ok("%load_ext nbdist")
