@@ -533,9 +533,13 @@ def session_stopping(session, client) -> None:
     if state is not None:
         state.machines = None  # the next ranks are other processes
     token = state.token if state is not None else (f"named-{name}" if name else None)
-    if token is None or client is None or not client.ids:
+    if token is None:
         return
-    try:
-        client[list(client.ids)].apply_async(synced_files.remove_copies, token).get(10)
-    except Exception:  # noqa: BLE001 - a dead or hung rank: prune() removes them later
-        pass
+    if client is not None and client.ids:
+        try:
+            client[list(client.ids)].apply_async(synced_files.remove_copies, token).get(10)
+        except Exception:  # noqa: BLE001 - a dead or hung rank: prune() removes them later
+            pass
+    # This machine's copies go in any case: ranks that all died answer nothing, and
+    # prune() runs only at a later %dist_sync, so they outlived the stop and the kernel.
+    synced_files.remove_copies(token)

@@ -34,10 +34,15 @@ def test_a_restart_syncs_again_and_a_stop_removes_the_copies(tmp_path, monkeypat
         sync_files(s, [gone], copy=True)
         report = sync_files(s, [proj], copy=True)
         copy = report.used[0][str(proj)]
-        assert copy.startswith(str(tmp_path / "sync")) and os.path.isfile(os.path.join(copy, "model.py"))
+        assert copy.startswith(str(tmp_path / "sync")) and os.path.isfile(
+            os.path.join(copy, "model.py")
+        )
         (proj / "model.py").write_text("VALUE = 2\n")
         shutil.rmtree(gone)
-        with pytest.warns(UserWarning, match=f"{gone}/? not synced again after the restart \\(%dist_sync: {gone}/? is gone"):
+        with pytest.warns(
+            UserWarning,
+            match=f"{gone}/? not synced again after the restart \\(%dist_sync: {gone}/? is gone",
+        ):
             s.restart()
         assert s.restarted.fresh
         # Fresh ranks import the file as it was at the restart, from the copy.
@@ -74,3 +79,22 @@ def test_copies_whose_ranks_are_all_gone_are_pruned_and_no_other(tmp_path, monke
     assert not os.path.exists(dead)
     assert os.path.isdir(synced_files.copies_dir("live-session")) and os.path.isdir(made)
     assert os.path.isdir(elsewhere)
+
+
+def test_a_stop_after_every_rank_died_still_removes_the_copies(tmp_path, monkeypatch):
+    # No rank answers the request to remove them: the kernel removes this machine's itself.
+    # Before: they stayed past %dist_stop and the kernel's end, until a later copying sync.
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "model.py").write_text("VALUE = 1\n")
+    monkeypatch.setenv(synced_files.SYNC_DIR_ENV, str(tmp_path / "sync"))
+    s = nbdist.DistSession(2, cpu=True, timeout=120).start()
+    try:
+        copy = sync_files(s, [proj], copy=True).used[0][str(proj)]
+        pids = [r.pid for r in s.ranks]
+        for pid in pids:
+            os.kill(pid, 9)
+        psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    finally:
+        s.stop()
+    assert not os.path.exists(os.path.dirname(copy)), "the stop left the dead ranks' copies"
