@@ -42,11 +42,28 @@ def run_on_ranks(dist_magics, cell: str, ranks, noblock: bool, timeout):
     prepare_cell(session, ranks, cell)  # JupyterLab's debugger, when it is on
     if noblock:
         dist_magics.last_run = session.run(cell, ranks, block=False, timeout=timeout_s)
+        dist_magics.last_run_session = session
         return dist_magics.last_run
+    _say_queued(dist_magics, session, ranks)
     # Blocking through the session: the cell returns with its metrics points in
     # the run, and may be sent silent when it has nothing to show.
     session.run(cell, ranks, timeout=timeout_s)
     return None
+
+
+def _say_queued(dist_magics, session, ranks: list[int]) -> None:
+    # A rank runs one cell at a time: behind a --noblock cell still running, this one
+    # waits with nothing shown (its --timeout counting) unless told.
+    earlier = dist_magics.last_run
+    if earlier is None or dist_magics.last_run_session is not session or earlier.done():
+        return
+    busy = sorted(set(earlier.ranks) & set(ranks))
+    if busy:
+        print(
+            f"nbdist: {format_ranks(busy)} still run{'s' if len(busy) == 1 else ''} the "
+            "--noblock cell started earlier; this cell runs there after it (interrupt the "
+            "kernel to stop both)"
+        )
 
 
 def _unsendable(values: dict) -> tuple[str, str] | None:

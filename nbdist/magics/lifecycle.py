@@ -28,7 +28,7 @@ class DistMagics(Magics):
     """%dist_start, %dist_stop, %dist_restart, %dist_status; holds the notebook's session.
 
     ``session`` is the running (or last) :class:`~nbdist.DistSession`; ``last_run``
-    what the last ``--noblock`` cell returned.
+    what the last ``--noblock`` cell returned, ``last_run_session`` the session it ran on.
     """
 
     def __init__(self, shell):
@@ -36,6 +36,7 @@ class DistMagics(Magics):
         super().__init__(shell)
         self.session = None
         self.last_run = None
+        self.last_run_session = None
 
     # -- helpers ----------------------------------------------------------
     def running_session(self):

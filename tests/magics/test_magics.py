@@ -182,6 +182,21 @@ def test_noblock_returns_a_waitable_run(started):
     assert started.run_line_magic("dist_pull", "z") == [0, 1]
 
 
+def test_a_cell_queued_behind_a_noblock_cell_says_so(started, capsys):
+    # Before: it waited silently for the earlier cell (49 s in a review, --timeout counting).
+    earlier = started.run_cell_magic("on_rank", "1 --noblock", "import time; time.sleep(2)")
+    capsys.readouterr()
+    run(started, "%%on_all_ranks\nqueued = rank")
+    assert earlier.done()
+    out = capsys.readouterr().out
+    assert (
+        "nbdist: rank 1 still runs the --noblock cell started earlier; this cell runs there "
+        "after it (interrupt the kernel to stop both)"
+    ) in out, out
+    run(started, "%%on_all_ranks\nagain = rank")  # the earlier cell is done: nothing said
+    assert "--noblock" not in capsys.readouterr().out
+
+
 def test_restart_gives_fresh_ranks(started, capsys):
     run(started, "%%on_all_ranks\nleftover = 1")
     old = {r.pid for r in started.magics_manager.registry["DistMagics"].session.ranks}
