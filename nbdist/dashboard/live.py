@@ -85,8 +85,16 @@ class LiveDashboard(DashboardModel):
         return f"<LiveDashboard of run {self.run.id}: {self._nranks} ranks, {live}>"
 
     def refresh_states(self) -> None:
-        """Call the ``states`` callable now (on this thread); the next refresh shows the result."""
+        """Call the ``states`` callable now (on this thread); the next refresh shows the result.
+
+        A session that stopped reports no states ({}): its dead ranks stay dead (the
+        final summary, drawn after ``%dist_stop``, still shows the death), the others
+        fall back to their points' age (idle once the run ended).
+        """
+        known = self._states
         super().refresh_states()
+        if not self._states and known:
+            self._states = {rank: state for rank, state in known.items() if state == DEAD}
         self._wake.set()
 
     def start(self, *, refresh_thread: bool = True):

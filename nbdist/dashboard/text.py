@@ -37,6 +37,7 @@ from nbdist.dashboard.table import (
     rank_rows,
     throughput_key,
 )
+from nbdist.errors import format_ranks
 from nbdist.rank_states import BUSY, DEAD, IDLE
 from nbdist.text_table import format_table
 
@@ -71,10 +72,7 @@ def summary_text(
     if cells:
         lines.append(format_table(header, cells, right=range(len(header) - 2)))
     if "comm_s" in keys:
-        lines.append("step breakdown (latest steps):")
-        for rank, frac in shares(breakdown(run)).items():
-            parts = " · ".join(f"{name} {100 * frac[key]:.0f} %" for key, name in PARTS)
-            lines.append(f"  rank {rank}: {parts}")
+        lines += _breakdown_lines(run, rows)
     lines += loss_lines(run) + note_lines(run)
     if keys:
         stats = {key: _stats(run, key) for key in keys if key != "gpu_index"}  # a GPU's number
@@ -92,6 +90,48 @@ def summary_text(
                     "leave NaN/inf out"
                 )
     return "\n".join(lines)
+
+
+def _breakdown_lines(run, rows: list) -> list[str]:
+    """The step breakdown: ranks with the same shares (as shown, whole %) on one line.
+
+    Above ``PER_RANK_UP_TO`` ranks, as in the table: the shares most ranks have, once,
+    then only the deviating ranks' that differ, and how far the others are from it.
+    """
+    same: dict[str, list[int]] = {}
+    percent: dict[str, list[int]] = {}
+    for rank, frac in shares(breakdown(run)).items():
+        numbers = [round(100 * frac[key]) for key, _ in PARTS]
+        parts = " · ".join(f"{name} {n} %" for (_, name), n in zip(PARTS, numbers))
+        same.setdefault(parts, []).append(rank)
+        percent[parts] = numbers
+    if not same:
+        return []
+    lines = ["step breakdown (latest steps):"]
+    if len(rows) <= PER_RANK_UP_TO:
+        for parts, ranks in sorted(same.items(), key=lambda item: min(item[1])):
+            lines.append(f"  {format_ranks(ranks)}: {parts}")
+        return lines
+    common = max(same, key=lambda parts: (len(same[parts]), -min(same[parts])))
+    lines.append(f"  {format_ranks(same[common])}: {common}")
+    odd = {row.rank for row in deviating_rows(rows)}
+    rest, furthest = 0, 0
+    for parts, ranks in sorted(same.items(), key=lambda item: min(item[1])):
+        if parts == common:
+            continue
+        named = [r for r in ranks if r in odd]
+        if named:
+            lines.append(f"  {format_ranks(named)}: {parts}")
+        if len(named) < len(ranks):
+            rest += len(ranks) - len(named)
+            gap = max(abs(a - b) for a, b in zip(percent[parts], percent[common]))
+            furthest = max(furthest, gap)
+    if rest:
+        lines.append(
+            f"  {plural(rest, 'other rank')} (not deviating): each part within "
+            f"{furthest} % of these"
+        )
+    return lines
 
 
 def _grouped(rows: list, rate_key: str | None) -> list[str]:

@@ -8,7 +8,8 @@ one rank joins the *n*-th occurrence of the same text on every other rank,
 whenever each arrives, so ``for e in range(3): print('epoch', e, 'done')`` on
 256 ranks folds to three lines, ``[ranks 0-255] epoch 1 done``. Lines that
 differ only in a library's timestamp or process prefix fold too
-(:func:`fold_key`: torch's c10d/glog ``[W1128 08:32:42.606441197 socket.cpp:207]``,
+(:func:`fold_key`: the rank's own ``/tmp/ipykernel_<pid>/<hash>.py`` cell file in a
+warning or traceback, torch's c10d/glog ``[W1128 08:32:42.606441197 socket.cpp:207]``,
 NCCL's ``host:pid:tid [0] NCCL``, gloo's ``[Gloo] Rank 3``, torch's ``[rank3]:``,
 logging timestamps); the lowest rank's text stands for its group.
 
@@ -57,16 +58,26 @@ _PREFIXES = [
 ]
 
 _PREFIX_STARTS = frozenset("[IWEF0123456789")
+# Anywhere in a line: the file ipykernel compiles a cell to, "/tmp/ipykernel_14322/276219731.py"
+# (a warning's "<file>:2: UserWarning: ...", a traceback's 'File "<file>", line 2'). The
+# folder names the rank's process and the file a hash of the cell: both differ across ranks.
+_CELL_FILE = re.compile(r"(?:[^\s\"':]*[/\\])?ipykernel_\d+[/\\]\d+\.py")
+_CELL_FILE_MASK = "<ipykernel cell>.py"
 # Recent lines' keys: the same line from many ranks is looked at once.
 _keys: dict[str, str] = {}
 _KEYS_KEPT = 4096
 
 
 def fold_key(text: str) -> str:
-    """What ``text`` is compared by: the line with a library's timestamp/process prefix masked.
+    """What ``text`` is compared by: a library's timestamp/process prefix and cell file masked.
+
+    The cell file is the path ipykernel compiles a rank's cell to
+    (``/tmp/ipykernel_<pid>/<hash>.py``), named in warnings and tracebacks.
 
     >>> fold_key("[W1128 08:32:42.606441197 socket.cpp:207] [c10d] The hostname ...")
     '[W socket.cpp:207] [c10d] The hostname ...'
+    >>> fold_key("/tmp/ipykernel_14322/276219731.py:2: UserWarning: careful now")
+    '<ipykernel cell>.py:2: UserWarning: careful now'
     >>> fold_key("epoch 1 done")
     'epoch 1 done'
     """
@@ -78,6 +89,8 @@ def fold_key(text: str) -> str:
         if text[:1] in _PREFIX_STARTS or " NCCL " in text:
             for pattern, replacement in _PREFIXES:
                 key = pattern.sub(replacement, key, count=1)
+        if "ipykernel_" in key:
+            key = _CELL_FILE.sub(_CELL_FILE_MASK, key)
         if len(_keys) >= _KEYS_KEPT:
             _keys.clear()
         _keys[text] = key

@@ -6,24 +6,34 @@ cell runs or hangs. :func:`diagnose` compares the ranks' last collectives and
 names the ones the others wait for. ``%dist_where`` and a cell's ``--timeout``
 show :func:`format_where`'s report.
 
+The report names each group of ranks with the same diagnosis and the same stack
+once (ranks as :func:`~nbdist.errors.format_ranks` writes them, seconds as a
+range, each rank's own ``/tmp/ipykernel_<pid>/<hash>.py`` cell file compared as
+one, see :func:`~nbdist.driver.output_fold.fold_key`), the smallest groups,
+the odd ones out, first: at 256 ranks a hang reads in a few lines.
+
 Example::
 
     s = nbdist.current_session()
     print(nbdist.driver.where.format_where(s.where()))
-    # rank 0: inside all_reduce #118 for 12.0 s
-    #   File "<cell>", line 4, in <module>: dist.all_reduce(t)
     # rank 1: never entered all_reduce #118 (last: all_reduce #117, returned 12.1 s ago)
     #   File "<cell>", line 3, in <module>: time.sleep(60)
+    # ranks 0,2-255: inside all_reduce #118 for 11.9-12.0 s
+    #   File "<cell>", line 4, in <module>: dist.all_reduce(t)
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nbdist.driver.ipp_internals import send_control
+from nbdist.driver.output_fold import fold_key
 from nbdist.engine.control import REQUEST
+from nbdist.engine.flight_recorder import DEFAULT_GROUP
+from nbdist.errors import format_ranks
 
 __all__ = [
     "RankWhere",
@@ -165,29 +175,79 @@ def _done(c: dict) -> str:
 
 
 def format_where(found: Sequence[RankWhere], *, frames: int = 6) -> str:
-    """The report: per rank, its diagnosis and the innermost ``frames`` of its stack."""
+    """The report: each diagnosis with the innermost ``frames`` of the stack, once per group of ranks.
+
+    Ranks with the same diagnosis (but for its seconds, shown as a range) and the
+    same stack (but for their own cell file) are one group; smaller groups come
+    first, and among equal ones those that never entered the collective or are
+    behind in the flight recorder.
+    """
     lines = diagnose(found)
-    out = []
+    lagging = behind(found)
+    groups: dict[tuple, list[tuple[RankWhere, list[str]]]] = {}
     for w in found:
-        out.append(f"rank {w.rank}: {lines[w.rank]}")
-        for f in w.stack[-frames:]:
-            code = f": {f['code']}" if f["code"] else ""
-            out.append(f'  File "{f["file"]}", line {f["line"]}, in {f["name"]}{code}')
+        stack = [_frame(f) for f in w.stack[-frames:]]
+        key = (_SECONDS.sub("<s>", lines[w.rank]), tuple(fold_key(line) for line in stack))
+        groups.setdefault(key, []).append((w, stack))
+
+    def order(members: list[tuple[RankWhere, list[str]]]) -> tuple[int, int, int]:
+        w = members[0][0]
+        odd = not w.answered or w.rank in lagging or lines[w.rank].startswith("never entered")
+        return (len(members), 0 if odd else 1, min(m[0].rank for m in members))
+
+    out = []
+    for members in sorted(groups.values(), key=order):
+        members.sort(key=lambda m: m[0].rank)
+        texts = [lines[w.rank] for w, _ in members]
+        out.append(f"{format_ranks(w.rank for w, _ in members)}: {_seconds_range(texts)}")
+        out.extend(members[0][1])  # the lowest rank's own stack stands for the group
     out.extend(format_flight(found))
     return "\n".join(out)
+
+
+# The seconds in a diagnosis ("for 6.1 s", "returned 12.1 s ago"): they differ a little by rank.
+_SECONDS = re.compile(r"(\d+\.\d) s\b")
+
+
+def _frame(f: dict) -> str:
+    code = f": {f['code']}" if f["code"] else ""
+    return f'  File "{f["file"]}", line {f["line"]}, in {f["name"]}{code}'
+
+
+def _seconds_range(texts: list[str]) -> str:
+    """``texts`` (the same but for their seconds) as one, each second as its range over them."""
+    if len(texts) == 1:
+        return texts[0]
+    values = [[float(v) for v in _SECONDS.findall(t)] for t in texts]
+    position = iter(range(len(values[0])))
+
+    def span(_match: re.Match) -> str:
+        i = next(position)
+        low, high = min(v[i] for v in values), max(v[i] for v in values)
+        return f"{low:.1f} s" if low == high else f"{low:.1f}-{high:.1f} s"
+
+    return _SECONDS.sub(span, texts[0])
 
 
 def behind(found: Sequence[RankWhere]) -> dict[int, tuple[int, int]]:
     """Ranks whose flight recorder is behind another's, per group: {rank: (its seq, the max)}.
 
     The sequence number counts a group's collectives on each rank, so a rank with a
-    lower last number has not yet issued a collective the others are waiting in.
+    lower last number has not yet issued a collective the others are waiting in
+    (0: none of the default group's yet).
     """
     last: dict[str, dict[int, int]] = {}
     for w in found:
         for entry in w.flight or []:
             seqs = last.setdefault(entry["group"], {})
             seqs[w.rank] = max(seqs.get(w.rank, 0), entry["seq"])
+    # Every rank is in the default group: one that answered without an entry of it has
+    # issued none of its calls yet (nbdist's own start-up calls are not listed).
+    default = last.get(DEFAULT_GROUP)
+    if default:
+        for w in found:
+            if w.answered:
+                default.setdefault(w.rank, 0)
     lagging: dict[int, tuple[int, int]] = {}
     for seqs in last.values():
         top = max(seqs.values())
@@ -198,12 +258,18 @@ def behind(found: Sequence[RankWhere]) -> dict[int, tuple[int, int]]:
 
 
 def format_flight(found: Sequence[RankWhere], *, entries: int = 3) -> list[str]:
-    """The flight-recorder lines of the report (none when no rank recorded any)."""
+    """The flight-recorder lines of the report (none when no rank recorded any).
+
+    Ranks whose last entries read the same are one line, the smallest groups first.
+    """
     if not any(w.flight for w in found):
         return []
     out = ["flight recorder (the process group's last collectives, C++-issued ones included):"]
+    same: dict[str, list[int]] = {}
     for w in found:
         if not w.flight:
+            if w.answered:
+                same.setdefault("none since the group formed", []).append(w.rank)
             continue
         shown = []
         for e in w.flight[-entries:]:
@@ -211,9 +277,18 @@ def format_flight(found: Sequence[RankWhere], *, entries: int = 3) -> list[str]:
             # gloo reports every entry as "scheduled": only NCCL's states say anything.
             state = f" {e['state']}" if e["state"] in ("started", "completed") else ""
             shown.append(f"#{e['seq']} {e['op']}" + (f" [{size}]" if size else "") + state)
-        out.append(f"  rank {w.rank}: " + " · ".join(shown))
-    for rank, (seq, top) in sorted(behind(found).items()):
-        out.append(
-            f"  rank {rank} is behind: its last collective is #{seq}, another rank's is #{top}"
-        )
+        same.setdefault(" · ".join(shown), []).append(w.rank)
+    for text, ranks in sorted(same.items(), key=lambda item: (len(item[1]), min(item[1]))):
+        out.append(f"  {format_ranks(ranks)}: {text}")
+    lagging: dict[tuple[int, int], list[int]] = {}
+    for rank, seqs in behind(found).items():
+        lagging.setdefault(seqs, []).append(rank)
+    for (seq, top), ranks in sorted(lagging.items(), key=lambda item: min(item[1])):
+        one = len(ranks) == 1
+        what = f"{format_ranks(ranks)} {'is' if one else 'are'} behind:"
+        if seq:
+            what += f" {'its' if one else 'their'} last collective is #{seq}, another rank's is"
+        else:
+            what += " no collective yet, another rank's last is"
+        out.append(f"  {what} #{top}")
     return out

@@ -248,6 +248,8 @@ def _join_group(spec: dict, device: str) -> None:
 
     # The sockets the group opened (store, gloo pairs): what release() shuts down.
     control.remember_group_sockets(control.socket_snapshot() - before)
+    # Counting starts here, the same in both records: the user's first collective is #1.
+    flight_recorder.group_formed()
     collectives.reset()
     # gloo's own send/recv of CUDA tensors break the group: staged through host memory.
     patches.install_on_group(

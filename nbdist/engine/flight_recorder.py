@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["DEFAULT_ENTRIES", "enable", "recent"]
+__all__ = ["DEFAULT_ENTRIES", "enable", "group_formed", "group_forming", "recent"]
 
 # Entries kept per rank: a few training steps of DDP buckets, a few hundred KB at most.
 DEFAULT_ENTRIES = 1024
@@ -89,7 +89,8 @@ def recent(n: int = 8) -> list[dict] | None:
     """This rank's last ``n`` recorded collectives, oldest first; None when none are recorded.
 
     Each entry: ``seq`` (the group's collective sequence number, the same on every
-    rank for the same call), ``op`` (e.g. ``all_reduce``), ``group`` (its name),
+    rank for the same call; on the default group counted after nbdist's start-up
+    check, as ``%dist_where``'s "all_reduce #1" counts the user's calls), ``op`` (e.g. ``all_reduce``), ``group`` (its name),
     ``state`` (``scheduled``, ``started`` or ``completed``: gloo reports only
     ``scheduled``), ``done`` (retired: the work object finished), ``sizes`` and
     ``dtypes`` of its inputs.
@@ -97,7 +98,18 @@ def recent(n: int = 8) -> list[dict] | None:
     found = _dump()
     if not found:
         return None
-    entries = [e for e in found.get("entries", []) if not e.get("is_p2p")]
+    # nbdist's own start-up calls (numbered 0 and below) are left out, and the calls of a
+    # default group formed before this one (the recorder is one ring for the process).
+    entries = [
+        e
+        for e in found.get("entries", [])
+        if not e.get("is_p2p")
+        and _number(e) > 0
+        and not (
+            (e.get("process_group") or ["", ""])[-1] == DEFAULT_GROUP
+            and e.get("time_created_ns", _group_since_ns) < _group_since_ns
+        )
+    ]
     if not entries:
         return None
     out = []
@@ -106,7 +118,7 @@ def recent(n: int = 8) -> list[dict] | None:
         group = e.get("process_group") or ["", ""]
         out.append(
             {
-                "seq": int(e.get("collective_seq_id", 0)),
+                "seq": _number(e),
                 # "nccl:all_reduce" / "gloo:all_reduce": the backend is known already.
                 "op": name.split(":", 1)[-1],
                 "group": str(group[-1]) if isinstance(group, list) else str(group),
@@ -126,14 +138,45 @@ DEFAULT_GROUP = "default_pg"
 # recorder is one ring for the process: a group formed again after a release keeps the
 # old one's entries under the same name, with their own numbers (and calls never retired).
 _group_since_ns = 0
+# The default group's calls nbdist made itself while it formed (the all_reduce that checks
+# every rank reaches every other, gloo-on-CUDA's probe): the recorder numbers them like the
+# user's, nbdist's collectives wrapper (collectives.reset after them) does not. Numbers of
+# the current default group are shown less these, so the user's first call is #1 in both.
+_startup_calls = 0
 
 
 def group_forming() -> None:
     """Mark that a new group forms now: older entries belong to a group that is gone."""
     import time
 
-    global _group_since_ns
+    global _group_since_ns, _startup_calls
     _group_since_ns = time.time_ns()
+    _startup_calls = 0
+
+
+def group_formed() -> None:
+    """Mark that nbdist's own start-up calls on the new group are done (the user's come next)."""
+    global _startup_calls
+    found = _dump()
+    _startup_calls = max(
+        (int(e.get("collective_seq_id", 0)) for e in (found or {}).get("entries", []) if _mine(e)),
+        default=0,
+    )
+
+
+def _mine(entry: dict) -> bool:
+    """Whether ``entry`` is a collective of the current default group."""
+    return (
+        not entry.get("is_p2p")
+        and (entry.get("process_group") or ["", ""])[-1] == DEFAULT_GROUP
+        and entry.get("time_created_ns", 0) >= _group_since_ns
+    )
+
+
+def _number(entry: dict) -> int:
+    """``entry``'s sequence number as shown: the current default group's less nbdist's own calls."""
+    seq = int(entry.get("collective_seq_id", 0))
+    return seq - _startup_calls if _startup_calls and _mine(entry) else seq
 
 
 def default_group_state() -> dict | None:
@@ -151,27 +194,17 @@ def default_group_state() -> dict | None:
     found = _dump()
     if not found:
         return None
-    mine = [
-        e
-        for e in found.get("entries", [])
-        if not e.get("is_p2p")
-        and (e.get("process_group") or ["", ""])[-1] == DEFAULT_GROUP
-        and e.get("time_created_ns", 0) >= _group_since_ns
-    ]
+    mine = [e for e in found.get("entries", []) if _mine(e) and _number(e) > 0]
     if not mine:
         return None
     # The newest open call: an older one left open (an async_op whose work the code keeps
     # without waiting) was issued by every rank, and would hide the one that waits.
-    opened = max(
-        (e for e in mine if not e.get("retired", False)),
-        key=lambda e: int(e.get("collective_seq_id", 0)),
-        default=None,
-    )
-    state: dict = {"last": max(int(e.get("collective_seq_id", 0)) for e in mine), "open": None}
+    opened = max((e for e in mine if not e.get("retired", False)), key=_number, default=None)
+    state: dict = {"last": max(_number(e) for e in mine), "open": None}
     if opened is not None:
         created = opened.get("time_created_ns")
         state["open"] = {
-            "seq": int(opened.get("collective_seq_id", 0)),
+            "seq": _number(opened),
             "op": str(opened.get("profiling_name", "")).split(":", 1)[-1],
             "seconds": (time.time_ns() - created) / 1e9 if created else 0.0,
         }

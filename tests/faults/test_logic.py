@@ -156,3 +156,94 @@ def test_status_html_colours_ranks_and_marks_the_dead():
     assert "<div>rank 1 died: pid 11 killed by SIGKILL (signal 9)</div>" in html
     assert ">engine<" not in html and "engine" not in repr(table)
     assert repr(table) == format_status(rows)
+
+
+def _hang_at(n: int, sleeping: tuple[int, ...]) -> list[RankWhere]:
+    """``n`` ranks inside barrier #1 but ``sleeping``, which never entered it (as 64 real ranks did)."""
+    torch_frames = [
+        {
+            "file": "/venv/torch/distributed/c10d_logger.py",
+            "line": 83,
+            "name": "wrapper",
+            "code": "return func(*args, **kwargs)",
+        },
+        {
+            "file": "/venv/torch/distributed/distributed_c10d.py",
+            "line": 5356,
+            "name": "barrier",
+            "code": "work.wait()",
+        },
+    ]
+    found = []
+    for r in range(n):
+        cell = f"/tmp/ipykernel_{17002 + r}/2679722123.py"
+        if r in sleeping:
+            stack = [{"file": cell, "line": 3, "name": "<module>", "code": "time.sleep(25)"}]
+            c = None
+        else:
+            stack = [{"file": cell, "line": 4, "name": "<module>", "code": "dist.barrier()"}]
+            stack += torch_frames
+            c = _c("barrier", 1, True, 6.0 + (r % 3) / 10)
+        flight = [
+            {
+                "seq": 1,
+                "op": "barrier",
+                "group": "default_pg",
+                "state": "scheduled",
+                "sizes": [],
+                "done": False,
+            }
+        ]
+        found.append(
+            RankWhere(
+                r,
+                True,
+                busy=True,
+                stack=stack,
+                collective=c,
+                flight=None if r in sleeping else flight,
+            )
+        )
+    return found
+
+
+def test_where_at_256_ranks_names_each_diagnosis_and_stack_once_the_odd_ones_first():
+    found = _hang_at(256, sleeping=(17, 40))
+    found[100] = RankWhere(
+        100, False, note="no answer within 3 s (dead, or native code holding the GIL)"
+    )
+    assert format_where(found).splitlines() == [
+        "rank 100: no answer within 3 s (dead, or native code holding the GIL)",
+        "ranks 17,40: never entered barrier #1 (last: none yet)",
+        '  File "/tmp/ipykernel_17019/2679722123.py", line 3, in <module>: time.sleep(25)',
+        "ranks 0-16,18-39,41-99,101-255: inside barrier #1 for 6.0-6.2 s",
+        '  File "/tmp/ipykernel_17002/2679722123.py", line 4, in <module>: dist.barrier()',
+        '  File "/venv/torch/distributed/c10d_logger.py", line 83, in wrapper: '
+        "return func(*args, **kwargs)",
+        '  File "/venv/torch/distributed/distributed_c10d.py", line 5356, in barrier: work.wait()',
+        "flight recorder (the process group's last collectives, C++-issued ones included):",
+        "  ranks 17,40: none since the group formed",
+        "  ranks 0-16,18-39,41-99,101-255: #1 barrier",
+        "  ranks 17,40 are behind: no collective yet, another rank's last is #1",
+    ]
+
+
+def test_where_keeps_ranks_apart_whose_stacks_differ_and_says_when_one_is_behind():
+    found = _hang_at(4, sleeping=(2, 3))
+    found[3].stack[0]["code"] = "time.sleep(99)"
+    found[3].stack[0]["line"] = 5
+    lines = format_where(found).splitlines()
+    assert lines[:4] == [
+        "rank 2: never entered barrier #1 (last: none yet)",
+        '  File "/tmp/ipykernel_17004/2679722123.py", line 3, in <module>: time.sleep(25)',
+        "rank 3: never entered barrier #1 (last: none yet)",
+        '  File "/tmp/ipykernel_17005/2679722123.py", line 5, in <module>: time.sleep(99)',
+    ]
+    assert lines[4] == "ranks 0-1: inside barrier #1 for 6.0-6.1 s"
+    found[2].flight = [
+        {"seq": 1, "op": "all_reduce", "group": "default_pg", "state": "scheduled", "sizes": [[1]]}
+    ]
+    found[3].flight = [dict(found[0].flight[0], seq=2)]
+    assert format_where(found).splitlines()[-1] == (
+        "  ranks 0-2 are behind: their last collective is #1, another rank's is #2"
+    )

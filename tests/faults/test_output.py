@@ -53,3 +53,18 @@ def test_without_a_limit_every_line_arrives(session, monkeypatch):
     assert out.count("x" * 99) == 100_000
     assert err.count("x" * 99) == 100_000
     assert "done 0" in out
+
+
+def test_a_warning_from_cell_code_folds_across_ranks(session):
+    """Each rank's warning names its own /tmp/ipykernel_<pid>/<hash>.py: still one line."""
+    sink = ListSink()
+    session.run("import warnings\nwarnings.warn('careful now')\nprint('after warn')", sink=sink)
+    [fold] = sink.folds
+    warning = [(label, text) for stream, label, text in fold if "UserWarning" in text]
+    assert len(warning) == 1, fold
+    label, text = warning[0]
+    assert label == "ranks 0-1"
+    assert "ipykernel_" in text and text.endswith(":2: UserWarning: careful now")
+    # The text shown is rank 0's own line.
+    assert text in nbdist.output(rank=0, stream="stderr").splitlines()
+    assert text not in nbdist.output(rank=1, stream="stderr").splitlines()  # another process

@@ -1,4 +1,4 @@
-"""%dist_where and %%on_all_ranks --timeout in a real IPython shell (2 real ranks)."""
+"""%dist_where and %%on_all_ranks --timeout in a real IPython shell (3 real ranks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from nbdist.errors import RankError
 def shell():
     sh = InteractiveShell.instance()
     sh.run_cell("%load_ext nbdist")
-    result = sh.run_cell("%dist_start 2 --timeout 120 --cpu")
+    result = sh.run_cell("%dist_start 3 --timeout 120 --cpu")
     assert result.success, result.error_in_exec
     yield sh
     sh.run_line_magic("dist_stop", "")
@@ -34,11 +34,17 @@ def test_dist_where_names_the_rank_that_never_entered(shell, capsys):
             capsys.readouterr()
             shell.run_line_magic("dist_where", "")
             text = capsys.readouterr().out
-            if "rank 0: inside all_reduce" in text and "time.sleep(60)" in text:
+            if "ranks 0,2: inside all_reduce" in text and "time.sleep(60)" in text:
                 break
-        assert "rank 0: inside all_reduce #1 for " in text
-        assert "rank 1: never entered all_reduce #1 (last: none yet)" in text
-        assert "time.sleep(60)" in text
+        lines = text.splitlines()
+        # The odd one out first; ranks 0 and 2, the same diagnosis and stack, once.
+        assert lines[0] == "rank 1: never entered all_reduce #1 (last: none yet)"
+        assert "time.sleep(60)" in lines[1]
+        assert "ranks 0,2: inside all_reduce #1 for " in text
+        assert sum("dist.all_reduce(torch.ones(1))" in line for line in lines) == 1
+        # The flight recorder numbers the same call #1 (nbdist's start-up check left out).
+        assert "  ranks 0,2: #1 all_reduce [1]" in lines
+        assert "  rank 1 is behind: no collective yet, another rank's last is #1" in lines
         assert not run.done()  # nothing was stopped
         shell.run_line_magic("dist_where", "--ranks 1")
         only = capsys.readouterr().out
@@ -71,7 +77,7 @@ def test_dist_where_shows_the_flight_recorder_of_a_ddp_hang(shell, capsys):
                 break
         assert "flight recorder (the process group's last collectives" in text
         # The bucket: Linear(4, 2)'s 8 weights and 2 biases, reduced as one flat tensor.
-        rank0 = next(line for line in text.splitlines() if line.startswith("  rank 0: #"))
+        rank0 = next(line for line in text.splitlines() if line.startswith("  ranks 0,2: #"))
         assert rank0.rstrip().endswith("all_reduce [10]")
         assert "rank 1 is behind: its last collective is #" in text
     finally:
@@ -81,7 +87,7 @@ def test_dist_where_shows_the_flight_recorder_of_a_ddp_hang(shell, capsys):
 
 
 def test_dist_where_bad_input(shell):
-    with pytest.raises(UsageError, match="rank 7 does not exist: this cluster has ranks 0..1"):
+    with pytest.raises(UsageError, match="rank 7 does not exist: this cluster has ranks 0..2"):
         shell.run_line_magic("dist_where", "--ranks 7")
 
 
@@ -94,7 +100,7 @@ def test_timeout_shows_where_and_the_next_cell_works(shell, capsys):
     text = str(result.error_in_exec)
     assert "where the ranks were:" in text
     assert "rank 0: never entered all_reduce #" in text
-    assert "rank 1: inside all_reduce #" in text
+    assert "ranks 1-2: inside all_reduce #" in text  # one line for both
     # What the user sees: the error first, no nbdist frames; they are one magic away.
     shown = capsys.readouterr().out
     first = next(line for line in shown.splitlines() if line.strip())
@@ -108,4 +114,4 @@ def test_timeout_shows_where_and_the_next_cell_works(shell, capsys):
     assert "nbdist/driver/runner.py" in full and "CellTimeout: the cell ran longer" in full
     result = shell.run_cell("%%on_all_ranks\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t)")
     assert result.success, result.error_in_exec
-    assert "[ranks 0-1] tensor([2.])" in capsys.readouterr().out
+    assert "[ranks 0-2] tensor([3.])" in capsys.readouterr().out

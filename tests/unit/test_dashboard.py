@@ -667,3 +667,25 @@ def test_eight_ranks_by_100k_steps_stay_within_the_point_budget():
     added = sum(len(xs) for _, _, xs, _ in delta.get("extend", []))
     assert 0 < added <= 10 * (8 + 1) * 2  # ten steps: per rank, the mean, two panels
     dash.close()
+
+
+def test_the_final_summary_after_the_session_stopped_still_shows_a_dead_rank(comm_log):
+    """%dist_stop freezes the dashboard after the session stopped, when it reports no states."""
+    run = Run(4, world_size=32, backend="gloo", started=T0)
+    _fill(run, range(32), range(5))
+    states = {r: "dead" if r == 11 else "idle" for r in range(32)}
+    dash = LiveDashboard(run, states=lambda: dict(states))
+    widget = dash.start(refresh_thread=False)
+    try:
+        dash.refresh_states()
+        states.clear()  # the session stopped: DistSession.rank_states is {}
+        run.ended = T0 + 60
+        dash.freeze(summary=True)
+        text = widget._repr_mimebundle_()[0]["text/plain"]
+        lines = text.splitlines()
+        assert lines[1].startswith("32 ranks · 31 idle · 1 dead"), text
+        assert lines[3].split()[:6] == ["all", "32", "0", "31", "1", "4"]
+        assert lines[4].startswith("1 rank deviating"), text
+        assert [row.state for row in dash.rows if row.state == "dead"] == ["dead"]
+    finally:
+        dash.close()

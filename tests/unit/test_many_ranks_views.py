@@ -144,3 +144,42 @@ def test_status_names_one_slow_rank_among_256():
 
     assert stragglers(_training_run(256, slow=201)) == {201: "2.0× step time"}
     assert stragglers(_training_run(256)) == {}
+
+
+def _breakdown_run(n, *, slow=None, near=()):
+    """``n`` ranks logging the step breakdown: ``slow`` spends most of its step loading data,
+    ``near`` ranks a little more time communicating than the others (not a straggler)."""
+    run = Run(5, world_size=n, backend="gloo", started=T0)
+    for rank in range(n):
+        data, compute, comm = (0.3, 0.1, 0.0) if rank == slow else (0.0, 0.09, 0.01)
+        if rank in near:
+            compute, comm = 0.087, 0.013
+        dt = data + compute + comm
+        parts = {"step_time": dt, "data_s": data, "compute_s": compute, "comm_s": comm}
+        run.add(rank, [(s, T0 + 1 + s * dt, {"loss": 1.0 / (s + 1), **parts}) for s in range(20)])
+    return run
+
+
+def _breakdown(text):
+    lines = text.splitlines()
+    start = lines.index("step breakdown (latest steps):")
+    return [line for line in lines[start + 1 :] if line.startswith("  ")]
+
+
+def test_the_step_breakdown_of_many_ranks_is_the_common_one_once_and_the_deviating_ranks():
+    run = _breakdown_run(256, slow=17, near=(40, 41))
+    text = summary_text(run, now=T0 + 60)
+    assert "straggler: rank 17" in text
+    assert _breakdown(text) == [
+        "  ranks 0-16,18-39,42-255: data loading 0 % · compute 90 % · communication 10 %",
+        "  rank 17: data loading 75 % · compute 25 % · communication 0 %",
+        "  2 other ranks (not deviating): each part within 3 % of these",
+    ]
+
+
+def test_the_step_breakdown_of_a_few_ranks_groups_equal_shares():
+    run = _breakdown_run(PER_RANK_UP_TO, slow=3)
+    assert _breakdown(summary_text(run, now=T0 + 60)) == [
+        f"  ranks 0-2,4-{PER_RANK_UP_TO - 1}: data loading 0 % · compute 90 % · communication 10 %",
+        "  rank 3: data loading 75 % · compute 25 % · communication 0 %",
+    ]

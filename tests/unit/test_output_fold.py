@@ -153,6 +153,28 @@ def test_library_warnings_fold_to_one_line_shown_as_the_lowest_rank_printed_it()
     assert fold.rank_lines(7) == [C10D.format(s=7, ns=7)]  # each rank's own text is kept
 
 
+def test_warnings_from_cell_code_fold_across_ranks_whatever_their_ipykernel_file():
+    """Each rank compiles a cell to its own /tmp/ipykernel_<pid>/<hash>.py: masked to compare."""
+    fold = LineFold()
+    for rank in reversed(range(256)):
+        cell = f"/tmp/ipykernel_{14322 + rank}/{276219731 + rank % 3}.py"
+        fold.add(rank, "stderr", f"{cell}:2: UserWarning: careful now")
+        fold.add(rank, "stderr", "  warnings.warn('careful now')")
+        fold.add(rank, "stderr", f'  File "{cell}", line 2, in <module>')
+    assert folded(fold.render()) == [
+        "[ranks 0-255] /tmp/ipykernel_14322/276219731.py:2: UserWarning: careful now",
+        "[ranks 0-255]   warnings.warn('careful now')",
+        '[ranks 0-255]   File "/tmp/ipykernel_14322/276219731.py", line 2, in <module>',
+    ]
+    # Another line of the cell, or another warning, stays apart.
+    assert fold_key("/tmp/ipykernel_1/2.py:3: UserWarning: careful now") != fold_key(
+        "/tmp/ipykernel_1/2.py:2: UserWarning: careful now"
+    )
+    assert fold_key("/tmp/ipykernel_1/2.py:2: UserWarning: other") != fold_key(
+        "/tmp/ipykernel_1/2.py:2: UserWarning: careful now"
+    )
+
+
 def test_streams_fold_separately():
     fold = LineFold()
     for rank in (0, 1):
