@@ -486,8 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     # and a process with threads must not fork. So the zygote imports torch
     # single-threaded; each engine gets its thread count after the fork.
     os.environ["OMP_NUM_THREADS"] = "1"
-    # Signals arriving while we fork would be lost or hit half-built children.
-    signal.pthread_sigmask(signal.SIG_BLOCK, _MASKED)
+    # Signals arriving while we fork would be lost or hit half-built children. SIGTERM
+    # only from the first fork on: until then there is nothing to end but the zygote,
+    # and a start stopped (a failed or interrupted %dist_start) while it imports torch
+    # waited for ipyparallel's SIGKILL, 5 s later and with a warning in the cell.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _MASKED - {signal.SIGTERM})
     reason = "spawn requested" if opts.start_method == "spawn" else None
     if reason is None:
         # No cyclic collections while importing: each full one walks every object torch
@@ -496,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.disable()
         import_all()
         reason = fork_unsafe_reason()
+    signal.pthread_sigmask(signal.SIG_BLOCK, _MASKED)
     # Before the first fork: orphans from below the ranks are re-parented here, not to PID 1.
     subreaper = process_tree.become_subreaper()
     forker = _Forker(opts, slots, engine_argv, {"subreaper": subreaper})

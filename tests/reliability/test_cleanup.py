@@ -194,3 +194,42 @@ def test_an_interrupted_dist_start_is_one_line_and_leaves_nothing(kernels):
     left = survivors([*seen, *kernel.descendants()], until=time.monotonic() + GRACE_S)
     assert left == [], "left running after an interrupted %dist_start:\n" + "\n".join(left)
     assert "nbdist: 2 ranks ready" in kernel.ok("%dist_start 2 --cpu").stdout
+
+
+def _blocked_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("SigBlk:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def test_a_zygote_stopped_while_it_imports_torch_ends_at_once():
+    """A start stopped early (it failed, or was interrupted) ends a zygote still importing.
+
+    The zygote blocks SIGINT (relayed to the ranks later) from its first line; it held
+    SIGTERM too, until it had imported torch and forked, so a stop waited for the import
+    (on a busy machine ipyparallel's SIGKILL came 5 s later, with a warning in the cell).
+    With no rank forked there is nothing to end but the zygote: SIGTERM ends it.
+    """
+    import subprocess
+    import sys
+
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "nbdist.launch.zygote", "--slots", "[]"]
+        + ["--parent-pid", str(os.getpid())]
+    )
+    try:
+        deadline = time.monotonic() + 60
+        # SIGINT blocked: its own line has run, and torch is being imported (~1 s).
+        while not _blocked_signals(zygote.pid) & (1 << (signal.SIGINT - 1)):
+            assert zygote.poll() is None and time.monotonic() < deadline
+            time.sleep(0.001)
+        os.kill(zygote.pid, signal.SIGTERM)
+        # Ended by the signal itself; a zygote that held it until after its import and
+        # fork ended by its handler, with exit code 0.
+        assert zygote.wait(60) == -signal.SIGTERM
+    finally:
+        if zygote.poll() is None:
+            zygote.kill()
+            zygote.wait()
