@@ -35,6 +35,7 @@ from nbdist.engine import process_ending
 from nbdist.errors import NbdistError
 from nbdist.launch import capacity, private_profiles, process_tree, remote_engines
 from nbdist.launch.ssh_engines import SSHEngines
+from nbdist.launch.start_failure import LauncherWords, port_clash, start_failure
 
 __all__ = [
     "ClusterHandle",
@@ -159,22 +160,6 @@ def _quiet_log():
     return log
 
 
-class _OwnStopWords:
-    """A logging filter: ipyparallel's words on processes nbdist is stopping itself.
-
-    Its launchers warn of any non-zero exit ("Controller stopped: {'exit_code':
-    -15 ...}", "engine set stopped ...", "Output for ipcontroller-...") — how
-    a controller that fails on its own shows its output, but noise above nbdist's one line when nbdist
-    stopped it (an interrupted ``%dist_start`` stops a controller still starting,
-    which ends by SIGTERM). Only those records, and only during the stop.
-    """
-
-    _WORDS = ("Controller stopped:", "engine set stopped", "Output for %s")
-
-    def filter(self, record) -> bool:
-        return not str(record.msg).startswith(self._WORDS)
-
-
 def _base_config(controller_ip: str):
     from traitlets.config import Config
 
@@ -204,8 +189,6 @@ def start_local(
     ``launcher_config``: traitlets config by class for ``launcher`` (see
     :mod:`nbdist.launch.options`), e.g. ``{"SlurmEngineSetLauncher": {...}}``.
     """
-    import ipyparallel as ipp
-
     from nbdist.launch.local_engines import ZygoteEngineSetLauncher
 
     # The options were checked before (nbdist.launch.options): nothing here refuses them.
@@ -233,73 +216,104 @@ def start_local(
     # fresh controller picks other ports: one retry, only for a private profile
     # (a named profile may pin its ports, and would clash again).
     attempts = 1 if profile else 2
-    for attempt in range(1, attempts + 1):
-        kwargs = {}
-        if profile:
-            kwargs["profile"] = profile
-            remove = False
-        else:
-            # A private profile per session: its own connection files (0700 dir),
-            # and two notebooks never see each other's clusters. Those a killed
-            # kernel left are cleared first.
-            private_profiles.remove_orphans()
-            kwargs["profile_dir"], remove = private_profiles.make(), True
-        cluster = ipp.Cluster(
-            n=n,
-            cluster_id=f"nbdist-{os.getpid()}-{next(_counter)}",
-            controller_ip=ip,
-            controller_args=[
-                f"--HeartMonitor.period={_HEARTBEAT_MS}",
-                f"--HeartMonitor.max_heartmonitor_misses={_HEARTBEAT_MISSES}",
-            ],
-            delay=0,
-            # Engines on other hosts (a batch job) cannot read this machine's private
-            # profile dir: they get the connection info in their environment (the
-            # SSH launcher copies the connection file over SSH instead).
-            send_engines_connection_env=launcher not in (None, SSHEngines),
-            engine_launcher_class=engine_launcher_class,
-            engine_timeout=int(max(1, timeout)),
-            # nbdist's own exit hook (driver/live_sessions.stop_all) stops it: ipyparallel's,
-            # registered later and so run first, stopped the roots before nbdist could
-            # find what lay below them (and printed "Stopping cluster" at every shutdown).
-            shutdown_atexit=False,
-            config=config,
-            log=_quiet_log(),
-            **kwargs,
-        )
-        handle = ClusterHandle(
-            client=None,
-            cluster=cluster,
-            owned=True,
-            profile_dir=cluster.profile_dir,
-            remove_profile_dir=remove,
-        )
-        try:
-            cluster.start_cluster_sync(n=n)
-            handle.client = cluster.connect_client_sync()
-            warm_serializer()  # the controller is up; the engines are still importing torch
-            if launcher is None:
-                # Not start_and_connect: in a notebook it draws a progress bar of its own.
-                handle.client.wait_for_engines(n, timeout=timeout, interactive=False, block=True)
-            else:  # watches the job/mpiexec/ssh too: a start that cannot succeed fails now
-                remote_engines.wait_for_engines(
-                    handle.client, handle.engine_launcher(), n, timeout=timeout
-                )
-            break
-        except BaseException as exc:
-            clash = _port_clash(cluster)  # read before stop() removes the log
-            _record_pids(handle)
-            stop_processes(handle)
-            if clash and attempt < attempts:
-                continue
-            if clash:
-                raise NbdistError(
-                    f"the controller could not listen on {ip}: a port it was given is taken "
-                    f"({clash}). Free it, or remove the fixed ports from profile {profile!r}"
-                ) from exc
-            if isinstance(exc, (TimeoutError, RuntimeError)):
-                raise NbdistError(_start_failure(exc, n, timeout, cluster)) from exc
-            raise
+    # ipyparallel's warnings of a process that exits (its whole output) stay out of the cell:
+    # a failed start's error carries that output, once.
+    words = LauncherWords()
+    _quiet_log().addFilter(words)
+    try:
+        for attempt in range(1, attempts + 1):
+            handle = _start_attempt(
+                n, timeout, launcher, engine_launcher_class, profile, ip, config
+            )
+            try:
+                cluster = handle.cluster
+                cluster.start_cluster_sync(n=n)
+                handle.client = cluster.connect_client_sync()
+                warm_serializer()  # the controller is up; the engines are still importing torch
+                if launcher is None:
+                    # Not start_and_connect: in a notebook it draws a progress bar of its own.
+                    handle.client.wait_for_engines(
+                        n, timeout=timeout, interactive=False, block=True
+                    )
+                else:  # watches the job/mpiexec/ssh too: a start that cannot succeed fails now
+                    remote_engines.wait_for_engines(
+                        handle.client, handle.engine_launcher(), n, timeout=timeout
+                    )
+                # Inside the try: an interrupt while these run stops what was started too.
+                _note_started(handle, launcher)
+                return handle
+            except BaseException as exc:
+                # Read before stop() removes the logs (and forgets the controller).
+                clash = port_clash(cluster, words)
+                failed = isinstance(exc, (TimeoutError, RuntimeError))
+                failure = start_failure(exc, n, timeout, cluster, words) if failed else ""
+                _record_pids(handle)
+                stop_processes(handle)
+                if clash and attempt < attempts:
+                    continue
+                if clash:
+                    raise NbdistError(
+                        f"the controller could not listen on {ip}: a port it was given is taken "
+                        f"({clash}). Free it, or remove the fixed ports from profile {profile!r}"
+                    ) from exc
+                if failure:
+                    raise NbdistError(failure) from exc
+                raise
+    finally:
+        _quiet_log().removeFilter(words)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _start_attempt(n, timeout, launcher, engine_launcher_class, profile, ip, config):
+    """The cluster of one attempt, not started yet, in a handle that owns it."""
+    import ipyparallel as ipp
+
+    kwargs = {}
+    if profile:
+        kwargs["profile"] = profile
+        remove = False
+    else:
+        # A private profile per session: its own connection files (0700 dir),
+        # and two notebooks never see each other's clusters. Those a killed
+        # kernel left are cleared first.
+        private_profiles.remove_orphans()
+        kwargs["profile_dir"], remove = private_profiles.make(), True
+    cluster = ipp.Cluster(
+        n=n,
+        cluster_id=f"nbdist-{os.getpid()}-{next(_counter)}",
+        controller_ip=ip,
+        controller_args=[
+            f"--HeartMonitor.period={_HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={_HEARTBEAT_MISSES}",
+        ],
+        delay=0,
+        # Engines on other hosts (a batch job) cannot read this machine's private
+        # profile dir: they get the connection info in their environment (the
+        # SSH launcher copies the connection file over SSH instead).
+        send_engines_connection_env=launcher not in (None, SSHEngines),
+        engine_launcher_class=engine_launcher_class,
+        engine_timeout=int(max(1, timeout)),
+        # nbdist's own exit hook (driver/live_sessions.stop_all) stops it: ipyparallel's,
+        # registered later and so run first, stopped the roots before nbdist could
+        # find what lay below them (and printed "Stopping cluster" at every shutdown).
+        shutdown_atexit=False,
+        config=config,
+        log=_quiet_log(),
+        **kwargs,
+    )
+    return ClusterHandle(
+        client=None,
+        cluster=cluster,
+        owned=True,
+        profile_dir=cluster.profile_dir,
+        remove_profile_dir=remove,
+    )
+
+
+def _note_started(handle: ClusterHandle, launcher) -> None:
+    """Note every process of a started cluster, and make its connection files private."""
+    from nbdist.launch.local_engines import ZygoteEngineSetLauncher
+
     _record_pids(handle)
     engines = handle.engine_launcher()
     if isinstance(engines, ZygoteEngineSetLauncher):
@@ -311,10 +325,9 @@ def start_local(
     else:
         handle.start_method = remote_engines.launcher_name(launcher)
         handle.start_note = remote_engines.start_note(engines)
-    _secure_connection_files(cluster.profile_dir)
+    _secure_connection_files(handle.cluster.profile_dir)
     if handle.remove_profile_dir:  # a later start may clear it once these are all gone
-        private_profiles.record_processes(cluster.profile_dir, handle.pids)
-    return handle
+        private_profiles.record_processes(handle.cluster.profile_dir, handle.pids)
 
 
 def slot_environments(placement) -> list[dict[str, str]]:
@@ -339,14 +352,17 @@ def start_processes(options, placement) -> ClusterHandle:
     if options.connect:
         return connect(options.connect, timeout=options.timeout)
     launch = options.launch
-    local = launch is None and options.launcher is None
+    zygote = launch is None and options.launcher is None
+    # A launcher that runs every engine on this machine (local; mpiexec without hosts; Slurm
+    # or SSH hosts that are this machine): its limits hold them all, each importing torch.
+    here = (launch.here if launch is not None else _local_launcher(options.launcher)) or zygote
     # Open files, threads, memory for this many ranks: or nothing starts (a note if a limit was
     # raised). First: a start far beyond them (%dist_start 100000) is refused at once.
     raised = capacity.check_limits(
         placement.world_size,
-        local=placement.world_size if local else 0,
+        local=placement.world_size if here else 0,
         threads=placement.threads_for(placement.slots[0]),
-        spawn=options.start_method == "spawn",
+        spawn=options.start_method == "spawn" or not zygote,
     )
     slot_envs = slot_environments(placement)
     if launch is not None:  # Slurm would run the job, every SSH host answers: or nothing starts
@@ -369,6 +385,24 @@ def start_processes(options, placement) -> ClusterHandle:
     return handle
 
 
+def _local_launcher(launcher) -> bool:
+    """Whether ``launcher`` (other than slurm, ssh, mpi) starts its engines on this machine."""
+    from ipyparallel.cluster.launcher import LocalEngineSetLauncher, find_launcher_class
+    from traitlets.utils.importstring import import_item
+
+    if isinstance(launcher, str):
+        try:
+            found = (
+                import_item(launcher)
+                if "." in launcher
+                else find_launcher_class(launcher, "engine")
+            )
+        except Exception:  # checked before (options): not a local one, then
+            return False
+        launcher = found
+    return isinstance(launcher, type) and issubclass(launcher, LocalEngineSetLauncher)
+
+
 def interrupt_engines(handle: ClusterHandle, pids: list[int], engine_ids: list[int]) -> None:
     """SIGINT to engines: by PID where nbdist forked them, else through the controller.
 
@@ -386,40 +420,6 @@ def interrupt_engines(handle: ClusterHandle, pids: list[int], engine_ids: list[i
                 pass
     else:
         handle.client.send_signal(signal.SIGINT, targets=engine_ids, block=False)
-
-
-def _port_clash(cluster) -> str:
-    """The controller's own words if it stopped because a port was taken, else ''."""
-    controller = getattr(cluster, "controller", None)
-    if controller is None:
-        return ""
-    try:
-        output = controller.get_output()
-    except Exception:  # no log: not a clash we can name
-        return ""
-    for line in output.splitlines():
-        if "Address already in use" in line:
-            return line.strip()[-200:]
-    return ""
-
-
-def _start_failure(exc: BaseException, n: int, timeout: float, cluster) -> str:
-    engines = None
-    for engine_set in getattr(cluster, "engines", {}).values():
-        engines = engine_set
-    tail = ""
-    if engines is not None:
-        try:
-            tail = "".join(engines.get_output().splitlines(True)[-15:])
-        except Exception:  # the log is a courtesy; the failure itself matters
-            tail = ""
-    message = (
-        f"the {n} ranks did not all start within {timeout:g} s ({exc}): "
-        "raise --timeout if the machine is busy"
-    )
-    if not tail.strip():  # the engines printed nothing yet: no log to point to
-        return message
-    return f"{message}, or check the engine log below\n--- engine log (last lines) ---\n{tail}"
 
 
 def _record_pids(handle: ClusterHandle) -> None:
@@ -528,7 +528,7 @@ def stop_processes(handle: ClusterHandle) -> list[int]:
         # Only processes that still are the ones noted: a PID freed since names another.
         mine = handle.processes()
         below = process_tree.descendants([p.pid for p in mine])
-        words = _OwnStopWords()
+        words = LauncherWords()  # ipyparallel's warnings of the exits nbdist causes
         log = _quiet_log()
         log.addFilter(words)
         try:

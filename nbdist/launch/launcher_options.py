@@ -61,6 +61,7 @@ _LAUNCHER_OPTIONS = {
 }
 
 
+_MAX_COUNT_DIGITS = 9
 # mpiexec options that put ranks on other hosts (Open MPI's and MPICH's spellings).
 _MPI_HOST_FLAGS = {
     "--host",
@@ -75,6 +76,33 @@ _MPI_HOST_FLAGS = {
 }
 
 
+# mpiexec options that set the number of processes: nbdist gives it (-n N) from the rank count.
+_MPI_COUNT_FLAGS = {"-n", "-np", "--np", "--n", "-c"}
+# sbatch options that would override the job nbdist writes: the nbdist option to use instead.
+_RANKS = "give the number of ranks as N (%dist_start N)"
+_OUTPUT = "leave it out: nbdist places the job's output and errors, to show them if a start fails"
+_SBATCH_OWN = {
+    "--ntasks": _RANKS,
+    "-n": _RANKS,
+    "--ntasks-per-node": "use gpus_per_node=K (K ranks, one per GPU, on each node)",
+    "--nodes": "use nodes=K",
+    "-N": "use nodes=K",
+    "--export": "leave it out: nbdist exports the notebook's environment (--export=ALL)",
+    "--job-name": "leave it out: nbdist names the job after the cluster, to find it again",
+    "-J": "leave it out: nbdist names the job after the cluster, to find it again",
+    "--output": _OUTPUT,
+    "-o": _OUTPUT,
+    "--error": _OUTPUT,
+    "-e": _OUTPUT,
+    "--partition": "use partition=NAME",
+    "--time": "use time=HH:MM:SS",
+    "--account": "use account=NAME",
+    "--qos": "use qos=NAME",
+    "--gpus-per-node": "use gpus_per_node=K",
+    "--cpus-per-task": "use cpus_per_task=K",
+}
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """What to hand ipyparallel: the engine launcher's name, ``n``, and config by class."""
@@ -82,6 +110,7 @@ class LaunchPlan:
     engine_launcher: str
     n: int
     config: dict = field(default_factory=dict)  # {"SlurmEngineSetLauncher": {"queue": ...}}
+    here: bool = False  # every engine runs on this machine: its limits hold them all
 
 
 def _slurm(n: int, opts: dict) -> dict:
@@ -134,35 +163,29 @@ def _mpi(opts: dict) -> dict:
     return {"MPIEngineSetLauncher": config}
 
 
-def _launch_plan(launcher: str, n: int, opts: dict) -> LaunchPlan:
+def _launch_plan(launcher: str, n: int, opts: dict, here: bool = False) -> LaunchPlan:
     builders = {
         "slurm": lambda: _slurm(n, opts),
         "ssh": lambda: _ssh(opts),
         "mpi": lambda: _mpi(opts),
     }
     build = builders.get(launcher)
-    return LaunchPlan(launcher, n, build() if build is not None else {})
+    return LaunchPlan(launcher, n, build() if build is not None else {}, here=here)
 
 
 # -- checks --------------------------------------------------------------------------------
 
 
 def parse_hosts(text: str | Mapping[str, int]) -> dict[str, int]:
-    """'node1:4,node2:4' (or {'node1': 4}) -> {'node1': 4, 'node2': 4}; a bare host means 1."""
+    """'node1:4,node2:4' (or {'node1': 4}) -> {'node1': 4, 'node2': 4}; a bare host means 1.
+
+    Each host once; IPv6 literals are refused (the controller listens on IPv4, and
+    ``host:ranks`` cannot tell an IPv6 address's colons from the count's).
+    """
     if isinstance(text, Mapping):
         items = [(str(h), c) for h, c in text.items()]
     else:
-        items = []
-        for part in str(text).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            host, _, count = part.rpartition(":") if ":" in part else (part, "", "1")
-            if not host or not is_digits(count):
-                raise PlacementError(
-                    f"hosts {text!r}: write them like node1:4,node2:4 (host:ranks), got {part!r}"
-                )
-            items.append((host, int(count)))
+        items = [_host_item(text, part.strip()) for part in str(text).split(",") if part.strip()]
     hosts: dict[str, int] = {}
     for host, count in items:
         if not _SAFE.match(host) or not is_whole(count) or count < 1:
@@ -170,10 +193,59 @@ def parse_hosts(text: str | Mapping[str, int]) -> dict[str, int]:
                 f"hosts: {host!r} with {count!r} ranks is not usable: give a host name "
                 "(or user@host) and a whole number of ranks >= 1, e.g. node1:4"
             )
-        hosts[host] = hosts.get(host, 0) + count
+        if host in hosts:
+            raise PlacementError(
+                f"hosts {text!r} names {host!r} twice: give each host once, with all its "
+                f"ranks, e.g. {host}:{hosts[host] + count}"
+            )
+        hosts[host] = count
     if not hosts:
         raise PlacementError(f"hosts {text!r} names no host: write them like node1:4,node2:4")
+    _check_capacity(sum(hosts.values()), text)
     return hosts
+
+
+def _host_item(text, part: str) -> tuple[str, int]:
+    """One 'host:ranks' of a hosts list (a bare host: 1 rank)."""
+    bare = part.strip("[]").rpartition("]")[0] if part.startswith("[") else part
+    for candidate in (bare, part.rpartition(":")[0].strip("[]"), part.strip("[]")):
+        try:
+            ipaddress.IPv6Address(candidate)
+        except ValueError:
+            continue
+        raise PlacementError(
+            f"hosts: {part!r} is an IPv6 address, which nbdist's launchers do not take (the "
+            "controller listens on IPv4): name the host by its host name or IPv4 address, "
+            "e.g. node1:4 or 10.1.0.7:4"
+        )
+    if part.count(":") > 1:
+        raise PlacementError(
+            f"hosts {text!r}: {part!r} has more than one ':': write each host as host:ranks, "
+            "e.g. node1:4,node2:4"
+        )
+    host, _, count = part.rpartition(":") if ":" in part else (part, "", "1")
+    if not host or not is_digits(count):
+        raise PlacementError(
+            f"hosts {text!r}: write them like node1:4,node2:4 (host:ranks), got {part!r}"
+        )
+    if len(count) > _MAX_COUNT_DIGITS:  # int() of thousands of digits fails; none would fit
+        raise PlacementError(
+            f"hosts: {host!r} with {count[:12]}{'...' if len(count) > 12 else ''} ranks is "
+            "beyond what any machine's limits hold: give the ranks to start there, e.g. "
+            f"{host}:4"
+        )
+    return host, int(count)
+
+
+def _check_capacity(total: int, text) -> None:
+    """Refuse a rank count this machine's limits could not hold (the kernel and the
+    controller keep files per rank wherever the ranks run), as a start would."""
+    from nbdist.launch import capacity
+
+    needs = capacity.needs_for(total, local=0, rank0_local=False, fds_open=0)
+    found = capacity.problems(needs, capacity.current_limits())
+    if found:
+        raise PlacementError(f"hosts: {total} ranks in all are too many here: {found[0]}")
 
 
 def _is_loopback(ip: str) -> bool:
@@ -270,6 +342,9 @@ def _check_slurm(n: int | None, opts: dict) -> dict:
         out["cpus_per_task"] = _whole("cpus_per_task", opts["cpus_per_task"])
     extras = []
     for extra in shlex.split(str(opts.get("sbatch") or "")):
+        own = _SBATCH_OWN.get(extra.split("=")[0])
+        if own is not None:
+            raise PlacementError(f"sbatch option {extra!r} sets what nbdist's job sets: {own}")
         if not extra.startswith("--"):
             raise PlacementError(f"sbatch option {extra!r}: give long options, e.g. --mem=64G")
         extras.append(_word("sbatch option", extra))
@@ -309,9 +384,9 @@ def _check_launcher_options(launcher, n: int | None, ip: str, options: Mapping) 
         checked = _check_slurm(n, opts)
         # Loopback only where Slurm's nodes are this machine (sinfo says): then the
         # job's output can go to the session's private log directory as well.
-        here = _is_loopback(ip) and _slurm_here(checked.get("partition"))
+        here = _slurm_here(checked.get("partition"))
         _check_remote_ip(name, ip, here=here)
-        checked["output_here"] = here
+        checked["output_here"] = here and _is_loopback(ip)
     elif name == "ssh":
         if not opts.get("hosts"):
             raise PlacementError(
@@ -326,12 +401,20 @@ def _check_launcher_options(launcher, n: int | None, ip: str, options: Mapping) 
             checked["ssh_args"] = shlex.split(str(opts["ssh_args"]))
         # `ssh -G` resolves the host as ssh will (aliases in ~/.ssh/config included).
         ssh_args = checked.get("ssh_args", [])
-        here = _is_loopback(ip) and _hosts_here(checked["hosts"], ssh_args)
+        here = _hosts_here(checked["hosts"], ssh_args)
         _check_remote_ip(name, ip, here=here)
     else:  # mpi: on this machine only (mpiexec without hosts) loopback is fine.
         if opts.get("hosts"):
             checked["hosts"], n = _hosts_total(n, opts["hosts"], "make them agree")
         mpi_args = shlex.split(str(opts.get("mpi_args") or ""))
+        counted = [a for a in mpi_args if a.split("=")[0] in _MPI_COUNT_FLAGS]
+        if counted:
+            raise PlacementError(
+                f"mpi_args {counted[0]!r} sets the number of processes, which nbdist gives "
+                "mpiexec from the number of ranks: leave it out, and give the count as N "
+                "(%dist_start N --launcher mpi)"
+            )
+        here = True  # mpiexec without hosts runs every rank here
         if opts.get("hosts") or any(a.split("=")[0] in _MPI_HOST_FLAGS for a in mpi_args):
             here = "hosts" in checked and _hosts_here(checked["hosts"])
             _check_remote_ip(name, ip, here=here)
@@ -342,7 +425,7 @@ def _check_launcher_options(launcher, n: int | None, ip: str, options: Mapping) 
         checked["mpi_args"] = mpi_args
         if opts.get("mpi_cmd"):
             checked["mpi_cmd"] = shlex.split(str(opts["mpi_cmd"]))
-    return _launch_plan(name, n, checked)
+    return _launch_plan(name, n, checked, here)
 
 
 def plan_launch(launcher: str, n: int | None, *, ip: str, **options) -> LaunchPlan:

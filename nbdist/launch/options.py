@@ -39,12 +39,18 @@ from nbdist.launch.values import check_count, check_seconds, check_threads, is_d
 __all__ = [
     "StartOptions",
     "check_start_options",
+    "check_output_settings",
     "controller_gone_seconds",
     "parse_gpu_list",
     "parse_launch_options",
 ]
 
 START_METHODS = ("fork", "spawn")
+# The least --group-timeout. It bounds every wait of the group, the first ones too: each
+# rank's connection to rank 0's TCP store and the first collective, a fraction of a second
+# for a few idle ranks but several times that on a loaded machine, or for many ranks. Below
+# 2 s the group failed to form with torch's own words ("--group-timeout 0.001").
+MIN_GROUP_TIMEOUT_S = 2.0
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?")
 
 
@@ -122,6 +128,14 @@ def _unquote(text: str) -> str:
 
 
 def _check_where(ip, launcher, profile, connect) -> None:
+    if isinstance(ip, str) and _ipv6(ip):
+        # ipyparallel's controller binds tcp://ADDR:PORT without zmq's IPv6 switch: it
+        # crashed on '::1' (ZMQError: No such device) after the start began.
+        raise PlacementError(
+            f"--ip {ip!r} is an IPv6 address, and the controller listens on IPv4 only: give an "
+            "IPv4 address, e.g. 127.0.0.1 (the default) or this host's IPv4 address on the "
+            "network the ranks share (`hostname -I` lists them)"
+        )
     if not isinstance(ip, str) or not _bindable(ip):
         raise PlacementError(
             f"--ip {ip!r} is not an IP address or a host name of this machine: give e.g. "
@@ -148,6 +162,21 @@ def _check_where(ip, launcher, profile, connect) -> None:
         )
 
 
+def _ipv6(ip: str) -> bool:
+    """An IPv6 address, or a host name that resolves to IPv6 addresses only."""
+    try:
+        return ipaddress.ip_address(ip).version == 6
+    except ValueError:
+        pass
+    if len(ip) > 253 or not _HOSTNAME.fullmatch(ip):
+        return False
+    try:
+        families = {info[0] for info in socket.getaddrinfo(ip, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return False
+    return families == {socket.AF_INET6}
+
+
 def _bindable(ip: str) -> bool:
     """An IP address or host name that this machine can bind (the controller listens there)."""
     try:
@@ -156,16 +185,15 @@ def _bindable(ip: str) -> bool:
         if len(ip) > 253 or not _HOSTNAME.fullmatch(ip):
             return False
         try:
-            infos = socket.getaddrinfo(ip, None, type=socket.SOCK_STREAM)
+            infos = socket.getaddrinfo(ip, None, socket.AF_INET, socket.SOCK_STREAM)
         except (OSError, UnicodeError):
             return False
         addresses = [info[4][0] for info in infos]
     # An address of another machine ("1.2.3" resolves, as 1.2.0.3) would only fail
     # after the processes started; a bind tells now.
     for address in addresses:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
         try:
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
                 probe.bind((address, 0))
             return True
         except OSError:
@@ -174,15 +202,17 @@ def _bindable(ip: str) -> bool:
 
 
 def _check_launcher(name: str) -> None:
-    from ipyparallel.cluster.launcher import find_launcher_class
+    from ipyparallel.cluster.launcher import BaseLauncher, find_launcher_class
 
     try:
         if "." in name:  # a class by import path, as ipyparallel accepts
             from traitlets.utils.importstring import import_item
 
-            import_item(name)
+            found = import_item(name)
         else:
-            find_launcher_class(name, "engine")
+            found = find_launcher_class(name, "engine")
+        if not (isinstance(found, type) and issubclass(found, BaseLauncher)):
+            raise ValueError(name)  # importable, but not a launcher (os.path, a function)
     except (KeyError, ImportError, ValueError, AttributeError):
         from importlib.metadata import entry_points
 
@@ -220,19 +250,51 @@ def check_start_options(requested: StartOptions) -> StartOptions:
     if o.connect and (o.launcher or o.profile):
         raise PlacementError("--connect uses a running cluster: leave out --launcher/--profile")
     _check_where(o.ip, o.launcher, o.profile, o.connect)
+    if not o.connect and o.launcher is not None:
+        _check_launched(o.launcher, gpus, o.start_method)
     launch = None
     if not o.connect and (o.launch_options or str(o.launcher).lower() in LAUNCHERS):
         launch = plan_launch(o.launcher, o.n, ip=o.ip, **dict(o.launch_options or {}))
     launched = not o.connect and (o.launcher is not None or launch is not None)
+    group_timeout = check_seconds(o.group_timeout, "group_timeout")
+    if group_timeout < MIN_GROUP_TIMEOUT_S:
+        raise PlacementError(
+            f"group_timeout {o.group_timeout!r} is too short: it bounds the group's forming "
+            "too (each rank connects to rank 0's store, then a first collective), which can take "
+            f"over a second on a busy machine; give at least {MIN_GROUP_TIMEOUT_S:g} s "
+            "(default 1800)"
+        )
+    check_output_settings()
     return dataclasses.replace(
         o,
         cpu=bool(o.cpu),
         gpus=tuple(gpus) if gpus else None,
         timeout=check_seconds(o.timeout, "timeout"),
-        group_timeout=check_seconds(o.group_timeout, "group_timeout"),
+        group_timeout=group_timeout,
         launch=launch,
         controller_gone_s=controller_gone_seconds() if launched else None,
     )
+
+
+def _check_launched(launcher, gpus, start_method) -> None:
+    """Refuse what only nbdist's own engines (no --launcher) take: --gpus, --spawn."""
+    name = getattr(launcher, "__name__", str(launcher))
+    if gpus:
+        where = {
+            "slurm": "--launch-opt gpus_per_node=K (one rank per GPU)",
+            "ssh": "hosts=node1:K (K ranks per host, one per GPU)",
+            "mpi": "hosts=node1:K (K ranks per host, one per GPU)",
+        }.get(name.lower(), "an ipyparallel profile (--profile)")
+        raise PlacementError(
+            f"--gpus {','.join(map(str, gpus))} picks GPUs for engines nbdist starts itself; "
+            f"with --launcher {name} each rank uses cuda:<its local rank> of the GPUs its host "
+            f"shows: leave --gpus out, and set the GPUs per host with {where}"
+        )
+    if start_method == "spawn":
+        raise PlacementError(
+            f"--spawn picks how nbdist's own engines start; --launcher {name} starts each "
+            "engine as a process of its own already: leave --spawn out"
+        )
 
 
 def controller_gone_seconds() -> float:
@@ -250,3 +312,23 @@ def controller_gone_seconds() -> float:
             f"e.g. 60, or unset it (default {DEFAULT_GONE_S:g})"
         )
     return seconds
+
+
+# How much of each rank's output a cell shows: read by the driver at each cell
+# (nbdist.driver.output_fold.lines_per_rank, nbdist.driver.runner.output_limit), checked
+# here so that a bad value is refused before the ranks start, not at the first cell.
+_OUTPUT_SETTINGS = {
+    "NBDIST_OUTPUT_LINES": ("lines of each rank a cell's folded output keeps", "1000"),
+    "NBDIST_OUTPUT_LIMIT": ("characters of each rank's stdout (or stderr) a cell shows", "1048576"),
+}
+
+
+def check_output_settings() -> None:
+    """Refuse an ``NBDIST_OUTPUT_LINES`` / ``NBDIST_OUTPUT_LIMIT`` that is not a count >= 0."""
+    for name, (what, example) in _OUTPUT_SETTINGS.items():
+        value = os.environ.get(name, "").strip()
+        if value and not is_digits(value):
+            raise PlacementError(
+                f"{name}={value!r}: give the {what} as a whole number, 0 for all "
+                f"(e.g. {name}={example}), or unset it"
+            )

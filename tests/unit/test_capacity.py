@@ -187,3 +187,45 @@ def test_each_ranks_environment_takes_one_pass_per_host():
     assert envs == slot_environments(placement)
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "1", "1", "2", "2"]
     assert {e["CUDA_VISIBLE_DEVICES"] for e in envs} == {"0,1,2"}
+
+
+@pytest.mark.parametrize(
+    "launcher, launch_options",
+    [("local", None), ("mpi", None), ("ssh", {"hosts": "localhost:8"})],
+)
+def test_a_launcher_that_starts_every_rank_here_is_held_to_this_machines_limits(
+    monkeypatch, launcher, launch_options
+):
+    # --launcher local, mpiexec without hosts, SSH to this machine: the limits were skipped
+    # (as for ranks on other hosts), and 1000 ranks over ssh localhost started.
+    import dataclasses
+
+    from nbdist.launch import capacity, cluster, hosts
+    from nbdist.launch.options import StartOptions, check_start_options
+    from nbdist.launch.placement import plan_start
+
+    monkeypatch.setattr(hosts, "ssh_hostname", lambda host, args: "127.0.0.1")
+    options = check_start_options(
+        StartOptions(n=8, cpu=True, launcher=launcher, launch_options=launch_options)
+    )
+    limits = dataclasses.replace(capacity.current_limits(), memory_available=1 << 30)
+    monkeypatch.setattr(capacity, "current_limits", lambda: limits)
+
+    def started(**kwargs):
+        raise AssertionError("processes were started past the limits")
+
+    monkeypatch.setattr(cluster, "start_local", started)
+    with pytest.raises(NbdistError) as info:
+        cluster.start_processes(options, plan_start(options))
+    assert str(info.value).startswith(
+        "8 ranks need about 3.2 GiB of memory to start (~350 MiB per rank, before any cell "
+        "allocates) and 1.0 GiB is available"
+    )
+    assert str(info.value).endswith("Nothing was started.")
+
+
+def test_ranks_on_other_hosts_are_not_held_to_this_machines_memory():
+    from nbdist.launch.launcher_options import plan_launch
+
+    assert plan_launch("mpi", 2, ip="127.0.0.1").here
+    assert not plan_launch("mpi", 2, ip="10.1.0.5", hosts="node-elsewhere.invalid:2").here

@@ -89,7 +89,7 @@ def test_slurm_minimal_script(tmp_path):
         ({"nodes": "two"}, "nodes 'two'"),
         ({"partition": "gpu\n#SBATCH --x"}, "characters a batch script would misread"),
         ({"partition": "{evil}"}, "characters a batch script would misread"),
-        ({"sbatch": "-N 2"}, "give long options"),
+        ({"sbatch": "-x node1"}, "give long options"),
         ({"hosts": "a:2"}, "has no option 'hosts'"),
     ],
 )
@@ -153,7 +153,12 @@ def test_other_launchers_pass_through_without_options():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("a:2,b:3", {"a": 2, "b": 3}), ("a", {"a": 1}), ("a:1,a:1", {"a": 2}), ({"x": 4}, {"x": 4})],
+    [
+        ("a:2,b:3", {"a": 2, "b": 3}),
+        ("a", {"a": 1}),
+        ("10.0.0.7:2", {"10.0.0.7": 2}),
+        ({"x": 4}, {"x": 4}),
+    ],
 )
 def test_parse_hosts(text, expected):
     assert parse_hosts(text) == expected
@@ -163,6 +168,81 @@ def test_parse_hosts(text, expected):
 def test_parse_hosts_refuses_bad_entries(text):
     with pytest.raises(PlacementError, match="node1:4"):
         parse_hosts(text)
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        # An IPv6 address's colons were read as host:ranks: 'fe80::1' became {'fe80:': 1}.
+        ("fe80::1", "hosts: 'fe80::1' is an IPv6 address, which nbdist's launchers do not take"),
+        ("::1", "hosts: '::1' is an IPv6 address"),
+        ("[::1]:2", "hosts: '[::1]:2' is an IPv6 address"),
+        ("a:2:3", "hosts 'a:2:3': 'a:2:3' has more than one ':': write each host as host:ranks"),
+        (
+            "a:2,a:2",
+            "hosts 'a:2,a:2' names 'a' twice: give each host once, with all its ranks, e.g. a:4",
+        ),
+        ("a:99999999999999", "hosts: 'a' with 999999999999... ranks is beyond what any machine's"),
+    ],
+)
+def test_hosts_that_would_be_misread_are_refused_with_the_fix(text, said):
+    with pytest.raises(PlacementError) as info:
+        parse_hosts(text)
+    assert str(info.value).startswith(said)
+
+
+def test_more_ranks_over_the_hosts_than_the_limits_hold_are_refused(monkeypatch):
+    from nbdist.launch import capacity
+
+    limits = capacity.current_limits()
+    monkeypatch.setattr(
+        capacity,
+        "current_limits",
+        lambda: capacity.Limits(**{**limits.__dict__, "open_files_hard": 4096}),
+    )
+    assert parse_hosts("a:100,b:100") == {"a": 100, "b": 100}
+    with pytest.raises(PlacementError) as info:
+        parse_hosts("a:4000,b:4000")
+    assert str(info.value).startswith(
+        "hosts: 8000 ranks in all are too many here: 8000 ranks need about"
+    )
+    assert "the limit is 4096 (hard limit, `ulimit -Hn`)" in str(info.value)
+
+
+@pytest.mark.parametrize("args", ["-np 4", "-n 4", "--np=4", "--n 4", "-c 4"])
+def test_mpi_args_that_set_the_process_count_are_refused(args):
+    # mpi_args=-np 4 started 4 engines for 2 ranks.
+    with pytest.raises(PlacementError) as info:
+        plan_launch("mpi", 2, ip="127.0.0.1", mpi_args=args)
+    flag = args.split()[0]
+    assert str(info.value) == (
+        f"mpi_args {flag!r} sets the number of processes, which nbdist gives mpiexec from the "
+        "number of ranks: leave it out, and give the count as N (%dist_start N --launcher mpi)"
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, fix",
+    [
+        ("--ntasks=1", "give the number of ranks as N (%dist_start N)"),
+        ("-n 3", "give the number of ranks as N (%dist_start N)"),
+        ("--ntasks-per-node=2", "use gpus_per_node=K"),
+        ("--export=NONE", "leave it out: nbdist exports the notebook's environment"),
+        ("--job-name=mine", "leave it out: nbdist names the job"),
+        ("-J mine", "leave it out: nbdist names the job"),
+        ("--output=/tmp/x", "leave it out: nbdist places the job's output"),
+        ("-o /tmp/x", "leave it out: nbdist places the job's output"),
+        ("--error=/tmp/e", "leave it out: nbdist places the job's output and errors"),
+        ("-e /tmp/e", "leave it out: nbdist places the job's output and errors"),
+    ],
+)
+def test_sbatch_options_that_override_nbdists_job_are_refused(extra, fix):
+    # sbatch=--ntasks=1 was accepted: the job then ran 1 engine, and the start waited out its
+    # whole timeout for the second.
+    with pytest.raises(PlacementError) as info:
+        plan_launch("slurm", 2, ip=IP, sbatch=extra)
+    flag = extra.split()[0]
+    assert str(info.value).startswith(f"sbatch option {flag!r} sets what nbdist's job sets: {fix}")
 
 
 def test_parse_launch_options():
