@@ -257,8 +257,14 @@ class RunHandler(_Base):
                 )
             paths = [history]
 
+        # No run id has more digits than SQLite's largest row id (19); int() of 4,300 or
+        # more raises ValueError, which answered 500 "Unhandled error".
+        number = int(run_id) if len(run_id) <= 19 else None
+
         def body() -> str | None:
-            found = cache.payload(int(run_id), paths)
+            if number is None:
+                return None
+            found = cache.payload(number, paths)
             if found is None:
                 return None
             path, payload = found

@@ -13,6 +13,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from nbdist.metrics import store
 from nbdist.metrics.store import RunStore
 
@@ -122,6 +124,11 @@ async def test_a_run_opened_again_unchanged_is_not_read_again(jp_fetch, history,
     else:
         raise AssertionError("an unknown run answered")
     assert len(calls) == 3
+    # Nor is a run id of 5,000 digits a server error (int() refuses 4,300 and more).
+    with pytest.raises(HTTPClientError) as caught:
+        await jp_fetch("nbdist", "api", "runs", "9" * 5000)
+    assert caught.value.code == 404
+    assert b"is not in the history" in caught.value.response.body
 
 
 async def test_the_list_of_runs_is_read_off_the_event_loop(jp_fetch, history, monkeypatch):
