@@ -126,6 +126,27 @@ class SSHEngine(SSHEngineLauncher):
     def _remote_python_default(self):
         return sys.executable  # the same environment at the same path, as docs/multihost.md says
 
+    @property
+    def ssh_sender(self):
+        """ipyparallel's SSH command sender, its profile creation kept out of the cell.
+
+        ``IPython profile create`` over SSH prints "[ProfileCreate] Generating default
+        config file" twice per engine on its stderr, which the kernel shows in the cell;
+        it goes to the captured output instead (still in the error if the creation fails).
+        """
+        sender = super().ssh_sender
+        run = sender.check_output_python_module
+        if not getattr(run, "nbdist_quiet", False):
+
+            def quiet(module_params, **kwargs):
+                if list(module_params)[:3] == ["IPython", "profile", "create"]:
+                    kwargs.setdefault("stderr", subprocess.STDOUT)
+                return run(module_params, **kwargs)
+
+            quiet.nbdist_quiet = True
+            sender.check_output_python_module = quiet
+        return sender
+
 
 class SSHEngines(SSHEngineSetLauncher):
     """ipyparallel's SSH engine-set launcher with :class:`SSHEngine` and non-prompting SSH."""

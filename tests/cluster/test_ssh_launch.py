@@ -39,12 +39,16 @@ def _remote_dirs() -> set[str]:
     return {name for name in os.listdir("/tmp") if name.startswith("nbdist-ssh-")}
 
 
-def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd, tmp_path):
+def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd, tmp_path, capfd):
     before = _remote_dirs()
     # The ssh config's alias points at 127.0.0.1: engines on this machine, the
     # controller stays on loopback.
     with _session("nbdist-ssh-test:2", sshd.config) as session:
         assert session.world_size == 2
+        # What a kernel would show in the cell: not IPython's profile creation over SSH
+        # ("[ProfileCreate] Generating default config file ...", twice per engine).
+        shown = capfd.readouterr()
+        assert "ProfileCreate" not in shown.err + shown.out, shown.err
         session.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)", sink=ListSink())
         assert [t.item() for t in session.pull("t")] == [3.0, 3.0]  # 1 + 2, exact in float32
         pids = [r.pid for r in session.ranks]
