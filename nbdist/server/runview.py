@@ -154,6 +154,8 @@ class PayloadCache:
             with building:
                 version = store.run_version(run_id, path=path)
                 if version is None:
+                    with self._lock:  # one lock kept per run id ever asked for: not for these
+                        self._building.pop(key, None)
                     continue
                 with self._lock:
                     kept = self._built.get(key)
@@ -171,6 +173,7 @@ class PayloadCache:
                     self._built[key] = (version, built)
                     self._built.move_to_end(key)
                     while len(self._built) > self.size:
-                        self._built.popitem(last=False)
+                        # Its lock goes too (at worst a request racing it builds it twice).
+                        self._building.pop(self._built.popitem(last=False)[0], None)
                 return path, built
         return None

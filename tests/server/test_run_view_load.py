@@ -144,3 +144,22 @@ async def test_the_list_of_runs_is_read_off_the_event_loop(jp_fetch, history, mo
     assert [r["id"] for r in listed] == [run_id] and listed[0]["points"] == 40
     [call] = calls
     assert call["on_loop"] is False, "the history was read on the server's event loop"
+
+
+def test_the_payload_cache_keeps_no_lock_for_runs_it_does_not_hold(tmp_path):
+    # One lock was kept for every run id ever asked for (absent ones too): a server asked
+    # for many ids grew without bound, whatever the cache's size.
+    from nbdist.server.runview import PayloadCache
+
+    path = str(tmp_path / "runs.sqlite")
+    ids = []
+    for _ in range(3):
+        writer, run_id = _write_run(path, steps=3)
+        writer.close()
+        ids.append(run_id)
+    cache = PayloadCache(size=2)
+    for absent in range(1000, 1200):
+        assert cache.payload(absent, [path]) is None
+    for run_id in ids:
+        assert cache.payload(run_id, [path])[1]["id"] == run_id
+    assert len(cache._building) <= 2  # noqa: SLF001 - what the cache holds is the point
