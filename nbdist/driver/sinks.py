@@ -24,12 +24,15 @@ from typing import Any, Protocol
 
 from nbdist.driver.output import STREAMS
 from nbdist.driver.widget_text import widget_model_id
+from nbdist.errors import format_ranks
 
-__all__ = ["KernelSink", "ListSink", "Sink", "StreamSink", "default_sink"]
+__all__ = ["KernelSink", "ListSink", "Sink", "StreamSink", "bar_lines", "default_sink"]
 
 # Erase the terminal line the cursor is on, so a live progress bar drawn with
 # "\r" is replaced by the next line instead of leaving its tail behind.
 _CLEAR_LINE = "\r\x1b[K"
+# Live bars of several ranks: at most this many lines (groups of ranks), then a count.
+BARS_SHOWN = 8
 
 
 class Sink(Protocol):
@@ -175,11 +178,13 @@ class KernelSink(StreamSink):
     display updated in place (the latest lines), then, when the cell ends (or
     a rich display follows), as ordinary stdout/stderr text in which each
     distinct line appears once with its ranks; the live display is blanked.
-    One rank's lines are written as they come, like :class:`StreamSink`. Each
-    (label, stream) progress line gets one updatable display, so a tqdm bar
-    stays one line per rank; it is blanked when the bar's final line is
-    written. Displays are republished as they are, after a ``[label]`` line
-    when there are several ranks.
+    One rank's lines are written as they come, like :class:`StreamSink`. A
+    ``\r`` progress line (a text tqdm bar) is drawn in place: one rank's in a
+    display of its own, several ranks' together in one display (ranks whose bar
+    reads the same on one line, :func:`bar_lines`); a bar is taken out when its
+    final line is written, and the display blanked once none is left.
+    Displays are republished as they are, after a ``[label]`` line when there
+    are several ranks.
     """
 
     def __init__(self, n_ranks: int = 1) -> None:
@@ -190,6 +195,9 @@ class KernelSink(StreamSink):
         # widget model id -> (display handle, text/plain published) of a widget display
         self._widgets: dict[str, tuple[Any, Any]] = {}
         self._live: Any = None  # the display handle of the live fold, while there is one
+        # Several ranks: each live bar's text by (label, stream), all in one display.
+        self._bar_texts: dict[tuple[str, str], str] = {}
+        self._bars_live: Any = None
 
     def line(self, stream: str, label: str, text: str) -> None:
         """One rank: write the line now; several: nothing, the fold shows it."""
@@ -225,9 +233,18 @@ class KernelSink(StreamSink):
             self._live.update(data, raw=True)
 
     def progress(self, stream: str, label: str, text: str) -> None:
-        """Draw the bar in place in the cell (a display updated by id)."""
+        """Draw the bar in place in the cell (a display updated by id).
+
+        Several ranks' bars share one display, ranks with the same text on one line:
+        a display can be blanked but not removed, and one per rank left as many empty
+        outputs in the saved notebook (256 at 256 ranks) and as many live lines.
+        """
         from IPython.display import display
 
+        if self._n_ranks > 1:
+            self._bar_texts[(label, stream)] = text
+            self._show_bars()
+            return
         data = {"text/plain": f"[{label}] {text}"}
         handle = self._bars.get((label, stream))
         if handle is None:
@@ -239,11 +256,29 @@ class KernelSink(StreamSink):
 
     def progress_done(self, stream: str, label: str) -> None:
         """Clear the in-place bar: its final text follows as a line."""
+        if self._bar_texts.pop((label, stream), None) is not None:
+            self._show_bars()
+            return
         handle = self._bars.pop((label, stream), None)
         if handle is not None:
             # The final text arrives as an ordinary (possibly grouped) line, so
             # the live bar would only duplicate it.
             handle.update({"text/plain": ""}, raw=True)
+
+    def _show_bars(self) -> None:
+        from IPython.display import display
+
+        if not self._bar_texts:
+            if self._bars_live is not None:
+                # Their final text follows as ordinary (grouped) lines.
+                self._bars_live.update({"text/plain": ""}, raw=True)
+                self._bars_live = None
+            return
+        data = {"text/plain": bar_lines(self._bar_texts)}
+        if self._bars_live is None:
+            self._bars_live = display(data, raw=True, display_id=True)
+        else:
+            self._bars_live.update(data, raw=True)
 
     def display(self, label: str, data: dict, metadata: dict) -> None:
         """Publish the display in the cell, after its rank's label when several ranks run."""
@@ -279,6 +314,36 @@ class KernelSink(StreamSink):
         else:
             # The same model: a notebook keeps showing the widget, live.
             handle.update(data, raw=True, metadata=metadata)
+
+
+def bar_lines(bars: dict[tuple[str, str], str], shown: int = BARS_SHOWN) -> str:
+    """Live progress bars as lines: ranks whose bar reads the same on one, lowest rank first.
+
+    ``bars``: text by (label, stream), a label being ``"rank N"``; past ``shown`` lines,
+    a count of the ranks left out.
+
+    >>> print(bar_lines({("rank 0", "stderr"): "50%", ("rank 1", "stderr"): "50%",
+    ...                  ("rank 2", "stderr"): "25%"}))
+    [ranks 0-1] 50%
+    [rank 2] 25%
+    """
+    groups: dict[tuple[str, str], list] = {}
+    for (label, stream), text in bars.items():
+        number = label.rpartition(" ")[2]
+        groups.setdefault((stream, text), []).append(int(number) if number.isdigit() else label)
+    lines = []
+    for (_stream, text), ranks in groups.items():
+        numbers = sorted(r for r in ranks if isinstance(r, int))
+        labels = [format_ranks(numbers)] if numbers else []
+        labels += [r for r in ranks if not isinstance(r, int)]
+        first = numbers[0] if numbers else -1
+        lines.append((first, ", ".join(labels), text, len(ranks)))
+    lines.sort(key=lambda line: line[0])
+    out = [f"[{labels}] {text}" for _first, labels, text, _n in lines[:shown]]
+    rest = sum(n for *_x, n in lines[shown:])
+    if rest:
+        out.append(f"... and {rest} more rank{'s' if rest > 1 else ''}' bars")
+    return "\n".join(out)
 
 
 def _in_ipython_kernel() -> bool:

@@ -76,3 +76,24 @@ def test_real_tqdm_in_a_saved_notebook_shows_the_final_state(tmp_path):
         assert text.startswith("ep: 100%|██████████| 20/20 ["), text
     labels = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "[rank 0]" in labels and "[rank 1]" in labels
+
+
+def test_carriage_return_progress_of_several_ranks_leaves_one_blank_output_not_one_per_rank():
+    # Each rank's "\r" bar had a display of its own, blanked at the end: a saved notebook
+    # kept one empty output per rank (256 at 256 ranks). Now one display holds them all.
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("%load_ext nbdist\n%dist_start 3 --cpu"),
+        nbformat.v4.new_code_cell(
+            "%%on_all_ranks\nimport sys, time\nfor i in range(5):\n"
+            "    sys.stdout.write(f'\\rprogress {i * 25}%')\n    sys.stdout.flush()\n"
+            "    time.sleep(0.3)\nprint()\nprint('done')"
+        ),
+        nbformat.v4.new_code_cell("%dist_stop"),
+    ]
+    NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    outputs = nb.cells[1].outputs
+    displays = [o for o in outputs if o.output_type == "display_data"]
+    assert len(displays) <= 1, outputs
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "[ranks 0-2] progress 100%\n[ranks 0-2] done\n" in text, text

@@ -484,7 +484,7 @@ class _FakeHandle:
         self.log.append(("update", data))
 
 
-def test_kernel_sink_keeps_one_display_per_progress_bar(monkeypatch):
+def _fake_displays(monkeypatch) -> list:
     ipython_display = pytest.importorskip("IPython.display")
     log = []
 
@@ -493,19 +493,54 @@ def test_kernel_sink_keeps_one_display_per_progress_bar(monkeypatch):
         return _FakeHandle(log, data)
 
     monkeypatch.setattr(ipython_display, "display", fake_display)
-    sink = KernelSink(n_ranks=2)
+    return log
+
+
+def test_kernel_sink_of_one_rank_keeps_one_display_per_progress_bar(monkeypatch):
+    log = _fake_displays(monkeypatch)
+    sink = KernelSink(n_ranks=1)
     sink.progress("stderr", "rank 0", "10%")
-    sink.progress("stderr", "rank 1", "20%")
     sink.progress("stderr", "rank 0", "90%")
     sink.progress_done("stderr", "rank 0")
     sink.progress("stderr", "rank 0", "new bar")
     assert log == [
         ("display", {"text/plain": "[rank 0] 10%"}),
-        ("display", {"text/plain": "[rank 1] 20%"}),
         ("update", {"text/plain": "[rank 0] 90%"}),
         ("update", {"text/plain": ""}),
         ("display", {"text/plain": "[rank 0] new bar"}),
     ]
+
+
+def test_kernel_sink_draws_several_ranks_bars_in_one_display(monkeypatch):
+    # One display per rank left as many blank outputs in the saved notebook.
+    log = _fake_displays(monkeypatch)
+    sink = KernelSink(n_ranks=2)
+    sink.progress("stderr", "rank 0", "10%")
+    sink.progress("stderr", "rank 1", "10%")
+    sink.progress("stderr", "rank 0", "90%")
+    sink.progress_done("stderr", "rank 0")
+    sink.progress_done("stderr", "rank 1")
+    sink.progress("stderr", "rank 0", "new bar")
+    assert log == [
+        ("display", {"text/plain": "[rank 0] 10%"}),
+        ("update", {"text/plain": "[ranks 0-1] 10%"}),
+        ("update", {"text/plain": "[rank 0] 90%\n[rank 1] 10%"}),
+        ("update", {"text/plain": "[rank 1] 10%"}),
+        ("update", {"text/plain": ""}),
+        ("display", {"text/plain": "[rank 0] new bar"}),
+    ]
+
+
+def test_the_bars_of_256_ranks_are_a_few_lines():
+    from nbdist.driver.sinks import BARS_SHOWN, bar_lines
+
+    bars = {(f"rank {r}", "stderr"): f"{r % 4 * 25}%" for r in range(200)}
+    bars.update({(f"rank {r}", "stderr"): f"{r}/256" for r in range(200, 256)})
+    lines = bar_lines(bars).splitlines()
+    assert lines[0] == "[ranks " + ",".join(str(r) for r in range(0, 200, 4)) + "] 0%"
+    assert lines[1].startswith("[ranks 1,5,") and lines[1].endswith("] 25%")
+    assert lines[BARS_SHOWN - 1] == "[rank 203] 203/256"
+    assert lines[BARS_SHOWN:] == ["... and 52 more ranks' bars"]
 
 
 @pytest.mark.parametrize(("n_ranks", "expected_out"), [(2, "[ranks 0-1]\n"), (1, "")])
