@@ -149,9 +149,12 @@ class ScriptMagics(SessionMagics):
         Output streams like a cell's; an error on any rank fails it. Inside the
         script, ``init_process_group`` is served by the group nbdist formed and
         ``destroy_process_group()`` leaves it up; the torchrun variables (RANK,
-        LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID, ...) are set. Its globals
-        stay on the ranks for the next cell. ``--timeout S`` (before the script)
-        interrupts the ranks after S seconds. Examples::
+        LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID, ...) are set. As with
+        ``python script.py`` in the notebook's directory, modules beside the script
+        import (an edited one afresh) and relative paths start there. Its globals
+        stay on the ranks for the next cell, also after ``sys.exit(main())`` or an
+        error (copied, as IPython's ``%run`` does). ``--timeout S`` (before the
+        script) interrupts the ranks after S seconds. Examples::
 
             %dist_run train.py --epochs 2 --lr 0.1
             %dist_run --timeout 600 scripts/pretrain.py --config small.yaml
@@ -172,7 +175,7 @@ class ScriptMagics(SessionMagics):
         _check_python(script, path)
         cell = (
             "__import__('nbdist.engine.scripts', fromlist=['run_script']).run_script("
-            f"{path!r}, {args!r}, get_ipython().user_ns)"
+            f"{path!r}, {args!r}, get_ipython().user_ns, {os.getcwd()!r})"
         )
         return run_on_ranks(self.dist, cell, None, False, timeout)
 

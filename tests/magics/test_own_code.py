@@ -189,3 +189,63 @@ def test_an_init_asking_for_another_group_names_the_conflict(shell):
     assert "GroupConflict" in text and "world_size=4, but nbdist started 2 ranks" in text
     s.run("dist.init_process_group(backend='gloo')", sink=ListSink())  # matching: served
     _collective_works(shell)
+
+
+SIBLING_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import sys
+
+    import helper_beside
+
+
+    def main():
+        global made, version, data
+        made = "in main"
+        version = helper_beside.VERSION
+        with open("data.txt") as f:  # relative: the notebook's directory, as python would
+            data = f.read().strip()
+        if os.environ.get("FAIL_NOW") == "1":
+            raise ValueError("failed after making things")
+        return 0
+
+
+    if __name__ == "__main__":
+        sys.exit(main())
+    """
+)
+
+
+def test_dist_run_is_python_script_py_beside_its_modules_and_keeps_globals_after_exit(
+    shell, tmp_path, monkeypatch
+):
+    # Before: the module beside the script did not import (ModuleNotFoundError), an edited
+    # one ran as first imported, data.txt was looked for in the ranks' start directory
+    # after %cd, and sys.exit(main()) or an error lost every global the script made.
+    folder = tmp_path / "proj"
+    folder.mkdir()
+    (folder / "train.py").write_text(SIBLING_SCRIPT)
+    (folder / "helper_beside.py").write_text("VERSION = 1\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data.txt").write_text("from the notebook's directory\n")
+    monkeypatch.chdir(work)  # the kernel's %cd
+    s = _session(shell)
+    started_in = s.pull("__import__('os').getcwd()")
+    result = shell.run_cell(f"%dist_run {folder / 'train.py'}")
+    assert result.success, result.error_in_exec
+    assert s.pull("(made, version, data)") == [("in main", 1, "from the notebook's directory")] * 2
+    # Edited between two runs: read again, as a new python process would.
+    (folder / "helper_beside.py").write_text("VERSION = 2  # edited\n")
+    assert shell.run_cell(f"%dist_run {folder / 'train.py'}").success
+    assert s.pull("version") == [2, 2]
+    # A script that raises still leaves what it made to inspect.
+    s.run("del made", sink=ListSink())
+    s.run("import os; os.environ['FAIL_NOW'] = '1'", sink=ListSink())
+    failed = shell.run_cell(f"%dist_run {folder / 'train.py'}")
+    assert isinstance(failed.error_in_exec, RankError)
+    assert "failed after making things" in str(failed.error_in_exec)
+    assert s.pull("made") == ["in main", "in main"]
+    s.run("os.environ.pop('FAIL_NOW')", sink=ListSink())
+    assert s.pull("os.getcwd()") == started_in  # the notebook's directory for the run only
+    _collective_works(shell)
