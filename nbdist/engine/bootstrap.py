@@ -157,6 +157,11 @@ def init_rank(spec: dict, get_shell=None) -> dict:
     device = device_for(cuda_index)
     if cuda_index is not None:
         torch.cuda.set_device(torch.device(device))
+    elif str(device) == "cpu":
+        # What `accelerate launch --cpu` sets: accelerate (HF Trainer too) counts a job on
+        # CPU as distributed only when told, so Accelerator() on CPU ranks was one process of
+        # one, each rank training alone on all the data. The user's setting wins.
+        os.environ.setdefault("ACCELERATE_USE_CPU", "True")
 
     _join_group(spec, device)
     remember_identity(

@@ -179,6 +179,32 @@ def test_accelerate_prepare_and_train_gives_equal_weights(session):
     torch.testing.assert_close(w0, w1, rtol=0, atol=0)
 
 
+def test_accelerate_and_hf_trainer_as_written_for_a_gpu_find_the_group_on_cpu_ranks(session):
+    # Accelerator() and TrainingArguments() without cpu=/use_cpu=: accelerate counts a
+    # CPU job as distributed only when told (accelerate launch --cpu). Before, on CPU ranks
+    # each was one process of one, every rank training alone on all its data, silently.
+    session.run(
+        "import os, tempfile\n"
+        "from accelerate import Accelerator\n"
+        "from accelerate.state import AcceleratorState\n"
+        "from transformers import TrainingArguments\n"
+        "AcceleratorState._reset_state(True)  # what an earlier test's Accelerator left\n"
+        "plain = Accelerator()\n"
+        "plain_facts = (os.environ.get('ACCELERATE_USE_CPU'), plain.num_processes,\n"
+        "               plain.process_index, plain.distributed_type.name)\n"
+        "AcceleratorState._reset_state(True)\n"
+        "hf_args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[])\n"
+        "hf_plain = (hf_args.world_size, hf_args.process_index)\n"
+        "AcceleratorState._reset_state(True)"
+    )
+    assert session.pull("plain_facts") == [
+        ("True", 2, 0, "MULTI_CPU"),
+        ("True", 2, 1, "MULTI_CPU"),
+    ]
+    assert session.pull("hf_plain") == [(2, 0), (2, 1)]
+    _group_works(session)
+
+
 def test_accelerate_notebook_launcher_is_refused(session):
     text, took = _refused(
         session,
