@@ -8,9 +8,15 @@ history), then the cells in the order they ran, then
 
 Cells that only made sense interactively (inspecting a tensor, a plot) are left
 out when they carry the marker comment ``# nbdist: no-export`` (or ran with
-``%%on_all_ranks --no-export``). Cells run with ``--ranks``/``%%on_rank`` and
-cells that failed are never recorded. Values pushed from the notebook
-(``%dist_push``) are not in the script: define them in a cell instead.
+``%%on_all_ranks --no-export``); cells that failed are never recorded. A cell
+that is not plain Python (a magic, a shell escape) goes in commented out.
+
+What the cells depended on but a script cannot repeat is recorded as a *note*
+(:func:`note_cell`) among the cells: the script lists each at its top as a
+``# NOTE:`` line (and ``%dist_export`` prints them): values pushed with
+``%dist_push``, cells run with ``--ranks``/``%%on_rank``. Paths synced with
+``%dist_sync`` become a ``sys.path.insert`` and ``%dist_run`` scripts a
+:func:`nbdist.engine.scripts.run_script` call, in their place among the cells.
 
 Example::
 
@@ -26,17 +32,33 @@ from __future__ import annotations
 import ast
 import os
 import re
+import weakref
 from collections.abc import Sequence
 
 from nbdist.errors import NbdistError
 
-__all__ = ["EXPORT_MARK", "NO_EXPORT_MARKER", "exportable_cells", "export_script", "script_text"]
+__all__ = [
+    "EXPORT_MARK",
+    "NO_EXPORT_MARKER",
+    "export_notes",
+    "exportable_cells",
+    "export_script",
+    "note_cell",
+    "plain_python_problem",
+    "record",
+    "recorded_entry",
+    "run_script_entry",
+    "settle",
+    "script_text",
+]
 
 NO_EXPORT_MARKER = "# nbdist: no-export"
 # In the first lines of every script written here: %dist_export replaces such a file
 # without --force, and no other.
 EXPORT_MARK = "Written by nbdist (%dist_export)"
 _MARKER = re.compile(r"^\s*#\s*nbdist:\s*no-export\s*$", re.MULTILINE)
+# The first line of a recorded note (not a cell): note_cell().
+_NOTE = "# nbdist-note: "
 
 _HEADER = '''\
 #!/usr/bin/env python
@@ -49,7 +71,7 @@ On several (node R of N):   torchrun --nnodes N --node_rank R --nproc_per_node G
 Under Slurm:                srun python {name}   (with MASTER_ADDR/MASTER_PORT exported)
 Metrics from nbdist.log go to the run history: nbdist.runs()[-1].to_pandas()
 """
-
+{notes}
 import torch
 import torch.distributed as dist
 
@@ -65,21 +87,51 @@ _nbdist_finish()
 """
 
 
+def note_cell(note: str, code: str = "") -> str:
+    """A recorded entry that is no cell: ``note`` for the script's NOTE lines, ``code`` (if any) in its place."""
+    first = " ".join(note.split())
+    return f"{_NOTE}{first}\n{code}".rstrip() + "\n"
+
+
+def _is_note(cell: str) -> bool:
+    return cell.startswith(_NOTE)
+
+
 def exportable_cells(cells: Sequence[str]) -> list[str]:
-    """The cells to export: those without the ``# nbdist: no-export`` marker, blank ones dropped."""
-    return [c for c in cells if c.strip() and not _MARKER.search(c)]
+    """The cells to export: those without the ``# nbdist: no-export`` marker, blank ones and notes dropped."""
+    return [c for c in cells if c.strip() and not _is_note(c) and not _MARKER.search(c)]
 
 
-def _check_plain_python(code: str, number: int) -> None:
+def export_notes(cells: Sequence[str]) -> list[str]:
+    """The notes recorded among ``cells`` (:func:`note_cell`), and one per cell that is not
+    plain Python, in order: what the script leaves out or needs done."""
+    notes, number = [], 0
+    for cell in cells:
+        if _is_note(cell):
+            notes.append(cell.splitlines()[0][len(_NOTE) :])
+        elif cell in exportable_cells([cell]):
+            number += 1
+            problem = plain_python_problem(cell)
+            if problem:
+                notes.append(f"cell {number} is commented out: {problem}")
+    return notes
+
+
+def plain_python_problem(code: str) -> str:
+    """Why ``code`` cannot run as a script's Python (a magic, a shell escape...), '' if it can."""
     try:
         ast.parse(code)
     except SyntaxError as exc:
         line = (exc.text or "").strip()
-        raise NbdistError(
-            f"cell {number} of the export is not plain Python (line {exc.lineno}: {line!r}): "
-            "magics, shell escapes and top-level await do not run under torchrun. Rewrite "
-            f"that line in Python, or add the comment {NO_EXPORT_MARKER!r} to the cell"
-        ) from None
+        return (
+            f"not plain Python (line {exc.lineno}: {line!r}; magics, shell escapes and "
+            "top-level await do not run under torchrun): rewrite it in Python"
+        )
+    return ""
+
+
+def _commented(code: str) -> str:
+    return "\n".join("# " + line if line.strip() else "#" for line in code.rstrip().splitlines())
 
 
 def script_text(
@@ -90,17 +142,103 @@ def script_text(
     name: str = "train.py",
     title: str = "Training exported from a notebook.",
 ) -> str:
-    """The script for ``cells`` (see the module docstring); raises if a cell is not plain Python."""
+    """The script for ``cells`` (see the module docstring).
+
+    A cell that is not plain Python is written commented out, and named in a NOTE line.
+    """
     chosen = exportable_cells(cells)
-    for number, code in enumerate(chosen, 1):
-        _check_plain_python(code, number)
+    notes = export_notes(cells)
+    lines = "".join(f"# NOTE: {note}\n" for note in notes)
     parts = [
-        _HEADER.format(title=title, count=len(chosen), ranks=ranks, name=name, backend=backend)
+        _HEADER.format(
+            title=title,
+            count=len(chosen),
+            ranks=ranks,
+            name=name,
+            backend=backend,
+            notes=f"\n{lines}" if lines else "",
+        )
     ]
-    for number, code in enumerate(chosen, 1):
-        parts.append(f"\n# --- cell {number} " + "-" * 60 + "\n" + code.rstrip() + "\n")
+    number = 0
+    for cell in cells:
+        if _is_note(cell):
+            note, _, code = cell.partition("\n")
+            if code.strip():
+                parts.append(f"\n{note.replace(_NOTE, '# --- ', 1)}\n{code.rstrip()}\n")
+            continue
+        if cell not in exportable_cells([cell]):
+            continue
+        number += 1
+        code = cell.rstrip()
+        if plain_python_problem(code):
+            code = "# (not plain Python: commented out, see the NOTE at the top)\n" + _commented(
+                code
+            )
+        parts.append(f"\n# --- cell {number} " + "-" * 60 + "\n" + code + "\n")
     parts.append(_FOOTER)
     return "".join(parts)
+
+
+def recorded_entry(code: str, name: str) -> tuple[str, str]:
+    """What to record of a cell ``name`` (e.g. 'In[7]') that ran on every rank, and a warning
+    ('' if none): the cell itself, or, if it is not plain Python, a note with it commented out."""
+    problem = "" if _MARKER.search(code) else plain_python_problem(code)
+    if not problem:
+        return code, ""
+    note = f"{name} is commented out: {problem}"
+    text = (
+        f"{name} is not plain Python ({problem.partition('(')[2].partition(';')[0]}): "
+        "%dist_export will write it commented out (run it again in Python to export it)"
+    )
+    return note_cell(note, _commented(code)), text
+
+
+# By session: what waits on a --noblock run to be recorded, in order: [(run or None, entry)].
+_PENDING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def settle(session) -> int:
+    """Record what waited on --noblock runs that ended (dropped where a rank failed); how
+    many runs still run (what waits on them is not recorded yet)."""
+    queue = _PENDING.get(session, [])
+    while queue:
+        run, entry = queue[0]
+        if run is not None and not run.done():
+            break
+        queue.pop(0)
+        if run is None or all(state == "ok" for state in run.child_states().values()):
+            session.record_cell(entry)
+    return sum(1 for run, _ in queue if run is not None)
+
+
+def record(session, entry: str, run=None) -> None:
+    """Record ``entry`` (a cell or :func:`note_cell`) for the export: now, or, given ``run`` (a
+    --noblock :class:`~nbdist.driver.runner.RankRun`), once it succeeded on every rank."""
+    if settle(session) or run is not None:
+        _PENDING.setdefault(session, []).append((run, entry))
+    else:
+        session.record_cell(entry)
+
+
+def run_script_entry(cell: str, name: str) -> str:
+    """The note (and call) to record for a ``%dist_run`` cell ('' if ``cell`` is not one)."""
+    try:
+        [stmt] = ast.parse(cell).body
+        call = stmt.value
+        assert isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "run_script"
+        path, args = ast.literal_eval(call.args[0]), ast.literal_eval(call.args[1])
+    except (SyntaxError, ValueError, AssertionError, AttributeError, IndexError, TypeError):
+        return ""
+    shown = " ".join([os.path.basename(path), *args])
+    code = (
+        "from nbdist.engine.scripts import run_script as _nbdist_run_script\n\n"
+        f"_nbdist_run_script({path!r}, {args!r}, globals())"
+    )
+    return note_cell(
+        f"{name} (%dist_run {shown}) runs here as on the ranks: {path} must exist where "
+        "this script runs",
+        code,
+    )
 
 
 def export_script(
@@ -122,7 +260,9 @@ def export_script(
             f"export to {path!r}: there is no directory {os.path.dirname(path)}: make it first, "
             "or name a file in one that exists"
         )
-    if not exportable_cells(cells):
+    if not exportable_cells(cells) and not any(
+        _is_note(c) and c.partition("\n")[2].strip() for c in cells
+    ):
         raise NbdistError(
             "nothing to export: no %%on_all_ranks cell has run on every rank since "
             "%dist_start (cells marked no-export, --ranks and failed cells are left out; "

@@ -195,11 +195,16 @@ def install_on_rank(kernel=None, shell=None) -> None:
                 shell.events.register("pre_execute", began)
 
 
-def install_in_script(*, stage_p2p: bool) -> None:
-    """What a script under torchrun gets: p2p staging where its group needs it, nothing else.
+def install_in_script(*, stage_p2p: bool, gloo_for_nccl: str = "") -> None:
+    """What a script under torchrun gets: p2p staging where its group needs it, and the
+    ``user_group`` wrappers.
 
-    The script's own ``init_process_group`` and launchers are its business there.
+    The script's cells ran on ranks where their own ``init_process_group`` found nbdist's
+    group up and their ``destroy_process_group()`` left it up for the next cell; in the
+    script, whose start formed the group already, they behave the same
+    (:func:`nbdist.engine.standalone.finish` ends the group). Launchers are the script's business.
     """
     if stage_p2p:
         p2p_staging.install()
         functional_gather.install()
+    user_group.install(gloo_for_nccl=gloo_for_nccl)

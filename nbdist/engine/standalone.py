@@ -123,11 +123,13 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
         else:  # plain `python script.py`: a group of one, nothing listens
             dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     gloo_on_cuda = chosen == "gloo" and device != "cpu"
+    reason = ""
     if gloo_on_cuda:
         reason = "more ranks than GPUs share them and this torch's NCCL cannot (< 2.30)"
         backend_support.probe(device, context=reason)
     # gloo's own send/recv of CUDA tensors break the group: staged through host memory.
-    patches.install_in_script(stage_p2p=gloo_on_cuda)
+    # The cells' own init_process_group/destroy_process_group meet this group, as on the ranks.
+    patches.install_in_script(stage_p2p=gloo_on_cuda, gloo_for_nccl=reason)
     remember_identity(rank=rank, local_rank=local_rank, world_size=world, device=device)
     _state.update(rank=rank, world_size=world)
     if history is not False:
@@ -224,5 +226,7 @@ def finish() -> None:
             store.close()
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from nbdist.engine.user_group import original
+
+        if dist.is_initialized():  # torch's own: the script's destroy_process_group leaves it up
+            original("destroy_process_group")()

@@ -120,7 +120,7 @@ def _destroy_process_group(group=None):
         _say_once(
             "destroy",
             "destroy_process_group() leaves nbdist's process group up for the next cell "
-            "(%dist_stop ends it)",
+            "(%dist_stop ends it; in a script %dist_export wrote, the script's end)",
         )
         return None
     return original("destroy_process_group")(group)

@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
+from nbdist.driver import export
 from nbdist.driver.lab_debugger_cells import prepare_cell
 from nbdist.errors import NbdistError, PlacementError, RankError, format_ranks
 from nbdist.launch.values import is_digits
@@ -33,6 +34,7 @@ def run_on_ranks(dist_magics, cell: str, ranks, noblock: bool, timeout):
     ``timeout``: the magic's ``--timeout`` word (seconds), or None for no limit.
     """
     session = dist_magics.running_session()
+    on_all = ranks is None
     timeout_s = seconds(timeout) if timeout is not None else None
     try:
         selected = session.select(ranks)
@@ -48,7 +50,22 @@ def run_on_ranks(dist_magics, cell: str, ranks, noblock: bool, timeout):
     # Blocking through the session: the cell returns with its metrics points in
     # the run, and may be sent silent when it has nothing to show.
     session.run(cell, ranks, timeout=timeout_s)
+    # %dist_run's script: in the export, where it ran (reached only if no rank raised).
+    entry = export.run_script_entry(cell, cell_name(dist_magics.shell)) if on_all else ""
+    if entry:
+        export.record(session, entry)
     return None
+
+
+def cell_name(shell) -> str:
+    """'In[7]': the notebook cell running now, as the export's messages name it."""
+    number = getattr(shell, "execution_count", None)
+    return f"In[{number}]" if isinstance(number, int) and number > 0 else "a cell"
+
+
+def _first_line(cell: str) -> str:
+    lines = [line.strip() for line in cell.splitlines() if line.strip()]
+    return repr(lines[0][:60] if lines else "")
 
 
 def _say_queued(dist_magics, session, ranks: list[int]) -> None:
@@ -111,9 +128,21 @@ class CellMagics(SessionMagics):
             return None
         args = parse_magic_line(self.on_all_ranks, line)
         result = run_on_ranks(self.dist, cell, args.ranks, args.noblock, args.timeout)
-        if args.ranks is None and not args.no_export:
-            # Reached only if no rank raised: failed cells are not exported.
-            self.dist.session.record_cell(cell)
+        # Reached only if no rank raised: failed cells are not exported (a --noblock
+        # one is recorded once it succeeded on every rank).
+        name, session = cell_name(self.shell), self.dist.session
+        if args.no_export:
+            return result
+        if args.ranks is None:
+            entry, warning = export.recorded_entry(cell, name)
+            if warning:
+                print(f"nbdist: {warning}")
+        else:
+            entry = export.note_cell(
+                f"{name} (%%on_all_ranks --ranks {args.ranks}, {_first_line(cell)}) is left "
+                "out: it ran on some ranks only (in the script, guard it with `if rank == ...:`)"
+            )
+        export.record(session, entry, result)
         return result
 
     @magic_arguments("%on_rank")
@@ -134,7 +163,13 @@ class CellMagics(SessionMagics):
         args = parse_magic_line(self.on_rank, line)
         if not is_digits(args.rank):
             raise UsageError(f"rank {args.rank!r}: give one rank number, e.g. %%on_rank 0")
-        return run_on_ranks(self.dist, cell, args.rank, args.noblock, args.timeout)
+        result = run_on_ranks(self.dist, cell, args.rank, args.noblock, args.timeout)
+        note = (
+            f"{cell_name(self.shell)} (%%on_rank {args.rank}, {_first_line(cell)}) is left out: "
+            f"it ran on rank {args.rank} only (in the script, guard it with `if rank == {args.rank}:`)"
+        )
+        export.record(self.dist.session, export.note_cell(note), result)
+        return result
 
     @line_magic
     def dist_push(self, line=""):
@@ -167,6 +202,12 @@ class CellMagics(SessionMagics):
                 f"%dist_push: {culprit[0]!r} cannot be sent to the ranks ({culprit[1]}): "
                 "nothing was pushed; create it on the ranks in an %%on_all_ranks cell"
             ) from None
+        shown = ", ".join(f"{n} = {repr(v)[:40]}" for n, v in values.items())
+        note = (
+            f"{cell_name(self.shell)} (%dist_push {' '.join(names)}) is left out: the ranks got "
+            f"{shown} from the notebook: define {'it' if len(names) == 1 else 'them'} in the script"
+        )
+        export.record(session, export.note_cell(note))
 
     @magic_arguments()
     @argument("name", help="variable name on the ranks")

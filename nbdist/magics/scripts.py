@@ -27,7 +27,7 @@ from nbdist.driver.export import EXPORT_MARK
 from nbdist.engine.devices import BACKENDS
 from nbdist.errors import NbdistError
 from nbdist.magics.args import SessionMagics, asked_for_help, parse_magic_line
-from nbdist.magics.cells import run_on_ranks
+from nbdist.magics.cells import cell_name, run_on_ranks
 
 __all__ = ["ScriptMagics", "split_run_line"]
 
@@ -87,6 +87,34 @@ def _someone_elses(path: str) -> bool:
     return EXPORT_MARK not in head
 
 
+def _record_sync(session, paths: list[str], name: str) -> None:
+    """For %dist_export: the synced paths first on the script's sys.path, as on the ranks."""
+    from nbdist.driver import export
+
+    found = [os.path.abspath(os.path.expanduser(p)) for p in paths]
+    folders = [os.path.dirname(p) if os.path.isfile(p) else p for p in found]
+    code = f"import sys\n\nsys.path[:0] = {folders!r}"
+    note = (
+        f"{name} (%dist_sync {' '.join(paths)}) puts {', '.join(folders)} first on sys.path here "
+        "too: on another machine, copy it there (or set PYTHONPATH)"
+    )
+    export.record(session, export.note_cell(note, code))
+
+
+def _export_report(session, path: str) -> str:
+    from nbdist.driver.export import export_notes, exportable_cells
+
+    lines = [
+        f"nbdist: wrote {path} ({len(exportable_cells(session.cells))} cells); "
+        "run it with torchrun --nproc_per_node N"
+    ]
+    notes = export_notes(session.cells)
+    if notes:
+        lines.append("  NOTE (also at the top of the script):")
+        lines += [f"  - {note}" for note in notes]
+    return "\n".join(lines)
+
+
 @magics_class
 class ScriptMagics(SessionMagics):
     """%dist_sync, %dist_run and %dist_export: on the session ``self.dist`` holds."""
@@ -140,6 +168,7 @@ class ScriptMagics(SessionMagics):
         except NbdistError as exc:
             raise UsageError(str(exc)) from None
         print(report)
+        _record_sync(session, args.paths, cell_name(self.shell))
         return None
 
     @line_magic
@@ -189,8 +218,11 @@ class ScriptMagics(SessionMagics):
 
         The script gives the cells rank, local_rank, world_size, device, torch,
         dist and nbdist as the ranks had them; nbdist.log writes to the run
-        history. Cells marked ``# nbdist: no-export`` (or run with --no-export),
-        --ranks cells and failed cells are left out. A script it wrote before is
+        history. Cells marked ``# nbdist: no-export`` (or run with --no-export)
+        and failed cells are left out; a cell that is not plain Python is
+        commented out. What the script lacks (%dist_push values, --ranks and
+        %%on_rank cells) is listed, also as NOTE lines at its top; %dist_sync
+        paths and %dist_run scripts go in as on the ranks. A script it wrote before is
         replaced; any other existing file only with --force. Example::
 
             %dist_export train.py
@@ -213,6 +245,9 @@ class ScriptMagics(SessionMagics):
                 f"%dist_export {args.path!r}: the file exists and was not written by %dist_export: "
                 "choose another name, or add --force to overwrite it"
             )
+        from nbdist.driver.export import settle
+
+        running = settle(session)  # --noblock cells that succeeded since
         try:
             path = session.export(args.path, backend=args.backend)
         except NbdistError as exc:
@@ -222,7 +257,9 @@ class ScriptMagics(SessionMagics):
                 f"%dist_export {args.path!r}: cannot write it ({exc.strerror}): "
                 "choose a path in a directory you can write"
             ) from None
-        from nbdist.driver.export import exportable_cells
-
-        count = len(exportable_cells(session.cells))
-        print(f"nbdist: wrote {path} ({count} cells); run it with torchrun --nproc_per_node N")
+        print(_export_report(session, path))
+        if running:
+            print(
+                f"  - {running} --noblock cell(s) still running: left out (exported once they "
+                "succeeded: %dist_export again then)"
+            )

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from nbdist.driver.export import export_script, exportable_cells, script_text
+from nbdist.driver.export import (
+    export_notes,
+    export_script,
+    exportable_cells,
+    note_cell,
+    recorded_entry,
+    run_script_entry,
+    script_text,
+)
 from nbdist.engine.standalone import launcher_environment
 from nbdist.errors import NbdistError
 
@@ -45,13 +53,53 @@ def test_backend_is_written_into_the_script_when_given():
     assert "_nbdist_init('gloo')" in script_text(["a = 1"], backend="gloo")
 
 
-def test_ipython_syntax_is_refused_naming_the_line_and_the_fix():
-    with pytest.raises(NbdistError) as info:
-        script_text(["a = 1", "!nvidia-smi\nb = 2"])
-    message = str(info.value)
-    assert "cell 2" in message
-    assert "'!nvidia-smi'" in message
-    assert "# nbdist: no-export" in message
+def test_ipython_syntax_is_commented_out_and_named_not_refused():
+    # Before: the whole export refused ("cell 2 of the export is not plain Python").
+    text = script_text(["a = 1", "!nvidia-smi\nb = 2", "c = 3"])
+    compile(text, "train.py", "exec")
+    assert "# NOTE: cell 2 is commented out: not plain Python (line 1: '!nvidia-smi'" in text
+    assert "\n# !nvidia-smi\n# b = 2\n" in text
+    assert "\na = 1\n" in text and "\nc = 3\n" in text
+
+
+def test_a_recorded_magic_cell_is_named_by_its_in_number():
+    entry, warning = recorded_entry("%time z = 2\nprint(z)", "In[7]")
+    assert "In[7] is not plain Python (line 1: '%time z = 2')" in warning
+    assert "commented out" in warning
+    text = script_text(["a = 1", entry])
+    compile(text, "train.py", "exec")
+    assert "# NOTE: In[7] is commented out: not plain Python" in text
+    assert "\n# %time z = 2\n# print(z)\n" in text
+    assert recorded_entry("a = 1", "In[8]") == ("a = 1", "")
+
+
+def test_notes_are_listed_at_the_top_and_their_code_goes_in_place():
+    pushed = note_cell("In[3] (%dist_push lr) is left out: lr = 0.1 came from the notebook")
+    synced = note_cell(
+        "In[4] (%dist_sync lib) puts /x/lib first", "import sys\nsys.path[:0] = ['/x/lib']"
+    )
+    text = script_text(["a = 1", pushed, synced, "b = 2"])
+    compile(text, "train.py", "exec")
+    top = text[: text.index("import torch")]
+    assert "# NOTE: In[3] (%dist_push lr) is left out: lr = 0.1 came from the notebook\n" in top
+    assert "# NOTE: In[4] (%dist_sync lib) puts /x/lib first\n" in top
+    assert text.index("a = 1") < text.index("sys.path[:0] = ['/x/lib']") < text.index("b = 2")
+    assert text.count("# --- cell ") == 2
+    assert exportable_cells(["a = 1", pushed, synced]) == ["a = 1"]
+    assert export_notes(["a = 1", pushed]) == [
+        "In[3] (%dist_push lr) is left out: lr = 0.1 came from the notebook"
+    ]
+
+
+def test_a_dist_run_cell_becomes_a_run_script_call():
+    cell = (
+        "__import__('nbdist.engine.scripts', fromlist=['run_script']).run_script("
+        "'/w/t.py', ['--lr', '0.1'], get_ipython().user_ns)"
+    )
+    entry = run_script_entry(cell, "In[5]")
+    assert entry.startswith("# nbdist-note: In[5] (%dist_run t.py --lr 0.1) runs here")
+    assert "_nbdist_run_script('/w/t.py', ['--lr', '0.1'], globals())" in entry
+    assert run_script_entry("x = 1", "In[6]") == ""
 
 
 def test_a_marked_magic_cell_is_fine():
