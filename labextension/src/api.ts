@@ -130,7 +130,7 @@ export interface IRunSeries {
   world_size: number;
   backend: string;
   keys: string[];
-  series: { [key: string]: { [rank: string]: [number, number][] } };
+  series: { [key: string]: { [rank: string]: [number, number | null][] } }; // null: a gap
   panels: { [key: string]: IPanel };
   running: boolean;
   /** Above 8 ranks: the ranks ``series`` holds, the deviating ones, and why each. */

@@ -10,7 +10,8 @@
 
 const SVG = 'http://www.w3.org/2000/svg';
 
-export type Series = Map<number, [number, number][]>;
+/** rank -> [x, y] points; a null y is a gap (no line drawn across it). */
+export type Series = Map<number, [number, number | null][]>;
 
 export interface ILineChartOptions {
   title: string;
@@ -100,6 +101,9 @@ export function lineChart(series: Series, options: ILineChartOptions): HTMLEleme
   let ymax = -Infinity;
   for (const points of series.values()) {
     for (const [x, y] of points) {
+      if (y === null) {
+        continue; // a gap (a past run's loop run again)
+      }
       xmin = Math.min(xmin, x);
       xmax = Math.max(xmax, x);
       ymin = Math.min(ymin, y);
@@ -141,16 +145,26 @@ export function lineChart(series: Series, options: ILineChartOptions): HTMLEleme
 
   const ranks = [...series.keys()].sort((a, b) => a - b);
   for (const rank of ranks) {
-    const points = series.get(rank)!;
-    const line = document.createElementNS(SVG, 'polyline');
-    line.setAttribute('points', points.map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join(' '));
-    line.setAttribute('fill', 'none');
-    line.setAttribute('stroke', options.colour(rank));
-    line.setAttribute('stroke-width', '1.5');
-    line.setAttribute('data-rank', String(rank));
-    line.setAttribute('data-points', String(points.length));
-    line.setAttribute('data-last-x', points.length ? String(points[points.length - 1][0]) : '');
-    svg.appendChild(line);
+    // A null y is a gap (a past run's loop run again): a polyline per stretch between gaps.
+    const stretches: [number, number][][] = [[]];
+    for (const point of series.get(rank)!) {
+      if (point[1] === null) {
+        stretches.push([]);
+      } else {
+        stretches[stretches.length - 1].push(point as [number, number]);
+      }
+    }
+    for (const points of stretches.filter((p, i) => p.length || i === 0)) {
+      const line = document.createElementNS(SVG, 'polyline');
+      line.setAttribute('points', points.map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join(' '));
+      line.setAttribute('fill', 'none');
+      line.setAttribute('stroke', options.colour(rank));
+      line.setAttribute('stroke-width', '1.5');
+      line.setAttribute('data-rank', String(rank));
+      line.setAttribute('data-points', String(points.length));
+      line.setAttribute('data-last-x', points.length ? String(points[points.length - 1][0]) : '');
+      svg.appendChild(line);
+    }
   }
 
   // Hover: a cursor line and, beside the chart, each rank's point nearest to it.
@@ -178,7 +192,7 @@ export function lineChart(series: Series, options: ILineChartOptions): HTMLEleme
     cursor.style.display = '';
     const rows: HTMLElement[] = [];
     for (const rank of ranks) {
-      const point = nearest(series.get(rank)!, x);
+      const point = nearest(series.get(rank)!.filter(p => p[1] !== null) as [number, number][], x);
       if (point) {
         const row = document.createElement('div');
         const swatch = document.createElement('span');

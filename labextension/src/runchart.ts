@@ -219,7 +219,7 @@ class RunChart extends Widget {
     const band = run.bands?.[key];
     if (band) {
       const visible = this._hidden.has(MEDIAN) ? 'legendonly' : true;
-      const trace = (name: string, points: [number, number][]) => ({
+      const trace = (name: string, points: [number, number | null][]) => ({
         type: 'scatter',
         mode: 'lines',
         name,
@@ -258,7 +258,7 @@ class RunChart extends Widget {
     const panel = this._run!.panels[key];
     const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true };
     const lines = [...Object.values(this._run!.series[key] ?? {}), ...Object.values(this._run!.bands?.[key] ?? {})];
-    const positive = lines.every(points => points.every(p => p[1] > 0));
+    const positive = lines.every(points => points.every(p => p[1] === null || p[1] > 0)); // null: a gap
     return {
       title: { text: panel?.title ?? key, font: { size: 13 } },
       height: PLOT_HEIGHT,

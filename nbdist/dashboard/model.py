@@ -337,8 +337,8 @@ class DashboardModel:
                 elif panel.aggregate:
                     panel.aligned.add(rank, steps, xs, values)
                 own = panel.rank_traces[rank] if panel.summary else panel.traces[rank]
-                if panel.by_time:
-                    compacted = own.extend(xs, values, self.budget)
+                if panel.by_time:  # idle time between cells (over _HOLD_S) is a gap
+                    compacted, xs, values = own.extend_times(xs, values, self.budget)
                 else:  # a step going back (a loop run again) starts a new segment
                     compacted, xs, values = own.extend_steps(xs, values, self.budget)
                 where = panel.position(rank)
@@ -398,7 +398,8 @@ class DashboardModel:
                 panel.traces[-1] = Trace()
             if xs or whole:
                 if panel.by_time:
-                    compacted = panel.traces[-1].extend(xs, values, self.budget) or whole
+                    compacted, xs, values = panel.traces[-1].extend_times(xs, values, self.budget)
+                    compacted = compacted or whole
                 else:  # the steps start over (a loop run again): a new segment
                     compacted, xs, values = panel.traces[-1].extend_steps(xs, values, self.budget)
                 merge(extend, (panel.index, self._nranks), compacted, xs, values)
@@ -417,7 +418,8 @@ class DashboardModel:
                 panel.total = Trace()
                 panel.choose(list(panel.chosen), force=True)
             if xs or whole:
-                compacted = panel.total.extend(xs, values, self.budget) or whole
+                compacted, xs, values = panel.total.extend_times(xs, values, self.budget)
+                compacted = compacted or whole
                 merge(extend, (panel.index, len(panel.traces) - 1), compacted, xs, values)
 
     def _choose(self, now: float) -> set[int]:

@@ -435,8 +435,11 @@ def fmt_rate(v: float | None) -> str:
 
 
 def fmt_seconds(v: float | None) -> str:
+    """A step time: ``"40 µs"``, ``"2.5 µs"`` below a millisecond, ``"12.3 ms"``, ``"1.25 s"``."""
     if v is None or not math.isfinite(v):
         return "–" if v is None else str(v)
+    if abs(v) * 1e6 < 999.5:
+        return f"{v * 1e6:.0f} µs" if abs(v) * 1e6 >= 9.95 else f"{v * 1e6:.1f} µs"
     return f"{v * 1000:.1f} ms" if v < 1 else f"{v:.2f} s"
 
 

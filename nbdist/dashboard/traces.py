@@ -37,7 +37,9 @@ class Trace:
     A trace against step whose step goes back (a loop run again, training resumed
     from a checkpoint) starts a new segment (:meth:`extend_steps`): a gap, a NaN the
     browser gets as null, goes before the earlier step, so no line is drawn back to
-    it. Decimation keeps the gaps (up to ``budget // 4`` of them, the latest).
+    it; a trace against time gets one across a silence over ``_HOLD_S``
+    (:meth:`extend_times`: the idle time between cells). Decimation keeps the gaps
+    (up to ``budget // 4`` of them, the latest).
     """
 
     __slots__ = ("gaps", "pos", "total", "xs", "ys")
@@ -73,13 +75,29 @@ class Trace:
     def extend_steps(self, xs: list, ys: list[float], budget: int) -> tuple[bool, list, list]:
         """:meth:`extend` for a trace against step: ``(re-decimated?, xs, ys)`` as appended,
         with a gap (x, NaN) before each step lower than the one before it."""
+        return self._extend_split(xs, ys, budget)
+
+    def extend_times(self, xs: list, ys: list[float], budget: int) -> tuple[bool, list, list]:
+        """:meth:`extend` for a trace against time: ``(re-decimated?, xs, ys)`` as appended,
+        with a gap (x, NaN) before each point more than ``_HOLD_S`` after the one before it
+        (the idle time between cells, a pause): no line is drawn across it."""
+        return self._extend_split(xs, ys, budget, hold=_HOLD_S)
+
+    def _extend_split(self, xs: list, ys: list[float], budget: int, hold: float | None = None):
+        # A gap goes before each step lower than the one before it (hold None), or each
+        # time more than `hold` after the one before it.
         import numpy as np
 
         if not xs:
             return self.extend(xs, ys, budget), xs, ys
         at = np.fromiter(xs, dtype=np.float64, count=len(xs))  # vectorised: a first read is long
-        back = (np.flatnonzero(at[1:] < at[:-1]) + 1).tolist()
-        if self.xs and xs[0] < self.xs[-1]:
+        if hold is None:
+            back = (np.flatnonzero(at[1:] < at[:-1]) + 1).tolist()
+            first = bool(self.xs) and xs[0] < self.xs[-1]
+        else:
+            back = (np.flatnonzero(at[1:] - at[:-1] > hold) + 1).tolist()
+            first = bool(self.xs) and xs[0] - self.xs[-1] > hold
+        if first:
             back.insert(0, 0)
         if back:
             xs, ys = list(xs), list(ys)

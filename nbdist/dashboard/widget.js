@@ -34,6 +34,8 @@ const STATS = (globalThis.nbdistDashboardStats ||= {
 });
 let plotlyPromise = null;
 const PLOT_HEIGHT = 240;
+const BAND_EDGE = "rgba(128,128,128,0.6)"; // the min-max band across ranks: its edges
+const BAND_FILL = "rgba(128,128,128,0.22)"; // and its fill
 const BAR_COLOURS = { "data loading": "#8f6fb5", compute: "#4f8fc0", communication: "#d9912a" };
 
 function loadPlotly(version) {
@@ -306,8 +308,8 @@ function render({ model, el }) {
       if (band && i === 0) return { ...trace, line: { width: 2.5, color: theme.fg } };
       if (band && (i === 1 || i === 2)) {
         // min, then max filled down to it: the band every rank lies in.
-        const edge = { ...trace, line: { width: 0.5, color: "rgba(128,128,128,0.6)" } };
-        return i === 1 ? edge : { ...edge, fill: "tonexty", fillcolor: "rgba(128,128,128,0.22)" };
+        const edge = { ...trace, line: { width: 0.5, color: BAND_EDGE } };
+        return i === 1 ? edge : { ...edge, fill: "tonexty", fillcolor: BAND_FILL };
       }
       if (name === "total") return { ...trace, line: { width: 2.5, color: theme.fg, dash: "dot" } };
       return { ...trace, line: { width: 1.6, color: drawnColour(name) } };
@@ -428,6 +430,13 @@ function render({ model, el }) {
     root.dataset.points = String(total);
   }
 
+  // A legend swatch like what is drawn: the median a solid line, min and max the grey band,
+  // the mean and the total a dotted line.
+  function swatchKind(name) {
+    if (name === "median") return " nbdist-swatch-median";
+    return name === "min" || name === "max" ? " nbdist-swatch-band" : " nbdist-swatch-mean";
+  }
+
   function drawLegend() {
     const names = [];
     for (const panel of store.panels) for (const n of panel.names) if (!names.includes(n)) names.push(n);
@@ -440,8 +449,12 @@ function render({ model, el }) {
       item.type = "button";
       item.title = `show or hide ${name} in every plot`;
       const rank = /^rank (\d+)$/.exec(name);
-      const swatch = make("span", rank ? "nbdist-swatch" : "nbdist-swatch nbdist-swatch-mean", item);
+      const swatch = make("span", `nbdist-swatch${rank ? "" : swatchKind(name)}`, item);
       if (rank) swatch.style.background = drawnColour(name) || colour(Number(rank[1]));
+      else if (name === "median") swatch.style.background = "currentColor";
+      else if (name === "min" || name === "max") {
+        Object.assign(swatch.style, { height: "8px", background: BAND_FILL, border: `1px solid ${BAND_EDGE}` });
+      }
       make("span", "", item).textContent = name;
       item.setAttribute("aria-pressed", String(!hidden.has(name)));
       item.classList.toggle("nbdist-off", hidden.has(name));

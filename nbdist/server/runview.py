@@ -30,7 +30,7 @@ import math
 import threading
 from collections import OrderedDict
 
-from nbdist.dashboard.decimate import decimate
+from nbdist.dashboard.decimate import MIN_BUDGET, minmax_indices
 from nbdist.dashboard.labels import describe_key
 from nbdist.dashboard.table import (
     COUNTERS,
@@ -69,12 +69,33 @@ def panel_keys(keys: list[str]) -> list[str]:
     return first + rest
 
 
+def _line(xs: list, values: list, budget: int) -> list[list]:
+    """One rank's ``[x, value]`` pairs, decimated to ``budget`` points, with ``[x, None]``
+    (a gap: plotly draws no line across it) before each x lower than the one before it
+    (a loop run again, a restart), as the live dashboard does (:meth:`Trace.extend_steps`).
+    Decimation keeps the points either side of the latest ``budget // 8`` gaps."""
+    back = [i for i in range(1, len(xs)) if xs[i] < xs[i - 1]][-(budget // 8) :]
+    inner = max(MIN_BUDGET, budget - 3 * len(back))
+    keep = set(minmax_indices(values, inner).tolist() if len(xs) > inner else range(len(xs)))
+    keep.update(j for i in back for j in (i - 1, i))
+    gaps = set(back)
+    out = []
+    for i in sorted(keep):
+        y = values[i]
+        if i in gaps:
+            out.append([xs[i], None])
+        if y is not None and math.isfinite(y):
+            out.append([xs[i], float(y)])
+    return out
+
+
 def run_payload(run, *, running: bool) -> dict:
     """The JSON of ``GET nbdist/api/runs/<id>``: the run's facts, ``keys``, ``panels``, ``series``.
 
     ``panels[key]``: ``title``, ``unit``, ``ytitle``, ``xtitle``, ``log`` and
     ``by_time``; ``series[key][rank]``: ``[x, value]`` pairs, x a step or seconds,
-    at most :data:`RUN_CHART_POINTS` of them. Above ``PER_RANK_UP_TO`` ranks
+    at most :data:`RUN_CHART_POINTS` of them; ``[x, null]`` before a step lower than
+    the one before it (a loop run again): a gap, no line drawn back. Above ``PER_RANK_UP_TO`` ranks
     ``series`` holds only the ranks in ``shown`` (``[{"rank", "why"}]``, the deviating
     ones), and ``bands[key]`` the ``median``, ``min`` and ``max`` across every rank.
     """
@@ -98,10 +119,7 @@ def run_payload(run, *, running: bool) -> dict:
             else:
                 xs, values = run.series(key, rank)
             if xs:
-                xs, ys = decimate(xs, values, budget=RUN_CHART_POINTS)
-                per_rank[str(rank)] = [
-                    [x, float(y)] for x, y in zip(xs, ys) if y is not None and math.isfinite(y)
-                ]
+                per_rank[str(rank)] = _line(xs, values, RUN_CHART_POINTS)
         spread = band(run, key, by_time=by_time, budget=RUN_CHART_POINTS) if many else {}
         lines = [*per_rank.values(), *spread.values()]
         if any(y != 0 for points in lines for _, y in points):

@@ -66,7 +66,8 @@ def _number(value) -> float | None:
 
 @dataclass
 class RankLive:
-    """The latest of one rank, and its recent loss and throughput points."""
+    """The latest of one rank, and its recent loss and throughput points (of its current
+    loop: since its step last went back)."""
 
     step: int | None = None
     time: float | None = None
@@ -186,10 +187,18 @@ class RunReader:
                     live.gpu_time = when
                 loss = _number(values.get("loss"))
                 if loss is not None:
-                    live.loss.append((step, loss))
+                    _append_loop(live.loss, step, loss)
                 rate = _number(values.get("samples_per_s", values.get("tokens_per_s")))
                 if rate is not None:
-                    live.throughput.append((step, rate))
+                    _append_loop(live.throughput, step, rate)
+
+
+def _append_loop(points: deque, step: int, value: float) -> None:
+    """Add a chart point; a step lower than the last (a loop run again, a restart) starts the
+    chart over, so it shows the current loop: x ascending, no line drawn back."""
+    if points and step < points[-1][0]:
+        points.clear()
+    points.append((step, value))
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -66,6 +66,20 @@ def test_64_ranks_draw_a_band_and_only_the_deviating_ranks(
     assert names[:3] == ["median", "min", "max"], names
     legend = dashboard.locator(".nbdist-legend .nbdist-legend-item").all_inner_texts()
     assert len(legend) <= 12, legend
+    # Each legend swatch looks like what is drawn: the median a solid line in the text's
+    # colour, min and max the grey band, the total (a dotted line) dotted.
+    swatches = dashboard.evaluate(
+        "r => Object.fromEntries(Array.from(r.querySelectorAll('.nbdist-legend-item')).map(i => {"
+        " const s = getComputedStyle(i.querySelector('.nbdist-swatch'));"
+        " return [i.innerText.trim(), [s.borderTopStyle, s.backgroundColor, getComputedStyle(i).color]];"
+        " }))"
+    )
+    style, fill, text = swatches["median"]
+    assert style == "none" and fill == text, swatches
+    for edge in ("min", "max"):
+        assert swatches[edge][:2] == ["solid", "rgba(128, 128, 128, 0.22)"], swatches
+    if "total" in swatches:
+        assert swatches["total"][0] == "dotted", swatches
     colours = dashboard.locator(".nbdist-panel[data-key='loss']").evaluate(
         "d => d._fullData.filter(t => /^rank /.test(t.name)).map(t => t.line.color)"
     )

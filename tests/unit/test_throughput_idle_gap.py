@@ -1,0 +1,103 @@
+"""The dashboard's throughput-over-time chart draws no line across the idle time between two
+cells: a silence over ``_HOLD_S`` (which :class:`RateTotal` already counts as a pause) is a
+gap, a null the browser gets, in each rank's line and in the total, kept through decimation.
+
+What a user sees: the traces widget.js holds (snapshot and deltas through JSON).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nbdist.dashboard.model import DashboardModel
+from nbdist.dashboard.traces import _HOLD_S
+from nbdist.metrics.run import Run
+
+T0 = 1_700_000_000.0
+IDLE_S = 60.0
+
+
+class Browser:
+    """widget.js's store: a snapshot, then deltas (panels, respec, reset, extend) in order."""
+
+    def __init__(self, snapshot):
+        self.panels = json.loads(json.dumps(snapshot["panels"], allow_nan=False))
+
+    def receive(self, msg):
+        if msg is None:
+            return
+        msg = json.loads(json.dumps(msg, allow_nan=False))
+        self.panels += msg.get("panels", [])
+        for spec in msg.get("respec", []):
+            self.panels[spec["index"]] = spec
+        for p, i, xs, ys in msg.get("reset", []):
+            self.panels[p]["data"][i] = [xs, ys]
+        for p, i, xs, ys in msg.get("extend", []):
+            self.panels[p]["data"][i][0] += xs
+            self.panels[p]["data"][i][1] += ys
+
+    def traces(self, key):
+        panel = next(p for p in self.panels if p["id"] == key)
+        return dict(zip(panel["names"], map(tuple, panel["data"])))
+
+
+def lines(xs, ys):
+    """The lines Plotly draws of one trace: runs of x between nulls (connectgaps off)."""
+    out, current = [], []
+    for x, y in zip(xs, ys):
+        if y is None:
+            out.append(current)
+            current = []
+        else:
+            current.append(x)
+    return [line for line in [*out, current] if line]
+
+
+def _two_cells(world: int, budget: int = 2000, cells: int = 2):
+    """``world`` ranks each running ``cells`` cells of 20 steps (0.5 s each) with
+    ``IDLE_S`` idle between them; the browser's view after polling along."""
+    run = Run(1, world_size=world, started=T0)
+    now = [T0]
+    model = DashboardModel(run, budget=budget, clock=lambda: now[0])
+    browser = Browser(model.snapshot())
+    for cell in range(cells):
+        start = cell * (10.0 + IDLE_S)
+        for i in range(20):
+            step = cell * 20 + i
+            t = start + 0.5 * (i + 1)
+            for rank in range(world):
+                run.add(rank, [(step, T0 + t, {"samples_per_s": 100.0, "step_time": 0.5})])
+            now[0] = T0 + t
+            browser.receive(model.poll()[0])
+        now[0] = T0 + start + 10.0 + IDLE_S / 2  # the ranks idle: everything is final
+        browser.receive(model.poll()[0])
+    return browser.traces("samples_per_s")
+
+
+@pytest.mark.parametrize("world", [2, 12])  # a line per rank and the total; the total above 8
+def test_no_line_is_drawn_across_the_idle_time_between_cells(world):
+    traces = _two_cells(world)
+    assert "total" in traces
+    for name, (xs, ys) in traces.items():
+        drawn = lines(xs, ys)
+        assert len(drawn) == 2, f"{name}: {len(drawn)} lines"
+        first, second = drawn
+        assert first[-1] <= 10.0 + 1 and second[0] >= 10.0 + IDLE_S, name
+        # Within a cell the points are at most a step (or a bin) apart: no gap there.
+        assert all(b - a <= _HOLD_S for line in drawn for a, b in zip(line, line[1:])), name
+
+
+def test_the_idle_gaps_survive_decimation():
+    traces = _two_cells(2, budget=16, cells=4)
+    for name, (xs, ys) in traces.items():
+        assert len(xs) <= 16, name
+        drawn = lines(xs, ys)
+        assert len(drawn) >= 2, name
+        # Each line lies within one cell: none crosses the idle time between two.
+        cells = {int(x // (10.0 + IDLE_S)) for line in drawn for x in (line[0], line[-1])}
+        assert all(line[0] // (10.0 + IDLE_S) == line[-1] // (10.0 + IDLE_S) for line in drawn), (
+            name
+        )
+        assert len(cells) >= 2, name
