@@ -7,6 +7,8 @@ code to the ranks (``%dist_run`` in :mod:`nbdist.magics.scripts` uses it too).
 
 from __future__ import annotations
 
+import weakref
+
 from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
@@ -44,7 +46,8 @@ def run_on_ranks(dist_magics, cell: str, ranks, noblock: bool, timeout):
     prepare_cell(session, ranks, cell)  # JupyterLab's debugger, when it is on
     if noblock:
         dist_magics.last_run = session.run(cell, ranks, block=False, timeout=timeout_s)
-        dist_magics.last_run_session = session
+        # Weakly: a stopped session's run and client must not outlive it here.
+        dist_magics.last_run_session = weakref.ref(session)
         return dist_magics.last_run
     _say_queued(dist_magics, session, ranks)
     # Blocking through the session: the cell returns with its metrics points in
@@ -72,7 +75,8 @@ def _say_queued(dist_magics, session, ranks: list[int]) -> None:
     # A rank runs one cell at a time: behind a --noblock cell still running, this one
     # waits with nothing shown (its --timeout counting) unless told.
     earlier = dist_magics.last_run
-    if earlier is None or dist_magics.last_run_session is not session or earlier.done():
+    of = dist_magics.last_run_session
+    if earlier is None or of is None or of() is not session or earlier.done():
         return
     busy = sorted(set(earlier.ranks) & set(ranks))
     if busy:

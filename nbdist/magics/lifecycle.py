@@ -28,7 +28,8 @@ class DistMagics(Magics):
     """%dist_start, %dist_stop, %dist_restart, %dist_status; holds the notebook's session.
 
     ``session`` is the running (or last) :class:`~nbdist.DistSession`; ``last_run``
-    what the last ``--noblock`` cell returned, ``last_run_session`` the session it ran on.
+    what the last ``--noblock`` cell returned, ``last_run_session`` a weak reference to the
+    session it ran on.
     """
 
     def __init__(self, shell):
