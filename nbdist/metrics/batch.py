@@ -41,6 +41,8 @@ RESERVED_KEYS.update(
     {key: (f"{meaning}, worked out by nbdist", f"my_{key}") for key, meaning in WORKED_OUT.items()}
 )
 _PLAIN = frozenset((int, float, bool))
+# Counts a rate is made of (samples/s, tokens/s, TFLOP/s and MFU): a finite number >= 0.
+_COUNTS = frozenset(("samples", "tokens", "flops"))
 
 
 class Points:
@@ -229,6 +231,11 @@ def _numbers(raw: dict, left_out: dict) -> None:
             if cls is float:
                 continue
             if cls in _PLAIN:
+                if cls is bool and key in _COUNTS:  # flops=True is no count of 1
+                    values[j] = None
+                    bad = True
+                    left_out.setdefault(key, f"{what_it_was(value)}: a count is a number >= 0")
+                    continue
                 try:
                     values[j] = float(value)
                 except OverflowError:  # an int beyond a float's range: this value alone goes
@@ -266,6 +273,14 @@ def _numbers(raw: dict, left_out: dict) -> None:
                 if number is None:
                     bad = True
                     left_out.setdefault(key, what_it_was(value))
+    for key in _COUNTS & raw.keys():
+        values = raw[key][1]
+        for j, number in enumerate(values):
+            # NaN is no count either; inf made MFU inf (and blamed the peak), -1 a rate < 0.
+            if number is not None and not 0.0 <= number < math.inf:
+                values[j] = None
+                bad = True
+                left_out.setdefault(key, f"{number!r}: a count is a finite number >= 0")
     if bad:
         for key, (idx, values) in list(raw.items()):
             keep = [j for j, v in enumerate(values) if v is not None]

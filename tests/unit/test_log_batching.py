@@ -339,3 +339,27 @@ def test_a_value_that_is_no_number_is_named_once_and_the_rest_of_the_point_kept(
         f"'loss' left out of the charts: rank 0 logged a tensor of shape (3,) on cpu; {fix}" in text
     )
     assert f"'note' left out of the charts: rank 0 logged 'fast' (a str); {fix}" in text
+
+
+def test_a_count_that_is_negative_infinite_or_a_bool_is_left_out_and_named(tmp_path):
+    # Before: flops=-6.7e8 gave a TFLOP/s and an MFU below 0, flops=inf an MFU of inf (and
+    # the advice to fix the peak), flops=True one FLOP; samples=-8 a negative throughput.
+    run, collector, store = _stored_channel(tmp_path)
+    try:
+        metrics_log.log(step=0, loss=1.0, flops=1e9, samples=8)
+        metrics_log.log(step=1, loss=1.0, flops=-6.7e8, samples=-8)
+        metrics_log.log(step=2, loss=1.0, flops=math.inf, samples=8)
+        metrics_log.log(step=3, loss=1.0, flops=True, samples=8)
+        metrics_log.log(step=4, loss=1.0, flops=1e9, samples=8)
+        metrics_log.flush()
+        _settle(collector)
+    finally:
+        _close_stored(collector, store)
+    assert run.left_out == {
+        "flops": (0, "True (a bool): a count is a number >= 0"),  # one value told per key
+        "samples": (0, "-8.0: a count is a finite number >= 0"),
+    }
+    steps, rates = run.series("tflops", 0)
+    assert steps == [4] and all(r > 0 for r in rates)  # step 0 has no step time yet
+    assert run.series("samples", 0)[0] == [0, 2, 3, 4]
+    assert run.series("loss", 0)[0] == [0, 1, 2, 3, 4]  # the rest of each point is kept
