@@ -101,7 +101,7 @@ def _breakdown_lines(run, rows: list) -> list[str]:
     same: dict[str, list[int]] = {}
     percent: dict[str, list[int]] = {}
     for rank, frac in shares(breakdown(run)).items():
-        numbers = [round(100 * frac[key]) for key, _ in PARTS]
+        numbers = whole_percents([frac[key] for key, _ in PARTS])
         parts = " · ".join(f"{name} {n} %" for (_, name), n in zip(PARTS, numbers))
         same.setdefault(parts, []).append(rank)
         percent[parts] = numbers
@@ -132,6 +132,24 @@ def _breakdown_lines(run, rows: list) -> list[str]:
             f"{furthest} % of these"
         )
     return lines
+
+
+def whole_percents(fractions: list[float]) -> list[int]:
+    """Shares as whole percents that add up to 100 (largest remainders round up).
+
+    Each rounded alone, thirds read 33 + 33 + 33 = 99 %.
+
+    >>> whole_percents([1 / 3, 1 / 3, 1 / 3]), whole_percents([0.154, 0.423, 0.423])
+    ([34, 33, 33], [16, 42, 42])
+    """
+    total = sum(fractions)
+    if not total > 0:
+        return [round(100 * f) if f == f else 0 for f in fractions]
+    exact = [100 * f / total for f in fractions]
+    whole = [int(e) for e in exact]
+    for i in sorted(range(len(exact)), key=lambda i: whole[i] - exact[i])[: 100 - sum(whole)]:
+        whole[i] += 1
+    return whole
 
 
 def _grouped(rows: list, rate_key: str | None) -> list[str]:

@@ -183,3 +183,15 @@ def test_the_step_breakdown_of_a_few_ranks_groups_equal_shares():
         f"  ranks 0-2,4-{PER_RANK_UP_TO - 1}: data loading 0 % · compute 90 % · communication 10 %",
         "  rank 3: data loading 75 % · compute 25 % · communication 0 %",
     ]
+
+
+def test_step_breakdown_percents_add_up_to_100():
+    # Each rounded alone, thirds read "33 % · 33 % · 33 %" (99) and 1/6, 5/12, 5/12 read
+    # "17 % · 42 % · 42 %" (101).
+    from nbdist.dashboard.text import whole_percents
+
+    for fractions in ([1 / 3] * 3, [1 / 6, 5 / 12, 5 / 12], [0.154, 0.423, 0.423], [0, 0, 1]):
+        shown = whole_percents(fractions)
+        assert sum(shown) == 100, (fractions, shown)
+        assert all(abs(s - 100 * f) < 1 for s, f in zip(shown, fractions)), (fractions, shown)
+    assert whole_percents([0.154, 0.423, 0.423]) == [16, 42, 42]
