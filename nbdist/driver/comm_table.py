@@ -70,7 +70,16 @@ def parse_sizes(text: str) -> list[int]:
             raise PlacementError(
                 f"--sizes: {part.strip()!r} in {text!r} is not a size; give {_SIZES_FORMAT}"
             )
-        sizes.append(int(match.group(1)) * _UNITS[match.group(2).upper()])
+        size = int(match.group(1)) * _UNITS[match.group(2).upper()]
+        if size % 4:
+            # The buffers are float32: 1001 B would be measured as 1000 B, a second row
+            # of the same size (and 3 B as 4 or 8), with nothing said.
+            near = sorted({max(4, size - size % 4), size - size % 4 + 4})
+            raise PlacementError(
+                f"--sizes: {part.strip()!r} is not a whole number of float32 elements (4 bytes "
+                f"each): give {' or '.join(map(str, near))}"
+            )
+        sizes.append(size)
     return sorted(set(sizes))
 
 

@@ -41,6 +41,14 @@ def test_bad_sizes_name_the_value_and_the_format(text, bad):
         parse_sizes(text)
 
 
+@pytest.mark.parametrize("text, fix", [("3", "give 4"), ("1000,1001", "give 1000 or 1004")])
+def test_a_size_of_no_whole_float32_count_is_refused(text, fix):
+    # Before: 1001 B was measured as 1000 B, a second "1000 B" row beside the first, and
+    # 3 B as 4 B (all_gather 8 B), with nothing said.
+    with pytest.raises(PlacementError, match=rf"is not a whole number of float32 .*{fix}$"):
+        parse_sizes(text)
+
+
 def test_ops_parse_in_a_fixed_order_and_bad_ones_are_named():
     assert parse_ops("broadcast,all_reduce") == ["all_reduce", "broadcast"]
     assert parse_ops(list(OPS)) == list(OPS)
