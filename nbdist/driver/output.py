@@ -51,6 +51,7 @@ bars and rich displays inside a Jupyter kernel; they live in
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -71,6 +72,11 @@ _CHANNELS = (*STREAMS, _DISPLAY)
 LIVE_FOLD_S = 0.25
 LIVE_FOLD_LINES = 200
 LIVE_FOLD_AFTER_S = 1.0
+# torch.profiler (kineto) prints these two on stderr at every start and stop of a
+# profile (torch >= 2.13), nbdist.profile's included: noise in the cell, left out.
+_TORCH_PROFILER_NOISE = re.compile(
+    r"^USDT:\S+ \S+ \d+:\d+ SyncActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)$"
+)
 
 
 def _visible_text(raw: str) -> str:
@@ -194,6 +200,8 @@ class OutputMerger:
         state.tail = _compact_tail(tail)
         if complete:
             for raw in complete:
+                if stream == "stderr" and _TORCH_PROFILER_NOISE.match(raw.rstrip("\r")):
+                    continue
                 self._enqueue(stream, rank, (now, _visible_text(raw)))
             self._progress_pending.discard((rank, stream))
             self._end_progress(rank, stream, state)

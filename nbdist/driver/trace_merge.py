@@ -87,6 +87,9 @@ class MergedProfile:
     summary: list[RankSummary]
     offsets: dict[int, ClockOffset]
     steps: dict[int, int] = field(default_factory=dict)  # rank -> steps recorded
+    asked: int = 0  # steps the profile was to record
+    cut_short: list[int] = field(default_factory=list)  # ranks whose cell ended first
+    notes: list[str] = field(default_factory=list)  # e.g. ranks left out
 
     def report(self) -> str:
         """The lines ``%dist_profile`` prints: the file, how to open it, alignment, summary."""
@@ -97,14 +100,20 @@ class MergedProfile:
             clocks = f"clocks of ranks {sorted(shifted)} aligned to within {worst:.2f} ms (RTT/2)"
         else:
             clocks = "clocks: every rank agrees with this kernel's clock (offsets within ±RTT/2)"
-        return "\n".join(
-            [
-                f"nbdist: merged profile of {len(self.ranks)} ranks ({steps} steps): {self.path}",
-                f"open it at {PERFETTO_URL}: 'Open trace file' (or drop the file on the page)",
-                clocks,
-                format_summary(self.summary),
-            ]
-        )
+        lines = [f"nbdist: merged profile of {len(self.ranks)} ranks ({steps} steps): {self.path}"]
+        if self.cut_short:
+            got = sorted({self.steps.get(r, 0) for r in self.cut_short})
+            lines.append(
+                f"nbdist: profile stopped at the cell's end after {'/'.join(map(str, got))} of"
+                f" {self.asked} steps (rank(s) {self.cut_short}): the steps so far are kept"
+            )
+        lines += [f"nbdist: {note}" for note in self.notes]
+        lines += [
+            f"open it at {PERFETTO_URL}: 'Open trace file' (or drop the file on the page)",
+            clocks,
+            format_summary(self.summary),
+        ]
+        return "\n".join(lines)
 
     def to_pandas(self):
         """The summary, one row per rank (a pandas DataFrame)."""
@@ -202,21 +211,65 @@ def merge_traces(traces: dict[int, dict], bases_ns: dict[int, int], offsets_ns=N
     return {"traceEvents": events, "displayTimeUnit": "ms", "baseTimeNanoseconds": origin}
 
 
+_DIRS: dict[int, tuple[object, str]] = {}  # id(session) -> (session, its private folder)
+
+
 def profiles_dir(session) -> str:
-    """Where this session's merged profiles go: ``profiles/run-<id>`` beside the history."""
+    """Where this session's merged profiles go: ``profiles/run-<id>`` beside the history.
+
+    Without a history: a private folder (0700) of this session's own under the
+    temporary directory, made on first use (never shared with another session
+    or user).
+    """
     hub = session.metrics_hub
     store = getattr(hub, "store", None)
     if store is not None:
         root = os.path.dirname(os.path.abspath(store.path))
-    else:
-        root = os.path.join(tempfile.gettempdir(), "nbdist")
-    return os.path.join(root, "profiles", f"run-{hub.run.id}")
+        return os.path.join(root, "profiles", f"run-{hub.run.id}")
+    held = _DIRS.get(id(session))
+    if held is None or held[0] is not session or not os.path.isdir(held[1]):
+        held = _DIRS[id(session)] = (session, tempfile.mkdtemp(prefix="nbdist-profiles-"))
+    return held[1]
 
 
-def _choose(records: list[list[dict]]) -> int | None:
-    held = [{r["seq"] for r in rank_records if r.get("seq")} for rank_records in records]
-    common = set.intersection(*held) if held else set()
-    return max(common) if common else None
+def _choose(records: list[list[dict]]) -> tuple[dict[int, dict], dict[int, dict]]:
+    """({rank: record} to merge, {rank: record} left out): the ranks' latest profiles that belong together.
+
+    Each rank's newest finished profile is taken; those whose window (start to
+    the end of its cell) overlaps the window of the one that began last are
+    merged; a rank whose newest profile ended before that one began is left
+    out (its profile is of an earlier cell). Nothing while a rank still records
+    or waits to (armed), or when no rank holds a profile.
+    """
+    if any(r.get("running") for rank_records in records for r in rank_records):
+        return {}, {}
+    latest = {}
+    for rank_records in records:
+        held = [r for r in rank_records if r.get("seq")]
+        if held:
+            newest = max(held, key=lambda r: r["seq"])
+            latest[newest["rank"]] = newest
+    if not latest:
+        return {}, {}
+    began = max(_window(r)[0] for r in latest.values())
+    chosen = {k: r for k, r in latest.items() if _window(r)[1] >= began}
+    return chosen, {k: r for k, r in latest.items() if k not in chosen}
+
+
+def _window(record: dict) -> tuple[int, int]:
+    window = record.get("window") or [0, record.get("finished_ns", 0)]
+    return window[0], window[1]
+
+
+def _left_out(stale: dict[int, dict], chosen: dict[int, dict]) -> str:
+    began = max(_window(r)[0] for r in chosen.values())
+    ago = ", ".join(
+        f"rank {k}: {(began - _window(r)[1]) / 1e9:.1f} s earlier" for k, r in sorted(stale.items())
+    )
+    return (
+        f"rank(s) {sorted(stale)} left out: their latest profile ended before the others"
+        f" began ({ago}), so it is of another cell; it was discarded"
+    )
 
 
 def _decode(payload) -> dict:
@@ -235,30 +288,37 @@ def collect(session, *, stop: bool = False, out_dir: str | None = None) -> Merge
     if stop:
         session.apply(profiling.disarm)
     records = session.apply(profiling.ready)
-    seq = _choose(records)
-    if seq is None:
+    chosen, stale = _choose(records)
+    if not chosen:
         return None
-    chosen = {r["rank"]: r for rank_records in records for r in rank_records if r.get("seq") == seq}
+    seqs = {k: r["seq"] for k, r in chosen.items()}
+    for k, r in stale.items():
+        seqs[k] = r["seq"] + 1  # with older=True: that one and any before it
     if any(not r.get("path") for r in chosen.values()):
         empty = sorted(rank for rank, r in chosen.items() if not r.get("path"))
-        session.apply(profiling.discard, seq)
+        session.apply(profiling.discard, seqs, True)
         raise NbdistError(
-            f"profile {seq}: rank(s) {empty} recorded no step: each step must end with"
+            f"rank(s) {empty} recorded no step: each step must end with"
             " nbdist.log(...) or prof.step(), and a profile needs skip + 1 steps at least"
         )
     offsets = measure_offsets(session)
     traces, bases = {}, {}
-    for info, payload in zip(session.ranks, session.apply(profiling.read_trace, seq)):
+    for info, payload in zip(
+        session.ranks, session.apply(profiling.read_trace, {k: seqs[k] for k in chosen})
+    ):
+        if info.rank not in chosen:
+            continue
         traces[info.rank] = _decode(payload)
         bases[info.rank] = trace_base_ns(traces[info.rank], chosen[info.rank]["anchors"])
     merged = merge_traces(traces, bases, {r: o.applied_ns for r, o in offsets.items()})
+    seq = max(seqs[k] for k in chosen)
     merged["otherData"] = {
-        "nbdist_profile": seq,
+        "nbdist_profile": {str(k): seqs[k] for k in sorted(chosen)},
         "clock": {str(r): vars(o) for r, o in offsets.items()},
         "steps_recorded": {str(r): chosen[r]["steps_recorded"] for r in chosen},
     }
     folder = out_dir or profiles_dir(session)
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.join(folder, f"profile-{seq}-{stamp}.json")
     summary = summarize(merged)
@@ -267,7 +327,7 @@ def collect(session, *, stop: bool = False, out_dir: str | None = None) -> Merge
         row.hta = extra.get(row.rank, {}) if extra else {}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(merged, f, separators=(",", ":"))
-    session.apply(profiling.discard, seq)
+    session.apply(profiling.discard, seqs, True)
     return MergedProfile(
         path=path,
         seq=seq,
@@ -275,6 +335,9 @@ def collect(session, *, stop: bool = False, out_dir: str | None = None) -> Merge
         summary=summary,
         offsets=offsets,
         steps={r: chosen[r]["steps_recorded"] for r in sorted(chosen)},
+        asked=chosen[min(chosen)].get("steps", 0),
+        cut_short=sorted(r for r in chosen if chosen[r].get("stopped_at_cell_end")),
+        notes=[_left_out(stale, chosen)] if stale else [],
     )
 
 

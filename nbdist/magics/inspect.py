@@ -271,7 +271,16 @@ class InspectMagics(SessionMagics):
             self._profile_armed = False
             print(merged.report() if merged else "nbdist: no profile recorded on the ranks")
             return
-        session.apply(profiling.arm, steps, skip)
+        try:
+            session.apply(profiling.arm, steps, skip)
+        except Exception as exc:
+            if "already running" not in str(exc):
+                raise
+            raise UsageError(
+                "%dist_profile: a profile is still recording on the ranks (started by"
+                " nbdist.profile in a thread, or a cell still running): %dist_profile --collect"
+                " stops it and gathers its steps; then %dist_profile N again"
+            ) from None
         self._profile_armed = True
         self._profile_request, self._profile_pids = (steps, skip), _pids(session)
         self._profile_session = session

@@ -282,6 +282,8 @@ def flush(marker: dict | None = None) -> None:
 # Called with each log call's ``step`` (None when not given), before anything else:
 # how other rank-side modules (nbdist.engine.profiling) see steps without an import cycle.
 step_hooks: list = []
+# Run by end_of_cell first, e.g. nbdist.profile stopping a profile its cell left running; never raise.
+cell_end_hooks: list = []
 
 
 def log(step: int | None = None, **scalars) -> None:
@@ -484,6 +486,11 @@ def end_of_cell() -> int | None:
     and waits until that many points of the rank have arrived. None when this
     rank sends no metrics (nothing to wait for).
     """
+    for hook in list(cell_end_hooks):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - a hook's failure must not fail the user's cell
+            pass
     channel = _channel
     if channel is None:
         return None

@@ -189,9 +189,110 @@ def test_dist_profile_collect_stops_a_profile_cut_short(session, shell, capsys):
     assert "nbdist: merged profile of 2 ranks (rank 0: 2, rank 1: 2 steps)" in out
 
 
-def test_a_profile_armed_before_a_restart_is_armed_again_on_the_fresh_ranks(
-    session, shell, capsys
-):
+# A loop without collectives, for one rank alone.
+LOCAL_LOOP = "for step in range({n}):\n    torch.randn(64, 64) @ torch.randn(64, 64)\n    nbdist.log(step=step)\n"
+
+
+def test_a_cell_that_raises_stops_its_profile_and_keeps_the_steps(session, shell, capsys):
+    shell.run_line_magic("dist_profile", "5")
+    capsys.readouterr()
+    # 4 log calls: the 1st starts the profile, 1 step skipped, 2 recorded, then it raises.
+    cell = "%%on_all_ranks\n" + LOGGING_LOOP.format(n=4) + "raise ValueError('boom')\n"
+    assert not shell.run_cell(cell).success
+    out = capsys.readouterr().out
+    assert "nbdist: merged profile of 2 ranks (rank 0: 2, rank 1: 2 steps)" in out, out
+    assert "nbdist: profile stopped at the cell's end after 2 of 5 steps" in out, out
+    # Nothing of it runs on: the next cells neither record nor refuse a new profile.
+    session.run(
+        "from nbdist.engine import profiling as _p\n_idle = _p._active is None and _p._armed is None",
+        sink=ListSink(),
+    )
+    assert session.pull("_idle") == [True, True]
+
+
+def test_dist_profile_while_a_profile_records_is_a_usage_error(session, shell, capsys):
+    from IPython.core.error import UsageError
+
+    # A profile recording in a thread, beyond the cell that started it.
+    code = (
+        "import threading, time\n"
+        "def _bg():\n"
+        "    with nbdist.profile(steps=500, skip=0):\n"
+        "        for i in range(400):\n"
+        "            nbdist.log(step=i)\n"
+        "            time.sleep(0.01)\n"
+        "_bg_thread = threading.Thread(target=_bg, daemon=True)\n"
+        "_bg_thread.start()\n"
+        "time.sleep(0.2)\n"
+    )
+    session.run(code, sink=ListSink())
+    try:
+        with pytest.raises(UsageError, match="a profile is still recording on the ranks"):
+            shell.run_line_magic("dist_profile", "5")
+    finally:
+        shell.run_line_magic("dist_profile", "--collect")  # stops it at the thread's next step
+        session.run("_bg_thread.join(timeout=30)", sink=ListSink())
+        collect(session)
+    capsys.readouterr()
+
+
+def test_profiles_of_different_cells_are_never_merged(session):
+    # Cell A: rank 0 alone profiles (not gathered); cell B: both ranks profile.
+    alone = "if nbdist.rank() == 0:\n    with nbdist.profile(steps=2):\n"
+    session.run(alone + textwrap.indent(LOCAL_LOOP.format(n=4), "        "), sink=ListSink())
+    session.run("import time; time.sleep(1.0)", sink=ListSink())
+    session.run(
+        "with nbdist.profile(steps=2):\n" + textwrap.indent(LOGGING_LOOP.format(n=4), "    "),
+        sink=ListSink(),
+    )
+    merged = collect(session)
+    assert merged.ranks == [0, 1]
+    with open(merged.path) as f:
+        spans = step_spans(json.load(f))
+    windows = {r: (min(a for a, _ in iv), max(b for _, b in iv)) for r, iv in spans.items()}
+    # Both of cell B: DDP steps in lockstep, their windows intersect (cell A's ended 1 s before).
+    assert max(s for s, _ in windows.values()) < min(e for _, e in windows.values())
+    assert rank_temp_files(session) == [[], []]  # cell A's can never be merged: deleted
+
+
+def test_ranks_whose_latest_profiles_are_of_different_cells_are_not_merged(session):
+    for r in (0, 1):
+        body = textwrap.indent(LOCAL_LOOP.format(n=4), "        ")
+        code = f"if nbdist.rank() == {r}:\n    with nbdist.profile(steps=2):\n" + body
+        session.run(code, sink=ListSink())
+    merged = collect(session)
+    assert merged.ranks == [1]
+    assert "rank(s) [0] left out: their latest profile ended before the others began" in (
+        merged.report()
+    )
+    assert rank_temp_files(session) == [[], []]
+
+
+def test_trace_files_never_gathered_do_not_outlive_the_rank(tmp_path):
+    history = str(tmp_path / "runs.sqlite")
+    code = "with nbdist.profile(steps=1):\n" + textwrap.indent(LOCAL_LOOP.format(n=3), "    ")
+    with nbdist.DistSession(1, cpu=True, timeout=120, history=history) as s:
+        s.run(code, sink=ListSink())
+        (held,) = rank_temp_files(s)
+        assert len(held) == 1
+    # Never gathered, and the rank gone: nothing of it is left on disk.
+    assert not os.path.exists(held[0]) and not os.path.exists(os.path.dirname(held[0]))
+
+
+def test_a_scripts_trace_file_is_private(tmp_path):
+    # Outside a session (torchrun): the file stays where trace_path says, 0600.
+    with profiling.profile(steps=1, skip=0) as prof:
+        for _ in range(2):
+            prof.step()
+    try:
+        assert os.stat(prof.trace_path).st_mode & 0o777 == 0o600
+        assert os.stat(os.path.dirname(prof.trace_path)).st_mode & 0o777 == 0o700
+    finally:
+        profiling.discard(prof.seq)
+    assert not os.path.exists(prof.trace_path)
+
+
+def test_a_profile_armed_before_a_restart_is_armed_again_on_the_fresh_ranks(session, shell, capsys):
     # Last in this module: the restart empties the ranks' namespaces.
     shell.run_line_magic("dist_profile", "2")
     assert shell.run_cell("%dist_restart").success

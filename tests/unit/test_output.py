@@ -570,3 +570,26 @@ def test_default_sink_inside_a_kernel_is_a_kernel_sink(monkeypatch):
 
     monkeypatch.setattr(ipython, "get_ipython", lambda: FakeShell())
     assert type(default_sink(4)) is KernelSink
+
+
+def test_torch_profiler_start_stop_lines_are_left_out_of_the_cell():
+    # torch 2.13's profiler prints these on every rank's stderr at each start and stop.
+    merger, sink, _ = make_merger([0, 1])
+    for r in (0, 1):
+        merger.feed(
+            r,
+            "stderr",
+            f"USDT:2026-11-30 16:11:00 1576{r}:1576{r} SyncActivityProfilerHandler.cpp:52]"
+            " profiler_start\n",
+        )
+        merger.feed(r, "stderr", "a real warning\n")
+        merger.feed(
+            r,
+            "stderr",
+            f"USDT:2026-11-30 16:11:01 1576{r}:1576{r} SyncActivityProfilerHandler.cpp:59]"
+            " profiler_stop\n",
+        )
+    merger.feed(0, "stdout", "USDT: profiler_start is only filtered on stderr\n")
+    merger.close()
+    assert lines(sink, "stderr") == [("ranks 0-1", "a real warning")]
+    assert lines(sink, "stdout") == [("rank 0", "USDT: profiler_start is only filtered on stderr")]

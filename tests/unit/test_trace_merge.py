@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from nbdist.driver.trace_merge import merge_traces, trace_base_ns
@@ -162,3 +164,25 @@ def test_no_communication_gives_no_overlap():
 )
 def test_what_counts_as_communication(name, comm):
     assert is_comm(name) is comm
+
+
+def test_profiles_without_history_go_to_a_private_folder_per_session():
+    from types import SimpleNamespace
+
+    from nbdist.driver.trace_merge import profiles_dir
+
+    def no_history_session():
+        return SimpleNamespace(metrics_hub=SimpleNamespace(store=None, run=SimpleNamespace(id=0)))
+
+    one, two = no_history_session(), no_history_session()
+    first, second = profiles_dir(one), profiles_dir(two)
+    try:
+        assert first != second  # two sessions (even started the same second) never share
+        assert profiles_dir(one) == first  # one session keeps its folder
+        for folder in (first, second):
+            assert os.stat(folder).st_mode & 0o777 == 0o700
+            assert os.stat(folder).st_uid == os.getuid()
+            assert "run-0" not in folder
+    finally:
+        os.rmdir(first)
+        os.rmdir(second)
