@@ -11,13 +11,12 @@ its own debugger, which sees only the kernel's process.
 - breakpoints (``setBreakpoints``) and "pause on exceptions"
   (``setExceptionBreakpoints``) are also set on every rank whose debugpy this
   router is connected to, and on ranks that connect later;
-- a ``%%on_all_ranks``/``%%on_rank`` cell run while the debugger is on calls
-  :func:`~nbdist.driver.lab_debugger_cells.prepare_cell` first: it starts debugpy
-  on the ranks the first time (loopback, one connection per rank from the kernel)
-  and tells each rank the notebook cell's path (what ``dumpCell`` returned for
-  it) and the line its body starts on, so a breakpoint in the cell's gutter stops
-  the ranks there
-  (:mod:`nbdist.engine.lab_debug`);
+- a ``%%on_all_ranks``/``%%on_rank`` cell (or ``%dist_run``) run while the debugger
+  is on calls :func:`~nbdist.driver.lab_debugger_cells.prepare_cell` first: it starts
+  debugpy on the ranks the first time (loopback, one connection per rank from the
+  kernel) and tells each rank the notebook cell's path (what ``dumpCell`` returned
+  for it) and the line its body starts on, so a breakpoint in the cell's gutter
+  stops the ranks there (:mod:`nbdist.engine.lab_debug`);
 - stopped ranks appear as one more thread, "ranks", whose stack lists every
   stopped rank's frames, each named ``rank R · function``, under a first
   summary frame, ``all stopped (ranks 0-1) · function``. JupyterLab's Callstack
@@ -31,6 +30,9 @@ its own debugger, which sees only the kernel's process.
   the ranks still stopped); with the summary frame selected, which JupyterLab
   selects when ranks stop after a Continue, they act on every stopped rank. A rank left paused
   holds the others at their next collective, until the process group's timeout;
+- ``pause`` on the ranks' thread, or on any thread while a ranks cell runs (the
+  kernel's own thread only waits for the ranks then), pauses each attached rank
+  that runs (:mod:`nbdist.driver.lab_debug_pause`);
 - ``disconnect`` (the debugger switched off) disconnects from the ranks too,
   which clears their breakpoints and lets paused ranks run on.
 
@@ -55,6 +57,7 @@ import time
 from nbdist.driver import rank_debugpy as dap
 from nbdist.driver.lab_debug_ids import FIRST_ID, RankIds
 from nbdist.driver.lab_debug_paths import RankPaths
+from nbdist.driver.lab_debug_pause import pause_ranks
 from nbdist.driver.rank_relay import RelayedRankConnection
 from nbdist.errors import format_ranks
 
@@ -82,8 +85,9 @@ _MACHINERY = (
     "/tornado/",
     "/zmq/",
     "/asyncio/",
-    "/nbdist/engine/",
-    "/nbdist/launch/",
+    # All of nbdist (an editable install's too, outside site-packages): a step off a
+    # cell's last line runs nbdist's end-of-cell code, which is not the user's.
+    "/nbdist/",
     "/traitlets/",
     "/debugpy/",
     "<frozen ",
@@ -131,6 +135,7 @@ class LabDebugRouter:
         self._selected: int | None = None
         self._selected_frame: int | None = None
         self._told: set[tuple[int, int | None]] = set()  # (rank, pid) told not attached
+        self._running: set[int] = set()  # the ranks of the kernel's ranks cell running now
         self.active = False
 
     def adopt(self, debugger) -> None:
@@ -148,6 +153,11 @@ class LabDebugRouter:
         if command in ("initialize", "attach"):
             self.active = True
         args = request.get("arguments") or {}
+        if command == "pause" and self._running and args.get("threadId") != RANKS_THREAD:
+            # JupyterLab's Pause names thread 1 (its fallback) while a ranks cell runs: the
+            # kernel's own thread only waits for the ranks there, so pausing it would freeze
+            # the kernel while the ranks run on. The ranks are what the user means.
+            return await self._pause(request)
         if command in ("stackTrace", "continue", *_STEPS, "pause") and (
             args.get("threadId") == RANKS_THREAD
         ):
@@ -204,7 +214,7 @@ class LabDebugRouter:
         if command == "stackTrace":
             return _response(request, await self._stack(stopped))
         if command == "pause":
-            return _response(request)
+            return await self._pause(request)
         # The selected rank's frame, or every stopped rank when the summary frame is
         # selected (JupyterLab selects the top frame, the summary, when ranks stop after
         # a Continue).
@@ -235,6 +245,16 @@ class LabDebugRouter:
         else:
             self._event("continued", {"threadId": RANKS_THREAD, "allThreadsContinued": False})
         return _response(request, {"allThreadsContinued": False})
+
+    async def _pause(self, request: dict) -> dict:
+        with self._lock:
+            # Only while a ranks cell runs: an idle rank's debugpy would pause at the
+            # first line of whatever cell it runs next, maybe much later.
+            targets = sorted(
+                r for r in self._running if r in self._ranks and r not in self._stopped
+            )
+            state = "stopped" if self._running and self._stopped else "idle"
+        return await pause_ranks(self._ask, targets, request, state=state)
 
     async def _stack(self, stopped: dict[int, int]) -> dict:
         ranks = sorted(stopped)
@@ -447,11 +467,24 @@ class LabDebugRouter:
         with self._lock:
             self._ranks[rank] = connection
 
-    def cell_ended(self, ranks) -> None:
-        """The kernel's cell that ran on ``ranks`` returned (finished, failed or interrupted):
-        none of them is paused in it any more."""
+    def cell_started(self, ranks) -> None:
+        """The kernel's cell runs on ``ranks`` (a Pause while it runs is theirs)."""
+        self._running = set(ranks)
+
+    def stopped_among(self, ranks) -> list[int]:
+        """Those of ``ranks`` shown stopped now."""
         with self._lock:
-            cleared = [r for r in ranks if self._stopped.pop(r, None) is not None]
+            return sorted(r for r in ranks if r in self._stopped)
+
+    def cell_ended(self, ranks, still_paused=frozenset()) -> None:
+        """The kernel's cell that ran on ``ranks`` returned (finished, failed, interrupted, or
+        a ``--noblock`` cell that left them running): those not ``still_paused`` (as each
+        rank said) are no longer shown stopped."""
+        self._running = set()
+        with self._lock:
+            cleared = [
+                r for r in ranks if r not in still_paused and self._stopped.pop(r, None) is not None
+            ]
             still = bool(self._stopped)
         if cleared and not still:
             self._event("continued", {"threadId": RANKS_THREAD, "allThreadsContinued": False})

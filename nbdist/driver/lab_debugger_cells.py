@@ -3,19 +3,25 @@
 The router (:class:`nbdist.driver.lab_debugger.LabDebugRouter`) routes debug
 requests; this module puts it in place and feeds it: :func:`install` (once,
 at ``%load_ext nbdist``) stands it in front of the kernel's debugger;
-:func:`prepare_cell`, before each ``%%on_all_ranks``/``%%on_rank`` cell while
-the debugger is on, starts debugpy on the ranks, tells them the cell's path,
-attaches the router (directly, or relayed for a rank on another machine) and
+:func:`prepare_cell`, before each ``%%on_all_ranks``/``%%on_rank`` cell (and
+``%dist_run``) while the debugger is on, starts debugpy on the ranks, tells them
+the cell's path (on each engine's control channel, served while the rank still
+runs an earlier cell), attaches the router (directly, or relayed for a rank on another machine) and
 tells it where each rank runs the files ``%dist_sync`` copied (as the rank says);
 :func:`session_ended` closes the relays of a stopping session.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
+import sys
 
 from nbdist.driver import kernel_debugpy
+from nbdist.driver import rank_debugpy as dap
+from nbdist.driver.ipp_internals import send_control
 from nbdist.driver.lab_debugger import LabDebugRouter
+from nbdist.engine.control import REQUEST
 
 __all__ = ["install", "prepare_cell", "router", "session_ended"]
 
@@ -46,41 +52,37 @@ def install(ipython) -> LabDebugRouter | None:
 
 
 def prepare_cell(session, ranks, body: str) -> None:
-    """Before a ``%%on_all_ranks``/``%%on_rank`` cell: when JupyterLab's debugger is on, make its
-    breakpoints stop the ranks in this cell.
+    """Before a ``%%on_all_ranks``/``%%on_rank`` cell (or ``%dist_run``): when JupyterLab's
+    debugger is on, make its breakpoints stop the ranks.
 
     ``body``: what the magic runs on ``ranks``. Does nothing while the debugger
-    is off. A cell whose notebook text is not the magic line then ``body`` (a
-    call from a script, a cell IPython transformed) runs without breakpoints.
+    is off. Every time, debugpy is started on the ranks and the router attached
+    to it, so breakpoints in files (a ``%dist_run`` script, an imported module)
+    stop them. The cell's own gutter breakpoints need the cell's lines: when its
+    notebook text is not the magic line then ``body`` (a call from a script, a
+    cell IPython transformed), the ranks run it without them, and a cell magic's
+    cell says so in its output.
     """
     found = router()
     if found is None or not found.active:
         return
-    from ipykernel.compiler import get_file_name
-
+    source = ((found.kernel.get_parent("shell") or {}).get("content") or {}).get("code", "")
+    path, offset = _cell_lines(source, body)
+    if path is None and source.lstrip().startswith("%%"):
+        print(
+            "nbdist: JupyterLab's debugger cannot match this cell's lines to the notebook's "
+            "cell: breakpoints in its gutter do not stop the ranks (breakpoints in files do)",
+            file=sys.stderr,
+        )
+    _watch_cell_end(found, session, ranks)
+    endpoints = _prepare_ranks(found, session, ranks, (body, path, offset, source))
+    # Before attaching: a rank attached now gets its breakpoints at its copies' paths too.
+    found.use_copies({r: e.get("copies") or {} for r, e in endpoints.items()})
     from nbdist.engine import lab_debug
 
-    source = ((found.kernel.get_parent("shell") or {}).get("content") or {}).get("code", "")
-    # IPython ends the cell it hands a cell magic with a newline the notebook's text may lack.
-    text, code = source.rstrip("\n"), body.rstrip("\n")
-    if not text or not code or not text.endswith(code):
-        return
-    offset = text[: len(text) - len(code)].count("\n")
-    path = get_file_name(source)
-    events = found.kernel.shell.events
-
-    def ended(*_):
-        events.unregister("post_execute", ended)
-        found.cell_ended(ranks)
-
-    # An interrupt or a failure ends the cell with ranks still marked paused: unmark them.
-    events.register("post_execute", ended)
-    endpoints = session.apply(lab_debug.prepare, body, path, offset, source, ranks=ranks)
-    # Before attaching: a rank attached now gets its breakpoints at its copies' paths too.
-    found.use_copies({rank: e.get("copies") or {} for rank, e in zip(ranks, endpoints)})
     here = set(lab_debug.machine_addresses())
     engines = {r.rank: r.engine_id for r in getattr(session, "ranks", ())}
-    for rank, endpoint in zip(ranks, endpoints):
+    for rank, endpoint in endpoints.items():
         if endpoint.get("port") is None or found.attached(rank, endpoint):
             continue
         addresses = set(endpoint.get("addresses") or ())
@@ -101,6 +103,92 @@ def prepare_cell(session, ranks, body: str) -> None:
                 f"nbdist: JupyterLab's debugger could not attach to rank {rank} ({exc}); "
                 "breakpoints do not stop it, the other ranks stop as usual",
             )
+
+
+def _cell_lines(source: str, body: str) -> tuple[str | None, int]:
+    """(the path JupyterLab knows the cell ``source`` by, lines above ``body`` in it), or
+    (None, 0) when ``body`` is not the end of ``source``."""
+    # IPython ends the body it hands a cell magic with a newline the notebook's text may
+    # lack, and drops a last line of spaces (JupyterLab's indent after a block) that the
+    # notebook's text keeps: trailing whitespace does not count.
+    text, code = source.rstrip(), body.rstrip()
+    if not text or not code or not text.endswith(code):
+        return None, 0
+    from ipykernel.compiler import get_file_name
+
+    return get_file_name(source), text[: len(text) - len(code)].count("\n")
+
+
+def _watch_cell_end(found: LabDebugRouter, session, ranks) -> None:
+    events = found.kernel.shell.events
+
+    def ended(result=None):
+        events.unregister("post_run_cell", ended)
+        marked = found.stopped_among(ranks)
+        paused: set[int] = set()
+        if marked and getattr(result, "error_in_exec", None) is None:
+            # The cell returned while ranks it ran on were paused: a --noblock cell, whose
+            # ranks run on (paused ones stay paused). Each says whether it still is.
+            answers = _ask_ranks(session, marked, {"action": "lab_paused"})
+            paused = {r for r, a in answers.items() if isinstance(a, dict) and a.get("paused")}
+        # An interrupted or failed cell's ranks are no longer paused in it.
+        found.cell_ended(ranks, still_paused=paused)
+
+    found.cell_started(ranks)
+    events.register("post_run_cell", ended)
+
+
+def _ask_ranks(session, ranks, content: dict) -> dict[int, dict | Exception]:
+    """{rank: its ``dap`` answer to ``content``, or the exception} asked on each rank's
+    control channel (:mod:`nbdist.engine.dap_relay`), all at once."""
+    engines = {r.rank: r.engine_id for r in getattr(session, "ranks", ())}
+    answers: dict[int, dict | Exception] = {}
+    asked = {}
+    for rank in ranks:
+        try:
+            asked[rank] = send_control(session.client, engines[rank], REQUEST, content)
+        except Exception as exc:  # noqa: BLE001 - the rank is gone, or the session stopped
+            answers[rank] = exc
+    concurrent.futures.wait(asked.values(), timeout=dap.CONNECT_TIMEOUT_S)
+    for rank, future in asked.items():
+        try:
+            msgs = future.result(timeout=0)
+            reply = (msgs[0] if isinstance(msgs, list) else msgs)["content"]
+            if reply.get("status") != "ok":
+                raise RuntimeError(f"{reply.get('ename')}: {reply.get('evalue')}")
+            answers[rank] = reply["dap"]
+        except concurrent.futures.TimeoutError:
+            answers[rank] = TimeoutError("no answer")
+        except Exception as exc:  # noqa: BLE001 - that rank's answer is its error
+            answers[rank] = exc
+    return answers
+
+
+def _prepare_ranks(found, session, ranks, cell) -> dict[int, dict]:
+    """{rank: its debugpy endpoint} (:func:`nbdist.engine.lab_debug.prepare`), asked on each
+    rank's control channel: served at once also while the rank runs or is paused in an
+    earlier cell (a request queued behind it would hold this cell before its
+    ``--timeout`` starts). A rank that does not answer is named and left out."""
+    body, path, offset, source = cell
+    content = {
+        "action": "lab_prepare",
+        "body": body if path is not None else None,
+        "path": path,
+        "offset": offset,
+        "source": source,
+    }
+    endpoints: dict[int, dict] = {}
+    for rank, answer in _ask_ranks(session, ranks, content).items():
+        if isinstance(answer, Exception):
+            found.tell(
+                [rank],
+                [{}],
+                f"nbdist: JupyterLab's debugger could not prepare rank {rank} ({answer}); "
+                "breakpoints do not stop it in this cell",
+            )
+        else:
+            endpoints[rank] = answer
+    return endpoints
 
 
 def session_ended(client) -> None:

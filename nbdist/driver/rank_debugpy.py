@@ -201,8 +201,8 @@ ATTACH = {
             "traitlets",
             "threading",
             "runpy",
-            "nbdist.engine",
-            "nbdist.launch",
+            # All of nbdist (a step off a cell's last line runs its end-of-cell code).
+            "nbdist",
         )
     ],
 }

@@ -16,6 +16,10 @@ ipykernel serves on its own thread (the one that also serves
     JupyterLab's debugger on a rank the kernel cannot connect to (another
     machine): the Debug Adapter Protocol relayed to the rank's debugpy on
     its loopback (:mod:`nbdist.engine.dap_relay`).
+``lab_prepare``, ``lab_paused``
+    JupyterLab's debugger on any rank: attach its debugpy and announce the
+    cell (bounded, answered while an earlier cell runs), and whether its main
+    thread is paused at a breakpoint (:mod:`nbdist.engine.dap_relay`).
 ``crash_record``
     read (or, with ``remove``, remove) a crash record on this rank's machine:
     another rank's, one that died (:mod:`nbdist.engine.crash_record`); with

@@ -24,6 +24,16 @@ part, on that control thread (no thread of its own):
 ``dap_close``
     close the connection: debugpy then clears this client's breakpoints and
     lets a stopped rank run on.
+``lab_paused``
+    whether the rank's main thread is paused in debugpy now (its stack holds
+    debugpy's wait loop): the kernel asks when a cell ends with ranks it had
+    seen stop (a ``--noblock`` cell's stay paused; an interrupted cell's do
+    not, and their debugpy does not always say so).
+``lab_prepare``
+    :func:`nbdist.engine.lab_debug.prepare`, for every rank (relayed or not):
+    on the control thread, it is served while the rank still runs or is
+    paused in an earlier cell, which a request on the shell channel would
+    wait behind (the next cell's ``--timeout`` not yet counting).
 
 The control thread is marked as one pydevd neither traces nor suspends
 (``pydev_do_not_trace``, what debugpy marks its own threads with): were it
@@ -38,16 +48,17 @@ someone else.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 import uuid
 
-from nbdist.engine import debugpy_server
+from nbdist.engine import debugpy_server, lab_debug
 from nbdist.engine.dap_framing import Frames, frame
 
 __all__ = ["ABANDONED_S", "ACTIONS", "MAX_WAIT_S", "drop_if_abandoned", "handle", "is_open"]
 
-ACTIONS = ("dap_open", "dap_send", "dap_poll", "dap_close")
+ACTIONS = ("dap_open", "dap_send", "dap_poll", "dap_close", "lab_prepare", "lab_paused")
 
 # The longest a poll waits on the control thread (the kernel asks for less).
 MAX_WAIT_S = 5.0
@@ -178,6 +189,10 @@ def handle(action: str, content: dict, control_socket=None) -> dict:
     the engine's control channel socket, watched while a poll waits."""
     if action == "dap_open":
         return _open(content.get("port"))
+    if action == "lab_prepare":
+        return _prepare(content)
+    if action == "lab_paused":
+        return {"paused": _main_thread_paused()}
     relay = _relay[0]
     if relay is None or relay.token != content.get("token"):
         return {"messages": [], "closed": True}
@@ -196,6 +211,28 @@ def handle(action: str, content: dict, control_socket=None) -> dict:
     raise ValueError(f"unknown {action!r}")
 
 
+def _prepare(content: dict) -> dict:
+    found = lab_debug.prepare(
+        content.get("body"),
+        content.get("path"),
+        int(content.get("offset") or 0),
+        content.get("source") or "",
+    )
+    # debugpy, started here, traces this thread too: see _leave_this_thread_alone.
+    _leave_this_thread_alone()
+    return found
+
+
+def _main_thread_paused() -> bool:
+    frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001 - the only way
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_do_wait_suspend" and code.co_filename.endswith("pydevd.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _drop(relay: _Relay) -> None:
     with _lock:
         if _relay[0] is relay:
@@ -211,3 +248,7 @@ def drop_if_abandoned(now: float | None = None) -> bool:
         return False
     _drop(relay)
     return True
+
+
+# Relays abandoned by their kernel close before the rank's next cell.
+lab_debug.on_abandoned_relay(drop_if_abandoned)

@@ -225,6 +225,12 @@ def test_stop_or_restart_while_ranks_are_paused(lab, magic):
     pids = _rank_pids(kernel, session=magic == "%dist_stop")
     _run(kernel, dbg, cell)  # --noblock: the kernel is free while the ranks are paused
     dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    # Still paused, and shown so, after the kernel's cell returned: the "continued"
+    # waited for below is the ranks going, not the --noblock cell's end.
+    time.sleep(1.5)
+    dbg._drain()
+    assert not [e for e in dbg.events if e.get("event") == "continued"], dbg.events
+    assert sorted(_stack(dbg)) == [0, 1]
 
     said = _run(kernel, dbg, magic)
     # The debugger sees the ranks go: no thread of stopped ranks any more.
