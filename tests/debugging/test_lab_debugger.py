@@ -110,6 +110,16 @@ def _debugger_on(dbg: LabDebugClient, cell: str, breakpoints: list[dict]) -> str
     return path
 
 
+def _stop_ranks_in(kernel, dbg: LabDebugClient, cell: str, line: int, timeout: float = 120) -> str:
+    """Debugger on with a breakpoint at ``line`` of ``cell``, the cell sent, both ranks
+    stopped there (their ``stopped`` events in); the cell's message id."""
+    dbg.events.clear()
+    _debugger_on(dbg, cell, [{"line": line}])
+    msg_id = kernel.submit(cell)
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=timeout)
+    return msg_id
+
+
 def _stack(dbg: LabDebugClient) -> dict[int, dict]:
     """The top frame of each stopped rank, as the Callstack panel lists them."""
     frames = dbg.request("stackTrace", threadId=RANKS_THREAD)["body"]["stackFrames"]

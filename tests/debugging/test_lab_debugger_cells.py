@@ -14,17 +14,14 @@ from __future__ import annotations
 import time
 
 from nbdist.driver.lab_debugger import RANKS_THREAD
-from tests.debugging.test_lab_debugger import LabDebugClient, _debugger_on, _select_all, _stack
-
-
-def _idle(dbg: LabDebugClient, msg_id: str) -> bool:
-    dbg._drain()
-    return any(
-        m["parent_header"].get("msg_id") == msg_id
-        and m["msg_type"] == "status"
-        and m["content"]["execution_state"] == "idle"
-        for m in dbg.other
-    )
+from tests.debugging.test_lab_debugger import (
+    LabDebugClient,
+    _debugger_on,
+    _select_all,
+    _stack,
+    _stop_ranks_in,
+)
+from tests.debugging.test_lab_debugger_ranks import _idle
 
 
 def _stderr(dbg: LabDebugClient, msg_id: str) -> str:
@@ -75,11 +72,8 @@ def test_breakpoint_in_a_dist_run_script_stops_the_ranks_first_thing(lab, tmp_pa
 
 def test_next_on_a_cells_last_line_ends_the_cell(lab):
     kernel, dbg = lab
-    dbg.events.clear()
     cell = "%%on_all_ranks\na1 = rank\na2 = a1 + 1"
-    _debugger_on(dbg, cell, [{"line": 3}])
-    msg_id = kernel.submit(cell)
-    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    msg_id = _stop_ranks_in(kernel, dbg, cell, 3)
     _select_all(dbg)
     dbg.events.clear()
     assert dbg.request("next", threadId=RANKS_THREAD)["success"]
@@ -103,12 +97,9 @@ def test_next_on_a_cells_last_line_ends_the_cell(lab):
 
 def test_breakpoint_in_a_cell_whose_last_line_is_only_spaces(lab):
     kernel, dbg = lab
-    dbg.events.clear()
     # JupyterLab indents the line after a block: the cell's text keeps the spaces.
     cell = "%%on_all_ranks\nx = rank\nfor i in range(2):\n    x += i\nprint('spaces', x)\n    "
-    _debugger_on(dbg, cell, [{"line": 4}])
-    msg_id = kernel.submit(cell)
-    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=60)
+    msg_id = _stop_ranks_in(kernel, dbg, cell, 4, timeout=60)
     tops = _stack(dbg)
     assert sorted(tops) == [0, 1] and {f["line"] for f in tops.values()} == {4}, tops
     _select_all(dbg)

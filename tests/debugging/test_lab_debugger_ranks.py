@@ -16,7 +16,13 @@ import pytest
 
 from nbdist.driver.lab_debugger import RANKS_THREAD, SUMMARY_PREFIX
 from tests.conftest import wait_gone
-from tests.debugging.test_lab_debugger import LabDebugClient, _debugger_on, _select_all, _stack
+from tests.debugging.test_lab_debugger import (
+    LabDebugClient,
+    _debugger_on,
+    _select_all,
+    _stack,
+    _stop_ranks_in,
+)
 from tests.notebooks.conftest import Kernel
 
 
@@ -146,11 +152,8 @@ def test_tensor_variables_show_shape_dtype_device_and_small_values(lab):
 
 def test_next_with_the_summary_frame_selected_steps_every_rank(lab):
     kernel, dbg = lab
-    dbg.events.clear()
     cell = "%%on_all_ranks\na = rank\nb = a + 1\nprint('b', b)"
-    _debugger_on(dbg, cell, [{"line": 2}])
-    msg_id = kernel.submit(cell)
-    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    msg_id = _stop_ranks_in(kernel, dbg, cell, 2)
     dbg.request("scopes", frameId=_summary(dbg)["id"])
     dbg.events.clear()
     assert dbg.request("next", threadId=RANKS_THREAD)["success"]
@@ -166,11 +169,8 @@ def test_next_with_the_summary_frame_selected_steps_every_rank(lab):
 
 def test_next_with_a_ranks_frame_selected_steps_that_rank_alone(lab):
     kernel, dbg = lab
-    dbg.events.clear()
     cell = "%%on_all_ranks\na = rank\nb = a + 1\nc = b + 1\nprint('c', c)"
-    _debugger_on(dbg, cell, [{"line": 2}])
-    msg_id = kernel.submit(cell)
-    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    msg_id = _stop_ranks_in(kernel, dbg, cell, 2)
     tops = _stack(dbg)
     dbg.request("scopes", frameId=tops[1]["id"])
     dbg.events.clear()
@@ -241,11 +241,8 @@ def test_stop_or_restart_while_ranks_are_paused(lab, magic):
     if magic == "%dist_stop":
         kernel.start_dist(2)
     # The new ranks are debugged as the old ones were.
-    dbg.events.clear()
     cell = "%%on_all_ranks\nw = rank\nprint('ran', w)"
-    _debugger_on(dbg, cell, [{"line": 2}])
-    msg_id = kernel.submit(cell)
-    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    msg_id = _stop_ranks_in(kernel, dbg, cell, 2)
     assert sorted(_stack(dbg)) == [0, 1]
     assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
     text = dbg.cell_output(msg_id)

@@ -139,7 +139,9 @@ dist.all_reduce(t)
 print(f"sum {r} {t.item()}")
 dist.destroy_process_group()
 """
-AFTER_DESTROY = 't2 = torch.ones(1); dist.all_reduce(t2); print("second", rank, t2.item())'
+# One string a print: the two processes share torchrun's stdout, and print's separate
+# writes of several arguments interleaved ("secondsecond  1 2.0").
+AFTER_DESTROY = 't2 = torch.ones(1); dist.all_reduce(t2); print(f"second {rank} {t2.item()}")'
 
 
 def test_torchrun_style_cells_run_under_torchrun_as_on_the_ranks(tmp_path):

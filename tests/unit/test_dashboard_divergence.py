@@ -6,7 +6,6 @@ widget.js gets them), the table's rows, the header, and the text summary.
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -16,47 +15,10 @@ from nbdist.dashboard.model import DashboardModel
 from nbdist.dashboard.table import host_row, pick_shown, rank_rows
 from nbdist.dashboard.text import summary_text
 from nbdist.metrics.run import Run
+from tests.unit.widget_store import WidgetStore, segments
 
 T0 = 1_700_000_000.0
 NOW = T0 + 200.0  # every rank quiet: all is final
-
-
-class Browser:
-    """widget.js's store: a snapshot, then deltas (panels, respec, reset, extend) in order."""
-
-    def __init__(self, snapshot):
-        self.panels = json.loads(json.dumps(snapshot["panels"], allow_nan=False))
-
-    def receive(self, msg):
-        if msg is None:
-            return
-        msg = json.loads(json.dumps(msg, allow_nan=False))
-        self.panels += msg.get("panels", [])
-        for spec in msg.get("respec", []):
-            self.panels[spec["index"]] = spec
-        for p, i, xs, ys in msg.get("reset", []):
-            self.panels[p]["data"][i] = [xs, ys]
-        for p, i, xs, ys in msg.get("extend", []):
-            self.panels[p]["data"][i][0] += xs
-            self.panels[p]["data"][i][1] += ys
-
-    def traces(self):
-        return {p["id"]: dict(zip(p["names"], map(tuple, p["data"]))) for p in self.panels}
-
-
-def segments(xs, ys):
-    """The lines Plotly draws of one trace: runs of points between nulls (connectgaps off)."""
-    out, current = [], []
-    for x, y in zip(xs, ys):
-        if y is None:
-            if current:
-                out.append(current)
-            current = []
-        else:
-            current.append((x, y))
-    if current:
-        out.append(current)
-    return out
 
 
 def _diverged(world=16, *, broken=3, silent=9, slow=None):
@@ -89,7 +51,7 @@ def _diverged(world=16, *, broken=3, silent=9, slow=None):
 
 def test_a_rank_whose_loss_went_nan_is_drawn_on_its_own_among_16_ranks():
     model = DashboardModel(_diverged(), clock=lambda: NOW)
-    browser = Browser(model.snapshot())
+    browser = WidgetStore(model.snapshot())
     browser.receive(model.poll()[0])
     loss = browser.traces()["loss"]
     # The band leaves NaN out, so without its own line the diverged rank would not show at all.
@@ -193,7 +155,7 @@ def test_a_loop_run_again_starts_a_new_line_instead_of_one_drawn_back(world):
     clock = [T0]
     run = Run(1, world_size=world, started=T0)
     model = DashboardModel(run, clock=lambda: clock[0])
-    browser = Browser(model.snapshot())
+    browser = WidgetStore(model.snapshot())
     for k in range(world):
         run.add(k, [(s, T0 + s, {"loss": 10.0 + s + (40.0 if k == 1 else 0.0)}) for s in range(5)])
     clock[0] = T0 + 20
@@ -219,7 +181,7 @@ def test_a_loop_run_again_starts_a_new_line_instead_of_one_drawn_back(world):
 def test_a_long_history_run_again_keeps_its_gaps_through_decimation():
     run = Run(1, world_size=1, started=T0)
     model = DashboardModel(run, budget=16, clock=lambda: NOW)
-    browser = Browser(model.snapshot())
+    browser = WidgetStore(model.snapshot())
     for rerun in range(3):
         run.add(0, [(s, T0 + 100 * rerun + s, {"loss": float(s % 7) + rerun}) for s in range(40)])
         browser.receive(model.poll()[0])

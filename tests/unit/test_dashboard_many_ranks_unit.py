@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from nbdist.dashboard.model import DashboardModel
 from nbdist.dashboard.table import SHOWN_RANKS
 from nbdist.metrics.run import Run
+from tests.unit.widget_store import WidgetStore
 
 T0 = 1_700_000_000.0
 RANKS = 64
@@ -25,27 +24,6 @@ def _fill(run, steps, *, slow=13):
         scalars = {"samples": 64.0, "step_time": dt, "samples_per_s": 64.0 / dt}
         points = [(s, T0 + 1 + s * dt, {"loss": _loss(rank, s), **scalars}) for s in steps]
         run.add(rank, points)
-
-
-class Browser:
-    """widget.js's store: a snapshot, then deltas (panels, respec, reset, extend) in order."""
-
-    def __init__(self, snapshot):
-        self.panels = json.loads(json.dumps(snapshot["panels"]))
-
-    def receive(self, msg):
-        msg = json.loads(json.dumps(msg, allow_nan=False))
-        self.panels += msg.get("panels", [])
-        for spec in msg.get("respec", []):
-            self.panels[spec["index"]] = spec
-        for p, i, xs, ys in msg.get("reset", []):
-            self.panels[p]["data"][i] = [xs, ys]
-        for p, i, xs, ys in msg.get("extend", []):
-            self.panels[p]["data"][i][0] += xs
-            self.panels[p]["data"][i][1] += ys
-
-    def traces(self):
-        return {p["id"]: dict(zip(p["names"], map(tuple, p["data"]))) for p in self.panels}
 
 
 def test_many_ranks_draw_the_median_band_and_the_deviating_ranks_only():
@@ -75,7 +53,7 @@ def test_the_browser_follows_when_other_ranks_start_to_deviate():
     _fill(run, range(20), slow=None)
     model = DashboardModel(run, clock=lambda: now[0])
     model.poll()
-    browser = Browser(model.snapshot())
+    browser = WidgetStore(model.snapshot())
     assert [n for n in browser.traces()["loss"] if n.startswith("rank")] == ["rank 40"]
     now[0] = T0 + 8.0
     _fill(run, range(20, 40), slow=13)  # rank 13 now takes twice as long a step

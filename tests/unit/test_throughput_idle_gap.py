@@ -7,52 +7,20 @@ What a user sees: the traces widget.js holds (snapshot and deltas through JSON).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from nbdist.dashboard.model import DashboardModel
 from nbdist.dashboard.traces import _HOLD_S
 from nbdist.metrics.run import Run
+from tests.unit.widget_store import WidgetStore, segments
 
 T0 = 1_700_000_000.0
 IDLE_S = 60.0
 
 
-class Browser:
-    """widget.js's store: a snapshot, then deltas (panels, respec, reset, extend) in order."""
-
-    def __init__(self, snapshot):
-        self.panels = json.loads(json.dumps(snapshot["panels"], allow_nan=False))
-
-    def receive(self, msg):
-        if msg is None:
-            return
-        msg = json.loads(json.dumps(msg, allow_nan=False))
-        self.panels += msg.get("panels", [])
-        for spec in msg.get("respec", []):
-            self.panels[spec["index"]] = spec
-        for p, i, xs, ys in msg.get("reset", []):
-            self.panels[p]["data"][i] = [xs, ys]
-        for p, i, xs, ys in msg.get("extend", []):
-            self.panels[p]["data"][i][0] += xs
-            self.panels[p]["data"][i][1] += ys
-
-    def traces(self, key):
-        panel = next(p for p in self.panels if p["id"] == key)
-        return dict(zip(panel["names"], map(tuple, panel["data"])))
-
-
 def lines(xs, ys):
-    """The lines Plotly draws of one trace: runs of x between nulls (connectgaps off)."""
-    out, current = [], []
-    for x, y in zip(xs, ys):
-        if y is None:
-            out.append(current)
-            current = []
-        else:
-            current.append(x)
-    return [line for line in [*out, current] if line]
+    """The x values of each line Plotly draws of one trace."""
+    return [[x for x, _ in line] for line in segments(xs, ys)]
 
 
 def _two_cells(world: int, budget: int = 2000, cells: int = 2):
@@ -61,7 +29,7 @@ def _two_cells(world: int, budget: int = 2000, cells: int = 2):
     run = Run(1, world_size=world, started=T0)
     now = [T0]
     model = DashboardModel(run, budget=budget, clock=lambda: now[0])
-    browser = Browser(model.snapshot())
+    browser = WidgetStore(model.snapshot())
     for cell in range(cells):
         start = cell * (10.0 + IDLE_S)
         for i in range(20):
