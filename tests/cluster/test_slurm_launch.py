@@ -218,7 +218,10 @@ def test_a_pending_job_says_why_and_ctrl_c_cancels_it(slurm):
         interrupter.start()
         try:
             with contextlib.redirect_stdout(out), pytest.raises(KeyboardInterrupt):
-                session.start()
+                try:
+                    session.start()
+                except NbdistError as exc:  # what nbdist printed meanwhile says why no Ctrl-C came
+                    raise AssertionError(f"{exc}\nprinted while waiting:\n{out.text}") from None
         finally:
             out.finish(done)  # start() returned: nothing more to wait for
             interrupter.join()
