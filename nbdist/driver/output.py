@@ -200,7 +200,12 @@ class OutputMerger:
         state.tail = _compact_tail(tail)
         if complete:
             for raw in complete:
-                if stream == "stderr" and _TORCH_PROFILER_NOISE.match(raw.rstrip("\r")):
+                # Every rank's every line passes here: the regex only for lines it can match.
+                if (
+                    stream == "stderr"
+                    and raw.startswith("USDT:")
+                    and _TORCH_PROFILER_NOISE.match(raw.rstrip("\r"))
+                ):
                     continue
                 self._enqueue(stream, rank, (now, _visible_text(raw)))
             self._progress_pending.discard((rank, stream))
