@@ -15,10 +15,10 @@ import asyncio
 
 from nbdist.errors import format_ranks
 
-__all__ = ["pause_ranks"]
+__all__ = ["MAIN_THREAD", "pause_ranks"]
 
 # The thread that runs a rank's cells (an ipyparallel engine's main thread).
-_MAIN_THREAD = "MainThread"
+MAIN_THREAD = "MainThread"
 
 
 async def pause_ranks(ask, targets: list[int], request: dict, *, state: str) -> dict:
@@ -45,7 +45,7 @@ async def pause_ranks(ask, targets: list[int], request: dict, *, state: str) -> 
 async def _pause_one(ask, rank: int) -> None:
     threads = await ask(rank, "threads")
     listed = (threads.get("body") or {}).get("threads") or []
-    main = [t["id"] for t in listed if t.get("name") == _MAIN_THREAD]
+    main = [t["id"] for t in listed if t.get("name") == MAIN_THREAD]
     if not main:
         raise RuntimeError(f"rank {rank}'s debugpy lists no main thread")
     reply = await ask(rank, "pause", {"threadId": main[0]})

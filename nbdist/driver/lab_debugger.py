@@ -471,6 +471,31 @@ class LabDebugRouter:
         """The kernel's cell runs on ``ranks`` (a Pause while it runs is theirs)."""
         self._running = set(ranks)
 
+    def unreported(self, ranks) -> list[int]:
+        """Those of ``ranks`` that run the kernel's cell, attached and not shown stopped."""
+        with self._lock:
+            return sorted(
+                r
+                for r in ranks
+                if r in self._running and r in self._ranks and r not in self._stopped
+            )
+
+    def ask_now(self, rank: int, command: str, arguments: dict | None = None) -> dict:
+        """``rank``'s debugpy's response to ``command``, waited for (from a thread of its own)."""
+        connection = self._ranks.get(rank)
+        if connection is None:
+            raise ConnectionError(f"rank {rank} has no debugger connection")
+        return connection.request(command, arguments).result(dap.REPLY_TIMEOUT_S)
+
+    def show_stopped(self, rank: int, thread: int) -> None:
+        """Show ``rank`` stopped in ``thread`` (:mod:`nbdist.driver.lab_debug_watch`), unless shown."""
+        with self._lock:
+            if rank in self._stopped or rank not in self._running:
+                return
+        self._on_rank_event(
+            rank, {"event": "stopped", "body": {"reason": "pause", "threadId": thread}}
+        )
+
     def stopped_among(self, ranks) -> list[int]:
         """Those of ``ranks`` shown stopped now."""
         with self._lock:

@@ -17,7 +17,7 @@ import concurrent.futures
 import socket
 import sys
 
-from nbdist.driver import kernel_debugpy
+from nbdist.driver import kernel_debugpy, lab_debug_watch
 from nbdist.driver import rank_debugpy as dap
 from nbdist.driver.ipp_internals import send_control
 from nbdist.driver.lab_debugger import LabDebugRouter
@@ -26,6 +26,8 @@ from nbdist.engine.control import REQUEST
 __all__ = ["install", "prepare_cell", "router", "session_ended"]
 
 _router: list[LabDebugRouter | None] = [None]
+# Whether a rank's main thread is paused in debugpy (nbdist.engine.dap_relay).
+_PAUSED = {"action": "lab_paused"}
 
 
 def router() -> LabDebugRouter | None:
@@ -121,15 +123,18 @@ def _cell_lines(source: str, body: str) -> tuple[str | None, int]:
 
 def _watch_cell_end(found: LabDebugRouter, session, ranks) -> None:
     events = found.kernel.shell.events
+    # Ranks that pause without their debugpy saying so are shown stopped all the same.
+    silent = lab_debug_watch.watch(found, lambda r: _ask_ranks(session, r, _PAUSED), ranks)
 
     def ended(result=None):
+        silent.set()
         events.unregister("post_run_cell", ended)
         marked = found.stopped_among(ranks)
         paused: set[int] = set()
         if marked and getattr(result, "error_in_exec", None) is None:
             # The cell returned while ranks it ran on were paused: a --noblock cell, whose
             # ranks run on (paused ones stay paused). Each says whether it still is.
-            answers = _ask_ranks(session, marked, {"action": "lab_paused"})
+            answers = _ask_ranks(session, marked, _PAUSED)
             paused = {r for r, a in answers.items() if isinstance(a, dict) and a.get("paused")}
         # An interrupted or failed cell's ranks are no longer paused in it.
         found.cell_ended(ranks, still_paused=paused)

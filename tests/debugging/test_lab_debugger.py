@@ -88,7 +88,12 @@ class LabDebugClient:
             if len(found) >= count:
                 return found
             time.sleep(0.1)
-        raise TimeoutError(f"no {count} {name} event(s) {body}; got {self.events!r}")
+        said = "".join(
+            m["content"].get("text", "") for m in self.other if m["msg_type"] == "stream"
+        )
+        raise TimeoutError(
+            f"no {count} {name} event(s) {body}; got {self.events!r}; the kernel printed {said!r}"
+        )
 
 
 def _debugger_on(dbg: LabDebugClient, cell: str, breakpoints: list[dict]) -> str:

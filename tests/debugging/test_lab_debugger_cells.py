@@ -194,3 +194,33 @@ def test_pause_while_a_ranks_cell_runs_pauses_the_ranks(lab):
     text = dbg.cell_output(msg_id, timeout=120)
     assert kernel.reply(msg_id)["status"] == "ok"
     assert "looped 0 149" in text and "looped 1 149" in text, text
+
+
+def test_a_rank_paused_without_its_stopped_event_is_shown_stopped(lab):
+    # A rank paused at a breakpoint whose "stopped" event never reaches the kernel
+    # (seen under load, cause unknown) left the cell waiting with nothing to continue.
+    # Rank 1's debugpy is made to drop that one event (the message it would send is
+    # replaced by pydevd's own "send nothing" once); rank 0's arrives as usual.
+    kernel, dbg = lab
+    dbg.events.clear()
+    cell = (
+        "%%on_all_ranks\nimport pydevd\n"
+        "from _pydevd_bundle.pydevd_net_command import NULL_NET_COMMAND\n"
+        "_f = pydevd.GetGlobalDebugger().cmd_factory\n"
+        "def _silent(*args, **kwargs):\n"
+        "    del _f.make_thread_suspend_message  # once: the class's method again\n"
+        "    return NULL_NET_COMMAND\n"
+        "if rank == 1:\n    _f.make_thread_suspend_message = _silent\n"
+        "w = rank + 7\nprint('w', w)\n"
+    )
+    _debugger_on(dbg, cell, [{"line": 10}])
+    msg_id = kernel.submit(cell)
+    stops = dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    assert sorted(e["body"]["description"] for e in stops) == ["rank 0", "rank 1"], stops
+    tops = _stack(dbg)
+    assert sorted(tops) == [0, 1] and {f["line"] for f in tops.values()} == {10}, tops
+    _select_all(dbg)
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    assert "w 7" in text and "w 8" in text, text
