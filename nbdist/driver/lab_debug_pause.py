@@ -15,10 +15,10 @@ import asyncio
 
 from nbdist.errors import format_ranks
 
-__all__ = ["MAIN_THREAD", "pause_ranks"]
+__all__ = ["main_thread", "pause_ranks"]
 
 # The thread that runs a rank's cells (an ipyparallel engine's main thread).
-MAIN_THREAD = "MainThread"
+_MAIN_THREAD = "MainThread"
 
 
 async def pause_ranks(ask, targets: list[int], request: dict, *, state: str) -> dict:
@@ -43,14 +43,18 @@ async def pause_ranks(ask, targets: list[int], request: dict, *, state: str) -> 
 
 
 async def _pause_one(ask, rank: int) -> None:
-    threads = await ask(rank, "threads")
-    listed = (threads.get("body") or {}).get("threads") or []
-    main = [t["id"] for t in listed if t.get("name") == MAIN_THREAD]
-    if not main:
+    main = main_thread(await ask(rank, "threads"))
+    if main is None:
         raise RuntimeError(f"rank {rank}'s debugpy lists no main thread")
-    reply = await ask(rank, "pause", {"threadId": main[0]})
+    reply = await ask(rank, "pause", {"threadId": main})
     if not reply.get("success"):
         raise RuntimeError(reply.get("message") or "pause failed")
+
+
+def main_thread(threads: dict) -> int | None:
+    """The id of the rank's main thread in its debugpy's answer to ``threads``, or None."""
+    listed = (threads.get("body") or {}).get("threads") or []
+    return next((t["id"] for t in listed if t.get("name") == _MAIN_THREAD), None)
 
 
 def _reply(request: dict, failure: str | None = None) -> dict:

@@ -24,7 +24,7 @@ import threading
 import time
 
 from nbdist.driver import rank_debugpy as dap
-from nbdist.driver.lab_debug_pause import MAIN_THREAD
+from nbdist.driver.lab_debug_pause import main_thread
 
 __all__ = ["PERIOD_S", "SILENT_S", "watch"]
 
@@ -79,7 +79,6 @@ def _show(router, rank: int) -> None:
             file=sys.stderr,
         )
         return
-    listed = (reply.get("body") or {}).get("threads") or []
-    main = [t["id"] for t in listed if t.get("name") == MAIN_THREAD]
-    if main:
-        router.show_stopped(rank, main[0])
+    main = main_thread(reply)
+    if main is not None:
+        router.show_stopped(rank, main)
