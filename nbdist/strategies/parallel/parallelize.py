@@ -182,13 +182,15 @@ def parallelize(
     stage = PipelineStage(
         part, pp_mesh.get_local_rank(), dims.pp, device, group=pp_mesh.get_group()
     )
+    from nbdist.strategies.parallel.pipeline import contiguous_inputs
+
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     steps.append("pp_stage")
     return Parallelized(
         part,
         mesh,
         stage,
-        cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn),
+        contiguous_inputs(cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)),
         tuple(steps),
     )
 

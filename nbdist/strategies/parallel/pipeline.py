@@ -38,6 +38,7 @@ __all__ = [
     "SCHEDULES",
     "StageTimer",
     "bubble_fraction",
+    "contiguous_inputs",
     "pipeline_schedule",
     "render_timeline",
     "split_sequential",
@@ -136,7 +137,30 @@ def pipeline_schedule(
     part = split_sequential(model, world)[rank].to(device)
     stage = PipelineStage(part, rank, world, device)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    return stage, cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+    return stage, contiguous_inputs(cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn))
+
+
+def contiguous_inputs(schedule):
+    """``schedule`` whose ``step`` hands the stage contiguous copies of strided tensors.
+
+    A data-parallel share taken as ``x[rank::dp]`` (or ``seq[:, :-1]``) is a strided
+    view. torch 2.11's first stage infers its input's metadata from a ``meta`` copy,
+    which is contiguous, then checks every micro-batch's strides against it: the
+    strided batch failed with "stride mismatch: expected (16, 1) actual (34, 1)"
+    (example 26 on a GPU). A contiguous tensor is passed as it is (no copy).
+    """
+    step = schedule.step
+
+    def step_with_contiguous_inputs(*args, **kwargs):
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {
+            k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
+        return step(*args, **kwargs)
+
+    step_with_contiguous_inputs.__doc__ = step.__doc__
+    schedule.step = step_with_contiguous_inputs
+    return schedule
 
 
 def bubble_fraction(n_stages: int, n_microbatches: int) -> float:
