@@ -123,6 +123,31 @@ state = {{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
     assert session.pull("norm_local") == [(16,)] * 4
 
 
+def test_sequence_parallel_norm_gradients_are_whole_on_every_rank_after_backward(session):
+    """A norm runs on this rank's sequence shard, so its weight's gradient is a partial sum
+    until reduced. It is reduced in backward: the optimizer, and anyone reading ``.grad``,
+    gets the whole gradient on every rank (torch 2.11's SGD with momentum on a GPU took the
+    partial one wrongly: example 27 parted from the one-process model from its second step)."""
+    session.run(
+        """
+from nbdist.strategies.parallel.sequence_parallel import apply_sequence_parallel
+from nbdist.strategies.parallel.tensor_parallel import device_mesh
+model = apply_sequence_parallel(make_gpt(), device_mesh(), **SP)
+X, Y = make_tokens()
+lm_loss(model(X), Y).backward()
+grad = model.blocks[0].norm1.weight.grad
+norm_grad = ([type(p).__name__ for p in grad.placements], grad.to_local().clone())
+""",
+        sink=ListSink(),
+    )
+    net = make_gpt()  # noqa: F821
+    X, Y = make_tokens()  # noqa: F821
+    lm_loss(net(X), Y).backward()  # noqa: F821
+    for r, (placements, local) in enumerate(session.pull("norm_grad")):
+        assert placements == ["Replicate"], f"rank {r}"
+        torch.testing.assert_close(local, net.blocks[0].norm1.weight.grad, msg=f"rank {r}")
+
+
 def test_tensor_and_sequence_parallel_gpts_train_with_foreach_optimizers(session):
     """Both GPTs train like one process with ``foreach=True``, what torch's optimizers use
     on CUDA by default.

@@ -149,11 +149,11 @@ def reference_mse(opt_class, world: int, steps=STEPS, **opt_kwargs):
     return net, losses
 
 
-def reference_gpt(make, steps=STEPS, tokens=None):
+def reference_gpt(make, steps=STEPS, tokens=None, momentum=0.0):
     """One process, the whole batch of tokens, SGD: (model, losses)."""
     net = make()
     X, Y = tokens or make_tokens()  # noqa: F821
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=momentum)
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -557,7 +557,9 @@ tp_state = cpu_state(model)
 
 @pytest.mark.example(27)
 def test_sequence_parallel_gpt_trains_like_one_process(one_gpu):
-    """Megatron sequence parallel (norm activations sharded over the sequence), default SGD."""
+    """Megatron sequence parallel (norm activations sharded over the sequence), default SGD
+    with momentum: the norms' partial gradients are reduced in backward (torch 2.11's
+    momentum step on a GPU parted from the one-process model from its second step)."""
     run(
         one_gpu,
         """
@@ -566,7 +568,7 @@ from nbdist.strategies.parallel.tensor_parallel import device_mesh
 model = apply_sequence_parallel(make_seq_gpt().to(device), device_mesh(), **SP)
 X, Y = make_tokens(t=16)
 X, Y = X.to(device), Y.to(device)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 sp_losses = []
 for _ in range(3):
     opt.zero_grad()
@@ -577,7 +579,7 @@ for _ in range(3):
 sp_state = cpu_state(model)
 """,
     )
-    net, want = reference_gpt(make_seq_gpt, tokens=make_tokens(t=16))  # noqa: F821
+    net, want = reference_gpt(make_seq_gpt, tokens=make_tokens(t=16), momentum=0.9)  # noqa: F821
     for r, (state, losses) in enumerate(zip(one_gpu.pull("sp_state"), one_gpu.pull("sp_losses"))):
         assert_state(state, net, f"rank {r}")
         assert_losses(losses, want)
