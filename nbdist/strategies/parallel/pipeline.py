@@ -100,6 +100,8 @@ def pipeline_schedule(
     ``schedule`` is ``"gpipe"`` or ``"1f1b"``. Gradients are those of the mean
     of the micro-batch losses (= the full-batch loss for a mean loss);
     ``loss_fn=None`` runs forward only (inference: no loss, no gradients).
+    Tensors given to ``schedule.step`` may be strided views (``x[rank::dp]``):
+    the stage gets contiguous micro-batches (:func:`contiguous_inputs`).
     """
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe

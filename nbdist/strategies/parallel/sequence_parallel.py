@@ -81,8 +81,10 @@ def apply_sequence_parallel(
     sequence and ``heads / tp`` heads. The blocks must follow each other
     directly: the first takes this rank's slice of its (replicated) input, the
     last one's output is all-gathered, so the rest of the model and its
-    inputs and outputs stay ordinary tensors. Returns ``model``, changed in
-    place.
+    inputs and outputs stay ordinary tensors. The norms' weights stay whole on
+    every rank, and so do their gradients: each rank's partial gradient (from
+    its sequence shard) is all-reduced as soon as backward has accumulated it.
+    Returns ``model``, changed in place.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
