@@ -10,6 +10,9 @@
 #     optimizers for a GPU test; 3.2 MiB, which takes the set past 60 MB: raise --max-mb);
 #     with --with-deepspeed also the [deepspeed] extra (example 30 and its GPU test;
 #     DeepSpeed publishes source only, so its wheel is built here: pure Python, no ops);
+#     with --with-hta also HolisticTraceAnalysis (the [profile] extra: the GPU profile's
+#     breakdown test) and what it needs but jupyterlab (its own notebooks) and networkx
+#     (the server's torch has it);
 #   - minus what --leave-out names: packages the server already has (a CUDA image's
 #     numpy and pandas are 28 MB of the set), which pip there then takes as installed;
 #   - an nbdist wheel built from this checkout, with the JupyterLab extension inside.
@@ -30,7 +33,7 @@ KEEP_RE='^nvidia-ml-py$'
 usage() {
   cat <<EOF
 usage: bash scripts/wheelhouse.sh DIR [--python X.Y] [--with-torchao] [--with-deepspeed]
-                                     [--leave-out NAMES] [--max-mb N]
+                                     [--with-hta] [--leave-out NAMES] [--max-mb N]
 
 Download into DIR the wheels nbdist needs on an offline Linux x86_64 GPU server
 (everything but torch and its CUDA libraries), plus an nbdist wheel built from
@@ -45,6 +48,8 @@ options:
   --with-deepspeed
                   add the [deepspeed] extra (DeepSpeed ZeRO: example 30 and its GPU
                   test); DeepSpeed's wheel is built here from its source release
+  --with-hta      add HolisticTraceAnalysis (the [profile] extra, for the GPU profile's
+                  breakdown test) without jupyterlab, which only its own notebooks use
   --leave-out NAMES
                   comma-separated packages to leave out because the server has them
                   already (e.g. numpy,pandas); pip there must find them installed, in
@@ -63,6 +68,7 @@ DIR=""
 PYVER="3.12"
 WITH_TORCHAO=0
 WITH_DEEPSPEED=0
+WITH_HTA=0
 LEAVE_OUT=""
 while (($#)); do
   case "$1" in
@@ -73,6 +79,7 @@ while (($#)); do
     --python=*) PYVER="${1#--python=}"; shift ;;
     --with-torchao) WITH_TORCHAO=1; shift ;;
     --with-deepspeed) WITH_DEEPSPEED=1; shift ;;
+    --with-hta) WITH_HTA=1; shift ;;
     --leave-out)
       (($# >= 2)) || die "--leave-out needs package names, comma-separated (e.g. numpy,pandas)"
       LEAVE_OUT="$2"; shift 2 ;;
@@ -153,6 +160,35 @@ EOF
   die "could not read dependencies from $ROOT/pyproject.toml"
 sed 's/^/   /' "$WORK/requirements.txt"
 
+# pin_as_is WHEEL NAME...: WHEEL goes into the set as it is (pinned in built_pins.txt); its
+# requirements but the NAMEs replace its own line in requirements.txt, to be resolved with
+# the rest.
+pin_as_is() {
+  "$HOSTPY" - "$WORK/requirements.txt" "$@" >>"$WORK/built_pins.txt" <<'EOF'
+import re
+import sys
+import zipfile
+from email.parser import Parser
+
+reqs, wheel, drop = sys.argv[1], sys.argv[2], set(sys.argv[3:])
+archive = zipfile.ZipFile(wheel)
+meta_name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+meta = Parser().parsestr(archive.read(meta_name).decode())
+
+
+def name(req):
+    return re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+own = name(meta["Name"])
+needs = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
+lines = [line for line in open(reqs).read().splitlines() if name(line) != own]
+lines += [r for r in needs if name(r) not in drop]
+open(reqs, "w").write("\n".join(lines) + "\n")
+print(f"{meta['Name']}=={meta['Version']}")
+EOF
+}
+
 # Packages published as source only (DeepSpeed) are built into wheels first, here; the
 # resolver and the download below then find them beside the binary-only index.
 BUILT="$WORK/built"
@@ -170,29 +206,18 @@ if ((WITH_DEEPSPEED)); then
   # The built wheel is pinned as it is; what it needs is resolved with the rest, except
   # torch: DeepSpeed requires it, and resolving torch would bring its own dependencies
   # (sympy, networkx, ...; 10 MB) that the server's torch already has.
-  "$HOSTPY" - "$WORK/requirements.txt" "$BUILT"/deepspeed-*.whl >>"$WORK/built_pins.txt" <<'EOF' ||
-import re
-import sys
-import zipfile
-from email.parser import Parser
-
-reqs, wheel = sys.argv[1], sys.argv[2]
-archive = zipfile.ZipFile(wheel)
-meta_name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
-meta = Parser().parsestr(archive.read(meta_name).decode())
-
-
-def name(req):
-    return re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
-
-
-needs = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
-lines = [line for line in open(reqs).read().splitlines() if name(line) != "deepspeed"]
-lines += [r for r in needs if name(r) != "torch"]
-open(reqs, "w").write("\n".join(lines) + "\n")
-print(f"{meta['Name']}=={meta['Version']}")
-EOF
-    die "could not read the DeepSpeed wheel's requirements"
+  pin_as_is "$BUILT"/deepspeed-*.whl torch || die "could not read the DeepSpeed wheel's requirements"
+fi
+if ((WITH_HTA)); then
+  hta_req="$("$HOSTPY" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["profile"][0])' "$ROOT/pyproject.toml")" ||
+    die "pyproject.toml has no [profile] extra naming HolisticTraceAnalysis"
+  echo "== downloading $hta_req (its requirements but jupyterlab and networkx go with the rest)"
+  "${PIP[@]}" download --quiet --no-deps "${TARGET[@]}" -d "$BUILT" "$hta_req" ||
+    die "downloading $hta_req failed (output above)"
+  # jupyterlab (and its server, 15 MB) serves HTA's own notebooks, not its analyses;
+  # networkx comes with the server's torch.
+  pin_as_is "$BUILT"/holistictraceanalysis-*.whl torch jupyterlab networkx ||
+    die "could not read the HolisticTraceAnalysis wheel's requirements"
 fi
 
 echo "== resolving for CPython $PYVER manylinux x86_64 (metadata only)"

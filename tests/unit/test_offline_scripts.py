@@ -209,16 +209,19 @@ def test_wheelhouse_for_python312(tmp_path):
 @pytest.mark.timeout(1200)
 def test_wheelhouse_for_a_gpu_image_with_deepspeed(tmp_path):
     """The GPU check's set: DeepSpeed built here (it publishes source only) with what it
-    needs but torch's own dependencies, torchao, and without the image's numpy and pandas."""
+    needs but torch's own dependencies, torchao, HTA without jupyterlab, and without the
+    image's numpy and pandas."""
     out = tmp_path / "wheelhouse"
-    args = ("--with-torchao", "--with-deepspeed", "--leave-out", "numpy,pandas")
+    args = ("--with-torchao", "--with-deepspeed", "--with-hta", "--leave-out", "numpy,pandas")
     res = _run(WHEELHOUSE, str(out), *args, timeout=1100)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     names = {parse_wheel_filename(w.name)[0] for w in out.glob("*.whl")}
     assert {"deepspeed", "hjson", "pydantic", "ninja", "torchao", "nbdist"} <= names, names
+    assert {"holistictraceanalysis", "pydot"} <= names, names
     # numpy and pandas are left out as asked; sympy and networkx would come only through
-    # DeepSpeed's requirement of torch, which the server's torch already has.
-    assert not names & {"numpy", "pandas", "sympy", "networkx", "mpmath"}, names
+    # DeepSpeed's requirement of torch (and networkx through HTA's), which the server's
+    # torch already has; jupyterlab only serves HTA's own notebooks.
+    assert not names & {"numpy", "pandas", "sympy", "networkx", "mpmath", "jupyterlab"}, names
     manifest = (out / "wheelhouse.txt").read_text()
     assert re.search(
         r"^# left out, the server must have them: numpy==\S+ pandas==\S+", manifest, re.M
