@@ -45,7 +45,7 @@ from _common import load, machine, median, p90, print_summary, run_benchmark  # 
 _DRAIN = """
 import sys, zmq
 context = zmq.Context()
-socket = context.socket(zmq.PULL)
+socket = context.socket(zmq.ROUTER)
 print(socket.bind_to_random_port("tcp://127.0.0.1"), flush=True)
 while True:
     socket.recv_multipart()

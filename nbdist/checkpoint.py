@@ -246,12 +246,15 @@ def save(path, *, model=None, optimizer=None, step: int | None = None, **extra) 
         state["tensors"] = {
             name: {str(rank): tensor} if name in own else tensor for name, tensor in tensors.items()
         }
-    # Points logged up to here leave the rank now, not at the next timed flush: if
-    # the rank dies after this checkpoint, training resumes from it and re-logs
-    # only later steps, so earlier points still buffered would be a hole in the run.
+    # Points logged up to here reach the kernel now, not at the next timed flush: if
+    # the rank dies after this checkpoint, training resumes from it and re-logs only
+    # later steps, so earlier points still on the rank would be a hole in the run.
+    # Sent is not arrived: a rank killed a few steps after its saves on a loaded machine
+    # had lost two flushes' points (example 19), so the save waits for the collector's
+    # word (a round trip, under a millisecond here; 2 s at most).
     from nbdist.metrics.log import flush
 
-    flush()
+    flush(wait_s=2.0)
     _same_path_everywhere(path)
     problem = _prepare_directory(path) if rank == 0 else None
     # Every rank learns whether rank 0 could make the directory: a failure there

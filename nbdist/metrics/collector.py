@@ -1,9 +1,13 @@
 """Kernel side: the receiving end of ``nbdist.log``, receive every rank's points, keep them, store them.
 
-One PULL socket per session, bound to loopback unless the ranks are on other
+One ROUTER socket per session, bound to loopback unless the ranks are on other
 hosts. A thread receives, checks each message's signature (the cluster key)
 before decoding it, adds the points to the in-memory :class:`Run` (which
-dashboards watch) and appends them to the run history.
+dashboards watch) and appends them to the run history. A rank that must know
+its points arrived (``nbdist.checkpoint.save``: a rank killed right after a
+save must not leave a hole before it) sends a ``sync`` message after them and
+waits for the answer: messages from one rank arrive in order, so by the time
+the collector answers, it has taken every point sent before.
 
 After a cell the session waits until every rank's points of that cell have
 arrived: each points message carries the rank's running count of points sent,
@@ -57,7 +61,8 @@ class Collector:
         self.rejected = 0
         self.store_errors = 0
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PULL)
+        # ROUTER: the ranks' DEALERs send as a PUSH would, and a sync is answered to its rank.
+        self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         port = self._socket.bind_to_random_port(f"tcp://{ip}")
         self.url = f"tcp://{ip}:{port}"
@@ -85,11 +90,11 @@ class Collector:
             if got:
                 while True:
                     try:
-                        frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
+                        identity, *frames = self._socket.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     try:
-                        dirty = self._handle(frames) or dirty
+                        dirty = self._handle(frames, identity) or dirty
                     except Exception as exc:
                         # A message of a shape _handle did not foresee (or a bug in it)
                         # must not end the thread: that would silently end every rank's
@@ -117,8 +122,9 @@ class Collector:
                 self.store_errors += 1
                 self.run.note_kernel_loss("unstored", exc)
 
-    def _handle(self, frames: list[bytes]) -> bool:
-        """Take one message; True if it added rows to the history."""
+    def _handle(self, frames: list[bytes], identity: bytes = b"") -> bool:
+        """Take one message (from the rank connected as ``identity``); True if it added
+        rows to the history."""
         self._messages += 1
         message = decode(self.key, frames)
         rank = message.get("rank") if message else None
@@ -157,6 +163,10 @@ class Collector:
                     self._received[rank] = max(self._received.get(rank, 0), total)
                     self._cond.notify_all()
             return stored
+        elif kind == "sync":
+            # Everything this rank sent before it has been taken (one connection, in order).
+            self._socket.send_multipart([identity, b"synced", str(message.get("seq")).encode()])
+            return False
         elif kind == "cell":
             with self._cond:
                 self._cells[rank] = max(self._cells.get(rank, -1), int(message.get("cell", -1)))

@@ -105,9 +105,10 @@ class _Channel:
         self.rank = rank
         self.key = key
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.PUSH)
-        # PUSH queues (does not drop) while connecting and up to the HWM; the
-        # HWM is high so a slow kernel delays points instead of losing them.
+        # A DEALER sends as a PUSH would (one peer: the collector's ROUTER) and can hear
+        # the answer to a sync. It queues (does not drop) while connecting and up to the
+        # HWM; the HWM is high so a slow kernel delays points instead of losing them.
+        self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.SNDHWM, 1_000_000)
         self.socket.setsockopt(zmq.LINGER, 2000)
         self.socket.connect(url)
@@ -120,6 +121,7 @@ class _Channel:
         self.max_pending = _buffer_size()
         self.memory = os.environ.get("NBDIST_LOG_MEMORY", "1") != "0"
         self.total = 0
+        self.syncs = 0  # sync messages sent: each answer names its own
         # The CUDA device this rank logs from, learnt on the logging thread (CUDA's current
         # device is per thread, and the flush thread's is not the rank's); None until then.
         # Looked for by the first point of each batch (at most twice a second while points
@@ -156,7 +158,7 @@ class _Channel:
             if self.unsent:
                 self.wake.set()  # the kernel was slow to take them: retry next interval
 
-    def flush(self, marker: dict | None = None) -> None:
+    def flush(self, marker: dict | None = None, wait_s: float = 0.0) -> bool:
         import zmq
 
         from nbdist.metrics import gpu
@@ -214,8 +216,33 @@ class _Channel:
                 try:
                     self.socket.send_multipart(self.unsent[0][0], flags=zmq.NOBLOCK)
                 except zmq.Again:
-                    return  # kept; the next flush retries
+                    return False  # kept; the next flush retries
                 self.unsent.pop(0)
+            return self._synced(wait_s) if wait_s > 0 else True
+
+    def _synced(self, wait_s: float) -> bool:
+        """Whether the collector answered a sync within ``wait_s``: it has then taken
+        every message sent before (a socket's send only queues it for zmq's I/O thread,
+        so a rank killed right after a flush could lose it on a loaded machine)."""
+        import zmq
+
+        from nbdist.metrics.wire import encode
+
+        self.syncs += 1
+        want = str(self.syncs).encode()
+        sync = {"k": "sync", "rank": self.rank, "seq": self.syncs}
+        try:
+            self.socket.send_multipart(encode(self.key, sync), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.socket.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                return False
+            answer = self.socket.recv_multipart()
+            if answer == [b"synced", want]:  # an earlier, late answer is passed over
+                return True
+        return False
 
     def tell(self, left_out: dict[str, str]) -> None:
         """Send each key's description with the next message, once per key for this rank."""
@@ -269,14 +296,18 @@ def shutdown() -> None:
         channel.close()
 
 
-def flush(marker: dict | None = None) -> None:
+def flush(marker: dict | None = None, *, wait_s: float = 0.0) -> bool:
     """Send the buffered points now, then ``marker`` (if given) as a ``cell`` message.
 
-    Does nothing before :func:`configure` (no collector to send to).
+    With ``wait_s``, wait (at most that long) until the kernel's collector says it has
+    taken them: a rank killed after that keeps its points (:func:`nbdist.checkpoint.save`
+    waits so). Returns False if it did not say so in time (the points stay on their
+    way, as after any flush). Does nothing before :func:`configure` (no collector).
     """
     channel = _channel
     if channel is not None:
-        channel.flush(marker)
+        return channel.flush(marker, wait_s)
+    return True
 
 
 # Called with each log call's ``step`` (None when not given), before anything else:

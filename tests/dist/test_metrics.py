@@ -131,7 +131,7 @@ def test_forged_metrics_are_rejected(session):
     collector = session.metrics_hub.collector
     assert collector.url.startswith("tcp://127.0.0.1:")
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
+    sock = ctx.socket(zmq.DEALER)
     sock.connect(collector.url)
     rejected = collector.rejected
     count = session.metrics.count(0)
@@ -208,6 +208,8 @@ rank, local_rank, world_size, device = init()
 got = []
 forwarder = metrics_run().forward(got.append) if rank == 0 else None
 assert (metrics_run() is None) == (rank != 0)
+# The forwarder hands on what arrives from then on: rank 1 logs once it is there.
+torch.distributed.barrier()
 for i in range(500):
     nbdist.log(step=i, loss=torch.tensor(i + 0.5 * rank))
 finish()

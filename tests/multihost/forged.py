@@ -6,13 +6,13 @@ import time
 
 
 def send_forged_metrics(url: str) -> None:
-    """Push one metrics message signed with the empty key (what CurveZMQ clusters hold)."""
+    """Send one metrics message signed with the empty key (what CurveZMQ clusters hold)."""
     import zmq
 
     from nbdist.metrics.wire import encode
 
     context = zmq.Context()
-    sock = context.socket(zmq.PUSH)
+    sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(url)
     points = [[99, time.time(), {"loss": -1.0}]]

@@ -27,14 +27,14 @@ def channel():
 
 @pytest.fixture
 def push_to():
-    """What a rank sends with: ``push_to(collector)`` is a PUSH socket connected to the
+    """What a rank sends with: ``push_to(collector)`` is a DEALER socket connected to the
     collector, closed after the test."""
     import zmq
 
     sockets = []
 
     def connect(collector):
-        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(collector.url)
         sockets.append(sock)
