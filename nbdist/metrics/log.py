@@ -347,6 +347,8 @@ def log(step: int | None = None, **scalars) -> None:
     channel = _channel
     if channel is None:
         return
+    if not _timers.armed:  # this cell's CUDA collectives are timed from here on
+        _timers.armed = True
     # The training loop's own work evicts from the caches whatever this call touches, so
     # each object and call here costs a cache miss per step: the call only stamps the
     # time, takes the step's collective/data timers and appends each field to its list;
@@ -498,8 +500,10 @@ def new_cell() -> None:
     first point of the next training cell took minutes as its step: its throughput
     near 0, the breakdown's compute bar minutes high for the 20 points it averages.
     The first point of a cell has no step time, as the rank's first point has none;
-    steps still count on.
+    steps still count on. Until the cell logs, its collectives on CUDA tensors get
+    no timing events (:func:`nbdist.metrics.steptime.disarm`).
     """
+    steptime.disarm()
     channel = _channel
     if channel is None:
         return

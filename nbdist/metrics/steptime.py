@@ -20,7 +20,13 @@ What ``comm_s`` measures, and its limits:
 - On a GPU, where NCCL collectives return once queued, each collective on CUDA
   tensors is bracketed by two CUDA events on the current stream; ``comm_s`` is
   the device time between them (the stream's wait for the collective), read
-  later on the flush thread, never on the training thread.
+  later on the flush thread, never on the training thread. Only in a cell that
+  has called ``nbdist.log`` (its first point has no breakdown, so nothing is
+  lost): a cell that never logs (a benchmark's loop of all_reduces) creates no
+  events. At most :data:`MAX_EVENT_PAIRS` pairs wait for the next ``log``; past
+  that the finished ones are read into the sum (a query, never a wait), so a
+  cell that logs rarely holds a bounded number of events, not one pair per
+  collective since its last point.
 - DDP's gradient all-reduces run from its C++ reducer and do not pass through
   the wrapper: they overlap backward, and what is not hidden shows in
   ``compute_s``. A DDP comm hook written in Python
@@ -52,9 +58,11 @@ import time
 
 __all__ = [
     "BREAKDOWN_KEYS",
+    "MAX_EVENT_PAIRS",
     "MEMORY_KEYS",
     "collective_done",
     "cuda_comm_events",
+    "disarm",
     "data_timer",
     "events_seconds",
     "memory",
@@ -73,7 +81,7 @@ class StepTimers:
     collective and no data timer (most steps of a plain loop) ``nbdist.log`` reads
     ``dirty`` alone, where it called :func:`take`, which built a tuple and a new list."""
 
-    __slots__ = ("comm", "data", "events", "dirty")
+    __slots__ = ("comm", "data", "events", "dirty", "armed")
 
     def __init__(self) -> None:
         """Nothing counted yet."""
@@ -81,6 +89,7 @@ class StepTimers:
         self.data = 0.0  # seconds in data_timer blocks
         self.events: list = []  # (start, end) CUDA event pairs of this step's collectives
         self.dirty = False  # set by every add; take() clears it
+        self.armed = False  # nbdist.log called in this cell: bracket CUDA collectives
 
 
 # Read and reset by ``nbdist.log`` on the training thread. Collectives from other threads
@@ -91,6 +100,9 @@ _statm: tuple[int, int] | None = None  # (pid, fd): a forked rank must not read 
 _MEMORY_EVERY_S = 0.02  # memory read at most this often (RSS on CPU, the allocator on a GPU)
 _last_rss: tuple[int, float, dict] | None = None  # (pid, when, reading)
 _last_gpu: tuple[int, float, dict] | None = None  # (CUDA index, when, reading)
+# CUDA event pairs held until the next ``log``: a cell logging every 1000 steps of 10
+# collectives would otherwise keep 20 000 live events (and the flush thread wait on each).
+MAX_EVENT_PAIRS = 256
 _page_mib = os.sysconf("SC_PAGE_SIZE") / 2**20 if hasattr(os, "sysconf") else 4096 / 2**20
 _local = threading.local()
 
@@ -101,25 +113,54 @@ def collective_done(seconds: float) -> None:
     timers.dirty = True
 
 
+def disarm() -> None:
+    """A cell begins: no events until it calls ``nbdist.log`` (its first point has no breakdown)."""
+    timers.armed = False
+
+
 def cuda_comm_events(tensor):
     """A started (start, end) CUDA event pair when ``tensor`` is on a GPU, else None.
 
     The caller records ``end`` after the collective returns; both are on the
-    current stream, so their elapsed time is how long that stream waited.
+    current stream, so their elapsed time is how long that stream waited. None
+    (the caller counts the call's wall time instead) when this cell has not
+    logged, or when :data:`MAX_EVENT_PAIRS` pairs wait and none has finished.
     """
     try:
-        if not getattr(tensor, "is_cuda", False):
+        t = timers
+        if not t.armed or not getattr(tensor, "is_cuda", False):
+            return None
+        if len(t.events) >= MAX_EVENT_PAIRS and not fold_finished(t):
             return None
         import torch
 
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        timers.events.append((start, end))
-        timers.dirty = True
+        t.events.append((start, end))
+        t.dirty = True
         return end
     except Exception:
         return None
+
+
+def fold_finished(t: StepTimers) -> bool:
+    """Read the oldest finished event pairs into ``t.comm`` and drop them; True if room was made.
+
+    Never waits: ``query()`` asks whether the device has passed an event. Pairs are
+    looked at oldest first and the first unfinished one stops the walk (a stream
+    finishes its work in order).
+    """
+    events = t.events
+    done = 0
+    for start, end in events:
+        if not end.query():
+            break
+        t.comm += start.elapsed_time(end) / 1000.0
+        done += 1
+    if done:
+        del events[:done]
+    return len(events) < MAX_EVENT_PAIRS
 
 
 @contextlib.contextmanager

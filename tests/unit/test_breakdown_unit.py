@@ -59,6 +59,54 @@ def sums_exactly(point: dict) -> bool:
     return abs(parts - point["step_time"]) <= 4 * EPS * point["step_time"]
 
 
+class _Mark:
+    """What ``fold_finished`` asks of a CUDA event: has the device passed it, and the ms between two.
+
+    A stand-in: this machine has no GPU (tests/gpu runs the real events); the fold is
+    bookkeeping over whatever ``query`` and ``elapsed_time`` answer.
+    """
+
+    def __init__(self, at_ms: float, passed: bool) -> None:
+        self.at_ms, self.passed = at_ms, passed
+
+    def query(self) -> bool:
+        return self.passed
+
+    def elapsed_time(self, end: _Mark) -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_held_cuda_events_are_folded_oldest_first_up_to_the_first_unfinished(monkeypatch):
+    timers = steptime.StepTimers()
+    # Three finished collectives of 1, 2 and 4 ms, then one the device has not reached.
+    pairs = [
+        (_Mark(0.0, True), _Mark(1.0, True)),
+        (_Mark(5.0, True), _Mark(7.0, True)),
+        (_Mark(9.0, True), _Mark(13.0, True)),
+        (_Mark(20.0, False), _Mark(30.0, False)),
+        (_Mark(40.0, True), _Mark(41.0, True)),  # after an unfinished one: left for later
+    ]
+    timers.events = list(pairs)
+    timers.comm = 0.5
+    monkeypatch.setattr(steptime, "MAX_EVENT_PAIRS", 3)
+    assert steptime.fold_finished(timers)  # 2 left of a limit of 3: room made
+    assert timers.events == pairs[3:]
+    assert timers.comm == 0.5 + 0.001 + 0.002 + 0.004
+    monkeypatch.setattr(steptime, "MAX_EVENT_PAIRS", 2)
+    assert not steptime.fold_finished(timers)  # nothing finished at the head: still full
+    assert timers.events == pairs[3:]
+
+
+def test_collectives_get_cuda_events_only_in_a_cell_that_logged(channel):
+    channel()
+    metrics_log.new_cell()
+    assert not steptime.timers.armed  # a cell that never logs creates no CUDA events
+    metrics_log.log(step=0, loss=1.0)
+    assert steptime.timers.armed
+    metrics_log.new_cell()
+    assert not steptime.timers.armed
+
+
 def test_split_is_exact_and_never_negative():
     for step, comm, data in [(0.3, 0.1, 0.05), (1e-3, 2e-3, 0.0), (0.2, 0.0, 5.0), (0.7, -1, -1)]:
         parts = steptime.split(step, comm, data)
