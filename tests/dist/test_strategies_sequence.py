@@ -148,6 +148,41 @@ norm_grad = ([type(p).__name__ for p in grad.placements], grad.to_local().clone(
         torch.testing.assert_close(local, net.blocks[0].norm1.weight.grad, msg=f"rank {r}")
 
 
+def test_a_sequence_parallel_norm_in_apply_tp_s_plan_gets_its_whole_gradient(session):
+    """A user's own ``plan={...: SequenceParallel()}`` through :func:`apply_tp`: the norm runs on
+    each rank's sequence shard, and its weight's gradient is the whole sum on every rank after
+    backward, as with :func:`apply_sequence_parallel` (a partial one would meet torch 2.11's
+    foreach SGD with momentum as example 27's did)."""
+    session.run(
+        """
+from torch.distributed.tensor.parallel import SequenceParallel
+from nbdist.strategies.parallel.tensor_parallel import apply_tp, device_mesh
+torch.manual_seed(0)
+full = torch.randn(2, 8, 16, dtype=torch.float64)  # (batch, sequence, hidden), the same on all
+norm = nn.Sequential(nn.LayerNorm(16, dtype=torch.float64))
+with torch.no_grad():
+    norm[0].weight.copy_(torch.linspace(0.5, 1.5, 16))
+apply_tp(norm, device_mesh(), plan={"0": SequenceParallel()})
+# SequenceParallel takes a plain input as this rank's shard of the sequence.
+out = norm(full.tensor_split(world_size, dim=1)[rank])
+(out.to_local() ** 2).sum().backward()
+grad = norm[0].weight.grad
+sp_norm_grad = ([type(p).__name__ for p in grad.placements], grad.to_local().clone())
+""",
+        sink=ListSink(),
+    )
+    torch.manual_seed(0)
+    full = torch.randn(2, 8, 16, dtype=torch.float64)
+    norm = torch.nn.LayerNorm(16, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 16))
+    (norm(full) ** 2).sum().backward()
+    for r, (placements, local) in enumerate(session.pull("sp_norm_grad")):
+        assert placements == ["Replicate"], f"rank {r}: {placements}"
+        # float64: four partial sums against one, within a few ulps of the sum.
+        torch.testing.assert_close(local, norm.weight.grad, rtol=1e-12, atol=1e-12, msg=f"rank {r}")
+
+
 def test_tensor_and_sequence_parallel_gpts_train_with_foreach_optimizers(session):
     """Both GPTs train like one process with ``foreach=True``, what torch's optimizers use
     on CUDA by default.

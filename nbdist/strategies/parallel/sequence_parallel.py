@@ -99,7 +99,10 @@ def apply_sequence_parallel(
     from nbdist.engine.backend_support import require
     from nbdist.strategies.arguments import layer_names, require_module
     from nbdist.strategies.parallel.checkpointing import find_blocks
-    from nbdist.strategies.parallel.tensor_parallel import replicate_unsharded
+    from nbdist.strategies.parallel.tensor_parallel import (
+        reduce_partial_grads,
+        replicate_unsharded,
+    )
 
     # Sequence shards are all-gathered before colwise layers and reduce-scattered after rowwise ones.
     require(
@@ -172,29 +175,9 @@ def apply_sequence_parallel(
     )
     # Embeddings, the final norm, the head: replicated DTensors too (foreach optimizers).
     replicate_unsharded(model, mesh, caller="apply_sequence_parallel")
-    for _, block in units:
-        for name in norms:
-            for p in block.get_submodule(name).parameters():
-                p.register_post_accumulate_grad_hook(_replicate_grad)
+    # The norms run on sequence shards: their weights' gradients are partial sums.
+    reduce_partial_grads(model)
     return model
-
-
-def _replicate_grad(param) -> None:
-    """Make a norm weight's gradient replicated as soon as backward has accumulated it.
-
-    A norm runs on this rank's sequence shard, so each rank's gradient of its
-    (replicated) weight is a partial sum (DTensor ``Partial``) that only the
-    optimizer's step would reduce. How a step reduces it depends on the torch
-    version: torch 2.11's SGD with momentum on an H200 moved the norms' weights
-    away from the one-process model's from the second step on (example 27: 0.7 %
-    after 30 steps; torch 2.13 on CPU matched within 1e-7). Reduced here, every
-    optimizer sees the same replicated gradient on every rank: the all-reduce it
-    would have done, done earlier.
-    """
-    grad = param.grad
-    placements = getattr(grad, "placements", ())
-    if any(p.is_partial() for p in placements):
-        param.grad = grad.redistribute(grad.device_mesh, param.placements)
 
 
 def _even_sequence(seq_dim: int, tp: int):
