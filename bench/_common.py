@@ -39,7 +39,9 @@ __all__ = [
     "print_goal_and_cpu",
     "print_summary",
     "ratio",
+    "ratio_interval",
     "run_benchmark",
+    "settled",
     "threads_per_rank",
 ]
 
@@ -75,6 +77,43 @@ def balanced_orders(items: list) -> list[list]:
 
 def ratio(value: float, baseline: float) -> float:
     return value / baseline if baseline else float("nan")
+
+
+def ratio_interval(
+    values: list[float], baselines: list[float], *, rounds: int = 2000, level: float = 0.95
+) -> tuple[float, float]:
+    """A bootstrap confidence interval of ``median(values) / median(baselines)``.
+
+    The windows are resampled as pairs (window ``i`` of both jobs ran side by side,
+    under the same load), ``rounds`` times with a fixed seed, and the ratio of the
+    medians taken each time; the interval holds the middle ``level`` of those ratios.
+    Its width says how many windows a run needs: a ratio whose interval lies on one
+    side of the goal is settled, one whose interval straddles it is not.
+
+    >>> ratio_interval([10, 10, 10], [5, 5, 5])
+    (2.0, 2.0)
+    """
+    import random
+
+    if len(values) != len(baselines) or not values:
+        raise ValueError(
+            f"need as many windows of each job, got {len(values)} and {len(baselines)}"
+        )
+    pick = random.Random(0)
+    n = len(values)
+    got = []
+    for _ in range(rounds):
+        idx = [pick.randrange(n) for _ in range(n)]
+        got.append(ratio(median([values[i] for i in idx]), median([baselines[i] for i in idx])))
+    got.sort()
+    tail = (1 - level) / 2
+    return got[int(tail * (rounds - 1))], got[int((1 - tail) * (rounds - 1))]
+
+
+def settled(interval: tuple[float, float], goal: float, within: float) -> bool:
+    """True when ``interval`` lies wholly on one side of ``goal`` or is at most ``±within`` wide."""
+    low, high = interval
+    return low >= goal or high < goal or (high - low) / 2 <= within
 
 
 def cores() -> int:

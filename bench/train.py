@@ -43,8 +43,17 @@ too. A second, identical torchrun job ("torchrun_b", left out by
 All jobs start from the same seed and run the same steps, so their final losses
 agree (a check that they ran the same computation).
 
+Whether a run has enough windows: a bootstrap 95 % interval of the nbdist / torchrun
+ratio (the windows resampled as pairs) is printed with it. On a noisy machine (an
+H200 whose windows varied 0.72-1.28x, bench/RESULTS.md) a dozen windows cannot tell
+1.0x from 0.97x; ``--settle PCT`` keeps adding windows after ``--windows`` until the
+interval lies on one side of the goal or is at most ±PCT % wide, or ``--max-minutes``
+have passed (a window that would end past them is not started). The stop looks at a
+99 % interval: checked after every window, a 95 % one would stop on the wrong side of
+the goal more often than once in twenty.
+
 Usage: python bench/train.py [--cpu] [--n N] [--windows 12] [--steps S] [--warmup W]
-                             [--no-control] [--quick]
+                             [--no-control] [--quick] [--settle PCT [--max-minutes M]]
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +79,9 @@ from _common import (  # noqa: E402
     print_goal_and_cpu,
     print_summary,
     ratio,
+    ratio_interval,
     run_benchmark,
+    settled,
     threads_per_rank,
 )
 
@@ -165,7 +177,26 @@ def _main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (20; GPU 200)")
     parser.add_argument("--no-control", action="store_true", help="no second torchrun job (A/A)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help="after --windows, add windows until the ratio's 95 %% interval is on one side of "
+        "the goal or at most ±PCT %% wide",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=10.0,
+        help="with --settle: start no window that would end later than this (10)",
+    )
     args = parser.parse_args(argv)
+    if args.settle is not None and not args.settle > 0:
+        parser.error(f"--settle {args.settle}: give a half-width in percent > 0, e.g. --settle 1")
+    if not args.max_minutes > 0:
+        parser.error(f"--max-minutes {args.max_minutes}: give minutes > 0, e.g. --max-minutes 8")
+    began = time.monotonic()
     plan = plan_ranks(args.n, cpu=args.cpu, one_gpu_ranks=1)
     n, cuda = plan["n"], plan["cuda"]
     os.environ.update(plan["env"])  # every job inherits it
@@ -218,13 +249,34 @@ def _main(argv=None) -> int:
             for variant in variants:
                 run[variant](warmup)
         orders = balanced_orders(variants)  # each job follows every other equally often
-        for w in range(windows):
+        deadline = began + 60 * args.max_minutes
+        w, took = 0, 0.0
+        while w < windows or (
+            args.settle is not None
+            and not settled(
+                # 99 %: looked at after every window, a 95 % interval would stop on the
+                # wrong side of the goal more often than one time in twenty.
+                ratio_interval(rates["nbdist"], rates["torchrun"], level=0.99),
+                goal,
+                args.settle / 100,
+            )
+            and time.monotonic() + took <= deadline
+        ):
+            started = time.monotonic()
             got = {}
             for variant in orders[w % len(orders)]:
                 got[variant] = run[variant](steps)
                 rates[variant].append(got[variant])
+            took = time.monotonic() - started
+            w += 1
             line = ", ".join(f"{v} {got[v]:.1f}" for v in variants)
-            print(f"  window {w + 1}/{windows}: {line} steps/s, load {load()}", flush=True)
+            so_far = ""
+            if w >= 3:
+                low, high = ratio_interval(rates["nbdist"], rates["torchrun"], rounds=500)
+                so_far = f", nbdist / torchrun so far [{low:.3f}, {high:.3f}]"
+            label = f"{w}/{windows}" if args.settle is None else f"{w} (at least {windows})"
+            print(f"  window {label}: {line} steps/s, load {load()}{so_far}", flush=True)
+        windows = w
         session.run("_info = [_trainer.info(), _trainer_log.info()]")
         final["nbdist"], final["nbdist_log"] = session.pull("_info", rank=0)
         for name, job in jobs.items():
@@ -249,6 +301,8 @@ def _main(argv=None) -> int:
         return median([ratio(x, y) for x, y in zip(rates[a], rates[b])])
 
     r = ratio(med["nbdist"], med["torchrun"])
+    interval = ratio_interval(rates["nbdist"], rates["torchrun"])
+    is_settled = settled(interval, goal, (args.settle or 1.0) / 100)
     log_ratio = ratio(med["nbdist_log"], med["nbdist"])
     log_cost = 1 - log_ratio
     losses = {v: (final[v]["loss"], final[v]["steps"]) for v in final}
@@ -265,6 +319,16 @@ def _main(argv=None) -> int:
     for a, b, what in rows:
         print(f"{ratio(med[a], med[b]):>10.3f}x  pairs {pairs(a, b):.3f}x  {what}")
     log_pairs = 1 - pairs("nbdist_log", "nbdist")
+    print(
+        f"nbdist / torchrun {r:.3f}x, 95 % interval [{interval[0]:.3f}, {interval[1]:.3f}] over "
+        f"{windows} windows: "
+        + (
+            f"{'above' if interval[0] >= goal else 'below'} the goal {goal}x"
+            if interval[0] >= goal or interval[1] < goal
+            else f"straddles the goal {goal}x"
+        )
+        + f" ({'settled' if is_settled else 'not settled: more windows, or --settle'})"
+    )
     print(f"cost of nbdist.log every step: {100 * log_cost:.1f} % (pairs {100 * log_pairs:.1f} %)")
     print(
         f"final losses {{job: (loss, steps)}} {losses} (all equal: {same_loss}); "
@@ -295,6 +359,9 @@ def _main(argv=None) -> int:
             setup=setup,
             steps_s={v: round(x, 2) for v, x in med.items()},
             ratio=round(r, 3),
+            ratio_interval=[round(x, 3) for x in interval],
+            settled=is_settled,
+            settle_pct=args.settle,
             pair_ratio_median=round(pairs("nbdist", "torchrun"), 3),
             goal_ratio=goal,
             log_ratio=round(log_ratio, 4),

@@ -28,6 +28,7 @@ from nbdist.engine import (
     control,
     controller_watch,
     crash_record,
+    dtensor_caches,
     flight_recorder,
     group_bound,
     own_processes,
@@ -291,6 +292,8 @@ def rejoin(spec: dict, get_shell=None) -> dict:
     except Exception:  # a note for the user must never stop the group from forming again
         stale = []
     os.environ["MASTER_PORT"] = str(spec["master_port"])
+    # A new mesh over the same ranks must not be handed the old one from DTensor's caches.
+    dtensor_caches.forget_meshes()
     _join_group(spec, str(rank_device()))
     return {"before": before, "stale": stale}
 

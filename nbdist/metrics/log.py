@@ -501,9 +501,9 @@ def new_cell() -> None:
     near 0, the breakdown's compute bar minutes high for the 20 points it averages.
     The first point of a cell has no step time, as the rank's first point has none;
     steps still count on. Until the cell logs, its collectives on CUDA tensors get
-    no timing events (:func:`nbdist.metrics.steptime.disarm`).
+    no timing events (:func:`nbdist.metrics.steptime.cell_begins`).
     """
-    steptime.disarm()
+    steptime.cell_begins()
     channel = _channel
     if channel is None:
         return

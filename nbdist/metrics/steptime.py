@@ -62,7 +62,7 @@ __all__ = [
     "MEMORY_KEYS",
     "collective_done",
     "cuda_comm_events",
-    "disarm",
+    "cell_begins",
     "data_timer",
     "events_seconds",
     "memory",
@@ -113,7 +113,7 @@ def collective_done(seconds: float) -> None:
     timers.dirty = True
 
 
-def disarm() -> None:
+def cell_begins() -> None:
     """A cell begins: no events until it calls ``nbdist.log`` (its first point has no breakdown)."""
     timers.armed = False
 

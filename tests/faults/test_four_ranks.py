@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import nbdist
 from nbdist.driver.sinks import ListSink
@@ -97,5 +98,36 @@ def test_a_collective_some_ranks_skip_is_released_and_one_that_can_end_is_not():
             sink=ListSink(),
         )
         assert s.pull("got", rank=0).item() == 7.0
+    finally:
+        s.stop()
+
+
+def test_a_tensor_parallel_model_made_again_after_a_release_runs_on_the_new_group():
+    """DTensor caches an operation's output sharding under a key holding the mesh, and a mesh
+    equals any other of the same shape whatever its process groups: after the group was formed
+    again, a new model's first forward got the old mesh back and failed with "Could not resolve
+    the process group registered under the name 13" (its tensor-parallel group, destroyed with
+    the old group). Ten more groups before the first model give the old meshes' groups other
+    names than the new ones (as a session that made other meshes before would)."""
+    s = nbdist.DistSession(4, cpu=True, timeout=120, group_timeout=60, history=False).start()
+    try:
+        s.run(
+            "from nbdist.strategies.parallel.tensor_parallel import apply_tp, device_mesh\n"
+            "def forward():\n"
+            "    torch.manual_seed(0)\n"
+            "    model = torch.nn.Sequential(\n"
+            "        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))\n"
+            "    apply_tp(model, device_mesh((2, 2), ('dp', 'tp'))['tp'], colwise=['0'],"
+            " rowwise=['2'])\n"
+            "    return model(torch.ones(4, 8)).detach()\n"
+            "others = [dist.new_group([0, 1, 2, 3]) for _ in range(10)]\n"
+            "before = forward()\n",
+            sink=ListSink(),
+        )
+        failing_cell(s, "if rank == 0:\n    raise ValueError('bad batch')\ndist.barrier()")
+        s.run("after = forward()", sink=ListSink())
+        for before, after in zip(s.pull("before"), s.pull("after")):
+            # The same arithmetic on the same ranks: the same float32 sums in the same order.
+            assert torch.equal(before, after)
     finally:
         s.stop()

@@ -1,0 +1,74 @@
+"""Rank side: DTensor's caches forget the meshes of a process group that is formed again.
+
+DTensor caches what it worked out for an operation (the output's sharding, a
+redistribution plan) under keys that hold the input's ``DeviceMesh``, and a
+``DeviceMesh`` compares equal to any other over the same ranks, shape and dimension
+names: its process groups are not part of its identity. After nbdist forms the group
+again (a release), a new mesh of the same shape is such an equal, so a cache hit hands
+back the old mesh, whose groups were destroyed with the old group: the first
+collective of a new tensor-parallel model then fails with "Could not resolve the
+process group registered under the name 15", naming neither the cache nor the fix.
+Forgetting what the caches hold when the group is formed again makes every new
+mesh's operations worked out afresh, with its own groups. (Megatron-LM met the same
+when it destroyed its groups, NVIDIA/Megatron-LM#7029.)
+
+Only caches torch keeps today are touched; each is looked up and skipped where this
+torch has none (the caches are private and change between versions).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+__all__ = ["forget_meshes"]
+
+
+def forget_meshes() -> list[str]:
+    """Empty DTensor's caches that can hold a mesh; returns the names of those emptied.
+
+    Nothing is imported: a rank that never loaded DTensor has nothing cached.
+    """
+    if "torch.distributed.tensor" not in sys.modules:
+        return []
+    emptied = []
+    try:
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator  # noqa: SLF001
+        cached = getattr(propagator, "propagate_op_sharding", None)
+        if isinstance(cached, threading.local):
+            # One cache per thread (a GPU's autograd threads have their own): a new
+            # object empties every thread's at once, where cache_clear() empties this one's.
+            propagator.propagate_op_sharding = type(cached)(
+                propagator.propagate_op_sharding_non_cached
+            )
+            emptied.append("sharding propagation")
+        elif hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+            emptied.append("sharding propagation")
+    except Exception:  # an older or newer torch without it: nothing to forget there
+        pass
+    import torch
+
+    # The C++ dispatch fast path's own copy of the sharding propagation cache.
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # noqa: SLF001
+    if clear_native is not None:
+        clear_native()
+        emptied.append("sharding propagation (C++)")
+    try:
+        from torch.distributed.tensor import _redistribute
+
+        # Keyed by a weak reference to the mesh, which compares as the mesh does.
+        _redistribute.clear_redistribute_planner_cache()
+        emptied.append("redistribute planners")
+    except (ImportError, AttributeError):
+        pass
+    try:
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+        MeshTopoInfo.build_from_mesh.cache_clear()
+        emptied.append("mesh topology")
+    except (ImportError, AttributeError):
+        pass
+    return emptied
