@@ -60,11 +60,12 @@ __all__ = [
     "BREAKDOWN_KEYS",
     "MAX_EVENT_PAIRS",
     "MEMORY_KEYS",
+    "cell_begins",
     "collective_done",
     "cuda_comm_events",
-    "cell_begins",
     "data_timer",
     "events_seconds",
+    "fold_finished",
     "memory",
     "split",
     "take",
@@ -154,9 +155,13 @@ def fold_finished(t: StepTimers) -> bool:
     events = t.events
     done = 0
     for start, end in events:
-        if not end.query():
+        try:
+            if not end.query():
+                break
+            seconds = start.elapsed_time(end) / 1000.0
+        except Exception:  # ``end`` not recorded yet: another thread's collective in flight
             break
-        t.comm += start.elapsed_time(end) / 1000.0
+        t.comm += seconds
         done += 1
     if done:
         del events[:done]

@@ -97,6 +97,25 @@ def test_held_cuda_events_are_folded_oldest_first_up_to_the_first_unfinished(mon
     assert timers.events == pairs[3:]
 
 
+class _NotRecorded(_Mark):
+    """An end event another thread appended and has not recorded yet: CUDA says it has passed
+    (a never-recorded event queries as done) but has no time for it."""
+
+    def elapsed_time(self, end: _Mark) -> float:
+        raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+
+
+def test_a_pair_not_recorded_yet_stops_the_fold_and_nothing_is_counted_twice(monkeypatch):
+    timers = steptime.StepTimers()
+    pending = (_NotRecorded(3.0, True), _Mark(0.0, True))
+    timers.events = [(_Mark(0.0, True), _Mark(2.0, True)), pending]
+    monkeypatch.setattr(steptime, "MAX_EVENT_PAIRS", 2)
+    assert steptime.fold_finished(timers)
+    assert timers.events == [pending] and timers.comm == 0.002
+    steptime.fold_finished(timers)  # again: the pair is read once it is recorded, not before
+    assert timers.events == [pending] and timers.comm == 0.002
+
+
 def test_collectives_get_cuda_events_only_in_a_cell_that_logged(channel):
     channel()
     metrics_log.new_cell()
