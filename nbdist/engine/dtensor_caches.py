@@ -24,51 +24,48 @@ import threading
 __all__ = ["forget_meshes"]
 
 
-def forget_meshes() -> list[str]:
-    """Empty DTensor's caches that can hold a mesh; returns the names of those emptied.
+def forget_meshes() -> None:
+    """Empty DTensor's caches that can hold a mesh; never raises (the group must form again).
 
     Nothing is imported: a rank that never loaded DTensor has nothing cached.
     """
     if "torch.distributed.tensor" not in sys.modules:
-        return []
-    emptied = []
-    try:
-        from torch.distributed.tensor import DTensor
+        return
+    for forget in (_sharding_propagation, _native_sharding_propagation, _planners, _topology):
+        try:
+            forget()
+        except Exception:  # an older or newer torch without this cache: nothing to forget
+            pass
 
-        propagator = DTensor._op_dispatcher.sharding_propagator  # noqa: SLF001
-        cached = getattr(propagator, "propagate_op_sharding", None)
-        if isinstance(cached, threading.local):
-            # One cache per thread (a GPU's autograd threads have their own): a new
-            # object empties every thread's at once, where cache_clear() empties this one's.
-            propagator.propagate_op_sharding = type(cached)(
-                propagator.propagate_op_sharding_non_cached
-            )
-            emptied.append("sharding propagation")
-        elif hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-            emptied.append("sharding propagation")
-    except Exception:  # an older or newer torch without it: nothing to forget there
-        pass
+
+def _sharding_propagation() -> None:
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator  # noqa: SLF001
+    cached = propagator.propagate_op_sharding
+    if isinstance(cached, threading.local):
+        # One cache per thread (a GPU's autograd threads have their own): a new object
+        # empties every thread's at once, where cache_clear() empties this one's.
+        propagator.propagate_op_sharding = type(cached)(propagator.propagate_op_sharding_non_cached)
+    else:
+        cached.cache_clear()
+
+
+def _native_sharding_propagation() -> None:
+    # The C++ dispatch fast path's own copy of the sharding propagation cache.
     import torch
 
-    # The C++ dispatch fast path's own copy of the sharding propagation cache.
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # noqa: SLF001
-    if clear_native is not None:
-        clear_native()
-        emptied.append("sharding propagation (C++)")
-    try:
-        from torch.distributed.tensor import _redistribute
+    torch._C._clear_DTensor_sharding_propagator_cache()  # noqa: SLF001
 
-        # Keyed by a weak reference to the mesh, which compares as the mesh does.
-        _redistribute.clear_redistribute_planner_cache()
-        emptied.append("redistribute planners")
-    except (ImportError, AttributeError):
-        pass
-    try:
-        from torch.distributed.tensor._collective_utils import MeshTopoInfo
 
-        MeshTopoInfo.build_from_mesh.cache_clear()
-        emptied.append("mesh topology")
-    except (ImportError, AttributeError):
-        pass
-    return emptied
+def _planners() -> None:
+    # Keyed by a weak reference to the mesh, which compares as the mesh does.
+    from torch.distributed.tensor import _redistribute
+
+    _redistribute.clear_redistribute_planner_cache()
+
+
+def _topology() -> None:
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+    MeshTopoInfo.build_from_mesh.cache_clear()

@@ -159,7 +159,7 @@ def apply_tp(
     return model
 
 
-def reduce_partial_grads(model: nn.Module) -> int:
+def reduce_partial_grads(model: nn.Module) -> None:
     """Reduce a replicated parameter's partial gradient as soon as backward has accumulated it.
 
     A module that runs on a shard of the activations (a ``SequenceParallel``
@@ -171,16 +171,13 @@ def reduce_partial_grads(model: nn.Module) -> int:
     2.13 on CPU matched within 1e-7). Reduced here, every optimizer, and anyone
     reading ``.grad``, sees the same whole gradient on every rank: the
     all-reduce the step would have done, done earlier. A gradient that is not
-    partial is left as it is. Returns how many parameters got the hook.
+    partial is left as it is.
     """
     from torch.distributed.tensor import DTensor
 
-    hooked = 0
     for p in model.parameters():
         if isinstance(p, DTensor) and all(q.is_replicate() for q in p.placements):
             p.register_post_accumulate_grad_hook(_reduce_if_partial)
-            hooked += 1
-    return hooked
 
 
 def _reduce_if_partial(param) -> None:
