@@ -110,9 +110,17 @@ def ratio_interval(
     return got[int(tail * (rounds - 1))], got[int((1 - tail) * (rounds - 1))]
 
 
-def settled(interval: tuple[float, float], goal: float, within: float) -> bool:
-    """True when ``interval`` lies wholly on one side of ``goal`` or is at most ``±within`` wide."""
+# Fewer windows than this never settle a ratio: their bootstrap cannot see a spread it has not
+# sampled (3 windows resample to 10 distinct sets, and an interval of them looks tight).
+SETTLE_MIN_WINDOWS = 10
+
+
+def settled(interval: tuple[float, float], goal: float, within: float, windows: int) -> bool:
+    """True when ``interval``, from ``windows`` windows (at least :data:`SETTLE_MIN_WINDOWS`),
+    lies wholly on one side of ``goal`` or is at most ``±within`` wide."""
     low, high = interval
+    if windows < SETTLE_MIN_WINDOWS:
+        return False
     return low >= goal or high < goal or (high - low) / 2 <= within
 
 

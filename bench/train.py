@@ -48,7 +48,8 @@ ratio (the windows resampled as pairs) is printed with it. On a noisy machine (a
 H200 whose windows varied 0.72-1.28x, bench/RESULTS.md) a dozen windows cannot tell
 1.0x from 0.97x; ``--settle PCT`` keeps adding windows after ``--windows`` until the
 interval lies on one side of the goal or is at most ±PCT % wide, or ``--max-minutes``
-have passed (a window that would end past them is not started). The stop looks at a
+have passed (a window that would end past them is not started); fewer than 10 windows
+never count as settled (a bootstrap of 3 sees 10 distinct resamples). The stop looks at a
 99 % interval: checked after every window, a 95 % one would stop on the wrong side of
 the goal more often than once in twenty.
 
@@ -182,7 +183,7 @@ def _main(argv=None) -> int:
         type=float,
         default=None,
         metavar="PCT",
-        help="after --windows, add windows until the ratio's 95 %% interval is on one side of "
+        help="after --windows, add windows until the ratio's 99 %% interval is on one side of "
         "the goal or at most ±PCT %% wide",
     )
     parser.add_argument(
@@ -251,17 +252,17 @@ def _main(argv=None) -> int:
         orders = balanced_orders(variants)  # each job follows every other equally often
         deadline = began + 60 * args.max_minutes
         w, took = 0, 0.0
-        while w < windows or (
-            args.settle is not None
-            and not settled(
-                # 99 %: looked at after every window, a 95 % interval would stop on the
-                # wrong side of the goal more often than one time in twenty.
-                ratio_interval(rates["nbdist"], rates["torchrun"], level=0.99),
-                goal,
-                args.settle / 100,
-            )
-            and time.monotonic() + took <= deadline
-        ):
+
+        def unsettled() -> bool:
+            # With --settle, past --windows: another window while time is left for it.
+            if args.settle is None or time.monotonic() + took > deadline:
+                return False
+            # 99 %: looked at after every window, a 95 % interval would stop on the wrong
+            # side of the goal more often than one time in twenty.
+            interval = ratio_interval(rates["nbdist"], rates["torchrun"], level=0.99)
+            return not settled(interval, goal, args.settle / 100, w)
+
+        while w < windows or unsettled():
             started = time.monotonic()
             got = {}
             for variant in orders[w % len(orders)]:
@@ -302,7 +303,7 @@ def _main(argv=None) -> int:
 
     r = ratio(med["nbdist"], med["torchrun"])
     interval = ratio_interval(rates["nbdist"], rates["torchrun"])
-    is_settled = settled(interval, goal, (args.settle or 1.0) / 100)
+    is_settled = settled(interval, goal, (args.settle or 1.0) / 100, windows)
     log_ratio = ratio(med["nbdist_log"], med["nbdist"])
     log_cost = 1 - log_ratio
     losses = {v: (final[v]["loss"], final[v]["steps"]) for v in final}
