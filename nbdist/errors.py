@@ -21,6 +21,7 @@ __all__ = [
     "RankFailure",
     "UnpicklableValue",
     "format_ranks",
+    "ranks_text",
 ]
 
 # Beyond this many distinct failures, further groups get one line each: a
@@ -63,6 +64,17 @@ def format_ranks(ranks: Iterable[int]) -> str:
     runs.append((start, prev))
     text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
     return f"rank {text}" if len(unique) == 1 else f"ranks {text}"
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """'rank 1', 'ranks 1, 2 and 5' for a few; runs for more ('ranks 0-62,64-255').
+
+    A fault message can name hundreds of ranks: a list of each would bury it.
+    """
+    unique = sorted(set(ranks))
+    if 1 < len(unique) <= 3:
+        return f"ranks {', '.join(map(str, unique[:-1]))} and {unique[-1]}"
+    return format_ranks(unique)
 
 
 # Shown under a short error: nbdist's own frames are hidden, not lost.

@@ -10,8 +10,8 @@ Two pieces, used by :class:`~nbdist.driver.session.DistSession` and the cell run
     cluster are watched through the controller (an engine that stops
     beating is unregistered after ~1 s).
 :class:`CellGuard`
-    consulted by the cell's waiting loop. When a rank failed and the others
-    are still running after a short grace, or when a rank died, or when an
+    consulted by the cell's waiting loop. When a rank failed and others wait
+    for it in a collective (or still run ~5 s later), or when a rank died, or when an
     interrupted rank does not stop, or when ranks wait in a collective for
     ranks that finished the cell without it, it *releases* the ranks: every live rank
     breaks out of its collective (see :mod:`nbdist.engine.control`) and
@@ -37,15 +37,20 @@ import threading
 import time
 
 from nbdist.driver import crash_stack
+from nbdist.driver.collective_waits import idle_ranks, stranded_waits, waits_for_failed
 from nbdist.driver.oom import OomCounter, cuda_oom_note, oom_counter
-from nbdist.errors import format_ranks
+from nbdist.errors import ranks_text
 
 __all__ = ["CellGuard", "RankMonitor", "dead_ranks", "death_cause"]
 
-# After one rank failed, how long the others may finish by themselves before
-# they are released: long enough for ranks that were about to return, far
-# shorter than the 5 s a user waits before suspecting a hang.
+# After one rank failed, the others are looked at every FAILURE_GRACE_S: those waiting
+# that long in a collective the failed rank never joins are released at once (the
+# collective would last the group's 30-minute timeout). Ranks still computing may finish,
+# or fail by themselves (a cell's error reaches ranks seconds apart at 256 ranks, or after
+# uneven work), for FAILURE_WAIT_MAX_S, the ~5 s after which a user suspects a hang; then
+# they are interrupted.
 FAILURE_GRACE_S = 0.5
+FAILURE_WAIT_MAX_S = 5.0
 # After an interrupt, how long ranks get to stop on SIGINT alone.
 INTERRUPT_GRACE_S = 0.5
 # Once released, how long a rank outside any collective may take to finish by itself.
@@ -264,6 +269,7 @@ class CellGuard:
         self._release_reason = ""
         self.released = False
         self._first_failure: float | None = None
+        self._next_failure_look = 0.0  # after a failure, the guard's next look at the others
         self._interrupted_at: float | None = None
         self._next_stranded_look: float | None = None  # the guard's next look at collectives
         self._stranded_interval = STRANDED_GRACE_S / 2  # doubled before each look
@@ -320,9 +326,14 @@ class CellGuard:
         elif failed and running:
             if self._first_failure is None:
                 self._first_failure = now
-            elif now - self._first_failure >= FAILURE_GRACE_S:
-                which = ", ".join(f"rank {r}" for r in failed)
-                self.release(run, f"{which} failed")
+                self._next_failure_look = now + FAILURE_GRACE_S
+            elif now - self._first_failure >= FAILURE_WAIT_MAX_S:
+                self.release(run, f"{ranks_text(failed)} failed")
+            elif now >= self._next_failure_look:
+                if self._waits_for_failed(running, failed):
+                    self.release(run, f"{ranks_text(failed)} failed")
+                else:
+                    self._next_failure_look = time.monotonic() + FAILURE_GRACE_S
         elif running:
             if self._next_stranded_look is None:
                 self._next_stranded_look = now + STRANDED_GRACE_S
@@ -330,102 +341,26 @@ class CellGuard:
                 self._stranded_interval = min(2 * self._stranded_interval, STRANDED_LOOK_MAX_S)
                 self._next_stranded_look = now + self._stranded_interval
                 done = {r for r, s in states.items() if s == "ok"}
-                stranded = self._stranded(running, done)
+                stranded = stranded_waits(
+                    self.session.client,
+                    {r.rank: r for r in self.ranks},
+                    running,
+                    done,
+                    self._untracked_wait,
+                    lasted_s=STRANDED_GRACE_S,
+                )
                 if stranded:
                     self.stranded = stranded
                     self.release(run, _STRANDED)
 
-    def _stranded(self, running: list[int], done: set[int]) -> dict[int, str]:
-        """{rank: what it waits in, and for whom} of running ranks whose collective cannot end.
-
-        Four cases, each certain once it has lasted ``STRANDED_GRACE_S``: the ranks it
-        waits for finished the cell and are idle; they all wait in a collective too, but
-        another one (``all_reduce`` against ``broadcast``); two ranks each wait to
-        receive from (or send to) the other; or, where nbdist does not see the call (DDP's
-        gradient all-reduce, issued from C++), the process group's flight recorder holds
-        an open call that idle finished ranks never issued.
-        """
-        from nbdist.driver.ipp_internals import awaiting_replies
-        from nbdist.driver.where import ask
-
+    def _waits_for_failed(self, running: list[int], failed: list[int]) -> dict[int, str]:
+        """{rank: its call} of running ranks that wait in vain for the failed ones."""
         by_rank = {r.rank: r for r in self.ranks}
         client = self.session.client
-        # A finished rank counts only while idle: one this kernel sent a later cell (queued
-        # with --noblock) may still make the call. Read from the client's own book, so only
-        # the running ranks are asked (at 256 ranks, the few still finishing a cell).
-        queued = awaiting_replies(client, [by_rank[r].engine_id for r in done])
-        idle = {r for r in done if by_rank[r].engine_id not in queued}
-        # With idle finished ranks, the running ones' flight recorders too: a call issued from
-        # C++ (DDP's gradient buckets) that the finished ranks never issued waits for them.
-        found = ask(
-            client, [by_rank[r] for r in running], timeout=1.0, light=True, flight=bool(idle)
-        )
-        inside = {
-            w.rank: w.collective
-            for w in found
-            if w.answered and w.collective and w.collective["inside"]
-        }
-        stranded = {}
-        for rank, c in inside.items():
-            members = set(c.get("ranks") or ())
-            what = f"waited in {c['op']} #{c['seq']}"
-            gone = sorted(members & idle)
-            if gone:
-                stranded[rank] = (
-                    f"{what} for {_ranks_text(gone)}, which finished the cell without entering it"
-                )
-                continue
-            if not members or not members <= inside.keys():
-                continue  # some rank it waits for is still computing: it may yet come
-            other = next((m for m in sorted(members) if inside[m]["op"] != c["op"]), None)
-            if other is not None:
-                theirs = inside[other]
-                stranded[rank] = (
-                    f"{what} while rank {other} waited in {theirs['op']} #{theirs['seq']}"
-                )
-            elif c["op"] in ("send", "recv") and inside[next(iter(members))].get("ranks") == [rank]:
-                peer = next(iter(members))
-                stranded[rank] = f"{what} while rank {peer} waited in {c['op']} from it too"
-        lasted = [r for r in stranded if inside[r]["seconds"] >= STRANDED_GRACE_S]
-        opened = {
-            w.rank: w.flight_state["open"]
-            for w in found
-            if w.rank not in inside and w.flight_state and w.flight_state["open"]
-        }
-        if opened and idle:
-            stranded.update(self._issued_alone(opened, idle, by_rank))
-            lasted += [
-                r for r in opened if r in stranded and opened[r]["seconds"] >= STRANDED_GRACE_S
-            ]
-        # One wait that lasted the grace makes the case: the others named with it may have
-        # begun later (a rank slow to start the cell) but wait for the same ranks.
-        return stranded if lasted else {}
-
-    def _issued_alone(self, opened: dict[int, dict], idle: set[int], by_rank) -> dict[int, str]:
-        """{rank: what it waits in} of ranks with a default-group call idle ranks never issued."""
-        from nbdist.driver.where import ask
-
-        found = ask(
-            self.session.client,
-            [by_rank[r] for r in sorted(idle)],
-            timeout=2.0,
-            light=True,
-            flight=True,
-        )
-        last = {w.rank: w.flight_state["last"] for w in found if w.flight_state}
-        alone = {}
-        for rank, call in opened.items():
-            behind = sorted(r for r, seq in last.items() if seq < call["seq"])
-            if behind:
-                self._untracked_wait[rank] = f"{call['op']} #{call['seq']}"
-                alone[rank] = (
-                    f"waited in {call['op']} #{call['seq']} of the process group (issued by torch "
-                    f"itself, e.g. DDP's gradient all-reduce) for {_ranks_text(behind)}, which "
-                    "finished the cell without issuing it: did the ranks run different numbers "
-                    "of steps? (give every rank as many batches: DistributedSampler, "
-                    "drop_last=True)"
-                )
-        return alone
+        gone = idle_ranks(client, by_rank, failed)
+        if not gone:
+            return {}
+        return waits_for_failed(client, by_rank, running, gone, lasted_s=FAILURE_GRACE_S)
 
     def interrupted(self) -> None:
         """SIGINT went to the ranks; release them if it does not land soon."""
@@ -557,7 +492,7 @@ class CellGuard:
     def _released_note(self) -> str:
         if not self.released:
             return ""
-        parts = [f"rank {r} from {what}" for r, what in sorted(self.released_from.items())]
+        parts = _released_parts(self.released_from)
         released = "released" if self.stranded else "the others were released"
         head = self.release_reason + (f"; {released}: {', '.join(parts)}" if parts else "")
         if self.session.dead_ranks():
@@ -567,11 +502,18 @@ class CellGuard:
         )
 
 
-def _ranks_text(ranks: list[int]) -> str:
-    """'rank 1', 'ranks 1, 2 and 5' for a few; runs for more ('ranks 0-62,64-255').
+def _released_parts(released_from: dict[int, str]) -> list[str]:
+    """'rank 0 from all_reduce #3', 'ranks 4-9,12 from their running code': one per place.
 
-    A collective's group can hold hundreds of ranks: a list of each would bury the message.
+    Ranks released from the same place are named together: at 256 ranks a part each
+    filled the screen.
     """
-    if 1 < len(ranks) <= 3:
-        return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
-    return format_ranks(ranks)
+    by_what: dict[str, list[int]] = {}
+    for rank, what in sorted(released_from.items()):
+        by_what.setdefault(what, []).append(rank)
+    parts = []
+    for what, ranks in by_what.items():
+        if len(ranks) > 1 and what.startswith("its "):
+            what = "their " + what[4:]
+        parts.append(f"{ranks_text(ranks)} from {what}")
+    return parts

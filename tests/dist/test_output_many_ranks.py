@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 import nbdist
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.status import format_status
+from nbdist.errors import RankError
 
 RANKS = 32
 
@@ -64,3 +66,35 @@ def test_status_lists_only_the_straggler_and_names_it(session):
     assert f"{RANKS} ranks on " in text.splitlines()[0]
     assert "1 rank deviating" in text, text
     assert "rank 7 is a straggler: " in text, text
+
+
+def test_an_error_every_rank_meets_at_its_own_time_is_one_line_and_keeps_the_group(session):
+    # The ranks meet the same error 1.5 s apart from first to last (as at 256 ranks, where
+    # the cell itself reaches them seconds apart): no rank waits for another, so none is
+    # interrupted and the group is not formed again; the error reads as one line.
+    session.run("sub = dist.new_group(list(range(world_size)))", sink=ListSink())
+    with pytest.raises(RankError) as info:
+        session.run(
+            "import time\ntime.sleep(0.05 * rank)\nraise ValueError('no such column')",
+            sink=ListSink(),
+        )
+    assert info.value.ranks == list(range(RANKS))
+    text = str(info.value)
+    assert f"ranks 0-{RANKS - 1}: ValueError: no such column" in text, text
+    assert "released" not in text, text
+    session.run("t = torch.ones(1)\ndist.all_reduce(t, group=sub)\ndel sub", sink=ListSink())
+    assert {t.item() for t in session.pull("t")} == {float(RANKS)}
+
+
+def test_ranks_released_from_one_collective_are_named_in_one_part(session):
+    with pytest.raises(RankError) as info:
+        session.run(
+            "if rank == 5:\n    raise KeyError('bad shard')\ndist.all_reduce(torch.ones(1))",
+            sink=ListSink(),
+        )
+    text = str(info.value)
+    # "rank 0 from all_reduce #4, rank 1 from all_reduce #4, ..." for 31 ranks, before.
+    assert re.search(
+        rf"rank 5 failed; the others were released: ranks 0-4,6-{RANKS - 1} from all_reduce #\d+\.",
+        text,
+    ), text

@@ -208,9 +208,31 @@ def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
             "dist.all_reduce(torch.ones(1))\n",
             sink=ListSink(),
         )
+    # Rank 1 computes on (no collective waits for rank 0 yet): it gets a few seconds to
+    # finish or fail by itself, then it is interrupted.
     assert info.value.ranks == [0]
     assert "rank 1 from its running code (interrupted)" in str(info.value)
     _reduce_works(session)
+
+
+def test_ranks_failing_the_same_way_seconds_apart_keep_the_group(session):
+    # The same error reaches ranks seconds apart (at 96 ranks a NameError's cell reaches the
+    # last ranks seconds after the first fail; here rank 1 computes 1.5 s longer). Neither
+    # waits for the other in a collective, so each fails by itself and the group is kept:
+    # before, the rank still computing was interrupted 0.5 s after rank 0 failed and the
+    # group was formed again (slow at many ranks, and every subgroup made again by hand).
+    session.run("sub = dist.new_group([0, 1])", sink=ListSink())
+    with pytest.raises(RankError) as info:
+        session.run(
+            "import time\ntime.sleep(1.5 * rank)\nraise ValueError('the same on every rank')",
+            sink=ListSink(),
+        )
+    assert info.value.ranks == [0, 1]
+    assert "released" not in str(info.value), str(info.value)
+    assert "formed again" not in str(info.value), str(info.value)
+    session.run("t = torch.ones(1)\ndist.all_reduce(t, group=sub)", sink=ListSink())
+    assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
+    session.run("del sub", sink=ListSink())
 
 
 def test_interrupt_while_blocked_in_a_collective(session, tmp_path):

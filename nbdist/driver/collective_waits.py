@@ -1,0 +1,137 @@
+"""Kernel side: which running ranks wait in a collective that cannot end, and for whom.
+
+The cell guard (:class:`nbdist.driver.faults.CellGuard`) asks this while a cell runs; each
+function asks only the ranks still running (a control message each, answered on the
+rank's control thread while its cell computes) and reads the others' state from the
+kernel's own ipyparallel book, so a look at 256 ranks costs what the few running ones
+answer.
+
+A wait counts only once it has lasted the caller's grace: in flight, a collective every
+rank entered ends within it.
+"""
+
+from __future__ import annotations
+
+from nbdist.driver.ipp_internals import awaiting_replies
+from nbdist.driver.where import ask
+from nbdist.errors import ranks_text
+
+__all__ = ["idle_ranks", "stranded_waits", "waits_for_failed"]
+
+# How long a look waits for the running ranks' answers (the waiting loop pauses meanwhile).
+_ANSWER_S = 1.0
+
+
+def idle_ranks(client, by_rank: dict, ranks) -> set[int]:
+    """Those of ``ranks`` (finished this cell) that have no later cell queued.
+
+    One this kernel sent a later cell (``--noblock``) may still make the call; read from
+    the client's own book, so no rank is asked.
+    """
+    queued = awaiting_replies(client, [by_rank[r].engine_id for r in ranks])
+    return {r for r in ranks if by_rank[r].engine_id not in queued}
+
+
+def waits_for_failed(
+    client, by_rank: dict, running, failed: set[int], *, lasted_s: float
+) -> dict[int, str]:
+    """{rank: 'all_reduce #3'} of running ranks that wait in a call a failed rank never joins.
+
+    ``failed``: ranks whose cell raised and that are idle. A running rank counts when it
+    has waited at least ``lasted_s`` in a collective whose group holds a failed rank (or
+    whose group it does not know), or in an open call of the default group's flight
+    recorder (one torch issued from C++, DDP's gradient all-reduce). Ranks that compute,
+    or that do not answer (a busy machine), are left to finish or fail by themselves.
+    """
+    found = ask(client, [by_rank[r] for r in running], timeout=_ANSWER_S, light=True, flight=True)
+    waits = {}
+    for w in found:
+        if not w.answered:
+            continue
+        c = w.collective
+        if c and c["inside"]:
+            members = set(c.get("ranks") or ())
+            if c["seconds"] >= lasted_s and (not members or members & failed):
+                waits[w.rank] = f"{c['op']} #{c['seq']}"
+            continue
+        call = w.flight_state["open"] if w.flight_state else None
+        if call and call["seconds"] >= lasted_s:
+            waits[w.rank] = f"{call['op']} #{call['seq']}"
+    return waits
+
+
+def stranded_waits(
+    client, by_rank: dict, running, done: set[int], untracked: dict[int, str], *, lasted_s: float
+) -> dict[int, str]:
+    """{rank: what it waits in, and for whom} of running ranks whose collective cannot end.
+
+    Four cases, each certain once it has lasted ``lasted_s``: the ranks it waits for
+    finished the cell and are idle; they all wait in a collective too, but another one
+    (``all_reduce`` against ``broadcast``); two ranks each wait to receive from (or send
+    to) the other; or, where nbdist does not see the call (DDP's gradient all-reduce,
+    issued from C++), the process group's flight recorder holds an open call that idle
+    finished ranks never issued (such ranks are also put in ``untracked``: {rank: the call}).
+    """
+    idle = idle_ranks(client, by_rank, done)
+    # With idle finished ranks, the running ones' flight recorders too: a call issued from
+    # C++ (DDP's gradient buckets) that the finished ranks never issued waits for them.
+    found = ask(
+        client, [by_rank[r] for r in running], timeout=_ANSWER_S, light=True, flight=bool(idle)
+    )
+    inside = {
+        w.rank: w.collective
+        for w in found
+        if w.answered and w.collective and w.collective["inside"]
+    }
+    stranded = {}
+    for rank, c in inside.items():
+        members = set(c.get("ranks") or ())
+        what = f"waited in {c['op']} #{c['seq']}"
+        gone = sorted(members & idle)
+        if gone:
+            stranded[rank] = (
+                f"{what} for {ranks_text(gone)}, which finished the cell without entering it"
+            )
+            continue
+        if not members or not members <= inside.keys():
+            continue  # some rank it waits for is still computing: it may yet come
+        other = next((m for m in sorted(members) if inside[m]["op"] != c["op"]), None)
+        if other is not None:
+            theirs = inside[other]
+            stranded[rank] = f"{what} while rank {other} waited in {theirs['op']} #{theirs['seq']}"
+        elif c["op"] in ("send", "recv") and inside[next(iter(members))].get("ranks") == [rank]:
+            peer = next(iter(members))
+            stranded[rank] = f"{what} while rank {peer} waited in {c['op']} from it too"
+    lasted = [r for r in stranded if inside[r]["seconds"] >= lasted_s]
+    opened = {
+        w.rank: w.flight_state["open"]
+        for w in found
+        if w.rank not in inside and w.flight_state and w.flight_state["open"]
+    }
+    if opened and idle:
+        stranded.update(_issued_alone(client, opened, idle, by_rank, untracked))
+        lasted += [r for r in opened if r in stranded and opened[r]["seconds"] >= lasted_s]
+    # One wait that lasted the grace makes the case: the others named with it may have
+    # begun later (a rank slow to start the cell) but wait for the same ranks.
+    return stranded if lasted else {}
+
+
+def _issued_alone(
+    client, opened: dict[int, dict], idle: set[int], by_rank: dict, untracked: dict[int, str]
+) -> dict[int, str]:
+    """{rank: what it waits in} of ranks with a default-group call idle ranks never issued."""
+    found = ask(client, [by_rank[r] for r in sorted(idle)], timeout=2.0, light=True, flight=True)
+    last = {w.rank: w.flight_state["last"] for w in found if w.flight_state}
+    alone = {}
+    for rank, call in opened.items():
+        behind = sorted(r for r, seq in last.items() if seq < call["seq"])
+        if behind:
+            untracked[rank] = f"{call['op']} #{call['seq']}"
+            alone[rank] = (
+                f"waited in {call['op']} #{call['seq']} of the process group (issued by torch "
+                f"itself, e.g. DDP's gradient all-reduce) for {ranks_text(behind)}, which "
+                "finished the cell without issuing it: did the ranks run different numbers "
+                "of steps? (give every rank as many batches: DistributedSampler, "
+                "drop_last=True)"
+            )
+    return alone
