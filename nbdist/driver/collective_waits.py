@@ -33,17 +33,18 @@ def idle_ranks(client, by_rank: dict, ranks) -> set[int]:
 
 
 def waits_for_failed(
-    client, by_rank: dict, running, failed: set[int], *, lasted_s: float
+    client, by_rank: dict, running, failed: set[int], *, lasted_s: float, flight: bool = True
 ) -> dict[int, str]:
     """{rank: 'all_reduce #3'} of running ranks that wait in a call a failed rank never joins.
 
     ``failed``: ranks whose cell raised and that are idle. A running rank counts when it
     has waited at least ``lasted_s`` in a collective whose group holds a failed rank (or
-    whose group it does not know), or in an open call of the default group's flight
-    recorder (one torch issued from C++, DDP's gradient all-reduce). Ranks that compute,
-    or that do not answer (a busy machine), are left to finish or fail by themselves.
+    whose group it does not know), or, with ``flight``, in an open call of the default
+    group's flight recorder (one torch issued from C++, DDP's gradient all-reduce). Ranks
+    that compute, or that do not answer (a busy machine), are left to finish or fail by
+    themselves.
     """
-    found = ask(client, [by_rank[r] for r in running], timeout=_ANSWER_S, light=True, flight=True)
+    found = ask(client, [by_rank[r] for r in running], timeout=_ANSWER_S, light=True, flight=flight)
     waits = {}
     for w in found:
         if not w.answered:

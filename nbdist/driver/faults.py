@@ -270,6 +270,7 @@ class CellGuard:
         self.released = False
         self._first_failure: float | None = None
         self._next_failure_look = 0.0  # after a failure, the guard's next look at the others
+        self._failure_looks = 0
         self._interrupted_at: float | None = None
         self._next_stranded_look: float | None = None  # the guard's next look at collectives
         self._stranded_interval = STRANDED_GRACE_S / 2  # doubled before each look
@@ -327,13 +328,17 @@ class CellGuard:
             if self._first_failure is None:
                 self._first_failure = now
                 self._next_failure_look = now + FAILURE_GRACE_S
-            elif now - self._first_failure >= FAILURE_WAIT_MAX_S:
+            elif self._overdue(run, running, now):
                 self.release(run, f"{ranks_text(failed)} failed")
             elif now >= self._next_failure_look:
-                if self._waits_for_failed(running, failed):
+                self._failure_looks += 1
+                if self._waits_for_failed(run, running, failed):
                     self.release(run, f"{ranks_text(failed)} failed")
                 else:
-                    self._next_failure_look = time.monotonic() + FAILURE_GRACE_S
+                    # Each look costs every running rank a moment of CPU (at 256 ranks on a
+                    # small machine, the CPU they are failing or finishing with).
+                    interval = FAILURE_GRACE_S * 2**self._failure_looks
+                    self._next_failure_look = time.monotonic() + interval
         elif running:
             if self._next_stranded_look is None:
                 self._next_stranded_look = now + STRANDED_GRACE_S
@@ -353,14 +358,44 @@ class CellGuard:
                     self.stranded = stranded
                     self.release(run, _STRANDED)
 
-    def _waits_for_failed(self, running: list[int], failed: list[int]) -> dict[int, str]:
-        """{rank: its call} of running ranks that wait in vain for the failed ones."""
+    def _overdue(self, run, running: list[int], now: float) -> bool:
+        """Some running rank has computed FAILURE_WAIT_MAX_S since a rank failed.
+
+        Counted from when the rank began the cell, if later: at 256 ranks some begin it
+        seconds after the first failed, and fail the same way soon after. Ranks that have
+        not begun are not counted; where no rank's beginning was seen (no ``execute_input``
+        message), from the failure.
+        """
+        began = run.began
+        if not began:
+            return now - self._first_failure >= FAILURE_WAIT_MAX_S
+        return any(
+            now - max(began[r], self._first_failure) >= FAILURE_WAIT_MAX_S
+            for r in running
+            if r in began
+        )
+
+    def _waits_for_failed(self, run, running: list[int], failed: list[int]) -> dict[int, str]:
+        """{rank: its call} of running ranks that wait in vain for the failed ones.
+
+        Only ranks that began the cell are asked. The first look reads nbdist's own
+        record of each rank's collective; later ones the flight recorder too (a call
+        torch issued itself, DDP's), ~20 ms of a rank's CPU.
+        """
         by_rank = {r.rank: r for r in self.ranks}
         client = self.session.client
         gone = idle_ranks(client, by_rank, failed)
-        if not gone:
+        asked = [r for r in running if r in run.began] if run.began else running
+        if not gone or not asked:
             return {}
-        return waits_for_failed(client, by_rank, running, gone, lasted_s=FAILURE_GRACE_S)
+        return waits_for_failed(
+            client,
+            by_rank,
+            asked,
+            gone,
+            lasted_s=FAILURE_GRACE_S,
+            flight=self._failure_looks > 1,
+        )
 
     def interrupted(self) -> None:
         """SIGINT went to the ranks; release them if it does not land soon."""

@@ -188,6 +188,9 @@ class RankRun:
         # The dicts ipyparallel fills with each rank's output, in place: read on every pass.
         self._metadata = per_engine_metadata(async_result)
         self._comms: deque[tuple[int, str, dict]] = deque()  # filled on ipyparallel's IO thread
+        # {rank: when (monotonic) its engine began the cell}: at many ranks the last ones begin
+        # seconds after the first fail, and the guard counts a rank's time from its beginning.
+        self.began: dict[int, float] = {}
         for rank, child in zip(self.ranks, self._children):
             if iopub is None:
                 child.iopub_callbacks.append(partial(self._on_iopub, rank))
@@ -198,7 +201,9 @@ class RankRun:
 
     def _on_iopub(self, rank: int, msg: dict) -> None:
         kind = msg["header"]["msg_type"]
-        if kind in _OUTPUT_MESSAGES:
+        if kind == "execute_input":
+            self.began.setdefault(rank, time.monotonic())
+        elif kind in _OUTPUT_MESSAGES:
             self._wake.set()
         elif kind in _COMM_MESSAGES:
             self._comms.append((rank, kind, msg["content"]))
