@@ -144,7 +144,11 @@ def test_bad_rank_selection_is_refused(session):
         (lambda s: s.run(None), TypeError, r"code must be a str of Python source, got None"),
         # Before: base64 text ran on the ranks.
         (lambda s: s.run(b"x = 1"), TypeError, r"got b'x = 1' \(a bytes\): decode it first"),
-        (lambda s: s.run("x = 1", timeout=-1), nbdist.PlacementError, r"timeout must be a positive"),
+        (
+            lambda s: s.run("x = 1", timeout=-1),
+            nbdist.PlacementError,
+            r"timeout must be a positive",
+        ),
         (lambda s: s.run("x = 1", timeout="a"), nbdist.PlacementError, r"got 'a'"),
         # Before: a SyntaxError, then a TypeError, on every rank.
         (lambda s: s.push({"1a": 1}), nbdist.PlacementError, r"'1a' is no Python name"),
@@ -473,3 +477,27 @@ def test_the_rank_patches_are_in_place_once_and_installing_again_changes_nothing
     assert session.pull("in_place") == [(True, True, True, True)] * 2
     session.run("t = torch.ones(1)\ndist.all_reduce(t)")
     assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
+
+
+def test_a_fresh_rank_formats_its_first_traceback_with_what_the_zygote_prepared():
+    """A rank's first error imports no module and finds the traceback caches filled.
+
+    At 256 ranks, what each rank did at its first error (stack_data and pygments imported,
+    inspect's walk of every module, the Python lexer compiled: ~30 ms of CPU a rank) made
+    the cell that failed take seconds longer, while the ranks still running were watched.
+    """
+    with nbdist.DistSession(1, cpu=True, timeout=120, history=False) as fresh:
+        fresh.run(
+            "import inspect, sys\n"
+            "from pygments.lexers.python import PythonLexer\n"
+            "before = set(sys.modules)\n"
+            "compiled = '_tokens' in PythonLexer.__dict__\n"
+            "walked = all(m in inspect._filesbymodname for m in ('torch', 'stack_data'))",
+            sink=ListSink(),
+        )
+        with pytest.raises(RankError, match="NameError"):
+            fresh.run("undefined_name", sink=ListSink())
+        fresh.run("imported = sorted(set(sys.modules) - before)", sink=ListSink())
+        assert fresh.pull("compiled") == [True]
+        assert fresh.pull("walked") == [True]
+        assert fresh.pull("imported") == [[]]
