@@ -43,12 +43,12 @@ from nbdist.errors import ranks_text
 
 __all__ = ["CellGuard", "RankMonitor", "dead_ranks", "death_cause"]
 
-# After one rank failed, the others are looked at every FAILURE_GRACE_S: those waiting
-# that long in a collective the failed rank never joins are released at once (the
-# collective would last the group's 30-minute timeout). Ranks still computing may finish,
-# or fail by themselves (a cell's error reaches ranks seconds apart at 256 ranks, or after
-# uneven work), for FAILURE_WAIT_MAX_S, the ~5 s after which a user suspects a hang; then
-# they are interrupted.
+# After one rank failed, the others are looked at FAILURE_GRACE_S later, then at doubling
+# intervals: those waiting that long in a collective the failed rank never joins are
+# released at once (the collective would last the group's 30-minute timeout). Ranks still
+# computing may finish, or fail by themselves (a cell's error reaches ranks seconds apart at
+# 256 ranks, or after uneven work), for FAILURE_WAIT_MAX_S, the ~5 s after which a user
+# suspects a hang; then they are interrupted.
 FAILURE_GRACE_S = 0.5
 FAILURE_WAIT_MAX_S = 5.0
 # After an interrupt, how long ranks get to stop on SIGINT alone.
