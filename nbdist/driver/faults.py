@@ -363,7 +363,7 @@ class CellGuard:
 
         Counted from when the rank began the cell, if later: at 256 ranks some begin it
         seconds after the first failed, and fail the same way soon after. Ranks that have
-        not begun are not counted; where no rank's beginning was seen (no ``execute_input``
+        not begun are not counted; where no rank's beginning was seen (no "busy" status
         message), from the failure.
         """
         began = run.began

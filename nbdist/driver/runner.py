@@ -201,8 +201,10 @@ class RankRun:
 
     def _on_iopub(self, rank: int, msg: dict) -> None:
         kind = msg["header"]["msg_type"]
-        if kind == "execute_input":
-            self.began.setdefault(rank, time.monotonic())
+        if kind == "status":
+            # "busy" comes for every request; execute_input not for a silent one.
+            if msg["content"].get("execution_state") == "busy":
+                self.began.setdefault(rank, time.monotonic())
         elif kind in _OUTPUT_MESSAGES:
             self._wake.set()
         elif kind in _COMM_MESSAGES:

@@ -343,6 +343,23 @@ def test_a_rank_that_makes_the_call_in_a_later_queued_cell_is_waited_for(session
     _reduce_works(session)
 
 
+def test_a_rank_that_begins_the_cell_late_is_not_interrupted_in_the_one_before(session):
+    # Rank 1 still runs an earlier cell (sent without waiting) when rank 0 fails this one at
+    # once. A rank's seconds after a failure count from when it begins the cell: rank 1 is
+    # not interrupted in the earlier cell 5 s after rank 0 failed, and then fails the same
+    # way by itself.
+    earlier = session.run(
+        "import time\ntime.sleep(7)\nslept = True", ranks=[1], block=False, sink=ListSink()
+    )
+    with pytest.raises(RankError) as info:
+        session.run("raise ValueError('the same on every rank')", sink=ListSink())
+    assert info.value.ranks == [0, 1]
+    assert "released" not in str(info.value), str(info.value)
+    earlier.wait()
+    assert session.pull("slept", rank=1) is True
+    _reduce_works(session)
+
+
 @pytest.mark.parametrize(
     "cell, rank0, rank1",
     [
