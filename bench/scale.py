@@ -15,6 +15,10 @@ IPython shell with ``%load_ext nbdist``; the magics are the user's). For each N:
   figures are medians, ratios are to the DirectView median of the same run;
 - the kernel's CPU per cell (its own process's user+system time, mean over the
   repetitions of the ``%%on_all_ranks`` no-op), to see how it grows with N;
+- an error on every rank (``raise ValueError(...)``, the same on all): ``%%on_all_ranks``
+  against raw ``DirectView.execute`` (ipyparallel's ``CompositeError``), and how many of
+  nbdist's error cells released the ranks and formed the group again (none should: no rank
+  waits for another);
 - a 1 MiB output cell: 1 MiB printed in all, split evenly over the ranks
   (64-byte lines), shown by ``%%on_all_ranks``, against raw
   ``DirectView.execute(silent=False)`` waiting for all output;
@@ -56,6 +60,7 @@ ALL_NS = [2, 8, 32, 64, 128, 256]
 QUICK_NS = [2, 8, 32]
 NOOP = "pass"
 ALL_REDUCE = "t = torch.ones(1)\ntorch.distributed.all_reduce(t)"
+ERROR = "raise ValueError('the same on every rank')"
 OUTPUT_BYTES = 1 << 20
 LINE = 64  # bytes per printed line, newline included
 
@@ -63,6 +68,21 @@ LINE = 64  # bytes per printed line, newline included
 def _output_code(n: int) -> str:
     lines = OUTPUT_BYTES // LINE // n
     return f"for i in range({lines}):\n    print(f'{{rank:05d}} {{i:07d}} ' + 'x' * {LINE - 15})"
+
+
+def _failing(fn, released: list[str]):
+    """``fn`` made a path that must raise; a failure whose words say ranks were released is kept."""
+
+    def call():
+        try:
+            fn()
+        except Exception as exc:  # raw: ipyparallel's CompositeError; nbdist: RankError
+            if "released" in str(exc):
+                released.append(str(exc).splitlines()[-1])
+            return
+        raise AssertionError(f"{ERROR!r} did not fail")
+
+    return call
 
 
 def _kernel_cpu() -> float:
@@ -128,6 +148,7 @@ def measure(shell, n: int, reps: int) -> dict:
             ar.get()
             ar.wait_for_output()
 
+        released: list[str] = []
         paths = {
             "noop_direct": lambda: direct.execute(NOOP, block=True),
             "noop_broadcast": lambda: broadcast.execute(NOOP, block=True),
@@ -136,6 +157,10 @@ def measure(shell, n: int, reps: int) -> dict:
             "allreduce_broadcast": lambda: broadcast.execute(ALL_REDUCE, block=True),
             "allreduce_nbdist": lambda: _quiet(
                 shell.run_cell_magic, "on_all_ranks", "", ALL_REDUCE
+            ),
+            "error_direct": _failing(lambda: direct.execute(ERROR, block=True), []),
+            "error_nbdist": _failing(
+                lambda: _quiet(shell.run_cell_magic, "on_all_ranks", "", ERROR), released
             ),
             "output_direct": raw_output,
             "output_nbdist": lambda: _quiet(shell.run_cell_magic, "on_all_ranks", "", out_code),
@@ -155,7 +180,11 @@ def measure(shell, n: int, reps: int) -> dict:
         for name in paths:
             row[f"{name}_ms"] = round(median(times[name]) * 1e3, 1)
             row[f"{name}_kernel_cpu_ms"] = round(sum(cpu[name]) / len(cpu[name]) * 1e3, 2)
-        for kind in ("noop", "allreduce", "output"):
+        row["error_cells_released"] = len(released)  # of reps + 1 (the warm-up's counts)
+        row["error_cells"] = reps + 1
+        if released:
+            print(f"  an error cell released the ranks: {released[0]}", flush=True)
+        for kind in ("noop", "allreduce", "error", "output"):
             base = median(times[f"{kind}_direct"])
             row[f"{kind}_nbdist_x"] = round(ratio(median(times[f"{kind}_nbdist"]), base), 2)
             if f"{kind}_broadcast" in paths:
@@ -197,7 +226,8 @@ def _alive(pid: int) -> bool:
 def _table(rows: list[dict]) -> str:
     head = (
         "| N | floor | ready | ×floor | start CPU (kernel) | no-op raw DirectView | broadcast | "
-        "nbdist | all_reduce raw | broadcast | nbdist | 1 MiB out raw | nbdist | "
+        "nbdist | all_reduce raw | broadcast | nbdist | error raw | nbdist (released) | "
+        "1 MiB out raw | nbdist | "
         "kernel CPU / no-op cell | `%dist_status` | stop | USS / rank |"
     )
     sep = "|" + "---|" * (head.count("|") - 1)
@@ -212,6 +242,8 @@ def _table(rows: list[dict]) -> str:
             f"| {r['allreduce_direct_ms']:.0f} ms | {r['allreduce_broadcast_ms']:.0f} ms "
             f"({r['allreduce_broadcast_x']:.2f}×) | {r['allreduce_nbdist_ms']:.0f} ms "
             f"({r['allreduce_nbdist_x']:.2f}×) "
+            f"| {r['error_direct_ms']:.0f} ms | {r['error_nbdist_ms']:.0f} ms "
+            f"({r['error_nbdist_x']:.2f}×; {r['error_cells_released']} of {r['error_cells']}) "
             f"| {r['output_direct_ms']:.0f} ms | {r['output_nbdist_ms']:.0f} ms "
             f"({r['output_nbdist_x']:.2f}×) "
             f"| {r['noop_nbdist_kernel_cpu_ms']:.1f} ms (raw {r['noop_direct_kernel_cpu_ms']:.1f}) "
