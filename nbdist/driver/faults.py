@@ -423,7 +423,7 @@ class CellGuard:
         }
         control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
         session.group.released = True
-        computing = {}
+        computing: set[int] = set()
         for rank in sorted(running):
             w = found.get(rank)
             c = w.collective if w is not None else None
@@ -440,19 +440,19 @@ class CellGuard:
                 # the release ends it; SIGINT would only cut its traceback short.
                 self._released_from[rank] = f"{c['op']} #{c['seq']}"
             else:
-                computing[rank] = c
+                computing.add(rank)
         # A rank may be unwinding already (gloo noticed a dead peer itself):
         # give it a moment before interrupting code that is about to end anyway.
         deadline = time.monotonic() + UNWIND_GRACE_S
         while computing and time.monotonic() < deadline:
             states = run.child_states()
             for rank in [r for r in computing if states.get(r) != "running"]:
-                c = computing.pop(rank)
-                self._released_from[rank] = self._untracked_wait.get(rank) or (
-                    f"{c['op']} #{c['seq']}" if c else "its running code"
-                )
+                computing.discard(rank)
+                # Neither inside a collective nor failing out of one when asked: its last
+                # call (often an earlier cell's) is not what it was released from.
+                self._released_from[rank] = self._untracked_wait.get(rank) or "its running code"
             time.sleep(0.02)
-        for rank in computing:
+        for rank in sorted(computing):
             what = self._untracked_wait.get(rank) or "its running code"
             self._released_from[rank] = f"{what} (interrupted)"
         if computing:
