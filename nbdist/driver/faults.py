@@ -271,6 +271,7 @@ class CellGuard:
         self._first_failure: float | None = None
         self._next_failure_look = 0.0  # after a failure, the guard's next look at the others
         self._failure_looks = 0
+        self._running_last_pass = len(self.ranks)  # ranks running at the last pass after a failure
         self._interrupted_at: float | None = None
         self._next_stranded_look: float | None = None  # the guard's next look at collectives
         self._stranded_interval = STRANDED_GRACE_S / 2  # doubled before each look
@@ -325,11 +326,16 @@ class CellGuard:
             if running and now - self._interrupted_at >= INTERRUPT_GRACE_S:
                 self.release(run, "the cell was interrupted")
         elif failed and running:
+            before, self._running_last_pass = self._running_last_pass, len(running)
             if self._first_failure is None:
                 self._first_failure = now
                 self._next_failure_look = now + FAILURE_GRACE_S
             elif self._overdue(run, running, now):
                 self.release(run, f"{ranks_text(failed)} failed")
+            elif len(running) < before:
+                # Ranks still end (an error every rank meets reaches 256 ranks over
+                # seconds): no look yet, it would cost each running rank CPU for nothing.
+                self._next_failure_look = now + FAILURE_GRACE_S
             elif now >= self._next_failure_look:
                 self._failure_looks += 1
                 if self._waits_for_failed(run, running, failed):
