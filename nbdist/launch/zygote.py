@@ -72,8 +72,8 @@ ENGINE_MODULES = (
     "IPython.core.oinspect",
     "IPython.core.completerlib",
     "argcomplete",
-    # Imported by each engine at its first error, to format the traceback (ultratb): ~30 ms
-    # of CPU a rank, ~4 s of a 2-core machine's time at 256 ranks, in the cell that failed.
+    # Imported by each engine at its first error, to format the traceback (IPython's
+    # ultratb): with the walk below, ~20 ms of CPU a rank, in the cell that failed.
     "stack_data",
     "pygments.console",
     "pygments.formatters.terminal256",
@@ -109,13 +109,12 @@ def _preimport(names) -> None:
 
 
 def _warm_traceback_caches() -> None:
-    """Fill the caches IPython fills at a rank's first error, once, for every fork.
+    """Fill the cache IPython fills at a rank's first error, once, for every fork.
 
     Formatting a traceback maps each frame's file to its module: ``inspect.getmodule``
     first walks every module imported (torch's thousands, a ``realpath`` each) into
-    ``inspect.modulesbyfile``; and pygments compiles the Python lexer's token rules on
-    its first use. Together ~60 ms of CPU per engine, paid in the cell that failed: at
-    256 ranks seconds of a small machine's time, while the other ranks still compute.
+    ``inspect.modulesbyfile``, ~10 ms of CPU per engine, paid in the cell that failed:
+    at 256 ranks over a second of a small machine's time, while other ranks still run.
     """
     import inspect
 
@@ -123,9 +122,6 @@ def _warm_traceback_caches() -> None:
         # A file no module has: the walk runs (one of a module's would be found in the
         # cache torch's import began, and end it early).
         inspect.getmodule(compile("", "<nbdist warm-up>", "exec"))
-        from pygments.lexers.python import PythonLexer
-
-        PythonLexer()
     except Exception:  # an optional speed-up, as _preimport
         pass
 
