@@ -1,10 +1,10 @@
 """Kernel side: which running ranks wait in a collective that cannot end, and for whom.
 
-The cell guard (:class:`nbdist.driver.faults.CellGuard`) asks this while a cell runs; each
-function asks only the ranks still running (a control message each, answered on the
-rank's control thread while its cell computes) and reads the others' state from the
-kernel's own ipyparallel book, so a look at 256 ranks costs what the few running ones
-answer.
+The cell guard (:class:`nbdist.driver.faults.CellGuard`) asks this while a cell runs. A
+look asks the ranks still running (a control message each, answered on the rank's control
+thread while its cell computes) and reads whether the others are idle from the kernel's own
+ipyparallel book; only a wait the flight recorder alone shows makes it ask the idle ranks
+too (their last call's number).
 
 A wait counts only once it has lasted the caller's grace: in flight, a collective every
 rank entered ends within it.

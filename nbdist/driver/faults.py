@@ -265,6 +265,7 @@ class CellGuard:
         """Guard one cell of ``session`` running on ``ranks`` (RankInfo, in run order)."""
         self.session = session
         self.ranks = list(ranks)  # RankInfo of the cell's ranks, in run order
+        self._by_rank = {r.rank: r for r in self.ranks}
         self._released_from: dict[int, str] = {}  # rank -> what it was released from
         self._release_reason = ""
         self.released = False
@@ -354,7 +355,7 @@ class CellGuard:
                 done = {r for r, s in states.items() if s == "ok"}
                 stranded = stranded_waits(
                     self.session.client,
-                    {r.rank: r for r in self.ranks},
+                    self._by_rank,
                     running,
                     done,
                     self._untracked_wait,
@@ -388,15 +389,14 @@ class CellGuard:
         record of each rank's collective; later ones the flight recorder too (a call
         torch issued itself, DDP's), ~20 ms of a rank's CPU.
         """
-        by_rank = {r.rank: r for r in self.ranks}
         client = self.session.client
-        gone = idle_ranks(client, by_rank, failed)
+        gone = idle_ranks(client, self._by_rank, failed)
         asked = [r for r in running if r in run.began] if run.began else running
         if not gone or not asked:
             return {}
         return waits_for_failed(
             client,
-            by_rank,
+            self._by_rank,
             asked,
             gone,
             lasted_s=FAILURE_GRACE_S,
