@@ -56,11 +56,25 @@ _counter = itertools.count()
 # shorter (median of 5, 1.81 -> 1.60 s, 2 cores); the beats cost the controller ~20
 # small messages a second per engine.
 _HEARTBEAT_MS = 50
-# Beats an engine may miss before the controller drops it: 3 s. ipyparallel's 10 (1 s at
-# 100 ms) dropped a live rank of a training notebook on a 2-core machine under load
-# (load average ~8). A local rank's death is seen at once by its pidfd (driver/faults.py);
-# only ranks on other hosts wait for this, and 3 s keeps them named within 5 s.
-_HEARTBEAT_MISSES = 3000 // _HEARTBEAT_MS
+# How long an engine's heart may stay silent before the controller drops it (the cell it
+# runs then fails: "stopped answering the controller's heartbeat"). ipyparallel's 1 s, then
+# 3 s, dropped live ranks on a loaded 2-core machine: while other sessions start beside them
+# (torch imports, forks), every heart of a session answers late at once (4 idle-ish ranks
+# beside the test suite's sessions: up to 0.5 s in a row, 2026-12-01), and a 3 s gap came
+# now and then. Ranks the zygote started are watched by their pidfds (driver/faults.py),
+# which see a death at once: for them the heartbeat only ever spoke falsely, so it waits
+# 30 s. A launcher's ranks (other hosts, other PID namespaces) have only the heartbeat:
+# 10 s, so a death there is still named within seconds.
+_LOCAL_SILENCE_S = 30
+_LAUNCHED_SILENCE_S = 10
+
+
+def _heartbeat_misses(launcher) -> int:
+    """Beats the controller lets an engine miss: ``launcher`` None is the zygote's ranks."""
+    silence = _LOCAL_SILENCE_S if launcher is None else _LAUNCHED_SILENCE_S
+    return silence * 1000 // _HEARTBEAT_MS
+
+
 _warm_thread: threading.Thread | None = None
 
 
@@ -284,7 +298,7 @@ def _start_attempt(n, timeout, launcher, engine_launcher_class, profile, ip, con
         controller_ip=ip,
         controller_args=[
             f"--HeartMonitor.period={_HEARTBEAT_MS}",
-            f"--HeartMonitor.max_heartmonitor_misses={_HEARTBEAT_MISSES}",
+            f"--HeartMonitor.max_heartmonitor_misses={_heartbeat_misses(launcher)}",
         ],
         delay=0,
         # Engines on other hosts (a batch job) cannot read this machine's private

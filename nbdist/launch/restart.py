@@ -6,7 +6,7 @@ keeps both: it asks the zygote (SIGUSR1, see :mod:`nbdist.launch.zygote`) to
 end every process below it, the old ranks and whatever they started, and to
 fork one fresh engine per slot; the old engines' registrations leave the
 controller at once (an ``unregistration_request``, the message an engine sends
-when it leaves, instead of ten missed heartbeats), and the new engines
+when it leaves, instead of 30 s of missed heartbeats), and the new engines
 register under new engine ids. The caller forms the group again over them.
 
 :func:`in_place_refusal` says when this cannot be done and a full restart
@@ -131,9 +131,9 @@ def _alive(pid) -> bool:
 def _unregister(handle: ClusterHandle, engine_ids: list[int]) -> None:
     """Ask the controller to drop ``engine_ids`` now, as a leaving engine does.
 
-    Without this the controller drops a dead engine after ten missed heartbeats
-    (about 1.1 s); where it cannot be sent (CurveZMQ, no connection file), that
-    is what happens, and the caller waits for it.
+    Without this the controller drops a dead engine only when its heart has been
+    silent for 30 s (``cluster._heartbeat_misses``); where it cannot be sent
+    (CurveZMQ, no connection file), that is what happens, and the caller waits for it.
     """
     cluster, session = handle.cluster, handle.client.session
     if not engine_ids or cluster is None or not session.key:

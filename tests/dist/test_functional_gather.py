@@ -29,8 +29,10 @@ gathered = leaf.full_tensor()
 grad = leaf.grad.to_local().tolist()
 mine = torch.full((2, 3), float(rank))
 group = dist.group.WORLD.group_name
-out = torch.empty(4, 3)
-torch.ops._c10d_functional.all_gather_into_tensor_out(mine, 2, group, out=out)
+# The _out form is asynchronous too: its work is registered on `out`, read after the wait.
+out = funcol.wait_tensor(
+    torch.ops._c10d_functional.all_gather_into_tensor_out(mine, 2, group, out=torch.empty(4, 3))
+)
 pair = torch.ops._c10d_functional.all_gather_into_tensor_coalesced([mine, mine + 10], 2, group)
 pair = [funcol.wait_tensor(t).tolist() for t in pair]
 # torch 2.13's operators take the group itself too (schema: Any).

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 import nbdist
@@ -101,3 +105,20 @@ def test_a_segfault_on_a_spawned_rank_is_named_too():
         2, cpu=True, timeout=120, group_timeout=60, history=False, start_method="spawn"
     ) as spawned:
         _segfault_on(spawned, 1)
+
+
+def test_a_rank_whose_heart_is_silent_for_seconds_is_not_named_dead():
+    """A loaded machine can hold every heart of a session back for seconds; a live rank of
+    this machine is dead only when its PID says so. Here rank 1 is stopped (SIGSTOP) for 6 s,
+    twice the silence that once made the controller drop such a rank."""
+    with nbdist.DistSession(2, cpu=True, timeout=120, history=False) as session:
+        _reduce_works(session)
+        pid = session.ranks[1].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(6)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert session.dead_ranks() == {}
+        _reduce_works(session)
+        assert [row["state"] for row in session.status()] == ["idle", "idle"]

@@ -99,6 +99,8 @@ def test_restart_on_request_ends_what_the_ranks_started(session):
     children = session.pull("started")
     old_pids = [r.pid for r in session.ranks]
     zygote = _zygote(session)
+    # The module's session may have restarted before (or not, run on its own).
+    before = max((r[RESTART_KEY] for r in session.metrics.rows() if RESTART_KEY in r), default=0.0)
 
     session.restart()
 
@@ -107,7 +109,7 @@ def test_restart_on_request_ends_what_the_ranks_started(session):
     assert set(r.pid for r in session.ranks).isdisjoint(old_pids)
     assert _reduce(session) == [3.0, 3.0]
     marks = [r[RESTART_KEY] for r in session.metrics.rows() if RESTART_KEY in r]
-    assert sorted(set(marks)) == [1.0, 2.0]
+    assert max(marks) == before + 1, marks
 
 
 def test_every_rank_killed_then_restart_and_nothing_is_left_after_stop():
