@@ -34,6 +34,11 @@ const STATS = (globalThis.nbdistDashboardStats ||= {
 });
 let plotlyPromise = null;
 const PLOT_HEIGHT = 240;
+// plotly hides tick labels that reach past the plot's div, and places an axis title with a
+// standoff beyond the labels it shows: with none shown (a layout pass where the plot area is
+// squeezed) the title's position is Infinity and the browser logs an error for it. Labels
+// past the div are clipped by it anyway.
+const KEEP_TICK_LABELS = { ticklabeloverflow: "allow" };
 const BAND_EDGE = "rgba(128,128,128,0.6)"; // the min-max band across ranks: its edges
 const BAND_FILL = "rgba(128,128,128,0.22)"; // and its fill
 const BAR_COLOURS = { "data loading": "#8f6fb5", compute: "#4f8fc0", communication: "#d9912a" };
@@ -344,6 +349,7 @@ function render({ model, el }) {
       zerolinecolor: theme.grid,
       linecolor: theme.grid,
       automargin: true,
+      ...KEEP_TICK_LABELS,
       title: { font: { size: 11 }, standoff: 6 },
     };
     const yaxis = { ...axis, title: { ...axis.title, text: panel.ytitle } };
@@ -477,7 +483,7 @@ function render({ model, el }) {
     const h = store.heatmap;
     heatCard.hidden = !h;
     if (!h || !Plotly || !visible || !theme) return false;
-    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true };
+    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true, ...KEEP_TICK_LABELS };
     const title = (text) => ({ text, font: { size: 11 }, standoff: 6 });
     const span = h.width > 1 ? ` (bins of ${h.width} steps)` : "";
     // The colours span the 1st to the 99th percentile: one straggler (or a slow first step)
@@ -763,7 +769,7 @@ function render({ model, el }) {
       marker: { color: BAR_COLOURS[name] },
       hovertemplate: `${name}: %{y:.1f} ms<extra>%{x}</extra>`,
     }));
-    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true };
+    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true, ...KEEP_TICK_LABELS };
     Plotly.react(
       bars,
       traces,
