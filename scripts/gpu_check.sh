@@ -28,6 +28,8 @@ tests/gpu and every example notebook side by side, then bench/nccl.py --quick,
 bench/train.py --windows 9 and bench/log_call.py --cuda --flushes alone (and
 bench/shared_gpu.py with --steps ...,shared), within a time budget, and
 print a results block for bench/RESULTS.md. Exit status 0 only if every job passed.
+The nbdist wheel in WHEELHOUSE must be built from this checkout: its nbdist/ files
+are compared with the checkout's, and a wheel from other sources is refused.
 
 OUTDIR (logs, executed notebooks, results.md, results.json): the argument, else
 $NBDIST_GPU_CHECK_OUT, else $OUT if set, else ./gpu_check_out.
@@ -141,6 +143,28 @@ WHVER="$(sed -n 's/^# nbdist wheelhouse: CPython \([0-9.]*\),.*/\1/p' "$WH/wheel
 if [[ -n "$WHVER" && "$WHVER" != "$PYVER" ]]; then
   die "the wheelhouse is for CPython $WHVER but $PY is $PYVER: make it with scripts/wheelhouse.sh DIR --python $PYVER (or set PYTHON=)"
 fi
+
+# The tests and notebooks come from this checkout, the nbdist they run from the wheel: one
+# built from other sources (a wheelhouse made before the last commits) would check old code
+# under new tests. Every file of nbdist/ but the built JupyterLab extension must match.
+STALE="$("$PY" - "$NBDIST_WHL" "$ROOT/nbdist" <<'EOF'
+import pathlib, sys, zipfile
+
+wheel, src = sys.argv[1], pathlib.Path(sys.argv[2])
+with zipfile.ZipFile(wheel) as z:
+    packed = {n: z.read(n) for n in z.namelist() if n.startswith("nbdist/") and not n.endswith("/")}
+packed = {n: b for n, b in packed.items() if not n.startswith("nbdist/labextension/")}
+here = {
+    "nbdist/" + p.relative_to(src).as_posix(): p.read_bytes()
+    for p in src.rglob("*")
+    if p.is_file() and "__pycache__" not in p.parts and p.relative_to(src).parts[0] != "labextension"
+}
+differ = sorted(n for n in packed.keys() | here.keys() if packed.get(n) != here.get(n))
+if differ:
+    print(f"{len(differ)} file(s) differ, e.g. {', '.join(differ[:3])}")
+EOF
+)" || die "could not read '$NBDIST_WHL' with $PY"
+[[ -z "$STALE" ]] || die "$(basename "$NBDIST_WHL") in '$WH' was built from other sources than this checkout's nbdist/ ($STALE): make the wheelhouse again (bash scripts/wheelhouse.sh $WH ...)"
 
 OUTDIR="${OUTDIR:-${NBDIST_GPU_CHECK_OUT:-${OUT:-$PWD/gpu_check_out}}}"
 if ((ONLY_FAILED)) && [[ ! -f "${PREVIOUS:-$OUTDIR/results.json}" ]]; then

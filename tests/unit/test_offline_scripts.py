@@ -81,11 +81,28 @@ def test_wheelhouse_dir_is_a_file(tmp_path):
     assert "exists and is not a directory" in res.stderr
 
 
+def _wheel_of_this_checkout(path: Path, change: dict[str, bytes] | None = None) -> None:
+    """A zip holding nbdist/ as this checkout has it (and a built extension's file), as the
+    wheel scripts/wheelhouse.sh makes would; ``change``: names replaced or added."""
+    files = {
+        "nbdist/" + p.relative_to(ROOT / "nbdist").as_posix(): p.read_bytes()
+        for p in (ROOT / "nbdist").rglob("*")
+        if p.is_file()
+        and "__pycache__" not in p.parts
+        and p.relative_to(ROOT / "nbdist").parts[0] != "labextension"
+    }
+    files["nbdist/labextension/package.json"] = b"{}"
+    files.update(change or {})
+    with zipfile.ZipFile(path, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+
+
 @pytest.fixture
 def fake_wheelhouse(tmp_path):
     wh = tmp_path / "wh"
     wh.mkdir()
-    (wh / "nbdist-0.1.0-py3-none-any.whl").write_bytes(b"")
+    _wheel_of_this_checkout(wh / "nbdist-0.1.0-py3-none-any.whl")
     return wh
 
 
@@ -115,6 +132,32 @@ def test_gpu_check_bad_arguments(tmp_path, fake_wheelhouse, args, message):
     assert res.returncode == 2
     assert "gpu_check.sh: error: " in res.stderr and message in res.stderr, res.stderr
     assert not (tmp_path / "out").exists(), "no output directory on bad arguments"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"nbdist/errors.py": b"# an older errors.py\n"}, "nbdist/errors.py"),
+        ({"nbdist/dashboard/widget.js": b"// an older widget\n"}, "nbdist/dashboard/widget.js"),
+        ({"nbdist/gone_since.py": b""}, "nbdist/gone_since.py"),
+    ],
+    ids=["changed module", "changed asset", "module removed since"],
+)
+def test_gpu_check_refuses_a_wheel_built_from_other_sources(tmp_path, change, named):
+    """A wheelhouse made before the last commits would check old code under new tests."""
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    _wheel_of_this_checkout(wh / "nbdist-0.1.0-py3-none-any.whl", change)
+    env = dict(os.environ, PYTHON=sys.executable, NBDIST_GPU_CHECK_OUT=str(tmp_path / "o"))
+    res = subprocess.run(
+        ["bash", str(GPU_CHECK), str(wh)], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert res.returncode == 2
+    assert "was built from other sources than this checkout's nbdist/ (1 file(s) differ" in (
+        res.stderr
+    ), res.stderr
+    assert named in res.stderr and "make the wheelhouse again" in res.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_gpu_check_wheelhouse_for_another_python(tmp_path, fake_wheelhouse):
