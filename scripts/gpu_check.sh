@@ -54,7 +54,8 @@ options:
                   results off a machine that hands back few files); results.md,
                   results.json and gpu_check.log stay as they are
   --dry-run       list the jobs that would run, with their commands, and stop
-                  (no wheelhouse, venv or GPU needed)
+                  (no wheelhouse, venv or GPU needed; a WHEELHOUSE given is checked
+                  against this checkout, as a run would)
   --venv DIR      make (or reuse) the venv in DIR and keep it; default: a temporary
                   venv, removed at the end
   --allow-cpu     go on without CUDA (to try the script itself on a CPU machine)
@@ -92,11 +93,13 @@ while (($#)); do
       shift ;;
   esac
 done
-if ((DRY_RUN == 0)); then
+NBDIST_WHL=""
+# --dry-run needs no wheelhouse; given one, it is checked as a run would (here, before a
+# GPU machine's time is spent on a stale one).
+if ((DRY_RUN == 0)) || [[ -n "$WH" ]]; then
   [[ -n "$WH" ]] || { usage >&2; die "missing WHEELHOUSE"; }
   [[ -d "$WH" ]] || die "wheelhouse '$WH' is not a directory (make one with scripts/wheelhouse.sh)"
   WH="$(cd "$WH" && pwd)"
-  NBDIST_WHL=""
   for w in "$WH"/nbdist-*.whl; do [[ -f "$w" ]] && NBDIST_WHL="$w"; done
   [[ -n "$NBDIST_WHL" ]] || die "no nbdist-*.whl in '$WH' (make the wheelhouse with scripts/wheelhouse.sh)"
 fi
@@ -132,22 +135,11 @@ steps_args() {
   if [[ -n "$PREVIOUS" || -f "$prev" ]]; then STEP_ARGS+=(--previous "$prev"); fi
   return 0
 }
-if ((DRY_RUN)); then
-  DRY_OUT="${OUTDIR:-${NBDIST_GPU_CHECK_OUT:-${OUT:-$PWD/gpu_check_out}}}"
-  steps_args "$DRY_OUT"
-  echo "== gpu_check.sh --dry-run: the jobs a run would start (python: \$VPY, the check's venv)"
-  exec "$PY" "$ROOT/scripts/gpu_check_steps.py" plan --python '$VPY' "${STEP_ARGS[@]}"
-fi
-PYVER="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" || die "'$PY' does not run"
-WHVER="$(sed -n 's/^# nbdist wheelhouse: CPython \([0-9.]*\),.*/\1/p' "$WH/wheelhouse.txt" 2>/dev/null)"
-if [[ -n "$WHVER" && "$WHVER" != "$PYVER" ]]; then
-  die "the wheelhouse is for CPython $WHVER but $PY is $PYVER: make it with scripts/wheelhouse.sh DIR --python $PYVER (or set PYTHON=)"
-fi
-
 # The tests and notebooks come from this checkout, the nbdist they run from the wheel: one
 # built from other sources (a wheelhouse made before the last commits) would check old code
 # under new tests. Every file of nbdist/ but the built JupyterLab extension must match.
-STALE="$("$PY" - "$NBDIST_WHL" "$ROOT/nbdist" <<'EOF'
+if [[ -n "$NBDIST_WHL" ]]; then
+  STALE="$("$PY" - "$NBDIST_WHL" "$ROOT/nbdist" <<'EOF'
 import pathlib, sys, zipfile
 
 wheel, src = sys.argv[1], pathlib.Path(sys.argv[2])
@@ -163,8 +155,20 @@ differ = sorted(n for n in packed.keys() | here.keys() if packed.get(n) != here.
 if differ:
     print(f"{len(differ)} file(s) differ, e.g. {', '.join(differ[:3])}")
 EOF
-)" || die "could not read '$NBDIST_WHL' with $PY"
-[[ -z "$STALE" ]] || die "$(basename "$NBDIST_WHL") in '$WH' was built from other sources than this checkout's nbdist/ ($STALE): make the wheelhouse again (bash scripts/wheelhouse.sh $WH ...)"
+  )" || die "could not read '$NBDIST_WHL' with $PY"
+  [[ -z "$STALE" ]] || die "$(basename "$NBDIST_WHL") in '$WH' was built from other sources than this checkout's nbdist/ ($STALE): make the wheelhouse again (bash scripts/wheelhouse.sh $WH ...)"
+fi
+if ((DRY_RUN)); then
+  DRY_OUT="${OUTDIR:-${NBDIST_GPU_CHECK_OUT:-${OUT:-$PWD/gpu_check_out}}}"
+  steps_args "$DRY_OUT"
+  echo "== gpu_check.sh --dry-run: the jobs a run would start (python: \$VPY, the check's venv)"
+  exec "$PY" "$ROOT/scripts/gpu_check_steps.py" plan --python '$VPY' "${STEP_ARGS[@]}"
+fi
+PYVER="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" || die "'$PY' does not run"
+WHVER="$(sed -n 's/^# nbdist wheelhouse: CPython \([0-9.]*\),.*/\1/p' "$WH/wheelhouse.txt" 2>/dev/null)"
+if [[ -n "$WHVER" && "$WHVER" != "$PYVER" ]]; then
+  die "the wheelhouse is for CPython $WHVER but $PY is $PYVER: make it with scripts/wheelhouse.sh DIR --python $PYVER (or set PYTHON=)"
+fi
 
 OUTDIR="${OUTDIR:-${NBDIST_GPU_CHECK_OUT:-${OUT:-$PWD/gpu_check_out}}}"
 if ((ONLY_FAILED)) && [[ ! -f "${PREVIOUS:-$OUTDIR/results.json}" ]]; then

@@ -143,14 +143,20 @@ def test_gpu_check_bad_arguments(tmp_path, fake_wheelhouse, args, message):
     ],
     ids=["changed module", "changed asset", "module removed since"],
 )
-def test_gpu_check_refuses_a_wheel_built_from_other_sources(tmp_path, change, named):
-    """A wheelhouse made before the last commits would check old code under new tests."""
+@pytest.mark.parametrize("dry", [(), ("--dry-run",)], ids=["run", "dry run"])
+def test_gpu_check_refuses_a_wheel_built_from_other_sources(tmp_path, change, named, dry):
+    """A wheelhouse made before the last commits would check old code under new tests; a dry
+    run given the wheelhouse says so here, before a GPU machine's time is spent."""
     wh = tmp_path / "wh"
     wh.mkdir()
     _wheel_of_this_checkout(wh / "nbdist-0.1.0-py3-none-any.whl", change)
     env = dict(os.environ, PYTHON=sys.executable, NBDIST_GPU_CHECK_OUT=str(tmp_path / "o"))
     res = subprocess.run(
-        ["bash", str(GPU_CHECK), str(wh)], capture_output=True, text=True, env=env, timeout=60
+        ["bash", str(GPU_CHECK), str(wh), *dry],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert res.returncode == 2
     assert "was built from other sources than this checkout's nbdist/ (1 file(s) differ" in (
@@ -158,6 +164,19 @@ def test_gpu_check_refuses_a_wheel_built_from_other_sources(tmp_path, change, na
     ), res.stderr
     assert named in res.stderr and "make the wheelhouse again" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_gpu_check_dry_run_takes_a_wheelhouse_built_from_this_checkout(tmp_path, fake_wheelhouse):
+    env = dict(os.environ, PYTHON=sys.executable)
+    res = subprocess.run(
+        ["bash", str(GPU_CHECK), str(fake_wheelhouse), "--dry-run", "--examples", "00_*"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "the jobs a run would start" in res.stdout and "00_quickstart" in res.stdout
 
 
 def test_gpu_check_wheelhouse_for_another_python(tmp_path, fake_wheelhouse):
