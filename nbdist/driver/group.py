@@ -22,9 +22,9 @@ from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_wi
 from nbdist.driver.runner import RankRun
 from nbdist.engine import bootstrap
 from nbdist.engine.pid_space import pid_space
-from nbdist.launch.cluster import serializer_ready
 from nbdist.launch.options import StartOptions
 from nbdist.launch.placement import EngineInfo, Placement, parse_ranks, plan_attached
+from nbdist.launch.serializer_warmup import serializer_ready
 
 __all__ = [
     "Group",

@@ -15,7 +15,7 @@ first beat after its ping reply, up to two periods after it asked), no delay
 between controller and engines, no nanny process per engine.
 
 ipyparallel's one-time serializer set-up is paid on a thread while the
-engines still import torch (:func:`warm_serializer`, :func:`serializer_ready`).
+engines still import torch (:mod:`nbdist.launch.serializer_warmup`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import itertools
 import json
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +33,7 @@ import psutil
 from nbdist.engine import process_ending
 from nbdist.errors import NbdistError
 from nbdist.launch import capacity, private_profiles, process_tree, remote_engines
+from nbdist.launch.serializer_warmup import warm_serializer
 from nbdist.launch.ssh_engines import SSHEngines
 from nbdist.launch.start_failure import LauncherWords, port_clash, start_failure
 
@@ -42,12 +42,10 @@ __all__ = [
     "connect",
     "end_cluster_thread",
     "interrupt_engines",
-    "serializer_ready",
     "slot_environments",
     "start_local",
     "start_processes",
     "stop_processes",
-    "warm_serializer",
 ]
 
 _counter = itertools.count()
@@ -73,9 +71,6 @@ def _heartbeat_misses(launcher) -> int:
     """Beats the controller lets an engine miss: ``launcher`` None is the zygote's ranks."""
     silence = _LOCAL_SILENCE_S if launcher is None else _LAUNCHED_SILENCE_S
     return silence * 1000 // _HEARTBEAT_MS
-
-
-_warm_thread: threading.Thread | None = None
 
 
 @dataclass
@@ -581,33 +576,3 @@ def end_cluster_thread(cluster) -> None:
     if not thread.is_alive():
         loop.close()
         cluster._async_thread = None  # noqa: SLF001
-
-
-def warm_serializer() -> None:
-    """Pay ipyparallel's one-time serializer set-up now, on a thread, while engines start.
-
-    The first ``apply`` of a process imports numpy (ipyparallel registers how to
-    send arrays): 0.17 s, which used to fall between "engines registered" and
-    "group formed". Started once the controller is up, it runs while the engines
-    are still importing torch. That set-up is not thread-safe: call
-    :func:`serializer_ready` before the first ``apply``.
-    """
-    global _warm_thread
-    if _warm_thread is None:
-        _warm_thread = threading.Thread(target=_import_serializer, name="nbdist-warm", daemon=True)
-        _warm_thread.start()
-
-
-def serializer_ready() -> None:
-    """Wait for :func:`warm_serializer` (if it was started) to finish."""
-    if _warm_thread is not None:
-        _warm_thread.join()
-
-
-def _import_serializer() -> None:
-    try:
-        from ipyparallel.serialize import canning
-
-        canning.can(None)  # the first call imports the types named in its mapping
-    except Exception:  # an optional head start: the first apply does it anyway
-        pass
