@@ -144,8 +144,11 @@ import pathlib, sys, zipfile
 
 wheel, src = sys.argv[1], pathlib.Path(sys.argv[2])
 with zipfile.ZipFile(wheel) as z:
-    packed = {n: z.read(n) for n in z.namelist() if n.startswith("nbdist/") and not n.endswith("/")}
-packed = {n: b for n, b in packed.items() if not n.startswith("nbdist/labextension/")}
+    packed = {
+        n: z.read(n)
+        for n in z.namelist()
+        if n.startswith("nbdist/") and not n.startswith("nbdist/labextension/") and not n.endswith("/")
+    }
 here = {
     "nbdist/" + p.relative_to(src).as_posix(): p.read_bytes()
     for p in src.rglob("*")

@@ -34,11 +34,6 @@ const STATS = (globalThis.nbdistDashboardStats ||= {
 });
 let plotlyPromise = null;
 const PLOT_HEIGHT = 240;
-// plotly hides tick labels that reach past the plot's div, and places an axis title with a
-// standoff beyond the labels it shows: with none shown (a layout pass where the plot area is
-// squeezed) the title's position is Infinity and the browser logs an error for it. Labels
-// past the div are clipped by it anyway.
-const KEEP_TICK_LABELS = { ticklabeloverflow: "allow" };
 const BAND_EDGE = "rgba(128,128,128,0.6)"; // the min-max band across ranks: its edges
 const BAND_FILL = "rgba(128,128,128,0.22)"; // and its fill
 const BAR_COLOURS = { "data loading": "#8f6fb5", compute: "#4f8fc0", communication: "#d9912a" };
@@ -241,6 +236,17 @@ function render({ model, el }) {
 
   let Plotly = null;
   let theme = null; // read once attached
+  // Every plot's axes: the theme's grid colour, margins that fit the labels, and labels kept
+  // past the div (plotly hides those by default, and places a title with a standoff beyond
+  // the labels it shows: with none shown, in a layout pass where the plot area is squeezed,
+  // at Infinity, and the browser logs an error; the div clips them anyway).
+  const baseAxis = () => ({
+    gridcolor: theme.grid,
+    zerolinecolor: theme.grid,
+    linecolor: theme.grid,
+    automargin: true,
+    ticklabeloverflow: "allow",
+  });
   let themeKey = "";
   let visible = false;
   let behind = true; // the plots do not show the store yet
@@ -344,14 +350,7 @@ function render({ model, el }) {
 
   function layout(p) {
     const panel = store.panels[p];
-    const axis = {
-      gridcolor: theme.grid,
-      zerolinecolor: theme.grid,
-      linecolor: theme.grid,
-      automargin: true,
-      ...KEEP_TICK_LABELS,
-      title: { font: { size: 11 }, standoff: 6 },
-    };
+    const axis = { ...baseAxis(), title: { font: { size: 11 }, standoff: 6 } };
     const yaxis = { ...axis, title: { ...axis.title, text: panel.ytitle } };
     if (panel.id === "mfu") Object.assign(yaxis, { tickformat: ".0%", hoverformat: ".1%" });
     if (logScale(p)) {
@@ -483,7 +482,7 @@ function render({ model, el }) {
     const h = store.heatmap;
     heatCard.hidden = !h;
     if (!h || !Plotly || !visible || !theme) return false;
-    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true, ...KEEP_TICK_LABELS };
+    const axis = baseAxis();
     const title = (text) => ({ text, font: { size: 11 }, standoff: 6 });
     const span = h.width > 1 ? ` (bins of ${h.width} steps)` : "";
     // The colours span the 1st to the 99th percentile: one straggler (or a slow first step)
@@ -769,7 +768,7 @@ function render({ model, el }) {
       marker: { color: BAR_COLOURS[name] },
       hovertemplate: `${name}: %{y:.1f} ms<extra>%{x}</extra>`,
     }));
-    const axis = { gridcolor: theme.grid, zerolinecolor: theme.grid, linecolor: theme.grid, automargin: true, ...KEEP_TICK_LABELS };
+    const axis = baseAxis();
     Plotly.react(
       bars,
       traces,
