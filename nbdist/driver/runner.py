@@ -338,11 +338,14 @@ class RankRun:
             self._wake.wait(_POLL_S)
             self._wake.clear()
 
-    def wait(self) -> list:
+    def wait(self, latch: SigintLatch | None = None) -> list:
         """Block until every rank finished; stream output; raise :class:`RankError` on failure.
 
         A KeyboardInterrupt (kernel interrupt) is relayed to every rank as SIGINT;
         the ranks get a few seconds to unwind, then KeyboardInterrupt is raised here.
+        ``latch``: the caller's :class:`SigintLatch`, entered (holding) before the cell
+        was sent; a Ctrl-C it held interrupts the ranks at once. Without one, the wait
+        installs its own.
         """
         if self._concluded:
             if self._error is not None:
@@ -354,11 +357,18 @@ class RankRun:
             self._merger = OutputMerger(self.ranks, self._sink or default_sink(len(self.ranks)))
             remember(self._merger)  # nbdist.output(rank=...) reads it
         deadline = None if self._timeout is None else self._started + self._timeout
-        with SigintLatch() as self._latch:
-            try:
-                return self._wait(deadline)
-            finally:
-                self._latch = None
+        if latch is None:
+            with SigintLatch() as own:
+                return self._wait_with(own, deadline)
+        return self._wait_with(latch, deadline)
+
+    def _wait_with(self, latch: SigintLatch, deadline: float | None) -> list:
+        self._latch = latch
+        latch.holding = False  # from here a Ctrl-C raises where it lands; one held is taken
+        try:
+            return self._wait(deadline)
+        finally:
+            self._latch = None
 
     def _wait(self, deadline: float | None) -> list:
         try:

@@ -35,8 +35,10 @@ from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics
 from nbdist.driver.ipp_internals import fail_undecodable_replies
 from nbdist.driver.pulls import pull_values
 from nbdist.driver.runner import RankRun, submit
+from nbdist.driver.session_summary import ready_lines
 from nbdist.driver.session_watch import SessionWatch
 from nbdist.driver.sigint_deferred import sigint_deferred
+from nbdist.driver.sigint_latch import SigintLatch
 from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
 from nbdist.engine import bootstrap
@@ -409,28 +411,32 @@ class DistSession:
                 )
         client, engine_ids = self._handle.client, [r.engine_id for r in chosen]
         watch = cell_watcher(self._hub.run, self.rank_states)
-        run = submit(
-            client,
-            engine_ids,
-            [r.rank for r in chosen],
-            code,
-            interrupt=self.interrupt,
-            sink=sink,
-            timeout=timeout,
-            watch=watch,
-            guard=CellGuard(self, chosen),
-            silent_if_possible=block,
-        )
-        if not block:
-            return run
-        try:
-            return run.wait()
-        finally:
-            sent = cell_channel(client).learn(engine_ids, run.results or [])
-            self._hub.settle(dict(zip(run.ranks, sent)))
-            # A short cell's points can all arrive while the kernel settles, after the
-            # waiting loop ended: its dashboard still appears under it.
-            watch()
+        # A Ctrl-C from here on, once the cell may be on its way, is held and handed to
+        # the wait, which interrupts the ranks: raised before the wait, it would end the
+        # kernel's cell and leave the ranks running it (sigint_latch.py).
+        with SigintLatch(holding=True) as latch:
+            run = submit(
+                client,
+                engine_ids,
+                [r.rank for r in chosen],
+                code,
+                interrupt=self.interrupt,
+                sink=sink,
+                timeout=timeout,
+                watch=watch,
+                guard=CellGuard(self, chosen),
+                silent_if_possible=block,
+            )
+            if not block and not latch.pending:
+                return run
+            try:
+                return run.wait(latch)
+            finally:
+                sent = cell_channel(client).learn(engine_ids, run.results or [])
+                self._hub.settle(dict(zip(run.ranks, sent)))
+                # A short cell's points can all arrive while the kernel settles, after the
+                # waiting loop ended: its dashboard still appears under it.
+                watch()
 
     def record_cell(self, code: str) -> None:
         """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""
@@ -563,32 +569,7 @@ class DistSession:
     def summary(self) -> str:
         """One line: ranks, backend, devices, start-up (or restart) seconds; a second where ranks share GPUs."""
         self._require_running()
-        ranks = self.ranks
-        devices = ", ".join(sorted({r.device for r in ranks}))
-        hosts = sorted({r.host for r in ranks})
-        where = f" on {len(hosts)} hosts" if len(hosts) > 1 else ""
-        what = f"backend {self.backend} · device {devices}"
-        restarted = self.restarted
-        if restarted is not None:
-            if restarted.fresh:
-                how = f"full restart: {restarted.note}; " if restarted.note else ""
-                how += "fresh processes: names defined in cells are gone"
-            else:
-                how = f"{restarted.note}; the same processes: names defined in cells are kept"
-            line = (
-                f"nbdist: restarted {len(ranks)} ranks{where} in {restarted.seconds:.1f} s · {what} "
-                f"({how})"
-            )
-        else:
-            start_note = self._handle.start_note
-            line = (
-                f"nbdist: {len(ranks)} ranks ready{where} · {what} · "
-                f"{self.startup_seconds:.1f} s{f'; {start_note}' if start_note else ''}"
-            )
-        notes = (
-            [self.placement.sharing_note(), self.placement.threads_note()] if self.placement else []
-        )
-        return "\n".join([line, *(f"nbdist: {note}" for note in notes if note)])
+        return ready_lines(self)
 
     def __repr__(self) -> str:
         """``<DistSession: 2 ranks, gloo>``."""

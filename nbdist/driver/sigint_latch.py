@@ -14,6 +14,12 @@ that the signal came, so the waiting loop, on its next pass, raises it again if 
 never reached the loop. It is installed only in the main thread and only where
 the default handler is in place (as in an ipykernel cell); elsewhere it does
 nothing and SIGINT is handled as before.
+
+It is installed *holding* before the cell is sent (``DistSession.run``): between
+sending the cell and waiting for it, a ``KeyboardInterrupt`` would end the kernel's
+cell while the ranks, never told, ran on with it (and every later cell queued
+behind it). Holding, the latch only notes the signal; the waiting loop takes it on
+its first pass and interrupts the ranks as for any Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,12 +31,17 @@ __all__ = ["SigintLatch"]
 
 
 class SigintLatch:
-    """Context manager: SIGINT raises ``KeyboardInterrupt`` and is remembered until taken."""
+    """Context manager: SIGINT raises ``KeyboardInterrupt`` and is remembered until taken.
 
-    def __init__(self) -> None:
+    ``holding``: SIGINT is only remembered, not raised, until :attr:`holding` is set
+    False (the waiting loop then raises it).
+    """
+
+    def __init__(self, *, holding: bool = False) -> None:
         """Not installed until entered."""
         self._pending = False
         self._previous = None
+        self.holding = holding
 
     def __enter__(self) -> SigintLatch:
         """Stand in for the default SIGINT handler (main thread, default handler only)."""
@@ -49,7 +60,13 @@ class SigintLatch:
 
     def _on_sigint(self, signum, frame) -> None:
         self._pending = True
-        raise KeyboardInterrupt
+        if not self.holding:
+            raise KeyboardInterrupt
+
+    @property
+    def pending(self) -> bool:
+        """Whether a SIGINT came that was not taken yet (it stays pending)."""
+        return self._pending
 
     def take(self) -> bool:
         """Whether a SIGINT came since the last call (the waiting loop then stops as for Ctrl-C)."""

@@ -253,6 +253,42 @@ def test_a_ctrl_c_swallowed_while_the_cell_waits_still_stops_it(session):
     assert session.pull("ok") == [3, 3]
 
 
+@pytest.mark.parametrize("block", [True, False], ids=["blocking", "noblock"])
+def test_a_ctrl_c_while_the_cell_is_sent_interrupts_it_on_the_ranks(session, block):
+    """Ctrl-C landing after the cell left for the ranks but before the kernel waits for it
+    (a loaded kernel is slow there while the ranks already run) stops the cell on the ranks,
+    as one during the wait does, instead of ending only the kernel's cell."""
+    import _thread
+    import sys
+
+    from nbdist.driver.cells import CellChannel
+    from nbdist.errors import RanksInterrupted
+
+    fired = []
+
+    def on_return(frame, event, arg):
+        # The kernel's interrupt, the moment the cell has been sent to the ranks.
+        if event == "return" and frame.f_code is CellChannel.execute.__code__ and not fired:
+            fired.append(True)
+            _thread.interrupt_main()
+
+    code = "import time\nfor _ in range(600):\n    time.sleep(0.1)"
+    t0 = time.monotonic()
+    sys.setprofile(on_return)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            session.run(code, block=block, sink=ListSink())
+    finally:
+        sys.setprofile(None)
+    assert fired, "the cell was never sent: the test proves nothing"
+    # Not a bare KeyboardInterrupt from the kernel's side: the ranks were interrupted.
+    assert isinstance(caught.value, RanksInterrupted), repr(caught.value)
+    assert "every rank stopped" in str(caught.value), str(caught.value)
+    assert time.monotonic() - t0 < 30  # not the 60 s the cell takes
+    session.run("after = 2")  # runs now: the ranks are not still in the cell
+    assert session.pull("after") == [2, 2]
+
+
 def test_a_ranks_first_prompt_is_kept_until_the_cell_is_followed(session):
     """A rank can ask for input before the kernel has built the cell's RankRun (pdb right
     after %dist_debug): the request is kept, not lost, and the rank gets its answer."""
