@@ -73,7 +73,16 @@ class LabDebugClient:
                     m["content"].get("text", "") for m in mine if m["msg_type"] == "stream"
                 )
             time.sleep(0.1)
-        raise TimeoutError(f"cell {msg_id} did not finish; got {self.other!r}")
+        # What the cell itself got, and the debugger's events: every other message of the
+        # module's kernel (status changes of each debug request) would bury them.
+        mine = [
+            (m["msg_type"], m["content"].get("text") or m["content"].get("evalue") or m["content"])
+            for m in self.other
+            if m["parent_header"].get("msg_id") == msg_id
+        ]
+        raise TimeoutError(
+            f"cell {msg_id} did not finish; its messages: {mine!r}; debug events: {self.events!r}"
+        )
 
     def wait_event(self, name: str, timeout: float = 90.0, count: int = 1, **body) -> list[dict]:
         deadline = time.monotonic() + timeout
