@@ -456,8 +456,9 @@ class DistSession:
         # ipyparallel would answer with a KeyError (or wait for an engine that is gone).
         self._require_alive([r.rank for r in chosen])
         fail_undecodable_replies(self._handle.client)  # a value the kernel cannot unpickle
-        ar = send(self._handle.client[[r.engine_id for r in chosen]])
-        return RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait()
+        with SigintLatch(holding=True) as latch:  # as in run(): a Ctrl-C once sent is theirs
+            ar = send(self._handle.client[[r.engine_id for r in chosen]])
+            return RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait(latch)
 
     def apply(self, fn: Callable, *args, ranks=None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on the ranks; returns results in rank order."""

@@ -15,7 +15,8 @@ never reached the loop. It is installed only in the main thread and only where
 the default handler is in place (as in an ipykernel cell); elsewhere it does
 nothing and SIGINT is handled as before.
 
-It is installed *holding* before the cell is sent (``DistSession.run``): between
+It is installed *holding* before the cell is sent (``DistSession.run``, and its
+``apply``/``push``/``pull``): between
 sending the cell and waiting for it, a ``KeyboardInterrupt`` would end the kernel's
 cell while the ranks, never told, ran on with it (and every later cell queued
 behind it). Holding, the latch only notes the signal; the waiting loop takes it on

@@ -253,40 +253,82 @@ def test_a_ctrl_c_swallowed_while_the_cell_waits_still_stops_it(session):
     assert session.pull("ok") == [3, 3]
 
 
-@pytest.mark.parametrize("block", [True, False], ids=["blocking", "noblock"])
-def test_a_ctrl_c_while_the_cell_is_sent_interrupts_it_on_the_ranks(session, block):
-    """Ctrl-C landing after the cell left for the ranks but before the kernel waits for it
-    (a loaded kernel is slow there while the ranks already run) stops the cell on the ranks,
-    as one during the wait does, instead of ending only the kernel's cell."""
+_SLOW = "import time\nfor _ in range(600):\n    time.sleep(0.1)"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.run(_SLOW, sink=ListSink()),
+        lambda s: s.run(_SLOW, block=False, sink=ListSink()),
+    ],
+    ids=["cell", "noblock cell"],
+)
+def test_a_ctrl_c_while_the_cell_is_sent_interrupts_it_on_the_ranks(session, call):
+    """Ctrl-C landing after the request left for the ranks but before the kernel waits for it
+    (a loaded kernel is slow there while the ranks already run) stops it on the ranks, as
+    one during the wait does, instead of ending only the kernel's side."""
     import _thread
     import sys
 
-    from nbdist.driver.cells import CellChannel
+    from nbdist.driver.runner import RankRun
     from nbdist.errors import RanksInterrupted
 
     fired = []
 
-    def on_return(frame, event, arg):
-        # The kernel's interrupt, the moment the cell has been sent to the ranks.
-        if event == "return" and frame.f_code is CellChannel.execute.__code__ and not fired:
+    def on_call(frame, event, arg):
+        # The kernel's interrupt once the request is sent: every path builds the RankRun
+        # that follows it only then.
+        if event == "call" and frame.f_code is RankRun.__init__.__code__ and not fired:
             fired.append(True)
             _thread.interrupt_main()
 
-    code = "import time\nfor _ in range(600):\n    time.sleep(0.1)"
     t0 = time.monotonic()
-    sys.setprofile(on_return)
+    sys.setprofile(on_call)
     try:
         with pytest.raises(KeyboardInterrupt) as caught:
-            session.run(code, block=block, sink=ListSink())
+            call(session)
     finally:
         sys.setprofile(None)
-    assert fired, "the cell was never sent: the test proves nothing"
+    assert fired, "nothing was sent: the test proves nothing"
     # Not a bare KeyboardInterrupt from the kernel's side: the ranks were interrupted.
     assert isinstance(caught.value, RanksInterrupted), repr(caught.value)
     assert "every rank stopped" in str(caught.value), str(caught.value)
-    assert time.monotonic() - t0 < 30  # not the 60 s the cell takes
-    session.run("after = 2")  # runs now: the ranks are not still in the cell
+    assert time.monotonic() - t0 < 30  # not the 60 s the request takes
+    session.run("after = 2")  # runs now: the ranks are not still in the request
     assert session.pull("after") == [2, 2]
+
+
+def test_a_ctrl_c_while_an_apply_is_sent_is_relayed_to_the_ranks(session):
+    """The same moment for ``apply`` (and push, pull): the interrupt goes to the ranks and
+    the kernel says how it ended there, not a bare KeyboardInterrupt that leaves them
+    silently running. (An engine that has not begun the request yet ignores SIGINT, and
+    ``apply`` has no guard to repeat it, so the ranks may say they did not stop.)"""
+    import _thread
+    import sys
+
+    from nbdist.driver.runner import RankRun
+    from nbdist.errors import RanksInterrupted
+
+    fired = []
+
+    def on_call(frame, event, arg):
+        if event == "call" and frame.f_code is RankRun.__init__.__code__ and not fired:
+            fired.append(True)
+            _thread.interrupt_main()
+
+    sys.setprofile(on_call)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            session.apply(time.sleep, 12)
+    finally:
+        sys.setprofile(None)
+    assert fired, "nothing was sent: the test proves nothing"
+    assert isinstance(caught.value, RanksInterrupted), repr(caught.value)
+    said = str(caught.value)
+    assert "every rank stopped" in said or "did not stop after the interrupt" in said, said
+    session.run("after = 3")
+    assert session.pull("after") == [3, 3]
 
 
 def test_a_ranks_first_prompt_is_kept_until_the_cell_is_followed(session):
