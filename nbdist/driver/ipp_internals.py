@@ -1,11 +1,12 @@
 """Kernel side: the parts of ipyparallel nbdist uses beyond its public API, in one place.
 
 ipyparallel 9 has no public way to send an execute request with a user
-expression, to read one rank's reply or accumulated output from a multi-engine
-result, to send a custom control message or to tell that a client was closed,
+expression, to read one rank's reply, accumulated output or engine from a
+multi-engine result, to send a custom control message or to tell that a
+client was closed,
 its client assumes any IPython shell is a kernel, a reply whose value it
 cannot unpickle is never answered, and closing a client drops the requests it
-has not yet handed to zmq. nbdist needs all seven, and
+has not yet handed to zmq. nbdist needs all eight, and
 a terminal IPython too (see :mod:`nbdist.driver.cells`, :mod:`nbdist.driver.runner`,
 :mod:`nbdist.driver.where`, :mod:`nbdist.driver.rank_relay`),
 so they are reached here and nowhere else: an ipyparallel upgrade that renames
@@ -26,9 +27,11 @@ __all__ = [
     "fail_undecodable_replies",
     "flush_sends",
     "per_engine_futures",
+    "per_engine_ids",
     "per_engine_metadata",
     "queue_status",
     "reply_content",
+    "result_client",
     "send_control",
     "send_execute",
     "tolerate_shells_without_kernel",
@@ -78,6 +81,17 @@ def per_engine_futures(async_result) -> list:
 def per_engine_metadata(async_result) -> list:
     """Each engine's metadata dict (stdout, stderr, outputs accumulated so far), in order."""
     return list(async_result._metadata)  # noqa: SLF001
+
+
+def per_engine_ids(async_result) -> list[int] | None:
+    """The engine id of each child of an ``AsyncResult``, in order (None if it does not say)."""
+    targets = async_result._targets  # noqa: SLF001
+    return None if targets is None else list(targets)
+
+
+def result_client(async_result):
+    """The ipyparallel client that sent the requests of an ``AsyncResult``."""
+    return async_result._client  # noqa: SLF001
 
 
 def reply_content(result) -> dict:

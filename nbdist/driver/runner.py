@@ -23,6 +23,7 @@ from nbdist.driver.cell_output import remember
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.early_iopub import EarlyIopub
 from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata
+from nbdist.driver.missed_interrupt import MissedInterrupt
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.prompts import PromptServer
 from nbdist.driver.sigint_latch import SigintLatch
@@ -170,6 +171,8 @@ class RankRun:
         self._started = time.monotonic()
         self._wake = threading.Event()
         self._latch: SigintLatch | None = None  # while waiting: a Ctrl-C swallowed elsewhere
+        self._stopped = False  # the ranks were told to stop (Ctrl-C or --timeout)
+        self._missed: MissedInterrupt | None = None  # then: ranks the SIGINT may have missed
         self._consumed = [{"stdout": "", "stderr": "", "outputs": 0} for _ in self.ranks]
         self._limit = output_limit()
         self._shown = {}  # (rank, stream) -> characters fed to the merger
@@ -322,6 +325,8 @@ class RankRun:
             if self._latch is not None and self._latch.take():
                 raise KeyboardInterrupt  # it was raised elsewhere and swallowed there
             self._guard.poll(self)
+            if self._missed is not None:
+                self._missed.poll()
             finished = self._all_done()
             self._drain()
             self._merger.poll()
@@ -414,7 +419,7 @@ class RankRun:
             self._error = exc
         self._states = self.child_states()
         self._concluded = True
-        self._ar = self._guard = self._watch = self._interrupt = None
+        self._ar = self._guard = self._watch = self._interrupt = self._missed = None
         self._sink = self._prompts = self._merger = None
         self._children, self._metadata = [], []
         self._comms.clear()
@@ -426,11 +431,32 @@ class RankRun:
         """SIGINT to the ranks; release those that do not stop; form the group again."""
         if self._prompts is not None:
             self._prompts.cancel()  # ranks at a prompt stop too; no one is asked again
+        sent_at = time.monotonic()
         self._interrupt(self.ranks)
+        self._reach_missed(sent_at)
+        self._stopped = True
         self._guard.interrupted()
         self._settle()
         if self._finished:
             self._guard.recover(self, interrupted=True)
+
+    def _reach_missed(self, sent_at: float) -> None:
+        """Ranks the SIGINT sent at ``sent_at`` missed drop the request or stop it now.
+
+        An idle engine ignores SIGINT: a rank it reached before the request (a loaded
+        kernel interrupts while the request is in flight; at many ranks the last begin
+        seconds after the first), or in an earlier request it then ended, would run the
+        whole request after it (:mod:`nbdist.driver.missed_interrupt`).
+        """
+        dead = self._guard.dead()
+        running = [
+            i
+            for i, (rank, child) in enumerate(zip(self.ranks, self._children))
+            if rank not in dead and not child.done()
+        ]
+        if running:
+            self._missed = MissedInterrupt(self._ar, running, sent_at)
+            self._missed.poll()  # asked at once
 
     def _settle(self) -> None:
         """After an interrupt: let ranks unwind, show what they printed, stop waiting."""
@@ -470,12 +496,7 @@ class RankRun:
             if rank in self.ranks
         ]
         failures += [
-            RankFailure(
-                rank=rank,
-                ename=getattr(res, "ename", None) or type(res).__name__,
-                evalue=str(getattr(res, "evalue", res)),
-                traceback=getattr(res, "traceback", None) or "",
-            )
+            self._failure(rank, res)
             for rank, res in zip(self.ranks, self._results)
             if isinstance(res, BaseException) and rank not in dead
         ]
@@ -498,6 +519,27 @@ class RankRun:
             note = self._guard.note(failures)
             raise RankError(failures, world_ranks=self.ranks, note=note)
         return list(self._results)
+
+    def _failure(self, rank: int, res: BaseException) -> RankFailure:
+        from ipyparallel.error import TaskAborted
+
+        if isinstance(res, TaskAborted):  # an "aborted" reply; its words: the request's id
+            if self._stopped:
+                return RankFailure(rank, "KeyboardInterrupt", _DROPPED_STOPPED, "")
+            return RankFailure(rank, "NotRun", _DROPPED, "")
+        return RankFailure(
+            rank=rank,
+            ename=getattr(res, "ename", None) or type(res).__name__,
+            evalue=str(getattr(res, "evalue", res)),
+            traceback=getattr(res, "traceback", None) or "",
+        )
+
+
+_DROPPED_STOPPED = "stopped before this rank began it: none of it ran here"
+_DROPPED = (
+    "this rank dropped it unrun: a cell before it failed there, and a rank drops what was "
+    "queued behind a failed cell; run it again"
+)
 
 
 def _child_result(child):

@@ -24,6 +24,9 @@ ipykernel serves on its own thread (the one that also serves
     read (or, with ``remove``, remove) a crash record on this rank's machine:
     another rank's, one that died (:mod:`nbdist.engine.crash_record`); with
     ``remove_own``, this rank's own, at the stop.
+``interrupt``
+    stop one request if the kernel's SIGINT came before this rank began it
+    (:mod:`nbdist.engine.late_interrupt`).
 ``release``
     break this rank out of the collective it waits in. NCCL: abort the
     communicators (``_abort_process_group``). gloo has no abort (its
@@ -46,7 +49,7 @@ import sys
 import threading
 import traceback
 
-from nbdist.engine import collectives, crash_record, dap_relay, flight_recorder
+from nbdist.engine import collectives, crash_record, dap_relay, flight_recorder, late_interrupt
 from nbdist.engine.helpers import device, rank
 from nbdist.metrics.gpu import read_this_rank
 
@@ -263,6 +266,14 @@ def _handle(kernel, stream, idents, parent) -> None:
             reply = {"status": "ok", "release": release()}
         elif action == "gpu":
             reply = {"status": "ok", "gpu": gpu()}
+        elif action == "interrupt":
+            done = late_interrupt.interrupt_request(
+                kernel,
+                str(content.get("msg_id", "")),
+                content.get("sent_at"),
+                str(content.get("boot", "")),
+            )
+            reply = {"status": "ok", "interrupt": done}
         elif action == "crash_record":
             path = str(content.get("path", ""))
             if content.get("remove_own"):  # the session stops: this rank's own record goes

@@ -39,6 +39,7 @@ from nbdist.engine import (
     control,
     functional_gather,
     gpu_like,
+    late_interrupt,
     launcher_refusal,
     p2p_staging,
     stdin_bridge,
@@ -138,6 +139,15 @@ PATCHES: tuple[Patch, ...] = (
         turn_off="no switch; it only adds a message type",
     ),
     Patch(
+        "late_interrupt",
+        "kernel",
+        wraps="the engine kernel's pre_handler_hook and post_handler_hook (which request "
+        "runs); between requests, SIGINT's SIG_IGN by a handler that notes the time",
+        why="a Ctrl-C relayed before a rank began the request (in flight, or at many ranks "
+        "the last to begin) was ignored there, and the rank ran the whole request",
+        turn_off="no switch; the wrapped hooks are kept as nbdist_original",
+    ),
+    Patch(
         "stdin_bridge",
         "kernel",
         wraps="the engine kernel's raw_input and getpass (builtins.input, getpass.getpass "
@@ -182,6 +192,8 @@ def install_on_rank(kernel=None, shell=None) -> None:
     if kernel is not None:
         # Answered on the engine's control thread, also while a cell runs or hangs.
         control.install(kernel)
+        # A SIGINT that came before the request it was meant for still stops it.
+        late_interrupt.install(kernel)
         # input(), getpass and pdb on this rank ask the notebook (Jupyter's stdin channel).
         stdin_bridge.install(kernel)
         # Each execute reply says what the kernel needs to know after a cell.

@@ -1,0 +1,160 @@
+"""Rank side: an interrupt that missed the request it was meant for on this rank.
+
+Between requests an engine ignores SIGINT (ipykernel installs Python's own
+handler only while it handles a request; ipyparallel's engine logs the rest).
+The kernel sends a request, then a Ctrl-C relays SIGINT to the ranks. A rank that
+had not begun the request yet (the kernel interrupted while it was in flight, at
+many ranks the last begin seconds after the first, or the rank was finishing an
+earlier request the SIGINT then ended) would run the whole request after it. So
+the kernel asks each rank whose beginning it had not seen when it interrupted
+(:func:`interrupt_request`, on the control channel, answered whatever the rank
+does):
+
+- not begun: the rank drops it unrun (ipyparallel's own mechanism: its engine
+  replies "aborted" to a request whose id it was told to abort);
+- begun after the SIGINT was sent: interrupted now. On the kernel's machine the
+  two times share one clock; elsewhere a SIGINT that came while the rank was idle
+  just before the request counts (this module notes those);
+- begun before it, or ended: nothing (the SIGINT landed, or nothing is left).
+
+Between ipyparallel's check for a dropped request and the start of its handling a
+request is neither: the rank answers "dropped" (or "beginning") and the kernel
+asks again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import deque
+
+__all__ = ["boot_id", "install", "interrupt_request"]
+
+# A request is interrupted only once it has run this long: in its first moments ipykernel
+# and ipyparallel are still outside the code that turns a KeyboardInterrupt into the
+# request's error reply (one raised there is logged, and no reply ever comes).
+_SETTLED_S = 0.05
+# Ended requests remembered, so a late question about one is not taken for one to come.
+_ENDED_KEPT = 256
+
+
+class _Requests:
+    """What this rank's main thread handles, as the control thread reads it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.current: str | None = None
+        self.began_at = 0.0  # monotonic: when the current request began
+        self.interrupted: str | None = None  # the request this rank last interrupted itself
+        self.ended: deque[str] = deque(maxlen=_ENDED_KEPT)
+        self.ended_at = 0.0  # monotonic: when the request before the current one ended
+        # When a SIGINT last came while idle (set in a signal handler: no lock taken,
+        # the main thread may hold it there).
+        self.idle_sigint_at: float | None = None
+
+
+_requests = _Requests()
+
+
+class _IdleSigint:
+    """SIGINT's handler between requests: notes when it came, then does what the one it
+    replaced did (ipyparallel's engine logs that it ignores it)."""
+
+    def __init__(self, replaced) -> None:
+        self.replaced = replaced
+
+    def __call__(self, signum, frame) -> None:
+        _requests.idle_sigint_at = time.monotonic()
+        if callable(self.replaced):
+            self.replaced(signum, frame)
+
+
+def _follow_idle_sigint() -> None:
+    """Between requests SIGINT is ignored (``SIG_IGN``, or ipyparallel's handler that logs
+    it): note its coming too. Set on the main thread only, where handlers are set."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    if isinstance(handler, _IdleSigint) or handler in (signal.default_int_handler, signal.SIG_DFL):
+        return  # followed already, or SIGINT is not ignored here: it raises or ends the process
+    if handler is None:  # set from outside Python: left alone
+        return
+    signal.signal(signal.SIGINT, _IdleSigint(handler))
+
+
+def install(kernel) -> None:
+    """Follow which request ``kernel`` handles, and note SIGINTs between requests (idempotent)."""
+    pre, post = kernel.pre_handler_hook, kernel.post_handler_hook
+    if getattr(pre, "nbdist_original", None) is not None:
+        return
+
+    # The bookkeeping runs while SIGINT is still (or again) noted, not raised: a
+    # KeyboardInterrupt raised in these hooks would end the engine's event loop.
+    def pre_handler_hook():
+        parent = kernel.get_parent("shell") or {}
+        with _requests.lock:
+            _requests.current = parent.get("header", {}).get("msg_id")
+            _requests.began_at = time.monotonic()
+        pre()  # SIGINT raises KeyboardInterrupt from here on
+
+    def post_handler_hook():
+        post()  # the handler from before the request again
+        with _requests.lock:
+            if _requests.current is not None:
+                _requests.ended.append(_requests.current)
+            _requests.current = None
+            _requests.ended_at = time.monotonic()
+        _follow_idle_sigint()
+
+    pre_handler_hook.nbdist_original = pre
+    post_handler_hook.nbdist_original = post
+    kernel.pre_handler_hook = pre_handler_hook
+    kernel.post_handler_hook = post_handler_hook
+
+
+def boot_id() -> str:
+    """This machine's boot id: processes that share it read one ``time.monotonic`` clock."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def interrupt_request(kernel, msg_id: str, sent_at: float | None = None, boot: str = "") -> str:
+    """Stop request ``msg_id`` on this rank if the kernel's SIGINT missed it; what was done.
+
+    ``sent_at``: when the kernel sent SIGINT (its ``time.monotonic``), ``boot``: the
+    kernel machine's :func:`boot_id`; on the same machine a request that began after
+    it missed it (the SIGINT was ignored, or ended the request before). Elsewhere a
+    request missed it if a SIGINT came while this rank was idle just before it.
+
+    "dropped" (not begun: it will not run), "beginning" (about to run: ask again),
+    "interrupted" (it missed the SIGINT: SIGINT again), "running" (it began before
+    the SIGINT: that landed), "ended".
+    """
+    same_clock = sent_at is not None and boot != "" and boot == boot_id()
+    with _requests.lock:
+        if msg_id == _requests.current:
+            idle = isinstance(signal.getsignal(signal.SIGINT), _IdleSigint)
+            if idle or time.monotonic() - _requests.began_at < _SETTLED_S:
+                return "beginning"  # a SIGINT now would be noted, or raised too early
+            if same_clock:
+                missed = _requests.began_at > sent_at
+            else:
+                came = _requests.idle_sigint_at
+                missed = came is not None and came >= _requests.ended_at
+            if not missed or _requests.interrupted == msg_id:
+                return "running"
+            _requests.interrupted = msg_id  # once: asked again, it is "running"
+            os.kill(os.getpid(), signal.SIGINT)
+            return "interrupted"
+        if msg_id in _requests.ended:
+            return "ended"
+        aborted = getattr(kernel, "aborted", None)  # ipyparallel's engine kernel has it
+        if aborted is None:
+            return "running"
+        aborted.add(msg_id)
+        return "dropped"

@@ -1,0 +1,252 @@
+"""Interrupting the ranks from the kernel: Ctrl-C, whenever it comes, stops what the kernel
+waits for on every rank (real engines, a real gloo group of 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import nbdist
+from nbdist.driver.sinks import ListSink
+from nbdist.errors import RankError
+
+
+@pytest.fixture(scope="module")
+def session():
+    with nbdist.DistSession(2, cpu=True, timeout=120) as s:
+        yield s
+
+
+def test_interrupt_reaches_every_rank_and_next_run_works(session):
+    run = session.run(
+        "import time\nprint('sleeping', flush=True)\ntime.sleep(60)", block=False, sink=ListSink()
+    )
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    session.interrupt()
+    with pytest.raises(RankError) as info:
+        run.wait()
+    assert time.monotonic() - t0 < 30
+    assert info.value.ranks == [0, 1]
+    assert all(f.ename == "KeyboardInterrupt" for f in info.value.failures)
+    session.run("after = rank + 100")
+    assert session.pull("after") == [100, 101]
+
+
+@pytest.mark.parametrize(
+    "code",
+    ["import time\ntime.sleep(60)", "import time\nfor _ in range(600):\n    time.sleep(0.1)"],
+    ids=["ends with an expression", "shows nothing (sent silent)"],
+)
+def test_keyboard_interrupt_in_the_waiting_thread_is_relayed(session, code):
+    """Ctrl-C in the kernel arrives as KeyboardInterrupt in the waiting loop."""
+    import _thread
+
+    session.run("warm = 1")  # the ranks' replies say how their shells show values
+    timer = threading.Timer(1.5, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        session.run(code, sink=ListSink())
+    timer.cancel()
+    assert time.monotonic() - t0 < 30
+    session.run("ok = 1")
+    assert session.pull("ok") == [1, 1]
+
+
+class _SwallowingSink(ListSink):
+    """A sink that catches KeyboardInterrupt, as some code the kernel runs while a cell waits
+    does (a library's output hook; a finalizer, where Python drops every exception)."""
+
+    def __init__(self, inside: threading.Event, sent: threading.Event):
+        super().__init__()
+        self.inside, self.sent, self.swallowed = inside, sent, 0
+
+    def line(self, stream, label, text):
+        super().line(stream, label, text)
+        if self.swallowed:
+            return
+        self.inside.set()
+        try:
+            while not self.sent.is_set():  # Python code: the signal's handler runs in here
+                pass
+            for _ in range(1_000_000):
+                pass
+        except KeyboardInterrupt:
+            self.swallowed += 1
+
+
+def test_a_ctrl_c_swallowed_while_the_cell_waits_still_stops_it(session):
+    """Ctrl-C raised inside code that drops it (here a sink's write) still stops the cell."""
+    import _thread
+
+    inside, sent = threading.Event(), threading.Event()
+
+    def interrupt_once_inside() -> None:
+        if inside.wait(60):
+            _thread.interrupt_main()  # SIGINT's handler, as the kernel's interrupt runs it
+            sent.set()
+
+    timer = threading.Thread(target=interrupt_once_inside, daemon=True)
+    timer.start()
+    sink = _SwallowingSink(inside, sent)
+    code = "import time\nprint('started', flush=True)\nfor _ in range(600):\n    time.sleep(0.1)"
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        session.run(code, sink=sink)
+    timer.join(5)
+    assert sink.swallowed == 1, "the Ctrl-C did not land in the sink: the test proves nothing"
+    assert time.monotonic() - t0 < 30  # not the 60 s the cell takes
+    session.run("ok = 3")
+    assert session.pull("ok") == [3, 3]
+
+
+_SLOW = "import time\nfor _ in range(600):\n    time.sleep(0.1)"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.run(_SLOW, sink=ListSink()),
+        lambda s: s.run(_SLOW, block=False, sink=ListSink()),
+        lambda s: s.apply(time.sleep, 60),
+    ],
+    ids=["cell", "noblock cell", "apply"],
+)
+def test_a_ctrl_c_while_the_cell_is_sent_interrupts_it_on_the_ranks(session, call):
+    """Ctrl-C landing after the request left for the ranks but before the kernel waits for it
+    (a loaded kernel is slow there while the ranks already run) stops it on the ranks, as
+    one during the wait does, instead of ending only the kernel's side. The SIGINT often
+    comes before a rank began the request (an idle engine ignores it): the rank then drops
+    the request, or stops it as it begins, instead of running it whole (for ``apply``, with
+    no cell guard to interrupt again, it ran whole)."""
+    import _thread
+    import sys
+
+    from nbdist.driver.runner import RankRun
+    from nbdist.errors import RanksInterrupted
+
+    fired = []
+
+    def on_call(frame, event, arg):
+        # The kernel's interrupt once the request is sent: every path builds the RankRun
+        # that follows it only then.
+        if event == "call" and frame.f_code is RankRun.__init__.__code__ and not fired:
+            fired.append(True)
+            _thread.interrupt_main()
+
+    t0 = time.monotonic()
+    sys.setprofile(on_call)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            call(session)
+    finally:
+        sys.setprofile(None)
+    assert fired, "nothing was sent: the test proves nothing"
+    # Not a bare KeyboardInterrupt from the kernel's side: the ranks were interrupted.
+    assert isinstance(caught.value, RanksInterrupted), repr(caught.value)
+    assert "every rank stopped" in str(caught.value), str(caught.value)
+    assert time.monotonic() - t0 < 10  # not the 60 s the request takes, nor the 10 s grace
+    session.run("after = 2")  # runs now: the ranks are not still in the request
+    assert session.pull("after") == [2, 2]
+
+
+def _mark_after(seconds: float) -> None:
+    """Applied on a rank: sleeps, then leaves ``ran_late = True`` in its namespace."""
+    import time
+
+    from IPython import get_ipython
+
+    time.sleep(seconds)
+    get_ipython().user_ns["ran_late"] = True
+
+
+# Sent by value (ipyparallel imports a function's module on the rank unless it is __main__'s;
+# the ranks cannot import this test module).
+_mark_after.__module__ = "__main__"
+
+
+# A --noblock cell that takes a while to unwind from an interrupt (its except clause):
+# a request queued behind it is still waiting when the kernel asks about it.
+_SLOW_TO_STOP = (
+    "import time\n"
+    "try:\n"
+    "    time.sleep(60)\n"
+    "except KeyboardInterrupt:\n"
+    "    time.sleep(1.5)\n"
+    "    raise"
+)
+
+
+def _interrupt_an_apply_behind(session, background_code: str, seconds: float):
+    """Ctrl-C while ``apply`` waits behind a --noblock cell; (the KeyboardInterrupt, seconds
+    it took, the cell's run)."""
+    import _thread
+
+    session.run("ran_late = False")
+    background = session.run(background_code, block=False, sink=ListSink())
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        session.apply(_mark_after, seconds)
+    timer.cancel()
+    return caught.value, time.monotonic() - t0, background
+
+
+def test_a_ctrl_c_drops_a_request_queued_behind_a_running_cell(session):
+    """The request the kernel waits for is queued behind a --noblock cell: the SIGINT stops
+    the cell, and the request, which had not begun, is dropped instead of running after
+    it (before: it ran whole, and the kernel said the ranks "did not stop")."""
+    caught, took, background = _interrupt_an_apply_behind(session, _SLOW_TO_STOP, 0.0)
+    assert "every rank stopped" in str(caught), str(caught)
+    shown = "\n".join(caught._render_traceback_())
+    assert "stopped before this rank began it: none of it ran here" in shown, shown
+    assert took < 10, took  # not the interrupt's 10 s grace: nothing was left running
+    with pytest.raises(RankError) as first:  # the SIGINT stopped the cell that was running
+        background.wait()
+    assert {f.ename for f in first.value.failures} == {"KeyboardInterrupt"}
+    time.sleep(0.5)
+    assert session.pull("ran_late") == [False, False]
+
+
+def test_a_ctrl_c_stops_a_request_that_began_after_it(session):
+    """The SIGINT ends the cell the ranks were finishing, and the request the kernel waits
+    for may begin right after it, before the kernel's question comes: it is interrupted
+    then (or dropped, if the question came first), not run whole."""
+    finishing = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    pass"
+    caught, took, background = _interrupt_an_apply_behind(session, finishing, 20.0)
+    assert "every rank stopped" in str(caught), str(caught)
+    assert took < 10, took
+    background.wait()  # the cell caught its interrupt and ended well: no RankError
+    assert session.pull("ran_late") == [False, False]
+
+
+def test_a_cell_a_rank_dropped_after_a_failed_one_says_so(session):
+    """Without any interrupt, a rank drops the cells queued behind one that failed
+    (ipykernel's stop-on-error): the dropped cell's error says that, not an opaque
+    "TaskAborted" with a message id."""
+    import os
+    import tempfile
+
+    go = os.path.join(tempfile.mkdtemp(), "go")
+    waiting = session.run(
+        f"import os, time\nwhile not os.path.exists({go!r}):\n    time.sleep(0.02)",
+        block=False,
+        sink=ListSink(),
+    )
+    failing = session.run("1 / 0", block=False, sink=ListSink())
+    queued = session.run("never = 1", block=False, sink=ListSink())
+    time.sleep(2.0)  # every cell has reached the ranks, behind the waiting one
+    open(go, "w").close()
+    waiting.wait()
+    with pytest.raises(RankError, match="ZeroDivisionError"):
+        failing.wait()
+    with pytest.raises(RankError) as dropped:
+        queued.wait()
+    assert {f.ename for f in dropped.value.failures} == {"NotRun"}
+    assert "dropped it unrun" in str(dropped.value), str(dropped.value)
+    session.run("after = 4")
+    assert session.pull("after") == [4, 4]
