@@ -258,6 +258,8 @@ def start_local(
                 failure = start_failure(exc, n, timeout, cluster, words) if failed else ""
                 _record_pids(handle)
                 stop_processes(handle)
+                if not isinstance(exc, Exception):
+                    raise  # a Ctrl-C (or an exit) ends the start, whatever else went wrong
                 if clash and attempt < attempts:
                     continue
                 if clash:

@@ -54,6 +54,29 @@ def test_an_interrupt_after_the_engines_registered_stops_every_process(monkeypat
     assert names == [], "left running after an interrupted start:\n" + "\n".join(names)
 
 
+def test_an_interrupt_is_not_taken_for_a_port_clash_to_start_again(monkeypatch):
+    """A controller that met a taken port (two notebooks starting at once) makes the start try
+    once more with fresh ports; a Ctrl-C in that start ended up starting a second cluster (a
+    Slurm job submitted again), as if the clash had failed it. A Ctrl-C ends the start."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    options = check_start_options(StartOptions(n=2, cpu=True, timeout=120))
+    monkeypatch.setattr(cluster, "port_clash", lambda *a, **k: "bind: Address already in use")
+    _interrupt_once(monkeypatch, cluster, "_secure_connection_files")
+    attempts = []
+    real_attempt = cluster._start_attempt  # noqa: SLF001
+
+    def counted(*args, **kwargs):
+        attempts.append(1)
+        return real_attempt(*args, **kwargs)
+
+    monkeypatch.setattr(cluster, "_start_attempt", counted)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.start_processes(options, plan_start(options))
+    assert len(attempts) == 1
+    started = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert wait_gone(started, timeout=15) == []
+
+
 def test_a_controller_that_exits_is_named_with_its_output_once(caplog):
     # The options check refuses an IPv6 --ip now; past it, the controller still exits at once.
     options = check_start_options(StartOptions(n=2, cpu=True))
