@@ -6,7 +6,7 @@ an earlier request the rank was finishing, and the rank would then run the whole
 request. Whether a rank has begun cannot be seen from here (its "busy" message comes
 before it handles SIGINT), so every rank still running is asked on its control
 channel about its request (:func:`nbdist.engine.late_interrupt.interrupt_request`):
-it drops the request unrun, or interrupts it if it began after the SIGINT was sent.
+it drops the request unrun, or interrupts it if it began after the SIGINT.
 A rank that answers "dropped" (or "beginning") is asked again until its reply
 comes: it may have begun the request in the moment it answered.
 """
@@ -38,7 +38,7 @@ class MissedInterrupt:
 
     def __init__(self, async_result, indices: Sequence[int], sent_at: float):
         """Follow the children of ``async_result`` at ``indices`` (ranks still running);
-        ``sent_at``: when SIGINT went to the ranks (``time.monotonic``)."""
+        ``sent_at``: when every SIGINT had gone to the ranks (``time.monotonic``)."""
         self._sent = {"sent_at": sent_at, "boot": boot_id()}
         engines = per_engine_ids(async_result)
         self._client = result_client(async_result)

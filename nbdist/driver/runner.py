@@ -325,7 +325,9 @@ class RankRun:
             if self._latch is not None and self._latch.take():
                 raise KeyboardInterrupt  # it was raised elsewhere and swallowed there
             self._guard.poll(self)
-            if self._missed is not None:
+            # Once the guard released the ranks it has SIGINTed those still computing:
+            # a rank asked after that would be interrupted twice.
+            if self._missed is not None and not getattr(self._guard, "released", False):
                 self._missed.poll()
             finished = self._all_done()
             self._drain()
@@ -431,9 +433,8 @@ class RankRun:
         """SIGINT to the ranks; release those that do not stop; form the group again."""
         if self._prompts is not None:
             self._prompts.cancel()  # ranks at a prompt stop too; no one is asked again
-        sent_at = time.monotonic()
         self._interrupt(self.ranks)
-        self._reach_missed(sent_at)
+        self._reach_missed(time.monotonic())  # every SIGINT is out
         self._stopped = True
         self._guard.interrupted()
         self._settle()
@@ -441,7 +442,7 @@ class RankRun:
             self._guard.recover(self, interrupted=True)
 
     def _reach_missed(self, sent_at: float) -> None:
-        """Ranks the SIGINT sent at ``sent_at`` missed drop the request or stop it now.
+        """Ranks the SIGINTs sent by ``sent_at`` missed drop the request or stop it now.
 
         An idle engine ignores SIGINT: a rank it reached before the request (a loaded
         kernel interrupts while the request is in flight; at many ranks the last begin

@@ -6,16 +6,15 @@ The kernel sends a request, then a Ctrl-C relays SIGINT to the ranks. A rank tha
 had not begun the request yet (the kernel interrupted while it was in flight, at
 many ranks the last begin seconds after the first, or the rank was finishing an
 earlier request the SIGINT then ended) would run the whole request after it. So
-the kernel asks each rank whose beginning it had not seen when it interrupted
-(:func:`interrupt_request`, on the control channel, answered whatever the rank
-does):
+the kernel asks each rank still running it (:func:`interrupt_request`, on the
+control channel, answered whatever the rank does):
 
 - not begun: the rank drops it unrun (ipyparallel's own mechanism: its engine
   replies "aborted" to a request whose id it was told to abort);
-- begun after the SIGINT was sent: interrupted now. On the kernel's machine the
-  two times share one clock; elsewhere a SIGINT that came while the rank was idle
-  just before the request counts (this module notes those);
-- begun before it, or ended: nothing (the SIGINT landed, or nothing is left).
+- begun after a SIGINT that came while the rank was idle (this module notes
+  those), or, on the kernel's machine, whose clock it shares, after the kernel had
+  sent its SIGINTs: interrupted now;
+- otherwise, or ended: nothing (the SIGINT landed, or nothing is left).
 
 Between ipyparallel's check for a dropped request and the start of its handling a
 request is neither: the rank answers "dropped" (or "beginning") and the kernel
@@ -126,10 +125,10 @@ def boot_id() -> str:
 def interrupt_request(kernel, msg_id: str, sent_at: float | None = None, boot: str = "") -> str:
     """Stop request ``msg_id`` on this rank if the kernel's SIGINT missed it; what was done.
 
-    ``sent_at``: when the kernel sent SIGINT (its ``time.monotonic``), ``boot``: the
-    kernel machine's :func:`boot_id`; on the same machine a request that began after
-    it missed it (the SIGINT was ignored, or ended the request before). Elsewhere a
-    request missed it if a SIGINT came while this rank was idle just before it.
+    A request missed it if a SIGINT came while this rank was idle just before it
+    began, or if it began after ``sent_at``, when the kernel had sent its SIGINTs
+    (its ``time.monotonic``; compared only on the kernel's machine, ``boot`` being
+    its :func:`boot_id`): the SIGINT then ended the request before it.
 
     "dropped" (not begun: it will not run), "beginning" (about to run: ask again),
     "interrupted" (it missed the SIGINT: SIGINT again), "running" (it began before
@@ -141,11 +140,10 @@ def interrupt_request(kernel, msg_id: str, sent_at: float | None = None, boot: s
             idle = isinstance(signal.getsignal(signal.SIGINT), _IdleSigint)
             if idle or time.monotonic() - _requests.began_at < _SETTLED_S:
                 return "beginning"  # a SIGINT now would be noted, or raised too early
-            if same_clock:
-                missed = _requests.began_at > sent_at
-            else:
-                came = _requests.idle_sigint_at
-                missed = came is not None and came >= _requests.ended_at
+            came = _requests.idle_sigint_at
+            missed = (came is not None and came >= _requests.ended_at) or (
+                same_clock and _requests.began_at > sent_at
+            )
             if not missed or _requests.interrupted == msg_id:
                 return "running"
             _requests.interrupted = msg_id  # once: asked again, it is "running"
