@@ -84,6 +84,7 @@ class _NoGuard:
     """The guard of a run that has none (nbdist's own calls): it watches nothing, releases nothing."""
 
     stranded: dict[int, str] = {}
+    released = False  # nothing releases the ranks of a run without a guard
 
     @property
     def released_from(self) -> dict[int, str]:
@@ -327,7 +328,7 @@ class RankRun:
             self._guard.poll(self)
             # Once the guard released the ranks it has SIGINTed those still computing:
             # a rank asked after that would be interrupted twice.
-            if self._missed is not None and not getattr(self._guard, "released", False):
+            if self._missed is not None and not self._guard.released:
                 self._missed.poll()
             finished = self._all_done()
             self._drain()
