@@ -1,7 +1,9 @@
 """Rank side: an interrupt that missed the request it was meant for on this rank.
 
-Between requests an engine ignores SIGINT (ipykernel installs Python's own
-handler only while it handles a request; ipyparallel's engine logs the rest).
+Between requests an engine ignores SIGINT (ipyparallel's engine logs it);
+during one, this module's hooks install :mod:`nbdist.engine.request_sigint`'s
+handler (a KeyboardInterrupt in the user's code), where ipykernel installs
+Python's own.
 The kernel sends a request, then a Ctrl-C relays SIGINT to the ranks. A rank that
 had not begun the request yet (the kernel interrupted while it was in flight, at
 many ranks the last begin seconds after the first, or the rank was finishing an
@@ -29,12 +31,10 @@ import threading
 import time
 from collections import deque
 
+from nbdist.engine.request_sigint import Redelivery, RequestSigint
+
 __all__ = ["boot_id", "install", "interrupt_request"]
 
-# A request is interrupted only once it has run this long: in its first moments ipykernel
-# and ipyparallel are still outside the code that turns a KeyboardInterrupt into the
-# request's error reply (one raised there is logged, and no reply ever comes).
-_SETTLED_S = 0.05
 # Ended requests remembered, so a late question about one is not taken for one to come.
 _ENDED_KEPT = 256
 
@@ -52,6 +52,9 @@ class _Requests:
         # When a SIGINT last came while idle (set in a signal handler: no lock taken,
         # the main thread may hold it there).
         self.idle_sigint_at: float | None = None
+        # The request a SIGINT came for outside the user's code, held until that code runs
+        # (request_sigint.py; set in the signal handler, like idle_sigint_at).
+        self.held: str | None = None
 
 
 _requests = _Requests()
@@ -83,26 +86,54 @@ def _follow_idle_sigint() -> None:
     signal.signal(signal.SIGINT, _IdleSigint(handler))
 
 
+def _held() -> None:
+    # In the signal handler, on the main thread: no lock (the hooks may hold it there).
+    _requests.held = _requests.current
+
+
+def _raised() -> None:
+    _requests.held = None
+
+
+def _still_held() -> bool:
+    """Whether a held SIGINT should be tried again: its request still runs."""
+    with _requests.lock:
+        if _requests.held is not None and _requests.held != _requests.current:
+            _requests.held = None  # that request ended: post_handler_hook noted it
+        return _requests.held is not None
+
+
 def install(kernel) -> None:
-    """Follow which request ``kernel`` handles, and note SIGINTs between requests (idempotent)."""
+    """Follow which request ``kernel`` handles, raise SIGINT's KeyboardInterrupt during one
+    only in the user's code, and note SIGINTs between requests (idempotent)."""
     pre, post = kernel.pre_handler_hook, kernel.post_handler_hook
     if getattr(pre, "nbdist_original", None) is not None:
         return
+    redelivery = Redelivery(_still_held)
 
-    # The bookkeeping runs while SIGINT is still (or again) noted, not raised: a
-    # KeyboardInterrupt raised in these hooks would end the engine's event loop.
     def pre_handler_hook():
         parent = kernel.get_parent("shell") or {}
         with _requests.lock:
             _requests.current = parent.get("header", {}).get("msg_id")
             _requests.began_at = time.monotonic()
-        pre()  # SIGINT raises KeyboardInterrupt from here on
+            _requests.held = None
+        # What ipykernel's own hook does (keep the handler from before the request, to
+        # put back after it), but the handler raises KeyboardInterrupt in the user's code
+        # only (request_sigint.py); set in one call, so no SIGINT meets Python's own
+        # handler here, where a KeyboardInterrupt would end the engine's event loop.
+        shell = getattr(kernel, "shell", None)
+        handler = RequestSigint(getattr(shell, "user_global_ns", None), _held, _raised, redelivery)
+        kernel.saved_sigint_handler = signal.signal(signal.SIGINT, handler)
 
     def post_handler_hook():
         post()  # the handler from before the request again
         with _requests.lock:
             if _requests.current is not None:
                 _requests.ended.append(_requests.current)
+            if _requests.held is not None and _requests.held == _requests.current:
+                # It came too late for this request: for the next, as if it came idle now.
+                _requests.idle_sigint_at = time.monotonic()
+            _requests.held = None
             _requests.current = None
             _requests.ended_at = time.monotonic()
         _follow_idle_sigint()
@@ -138,8 +169,8 @@ def interrupt_request(kernel, msg_id: str, sent_at: float | None = None, boot: s
     with _requests.lock:
         if msg_id == _requests.current:
             idle = isinstance(signal.getsignal(signal.SIGINT), _IdleSigint)
-            if idle or time.monotonic() - _requests.began_at < _SETTLED_S:
-                return "beginning"  # a SIGINT now would be noted, or raised too early
+            if idle:
+                return "beginning"  # a SIGINT now would only be noted
             came = _requests.idle_sigint_at
             missed = (came is not None and came >= _requests.ended_at) or (
                 same_clock and _requests.began_at > sent_at

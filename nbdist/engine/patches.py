@@ -142,9 +142,11 @@ PATCHES: tuple[Patch, ...] = (
         "late_interrupt",
         "kernel",
         wraps="the engine kernel's pre_handler_hook and post_handler_hook (which request "
-        "runs); between requests, SIGINT's SIG_IGN by a handler that notes the time",
+        "runs; during it, request_sigint's handler instead of Python's own); between "
+        "requests, SIGINT's SIG_IGN by a handler that notes the time",
         why="a Ctrl-C relayed before a rank began the request (in flight, or at many ranks "
-        "the last to begin) was ignored there, and the rank ran the whole request",
+        "the last to begin) was ignored there, and the rank ran the whole request; one "
+        "landing in the engine's own code lost the reply or ended the engine",
         turn_off="no switch; the wrapped hooks are kept as nbdist_original",
     ),
     Patch(

@@ -250,3 +250,47 @@ def test_a_cell_a_rank_dropped_after_a_failed_one_says_so(session):
     assert "dropped it unrun" in str(dropped.value), str(dropped.value)
     session.run("after = 4")
     assert session.pull("after") == [4, 4]
+
+
+def test_sigints_while_short_requests_run_lose_no_reply_and_no_rank(session):
+    """A SIGINT that lands on a rank while its engine (not the user's code) handles a
+    request, unpacking it or sending the reply, neither loses the reply nor ends the
+    rank: at many ranks one Ctrl-C finds ranks at those moments. Here SIGINTs come
+    every 5-20 ms while the ranks run short cells and apply calls; each request must
+    reply, either normally or with the KeyboardInterrupt its own code raised."""
+    import os
+    import random
+    import signal
+
+    pids = session.apply(os.getpid)
+    stop, sent = threading.Event(), [0]
+
+    def fire():
+        while not stop.wait(random.uniform(0.005, 0.02)):
+            for pid in pids:
+                os.kill(pid, signal.SIGINT)
+                sent[0] += 1
+
+    firing = threading.Thread(target=fire, daemon=True)
+    firing.start()
+    interrupted = replied = 0
+    try:
+        for i in range(300):
+            try:
+                if i % 2:
+                    session.apply(time.sleep, 0.005)
+                else:  # a lost reply would wait out the 20 s and raise CellTimeout
+                    session.run("import time\ntime.sleep(0.005)", sink=ListSink(), timeout=20)
+                replied += 1
+            except RankError as err:
+                assert {f.ename for f in err.failures} == {"KeyboardInterrupt"}, str(err)
+                interrupted += 1
+    finally:
+        stop.set()
+        firing.join()
+    assert sent[0] > 100
+    assert interrupted > 0, "no SIGINT reached the user's code"
+    assert replied > 0
+    assert session.apply(os.getpid) == pids  # the same processes: none ended
+    session.run("after_sigints = rank")
+    assert session.pull("after_sigints") == [0, 1]
