@@ -159,6 +159,13 @@ def test_bad_rank_selection_is_refused(session):
         # Before: rank 0's value alone, as if one rank had been asked for.
         (lambda s: s.pull("y", rank=[0, 1]), nbdist.PlacementError, r"rank=\[0, 1\] is not one"),
         (lambda s: s.pull("y", rank="0-1"), nbdist.PlacementError, r"rank='0-1' is not one"),
+        # Before: the ranks' kernels failed the cell without a reply; it waited for ever.
+        (
+            lambda s: s.run("import asyncio\ny = 1\nawait asyncio.sleep(0)"),
+            ValueError,
+            r"awaits at its top level \(line 3\).*ThreadPoolExecutor\(1\)\.submit\(asyncio\.run",
+        ),
+        (lambda s: s.run("y = [v async for v in g()]"), ValueError, r"top level \(line 1\)"),
     ],
 )
 def test_what_run_push_and_pull_are_given_is_checked_in_the_kernel(session, call, error, message):
@@ -413,3 +420,17 @@ def test_a_fresh_rank_formats_its_first_traceback_with_what_the_zygote_prepared(
         fresh.run("imported = sorted(set(sys.modules) - before)", sink=ListSink())
         assert fresh.pull("walked") == [True]
         assert fresh.pull("imported") == [[]]
+
+
+def test_async_code_runs_on_the_ranks_as_the_refusal_says(session):
+    """What the refusal of a top-level await proposes works on a rank, and awaits inside a
+    function a cell only defines are not refused."""
+    session.run(
+        "import asyncio, concurrent.futures\n"
+        "async def main():\n"
+        "    await asyncio.sleep(0.01)\n"
+        "    return rank + 7\n"
+        "got = concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, main()).result()",
+        sink=ListSink(),
+    )
+    assert session.pull("got") == [7, 8]
