@@ -35,8 +35,12 @@ def _session(hosts: str, config: str, **options) -> nbdist.DistSession:
     )
 
 
-def _remote_dirs() -> set[str]:
-    return {name for name in os.listdir("/tmp") if name.startswith("nbdist-ssh-")}
+def _remote_dirs(pid: int | None = None) -> set[str]:
+    """The engines' profile directories "there" (this loopback host's /tmp) of the sessions
+    process ``pid`` (default: this one) started: a cluster's id begins with its creator's
+    PID, and other tests' SSH sessions may run beside these (tests/server)."""
+    prefix = f"nbdist-ssh-nbdist-{os.getpid() if pid is None else pid}-"
+    return {name for name in os.listdir("/tmp") if name.startswith(prefix)}
 
 
 def test_engines_over_ssh_form_the_group_and_stop_leaves_nothing(sshd, tmp_path, capfd):
@@ -208,7 +212,6 @@ time.sleep(600)
 
 
 def test_ranks_in_a_long_cell_end_themselves_when_their_kernel_is_killed(sshd):
-    before = _remote_dirs()
     env = dict(os.environ, NBDIST_CONTROLLER_GONE_S="4")
     driver = subprocess.Popen(
         [sys.executable, "-c", _DRIVER.format(config=sshd.config)],
@@ -233,7 +236,7 @@ def test_ranks_in_a_long_cell_end_themselves_when_their_kernel_is_killed(sshd):
         # Their nannies, the processes their cell started and the launcher's SSH clients
         # follow them, and the host's copy of the connection file goes with them.
         assert gone(started, timeout=15) == []
-        assert _remote_dirs() == before
+        assert _remote_dirs(driver.pid) == set()
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -245,5 +248,5 @@ def test_ranks_in_a_long_cell_end_themselves_when_their_kernel_is_killed(sshd):
             except ProcessLookupError:
                 pass
         # What is left of each host's copy of the connection file (after a failure).
-        for name in _remote_dirs() - before:
+        for name in _remote_dirs(driver.pid):
             shutil.rmtree(os.path.join("/tmp", name), ignore_errors=True)

@@ -80,6 +80,14 @@ def poll(fn, timeout: float, interval: float = 0.1):
         time.sleep(interval)
 
 
+def drawn(graph, expression: str, timeout: float = 30):
+    """``expression`` (JavaScript: a function of a Plotly graph div) once plotly has drawn
+    the div ``graph`` locates, polled until truthy: ``_fullData`` and ``_fullLayout`` are
+    there only after a draw, and the next draw of a live dashboard starts without them."""
+    script = f"d => (d._fullData && d._fullLayout) ? ({expression})(d) : null"
+    return poll(lambda: graph.evaluate(script), timeout=timeout, interval=0.2)
+
+
 def _require_browser() -> None:
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing: run scripts/install_browser.sh")

@@ -35,7 +35,7 @@ import time
 
 import pytest
 
-from tests.ui.conftest import notebook_json, poll
+from tests.ui.conftest import drawn, notebook_json, poll
 from tests.ui.test_dashboard_browser import (
     STALL_MONITOR,
     PageLog,
@@ -160,8 +160,9 @@ def _check_dashboard(page, dashboard, artifacts_dir, name: str) -> None:
     assert panels, {p["key"]: [t["name"] for t in p["traces"]] for p in _plot_state(dashboard)}
     legend = dashboard.locator(".nbdist-legend .nbdist-legend-item").all_inner_texts()
     assert len(legend) <= 12, legend
-    colours = dashboard.locator(".nbdist-panel[data-key='loss']").evaluate(
-        "d => d._fullData.filter(t => /^rank /.test(t.name)).map(t => t.line.color)"
+    colours = drawn(
+        dashboard.locator(".nbdist-panel[data-key='loss']"),
+        "d => d._fullData.filter(t => /^rank /.test(t.name)).map(t => t.line.color)",
     )
     assert colours and len(set(colours)) == len(colours), colours
 

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ui.conftest import notebook_json, poll
+from tests.ui.conftest import drawn, notebook_json, poll
 
 STEPS = 500  # per rank, in two halves: the test lets the second half start
 SLEEP_S = 0.01
@@ -633,7 +633,7 @@ def test_layout_theme_and_colours_at_every_width(lab_factory, browser_page, tmp_
     titles = dashboard.locator(".nbdist-card-title").all_inner_texts()
     assert "gradient norm" in titles and "grad_norm" not in titles, titles
     loss = dashboard.locator(".nbdist-panel[data-key='loss']")
-    assert loss.evaluate("d => d._fullLayout.yaxis.type") == "log"
+    assert drawn(loss, "d => d._fullLayout.yaxis.type") == "log"
     # Its ticks read as values in order (0.1, 0.2, 0.5, 1, 2), not plotly's bare digits (5, 2, 0.1).
     ticks = loss.evaluate(
         "d => Array.from(d.querySelectorAll('.ytick text')).map(t => t.textContent)"
@@ -646,7 +646,7 @@ def test_layout_theme_and_colours_at_every_width(lab_factory, browser_page, tmp_
         "r => Array.from(r.querySelectorAll('.nbdist-legend .nbdist-swatch'))"
         ".slice(0, 2).map(s => getComputedStyle(s).backgroundColor)"
     )
-    lines = loss.evaluate("d => d._fullData.slice(0, 2).map(t => t.line.color)")
+    lines = drawn(loss, "d => d._fullData.slice(0, 2).map(t => t.line.color)")
     table = dashboard.evaluate(
         "r => Array.from(r.querySelectorAll('.nbdist-table td .nbdist-swatch'))"
         ".map(s => getComputedStyle(s).backgroundColor)"

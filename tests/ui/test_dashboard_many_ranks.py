@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 from playwright.sync_api import Error as PlaywrightError
 
-from tests.ui.conftest import notebook_json, poll
+from tests.ui.conftest import drawn, notebook_json, poll
 from tests.ui.test_dashboard_browser import PageLog, _open_and_run_all, _plot_state
 
 RANKS = 64
@@ -80,8 +80,9 @@ def test_64_ranks_draw_a_band_and_only_the_deviating_ranks(
         assert swatches[edge][:2] == ["solid", "rgba(128, 128, 128, 0.22)"], swatches
     if "total" in swatches:
         assert swatches["total"][0] == "dotted", swatches
-    colours = dashboard.locator(".nbdist-panel[data-key='loss']").evaluate(
-        "d => d._fullData.filter(t => /^rank /.test(t.name)).map(t => t.line.color)"
+    colours = drawn(
+        dashboard.locator(".nbdist-panel[data-key='loss']"),
+        "d => d._fullData.filter(t => /^rank /.test(t.name)).map(t => t.line.color)",
     )
     assert len(colours) >= 2 and len(set(colours)) == len(colours), colours
     # The table: the deviating ranks, then the host's row with its ranks counted by state.
