@@ -130,12 +130,14 @@ def install(kernel) -> None:
         with _requests.lock:
             if _requests.current is not None:
                 _requests.ended.append(_requests.current)
+            _requests.ended_at = time.monotonic()
             if _requests.held is not None and _requests.held == _requests.current:
-                # It came too late for this request: for the next, as if it came idle now.
-                _requests.idle_sigint_at = time.monotonic()
+                # It came too late for this request (in its last moments, after the
+                # reply, which at many ranks is when the kernel sends the next): for the
+                # next, as one that came while idle, once this one had ended.
+                _requests.idle_sigint_at = _requests.ended_at
             _requests.held = None
             _requests.current = None
-            _requests.ended_at = time.monotonic()
         _follow_idle_sigint()
 
     pre_handler_hook.nbdist_original = pre
@@ -151,6 +153,16 @@ def boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _missed(sent_at: float | None) -> bool:
+    """Whether the current request missed the kernel's SIGINT (``_requests.lock`` held):
+    one came while idle since the request before it ended, or the request began after
+    ``sent_at`` (None: the kernel's clock is another machine's)."""
+    came = _requests.idle_sigint_at
+    if came is not None and came >= _requests.ended_at:
+        return True
+    return sent_at is not None and _requests.began_at > sent_at
 
 
 def interrupt_request(kernel, msg_id: str, sent_at: float | None = None, boot: str = "") -> str:
@@ -171,11 +183,7 @@ def interrupt_request(kernel, msg_id: str, sent_at: float | None = None, boot: s
             idle = isinstance(signal.getsignal(signal.SIGINT), _IdleSigint)
             if idle:
                 return "beginning"  # a SIGINT now would only be noted
-            came = _requests.idle_sigint_at
-            missed = (came is not None and came >= _requests.ended_at) or (
-                same_clock and _requests.began_at > sent_at
-            )
-            if not missed or _requests.interrupted == msg_id:
+            if not _missed(sent_at if same_clock else None) or _requests.interrupted == msg_id:
                 return "running"
             _requests.interrupted = msg_id  # once: asked again, it is "running"
             os.kill(os.getpid(), signal.SIGINT)
