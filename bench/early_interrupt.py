@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +49,15 @@ def _trial(s, seconds: float, *, asks: bool) -> dict:
     """One interrupted cell; what came of it."""
     cell = f"import time\nran_whole = False\ntime.sleep({seconds:g})\nran_whole = True"
     reach = RankRun._reach_missed
-    if not asks:
+    asked: list = []  # the run's MissedInterrupt: each rank's last answer
+    if asks:
+
+        def reach_and_keep(self, sent_at):
+            reach(self, sent_at)
+            asked.append(self._missed)
+
+        RankRun._reach_missed = reach_and_keep
+    else:
         RankRun._reach_missed = lambda self, sent_at: None
     fired: list[float] = []
 
@@ -69,9 +78,20 @@ def _trial(s, seconds: float, *, asks: bool) -> dict:
     ended = time.monotonic()
     # Whatever is still running ends before the next trial: a cell queued behind it waits.
     s.run("pass", sink=ListSink())
-    whole = sum(bool(v) for v in s.pull("ran_whole"))
+    ran = s.pull("ran_whole")
     took = ended - fired[0] if fired else float("nan")
-    return dict(ran_whole=whole, every_rank_stopped="every rank stopped" in said, s=took)
+    got = dict(
+        ran_whole=sum(map(bool, ran)), every_rank_stopped="every rank stopped" in said, s=took
+    )
+    if asked and asked[0] is not None:
+        # The last answer of each rank asked (a rank whose reply came first was not asked
+        # again): what the ranks that ran the cell whole said, against all.
+        answers = asked[0].answers
+        got["answers"] = dict(Counter(answers.values()))
+        got["answers_of_ranks_that_ran_whole"] = dict(
+            Counter(answers.get(i, "not asked") for i, r in enumerate(ran) if r)
+        )
+    return got
 
 
 def main() -> int:

@@ -281,11 +281,14 @@ class RanksInterrupted(KeyboardInterrupt):
         *,
         where: str = "",
         note: str = "",
+        finished: Sequence[int] = (),
     ):
-        """``stopped``: the ranks' errors once stopped; ``still_running``: ranks that did not stop."""
+        """``stopped``: the ranks' errors once stopped; ``still_running``: ranks that did not
+        stop; ``finished``: ranks that ran the cell to its end all the same."""
         super().__init__(stopped, tuple(still_running))
         self.stopped = stopped
         self.still_running = tuple(still_running)
+        self.finished = tuple(finished)
         self.where = where  # the ranks' stacks when a rank was waiting in a collective
         self.note = note  # which ranks were released from a collective, and the group's fate
 
@@ -295,6 +298,13 @@ class RanksInterrupted(KeyboardInterrupt):
             return (
                 f"{format_ranks(self.still_running)} did not stop after the interrupt "
                 "(blocked in a collective or in native code?); interrupt again, or %dist_restart"
+            )
+        if self.finished:
+            # Said plainly: their cell's work was all done (the interrupt came too late there).
+            if self.stopped is None:
+                return "interrupted, but every rank had run the cell to its end"
+            return (
+                f"interrupted; {format_ranks(self.finished)} ran the cell to its end all the same"
             )
         return "interrupted; every rank stopped"
 
@@ -306,6 +316,6 @@ class RanksInterrupted(KeyboardInterrupt):
             lines += ["", "where the ranks were when interrupted:", *self.where.splitlines()]
         if self.note:
             lines.append(self.note)
-        if self.still_running:
+        if self.still_running or self.finished:
             lines.append(str(self))
         return lines

@@ -482,8 +482,17 @@ class RankRun:
             self._result_or_raise()
         except RankError as stopped:
             stopped.note = ""  # said once, below the tracebacks
-            return RanksInterrupted(stopped, **context)
-        return RanksInterrupted(None, **context)
+            return RanksInterrupted(stopped, finished=self._ran_to_the_end(), **context)
+        return RanksInterrupted(None, finished=self.ranks, **context)
+
+    def _ran_to_the_end(self) -> list[int]:
+        """The ranks whose reply says they ran the whole request (no error, not dropped)."""
+        dead = self._guard.dead()
+        return [
+            rank
+            for rank, res in zip(self.ranks, self._results or [])
+            if not isinstance(res, BaseException) and rank not in dead
+        ]
 
     def _result_or_raise(self) -> list:
         if self._results is None:

@@ -12,6 +12,7 @@ from nbdist.errors import (
     PlacementError,
     RankError,
     RankFailure,
+    RanksInterrupted,
 )
 
 RED, RESET = "\x1b[0;31m", "\x1b[0m"
@@ -197,3 +198,20 @@ def _name_error(rank: int, name: str) -> RankFailure:
 )
 def test_undefined_name_is_the_one_name_every_rank_lacked(failures, name):
     assert RankError(failures).undefined_name() == name
+
+
+def test_an_interrupt_names_the_ranks_that_ran_the_cell_to_its_end_all_the_same():
+    """Ranks whose reply says the cell ran whole are not "stopped": the interrupt came too
+    late there (at many ranks on a loaded machine some begin after every SIGINT)."""
+    stopped = RankError(
+        [RankFailure(0, "KeyboardInterrupt", "", ""), RankFailure(1, "KeyboardInterrupt", "", "")]
+    )
+    assert str(RanksInterrupted(stopped)) == "interrupted; every rank stopped"
+    partly = RanksInterrupted(stopped, finished=[2, 3, 5])
+    assert str(partly) == "interrupted; ranks 2-3,5 ran the cell to its end all the same"
+    assert partly._render_traceback_()[-1] == str(partly)
+    assert str(RanksInterrupted(None, finished=[0, 1])) == (
+        "interrupted, but every rank had run the cell to its end"
+    )
+    # Ranks that never replied are said first: they are the ones to act on.
+    assert "did not stop" in str(RanksInterrupted(None, [4], finished=[0]))
