@@ -309,7 +309,11 @@ class RanksInterrupted(KeyboardInterrupt):
         return "interrupted; every rank stopped"
 
     def _render_traceback_(self) -> list[str]:
-        lines = ["KeyboardInterrupt: the cell was interrupted on every rank"]
+        if self.stopped is None and self.finished and not self.still_running:
+            # No rank stopped: "interrupted on every rank" would say the opposite of the end.
+            lines = ["KeyboardInterrupt: the cell was interrupted too late on every rank"]
+        else:
+            lines = ["KeyboardInterrupt: the cell was interrupted on every rank"]
         if self.stopped is not None:
             lines += ["", *self.stopped._render_traceback_()[:-1]]
         if self.where:

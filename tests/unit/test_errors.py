@@ -210,8 +210,14 @@ def test_an_interrupt_names_the_ranks_that_ran_the_cell_to_its_end_all_the_same(
     partly = RanksInterrupted(stopped, finished=[2, 3, 5])
     assert str(partly) == "interrupted; ranks 2-3,5 ran the cell to its end all the same"
     assert partly._render_traceback_()[-1] == str(partly)
-    assert str(RanksInterrupted(None, finished=[0, 1])) == (
-        "interrupted, but every rank had run the cell to its end"
+    late = RanksInterrupted(None, finished=[0, 1])
+    assert str(late) == "interrupted, but every rank had run the cell to its end"
+    assert late._render_traceback_() == [
+        "KeyboardInterrupt: the cell was interrupted too late on every rank",
+        str(late),
+    ]
+    assert partly._render_traceback_()[0] == (
+        "KeyboardInterrupt: the cell was interrupted on every rank"
     )
     # Ranks that never replied are said first: they are the ones to act on.
     assert "did not stop" in str(RanksInterrupted(None, [4], finished=[0]))

@@ -18,17 +18,19 @@ from nbdist.engine.request_sigint import RequestSigint, runs_user_code
 def test_user_code_is_a_frame_in_the_user_namespace_or_below_one():
     user_ns: dict = {"__name__": "__main__"}
     exec("def cell():\n    return inner()\n", user_ns)
-    user_ns["inner"] = sys._getframe  # called from the cell: the frame below it is not user code
+    user_ns["inner"] = sys._getframe  # a C function: it returns the frame of the cell calling it
     frame = user_ns["cell"]()
-    assert frame.f_globals is user_ns  # the cell's own frame (sys._getframe in it)
+    assert frame.f_globals is user_ns
     assert runs_user_code(frame, user_ns)
     assert not runs_user_code(sys._getframe(), user_ns)  # the engine's code: this test
     # A library the cell called: its frame's globals are its module's, the cell's is below.
     exec("def call(f):\n    return f()\n", lib := {"__name__": "lib"})
     user_ns["call"] = lib["call"]
     exec("def cell2():\n    return call(frame_of_call)\n", user_ns)
-    user_ns["frame_of_call"] = lambda: sys._getframe(1)  # the library's frame
-    assert runs_user_code(user_ns["cell2"](), user_ns)
+    user_ns["frame_of_call"] = lambda: sys._getframe(1)  # the frame of its caller: the library's
+    library_frame = user_ns["cell2"]()
+    assert library_frame.f_globals is lib
+    assert runs_user_code(library_frame, user_ns)
     assert runs_user_code(sys._getframe(), None)  # no shell to tell: raise, as Python would
 
 
