@@ -22,7 +22,27 @@ import sys
 
 from nbdist.engine.crash_record import remove_own_record
 
-__all__ = ["task_numbers"]
+__all__ = ["ENGINE_ARGS", "NO_SELF_SHUTDOWN", "task_numbers"]
+
+# ipyparallel's engine stops itself after 50 checks (50 x 550 ms at nbdist's heartbeat
+# period) without a ping from the controller. With 256 ranks on 2 cores, every process
+# runnable while the ranks formed their group, the controller's heart process went
+# unscheduled for up to 27 checks in a row (engine logs, 2026-12-01), and once 10 ranks
+# ended themselves ("exited with code 1") in the first cell although the controller was
+# alive. Ranks end when it is gone by other means: the zygote's forks with their kernel
+# (PR_SET_PDEATHSIG, the zygote's watch), a launcher's through
+# nbdist.engine.controller_watch, which probes the controller's port from a thread of its
+# own. Every engine nbdist starts gets this (the SSH launcher's too).
+NO_SELF_SHUTDOWN = "--IPEngine.max_heartbeat_misses=0"
+# What the engines nbdist starts without ipyparallel's own command get (these tasks and
+# the zygote's forks): no nanny process per engine (the kernel watches the engine's PID,
+# or the controller its heartbeat; a nanny adds a process and ~0.5 s to each
+# registration), and no input history (every rank would write each cell to SQLite).
+ENGINE_ARGS = (
+    "--IPEngine.enable_nanny=False",
+    "--HistoryManager.enabled=False",
+    NO_SELF_SHUTDOWN,
+)
 
 # (rank, local rank) variables, by launcher: Slurm, Open MPI, MPICH/Hydra (and Intel MPI).
 _SOURCES = (
@@ -57,10 +77,7 @@ def main(argv: list[str]) -> None:
         rank, local_rank = numbers
         os.environ["LOCAL_RANK"] = str(local_rank)
         args.append(f"--IPEngine.id={rank}")
-    # As the engines nbdist forks itself: no nanny process per engine (the kernel
-    # watches the engine's PID, and the controller its heartbeat), and no input
-    # history written to SQLite by every rank.
-    args += ["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False"]
+    args += ENGINE_ARGS
     from ipyparallel.engine.app import IPEngine
 
     class TaskEngine(IPEngine):

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from nbdist.errors import PlacementError
+from nbdist.launch.batch_task_engine import NO_SELF_SHUTDOWN
 from nbdist.launch.values import check_count, is_digits, is_whole
 
 __all__ = ["LAUNCHERS", "LaunchPlan", "parse_hosts", "plan_launch"]
@@ -140,7 +141,8 @@ def _slurm(n: int, opts: dict) -> dict:
 
 
 def _ssh(opts: dict) -> dict:
-    config: dict = {"engines": dict(opts["hosts"])}
+    # ipyparallel's own engine command, its nanny included (it reports how an engine ended).
+    config: dict = {"engines": dict(opts["hosts"]), "engine_args": [NO_SELF_SHUTDOWN]}
     if opts.get("python"):
         config["remote_python"] = opts["python"]
     if opts.get("ssh_args"):

@@ -23,6 +23,7 @@ from ipyparallel.cluster.launcher import LocalEngineLauncher
 from traitlets import Dict, Integer, List, Unicode
 
 from nbdist.launch import zygote
+from nbdist.launch.batch_task_engine import ENGINE_ARGS
 
 __all__ = ["ZygoteEngineSetLauncher", "watched_controller_cmd"]
 
@@ -78,15 +79,7 @@ class ZygoteEngineSetLauncher(LocalEngineLauncher):
             self.status_file,
             "--",
         ]
-        # The zygote watches its children itself; a nanny per engine would add a
-        # process and ~0.5 s to each registration. IPython's input history on the
-        # ranks is off: a cell would otherwise be written to SQLite on every rank (all
-        # ranks sharing one file in the profile dir), and the notebook keeps the cells.
-        self.engine_args = [
-            *self.engine_args,
-            "--IPEngine.enable_nanny=False",
-            "--HistoryManager.enabled=False",
-        ]
+        self.engine_args = [*self.engine_args, *ENGINE_ARGS]
         return super().start()
 
     def read_status(self) -> dict:

@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 import nbdist
@@ -122,3 +123,25 @@ def test_a_rank_whose_heart_is_silent_for_seconds_is_not_named_dead():
         assert session.dead_ranks() == {}
         _reduce_works(session)
         assert [row["state"] for row in session.status()] == ["idle", "idle"]
+
+
+def test_ranks_outlive_half_a_minute_without_the_controllers_heartbeat():
+    """With 256 ranks on 2 cores the controller's heart process can go unscheduled for many
+    seconds while the ranks form their group; ipyparallel's engine ended itself after 27.5 s
+    without a ping, and ranks died ("exited with code 1") while the controller was alive.
+    Here the whole controller is stopped (SIGSTOP) for 31 s with the ranks idle."""
+    with nbdist.DistSession(2, cpu=True, timeout=120, history=False) as session:
+        _reduce_works(session)
+        pids = [r.pid for r in session.ranks]
+        controller = psutil.Process(session.cluster.cluster.controller.pid)
+        tree = [controller, *controller.children(recursive=True)]
+        for proc in tree:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(31)
+        finally:
+            for proc in reversed(tree):
+                proc.send_signal(signal.SIGCONT)
+        assert session.dead_ranks() == {}
+        _reduce_works(session)
+        assert [r.pid for r in session.ranks] == pids
