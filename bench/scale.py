@@ -22,6 +22,9 @@ IPython shell with ``%load_ext nbdist``; the magics are the user's). For each N:
 - a 1 MiB output cell: 1 MiB printed in all, split evenly over the ranks
   (64-byte lines), shown by ``%%on_all_ranks``, against raw
   ``DirectView.execute(silent=False)`` waiting for all output;
+- idle: the CPU every process of the session uses over 10 s with no cell running, in
+  cores, and the part of it that is gloo's own TCP loop threads (what any gloo rank
+  costs idle, under torchrun too: gloo's loop wakes every 10 ms) as its baseline;
 - ``%dist_status`` (text), and ``%dist_stop`` until nothing of it is left;
 - memory: the unique memory (USS) of every process the start made, per rank,
   and the kernel's RSS growth.
@@ -55,6 +58,8 @@ from _common import (  # noqa: E402
 )
 from startup import floor_import_then_fork  # noqa: E402
 
+from nbdist.launch.cluster import heartbeat_ms  # noqa: E402
+
 NOOP_GOAL = 1.1  # no-op %%on_all_ranks <= 1.1x raw DirectView.execute at every N
 ALL_NS = [2, 8, 32, 64, 128, 256]
 QUICK_NS = [2, 8, 32]
@@ -63,6 +68,7 @@ ALL_REDUCE = "t = torch.ones(1)\ntorch.distributed.all_reduce(t)"
 ERROR = "raise ValueError('the same on every rank')"
 OUTPUT_BYTES = 1 << 20
 LINE = 64  # bytes per printed line, newline included
+IDLE_S = 10
 
 
 def _output_code(n: int) -> str:
@@ -137,6 +143,7 @@ def measure(shell, n: int, reps: int) -> dict:
         row["uss_per_rank_mib"] = round(uss / n / 2**20, 1)
         row["uss_total_gib"] = round(uss / 2**30, 2)
         row["kernel_rss_growth_mib"] = round((me.memory_info().rss - rss0) / 2**20, 1)
+        row["idle_cores"], row["idle_gloo_cores"] = _idle_cores(ours, IDLE_S)
 
         engine_ids = [r.engine_id for r in session.ranks]
         direct = session.client[engine_ids]
@@ -216,6 +223,31 @@ def measure(shell, n: int, reps: int) -> dict:
     return row
 
 
+def _thread_cpu(procs) -> tuple[float, float]:
+    """CPU seconds so far of ``procs`` and the kernel: (all threads, gloo's loop threads)."""
+    total = gloo = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error, OSError):
+            for thread in proc.threads():
+                spent = thread.user_time + thread.system_time
+                total += spent
+                with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as f:
+                    if f.read().startswith("gloo_tcp_loop"):
+                        gloo += spent
+    return total + _kernel_cpu(), gloo
+
+
+def _idle_cores(procs, seconds: float) -> tuple[float, float]:
+    """Cores the session's processes use while no cell runs: (all, gloo's loop threads)."""
+    time.sleep(1)  # the start's last replies
+    total0, gloo0 = _thread_cpu(procs)
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    total1, gloo1 = _thread_cpu(procs)
+    wall = time.perf_counter() - t0
+    return round((total1 - total0) / wall, 3), round((gloo1 - gloo0) / wall, 3)
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -288,6 +320,12 @@ def _main(argv=None) -> int:
         + ", ".join(f"N={r['n']} {p:.2f}" for r, p in zip(rows, per_rank))
         + f" ({'at most linear' if linear else 'grows faster than linear'} in N)"
     )
+    for r in rows:
+        print(
+            f"idle N={r['n']} (heartbeat every {heartbeat_ms(r['n'])} ms): "
+            f"{r['idle_cores']:.3f} cores, gloo's own loop threads {r['idle_gloo_cores']:.3f} "
+            f"(the rest {r['idle_cores'] - r['idle_gloo_cores']:.3f}: ipyparallel, nbdist)"
+        )
     goal = f"no-op %%on_all_ranks <= {NOOP_GOAL}x raw DirectView.execute at every N"
     extra = dict(kernel_cpu_linear=linear, rows=rows)
     conclude("scale", goal, NOOP_GOAL, ok, leftovers, cpu, info, args.quick, **extra)

@@ -10,9 +10,9 @@ Two ways in:
 them, by PID, and waits until they are gone. ipyparallel settings are tuned for
 start-up time (measured on a 2-core machine: defaults 10.8 s to a ready 4-rank
 group, these 2.5 s):
-heartbeat period 50 ms instead of 3 s (an engine counts as registered on the
-first beat after its ping reply, up to two periods after it asked), no delay
-between controller and engines, no nanny process per engine.
+heartbeat period 50 ms instead of 3 s, longer beyond 8 ranks (an engine counts
+as registered on the first beat after its ping reply, up to two periods after it
+asked), no delay between controller and engines, no nanny process per engine.
 
 ipyparallel's one-time serializer set-up is paid on a thread while the
 engines still import torch (:mod:`nbdist.launch.serializer_warmup`).
@@ -41,6 +41,7 @@ __all__ = [
     "ClusterHandle",
     "connect",
     "end_cluster_thread",
+    "heartbeat_ms",
     "interrupt_engines",
     "slot_environments",
     "start_local",
@@ -51,9 +52,16 @@ __all__ = [
 _counter = itertools.count()
 # The controller takes an engine as registered on a heartbeat after its ping reply: the
 # period is on the start-up's critical path. 100 ms -> 50 ms made a 2-rank start 0.2 s
-# shorter (median of 5, 1.81 -> 1.60 s, 2 cores); the beats cost the controller ~20
-# small messages a second per engine.
+# shorter (median of 5, 1.81 -> 1.60 s, 2 cores).
 _HEARTBEAT_MS = 50
+# Every beat is a ping to each engine, a reply from each engine's heart thread, and the
+# controller's heart process reading each reply in Python: idle, 64 ranks at 50 ms kept
+# 0.32 of 2 cores busy and 256 ranks 0.93 (bench/RESULTS.md, 2026-12-01). Beyond
+# _BEATS_FLAT_UP_TO ranks the period grows with the ranks, so the controller reads as
+# many replies a second as for 8 ranks; an engine's registration waits for a beat, a
+# second or two at most of a start that takes a minute at 256 ranks.
+_BEATS_FLAT_UP_TO = 8
+_HEARTBEAT_MAX_MS = 2000
 # How long an engine's heart may stay silent before the controller drops it (the cell it
 # runs then fails: "stopped answering the controller's heartbeat"). ipyparallel's 1 s, then
 # 3 s, dropped live ranks on a loaded 2-core machine: while other sessions start beside them
@@ -67,10 +75,22 @@ _LOCAL_SILENCE_S = 30
 _LAUNCHED_SILENCE_S = 10
 
 
-def _heartbeat_misses(launcher) -> int:
+def heartbeat_ms(n: int) -> int:
+    """The controller's heartbeat period for ``n`` ranks, in milliseconds.
+
+    Example::
+
+        >>> heartbeat_ms(4), heartbeat_ms(64), heartbeat_ms(256), heartbeat_ms(1024)
+        (50, 400, 1600, 2000)
+    """
+    grown = _HEARTBEAT_MS * n // _BEATS_FLAT_UP_TO
+    return min(_HEARTBEAT_MAX_MS, max(_HEARTBEAT_MS, grown))
+
+
+def _heartbeat_misses(launcher, period_ms: int) -> int:
     """Beats the controller lets an engine miss: ``launcher`` None is the zygote's ranks."""
     silence = _LOCAL_SILENCE_S if launcher is None else _LAUNCHED_SILENCE_S
-    return silence * 1000 // _HEARTBEAT_MS
+    return silence * 1000 // period_ms
 
 
 @dataclass
@@ -289,13 +309,14 @@ def _start_attempt(n, timeout, launcher, engine_launcher_class, profile, ip, con
         # kernel left are cleared first.
         private_profiles.remove_orphans()
         kwargs["profile_dir"], remove = private_profiles.make(), True
+    period = heartbeat_ms(n)
     cluster = ipp.Cluster(
         n=n,
         cluster_id=f"nbdist-{os.getpid()}-{next(_counter)}",
         controller_ip=ip,
         controller_args=[
-            f"--HeartMonitor.period={_HEARTBEAT_MS}",
-            f"--HeartMonitor.max_heartmonitor_misses={_heartbeat_misses(launcher)}",
+            f"--HeartMonitor.period={period}",
+            f"--HeartMonitor.max_heartmonitor_misses={_heartbeat_misses(launcher, period)}",
         ],
         delay=0,
         # Engines on other hosts (a batch job) cannot read this machine's private
