@@ -55,8 +55,9 @@ _counter = itertools.count()
 # shorter (median of 5, 1.81 -> 1.60 s, 2 cores).
 _HEARTBEAT_MS = 50
 # Every beat is a ping to each engine, a reply from each engine's heart thread, and the
-# controller's heart process reading each reply in Python: idle, 64 ranks at 50 ms kept
-# 0.32 of 2 cores busy and 256 ranks 0.93 (bench/RESULTS.md, 2026-12-01). Beyond
+# controller's heart process reading each reply in Python. An idle session's CPU besides
+# gloo's own threads, at 50 ms: 0.35 of 2 cores at 64 ranks (0.32 of it the beats), 1.09-1.25
+# at 256 ranks, against 0.07-0.08 at 1.6 s (bench/RESULTS.md, 2026-12-01). Beyond
 # _BEATS_FLAT_UP_TO ranks the period grows with the ranks, so the controller reads as
 # many replies a second as for 8 ranks; an engine's registration waits for a beat, a
 # second or two at most of a start that takes a minute at 256 ranks.
