@@ -16,7 +16,6 @@ import time
 
 import psutil
 import pytest
-from jupyter_client import KernelManager
 
 from nbdist.driver import live_sessions
 from nbdist.driver.named_sessions import NamedSession, named_sessions, stop_named
@@ -24,6 +23,7 @@ from nbdist.driver.status import StatusTable
 from nbdist.errors import NbdistError, PlacementError
 from nbdist.launch import named_session_records
 from tests.conftest import wait_gone
+from tests.kernel_start import start_kernel
 
 pytestmark = pytest.mark.slow  # real kernels, engines, servers: 3-15 s each on 2 cores; in CI
 
@@ -51,15 +51,7 @@ class _Kernel:
     """A real python3 kernel, executing cells and collecting what a notebook would show."""
 
     def __init__(self, env: dict[str, str]):
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(env=env)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        try:
-            self.kc.wait_for_ready(timeout=START_TIMEOUT)
-        except BaseException:
-            self.shutdown()
-            raise
+        self.km, self.kc = start_kernel(env, timeout=START_TIMEOUT)
 
     @property
     def pid(self) -> int:

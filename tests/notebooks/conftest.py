@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from jupyter_client import KernelManager
+
+from tests.kernel_start import start_kernel
 
 # Generous: the machine is shared with other test runs.
 START_TIMEOUT = 120
@@ -64,15 +65,8 @@ class Kernel:
     """One kernel process started from the ``python3`` kernel spec (the venv's python)."""
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(**({"env": env} if env else {}))  # env: the kernel's whole environment
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        try:
-            self.kc.wait_for_ready(timeout=START_TIMEOUT)
-        except BaseException:
-            self.shutdown(now=True)
-            raise
+        # env: the kernel's whole environment
+        self.km, self.kc = start_kernel(env, timeout=START_TIMEOUT)
 
     @property
     def pid(self) -> int:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+
+from tests.kernel_start import execute_notebook
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NOTEBOOKS = sorted(p for p in EXAMPLES.glob("[0-9][0-9]_*.ipynb") if not p.name.startswith("00_"))
@@ -41,8 +42,8 @@ def test_example_runs(path, tmp_path):
     shutil.copy(path, copy)
     nb = nbformat.read(copy, as_version=4)
     # A failing cell raises CellExecutionError with the cell's traceback: the test's message.
-    NotebookClient(
+    execute_notebook(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
+    )
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert errors == []

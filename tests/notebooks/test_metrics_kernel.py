@@ -67,8 +67,9 @@ def test_dashboard_appears_under_the_logging_cell_and_history_survives_restart(k
 
 def test_a_notebook_without_widgets_shows_the_final_summary(tmp_path):
     """nbconvert-style viewers read text/plain: it is the summary as of the cell's end."""
-    from nbclient import NotebookClient
     from nbformat.v4 import new_code_cell, new_notebook
+
+    from tests.kernel_start import execute_notebook
 
     nb = new_notebook(
         cells=[
@@ -88,9 +89,9 @@ def test_a_notebook_without_widgets_shows_the_final_summary(tmp_path):
         "display_name": "Python 3",
         "language": "python",
     }
-    NotebookClient(
+    execute_notebook(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
+    )
     [widget] = [o for o in nb.cells[1].outputs if WIDGET in o.get("data", {})]
     text = widget["data"]["text/plain"]
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])]

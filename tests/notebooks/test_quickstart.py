@@ -13,20 +13,20 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_notebook
+
+from tests.kernel_start import execute_notebook
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "00_quickstart.ipynb"
 
 
 def _execute(nb, workdir: Path) -> float:
-    client = NotebookClient(
+    t0 = time.monotonic()
+    execute_notebook(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
     )
-    t0 = time.monotonic()
-    client.execute()
     return time.monotonic() - t0
 
 
@@ -122,13 +122,13 @@ def test_failing_rank_fails_the_notebook(tmp_path):
 def test_saved_quickstart_with_its_dashboard_stays_small(tmp_path):
     """The executed notebook keeps the dashboard's widget state, but not plotly.js: < 2 MB."""
     nb = nbformat.read(str(QUICKSTART), as_version=4)
-    NotebookClient(
+    execute_notebook(
         nb,
         timeout=300,
         kernel_name="python3",
         store_widget_state=True,
         resources={"metadata": {"path": str(tmp_path)}},
-    ).execute()
+    )
     out = tmp_path / "executed.ipynb"
     nbformat.write(nb, str(out))
     widget_outputs = [

@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 import nbformat
-from nbclient import NotebookClient
+
+from tests.kernel_start import execute_notebook
 
 _VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -62,9 +63,9 @@ def test_real_tqdm_in_a_saved_notebook_shows_the_final_state(tmp_path):
         nbformat.v4.new_code_cell("%%on_all_ranks\n" + TQDM_CELL),
         nbformat.v4.new_code_cell("%dist_stop"),
     ]
-    NotebookClient(
+    execute_notebook(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
+    )
     path = tmp_path / "saved.ipynb"
     nbformat.write(nb, path)
     saved = nbformat.read(path, as_version=4)
@@ -91,7 +92,7 @@ def test_carriage_return_progress_of_several_ranks_leaves_one_blank_output_not_o
         ),
         nbformat.v4.new_code_cell("%dist_stop"),
     ]
-    NotebookClient(nb, timeout=300, kernel_name="python3").execute()
+    execute_notebook(nb, timeout=300, kernel_name="python3")
     outputs = nb.cells[1].outputs
     displays = [o for o in outputs if o.output_type == "display_data"]
     assert len(displays) <= 1, outputs
