@@ -3,8 +3,9 @@
 jupyter_client picks a kernel's five TCP ports by binding each to port 0 and closing it; the
 kernel binds them itself a second or more later, once it has imported ipykernel. In between,
 any process's outgoing connection can get one of them as its local port, and the tests beside
-start ranks whose gloo mesh opens thousands: once (CI, 2026-12-02, example 07) the kernel died
-with "zmq.error.ZMQError: Address already in use" before answering ``kernel_info``. Such a
+start ranks whose gloo mesh opens thousands: once (CI, night of 2026-12-01, example 07) the
+kernel died with "zmq.error.ZMQError: Address already in use" before answering
+``kernel_info``. Such a
 kernel ran none of the test's code; a user would start it again, and so do these helpers, at
 most :data:`TRIES` times. Any other failure, or the same one every time, still fails the test.
 """
