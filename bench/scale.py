@@ -58,7 +58,7 @@ from _common import (  # noqa: E402
 )
 from startup import floor_import_then_fork  # noqa: E402
 
-from nbdist.launch.cluster import heartbeat_ms  # noqa: E402
+from nbdist.launch.heartbeat import period_ms  # noqa: E402
 
 NOOP_GOAL = 1.1  # no-op %%on_all_ranks <= 1.1x raw DirectView.execute at every N
 ALL_NS = [2, 8, 32, 64, 128, 256]
@@ -322,7 +322,7 @@ def _main(argv=None) -> int:
     )
     for r in rows:
         print(
-            f"idle N={r['n']} (heartbeat every {heartbeat_ms(r['n'])} ms): "
+            f"idle N={r['n']} (heartbeat every {period_ms(r['n'])} ms): "
             f"{r['idle_cores']:.3f} cores, gloo's own loop threads {r['idle_gloo_cores']:.3f} "
             f"(the rest {r['idle_cores'] - r['idle_gloo_cores']:.3f}: ipyparallel, nbdist)"
         )

@@ -132,7 +132,7 @@ def _unregister(handle: ClusterHandle, engine_ids: list[int]) -> None:
     """Ask the controller to drop ``engine_ids`` now, as a leaving engine does.
 
     Without this the controller drops a dead engine only when its heart has been
-    silent for 30 s (``cluster._heartbeat_misses``); where it cannot be sent
+    silent for 30 s (``nbdist.launch.heartbeat.misses``); where it cannot be sent
     (CurveZMQ, no connection file), that is what happens, and the caller waits for it.
     """
     cluster, session = handle.cluster, handle.client.session
