@@ -80,6 +80,26 @@ def poll(fn, timeout: float, interval: float = 0.1):
         time.sleep(interval)
 
 
+def on_current_view(action, timeout: float = 30):
+    """``action()``'s value, retried while the element it acts on is replaced under it.
+
+    A dashboard shown with ``display_id`` is rebuilt by the browser on each
+    ``update_display_data`` (after a cell that logged, or the run's end): an element
+    located just before such an update is detached by the time the action runs, and the
+    action is tried again on the rebuilt view. Any other error is raised.
+    """
+    from playwright.sync_api import Error
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return action()
+        except Error as error:
+            if "not attached to the DOM" not in str(error) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
 def drawn(graph, expression: str, timeout: float = 30):
     """``expression`` (JavaScript: a function of a Plotly graph div) once plotly has drawn
     the div ``graph`` locates, polled until truthy: ``_fullData`` and ``_fullLayout`` are

@@ -35,7 +35,7 @@ import time
 
 import pytest
 
-from tests.ui.conftest import drawn, notebook_json, poll
+from tests.ui.conftest import drawn, notebook_json, on_current_view, poll
 from tests.ui.test_dashboard_browser import (
     STALL_MONITOR,
     PageLog,
@@ -182,7 +182,7 @@ def _check_dashboard(page, dashboard, artifacts_dir, name: str) -> None:
     ]
     print(f"{name}: total throughput, {len(total)} bins, median {middle:.0f}/s, off: {off}")
     assert len(total) >= 5 and not off, (middle, total)
-    dashboard.scroll_into_view_if_needed()
+    on_current_view(dashboard.scroll_into_view_if_needed)
     dashboard.screenshot(path=str(artifacts_dir / f"{name}.png"))
 
 

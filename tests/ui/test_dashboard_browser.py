@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ui.conftest import drawn, notebook_json, poll
+from tests.ui.conftest import drawn, notebook_json, on_current_view, poll
 
 STEPS = 500  # per rank, in two halves: the test lets the second half start
 SLEEP_S = 0.01
@@ -288,7 +288,7 @@ def test_dashboard_grows_live_and_matches_logged(
         note.inner_text().strip(),
     ), note.inner_text()
 
-    dashboard.scroll_into_view_if_needed()
+    on_current_view(dashboard.scroll_into_view_if_needed)
     page.screenshot(path=str(artifacts_dir / "dashboard.png"))
     dashboard.screenshot(path=str(artifacts_dir / "dashboard-widget.png"))
     timings["checked"] = time.monotonic() - t0
@@ -667,7 +667,7 @@ def test_layout_theme_and_colours_at_every_width(lab_factory, browser_page, tmp_
             page.set_viewport_size({"width": width, "height": 1000})
             _sidebar(page, sidebar)
             where = f"{theme}, {width} px{' with the sidebar open' if sidebar else ''}"
-            dashboard.scroll_into_view_if_needed()
+            on_current_view(dashboard.scroll_into_view_if_needed)
             boxes = poll(lambda: _settled(dashboard), 15)
             assert boxes, (
                 f"{where}: plots did not take their cards' width: {dashboard.evaluate(_BOXES)}"
@@ -677,7 +677,7 @@ def test_layout_theme_and_colours_at_every_width(lab_factory, browser_page, tmp_
                 # Tall enough for the whole dashboard: an element's screenshot shows only what
                 # its scrolling notebook has on screen.
                 page.set_viewport_size({"width": width, "height": 2400})
-                dashboard.scroll_into_view_if_needed()
+                on_current_view(dashboard.scroll_into_view_if_needed)
                 poll(lambda: _settled(dashboard), 15)
                 dashboard.screenshot(path=str(shots / f"dashboard-{theme}-{width}.png"))
         texts = dashboard.evaluate(_CONTRAST)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ui.conftest import notebook_json, poll
+from tests.ui.conftest import notebook_json, on_current_view, poll
 from tests.ui.test_dashboard_browser import PageLog, _open_and_run_all, _plot_state
 
 FIRST, LAST = 50, 400
@@ -67,10 +67,11 @@ def test_two_dashboards_of_one_run_both_reach_the_last_step_and_follow_their_wid
     assert dashboards.count() == 2, dashboards.count()
     for which in (0, 1):
         dashboard = dashboards.nth(which)
-        dashboard.scroll_into_view_if_needed()
+        # The cell that logged has just ended: its update rebuilds the views (see live.py).
+        on_current_view(dashboard.scroll_into_view_if_needed)
 
         def complete(dashboard=dashboard):
-            loss = _last_steps(dashboard).get("loss")
+            loss = on_current_view(lambda: _last_steps(dashboard)).get("loss")
             return loss if loss and loss[:2] == [LAST - 1, LAST - 1] else None
 
         assert poll(complete, timeout=30, interval=0.5), (
@@ -82,8 +83,9 @@ def test_two_dashboards_of_one_run_both_reach_the_last_step_and_follow_their_wid
     final = f"final snapshot at step {LAST - 1}: the run has finished; this view no longer updates"
     for which in (0, 1):
         line = dashboards.nth(which).locator(".nbdist-snapshot")
-        assert poll(lambda line=line: line.inner_text() == final, timeout=60), line.inner_text()
-    before = {w[0]: w[1] for w in first.evaluate(_WIDTHS)}
+        shown = poll(lambda line=line: on_current_view(line.inner_text) == final, timeout=60)
+        assert shown, on_current_view(line.inner_text)
+    before = {w[0]: w[1] for w in on_current_view(lambda: first.evaluate(_WIDTHS))}
 
     # The sidebar opens while the first dashboard is scrolled away: the notebook narrows, and
     # every plot of both dashboards takes its card's new width once on screen.
@@ -91,10 +93,10 @@ def test_two_dashboards_of_one_run_both_reach_the_last_step_and_follow_their_wid
     page.locator("#nbdist-sidebar").wait_for(state="visible")
     for which in (0, 1):
         dashboard = dashboards.nth(which)
-        dashboard.scroll_into_view_if_needed()
+        on_current_view(dashboard.scroll_into_view_if_needed)
 
         def follows(dashboard=dashboard):
-            widths = dashboard.evaluate(_WIDTHS)
+            widths = on_current_view(lambda: dashboard.evaluate(_WIDTHS))
             return widths if widths and all(abs(w - c) <= 2 for _, w, c in widths) else None
 
         widths = poll(follows, timeout=15, interval=0.5)
@@ -103,7 +105,7 @@ def test_two_dashboards_of_one_run_both_reach_the_last_step_and_follow_their_wid
         # width with them.
         after = {key: w for key, w, _ in widths}
         assert any(after[k] != before[k] for k in before if k in after), (before, after)
-    first.scroll_into_view_if_needed()
+    on_current_view(first.scroll_into_view_if_needed)
     first.screenshot(path=str(artifacts_dir / "dashboard-first-of-two-with-sidebar.png"))
     assert not log.page_errors, log.page_errors
     assert not log.ours(), log.ours()

@@ -12,9 +12,8 @@ for the host instead of a row per rank. A screenshot goes to
 from __future__ import annotations
 
 import pytest
-from playwright.sync_api import Error as PlaywrightError
 
-from tests.ui.conftest import drawn, notebook_json, poll
+from tests.ui.conftest import drawn, notebook_json, on_current_view, poll
 from tests.ui.test_dashboard_browser import PageLog, _open_and_run_all, _plot_state
 
 RANKS = 64
@@ -88,16 +87,11 @@ def test_64_ranks_draw_a_band_and_only_the_deviating_ranks(
     # The table: the deviating ranks, then the host's row with its ranks counted by state.
     rows = dashboard.locator(".nbdist-table tbody tr").all_inner_texts()
     assert len(rows) <= 6 and any(f"{RANKS} ranks" in r for r in rows), rows
-    for attempt in range(3):
-        # The locator finds the dashboard again each time: a re-render between its
-        # stability check and the capture detaches the element it had found.
-        try:
-            dashboard.scroll_into_view_if_needed()
-            dashboard.screenshot(path=str(artifacts_dir / "dashboard-64-ranks.png"))
-            break
-        except PlaywrightError as exc:
-            if "not attached" not in str(exc) or attempt == 2:
-                raise
-            page.wait_for_timeout(500)
+
+    def capture():
+        dashboard.scroll_into_view_if_needed()
+        dashboard.screenshot(path=str(artifacts_dir / "dashboard-64-ranks.png"))
+
+    on_current_view(capture)
     assert not log.page_errors, log.page_errors
     assert not log.ours(), log.ours()
