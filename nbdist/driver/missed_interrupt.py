@@ -36,10 +36,10 @@ _ASK_AGAIN_S = {"beginning": 0.1, "dropped": 0.5}
 class MissedInterrupt:
     """Asks the engines of some of a request's ranks to stop it, until each has settled."""
 
-    def __init__(self, async_result, indices: Sequence[int], sent_at: float):
+    def __init__(self, async_result, indices: Sequence[int], since: float):
         """Follow the children of ``async_result`` at ``indices`` (ranks still running);
-        ``sent_at``: when every SIGINT had gone to the ranks (``time.monotonic``)."""
-        self._sent = {"sent_at": sent_at, "boot": boot_id()}
+        ``since``: when the kernel began sending the SIGINTs (``time.monotonic``)."""
+        self._sent = {"since": since, "boot": boot_id()}
         engines = per_engine_ids(async_result)
         self._client = result_client(async_result)
         self._children = per_engine_futures(async_result)

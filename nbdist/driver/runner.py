@@ -434,16 +434,17 @@ class RankRun:
         """SIGINT to the ranks; release those that do not stop; form the group again."""
         if self._prompts is not None:
             self._prompts.cancel()  # ranks at a prompt stop too; no one is asked again
+        since = time.monotonic()
         self._interrupt(self.ranks)
-        self._reach_missed(time.monotonic())  # every SIGINT is out
+        self._reach_missed(since)
         self._stopped = True
         self._guard.interrupted()
         self._settle()
         if self._finished:
             self._guard.recover(self, interrupted=True)
 
-    def _reach_missed(self, sent_at: float) -> None:
-        """Ranks the SIGINTs sent by ``sent_at`` missed drop the request or stop it now.
+    def _reach_missed(self, since: float) -> None:
+        """Ranks the SIGINTs sent from ``since`` on missed drop the request or stop it now.
 
         An idle engine ignores SIGINT: a rank it reached before the request (a loaded
         kernel interrupts while the request is in flight; at many ranks the last begin
@@ -457,7 +458,7 @@ class RankRun:
             if rank not in dead and not child.done()
         ]
         if running:
-            self._missed = MissedInterrupt(self._ar, running, sent_at)
+            self._missed = MissedInterrupt(self._ar, running, since)
             self._missed.poll()  # asked at once
 
     def _settle(self) -> None:

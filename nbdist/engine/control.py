@@ -270,7 +270,7 @@ def _handle(kernel, stream, idents, parent) -> None:
             done = late_interrupt.interrupt_request(
                 kernel,
                 str(content.get("msg_id", "")),
-                content.get("sent_at"),
+                content.get("since"),
                 str(content.get("boot", "")),
             )
             reply = {"status": "ok", "interrupt": done}

@@ -13,9 +13,10 @@ control channel, answered whatever the rank does):
 
 - not begun: the rank drops it unrun (ipyparallel's own mechanism: its engine
   replies "aborted" to a request whose id it was told to abort);
-- begun after a SIGINT that came while the rank was idle (this module notes
-  those), or, on the kernel's machine, whose clock it shares, after the kernel had
-  sent its SIGINTs: interrupted now;
+- begun after this interrupt's SIGINT came (on the kernel's machine, whose clock
+  it shares: a SIGINT this rank noted after the kernel began sending them, while
+  it was idle or finishing an earlier request), or, on another machine, after a
+  SIGINT that came while the rank was idle: interrupted now;
 - otherwise, or ended: nothing (the SIGINT landed, or nothing is left).
 
 Between ipyparallel's check for a dropped request and the start of its handling a
@@ -49,9 +50,12 @@ class _Requests:
         self.interrupted: str | None = None  # the request this rank last interrupted itself
         self.ended: deque[str] = deque(maxlen=_ENDED_KEPT)
         self.ended_at = 0.0  # monotonic: when the request before the current one ended
-        # When a SIGINT last came while idle (set in a signal handler: no lock taken,
-        # the main thread may hold it there).
+        # When a SIGINT last came while idle, and when one last came at all (set in a
+        # signal handler: no lock taken, the main thread may hold it there).
         self.idle_sigint_at: float | None = None
+        self.sigint_at: float | None = None
+        # The last SIGINT before the current request began: one it cannot have met.
+        self.sigint_before: float | None = None
         # The request a SIGINT came for outside the user's code, held until that code runs
         # (request_sigint.py; set in the signal handler, like idle_sigint_at).
         self.held: str | None = None
@@ -68,7 +72,7 @@ class _IdleSigint:
         self.replaced = replaced
 
     def __call__(self, signum, frame) -> None:
-        _requests.idle_sigint_at = time.monotonic()
+        _requests.idle_sigint_at = _requests.sigint_at = time.monotonic()
         if callable(self.replaced):
             self.replaced(signum, frame)
 
@@ -88,10 +92,12 @@ def _follow_idle_sigint() -> None:
 
 def _held() -> None:
     # In the signal handler, on the main thread: no lock (the hooks may hold it there).
+    _requests.sigint_at = time.monotonic()
     _requests.held = _requests.current
 
 
 def _raised() -> None:
+    _requests.sigint_at = time.monotonic()
     _requests.held = None
 
 
@@ -116,6 +122,7 @@ def install(kernel) -> None:
         with _requests.lock:
             _requests.current = parent.get("header", {}).get("msg_id")
             _requests.began_at = time.monotonic()
+            _requests.sigint_before = _requests.sigint_at
             _requests.held = None
         # What ipykernel's own hook does (keep the handler from before the request, to
         # put back after it), but the handler raises KeyboardInterrupt in the user's code
@@ -155,35 +162,43 @@ def boot_id() -> str:
         return ""
 
 
-def _missed(sent_at: float | None) -> bool:
-    """Whether the current request missed the kernel's SIGINT (``_requests.lock`` held):
-    one came while idle since the request before it ended, or the request began after
-    ``sent_at`` (None: the kernel's clock is another machine's)."""
+def _missed(since: float | None) -> bool:
+    """Whether the current request missed the kernel's SIGINT (``_requests.lock`` held).
+
+    ``since``: when the kernel began sending its SIGINTs, on this machine's clock: then
+    a SIGINT that came after it, before the request began, missed it (it came while
+    the rank was idle, or ended the request before). The kernel's own time after sending
+    them is no bound: a loaded kernel takes its next step after the rank has ended the
+    request before and begun this one (CI, 2026-12-02). ``since`` None (the kernel's
+    clock is another machine's): a SIGINT that came while idle since the request before
+    this one ended.
+    """
+    if since is not None:
+        before = _requests.sigint_before
+        return before is not None and before >= since
     came = _requests.idle_sigint_at
-    if came is not None and came >= _requests.ended_at:
-        return True
-    return sent_at is not None and _requests.began_at > sent_at
+    return came is not None and came >= _requests.ended_at
 
 
-def interrupt_request(kernel, msg_id: str, sent_at: float | None = None, boot: str = "") -> str:
+def interrupt_request(kernel, msg_id: str, since: float | None = None, boot: str = "") -> str:
     """Stop request ``msg_id`` on this rank if the kernel's SIGINT missed it; what was done.
 
-    A request missed it if a SIGINT came while this rank was idle just before it
-    began, or if it began after ``sent_at``, when the kernel had sent its SIGINTs
-    (its ``time.monotonic``; compared only on the kernel's machine, ``boot`` being
-    its :func:`boot_id`): the SIGINT then ended the request before it.
+    A request missed it if the SIGINT came before it began: after ``since``, when the
+    kernel began sending its SIGINTs (its ``time.monotonic``; compared only on the
+    kernel's machine, ``boot`` being its :func:`boot_id`), or, from another machine,
+    while this rank was idle just before the request.
 
     "dropped" (not begun: it will not run), "beginning" (about to run: ask again),
     "interrupted" (it missed the SIGINT: SIGINT again), "running" (it began before
     the SIGINT: that landed), "ended".
     """
-    same_clock = sent_at is not None and boot != "" and boot == boot_id()
+    same_clock = since is not None and boot != "" and boot == boot_id()
     with _requests.lock:
         if msg_id == _requests.current:
             idle = isinstance(signal.getsignal(signal.SIGINT), _IdleSigint)
             if idle:
                 return "beginning"  # a SIGINT now would only be noted
-            if not _missed(sent_at if same_clock else None) or _requests.interrupted == msg_id:
+            if not _missed(since if same_clock else None) or _requests.interrupted == msg_id:
                 return "running"
             _requests.interrupted = msg_id  # once: asked again, it is "running"
             os.kill(os.getpid(), signal.SIGINT)

@@ -236,6 +236,28 @@ def test_a_ctrl_c_stops_a_request_that_began_after_it(session, tmp_path):
     assert session.pull("ran_late") == [False, False]
 
 
+def test_a_request_that_began_while_a_loaded_kernel_still_sent_its_sigints_is_stopped(
+    session, tmp_path, monkeypatch
+):
+    """A loaded kernel can take a while between sending the SIGINTs and its next step: the
+    cell the SIGINT ended ends at once, the request behind it begins before the kernel
+    goes on, and it missed the SIGINT all the same (CI, 2026-12-02: "rank 0 did not stop";
+    before, a rank counted only requests that began after the kernel had sent them all)."""
+    sent = session.interrupt
+
+    def loaded_kernel(ranks=None):
+        sent(ranks)
+        time.sleep(1.0)  # every rank has ended the cell and begun the request by now
+
+    monkeypatch.setattr(session, "interrupt", loaded_kernel)
+    finishing = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    pass"
+    caught, took, background = _interrupt_an_apply_behind(session, finishing, 20.0, tmp_path)
+    assert "every rank stopped" in str(caught), str(caught)
+    assert took < 10, took
+    background.wait()
+    assert session.pull("ran_late") == [False, False]
+
+
 def test_a_cell_a_rank_dropped_after_a_failed_one_says_so(session):
     """Without any interrupt, a rank drops the cells queued behind one that failed
     (ipykernel's stop-on-error): the dropped cell's error says that, not an opaque

@@ -78,15 +78,45 @@ def test_a_sigint_held_to_the_end_of_a_request_counts_as_missed_by_the_next(kern
     with late_interrupt._requests.lock:
         assert not late_interrupt._missed(None)  # nothing came: the cell runs on
     kernel.post_handler_hook()
+    since = time.monotonic()  # the kernel begins sending its SIGINTs
     # The SIGINT comes in the engine's code at the end of "ended" (held: what the handler does).
     _handle(kernel, "ended", during=late_interrupt._held)
-    sent_at = time.monotonic()  # when the kernel had sent its SIGINTs
     kernel.parent = {"header": {"msg_id": "next"}}
     kernel.pre_handler_hook()
     try:
         with late_interrupt._requests.lock:
-            late_interrupt._requests.began_at = sent_at - 1  # it began before they were out
-            assert late_interrupt._missed(sent_at)
+            assert late_interrupt._missed(since)  # on the kernel's machine
+            assert late_interrupt._missed(None)  # from another machine's kernel
+            # A SIGINT of an earlier interrupt is not this one's.
+            assert not late_interrupt._missed(time.monotonic())
     finally:
         kernel.post_handler_hook()
     assert late_interrupt._requests.held is None
+
+
+def test_a_request_that_began_after_the_sigint_ended_the_one_before_missed_it(kernel):
+    """The SIGINT raises in the cell a rank was finishing; that cell catches it and ends, and
+    the request the kernel waits for begins at once, maybe before the kernel has sent the
+    rest of its SIGINTs: it missed the SIGINT. One that began before the SIGINT came did not."""
+    late_interrupt.install(kernel)
+    _handle(kernel, "before")
+    since = time.monotonic()
+    _handle(kernel, "finishing", during=late_interrupt._raised)  # its code caught it
+    kernel.parent = {"header": {"msg_id": "waited-for"}}
+    kernel.pre_handler_hook()
+    try:
+        with late_interrupt._requests.lock:
+            assert late_interrupt._missed(since)
+            # Another machine's kernel: only a SIGINT that came while idle counts.
+            assert not late_interrupt._missed(None)
+    finally:
+        kernel.post_handler_hook()
+    kernel.parent = {"header": {"msg_id": "running"}}
+    kernel.pre_handler_hook()
+    since = time.monotonic()
+    late_interrupt._raised()  # the SIGINT lands in this request
+    try:
+        with late_interrupt._requests.lock:
+            assert not late_interrupt._missed(since)
+    finally:
+        kernel.post_handler_hook()
