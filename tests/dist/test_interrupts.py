@@ -187,9 +187,8 @@ def _interrupt_an_apply_behind(session, background_code: str, seconds: float, tm
     import os
 
     session.run("ran_late = False")
-    # The Ctrl-C is meant for the cell once every rank runs inside its `try:`. A fixed second
-    # after sending it could reach a loaded rank before that, which is not what these test (the
-    # one CI failure, 2026-12-02: "ranks 0-1 did not stop"; its cause was not established).
+    # The Ctrl-C is meant for the cell once every rank runs inside its `try:`: a fixed second
+    # after sending it could reach a loaded rank before that, which is not what these test.
     began = tmp_path / "began"
     began.mkdir()
     mark = f"    open(os.path.join({str(began)!r}, str(rank)), 'w').close()\n"
