@@ -12,7 +12,6 @@ callbacks and the loop interleave.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections import deque
@@ -26,6 +25,7 @@ from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata
 from nbdist.driver.missed_interrupt import MissedInterrupt
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.prompts import PromptServer
+from nbdist.driver.rank_replies import broken_group_words, child_result, rank_failure
 from nbdist.driver.sigint_latch import SigintLatch
 from nbdist.driver.sinks import default_sink
 from nbdist.errors import NbdistError, RankError, RankFailure, RanksInterrupted, format_ranks
@@ -35,6 +35,9 @@ __all__ = ["CellTimeout", "RankRun", "output_limit", "submit"]
 # How long interrupted ranks get to unwind before the cell gives up on them.
 _INTERRUPT_GRACE_S = 10.0
 _POLL_S = 0.05
+# The waiting loop reads every rank's output at least this often (else only the ranks an
+# output message named since its last pass).
+_FULL_DRAIN_S = 1.0
 # iopub messages that change what a cell shows (ipyparallel accumulates them per rank).
 _OUTPUT_MESSAGES = frozenset({"stream", "display_data", "execute_result", "error"})
 # A widget's state (a rank's tqdm.auto bar): kept for the text form of its display.
@@ -59,25 +62,6 @@ def _mib(chars: int) -> str:
 
 class CellTimeout(NbdistError, TimeoutError):
     """A cell ran past its ``--timeout``; the ranks were interrupted."""
-
-
-# What a rank's error says when the group's connections are gone (gloo's transport, which
-# names its own source file) or aborted (NCCL); a user's own "Connection reset" is not it.
-# gloo's own words end at its first sentence: "Connection closed by peer [127.0.0.1]:27337",
-# "Read error [127.0.0.1]:27337: Connection reset by peer" (the advice that follows is gloo's).
-_BROKEN_GROUP = re.compile(
-    r"gloo/transport/[\w/.]+:\d+\] ([^\n]+?)(?:\. |\.?(?:\n|$))|Application timeout caused pair closure|"
-    r"NCCL communicator was aborted|Watchdog caught collective operation timeout"
-)
-
-
-def broken_group_words(text: str) -> str:
-    """What in a rank's error says that the process group broke ('' if nothing does).
-
-    gloo's own first sentence without its file name, else NCCL's or gloo's known words.
-    """
-    found = _BROKEN_GROUP.search(text)
-    return (found.group(1) or found.group(0)).strip() if found else ""
 
 
 class _NoGuard:
@@ -192,16 +176,33 @@ class RankRun:
         # The dicts ipyparallel fills with each rank's output, in place: read on every pass.
         self._metadata = per_engine_metadata(async_result)
         self._comms: deque[tuple[int, str, dict]] = deque()  # filled on ipyparallel's IO thread
+        # Each rank's state as of the last child_states(), and the children whose reply came
+        # since (their indices, appended on the IO thread): the loop asks for the states on
+        # every pass, and asking each of 256 futures (a lock each) every pass was most of
+        # the kernel's CPU in a no-op cell beyond a raw execute's (profiled at 64 ranks).
+        self._state_of = dict.fromkeys(self.ranks, "running")
+        self._replied: deque[int] = deque()
+        # Likewise the ranks whose output came since the loop's last pass (by iopub
+        # message; ipyparallel fills the metadata first): a pass reads only theirs, and
+        # every rank's at least once a second (_FULL_DRAIN_S) and at the end.
+        self._index = {rank: i for i, rank in enumerate(self.ranks)}
+        self._touched: deque[int] = deque()
+        self._full_drain_at = 0.0
         # {rank: when (monotonic) its engine began the cell}: at many ranks the last ones begin
         # seconds after the first fail, and the guard counts a rank's time from its beginning.
         self.began: dict[int, float] = {}
-        for rank, child in zip(self.ranks, self._children):
+        for i, (rank, child) in enumerate(zip(self.ranks, self._children)):
             if iopub is None:
                 child.iopub_callbacks.append(partial(self._on_iopub, rank))
-            child.add_done_callback(lambda _f: self._wake.set())
+            child.add_done_callback(partial(self._on_reply, i))
         if iopub is not None:
             iopub.attach(self._on_iopub)
         async_result.add_done_callback(lambda _f: self._wake.set())
+
+    def _on_reply(self, index: int, _future) -> None:
+        # On ipyparallel's IO thread (or here, for a reply that had come already).
+        self._replied.append(index)
+        self._wake.set()
 
     def _on_iopub(self, rank: int, msg: dict) -> None:
         kind = msg["header"]["msg_type"]
@@ -210,6 +211,7 @@ class RankRun:
             if msg["content"].get("execution_state") == "busy":
                 self.began.setdefault(rank, time.monotonic())
         elif kind in _OUTPUT_MESSAGES:
+            self._touched.append(self._index[rank])
             self._wake.set()
         elif kind in _COMM_MESSAGES:
             self._comms.append((rank, kind, msg["content"]))
@@ -234,15 +236,12 @@ class RankRun:
         """{rank: 'running' | 'ok' | 'error'} from each rank's own reply."""
         if self._concluded:
             return dict(self._states)
-        states = {}
-        for rank, child in zip(self.ranks, self._children):
-            if not child.done():
-                states[rank] = "running"
-            elif child.exception() is not None or isinstance(child.result(), BaseException):
-                states[rank] = "error"
-            else:
-                states[rank] = "ok"
-        return states
+        while self._replied:
+            i = self._replied.popleft()
+            child = self._children[i]
+            failed = child.exception() is not None or isinstance(child.result(), BaseException)
+            self._state_of[self.ranks[i]] = "error" if failed else "ok"
+        return dict(self._state_of)
 
     def broken_group_error(self) -> str:
         """The first rank error that says the process group itself broke ('' if none does).
@@ -251,7 +250,7 @@ class RankRun:
         connection) and NCCL's aborted communicator leave the group unusable.
         """
         for rank, child in zip(self.ranks, self._children):
-            error = _child_result(child)
+            error = child_result(child)
             if isinstance(error, BaseException):
                 words = broken_group_words(str(getattr(error, "evalue", error)))
                 if words:
@@ -264,13 +263,22 @@ class RankRun:
         return self._guard.finished(self)
 
     # -- output -----------------------------------------------------------
-    def _drain(self) -> None:
+    def _drain(self, *, touched_only: bool = False) -> None:
         merger = self._merger
         while self._comms:
             merger.feed_comm(*self._comms.popleft())
+        indices = range(len(self.ranks))
+        now = time.monotonic()
+        if touched_only and now - self._full_drain_at < _FULL_DRAIN_S:
+            indices = set()
+            while self._touched:
+                indices.add(self._touched.popleft())
+        else:
+            self._touched.clear()  # every rank is read below
+            self._full_drain_at = now
         # ipyparallel keeps each rank's output accumulated in its metadata dict.
-        for i, (rank, md) in enumerate(zip(self.ranks, self._metadata)):
-            seen = self._consumed[i]
+        for i in sorted(indices):
+            rank, md, seen = self.ranks[i], self._metadata[i], self._consumed[i]
             for stream in ("stdout", "stderr"):
                 text = md[stream] or ""
                 delta = _stream_delta(seen[stream], text)
@@ -331,7 +339,7 @@ class RankRun:
             if self._missed is not None and not self._guard.released:
                 self._missed.poll()
             finished = self._all_done()
-            self._drain()
+            self._drain(touched_only=not finished)
             self._merger.poll()
             if self._watch is not None:
                 self._watch()
@@ -500,7 +508,7 @@ class RankRun:
             if self._ar.ready():
                 self._results = self._ar.get(return_exceptions=True)
             else:  # a dead rank's reply may never come: each live rank's own
-                self._results = [_child_result(child) for child in self._children]
+                self._results = [child_result(child) for child in self._children]
         dead = self._guard.dead()
         failures = [
             RankFailure(rank=rank, ename="RankDied", evalue=cause, traceback="")
@@ -508,7 +516,7 @@ class RankRun:
             if rank in self.ranks
         ]
         failures += [
-            self._failure(rank, res)
+            rank_failure(rank, res, stopped=self._stopped)
             for rank, res in zip(self.ranks, self._results)
             if isinstance(res, BaseException) and rank not in dead
         ]
@@ -531,34 +539,6 @@ class RankRun:
             note = self._guard.note(failures)
             raise RankError(failures, world_ranks=self.ranks, note=note)
         return list(self._results)
-
-    def _failure(self, rank: int, res: BaseException) -> RankFailure:
-        from ipyparallel.error import TaskAborted
-
-        if isinstance(res, TaskAborted):  # an "aborted" reply; its words: the request's id
-            if self._stopped:
-                return RankFailure(rank, "KeyboardInterrupt", _DROPPED_STOPPED, "")
-            return RankFailure(rank, "NotRun", _DROPPED, "")
-        return RankFailure(
-            rank=rank,
-            ename=getattr(res, "ename", None) or type(res).__name__,
-            evalue=str(getattr(res, "evalue", res)),
-            traceback=getattr(res, "traceback", None) or "",
-        )
-
-
-_DROPPED_STOPPED = "stopped before this rank began it: none of it ran here"
-_DROPPED = (
-    "this rank dropped it unrun: a cell before it failed there, and a rank drops what was "
-    "queued behind a failed cell; run it again"
-)
-
-
-def _child_result(child):
-    if not child.done():
-        return None
-    exc = child.exception()
-    return exc if exc is not None else child.result()
 
 
 def submit(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nbdist.driver.output import OutputMerger
-from nbdist.driver.runner import _stream_delta, broken_group_words
+from nbdist.driver.rank_replies import broken_group_words
+from nbdist.driver.runner import _stream_delta
 from nbdist.driver.sinks import ListSink
 
 

@@ -1,0 +1,69 @@
+"""Kernel side: what a rank's reply to a request says: its failure, a request it dropped, a broken group.
+
+The words :class:`~nbdist.driver.runner.RankRun` puts in a cell's
+:class:`~nbdist.errors.RankError`: a rank's exception as a :class:`RankFailure`, an
+"aborted" reply (a request the rank dropped unrun) said plainly, and whether a rank's
+error says that the process group itself broke.
+
+Example::
+
+    >>> broken_group_words("RuntimeError: [../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:27337")
+    'Connection closed by peer [127.0.0.1]:27337'
+"""
+
+from __future__ import annotations
+
+import re
+
+from nbdist.errors import RankFailure
+
+__all__ = ["broken_group_words", "child_result", "rank_failure"]
+
+# What a rank's error says when the group's connections are gone (gloo's transport, which
+# names its own source file) or aborted (NCCL); a user's own "Connection reset" is not it.
+# gloo's own words end at its first sentence: "Connection closed by peer [127.0.0.1]:27337",
+# "Read error [127.0.0.1]:27337: Connection reset by peer" (the advice that follows is gloo's).
+_BROKEN_GROUP = re.compile(
+    r"gloo/transport/[\w/.]+:\d+\] ([^\n]+?)(?:\. |\.?(?:\n|$))|Application timeout caused pair closure|"
+    r"NCCL communicator was aborted|Watchdog caught collective operation timeout"
+)
+
+
+def broken_group_words(text: str) -> str:
+    """What in a rank's error says that the process group broke ('' if nothing does).
+
+    gloo's own first sentence without its file name, else NCCL's or gloo's known words.
+    """
+    found = _BROKEN_GROUP.search(text)
+    return (found.group(1) or found.group(0)).strip() if found else ""
+
+
+def rank_failure(rank: int, res: BaseException, *, stopped: bool = False) -> RankFailure:
+    """``rank``'s error reply ``res`` as a failure; ``stopped``: the ranks were interrupted."""
+    from ipyparallel.error import TaskAborted
+
+    if isinstance(res, TaskAborted):  # an "aborted" reply; its words: the request's id
+        if stopped:
+            return RankFailure(rank, "KeyboardInterrupt", _DROPPED_STOPPED, "")
+        return RankFailure(rank, "NotRun", _DROPPED, "")
+    return RankFailure(
+        rank=rank,
+        ename=getattr(res, "ename", None) or type(res).__name__,
+        evalue=str(getattr(res, "evalue", res)),
+        traceback=getattr(res, "traceback", None) or "",
+    )
+
+
+_DROPPED_STOPPED = "stopped before this rank began it: none of it ran here"
+_DROPPED = (
+    "this rank dropped it unrun: a cell before it failed there, and a rank drops what was "
+    "queued behind a failed cell; run it again"
+)
+
+
+def child_result(child):
+    """A child future's result or exception; None while it runs."""
+    if not child.done():
+        return None
+    exc = child.exception()
+    return exc if exc is not None else child.result()
