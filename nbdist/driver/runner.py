@@ -1,10 +1,12 @@
 """Kernel side: run code on ranks, stream each rank's output as it arrives, fail on any rank's error.
 
 The waiting loop runs in the caller's thread (the notebook cell), so output is
-written where the cell's output goes. ipyparallel's IO thread only sets an
-event when output or a rank's reply for this cell arrives (the loop also wakes
-every 50 ms to check for dead or hung ranks); the loop then reads the new part
-of each rank's accumulated stdout/stderr/displays. Reading the accumulated
+written where the cell's output goes. ipyparallel's IO thread only notes which
+rank's output or reply for this cell arrived and sets an event (the loop also
+wakes every 50 ms to check for dead or hung ranks); the loop then reads the new
+part of those ranks' accumulated stdout/stderr/displays (of every rank once a
+second and at the end), and asks only those futures how they ended: at 256 ranks
+a pass over every rank was most of a cell's kernel CPU. Reading the accumulated
 metadata (instead of the messages) cannot lose or duplicate output, however
 callbacks and the loop interleave.
 """
