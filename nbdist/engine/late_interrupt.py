@@ -50,12 +50,10 @@ class _Requests:
         self.interrupted: str | None = None  # the request this rank last interrupted itself
         self.ended: deque[str] = deque(maxlen=_ENDED_KEPT)
         self.ended_at = 0.0  # monotonic: when the request before the current one ended
-        # When a SIGINT last came while idle, and when one last came at all (set in a
-        # signal handler: no lock taken, the main thread may hold it there).
+        # When a SIGINT last came while idle, and (request, when) one last came during a
+        # request (set in a signal handler: no lock taken, the main thread may hold it there).
         self.idle_sigint_at: float | None = None
-        self.sigint_at: float | None = None
-        # The last SIGINT before the current request began: one it cannot have met.
-        self.sigint_before: float | None = None
+        self.request_sigint: tuple[str | None, float] | None = None
         # The request a SIGINT came for outside the user's code, held until that code runs
         # (request_sigint.py; set in the signal handler, like idle_sigint_at).
         self.held: str | None = None
@@ -72,7 +70,7 @@ class _IdleSigint:
         self.replaced = replaced
 
     def __call__(self, signum, frame) -> None:
-        _requests.idle_sigint_at = _requests.sigint_at = time.monotonic()
+        _requests.idle_sigint_at = time.monotonic()
         if callable(self.replaced):
             self.replaced(signum, frame)
 
@@ -92,12 +90,12 @@ def _follow_idle_sigint() -> None:
 
 def _held() -> None:
     # In the signal handler, on the main thread: no lock (the hooks may hold it there).
-    _requests.sigint_at = time.monotonic()
+    _requests.request_sigint = (_requests.current, time.monotonic())
     _requests.held = _requests.current
 
 
 def _raised() -> None:
-    _requests.sigint_at = time.monotonic()
+    _requests.request_sigint = (_requests.current, time.monotonic())
     _requests.held = None
 
 
@@ -122,7 +120,6 @@ def install(kernel) -> None:
         with _requests.lock:
             _requests.current = parent.get("header", {}).get("msg_id")
             _requests.began_at = time.monotonic()
-            _requests.sigint_before = _requests.sigint_at
             _requests.held = None
         # What ipykernel's own hook does (keep the handler from before the request, to
         # put back after it), but the handler raises KeyboardInterrupt in the user's code
@@ -174,8 +171,15 @@ def _missed(since: float | None) -> bool:
     this one ended.
     """
     if since is not None:
-        before = _requests.sigint_before
-        return before is not None and before >= since
+        # Before the request began: one that came while idle (also in the moment between
+        # the request's beginning and its handler, which the idle handler took), or during
+        # an earlier request. One during this request met it.
+        before = [_requests.idle_sigint_at]
+        if _requests.request_sigint is not None:
+            request, at = _requests.request_sigint
+            if request != _requests.current:
+                before.append(at)
+        return any(at is not None and at >= since for at in before)
     came = _requests.idle_sigint_at
     return came is not None and came >= _requests.ended_at
 

@@ -120,3 +120,19 @@ def test_a_request_that_began_after_the_sigint_ended_the_one_before_missed_it(ke
             assert not late_interrupt._missed(since)
     finally:
         kernel.post_handler_hook()
+
+
+def test_a_sigint_the_idle_handler_took_as_the_request_began_was_missed(kernel):
+    """Between the moment a request becomes current and its own handler, SIGINT still meets
+    the idle one, which only notes it: the request missed it."""
+    late_interrupt.install(kernel)
+    _handle(kernel, "before")
+    since = time.monotonic()
+    kernel.parent = {"header": {"msg_id": "beginning"}}
+    kernel.pre_handler_hook()
+    try:
+        late_interrupt._IdleSigint(None)(signal.SIGINT, None)  # what the idle handler did
+        with late_interrupt._requests.lock:
+            assert late_interrupt._missed(since)
+    finally:
+        kernel.post_handler_hook()
