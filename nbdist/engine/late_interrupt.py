@@ -46,7 +46,6 @@ class _Requests:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.current: str | None = None
-        self.began_at = 0.0  # monotonic: when the current request began
         self.interrupted: str | None = None  # the request this rank last interrupted itself
         self.ended: deque[str] = deque(maxlen=_ENDED_KEPT)
         self.ended_at = 0.0  # monotonic: when the request before the current one ended
@@ -119,7 +118,6 @@ def install(kernel) -> None:
         parent = kernel.get_parent("shell") or {}
         with _requests.lock:
             _requests.current = parent.get("header", {}).get("msg_id")
-            _requests.began_at = time.monotonic()
             _requests.held = None
         # What ipykernel's own hook does (keep the handler from before the request, to
         # put back after it), but the handler raises KeyboardInterrupt in the user's code
