@@ -105,7 +105,7 @@ def drawn(graph, expression: str, timeout: float = 30):
     the div ``graph`` locates, polled until truthy: ``_fullData`` and ``_fullLayout`` are
     there only after a draw, and the next draw of a live dashboard starts without them."""
     script = f"d => (d._fullData && d._fullLayout) ? ({expression})(d) : null"
-    return poll(lambda: graph.evaluate(script), timeout=timeout, interval=0.2)
+    return poll(lambda: on_current_view(lambda: graph.evaluate(script)), timeout, interval=0.2)
 
 
 def _require_browser() -> None:

@@ -151,7 +151,7 @@ def _check_dashboard(page, dashboard, artifacts_dir, name: str) -> None:
     """Legend, colours, heatmap and the flat total of a 256-rank dashboard, once drawn."""
 
     def settled():
-        panels = {p["key"]: p for p in _plot_state(dashboard)}
+        panels = {p["key"]: p for p in on_current_view(lambda: _plot_state(dashboard))}
         loss = panels.get("loss")
         names = [t["name"] for t in loss["traces"]] if loss else []
         return panels if f"rank {SLOW}" in names else None
@@ -166,19 +166,28 @@ def _check_dashboard(page, dashboard, artifacts_dir, name: str) -> None:
     )
     assert colours and len(set(colours)) == len(colours), colours
 
+    # One read of the attribute and the data: the view is rebuilt at the cell's end, and a
+    # new view's heatmap has neither until its first draw (CI, 2026-12-02: the attribute
+    # read on the old view, the data on the new, "d.data is undefined").
     heat = dashboard.locator(".nbdist-heatmap")
-    assert poll(lambda: heat.get_attribute("data-ranks") == str(RANKS), timeout=30)
-    z = heat.evaluate("d => d.data[0].z")
+    z = drawn(heat, f"d => d.dataset.ranks === '{RANKS}' ? d.data[0].z : null")
+    assert z, heat.get_attribute("data-ranks")
     columns = len(z[0])
     assert 2 <= columns <= 120, columns
     means = [statistics.fmean(v for v in row if v is not None) for row in z]
     assert max(range(RANKS), key=means.__getitem__) == SLOW, means[SLOW]
 
     def total_and_off():
-        panel = next(
-            p for p in _plot_state(dashboard) if p["key"] in ("samples_per_s", "tokens_per_s")
-        )
-        total = next(t for t in panel["traces"] if t["name"] == "total")["y"]
+        # A view rebuilt a moment ago has no traces until its first draw: read it again.
+        traces = [
+            t
+            for p in on_current_view(lambda: _plot_state(dashboard))
+            if p["key"] in ("samples_per_s", "tokens_per_s")
+            for t in p["traces"]
+        ]
+        total = next((t["y"] for t in traces if t["name"] == "total"), [])
+        if not total:
+            return total, 0.0, ["no total trace drawn yet"]
         middle = statistics.median(total)
         off = [
             (i, round(v))
