@@ -33,6 +33,13 @@ What the merger decides is handed to a *sink*, a duck-typed object with:
     (``ep: 100%|██████████| 5/5 [...]``), rebuilt from the widget's comm
     messages (:meth:`OutputMerger.feed_comm`, :mod:`nbdist.driver.widget_text`).
     Sent once per widget display: when the bar closes, else when the cell ends.
+``lines(stream, pairs)``, optional
+    Several complete lines of ``stream`` at once, ``pairs`` of ``(label, text)`` in
+    order: what one pass of the merger emits, so a sink that writes to a stream writes
+    (and flushes) once per pass, not once per line. Without it, ``line`` for each.
+``wants_lines``, optional
+    False when the sink shows only the fold (``line`` would drop every line): the
+    merger then skips grouping each line by arrival. Read once, when the merger is made.
 ``fold(lines, final)``, optional
     The lines so far folded across ranks (:mod:`nbdist.driver.output_fold`),
     as ``(stream, label, text)``: while the cell runs (``final=False``, at most
@@ -176,6 +183,8 @@ class OutputMerger:
         # The cell's lines folded by content: one LineFold per part (a rich display
         # starts a new one); the last is the part still being written.
         self._folds = [LineFold()]
+        self._wants_lines = getattr(sink, "wants_lines", True)
+        self._labels = {rank: _rank_label(rank) for rank in self._ranks}
         self._fold_shown = (0, -1.0)  # (version, time) of the last live fold sent
         self._fold_started: float | None = None  # when the current part's first line came
 
@@ -207,7 +216,7 @@ class OutputMerger:
                     and _TORCH_PROFILER_NOISE.match(raw.rstrip("\r"))
                 ):
                     continue
-                self._enqueue(stream, rank, (now, _visible_text(raw)))
+                self._enqueue(stream, rank, (now, _visible_text(raw) if "\r" in raw else raw))
             self._progress_pending.discard((rank, stream))
             self._end_progress(rank, stream, state)
         if "\r" in state.tail:
@@ -328,6 +337,14 @@ class OutputMerger:
             if update is not None:
                 update(label, data if text is None else {**data, "text/plain": text}, metadata)
 
+    def _emit_lines(self, stream: str, pairs: list[tuple[str, str]]) -> None:
+        many = getattr(self._sink, "lines", None)
+        if many is not None and len(pairs) > 1:
+            many(stream, pairs)
+            return
+        for label, text in pairs:
+            self._sink.line(stream, label, text)
+
     def _enqueue(self, channel: str, rank: int, item: tuple[float, Any]) -> None:
         queue = self._queues[channel][rank]
         if not queue:
@@ -372,20 +389,28 @@ class OutputMerger:
                 fold = self._folds[-1]
                 if self._fold_started is None:
                     self._fold_started = now
-                for rank, text in heads:
-                    fold.add(rank, channel, text)
-                for group, text in _group_lines(heads):
-                    self._sink.line(channel, format_ranks(group), text)
+                # Every rank's every line passes here: its key is made once, for both uses.
+                keyed = [(rank, text, fold_key(text)) for rank, text in heads]
+                add = fold.add
+                for rank, text, key in keyed:
+                    add(rank, channel, text, key)
+                if self._wants_lines:
+                    labels = self._labels
+                    pairs = [
+                        (labels[group[0]] if len(group) == 1 else format_ranks(group), text)
+                        for group, text in _group_lines(keyed)
+                    ]
+                    self._emit_lines(channel, pairs)
 
 
-def _group_lines(heads: list[tuple[int, str]]) -> list[tuple[list[int], str]]:
-    """Group (rank, text) pairs by text, a library's timestamp prefix aside (:func:`fold_key`).
+def _group_lines(heads: list[tuple[int, str, str]]) -> list[tuple[list[int], str]]:
+    """Group (rank, text, key) triples by key: text, a library's prefix aside (:func:`fold_key`).
 
     ``heads`` is in rank order; the lowest rank's text stands for its group.
     """
     groups: dict[str, tuple[list[int], str]] = {}
-    for rank, text in heads:
-        groups.setdefault(fold_key(text), ([], text))[0].append(rank)
+    for rank, text, key in heads:
+        groups.setdefault(key, ([], text))[0].append(rank)
     return list(groups.values())
 
 

@@ -57,6 +57,10 @@ _PREFIXES = [
     ),
 ]
 
+# One look for any of them: a line that starts with a digit or "[" (a number, a list, a
+# rank's own "[step 3]") usually has none, and six failed substitutions cost more than
+# one failed match.
+_ANY_PREFIX = re.compile("|".join(f"(?:{pattern.pattern})" for pattern, _ in _PREFIXES))
 _PREFIX_STARTS = frozenset("[IWEF0123456789")
 # Anywhere in a line: the file ipykernel compiles a cell to, "/tmp/ipykernel_14322/276219731.py"
 # (a warning's "<file>:2: UserWarning: ...", a traceback's 'File "<file>", line 2'). The
@@ -86,7 +90,7 @@ def fold_key(text: str) -> str:
         key = text
         # Every prefix starts with "[", a digit, a glog level letter, or is NCCL's:
         # most lines skip the patterns after one look at their first character.
-        if text[:1] in _PREFIX_STARTS or " NCCL " in text:
+        if (text[:1] in _PREFIX_STARTS or " NCCL " in text) and _ANY_PREFIX.match(text):
             for pattern, replacement in _PREFIXES:
                 key = pattern.sub(replacement, key, count=1)
         if "ipykernel_" in key:
@@ -155,9 +159,10 @@ class LineFold:
         """Distinct lines so far."""
         return len(self._entries)
 
-    def add(self, rank: int, stream: str, text: str) -> None:
-        """Take ``rank``'s next whole line of ``stream``."""
-        key = fold_key(text)
+    def add(self, rank: int, stream: str, text: str, key: str | None = None) -> None:
+        """Take ``rank``'s next whole line of ``stream`` (``key``: its :func:`fold_key`, if known)."""
+        if key is None:
+            key = fold_key(text)
         count_key = (rank, stream, key)
         occurrence = self._seen.get(count_key, 0)
         self._seen[count_key] = occurrence + 1

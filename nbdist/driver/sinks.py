@@ -36,7 +36,8 @@ BARS_SHOWN = 8
 
 
 class Sink(Protocol):
-    """What :class:`OutputMerger` writes to (``progress_done``, ``display_update`` are optional)."""
+    """What :class:`OutputMerger` writes to (``progress_done``, ``display_update``, ``lines``,
+    ``wants_lines`` and ``fold`` are optional: :mod:`nbdist.driver.output` says what each is)."""
 
     def line(self, stream: str, label: str, text: str) -> None:
         """A complete line of ``stream``, labelled (``label``: 'rank 1', 'ranks 0-3')."""
@@ -133,6 +134,12 @@ class StreamSink:
         self._erase_bar()
         _write(_std_stream(stream), f"[{label}] {text}\n")
 
+    def lines(self, stream: str, pairs: list[tuple[str, str]]) -> None:
+        """Write ``[label] text`` for each of ``pairs`` with one write: 256 ranks' lines
+        at a time flushed one by one cost a system call each on a terminal."""
+        self._erase_bar()
+        _write(_std_stream(stream), "".join(f"[{label}] {text}\n" for label, text in pairs))
+
     def progress(self, stream: str, label: str, text: str) -> None:
         """Redraw the live bar in place on a terminal; elsewhere show nothing until it ends."""
         out = _std_stream(stream)
@@ -199,10 +206,20 @@ class KernelSink(StreamSink):
         self._bar_texts: dict[tuple[str, str], str] = {}
         self._bars_live: Any = None
 
+    @property
+    def wants_lines(self) -> bool:
+        """One rank: lines are written as they come; several: the fold shows them."""
+        return self._n_ranks <= 1
+
     def line(self, stream: str, label: str, text: str) -> None:
         """One rank: write the line now; several: nothing, the fold shows it."""
         if self._n_ranks <= 1:
             super().line(stream, label, text)
+
+    def lines(self, stream: str, pairs: list[tuple[str, str]]) -> None:
+        """One rank: write the lines now; several: nothing, the fold shows them."""
+        if self._n_ranks <= 1:
+            super().lines(stream, pairs)
 
     def fold(self, lines: list[tuple[str, str, str]], final: bool) -> None:
         """Draw the live fold in place; a final one replaces it as the cell's stdout/stderr."""

@@ -445,6 +445,23 @@ def test_stream_sink_behind_a_merger(capsys):
     assert captured.err == "[rank 1] bar 3/3\n"
 
 
+def test_stream_sink_writes_the_lines_of_one_pass_at_once(monkeypatch):
+    # 256 ranks' lines flushed one by one cost a system call each on a terminal.
+    class Counting(io.StringIO):
+        flushes = 0
+
+        def flush(self):
+            self.flushes += 1
+
+    out = Counting()
+    monkeypatch.setattr(sys, "stdout", out)
+    merger = OutputMerger(range(4), StreamSink(), clock=FakeClock())
+    for rank in range(4):
+        merger.feed(rank, "stdout", f"rank {rank} says {rank * 11}\n")
+    assert out.getvalue() == "".join(f"[rank {r}] rank {r} says {r * 11}\n" for r in range(4))
+    assert out.flushes == 1
+
+
 def test_stream_sink_looks_streams_up_at_write_time(monkeypatch):
     sink = StreamSink()
     replacement = io.StringIO()
@@ -555,6 +572,32 @@ def test_kernel_sink_republishes_displays(monkeypatch, capsys, n_ranks, expected
     KernelSink(n_ranks=n_ranks).display("ranks 0-1", {"image/png": "AAAA"}, {"w": 1})
     assert capsys.readouterr().out == expected_out
     assert published == [({"image/png": "AAAA"}, {"w": 1})]
+
+
+def test_a_sink_that_shows_only_the_fold_gets_every_line_folded_and_none_by_arrival():
+    # A notebook cell of several ranks (KernelSink) draws its lines from the fold only:
+    # the merger no longer groups each line by arrival for a sink that would drop it.
+    class FoldOnly(ListSink):
+        wants_lines = False
+
+    sink, clock = FoldOnly(), FakeClock()
+    merger = OutputMerger([0, 1, 2], sink, clock=clock)
+    for rank in (0, 1, 2):
+        merger.feed(rank, "stdout", f"loss 0.5\nrank {rank} own\n")
+    clock.advance(1.0)
+    merger.poll()
+    merger.close()
+    assert lines(sink) == []
+    assert sink.folds == [
+        [
+            ("stdout", "ranks 0-2", "loss 0.5"),
+            ("stdout", "rank 0", "rank 0 own"),
+            ("stdout", "rank 1", "rank 1 own"),
+            ("stdout", "rank 2", "rank 2 own"),
+        ]
+    ]
+    assert KernelSink(n_ranks=2).wants_lines is False
+    assert KernelSink(n_ranks=1).wants_lines is True
 
 
 def test_default_sink_outside_a_kernel_is_a_stream_sink():
