@@ -48,7 +48,7 @@ __all__ = ["CellGuard", "RankMonitor", "dead_ranks", "death_cause"]
 # released at once (the collective would last the group's 30-minute timeout). Ranks still
 # computing may finish, or fail by themselves (a cell's error reaches ranks seconds apart at
 # 256 ranks, or after uneven work), for FAILURE_WAIT_MAX_S, the ~5 s after which a user
-# suspects a hang; then they are interrupted.
+# suspects a hang, with no rank ending meanwhile; then they are interrupted.
 FAILURE_GRACE_S = 0.5
 FAILURE_WAIT_MAX_S = 5.0
 # After an interrupt, how long ranks get to stop on SIGINT alone.
@@ -273,6 +273,7 @@ class CellGuard:
         self._next_failure_look = 0.0  # after a failure, the guard's next look at the others
         self._failure_looks = 0
         self._running_last_pass = len(self.ranks)  # ranks running at the last pass after a failure
+        self._last_end: float | None = None  # after a failure, when a rank last ended
         self._interrupted_at: float | None = None
         self._next_stranded_look: float | None = None  # the guard's next look at collectives
         self._stranded_interval = STRANDED_GRACE_S / 2  # doubled before each look
@@ -329,14 +330,16 @@ class CellGuard:
         elif failed and running:
             before, self._running_last_pass = self._running_last_pass, len(running)
             if self._first_failure is None:
-                self._first_failure = now
+                self._first_failure = self._last_end = now
+                self._next_failure_look = now + FAILURE_GRACE_S
+            elif len(running) < before:
+                # Ranks still end (an error every rank meets reaches 256 ranks over
+                # seconds): none is overdue yet, and a look would cost each running rank
+                # CPU for nothing.
+                self._last_end = now
                 self._next_failure_look = now + FAILURE_GRACE_S
             elif self._overdue(run, running, now):
                 self.release(run, f"{ranks_text(failed)} failed")
-            elif len(running) < before:
-                # Ranks still end (an error every rank meets reaches 256 ranks over
-                # seconds): no look yet, it would cost each running rank CPU for nothing.
-                self._next_failure_look = now + FAILURE_GRACE_S
             elif now >= self._next_failure_look:
                 self._failure_looks += 1
                 if self._waits_for_failed(run, running, failed):
@@ -366,13 +369,20 @@ class CellGuard:
                     self.release(run, _STRANDED)
 
     def _overdue(self, run, running: list[int], now: float) -> bool:
-        """Some running rank has computed FAILURE_WAIT_MAX_S since a rank failed.
+        """Some running rank has computed FAILURE_WAIT_MAX_S since a rank failed, and no
+        rank has ended for as long.
 
         Counted from when the rank began the cell, if later: at 256 ranks some begin it
         seconds after the first failed, and fail the same way soon after. Ranks that have
         not begun are not counted; where no rank's beginning was seen (no "busy" status
-        message), from the failure.
+        message), from the failure. While ranks still end, the others are not hung: on a
+        machine with far fewer cores than ranks an error every rank meets takes seconds of
+        wall time per rank (its traceback is formatted on a share of a core), and a
+        release there cost more than the wait (the group formed again: 38 s, not 5, for
+        such a cell at 256 ranks on 2 cores, 2026-12-02).
         """
+        if self._last_end is not None and now - self._last_end < FAILURE_WAIT_MAX_S:
+            return False
         began = run.began
         if not began:
             return now - self._first_failure >= FAILURE_WAIT_MAX_S

@@ -137,3 +137,23 @@ def test_a_tensor_parallel_model_made_again_after_a_release_runs_on_the_new_grou
             assert torch.equal(before, after)
     finally:
         s.stop()
+
+
+def test_ranks_that_keep_failing_the_same_way_past_the_wait_are_not_interrupted():
+    # Rank r fails 3 r s into the cell: rank 3 computes 9 s after rank 0 failed, past the
+    # guard's 5 s wait, but a rank ended 3 s before each of its looks. On a machine with
+    # far fewer cores than ranks an error every rank meets arrives like this (256 ranks on
+    # 2 cores: tracebacks formatted on a share of a core), and interrupting the last ranks
+    # formed the group again for nothing (38 s instead of 5 for such a cell).
+    s = nbdist.DistSession(4, cpu=True, timeout=120, group_timeout=60, history=False).start()
+    try:
+        with pytest.raises(RankError) as info:
+            s.run(
+                "import time\ntime.sleep(3 * rank)\nraise ValueError('the same on every rank')",
+                sink=ListSink(),
+            )
+        assert info.value.ranks == [0, 1, 2, 3]
+        assert "released" not in str(info.value), str(info.value)
+        assert "formed again" not in str(info.value), str(info.value)
+    finally:
+        s.stop()
