@@ -273,7 +273,7 @@ class CellGuard:
         self._next_failure_look = 0.0  # after a failure, the guard's next look at the others
         self._failure_looks = 0
         self._running_last_pass = len(self.ranks)  # ranks running at the last pass after a failure
-        self._last_end: float | None = None  # after a failure, when a rank last ended
+        self._last_end = 0.0  # after a failure, when a rank last ended (the failure's own pass)
         self._interrupted_at: float | None = None
         self._next_stranded_look: float | None = None  # the guard's next look at collectives
         self._stranded_interval = STRANDED_GRACE_S / 2  # doubled before each look
@@ -381,7 +381,7 @@ class CellGuard:
         release there cost more than the wait (the group formed again: 38 s, not 5, for
         such a cell at 256 ranks on 2 cores, 2026-12-02).
         """
-        if self._last_end is not None and now - self._last_end < FAILURE_WAIT_MAX_S:
+        if now - self._last_end < FAILURE_WAIT_MAX_S:
             return False
         began = run.began
         if not began:

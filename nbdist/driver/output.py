@@ -184,6 +184,7 @@ class OutputMerger:
         # starts a new one); the last is the part still being written.
         self._folds = [LineFold()]
         self._wants_lines = getattr(sink, "wants_lines", True)
+        self._sink_lines = getattr(sink, "lines", None)
         self._labels = {rank: _rank_label(rank) for rank in self._ranks}
         self._fold_shown = (0, -1.0)  # (version, time) of the last live fold sent
         self._fold_started: float | None = None  # when the current part's first line came
@@ -287,7 +288,7 @@ class OutputMerger:
             state = self._lines[(rank, stream)]
             text = _visible_text(state.tail)
             if text != (state.progress_shown or ""):
-                self._sink.progress(stream, _rank_label(rank), text)
+                self._sink.progress(stream, self._labels[rank], text)
                 state.progress_shown = text
         self._progress_pending.clear()
 
@@ -321,7 +322,7 @@ class OutputMerger:
         state.progress_shown = None
         progress_done = getattr(self._sink, "progress_done", None)
         if progress_done is not None:
-            progress_done(stream, _rank_label(rank))
+            progress_done(stream, self._labels[rank])
 
     def _update_widgets(self, *, final: bool) -> None:
         """Give each widget display whose bar closed (all of them if final) its text form."""
@@ -338,9 +339,8 @@ class OutputMerger:
                 update(label, data if text is None else {**data, "text/plain": text}, metadata)
 
     def _emit_lines(self, stream: str, pairs: list[tuple[str, str]]) -> None:
-        many = getattr(self._sink, "lines", None)
-        if many is not None and len(pairs) > 1:
-            many(stream, pairs)
+        if self._sink_lines is not None:
+            self._sink_lines(stream, pairs)
             return
         for label, text in pairs:
             self._sink.line(stream, label, text)

@@ -141,7 +141,7 @@ def test_a_tensor_parallel_model_made_again_after_a_release_runs_on_the_new_grou
 
 def test_ranks_that_keep_failing_the_same_way_past_the_wait_are_not_interrupted():
     # Rank r fails 3 r s into the cell: rank 3 computes 9 s after rank 0 failed, past the
-    # guard's 5 s wait, but a rank ended 3 s before each of its looks. On a machine with
+    # guard's 5 s wait, but another rank ended at most 3 s before each pass. On a machine with
     # far fewer cores than ranks an error every rank meets arrives like this (256 ranks on
     # 2 cores: tracebacks formatted on a share of a core), and interrupting the last ranks
     # formed the group again for nothing (38 s instead of 5 for such a cell).
