@@ -146,18 +146,26 @@ def _wait_for_record(exit_record, pid: int, timeout: float = 0.5) -> int | None:
 class RankMonitor:
     """Notices local ranks dying, at once, and records how (``dead``: {rank: cause})."""
 
-    def __init__(self, ranks, on_death=None, exit_record=None, crash_record=None) -> None:
+    def __init__(
+        self, ranks, on_death=None, exit_record=None, crash_record=None, engine_words=None
+    ) -> None:
         """Watch the local ``ranks`` (RankInfo); ``on_death(rank)`` is called on the watcher thread.
 
         ``exit_record(pid)``: the wait status the ranks' parent kept, or None (for a
         rank reaped before its zombie could be read). ``crash_record(pid)``: what
         faulthandler wrote when the rank died of a fatal signal ('' if nothing): the
         cause then says where in Python it was (:mod:`nbdist.driver.crash_stack`).
+        ``engine_words(engine_id)``: the last CRITICAL line the rank's engine logged
+        ('' if none, :class:`nbdist.launch.engine_log.EngineLastWords`): a rank that
+        exited by itself is named with it (the engine's "received signal 15, stopping"
+        is all that tells a ``kill`` from outside from any other exit with code 1).
         """
         self.dead: dict[int, str] = {}
         self._on_death = on_death
         self._exit_record = exit_record
         self._crash_record = crash_record
+        self._engine_words = engine_words
+        self._engine_ids = {info.rank: info.engine_id for info in ranks}
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
         self._oom: dict[int, OomCounter | None] = {}  # rank -> its memory cgroup's OOM kills
         for info in ranks:
@@ -191,7 +199,7 @@ class RankMonitor:
                 if status is None and self._exit_record is not None:
                     status = _wait_for_record(self._exit_record, pid)
                 cause = death_cause(status, self._oom.get(rank))
-                where = self._where(pid, status)
+                where = self._where(pid, status) or self._last_words(rank, status)
                 if status is None and where:  # 'crashed: <what>, <where>' from its record
                     self.dead[rank] = f"pid {pid} {where}"
                 else:
@@ -211,6 +219,12 @@ class RankMonitor:
         if (status & 0x7F) not in _DUMPED:
             return ""
         return crash_stack.summary(self._crash_record(pid))
+
+    def _last_words(self, rank: int, status: int | None) -> str:
+        if self._engine_words is None or status is None or status & 0x7F:
+            return ""  # not known, or a signal it did not handle: the signal says it
+        words = self._engine_words(self._engine_ids[rank])
+        return f"its engine logged: {words}" if words else ""
 
     def stop(self) -> None:
         """Stop watching and close the pidfds (idempotent)."""

@@ -15,6 +15,7 @@ from nbdist.driver import live_sessions, registry
 from nbdist.driver.faults import RankMonitor
 from nbdist.driver.launcher_crashes import CrashRecords
 from nbdist.launch import zygote
+from nbdist.launch.engine_log import EngineLastWords
 
 __all__ = ["SessionWatch"]
 
@@ -33,7 +34,11 @@ class SessionWatch:
             crash = functools.partial(zygote.read_crash, status_file) if status_file else None
             if crash is None and self.crashes:
                 crash = self.crashes.read_here
-            self.monitor = RankMonitor(session.group.ranks, exit_record=record, crash_record=crash)
+            log_file = getattr(handle.engine_launcher(), "output_file", "")
+            words = EngineLastWords(log_file).of if log_file else None
+            self.monitor = RankMonitor(
+                session.group.ranks, exit_record=record, crash_record=crash, engine_words=words
+            )
         live_sessions.started(session)
         self.session = session
         store = hub.store

@@ -37,6 +37,7 @@ from nbdist.engine import (
     cell_reply,
     collectives,
     control,
+    exit_refusal,
     functional_gather,
     gpu_like,
     late_interrupt,
@@ -159,6 +160,15 @@ PATCHES: tuple[Patch, ...] = (
         turn_off="no switch; stdin_bridge.RankPdb's base class is the standard pdb.Pdb",
     ),
     Patch(
+        "exit_refusal",
+        "kernel",
+        wraps="the engine shell's ask_exit (what exit() and quit() call); IPython's "
+        "\"To exit: use 'exit', 'quit', or Ctrl-D.\" warning after sys.exit, filtered out",
+        why="exit() in a cell ended the rank's process and the process group: every rank's "
+        "state lost to a %dist_restart; now it fails the cell and the rank runs on",
+        turn_off="no switch; shell.ask_exit.nbdist_original is ipykernel's own",
+    ),
+    Patch(
         "cell_reply",
         "kernel",
         wraps="the engine kernel's do_execute: each execute reply carries the rank's "
@@ -201,6 +211,8 @@ def install_on_rank(kernel=None, shell=None) -> None:
         # Each execute reply says what the kernel needs to know after a cell.
         cell_reply.install(kernel, shell)
     if shell is not None:
+        # exit() and quit() fail the cell instead of ending the rank and the group.
+        exit_refusal.install(shell)
         callbacks = shell.events.callbacks.get("pre_execute", [])
         # A collective is known to be this cell's or an earlier one's (a release's rule);
         # a cell's first point does not take the pause since the last cell as its step.

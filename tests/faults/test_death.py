@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -75,6 +76,58 @@ def test_a_killed_rank_fails_the_cell_releases_the_other_and_restart_brings_it_b
     session.restart()
     assert [row["state"] for row in session.status()] == ["idle", "idle"]
     assert session.ranks[1].pid != victim
+    _reduce_works(session)
+
+
+def test_exit_in_a_cell_fails_it_and_the_rank_keeps_its_state_and_the_group(session):
+    """exit() (or quit()) on a rank ended its process and the group with it; now it is the
+    cell's error and nothing is lost. sys.exit(n) fails the cell without IPython's advice to
+    use exit() instead."""
+    pids = [r.pid for r in session.ranks]
+    session.run("kept = rank * 10", sink=ListSink())
+    for cell, ranks in (
+        ("if rank == 1:\n    exit()\nafter = rank", [1]),
+        ("if rank == 1:\n    quit()\nafter = rank", [1]),
+        ("exit", [0, 1]),  # a cell of the name alone: IPython calls it (autocall)
+    ):
+        with pytest.raises(RankError) as info:
+            session.run(cell, sink=ListSink())
+        assert info.value.ranks == ranks, cell
+        for failure in info.value.failures:
+            assert failure.ename == "ExitOnRank"
+            assert "would end this rank's process" in failure.evalue
+            assert "%dist_stop" in failure.evalue
+    sink = ListSink()
+    with pytest.raises(RankError) as info:
+        session.run("import sys\nif rank == 0:\n    sys.exit(3)", sink=sink)
+    assert [(f.rank, f.ename, f.evalue) for f in info.value.failures] == [(0, "SystemExit", "3")]
+    assert not [e for e in sink.events if "To exit: use" in str(e)], sink.events
+    assert session.dead_ranks() == {}
+    assert [r.pid for r in session.ranks] == pids
+    assert session.pull("kept") == [0, 10]
+    assert session.pull("after", rank=0) == 0  # rank 0 ran on past the line rank 1 failed at
+    _reduce_works(session)
+
+
+def test_a_rank_ended_by_sigterm_from_outside_says_so(session):
+    """A kill (SIGTERM) from outside nbdist: the engine handles the signal, ends itself
+    once the cell ran, and exits with code 1, which alone says nothing; its last log line
+    says what happened. (Whether that cell's reply left first is a race of the engine's.)"""
+    victim = session.ranks[1].pid
+    with contextlib.suppress(RankError):
+        session.run(
+            "import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGTERM)\n",
+            sink=ListSink(),
+        )
+    deadline = time.monotonic() + 30
+    while 1 not in session.dead_ranks() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session.dead_ranks() == {
+        1: f"pid {victim} exited with code 1 - its engine logged: received signal 15, stopping"
+    }
+    with pytest.raises(NbdistError, match=r"rank 1 died: .* received signal 15, stopping"):
+        session.run("print(rank)", sink=ListSink())
+    session.restart()
     _reduce_works(session)
 
 
