@@ -11,6 +11,9 @@ are then copied into the rank's namespace for the next cell, as IPython's
 made is there to inspect). Its own functions keep reading the script's globals.
 A script that ends with ``sys.exit(0)`` (or ``sys.exit()``) succeeded; any
 other exit status, argparse's 2 included, fails the cell with :class:`ScriptExit`.
+``exit(n)`` and ``quit(n)`` in the script do what they do under ``python``: the
+``sys.exit(n)`` above (IPython hides those builtins while a cell runs, which made
+them a ``NameError`` in a script on a rank).
 """
 
 from __future__ import annotations
@@ -31,6 +34,20 @@ class ScriptExit(RuntimeError):
     """The script called ``sys.exit`` with a failure status."""
 
 
+class _Exit:
+    """``exit``/``quit`` as a script run by ``python`` has them (the site module's), but
+    leaving ``sys.stdin`` open: the rank reads ``input()`` on after the script."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Use {self.name}() to exit the script"
+
+    def __call__(self, code=None):
+        raise SystemExit(code)
+
+
 def run_script(path: str, args: list[str], namespace: dict, cwd: str | None = None) -> None:
     """Run ``path`` with ``sys.argv = [path, *args]``; its globals land in ``namespace``.
 
@@ -44,6 +61,7 @@ def run_script(path: str, args: list[str], namespace: dict, cwd: str | None = No
         code = compile(f.read(), path, "exec", dont_inherit=True)
     module = types.ModuleType("__main__")
     module.__dict__.update(__file__=path, __builtins__=builtins, __cached__=None)
+    module.__dict__.update(exit=_Exit("exit"), quit=_Exit("quit"))
     main, here = sys.modules.get("__main__"), os.getcwd()
     _forget_edited_modules(folder)
     sys.argv[:] = [path, *args]
@@ -65,7 +83,11 @@ def run_script(path: str, args: list[str], namespace: dict, cwd: str | None = No
         if os.getcwd() != here:
             os.chdir(here)
         _note_modules(folder)
-        namespace.update({k: v for k, v in module.__dict__.items() if not k.startswith("__")})
+        namespace.update(
+            # The rank's own exit and quit stay (they fail a cell, not end the rank).
+            {k: v for k, v in module.__dict__.items() if not k.startswith("__")}
+            | {k: namespace[k] for k in ("exit", "quit") if k in namespace}
+        )
 
 
 # Modules imported through a script's folder: their file's modification time after its run.

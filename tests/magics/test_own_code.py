@@ -249,3 +249,25 @@ def test_dist_run_is_python_script_py_beside_its_modules_and_keeps_globals_after
     s.run("os.environ.pop('FAIL_NOW')", sink=ListSink())
     assert s.pull("os.getcwd()") == started_in  # the notebook's directory for the run only
     _collective_works(shell)
+
+
+def test_exit_and_quit_in_a_script_end_it_as_under_python(shell, tmp_path):
+    # Before: IPython hides the builtins exit and quit while a cell runs, and a script's
+    # `exit()` failed on every rank with "NameError: name 'exit' is not defined".
+    script = tmp_path / "ends_early.py"
+    script.write_text(
+        "import sys\nmade = 'before the exit'\nif '--fail' in sys.argv:\n    quit(4)\nexit()\n"
+        "made = 'never'\n"
+    )
+    s = _session(shell)
+    result = shell.run_cell(f"%dist_run {script}")
+    assert result.success, result.error_in_exec
+    assert s.pull("made") == ["before the exit"] * 2
+    failed = shell.run_cell(f"%dist_run {script} --fail")
+    assert isinstance(failed.error_in_exec, RankError)
+    assert str(failed.error_in_exec).startswith("ranks 0-1: ScriptExit:")
+    assert "exited with status 4" in str(failed.error_in_exec)
+    # The rank's own exit() is still the one that fails a cell without ending the rank.
+    with pytest.raises(RankError, match="ExitOnRank"):
+        s.run("exit()", sink=ListSink())
+    _collective_works(shell)
