@@ -83,10 +83,13 @@ def run_script(path: str, args: list[str], namespace: dict, cwd: str | None = No
         if os.getcwd() != here:
             os.chdir(here)
         _note_modules(folder)
+        # The script's exit and quit stay behind: the rank's own fail a cell, not end the rank.
         namespace.update(
-            # The rank's own exit and quit stay (they fail a cell, not end the rank).
-            {k: v for k, v in module.__dict__.items() if not k.startswith("__")}
-            | {k: namespace[k] for k in ("exit", "quit") if k in namespace}
+            {
+                k: v
+                for k, v in module.__dict__.items()
+                if not k.startswith("__") and not isinstance(v, _Exit)
+            }
         )
 
 

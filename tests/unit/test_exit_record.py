@@ -22,7 +22,7 @@ def test_a_reaped_rank_is_still_named_killed_by_its_signal(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
     class Info:  # what the monitor reads of a RankInfo
-        rank, pid, host, pid_here = 1, child.pid, "localhost", True
+        rank, engine_id, pid, host, pid_here = 1, 7, child.pid, "localhost", True
 
     monitor = RankMonitor([Info()], exit_record=lambda pid: read_exit(status_file, pid))
     try:
