@@ -33,6 +33,7 @@ from nbdist.engine import (
     group_bound,
     own_processes,
     patches,
+    rank_names,
     torchrun_env,
     user_group,
 )
@@ -182,7 +183,7 @@ def init_rank(spec: dict, get_shell=None) -> dict:
     kernel = getattr(shell, "kernel", None)
     patches.install_on_rank(kernel, shell)
     if kernel is not None:
-        _fill_namespace(shell, spec, device)
+        rank_names.fill(shell, spec, device)
         if spec.get("metrics_url"):
             # The engine's session key is the cluster key the kernel's collector checks.
             # (CurveZMQ: no cluster key; the kernel sent one of its own over the encrypted channel.)
@@ -301,23 +302,6 @@ def rejoin(spec: dict, get_shell=None) -> dict:
 def rejoin_as_this_rank(base: dict, get_shell=None) -> dict:
     """:func:`rejoin` with this rank's own number (the kernel sends every rank the same ``base``)."""
     return rejoin({**base, "rank": this_rank()}, get_shell)
-
-
-def _fill_namespace(shell, spec: dict, device: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    shell.user_ns.update(
-        torch=torch,
-        dist=dist,
-        rank=spec["rank"],
-        local_rank=spec["local_rank"],
-        world_size=spec["world_size"],
-        device=torch.device(device),
-    )
-    # The package itself, as a user's own import line would bring it (this module
-    # belongs to the rank side and does not import the kernel-side API).
-    shell.ex("import nbdist")
 
 
 def teardown() -> None:

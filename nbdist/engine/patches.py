@@ -43,6 +43,7 @@ from nbdist.engine import (
     late_interrupt,
     launcher_refusal,
     p2p_staging,
+    rank_names,
     stdin_bridge,
     user_group,
 )
@@ -169,6 +170,14 @@ PATCHES: tuple[Patch, ...] = (
         turn_off="no switch; shell.ask_exit.nbdist_original is ipykernel's own",
     ),
     Patch(
+        "rank_names",
+        "kernel",
+        wraps="the engine shell's reset (what %reset calls): the rank's names put back after it",
+        why="%reset -f on the ranks cleared torch, dist, rank, world_size, device and nbdist "
+        "too, and every later cell using them failed with a NameError",
+        turn_off="no switch; shell.reset.nbdist_original is IPython's own",
+    ),
+    Patch(
         "cell_reply",
         "kernel",
         wraps="the engine kernel's do_execute: each execute reply carries the rank's "
@@ -213,6 +222,8 @@ def install_on_rank(kernel=None, shell=None) -> None:
     if shell is not None:
         # exit() and quit() fail the cell instead of ending the rank and the group.
         exit_refusal.install(shell)
+        # %reset clears the user's names, not the rank's own (rank, dist, ...).
+        rank_names.install(shell)
         callbacks = shell.events.callbacks.get("pre_execute", [])
         # A collective is known to be this cell's or an earlier one's (a release's rule);
         # a cell's first point does not take the pause since the last cell as its step.

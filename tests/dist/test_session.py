@@ -48,6 +48,21 @@ def test_namespace_starts_with_the_rank_names(session):
     assert session.pull("info") == [(0, 0, 2, "cpu", 0, 2), (1, 1, 2, "cpu", 1, 2)]
 
 
+def test_reset_clears_the_users_names_and_keeps_the_ranks(session):
+    """%reset -f on the ranks (to free memory) cleared rank, dist, torch and nbdist too, and
+    every later cell using them failed with "NameError: name 'rank' is not defined"."""
+    session.run("mine = rank + 100\ndel world_size")
+    session.run("%reset -f")
+    session.run(
+        "gone = 'mine' not in globals()\n"
+        "info = (rank, local_rank, world_size, str(device), nbdist.rank())\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)"
+    )
+    assert session.pull("gone") == [True, True]
+    assert session.pull("info") == [(0, 0, 2, "cpu", 0), (1, 1, 2, "cpu", 1)]
+    assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
+
+
 def test_state_persists_between_cells(session):
     session.run("counter = rank * 10")
     session.run("counter += 1")
@@ -382,7 +397,10 @@ def test_a_rank_can_import_debugpy_to_attach_a_debugger(session):
 
 def test_the_rank_patches_are_in_place_once_and_installing_again_changes_nothing(session):
     """Every patch of nbdist.engine.patches is on the ranks, each wrapping the original once."""
-    names = "(k.do_execute, k.raw_input, k.getpass, pdb.Pdb, dist.all_reduce, dist.send)"
+    names = (
+        "(k.do_execute, k.raw_input, k.getpass, pdb.Pdb, dist.all_reduce, dist.send,"
+        " get_ipython().ask_exit, get_ipython().reset)"
+    )
     session.run(
         "import pdb\n"
         "from nbdist.engine import patches, stdin_bridge\n"
@@ -393,10 +411,12 @@ def test_the_rank_patches_are_in_place_once_and_installing_again_changes_nothing
         f"unchanged = before == {names}\n"
         "in_place = (pdb.Pdb is stdin_bridge.RankPdb, 'nbdist_request' in k.control_handlers,\n"
         "            not hasattr(k.do_execute.nbdist_plain, 'nbdist_plain'),\n"
-        "            not hasattr(dist.all_reduce.nbdist_original, 'nbdist_original'))"
+        "            not hasattr(dist.all_reduce.nbdist_original, 'nbdist_original'),\n"
+        "            not hasattr(get_ipython().ask_exit.nbdist_original, 'nbdist_original'),\n"
+        "            not hasattr(get_ipython().reset.nbdist_original, 'nbdist_original'))"
     )
     assert session.pull("unchanged") == [True, True]
-    assert session.pull("in_place") == [(True, True, True, True)] * 2
+    assert session.pull("in_place") == [(True,) * 6] * 2
     session.run("t = torch.ones(1)\ndist.all_reduce(t)")
     assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
 
