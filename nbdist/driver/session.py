@@ -41,7 +41,7 @@ from nbdist.driver.sigint_deferred import sigint_deferred
 from nbdist.driver.sigint_latch import SigintLatch
 from nbdist.driver.status import rank_status
 from nbdist.driver.where import RankWhere, locate
-from nbdist.engine import bootstrap
+from nbdist.engine import bootstrap, helpers
 from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError
 from nbdist.launch import restart
 from nbdist.launch.cluster import ClusterHandle, interrupt_engines, start_processes, stop_processes
@@ -118,6 +118,14 @@ class DistSession:
         attach: str | None = None,
     ):
         """Check the options and plan the ranks (nothing starts until :meth:`start`)."""
+        if helpers.is_rank():
+            # %dist_start in %%on_all_ranks: each rank would start ranks of its own.
+            raise NbdistError(
+                f"a session cannot start on a rank (this is rank {helpers.rank()} of "
+                f"{helpers.world_size()}, whose group is formed: rank, world_size and dist are "
+                "in every rank's namespace): run %dist_start (or DistSession) in the notebook's "
+                "own cells, not in %%on_all_ranks or code the ranks run"
+            )
         if attach is not None:
             warnings.warn(
                 "DistSession(attach=...) is deprecated: use connect= (the connection file of "

@@ -27,6 +27,7 @@ __all__ = [
     "device",
     "local_rank",
     "print0",
+    "is_rank",
     "remember_identity",
     "rank",
     "rank_zero_first",
@@ -50,6 +51,12 @@ def remember_identity(*, rank: int, local_rank: int, world_size: int, device: st
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
+
+
+def is_rank() -> bool:
+    """Whether nbdist made this process a rank (of a notebook's session, or an exported
+    script's under torchrun); False in a notebook's kernel."""
+    return "rank" in _state
 
 
 def rank() -> int:

@@ -63,6 +63,24 @@ def test_reset_clears_the_users_names_and_keeps_the_ranks(session):
     assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
 
 
+def test_a_session_started_on_the_ranks_is_refused_and_starts_nothing(session):
+    """%dist_start pasted into %%on_all_ranks made every rank start ranks of its own."""
+    children = session.pull("len(__import__('psutil').Process().children(recursive=True))")
+    session.run("%load_ext nbdist")
+    for cell in ("%dist_start 2 --cpu", "s = nbdist.DistSession(2, cpu=True)"):
+        with pytest.raises(RankError) as info:
+            session.run(cell)
+        assert [(f.rank, f.ename) for f in info.value.failures] == [
+            (0, "NbdistError"),
+            (1, "NbdistError"),
+        ], cell
+        assert info.value.failures[1].evalue.startswith(
+            "a session cannot start on a rank (this is rank 1 of 2, "
+        )
+        assert "run %dist_start (or DistSession) in the notebook's own cells" in str(info.value)
+    assert session.pull("len(__import__('psutil').Process().children(recursive=True))") == children
+
+
 def test_state_persists_between_cells(session):
     session.run("counter = rank * 10")
     session.run("counter += 1")
