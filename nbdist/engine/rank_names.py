@@ -6,7 +6,11 @@ and the examples rely on. ``%reset -f`` in a cell (often run to free memory betw
 experiments) cleared them too, and the next cell failed with "NameError: name 'rank'
 is not defined" on every rank. :func:`install` wraps the engine shell's ``reset``
 (what ``%reset`` calls) so that the user's own names go and these come back; a name
-deleted on purpose (``del rank``, ``%reset_selective``) stays deleted.
+deleted on purpose (``del rank``, ``%reset_selective``) stays deleted until then.
+
+They are also the shell's hidden names, as IPython's own ``In`` and ``Out`` are: ``%who``
+lists the user's names only, and a soft ``%reset -s`` (which deletes what ``%who``
+lists) keeps them. A hidden name the user binds to something else is theirs again.
 
 Example (on a rank)::
 
@@ -47,6 +51,7 @@ def _put_back(shell) -> None:
     # The package itself, as a user's own import line would bring it (this module
     # belongs to the rank side and does not import the kernel-side API).
     shell.ex("import nbdist")
+    shell.user_ns_hidden.update(_names, nbdist=shell.user_ns["nbdist"])
 
 
 def install(shell) -> None:

@@ -61,6 +61,13 @@ def test_reset_clears_the_users_names_and_keeps_the_ranks(session):
     assert session.pull("gone") == [True, True]
     assert session.pull("info") == [(0, 0, 2, "cpu", 0), (1, 1, 2, "cpu", 1)]
     assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
+    # %who lists the user's names only; a soft reset (it deletes those) keeps the rank's.
+    session.run("%reset -f\nmine = 1\nnames = get_ipython().run_line_magic('who_ls', '')")
+    assert session.pull("names") == [["mine"], ["mine"]]
+    session.run("%reset -f -s")
+    session.run("gone = 'mine' not in globals()\nleft = (rank, world_size, nbdist.rank())")
+    assert session.pull("gone") == [True, True]
+    assert session.pull("left") == [(0, 2, 0), (1, 2, 1)]
 
 
 def test_a_session_started_on_the_ranks_is_refused_and_starts_nothing(session):
