@@ -25,9 +25,9 @@ from nbdist.engine.devices import local_device
 
 __all__ = [
     "device",
+    "is_rank",
     "local_rank",
     "print0",
-    "is_rank",
     "remember_identity",
     "rank",
     "rank_zero_first",
