@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from nbdist.engine import (
     cell_reply,
+    child_output,
     collectives,
     control,
     exit_refusal,
@@ -178,6 +179,15 @@ PATCHES: tuple[Patch, ...] = (
         turn_off="no switch; shell.reset.nbdist_original is IPython's own",
     ),
     Patch(
+        "child_output",
+        "kernel",
+        wraps="nothing: the engine's IO-pub thread opens ipykernel's pipe for forked children "
+        "(a loopback port, as Jupyter's own kernel does)",
+        why="what a rank's forked children printed (DataLoader workers, multiprocessing's fork "
+        "processes) was lost: their stream sent on a zmq socket a fork cannot use",
+        turn_off="no switch; without the pipe (its port not bound) children's prints are lost",
+    ),
+    Patch(
         "cell_reply",
         "kernel",
         wraps="the engine kernel's do_execute: each execute reply carries the rank's "
@@ -217,6 +227,8 @@ def install_on_rank(kernel=None, shell=None) -> None:
         late_interrupt.install(kernel)
         # input(), getpass and pdb on this rank ask the notebook (Jupyter's stdin channel).
         stdin_bridge.install(kernel)
+        # What the rank's forked children print (DataLoader workers) reaches the notebook.
+        child_output.install(kernel)
         # Each execute reply says what the kernel needs to know after a cell.
         cell_reply.install(kernel, shell)
     if shell is not None:

@@ -129,6 +129,33 @@ def test_identical_output_is_shown_once(session):
     ]
 
 
+def test_what_forked_children_print_reaches_the_notebook_in_whole_lines(session):
+    # DataLoader workers and fork processes wrote on a zmq socket a fork cannot use: every
+    # line was lost. Two workers' prints (text, then newline) also arrived interleaved.
+    session.run(
+        "import multiprocessing as mp, sys\n"
+        "import torch.utils.data as tud\n"
+        "class Items(tud.Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 8\n"
+        "    def __getitem__(self, i):\n"
+        "        print('item', i, 'of a worker of rank', rank)\n"
+        "        return i\n"
+        "for _ in tud.DataLoader(Items(), num_workers=2, batch_size=2):\n"
+        "    pass\n"
+        # A last line without its newline goes out with the child's flush at its end.
+        "child = mp.get_context('fork').Process(\n"
+        "    target=print, args=('a fork child of rank', rank), kwargs={'end': '', 'file': sys.stderr})\n"
+        "child.start()\n"
+        "child.join()\n",
+        sink=ListSink(),
+    )
+    for rank in (0, 1):
+        printed = nbdist.output(rank, "stdout").splitlines()
+        assert sorted(printed) == sorted(f"item {i} of a worker of rank {rank}" for i in range(8))
+        assert nbdist.output(rank, "stderr") == f"a fork child of rank {rank}\n"
+
+
 def test_stderr_and_selected_ranks(session):
     sink = ListSink()
     session.run("import sys; print('warn', rank, file=sys.stderr)", ranks="1", sink=sink)
@@ -424,11 +451,11 @@ def test_the_rank_patches_are_in_place_once_and_installing_again_changes_nothing
     """Every patch of nbdist.engine.patches is on the ranks, each wrapping the original once."""
     names = (
         "(k.do_execute, k.raw_input, k.getpass, pdb.Pdb, dist.all_reduce, dist.send,"
-        " get_ipython().ask_exit, get_ipython().reset)"
+        " get_ipython().ask_exit, get_ipython().reset, sys.stdout.flush)"
     )
     session.run(
-        "import pdb\n"
-        "from nbdist.engine import patches, stdin_bridge\n"
+        "import pdb, sys\n"
+        "from nbdist.engine import child_output, patches, stdin_bridge\n"
         "k = get_ipython().kernel\n"
         f"before = {names}\n"
         "patches.install_on_rank(k, get_ipython())\n"
@@ -438,10 +465,12 @@ def test_the_rank_patches_are_in_place_once_and_installing_again_changes_nothing
         "            not hasattr(k.do_execute.nbdist_plain, 'nbdist_plain'),\n"
         "            not hasattr(dist.all_reduce.nbdist_original, 'nbdist_original'),\n"
         "            not hasattr(get_ipython().ask_exit.nbdist_original, 'nbdist_original'),\n"
-        "            not hasattr(get_ipython().reset.nbdist_original, 'nbdist_original'))"
+        "            not hasattr(get_ipython().reset.nbdist_original, 'nbdist_original'),\n"
+        "            child_output.pipe_open(k.iopub_thread or k.iopub_socket),\n"
+        "            not hasattr(sys.stdout.flush.nbdist_original, 'nbdist_original'))"
     )
     assert session.pull("unchanged") == [True, True]
-    assert session.pull("in_place") == [(True,) * 6] * 2
+    assert session.pull("in_place") == [(True,) * 8] * 2
     session.run("t = torch.ones(1)\ndist.all_reduce(t)")
     assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
 
