@@ -55,6 +55,10 @@ FAILURE_WAIT_MAX_S = 5.0
 INTERRUPT_GRACE_S = 0.5
 # Once released, how long a rank outside any collective may take to finish by itself.
 UNWIND_GRACE_S = 0.3
+# How long a release waits for the running ranks to say where they are.
+_RELEASE_ASK_S = 1.0
+# A released rank that did not say where it was (its name in released_from).
+_NO_ANSWER = "(no answer)"
 # A rank that finished the cell enters no collective of it any more: a rank inside one that
 # waits for it would wait until the group's timeout (30 min). A wait must last this long to
 # count, and the first look comes after it: in flight, a collective a finished rank did
@@ -449,7 +453,8 @@ class CellGuard:
         running = set(r for r, s in run.child_states().items() if s == "running") - set(dead)
         client = session.client
         found = {
-            w.rank: w for w in ask(client, [r for r in live if r.rank in running], timeout=1.0)
+            w.rank: w
+            for w in ask(client, [r for r in live if r.rank in running], timeout=_RELEASE_ASK_S)
         }
         control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
         session.group.released = True
@@ -483,6 +488,12 @@ class CellGuard:
                 self._released_from[rank] = self._untracked_wait.get(rank) or "its running code"
             time.sleep(0.02)
         for rank in sorted(computing):
+            w = found.get(rank)
+            if w is not None and not w.answered and rank not in self._untracked_wait:
+                # Computing in native code that holds the GIL, or a machine so loaded that
+                # the answer came late: where it was is not known, so it is not named.
+                self._released_from[rank] = _NO_ANSWER
+                continue
             what = self._untracked_wait.get(rank) or "its running code"
             self._released_from[rank] = f"{what} (interrupted)"
         if computing:
@@ -578,6 +589,13 @@ def _released_parts(released_from: dict[int, str]) -> list[str]:
         by_what.setdefault(what, []).append(rank)
     parts = []
     for what, ranks in by_what.items():
+        if what == _NO_ANSWER:
+            where = "they were" if len(ranks) > 1 else "it was"
+            parts.append(
+                f"{ranks_text(ranks)} interrupted where {where} "
+                f"(no answer within {_RELEASE_ASK_S:g} s)"
+            )
+            continue
         if len(ranks) > 1 and what.startswith("its "):
             what = "their " + what[4:]
         parts.append(f"{ranks_text(ranks)} from {what}")

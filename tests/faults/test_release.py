@@ -215,6 +215,27 @@ def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
     _reduce_works(session)
 
 
+def test_a_rank_that_cannot_say_where_it_is_is_not_named_as_computing(session):
+    # Rank 1 sleeps in C holding the GIL (a PyDLL call), so its control thread cannot answer
+    # the release's question; it was named "from its running code" all the same (and 31
+    # ranks waiting in an all_reduce on a machine too loaded to answer within 1 s, too).
+    with pytest.raises(RankError) as info:
+        session.run(
+            "import ctypes, time\n"
+            "if rank == 0:\n"
+            "    raise RuntimeError('rank 0 gives up')\n"
+            # A moment without the GIL first: the rank's "busy" (its beginning) gets out.
+            "time.sleep(0.5)\n"
+            "ctypes.PyDLL(None).sleep(60)\n",
+            sink=ListSink(),
+        )
+    assert info.value.ranks == [0]
+    text = str(info.value)
+    assert "rank 1 interrupted where it was (no answer within 1 s)" in text, text
+    assert "running code" not in text, text
+    _reduce_works(session)
+
+
 def test_ranks_failing_the_same_way_seconds_apart_keep_the_group(session):
     # The same error reaches ranks seconds apart (at 96 ranks a NameError's cell reaches the
     # last ranks seconds after the first fail; here rank 1 computes 1.5 s longer). Neither
