@@ -62,6 +62,9 @@ def install(kernel) -> bool:
     thread = getattr(kernel, "iopub_thread", None) or getattr(kernel, "iopub_socket", None)
     if thread is None or not hasattr(thread, "_setup_pipe_in") or not hasattr(thread, "schedule"):
         return False
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "pub_thread", None) is thread:
+            _whole_lines_in_children(stream)
     if pipe_open(thread):
         return True
     opened = threading.Event()
@@ -80,9 +83,6 @@ def install(kernel) -> bool:
     # The pipe's stream belongs to the IO-pub thread's own event loop: opened there.
     thread.schedule(open_pipe)
     opened.wait(_OPEN_WAIT_S)
-    for stream in (sys.stdout, sys.stderr):
-        if getattr(stream, "pub_thread", None) is thread:
-            _whole_lines_in_children(stream)
     return pipe_open(thread)
 
 
