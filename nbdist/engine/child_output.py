@@ -18,6 +18,12 @@ In a child, ipykernel's stream sends each ``write`` at once: two DataLoader work
 shows them; the last partial line goes when the child flushes (``flush=True``, or the
 flush ``multiprocessing`` makes at a child's end).
 
+A child's line travels on a socket of its own, so it could reach the engine after the
+cell's end; a child joined at the very end of the cell had its line in that cell's output
+80 times of 80 (2 ranks, 40 cells, `print` in a fork ``Process`` as the cell's last
+statement, on a loaded 2-core machine). What a child prints after its cell ended belongs
+to that cell and is not shown, as for a thread that prints after its cell.
+
 What the children write below Python (``os.system``, a subprocess's own output, C
 libraries) goes to the process's file descriptors, which ipykernel already forwards.
 

@@ -49,7 +49,8 @@ that count (``dropped``) to the kernel, where ``%dist_status`` and the dashboard
 show it.
 
 Without a kernel listening (a plain script, or before ``%dist_start``),
-``log`` keeps nothing and costs a dictionary build. A script exported by
+``log`` keeps nothing and costs a dictionary build; in a process forked from a rank
+(a DataLoader worker) it keeps nothing and warns once. A script exported by
 ``%dist_export`` calls :func:`nbdist.engine.standalone.init`, which makes rank 0
 the collector: points then go to the run history as in the notebook.
 """
@@ -61,6 +62,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 
 from nbdist.metrics import flops, steptime
 from nbdist.metrics.batch import PEAK as _PEAK
@@ -484,6 +486,43 @@ def _cuda_device() -> int | None:
     except Exception:
         pass
     return None
+
+
+# A process forked from a rank (a DataLoader worker, a fork Process) holds a copy of the
+# channel with no flush thread (threads do not survive a fork), a zmq socket it must not
+# use, and a buffer lock the rank's flush thread may have held at the fork (a log call there
+# would wait for ever). There log records nothing and says so once; the parent's channel is
+# kept so that the child never closes what it shares with the rank.
+_forked_from: _Channel | None = None
+
+
+def _after_fork_in_child() -> None:
+    global _channel, _forked_from
+    channel, _channel = _channel, None
+    if channel is None:
+        return
+    _forked_from = channel
+    said = []
+
+    def say_once(step) -> None:
+        if said:
+            return
+        said.append(step)
+        try:
+            warnings.warn(
+                f"nbdist.log records nothing in a process forked from rank {channel.rank} "
+                f"(this is pid {os.getpid()}: a DataLoader worker, a multiprocessing child): "
+                "only the rank's own process sends points; log in its training loop",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        except Exception:  # noqa: BLE001 - warnings made errors must not fail the child's code
+            pass
+
+    step_hooks.append(say_once)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def dropped() -> int:

@@ -156,6 +156,29 @@ def test_what_forked_children_print_reaches_the_notebook_in_whole_lines(session)
         assert nbdist.output(rank, "stderr") == f"a fork child of rank {rank}\n"
 
 
+def test_nbdist_log_in_a_forked_child_records_nothing_and_says_so_once(session):
+    # The child's copy of the rank's channel has no flush thread: its points were lost
+    # without a word (and a buffer lock held at the fork would have hung the child).
+    before = session.metrics.count()
+    session.run(
+        "import multiprocessing as mp\n"
+        "def child():\n"
+        "    for i in range(3):\n"
+        "        nbdist.log(step=i, loss=1.0)\n"
+        "proc = mp.get_context('fork').Process(target=child)\n"
+        "proc.start()\n"
+        "proc.join()\n"
+        "nbdist.log(step=0, loss=2.0)\n"
+        "code = proc.exitcode\n",
+        sink=ListSink(),
+    )
+    for rank in (0, 1):
+        said = nbdist.output(rank, "stderr")
+        assert said.count(f"nbdist.log records nothing in a process forked from rank {rank}") == 1
+    assert session.pull("code") == [0, 0]
+    assert session.metrics.count() == before + 2  # each rank's own point, no child's
+
+
 def test_stderr_and_selected_ranks(session):
     sink = ListSink()
     session.run("import sys; print('warn', rank, file=sys.stderr)", ranks="1", sink=sink)
