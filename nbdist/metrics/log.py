@@ -502,17 +502,19 @@ def _after_fork_in_child() -> None:
     if channel is None:
         return
     _forked_from = channel
-    said = []
+    said: list = []
 
     def say_once(step) -> None:
         if said:
             return
         said.append(step)
         try:
+            # The same words on every rank and child, so that a notebook folds them into
+            # one line ("[ranks 0-255] ..."); the line's label names the rank.
             warnings.warn(
-                f"nbdist.log records nothing in a process forked from rank {channel.rank} "
-                f"(this is pid {os.getpid()}: a DataLoader worker, a multiprocessing child): "
-                "only the rank's own process sends points; log in its training loop",
+                "nbdist.log records nothing in a process forked from a rank (a DataLoader "
+                "worker, a multiprocessing child): only the rank's own process sends points; "
+                "log in its training loop",
                 RuntimeWarning,
                 stacklevel=3,
             )

@@ -174,7 +174,7 @@ def test_nbdist_log_in_a_forked_child_records_nothing_and_says_so_once(session):
     )
     for rank in (0, 1):
         said = nbdist.output(rank, "stderr")
-        assert said.count(f"nbdist.log records nothing in a process forked from rank {rank}") == 1
+        assert said.count("nbdist.log records nothing in a process forked from a rank") == 1
     assert session.pull("code") == [0, 0]
     assert session.metrics.count() == before + 2  # each rank's own point, no child's
 
