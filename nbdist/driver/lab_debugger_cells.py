@@ -7,7 +7,9 @@ at ``%load_ext nbdist``) stands it in front of the kernel's debugger;
 ``%dist_run``) while the debugger is on, starts debugpy on the ranks, tells them
 the cell's path (on each engine's control channel, served while the rank still
 runs an earlier cell), attaches the router (directly, or relayed for a rank on another machine) and
-tells it where each rank runs the files ``%dist_sync`` copied (as the rank says);
+tells it where each rank runs the files ``%dist_sync`` copied (as the rank says), and,
+once the kernel's cell ended, tells the router which ranks are still paused (an
+interrupted cell's are interrupted again until they are not);
 :func:`session_ended` closes the relays of a stopping session.
 """
 
@@ -16,18 +18,29 @@ from __future__ import annotations
 import concurrent.futures
 import socket
 import sys
+import time
 
 from nbdist.driver import kernel_debugpy, lab_debug_watch
 from nbdist.driver import rank_debugpy as dap
 from nbdist.driver.ipp_internals import send_control
 from nbdist.driver.lab_debugger import LabDebugRouter
 from nbdist.engine.control import REQUEST
+from nbdist.errors import format_ranks
 
 __all__ = ["install", "prepare_cell", "router", "session_ended"]
 
 _router: list[LabDebugRouter | None] = [None]
 # Whether a rank's main thread is paused in debugpy (nbdist.engine.dap_relay).
 _PAUSED = {"action": "lab_paused"}
+# How long the ranks may take to prepare. A rank's first preparation starts its debugpy,
+# whose adapter is a new Python process (debugpy itself waits 30 s for it to start): on a
+# 2-core machine loaded by other ranks that took more than 10 s. A rank prepared before
+# answers at once.
+PREPARE_TIMEOUT_S = 45.0
+# A rank still paused in an interrupted cell is interrupted again this many times, each
+# given this long to leave the pause.
+_UNPAUSE_TRIES = 3
+_UNPAUSE_WAIT_S = 2.0
 
 
 def router() -> LabDebugRouter | None:
@@ -131,21 +144,61 @@ def _watch_cell_end(found: LabDebugRouter, session, ranks) -> None:
         events.unregister("post_run_cell", ended)
         marked = found.stopped_among(ranks)
         paused: set[int] = set()
-        if marked and getattr(result, "error_in_exec", None) is None:
+        if getattr(result, "error_in_exec", None) is not None:
+            # An interrupted or failed cell interrupted its ranks: none may stay paused in it.
+            paused = _unpause_interrupted(found, session, ranks)
+        elif marked:
             # The cell returned while ranks it ran on were paused: a --noblock cell, whose
             # ranks run on (paused ones stay paused). Each says whether it still is.
-            answers = _ask_ranks(session, marked, _PAUSED)
-            paused = {r for r, a in answers.items() if isinstance(a, dict) and a.get("paused")}
-        # An interrupted or failed cell's ranks are no longer paused in it.
+            paused = _paused(session, marked)
         found.cell_ended(ranks, still_paused=paused)
 
     found.cell_started(ranks)
     events.register("post_run_cell", ended)
 
 
-def _ask_ranks(session, ranks, content: dict) -> dict[int, dict | Exception]:
+def _paused(session, ranks) -> set[int]:
+    """Those of ``ranks`` (alive) whose main thread is paused in debugpy, as each says."""
+    answers = _ask_ranks(session, ranks, _PAUSED)
+    return {r for r, a in answers.items() if isinstance(a, dict) and a.get("paused")}
+
+
+def _unpause_interrupted(found: LabDebugRouter, session, ranks) -> set[int]:
+    """After an interrupted or failed cell: SIGINT again the ranks still paused in it; those
+    that stay paused (shown stopped, and named) are returned.
+
+    The interrupt raises KeyboardInterrupt where a paused rank waits in debugpy; one that
+    lands while debugpy handles a request there is swallowed by debugpy, and the rank stays
+    paused in the cell that ended in the kernel: the next cell would wait behind it, with
+    the rank shown running.
+    """
+    dead = session.dead_ranks(among=ranks)
+    attached = set(found.connected())
+    stuck = _paused(session, [r for r in ranks if r in attached and r not in dead])
+    for _ in range(_UNPAUSE_TRIES):
+        if not stuck:
+            break
+        session.interrupt(sorted(stuck))
+        deadline = time.monotonic() + _UNPAUSE_WAIT_S
+        while stuck and time.monotonic() < deadline:
+            time.sleep(0.1)
+            stuck = _paused(session, sorted(stuck))
+    if stuck:
+        print(
+            f"nbdist: {format_ranks(sorted(stuck))} stayed paused in the debugger after the "
+            "interrupt: Continue in JupyterLab's debugger ends the cell there (or "
+            "%dist_restart)",
+            file=sys.stderr,
+        )
+    return stuck
+
+
+def _ask_ranks(
+    session, ranks, content: dict, timeout: float = dap.CONNECT_TIMEOUT_S
+) -> dict[int, dict | Exception]:
     """{rank: its ``dap`` answer to ``content``, or the exception} asked on each rank's
-    control channel (:mod:`nbdist.engine.dap_relay`), all at once."""
+    control channel (:mod:`nbdist.engine.dap_relay`), all at once, waited for up to
+    ``timeout`` seconds."""
     engines = {r.rank: r.engine_id for r in getattr(session, "ranks", ())}
     answers: dict[int, dict | Exception] = {}
     asked = {}
@@ -154,7 +207,7 @@ def _ask_ranks(session, ranks, content: dict) -> dict[int, dict | Exception]:
             asked[rank] = send_control(session.client, engines[rank], REQUEST, content)
         except Exception as exc:  # noqa: BLE001 - the rank is gone, or the session stopped
             answers[rank] = exc
-    concurrent.futures.wait(asked.values(), timeout=dap.CONNECT_TIMEOUT_S)
+    concurrent.futures.wait(asked.values(), timeout=timeout)
     for rank, future in asked.items():
         try:
             msgs = future.result(timeout=0)
@@ -163,7 +216,7 @@ def _ask_ranks(session, ranks, content: dict) -> dict[int, dict | Exception]:
                 raise RuntimeError(f"{reply.get('ename')}: {reply.get('evalue')}")
             answers[rank] = reply["dap"]
         except concurrent.futures.TimeoutError:
-            answers[rank] = TimeoutError("no answer")
+            answers[rank] = TimeoutError(f"no answer within {timeout:g} s")
         except Exception as exc:  # noqa: BLE001 - that rank's answer is its error
             answers[rank] = exc
     return answers
@@ -173,7 +226,8 @@ def _prepare_ranks(found, session, ranks, cell) -> dict[int, dict]:
     """{rank: its debugpy endpoint} (:func:`nbdist.engine.lab_debug.prepare`), asked on each
     rank's control channel: served at once also while the rank runs or is paused in an
     earlier cell (a request queued behind it would hold this cell before its
-    ``--timeout`` starts). A rank that does not answer is named and left out."""
+    ``--timeout`` starts). A rank that does not answer is named and left out, as is a dead
+    rank (the cell itself says it died)."""
     body, path, offset, source = cell
     content = {
         "action": "lab_prepare",
@@ -183,7 +237,10 @@ def _prepare_ranks(found, session, ranks, cell) -> dict[int, dict]:
         "source": source,
     }
     endpoints: dict[int, dict] = {}
-    for rank, answer in _ask_ranks(session, ranks, content).items():
+    # A dead rank never answers: the whole window would pass before the cell says it died.
+    dead = session.dead_ranks(among=ranks)
+    alive = [r for r in ranks if r not in dead]
+    for rank, answer in _ask_ranks(session, alive, content, PREPARE_TIMEOUT_S).items():
         if isinstance(answer, Exception):
             found.tell(
                 [rank],

@@ -295,6 +295,44 @@ def test_interrupting_the_kernel_while_ranks_are_paused(lab):
     assert "z 5" in text and "z 6" in text, text
 
 
+def test_a_rank_whose_debugger_swallowed_the_interrupts_is_interrupted_again(lab):
+    # debugpy catches every exception raised while a paused thread handles one of its
+    # requests: interrupts landing then (the kernel's, and the release's after it) left
+    # the rank paused in the interrupted cell, and the next cell waited behind it with
+    # the rank shown running. Here rank 1's debugpy swallows the first two that way.
+    kernel, dbg = lab
+    cell = "%%on_all_ranks\nz = rank + 5\nprint('z', z)\n"
+    _debugger_on(dbg, cell, [{"line": 2}])  # debugpy runs on the ranks from the next cell
+    kernel.ok(
+        "%%on_all_ranks\nimport pydevd\n_wait = pydevd.PyDB._do_wait_suspend\n_left = [2]\n"
+        "def _swallowing(self, *args, **kwargs):\n"
+        "    while True:\n"
+        "        try:\n"
+        "            return _wait(self, *args, **kwargs)\n"
+        "        except KeyboardInterrupt:\n"
+        "            _left[0] -= 1\n"
+        "            if not _left[0]:\n"
+        "                pydevd.PyDB._do_wait_suspend = _wait\n"
+        "            if _left[0] < 0:\n"
+        "                raise\n"
+        "if rank == 1:\n"
+        "    pydevd.PyDB._do_wait_suspend = _swallowing\n"
+    )
+    msg_id = _stop_ranks_in(kernel, dbg, cell, 2)
+    kernel.km.interrupt_kernel()
+    dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "error"
+    # No rank is left paused: the next run stops both at the breakpoint, as a breakpoint.
+    dbg.events.clear()
+    msg_id = kernel.submit(cell)
+    stops = dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
+    assert sorted(e["body"]["reason"] for e in stops) == ["breakpoint", "breakpoint"], stops
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    assert "z 5" in text and "z 6" in text, text
+
+
 def _both_stop_in(dbg, kernel, cell: str, module, function: str) -> tuple[str, dict]:
     """Submit ``cell``; both ranks stop in ``function`` at line 3 of ``module``. (msg id, tops)."""
     msg_id = kernel.submit(cell)

@@ -5,15 +5,18 @@ ranks, also the fresh ranks of a ``%dist_restart``), a step off a cell's last
 line (the cell ends; no stop in nbdist's own code), a cell whose last line is
 only spaces (its breakpoints still stop the ranks), a ``--noblock`` cell whose
 ranks stay paused after the kernel's cell returned, a cell's ``--timeout``
-behind ranks that still run an earlier cell, and the Pause button while a
-ranks cell runs.
+behind ranks that still run an earlier cell, the Pause button while a
+ranks cell runs, and a cell on a rank that died.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 from nbdist.driver.lab_debugger import RANKS_THREAD
+from tests.conftest import wait_gone
 from tests.debugging.test_lab_debugger import (
     LabDebugClient,
     _debugger_on,
@@ -224,3 +227,35 @@ def test_a_rank_paused_without_its_stopped_event_is_shown_stopped(lab):
     text = dbg.cell_output(msg_id)
     assert kernel.reply(msg_id)["status"] == "ok"
     assert "w 7" in text and "w 8" in text, text
+
+
+def test_a_cell_on_a_dead_rank_says_it_died_and_the_debugger_does_not_wait_for_it(lab):
+    # A dead rank answers no preparation: the debugger waited for it (10 s, then "could
+    # not prepare rank 1 (no answer)") before the cell said that it died.
+    kernel, dbg = lab
+    cell = "%%on_all_ranks\nprint('alive', rank)"
+    _debugger_on(dbg, cell, [{"line": 2}])
+    victim = int(kernel.ok("import nbdist; print(nbdist.current_session().ranks[1].pid)").stdout)
+    try:
+        os.kill(victim, signal.SIGKILL)  # a rank nbdist started, by its PID
+        assert wait_gone([victim]) == []
+        # The session's own record of the death (its monitor reaps the rank).
+        kernel.ok(
+            "import time\n_s = nbdist.current_session()\n_t = time.monotonic() + 60\n"
+            "while 1 not in _s.dead_ranks() and time.monotonic() < _t:\n    time.sleep(0.1)\n"
+            "assert 1 in _s.dead_ranks()"
+        )
+        msg_id = kernel.submit(cell)
+        dbg.cell_output(msg_id)
+        reply = kernel.reply(msg_id)
+        assert reply["status"] == "error" and "rank 1 died" in reply["evalue"], reply
+        assert "could not prepare" not in _stderr(dbg, msg_id), _stderr(dbg, msg_id)
+    finally:
+        kernel.ok("%dist_restart", timeout=300)
+    # The new rank 1 is debugged as before.
+    msg_id = _stop_ranks_in(kernel, dbg, cell, 2)
+    assert sorted(_stack(dbg)) == [0, 1]
+    _select_all(dbg)
+    assert dbg.request("continue", threadId=RANKS_THREAD)["success"]
+    text = dbg.cell_output(msg_id)
+    assert "alive 0" in text and "alive 1" in text, text
