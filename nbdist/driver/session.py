@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from nbdist.driver import file_sync
 from nbdist.driver.call_arguments import check_cell_timeout, check_code, check_names, check_one_rank
 from nbdist.driver.cells import cell_channel
-from nbdist.driver.faults import CellGuard, dead_ranks, dead_ranks_message
+from nbdist.driver.faults import CellGuard
 from nbdist.driver.group import Group, RankInfo, form_group, metrics_ip, metrics_key, reform_group
 from nbdist.driver.ipp_internals import fail_undecodable_replies
 from nbdist.driver.pulls import pull_values
+from nbdist.driver.rank_deaths import dead_ranks, dead_ranks_message
 from nbdist.driver.runner import RankRun, submit
 from nbdist.driver.session_summary import ready_lines
 from nbdist.driver.session_watch import SessionWatch

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 
 from nbdist.driver import live_sessions, registry
-from nbdist.driver.faults import RankMonitor
 from nbdist.driver.launcher_crashes import CrashRecords
+from nbdist.driver.rank_deaths import RankMonitor
 from nbdist.launch import zygote
 from nbdist.launch.engine_log import EngineLastWords
 

@@ -5,7 +5,7 @@ stopping" on a ``kill`` from outside nbdist, "Maximum number of heartbeats misse
 reached ...", "Error completing registration ..."), prefixed with its engine id once it
 has registered (``[IPEngine.3]``). Its process then merely "exited with code 1": that
 line is what says why, so a dead rank's cause quotes it
-(:class:`nbdist.driver.faults.RankMonitor`).
+(:class:`nbdist.driver.rank_deaths.RankMonitor`).
 
 The engines a zygote forks write one log file (:mod:`nbdist.launch.local_engines`);
 at 256 ranks it holds megabytes, and several ranks can die at once. So the file is read

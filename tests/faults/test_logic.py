@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from nbdist.driver.faults import death_cause
+from nbdist.driver.rank_deaths import death_cause
 from nbdist.driver.status import format_status
 from nbdist.driver.where import RankWhere, diagnose, format_where
 from nbdist.engine import collectives

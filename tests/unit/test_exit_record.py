@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 
-from nbdist.driver.faults import RankMonitor, death_cause
+from nbdist.driver.rank_deaths import RankMonitor, death_cause
 from nbdist.launch.zygote import read_exit, record_exit
 
 
