@@ -25,7 +25,7 @@ from nbdist.driver import rank_debugpy as dap
 from nbdist.driver.ipp_internals import send_control
 from nbdist.driver.lab_debugger import LabDebugRouter
 from nbdist.engine.control import REQUEST
-from nbdist.errors import format_ranks
+from nbdist.errors import RankError, RanksInterrupted, format_ranks
 
 __all__ = ["install", "prepare_cell", "router", "session_ended"]
 
@@ -41,6 +41,11 @@ PREPARE_TIMEOUT_S = 45.0
 # given this long to leave the pause.
 _UNPAUSE_TRIES = 3
 _UNPAUSE_WAIT_S = 2.0
+# What a cell that interrupted its ranks raises: the kernel's interrupt (RanksInterrupted),
+# its --timeout (CellTimeout), a rank's failure that released the others (RankError). A
+# cell that failed before it ran (a dead rank) interrupted nothing: a --noblock cell's
+# ranks paused meanwhile stay paused.
+_INTERRUPTED_RANKS = (RanksInterrupted, TimeoutError, RankError)
 
 
 def router() -> LabDebugRouter | None:
@@ -144,8 +149,8 @@ def _watch_cell_end(found: LabDebugRouter, session, ranks) -> None:
         events.unregister("post_run_cell", ended)
         marked = found.stopped_among(ranks)
         paused: set[int] = set()
-        if getattr(result, "error_in_exec", None) is not None:
-            # An interrupted or failed cell interrupted its ranks: none may stay paused in it.
+        if isinstance(getattr(result, "error_in_exec", None), _INTERRUPTED_RANKS):
+            # The cell interrupted its ranks: none may stay paused in it.
             paused = _unpause_interrupted(found, session, ranks)
         elif marked:
             # The cell returned while ranks it ran on were paused: a --noblock cell, whose
@@ -164,7 +169,7 @@ def _paused(session, ranks) -> set[int]:
 
 
 def _unpause_interrupted(found: LabDebugRouter, session, ranks) -> set[int]:
-    """After an interrupted or failed cell: SIGINT again the ranks still paused in it; those
+    """After a cell that interrupted its ranks: SIGINT again those still paused in it; those
     that stay paused (shown stopped, and named) are returned.
 
     The interrupt raises KeyboardInterrupt where a paused rank waits in debugpy; one that
