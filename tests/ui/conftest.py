@@ -85,17 +85,22 @@ def on_current_view(action, timeout: float = 30):
 
     A dashboard shown with ``display_id`` is rebuilt by the browser on each
     ``update_display_data`` (after a cell that logged, or the run's end): an element
-    located just before such an update is detached by the time the action runs, and the
-    action is tried again on the rebuilt view. Any other error is raised.
+    located just before such an update is detached by the time the action runs ("not
+    attached to the DOM"), or while a screenshot waits for it to be stable (Playwright then
+    finds it "not visible"), and the action is tried again on the rebuilt view. Any other
+    error is raised.
     """
     from playwright.sync_api import Error
 
+    replaced = ("not attached to the DOM", "Node is either not visible or not an HTMLElement")
     deadline = time.monotonic() + timeout
     while True:
         try:
             return action()
         except Error as error:
-            if "not attached to the DOM" not in str(error) or time.monotonic() > deadline:
+            if not any(words in str(error) for words in replaced):
+                raise
+            if time.monotonic() > deadline:
                 raise
         time.sleep(0.2)
 
