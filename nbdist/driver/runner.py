@@ -36,6 +36,11 @@ __all__ = ["CellTimeout", "RankRun", "output_limit", "submit"]
 
 # How long interrupted ranks get to unwind before the cell gives up on them.
 _INTERRUPT_GRACE_S = 10.0
+# A run without a cell's guard SIGINTs the ranks still running this long after an interrupt
+# once more (a cell's guard does it after 0.5 s, releasing their collectives too): a SIGINT
+# that did not stop a rank then stops it. In CI (2026-12-02) an interrupted ``apply`` ran on
+# on one rank for the whole 10 s grace, while cells, whose guard interrupts again, stopped.
+_INTERRUPT_AGAIN_S = 1.0
 _POLL_S = 0.05
 # The waiting loop reads every rank's output at least this often (else only the ranks an
 # output message named since its last pass).
@@ -67,17 +72,32 @@ class CellTimeout(NbdistError, TimeoutError):
 
 
 class _NoGuard:
-    """The guard of a run that has none (nbdist's own calls): it watches nothing, releases nothing."""
+    """The guard of a run that has none (``apply``, ``push``, ``pull``, nbdist's own calls):
+    it watches nothing and releases nothing, but SIGINTs once more the ranks still running
+    :data:`_INTERRUPT_AGAIN_S` after an interrupt, as a cell's guard does."""
 
     stranded: dict[int, str] = {}
-    released = False  # nothing releases the ranks of a run without a guard
+
+    def __init__(self, interrupt: Callable[[Sequence[int]], None]) -> None:
+        self._interrupt = interrupt
+        self._interrupted_at: float | None = None
+        # Set once the ranks were SIGINTed again: asked whether the first SIGINT missed
+        # the request after that, a rank would be interrupted a third time.
+        self.released = False
 
     @property
     def released_from(self) -> dict[int, str]:
         return {}
 
     def poll(self, run) -> None:
-        pass
+        if self._interrupted_at is None or self.released:
+            return
+        if time.monotonic() - self._interrupted_at < _INTERRUPT_AGAIN_S:
+            return
+        self.released = True
+        running = [r for r, s in run.child_states().items() if s == "running"]
+        if running:
+            self._interrupt(running)
 
     def finished(self, run) -> bool:
         return False
@@ -86,7 +106,8 @@ class _NoGuard:
         return {}
 
     def interrupted(self) -> None:
-        pass
+        if self._interrupted_at is None:
+            self._interrupted_at = time.monotonic()
 
     def where_report(self, *, only_if_waiting: bool = False) -> str:
         return ""
@@ -147,7 +168,7 @@ class RankRun:
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
         # nbdist.driver.faults.CellGuard: releases the ranks when one fails, dies or hangs.
-        self._guard = guard if guard is not None else _NoGuard()
+        self._guard = guard if guard is not None else _NoGuard(interrupt)
         self.where_report = ""  # what the ranks were doing when --timeout expired
         self.ranks = list(ranks)
         self._interrupt = interrupt

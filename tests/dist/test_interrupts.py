@@ -153,6 +153,40 @@ def test_a_ctrl_c_while_the_cell_is_sent_interrupts_it_on_the_ranks(session, cal
     assert session.pull("after") == [2, 2]
 
 
+def _swallow_one_interrupt(seconds: float) -> str:
+    """Applied on a rank: sleeps, and keeps sleeping after the first KeyboardInterrupt (as
+    if that SIGINT had not landed)."""
+    import time
+
+    try:
+        time.sleep(seconds)
+    except KeyboardInterrupt:
+        time.sleep(seconds)
+    return "ran whole"
+
+
+_swallow_one_interrupt.__module__ = "__main__"
+
+
+def test_an_interrupted_apply_interrupts_again_the_ranks_that_did_not_stop(session):
+    """An ``apply`` has no cell guard, which SIGINTs a cell's ranks again: a rank whose first
+    SIGINT did not stop it ran the whole call (CI: an interrupted ``apply`` left a rank
+    running for the 10 s grace), now it is interrupted once more, a second later."""
+    import _thread
+
+    from nbdist.errors import RanksInterrupted
+
+    session.run("warm = 1")
+    timer = threading.Timer(1.5, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(RanksInterrupted) as caught:
+        session.apply(_swallow_one_interrupt, 60)
+    timer.cancel()
+    assert "every rank stopped" in str(caught.value), str(caught.value)
+    session.run("after = 4")  # runs now: no rank is still in the call
+    assert session.pull("after") == [4, 4]
+
+
 def _mark_after(seconds: float) -> None:
     """Applied on a rank: sleeps, then leaves ``ran_late = True`` in its namespace."""
     import time
