@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 
+from nbdist.driver.call_guard import CallGuard
 from nbdist.driver.cell_output import remember
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.early_iopub import EarlyIopub
@@ -36,11 +37,6 @@ __all__ = ["CellTimeout", "RankRun", "output_limit", "submit"]
 
 # How long interrupted ranks get to unwind before the cell gives up on them.
 _INTERRUPT_GRACE_S = 10.0
-# A run without a cell's guard SIGINTs the ranks still running this long after an interrupt
-# once more (a cell's guard does it after 0.5 s, releasing their collectives too): a SIGINT
-# that did not stop a rank then stops it. In CI (2026-12-02) an interrupted ``apply`` ran on
-# on one rank for the whole 10 s grace, while cells, whose guard interrupts again, stopped.
-_INTERRUPT_AGAIN_S = 1.0
 _POLL_S = 0.05
 # The waiting loop reads every rank's output at least this often (else only the ranks an
 # output message named since its last pass).
@@ -69,54 +65,6 @@ def _mib(chars: int) -> str:
 
 class CellTimeout(NbdistError, TimeoutError):
     """A cell ran past its ``--timeout``; the ranks were interrupted."""
-
-
-class _NoGuard:
-    """The guard of a run that has none (``apply``, ``push``, ``pull``, nbdist's own calls):
-    it watches nothing and releases nothing, but SIGINTs once more the ranks still running
-    :data:`_INTERRUPT_AGAIN_S` after an interrupt, as a cell's guard does."""
-
-    stranded: dict[int, str] = {}
-
-    def __init__(self, interrupt: Callable[[Sequence[int]], None]) -> None:
-        self._interrupt = interrupt
-        self._interrupted_at: float | None = None
-        # Set once the ranks were SIGINTed again: asked whether the first SIGINT missed
-        # the request after that, a rank would be interrupted a third time.
-        self.released = False
-
-    @property
-    def released_from(self) -> dict[int, str]:
-        return {}
-
-    def poll(self, run) -> None:
-        if self._interrupted_at is None or self.released:
-            return
-        if time.monotonic() - self._interrupted_at < _INTERRUPT_AGAIN_S:
-            return
-        self.released = True
-        running = [r for r, s in run.child_states().items() if s == "running"]
-        if running:
-            self._interrupt(running)
-
-    def finished(self, run) -> bool:
-        return False
-
-    def dead(self) -> dict[int, str]:
-        return {}
-
-    def interrupted(self) -> None:
-        if self._interrupted_at is None:
-            self._interrupted_at = time.monotonic()
-
-    def where_report(self, *, only_if_waiting: bool = False) -> str:
-        return ""
-
-    def recover(self, run, *, interrupted: bool = False) -> None:
-        pass
-
-    def note(self, failures=()) -> str:
-        return ""
 
 
 def _stream_delta(old: str, new: str) -> str:
@@ -160,7 +108,8 @@ class RankRun:
         (default: the cell's output); ``timeout`` in seconds (None: no limit),
         for a cell's --timeout unless ``waiting_for`` names what nbdist itself waits for;
         ``watch`` is called on each pass of the waiting loop; ``guard`` is the
-        cell's :class:`~nbdist.driver.faults.CellGuard` (None: nothing is guarded);
+        cell's :class:`~nbdist.driver.faults.CellGuard` (None: a call's
+        :class:`~nbdist.driver.call_guard.CallGuard`, which only interrupts again);
         ``prompts`` answers the ranks' pdb and ``input()`` prompts (``timeout``
         pauses while the user is asked); ``iopub`` holds the messages that came
         before this object existed (its callbacks were attached when the requests
@@ -168,7 +117,7 @@ class RankRun:
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
         # nbdist.driver.faults.CellGuard: releases the ranks when one fails, dies or hangs.
-        self._guard = guard if guard is not None else _NoGuard(interrupt)
+        self._guard = guard if guard is not None else CallGuard(interrupt)
         self.where_report = ""  # what the ranks were doing when --timeout expired
         self.ranks = list(ranks)
         self._interrupt = interrupt
