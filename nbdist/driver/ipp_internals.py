@@ -5,8 +5,10 @@ expression, to read one rank's reply, accumulated output or engine from a
 multi-engine result, to send a custom control message or to tell that a
 client was closed,
 its client assumes any IPython shell is a kernel, a reply whose value it
-cannot unpickle is never answered, and closing a client drops the requests it
-has not yet handed to zmq. nbdist needs all eight, and
+cannot unpickle is never answered, closing a client drops the requests it
+has not yet handed to zmq, and what an engine publishes for a request the
+client has finished with is kept where no one reads it and handed to no
+callback. nbdist needs all nine, and
 a terminal IPython too (see :mod:`nbdist.driver.cells`, :mod:`nbdist.driver.runner`,
 :mod:`nbdist.driver.where`, :mod:`nbdist.driver.rank_relay`),
 so they are reached here and nowhere else: an ipyparallel upgrade that renames
@@ -26,6 +28,7 @@ __all__ = [
     "controller_interface",
     "fail_undecodable_replies",
     "flush_sends",
+    "io_call_later",
     "per_engine_futures",
     "per_engine_ids",
     "per_engine_metadata",
@@ -34,6 +37,7 @@ __all__ = [
     "result_client",
     "send_control",
     "send_execute",
+    "tap_late_iopub",
     "tolerate_shells_without_kernel",
 ]
 
@@ -132,6 +136,54 @@ def _hook(callback):
     if callback is None:
         return None
     return lambda future: future.iopub_callbacks.append(callback)
+
+
+def tap_late_iopub(client, tap) -> None:
+    """Hand ``tap(msg)`` each IOPub message of a request ``client`` has let go.
+
+    ipyparallel lets a request go once its reply came and its engine went idle
+    (its future and metadata are popped). An engine can publish for it later (a
+    thread the request started prints): ipyparallel then stores the text in a
+    fresh metadata entry that nothing reads or frees, appending to it for as long
+    as the engine prints, and calls no callback. Here that entry is dropped and
+    the message given to ``tap``, on the client's IO thread. Messages of requests
+    still pending are ipyparallel's as before. Takes effect on the IO thread's
+    next turn: a message arriving before is handled as before.
+    """
+    dispatch = type(client)._dispatch_iopub.__wrapped__  # noqa: SLF001 - under unpack_message
+    session = client.session
+    futures = client._futures  # noqa: SLF001 - msg id -> future, while the request is pending
+    metadata = client.metadata
+
+    def on_recv(parts) -> None:
+        # What ipyparallel's unpack_message does, then its handler, then the tap.
+        _idents, parts = session.feed_identities(parts, copy=False)
+        try:
+            msg = session.deserialize(parts, content=True, copy=False)
+        except Exception:
+            client.log.error("Invalid Message", exc_info=True)
+            return
+        dispatch(client, msg)
+        parent = msg["parent_header"]
+        if not parent or parent.get("session") != session.session:
+            return  # another client's request: ipyparallel ignored it too
+        msg_id = parent["msg_id"]
+        if msg_id in futures:
+            return
+        metadata.pop(msg_id, None)
+        try:
+            tap(msg)
+        except Exception:
+            # The IO thread carries every reply: a failing tap must not stop it.
+            client.log.error("nbdist: could not show late output", exc_info=True)
+
+    stream = client._iopub_stream  # noqa: SLF001
+    client._io_loop.add_callback(stream.on_recv, on_recv, copy=False)  # noqa: SLF001
+
+
+def io_call_later(client, delay: float, callback, *args) -> None:
+    """Call ``callback(*args)`` on ``client``'s IO thread in ``delay`` seconds."""
+    client._io_loop.call_later(delay, callback, *args)  # noqa: SLF001
 
 
 def send_control(client, engine_id: int, msg_type: str, content: dict):

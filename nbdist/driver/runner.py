@@ -24,7 +24,8 @@ from nbdist.driver.call_guard import CallGuard
 from nbdist.driver.cell_output import remember
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.early_iopub import EarlyIopub
-from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata
+from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata, result_client
+from nbdist.driver.late_output import late_output_of
 from nbdist.driver.missed_interrupt import MissedInterrupt
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.prompts import PromptServer
@@ -169,6 +170,10 @@ class RankRun:
             child.add_done_callback(partial(self._on_reply, i))
         if iopub is not None:
             iopub.attach(self._on_iopub)
+        # What a rank prints once it replied (a thread the cell started) is shown there.
+        late_output_of(result_client(async_result)).expect(
+            {child.msg_id: rank for rank, child in zip(self.ranks, self._children)}
+        )
         async_result.add_done_callback(lambda _f: self._wake.set())
 
     def _on_reply(self, index: int, _future) -> None:

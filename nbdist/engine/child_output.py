@@ -8,8 +8,8 @@ about a bad sample, a debugging print in a ``Dataset``). Jupyter's own kernel av
 with a pipe: its IO-pub thread listens on a loopback port, a forked child's stream sees
 that it is a child and sends there, and the parent publishes what arrives, under the
 cell that was running at the fork (so a child forked in an earlier cell, such as a
-persistent DataLoader worker, prints under that cell, which the notebook no longer
-shows once it ended). ipyparallel's engine makes its IO-pub thread without
+persistent DataLoader worker, prints under that cell: once it ended, the kernel shows
+those lines as what the ranks printed after it, :mod:`nbdist.driver.late_output`). ipyparallel's engine makes its IO-pub thread without
 that pipe; :func:`install` opens it on the engine's IO-pub thread, as the kernel does.
 
 In a child, ipykernel's stream sends each ``write`` at once: two DataLoader workers'
@@ -22,7 +22,7 @@ A child's line travels on a socket of its own, so it could reach the engine afte
 cell's end; a child joined at the very end of the cell had its line in that cell's output
 80 times of 80 (2 ranks, 40 cells, `print` in a fork ``Process`` as the cell's last
 statement, on a loaded 2-core machine). What a child prints after its cell ended belongs
-to that cell and is not shown, as for a thread that prints after its cell.
+to that cell, and is shown under it as late output (:mod:`nbdist.driver.late_output`).
 
 What the children write below Python (``os.system``, a subprocess's own output, C
 libraries) goes to the process's file descriptors, which ipykernel already forwards.

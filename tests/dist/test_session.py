@@ -531,3 +531,56 @@ def test_async_code_runs_on_the_ranks_as_the_refusal_says(session):
         sink=ListSink(),
     )
     assert session.pull("got") == [7, 8]
+
+
+def test_what_ranks_print_after_the_cell_goes_to_the_script_labelled(session, tmp_path, capfd):
+    go = tmp_path / "go"
+    session.run(
+        "import os, threading, time\n"
+        "def late():\n"
+        f"    while not os.path.exists({str(go)!r}):\n        time.sleep(0.05)\n"
+        "    print('late from', rank, flush=True)\n"
+        "    print('stderr too', file=sys.stderr, flush=True)\n"
+        "import sys\nthreading.Thread(target=late, daemon=True).start()",
+        sink=ListSink(),
+    )
+    go.touch()
+    out = err = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ("rank 1" in out and "stderr too" in err):
+        time.sleep(0.2)
+        captured = capfd.readouterr()
+        out, err = out + captured.out, err + captured.err
+    assert sorted(out.splitlines()) == ["[rank 0] late from 0", "[rank 1] late from 1"], out
+    # Identical lines are grouped when they come within a moment of each other (a
+    # terminal cannot redraw): one line for both ranks, or one each.
+    assert err.splitlines() in (
+        ["[ranks 0-1] stderr too"],
+        ["[rank 0] stderr too", "[rank 1] stderr too"],
+        ["[rank 1] stderr too", "[rank 0] stderr too"],
+    ), err
+    # ipyparallel's client kept every late chunk of a finished request, for good.
+    kept = [v for v in session.client.metadata.values() if isinstance(v, dict)]
+    assert not any(v.get("stdout") or v.get("stderr") for v in kept), kept
+
+
+def test_a_child_forked_in_an_earlier_cell_prints_between_cells_labelled(session, tmp_path, capfd):
+    # A persistent DataLoader worker's case: forked in one cell, printing after later ones.
+    go = tmp_path / "go"
+    session.run(
+        "import multiprocessing, os, time\n"
+        "def work():\n"
+        f"    while not os.path.exists({str(go)!r}):\n        time.sleep(0.05)\n"
+        "    print('child of', rank, flush=True)\n"
+        "child = multiprocessing.get_context('fork').Process(target=work)\nchild.start()",
+        sink=ListSink(),
+    )
+    session.run("x = 1", sink=ListSink())
+    go.touch()
+    out = ""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and out.count("child of") < 2:
+        time.sleep(0.2)
+        out += capfd.readouterr().out
+    session.run("child.join(30)", sink=ListSink())
+    assert sorted(out.splitlines()) == ["[rank 0] child of 0", "[rank 1] child of 1"], out
