@@ -69,7 +69,7 @@ KEPT_CELLS = 200
 # An unterminated line is kept up to this many characters (a \r progress bar redraws
 # one line without end).
 _TAIL_CHARS = 10_000
-_HEADER = "nbdist: printed by the ranks after this cell ended\n"
+_HEADER = "nbdist: printed by the ranks after they finished this cell\n"
 
 
 def split_lines(tails: dict, rank: int, stream: str, text: str) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-HEADER = "nbdist: printed by the ranks after this cell ended"
+HEADER = "nbdist: printed by the ranks after they finished this cell"
 
 
 def _late_cell(go: Path) -> str:

@@ -52,7 +52,7 @@ def test_lines_printed_between_cells_appear_under_the_last_cell_run_on_the_ranks
     text = last.inner_text()
     stop.touch()
     assert shown, f"under the last cell: {text!r}"
-    assert "nbdist: printed by the ranks after this cell ended" in text, text
+    assert "nbdist: printed by the ranks after they finished this cell" in text, text
     assert "late" not in started.inner_text(), started.inner_text()
     assert poll(lambda: "stopped 2 ranks" in outputs.nth(5).inner_text(), timeout=60)
     assert not log.page_errors, log.page_errors

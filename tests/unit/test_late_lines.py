@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from nbdist.driver.late_output import LateFold, LateLines, split_lines
 
-HEADER = "nbdist: printed by the ranks after this cell ended\n"
+HEADER = "nbdist: printed by the ranks after they finished this cell\n"
 
 
 def test_chunks_become_whole_lines_per_rank_and_stream_and_a_progress_line_its_last_state():
