@@ -282,34 +282,54 @@ class RanksInterrupted(KeyboardInterrupt):
         where: str = "",
         note: str = "",
         finished: Sequence[int] = (),
+        caught: Sequence[int] = (),
     ):
         """``stopped``: the ranks' errors once stopped; ``still_running``: ranks that did not
-        stop; ``finished``: ranks that ran the cell to its end all the same."""
+        stop; ``finished``: ranks that ran the cell to its end all the same; ``caught``: ranks
+        whose code caught the KeyboardInterrupt and handled it (some may still be running)."""
         super().__init__(stopped, tuple(still_running))
         self.stopped = stopped
         self.still_running = tuple(still_running)
         self.finished = tuple(finished)
+        self.caught = tuple(caught)
         self.where = where  # the ranks' stacks when a rank was waiting in a collective
         self.note = note  # which ranks were released from a collective, and the group's fate
 
     def __str__(self) -> str:
         """What happened to the ranks after the interrupt, in one line."""
         if self.still_running:
-            return (
-                f"{format_ranks(self.still_running)} did not stop after the interrupt "
-                "(blocked in a collective or in native code?); interrupt again, or %dist_restart"
+            parts = []
+            stuck = [r for r in self.still_running if r not in self.caught]
+            if stuck:
+                parts.append(
+                    f"{format_ranks(stuck)} did not stop after the interrupt (blocked in a "
+                    "collective or in native code?)"
+                )
+            if self.caught:
+                runs = "runs its" if len(self.caught) == 1 else "run their"
+                parts.append(
+                    f"{format_ranks(self.caught)} caught the KeyboardInterrupt and still "
+                    f"{runs} handling code (the next cell runs there after it)"
+                )
+            return "; ".join(parts) + "; interrupt again, or %dist_restart"
+        handled = ""
+        if self.caught:
+            own = "its own code" if len(self.caught) == 1 else "their own code"
+            handled = (
+                f" ({format_ranks(self.caught)} first ran {own} that caught the KeyboardInterrupt)"
             )
         if self.finished:
             # Said plainly: their cell's work was all done (the interrupt came too late there).
-            if self.stopped is None:
+            if self.stopped is None and not self.caught:
                 return "interrupted, but every rank had run the cell to its end"
             return (
-                f"interrupted; {format_ranks(self.finished)} ran the cell to its end all the same"
+                f"interrupted; {format_ranks(self.finished)} ran the cell to its end all the "
+                f"same{handled}"
             )
-        return "interrupted; every rank stopped"
+        return f"interrupted; every rank stopped{handled}"
 
     def _render_traceback_(self) -> list[str]:
-        if self.stopped is None and self.finished and not self.still_running:
+        if self.stopped is None and self.finished and not (self.still_running or self.caught):
             # No rank stopped: "interrupted on every rank" would say the opposite of the end.
             lines = ["KeyboardInterrupt: the cell was interrupted too late on every rank"]
         else:
@@ -320,6 +340,6 @@ class RanksInterrupted(KeyboardInterrupt):
             lines += ["", "where the ranks were when interrupted:", *self.where.splitlines()]
         if self.note:
             lines.append(self.note)
-        if self.still_running or self.finished:
+        if self.still_running or self.finished or self.caught:
             lines.append(str(self))
         return lines

@@ -4,15 +4,18 @@ A cell's waiting loop consults its :class:`nbdist.driver.faults.CellGuard`, whic
 releases the ranks when one fails, dies or hangs, and SIGINTs again those an interrupt
 did not stop. A call that is not a cell (``apply``, ``push``, ``pull``, nbdist's own
 calls) has :class:`CallGuard`: it watches nothing and releases nothing, but SIGINTs
-once more, :data:`INTERRUPT_AGAIN_S` after an interrupt, the ranks still running. In CI
-(2026-12-02) an interrupted ``apply`` ran on on one rank for the whole 10 s grace, where
-cells, whose guard interrupts again, stopped.
+once more, :data:`INTERRUPT_AGAIN_S` after an interrupt, the ranks still running whose
+code did not catch it (:mod:`nbdist.driver.caught_interrupts`). In CI (2026-12-02) an
+interrupted ``apply`` ran on on one rank for the whole 10 s grace, where cells, whose
+guard interrupts again, stopped.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+
+from nbdist.driver.caught_interrupts import caught_interrupt
 
 __all__ = ["INTERRUPT_AGAIN_S", "CallGuard"]
 
@@ -33,6 +36,8 @@ class CallGuard:
         # Set once the ranks were SIGINTed again: asked whether the first SIGINT missed
         # the request after that, a rank would be interrupted a third time.
         self.released = False
+        # Then: the running ranks whose code caught the interrupt (waited for, not SIGINTed).
+        self.caught: set[int] | None = None
 
     @property
     def released_from(self) -> dict[int, str]:
@@ -40,15 +45,17 @@ class CallGuard:
         return {}
 
     def poll(self, run) -> None:
-        """Each pass of the waiting loop: SIGINT again the ranks an interrupt did not stop."""
+        """Each pass of the waiting loop: SIGINT again the ranks an interrupt did not reach."""
         if self._interrupted_at is None or self.released:
             return
         if time.monotonic() - self._interrupted_at < INTERRUPT_AGAIN_S:
             return
         self.released = True
         running = [r for r, s in run.child_states().items() if s == "running"]
-        if running:
-            self._interrupt(running)
+        self.caught = caught_interrupt(run, running) if running else set()
+        missed = [r for r in running if r not in self.caught]
+        if missed:
+            self._interrupt(missed)
 
     def finished(self, run) -> bool:
         """Whether the run is over though ranks still run: never decided here."""

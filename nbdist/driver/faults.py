@@ -3,7 +3,8 @@
 :class:`CellGuard`, consulted by the cell's waiting loop (:mod:`nbdist.driver.runner`).
 When a rank failed and others wait for it in a collective (or still run ~5 s later),
 or when a rank died (:mod:`nbdist.driver.rank_deaths` notices it), or when an
-interrupted rank does not stop, or when ranks wait in a collective for ranks that
+interrupt did not reach a rank's code (one whose code caught it runs its handling
+code on: :mod:`nbdist.driver.caught_interrupts`), or when ranks wait in a collective for ranks that
 finished the cell without it, it *releases* the ranks: every live rank breaks out of
 its collective (see :mod:`nbdist.engine.control`) and ranks still computing get
 SIGINT. After the cell the group is formed again on the surviving processes (their
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import time
 
+from nbdist.driver.caught_interrupts import caught_interrupt
 from nbdist.driver.collective_waits import idle_ranks, stranded_waits, waits_for_failed
 from nbdist.driver.oom import cuda_oom_note
 from nbdist.errors import ranks_text
@@ -82,6 +84,9 @@ class CellGuard:
         self._running_last_pass = len(self.ranks)  # ranks running at the last pass after a failure
         self._last_end = 0.0  # after a failure, when a rank last ended (the failure's own pass)
         self._interrupted_at: float | None = None
+        # Once asked, INTERRUPT_GRACE_S after an interrupt: the running ranks whose code
+        # caught its KeyboardInterrupt and runs on (not SIGINTed again, waited for).
+        self.caught: set[int] | None = None
         self._next_stranded_look: float | None = None  # the guard's next look at collectives
         self._stranded_interval = STRANDED_GRACE_S / 2  # doubled before each look
         # {rank: what it waited in, for whom}: ranks released from a collective that ranks
@@ -132,8 +137,16 @@ class CellGuard:
         now = time.monotonic()
         if self._interrupted_at is not None:
             # Interrupted ranks fail with KeyboardInterrupt: that is no cause to name.
-            if running and now - self._interrupted_at >= INTERRUPT_GRACE_S:
-                self.release(run, "the cell was interrupted")
+            if not running or now - self._interrupted_at < INTERRUPT_GRACE_S:
+                return
+            if self.caught is None:
+                self.caught = caught_interrupt(run, running)
+                if set(running) - self.caught:
+                    self.release(run, "the cell was interrupted")
+                    return
+            # Every rank still running handles the interrupt in its own code: it is
+            # released only from a collective that ranks which ended never enter.
+            self._look_stranded(run, states, running, now)
         elif failed and running:
             before, self._running_last_pass = self._running_last_pass, len(running)
             if self._first_failure is None:
@@ -157,23 +170,27 @@ class CellGuard:
                     interval = FAILURE_GRACE_S * 2**self._failure_looks
                     self._next_failure_look = time.monotonic() + interval
         elif running:
-            if self._next_stranded_look is None:
-                self._next_stranded_look = now + STRANDED_GRACE_S
-            elif now >= self._next_stranded_look:
-                self._stranded_interval = min(2 * self._stranded_interval, STRANDED_LOOK_MAX_S)
-                self._next_stranded_look = now + self._stranded_interval
-                done = {r for r, s in states.items() if s == "ok"}
-                stranded = stranded_waits(
-                    self.session.client,
-                    self._by_rank,
-                    running,
-                    done,
-                    self._untracked_wait,
-                    lasted_s=STRANDED_GRACE_S,
-                )
-                if stranded:
-                    self.stranded = stranded
-                    self.release(run, _STRANDED)
+            self._look_stranded(run, states, running, now)
+
+    def _look_stranded(self, run, states: dict[int, str], running: list[int], now: float) -> None:
+        """Release the ranks if some wait in a collective that cannot end (:data:`_STRANDED`)."""
+        if self._next_stranded_look is None:
+            self._next_stranded_look = now + STRANDED_GRACE_S
+        elif now >= self._next_stranded_look:
+            self._stranded_interval = min(2 * self._stranded_interval, STRANDED_LOOK_MAX_S)
+            self._next_stranded_look = now + self._stranded_interval
+            done = {r for r, s in states.items() if s != "running"}
+            stranded = stranded_waits(
+                self.session.client,
+                self._by_rank,
+                running,
+                done,
+                self._untracked_wait,
+                lasted_s=STRANDED_GRACE_S,
+            )
+            if stranded:
+                self.stranded = stranded
+                self.release(run, _STRANDED)
 
     def _overdue(self, run, running: list[int], now: float) -> bool:
         """Some running rank has computed FAILURE_WAIT_MAX_S since a rank failed, and no
@@ -221,7 +238,8 @@ class CellGuard:
         )
 
     def interrupted(self) -> None:
-        """SIGINT went to the ranks; release them if it does not land soon."""
+        """SIGINT went to the ranks; release them if it does not land soon (those whose code
+        caught it are left to run their handling code)."""
         if self._interrupted_at is None:
             self._interrupted_at = time.monotonic()
 
@@ -263,7 +281,9 @@ class CellGuard:
                 # Inside, or already failing out of it (gloo noticed a dead peer):
                 # the release ends it; SIGINT would only cut its traceback short.
                 self._released_from[rank] = f"{c['op']} #{c['seq']}"
-            else:
+            elif rank not in (self.caught or ()):
+                # (One whose code caught the interrupt runs its handling code on: not
+                # SIGINTed, as a second Ctrl-C would.)
                 computing.add(rank)
         # A rank may be unwinding already (gloo noticed a dead peer itself):
         # give it a moment before interrupting code that is about to end anyway.

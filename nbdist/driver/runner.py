@@ -13,7 +13,6 @@ callbacks and the loop interleave.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -24,66 +23,41 @@ from nbdist.driver.call_guard import CallGuard
 from nbdist.driver.cell_output import remember
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.early_iopub import EarlyIopub
-from nbdist.driver.ipp_internals import per_engine_futures, per_engine_metadata, result_client
+from nbdist.driver.ipp_internals import (
+    per_engine_futures,
+    per_engine_ids,
+    per_engine_metadata,
+    result_client,
+)
 from nbdist.driver.late_output import late_output_of
 from nbdist.driver.missed_interrupt import MissedInterrupt
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.prompts import PromptServer
 from nbdist.driver.rank_replies import broken_group_words, child_result, rank_failure
+from nbdist.driver.rank_streams import RankStreams
 from nbdist.driver.sigint_latch import SigintLatch
 from nbdist.driver.sinks import default_sink
 from nbdist.errors import NbdistError, RankError, RankFailure, RanksInterrupted, format_ranks
 
-__all__ = ["CellTimeout", "RankRun", "output_limit", "submit"]
+__all__ = ["CellTimeout", "RankRun", "submit"]
 
-# How long interrupted ranks get to unwind before the cell gives up on them.
+# How long interrupted ranks get to unwind before the cell gives up on them (renewed while
+# ranks whose code caught the KeyboardInterrupt run their handling code).
 _INTERRUPT_GRACE_S = 10.0
+# Said once under each rank whose code caught the interrupt (nbdist.driver.caught_interrupts).
+_CAUGHT_NOTE = (
+    "nbdist: this rank's code caught the KeyboardInterrupt and runs on (an except or finally "
+    "block); the cell waits for it: interrupt again to stop it\n"
+)
 _POLL_S = 0.05
-# The waiting loop reads every rank's output at least this often (else only the ranks an
-# output message named since its last pass).
-_FULL_DRAIN_S = 1.0
 # iopub messages that change what a cell shows (ipyparallel accumulates them per rank).
 _OUTPUT_MESSAGES = frozenset({"stream", "display_data", "execute_result", "error"})
 # A widget's state (a rank's tqdm.auto bar): kept for the text form of its display.
 _COMM_MESSAGES = frozenset({"comm_open", "comm_msg", "comm_close"})
-# Characters shown per rank and stream in one cell: beyond it a notebook (and
-# the saved .ipynb) becomes unusable, so the rest is counted, not shown.
-_DEFAULT_OUTPUT_LIMIT = 1 << 20
-
-
-def output_limit() -> int:
-    """Characters of one rank's stdout (or stderr) shown per cell; ``NBDIST_OUTPUT_LIMIT``, 0 = all."""
-    value = os.environ.get("NBDIST_OUTPUT_LIMIT", "")
-    try:
-        return int(value) if value.strip() else _DEFAULT_OUTPUT_LIMIT
-    except ValueError:
-        return _DEFAULT_OUTPUT_LIMIT
-
-
-def _mib(chars: int) -> str:
-    return f"{chars / 2**20:.1f} MiB"
 
 
 class CellTimeout(NbdistError, TimeoutError):
     """A cell ran past its ``--timeout``; the ranks were interrupted."""
-
-
-def _stream_delta(old: str, new: str) -> str:
-    """What to feed the merger so that it sees ``new`` after having seen ``old``.
-
-    ipyparallel collapses carriage returns in the text it accumulates (a
-    progress bar's trailing line is rewritten, not appended to), so ``new``
-    does not always extend ``old``. Complete lines never change; a rewritten
-    last line is fed as a ``\\r`` update of the line in progress.
-    """
-    if new is old:
-        return ""
-    if new.startswith(old):
-        return new[len(old) :]
-    stable = old.rfind("\n") + 1
-    if new.startswith(old[:stable]):
-        return "\r" + new[stable:]
-    return "\r" + new
 
 
 class RankRun:
@@ -130,11 +104,8 @@ class RankRun:
         self._wake = threading.Event()
         self._latch: SigintLatch | None = None  # while waiting: a Ctrl-C swallowed elsewhere
         self._stopped = False  # the ranks were told to stop (Ctrl-C or --timeout)
+        self._caught_noted = False  # _CAUGHT_NOTE was fed (or there was none to feed)
         self._missed: MissedInterrupt | None = None  # then: ranks the SIGINT may have missed
-        self._consumed = [{"stdout": "", "stderr": "", "outputs": 0} for _ in self.ranks]
-        self._limit = output_limit()
-        self._shown = {}  # (rank, stream) -> characters fed to the merger
-        self.truncated: dict[tuple[int, str], int] = {}  # (rank, stream) -> characters not shown
         self._merger: OutputMerger | None = None
         self._finished = False
         self._results: list | None = None
@@ -157,10 +128,9 @@ class RankRun:
         self._replied: deque[int] = deque()
         # Likewise the ranks whose output came since the loop's last pass (by iopub
         # message; ipyparallel fills the metadata first): a pass reads only theirs, and
-        # every rank's at least once a second (_FULL_DRAIN_S) and at the end.
+        # every rank's at least once a second and at the end.
         self._index = {rank: i for i, rank in enumerate(self.ranks)}
-        self._touched: deque[int] = deque()
-        self._full_drain_at = 0.0
+        self._streams = RankStreams(self.ranks, self._metadata)
         # {rank: when (monotonic) its engine began the cell}: at many ranks the last ones begin
         # seconds after the first fail, and the guard counts a rank's time from its beginning.
         self.began: dict[int, float] = {}
@@ -188,7 +158,7 @@ class RankRun:
             if msg["content"].get("execution_state") == "busy":
                 self.began.setdefault(rank, time.monotonic())
         elif kind in _OUTPUT_MESSAGES:
-            self._touched.append(self._index[rank])
+            self._streams.touched(self._index[rank])
             self._wake.set()
         elif kind in _COMM_MESSAGES:
             self._comms.append((rank, kind, msg["content"]))
@@ -208,6 +178,22 @@ class RankRun:
     def results(self) -> list | None:
         """Per-rank results (exceptions included) once :meth:`wait` got them, else None."""
         return self._results
+
+    @property
+    def client(self):
+        """The ipyparallel client the requests went through."""
+        return result_client(self._ar)
+
+    def requests(self, ranks: Sequence[int]) -> dict[int, tuple[int, str]]:
+        """{rank: (its engine id, its request's msg id)} of those of ``ranks`` in this run."""
+        engines = per_engine_ids(self._ar)
+        if engines is None:
+            return {}
+        return {
+            rank: (engines[self._index[rank]], self._children[self._index[rank]].msg_id)
+            for rank in ranks
+            if rank in self._index
+        }
 
     def child_states(self) -> dict[int, str]:
         """{rank: 'running' | 'ok' | 'error'} from each rank's own reply."""
@@ -244,51 +230,7 @@ class RankRun:
         merger = self._merger
         while self._comms:
             merger.feed_comm(*self._comms.popleft())
-        indices = range(len(self.ranks))
-        now = time.monotonic()
-        if touched_only and now - self._full_drain_at < _FULL_DRAIN_S:
-            indices = set()
-            while self._touched:
-                indices.add(self._touched.popleft())
-        else:
-            self._touched.clear()  # every rank is read below
-            self._full_drain_at = now
-        # ipyparallel keeps each rank's output accumulated in its metadata dict.
-        for i in sorted(indices):
-            rank, md, seen = self.ranks[i], self._metadata[i], self._consumed[i]
-            for stream in ("stdout", "stderr"):
-                text = md[stream] or ""
-                delta = _stream_delta(seen[stream], text)
-                if delta:
-                    self._feed_limited(rank, stream, delta)
-                seen[stream] = text
-            outputs = md["outputs"]
-            while seen["outputs"] < len(outputs):
-                out = outputs[seen["outputs"]]
-                merger.feed_display(rank, out.get("data", {}), out.get("metadata", {}))
-                seen["outputs"] += 1
-
-    def _feed_limited(self, rank: int, stream: str, delta: str) -> None:
-        key = (rank, stream)
-        if key in self.truncated:
-            self.truncated[key] += len(delta)
-            return
-        shown = self._shown.get(key, 0)
-        if self._limit and shown + len(delta) > self._limit:
-            room = max(0, self._limit - shown)
-            cut = delta.rfind("\n", 0, room) + 1 or room  # end on a whole line when possible
-            part = delta[:cut]
-            self.truncated[key] = len(delta) - len(part)
-            note = (
-                f"nbdist: {stream} truncated after {_mib(self._limit)} in this cell; the rest "
-                "is not shown (write large output to a file; NBDIST_OUTPUT_LIMIT=0 shows all)"
-            )
-            self._merger.feed(
-                rank, stream, part + ("" if part.endswith("\n") else "\n") + note + "\n"
-            )
-            return
-        self._shown[key] = shown + len(delta)
-        self._merger.feed(rank, stream, delta)
+        self._streams.drain(merger, touched_only=touched_only)
 
     def _finish_output(self) -> None:
         # The result can arrive before the last output message; wait briefly for it.
@@ -296,12 +238,7 @@ class RankRun:
         dead = self._guard.dead()
         self._ar.wait_for_output(timeout=0.5 if dead else 5)
         self._drain()
-        for rank, md in zip(self.ranks, self._metadata):
-            result = md.get("execute_result")
-            if result:
-                self._merger.feed_display(rank, result.get("data", {}), result.get("metadata", {}))
-        for (rank, stream), dropped in sorted(self.truncated.items()):
-            self._merger.feed(rank, stream, f"nbdist: {_mib(dropped)} of {stream} not shown\n")
+        self._streams.finish(self._merger)
         self._merger.close()
 
     # -- waiting ----------------------------------------------------------
@@ -315,6 +252,8 @@ class RankRun:
             # a rank asked after that would be interrupted twice.
             if self._missed is not None and not self._guard.released:
                 self._missed.poll()
+            if self._stopped and not self._caught_noted:
+                self._note_caught()
             finished = self._all_done()
             self._drain(touched_only=not finished)
             self._merger.poll()
@@ -410,6 +349,7 @@ class RankRun:
         self._ar = self._guard = self._watch = self._interrupt = self._missed = None
         self._sink = self._prompts = self._merger = None
         self._children, self._metadata = [], []
+        self._streams.let_go()
         self._comms.clear()
         if self._error is not None:
             raise self._error
@@ -446,12 +386,47 @@ class RankRun:
             self._missed = MissedInterrupt(self._ar, running, since)
             self._missed.poll()  # asked at once
 
+    def _note_caught(self) -> None:
+        """Once the guard knows them: say under each rank whose code caught the interrupt
+        that the cell waits for it."""
+        caught = self._guard.caught
+        if caught is None:
+            return
+        self._caught_noted = True
+        for rank in sorted(caught):
+            self._merger.feed(rank, "stderr", _CAUGHT_NOTE)
+
+    def _still_caught(self) -> list[int]:
+        """The ranks still running whose code caught the interrupt."""
+        caught = self._guard.caught or set()
+        return [r for r, s in self.child_states().items() if s == "running" and r in caught]
+
     def _settle(self) -> None:
-        """After an interrupt: let ranks unwind, show what they printed, stop waiting."""
-        try:
-            self._loop(time.monotonic() + _INTERRUPT_GRACE_S)
-        except KeyboardInterrupt:
-            pass  # a second Ctrl-C: stop waiting now
+        """After an interrupt: let ranks unwind, show what they printed, stop waiting.
+
+        Ranks whose code caught the KeyboardInterrupt run their handling code to its end,
+        waited for as a kernel of their own would wait (the grace renews while they run).
+        A second Ctrl-C while they run SIGINTs every rank still running once more and waits
+        one more grace; otherwise (or a third) it stops waiting now.
+        """
+        deadline = time.monotonic() + _INTERRUPT_GRACE_S
+        again = False
+        while True:
+            try:
+                if self._loop(deadline):
+                    break
+            except KeyboardInterrupt:
+                if self._latch is not None:
+                    self._latch.take()  # this Ctrl-C is handled here; the next one is another
+                if again or not self._still_caught():
+                    break  # stop waiting now
+                again = True
+                self._interrupt([r for r, s in self.child_states().items() if s == "running"])
+                deadline = time.monotonic() + _INTERRUPT_GRACE_S
+                continue
+            if again or not self._still_caught():
+                break
+            deadline = time.monotonic() + _INTERRUPT_GRACE_S
         self._finished = self._all_done()
         if self._finished:
             self._finish_output()
@@ -460,7 +435,8 @@ class RankRun:
             self._merger.close()
 
     def _interrupted(self) -> RanksInterrupted:
-        context = dict(where=self.where_report, note=self._guard.note())
+        caught = sorted(self._guard.caught or ())
+        context = dict(where=self.where_report, note=self._guard.note(), caught=caught)
         if not self._finished:
             running = [r for r, s in self.child_states().items() if s == "running"]
             return RanksInterrupted(None, running, **context)
@@ -469,15 +445,19 @@ class RankRun:
         except RankError as stopped:
             stopped.note = ""  # said once, below the tracebacks
             return RanksInterrupted(stopped, finished=self._ran_to_the_end(), **context)
-        return RanksInterrupted(None, finished=self.ranks, **context)
+        return RanksInterrupted(
+            None, finished=[r for r in self.ranks if r not in caught], **context
+        )
 
     def _ran_to_the_end(self) -> list[int]:
-        """The ranks whose reply says they ran the whole request (no error, not dropped)."""
+        """The ranks whose reply says they ran the whole request (no error, not dropped),
+        but for those whose code caught the interrupt and ended it by itself."""
         dead = self._guard.dead()
+        caught = self._guard.caught or ()
         return [
             rank
             for rank, res in zip(self.ranks, self._results or [])
-            if not isinstance(res, BaseException) and rank not in dead
+            if not isinstance(res, BaseException) and rank not in dead and rank not in caught
         ]
 
     def _result_or_raise(self) -> list:

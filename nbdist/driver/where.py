@@ -67,13 +67,20 @@ class RankWhere:
 
 
 def control_request(
-    client, engine_ids: Sequence[int], action: str, timeout: float, **options
+    client,
+    engine_ids: Sequence[int],
+    action: str,
+    timeout: float,
+    per_engine: Sequence[dict] | None = None,
+    **options,
 ) -> list:
-    """Send nbdist's control ``action`` (with ``options``) to the engines; replies (or None) in order."""
+    """Send nbdist's control ``action`` (with ``options``, and ``per_engine[i]`` to the i-th
+    engine) to the engines; replies (or None) in order."""
     futures = []
-    for eid in engine_ids:
+    for i, eid in enumerate(engine_ids):
+        content = {"action": action, **options, **(per_engine[i] if per_engine else {})}
         try:
-            futures.append(send_control(client, eid, REQUEST, {"action": action, **options}))
+            futures.append(send_control(client, eid, REQUEST, content))
         except Exception:  # the engine left the cluster meanwhile (it died)
             futures.append(None)
     deadline = time.monotonic() + timeout

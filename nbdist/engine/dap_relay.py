@@ -56,7 +56,15 @@ import uuid
 from nbdist.engine import debugpy_server, lab_debug
 from nbdist.engine.dap_framing import Frames, frame
 
-__all__ = ["ABANDONED_S", "ACTIONS", "MAX_WAIT_S", "drop_if_abandoned", "handle", "is_open"]
+__all__ = [
+    "ABANDONED_S",
+    "ACTIONS",
+    "MAX_WAIT_S",
+    "drop_if_abandoned",
+    "handle",
+    "is_open",
+    "main_thread_paused",
+]
 
 ACTIONS = ("dap_open", "dap_send", "dap_poll", "dap_close", "lab_prepare", "lab_paused")
 
@@ -192,7 +200,7 @@ def handle(action: str, content: dict, control_socket=None) -> dict:
     if action == "lab_prepare":
         return _prepare(content)
     if action == "lab_paused":
-        return {"paused": _main_thread_paused()}
+        return {"paused": main_thread_paused()}
     relay = _relay[0]
     if relay is None or relay.token != content.get("token"):
         return {"messages": [], "closed": True}
@@ -223,7 +231,8 @@ def _prepare(content: dict) -> dict:
     return found
 
 
-def _main_thread_paused() -> bool:
+def main_thread_paused() -> bool:
+    """Whether the main thread waits in debugpy, paused (a breakpoint, a step, a pause)."""
     frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001 - the only way
     while frame is not None:
         code = frame.f_code

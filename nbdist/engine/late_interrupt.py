@@ -34,7 +34,7 @@ from collections import deque
 
 from nbdist.engine.request_sigint import Redelivery, RequestSigint
 
-__all__ = ["boot_id", "install", "interrupt_request"]
+__all__ = ["boot_id", "caught_in", "install", "interrupt_request"]
 
 # Ended requests remembered, so a late question about one is not taken for one to come.
 _ENDED_KEPT = 256
@@ -56,6 +56,9 @@ class _Requests:
         # The request a SIGINT came for outside the user's code, held until that code runs
         # (request_sigint.py; set in the signal handler, like idle_sigint_at).
         self.held: str | None = None
+        # The request in whose user code a SIGINT last raised KeyboardInterrupt (set in the
+        # signal handler too).
+        self.raised_in: str | None = None
 
 
 _requests = _Requests()
@@ -96,6 +99,7 @@ def _held() -> None:
 def _raised() -> None:
     _requests.request_sigint = (_requests.current, time.monotonic())
     _requests.held = None
+    _requests.raised_in = _requests.current
 
 
 def _still_held() -> bool:
@@ -146,6 +150,15 @@ def install(kernel) -> None:
     post_handler_hook.nbdist_original = post
     kernel.pre_handler_hook = pre_handler_hook
     kernel.post_handler_hook = post_handler_hook
+
+
+def caught_in(msg_id: str) -> bool:
+    """Whether request ``msg_id`` runs on after a SIGINT raised KeyboardInterrupt in its user
+    code: that code caught it (an ``except KeyboardInterrupt`` or ``finally`` block saving a
+    checkpoint, a library's shutdown), or it is still unwinding. Another SIGINT would cut it
+    short, as a second Ctrl-C does in a kernel of its own."""
+    with _requests.lock:
+        return _requests.current == msg_id and _requests.raised_in == msg_id
 
 
 def boot_id() -> str:

@@ -315,7 +315,7 @@ def controller_gone_seconds() -> float:
 
 
 # How much of each rank's output a cell shows: read by the driver at each cell
-# (nbdist.driver.output_fold.lines_per_rank, nbdist.driver.runner.output_limit), checked
+# (nbdist.driver.output_fold.lines_per_rank, nbdist.driver.rank_streams.output_limit), checked
 # here so that a bad value is refused before the ranks start, not at the first cell.
 _OUTPUT_SETTINGS = {
     "NBDIST_OUTPUT_LINES": ("lines of each rank a cell's folded output keeps", "1000"),

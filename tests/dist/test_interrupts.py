@@ -153,24 +153,29 @@ def test_a_ctrl_c_while_the_cell_is_sent_interrupts_it_on_the_ranks(session, cal
     assert session.pull("after") == [2, 2]
 
 
-def _swallow_one_interrupt(seconds: float) -> str:
-    """Applied on a rank: sleeps, and keeps sleeping after the first KeyboardInterrupt (as
-    if that SIGINT had not landed)."""
+def _miss_one_interrupt(seconds: float) -> str:
+    """Applied on a rank: the first SIGINT does not reach this code (as one that came while
+    the engine did not run it), the next ones do; sleeps ``seconds`` after the first."""
+    import signal
+    import threading
     import time
 
+    reached = threading.Event()
+    handler = signal.signal(signal.SIGINT, lambda *_: reached.set())
     try:
-        time.sleep(seconds)
-    except KeyboardInterrupt:
-        time.sleep(seconds)
+        reached.wait(seconds)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    time.sleep(seconds)
     return "ran whole"
 
 
-_swallow_one_interrupt.__module__ = "__main__"
+_miss_one_interrupt.__module__ = "__main__"
 
 
 def test_an_interrupted_apply_interrupts_again_the_ranks_that_did_not_stop(session):
-    """An ``apply`` has no cell guard, which SIGINTs a cell's ranks again: a rank whose first
-    SIGINT did not stop it ran the whole call (CI: an interrupted ``apply`` left a rank
+    """An ``apply`` has no cell guard, which SIGINTs a cell's ranks again: a rank the first
+    SIGINT did not reach ran the whole call (CI: an interrupted ``apply`` left a rank
     running for the 10 s grace), now it is interrupted once more, a second later."""
     import _thread
 
@@ -180,11 +185,150 @@ def test_an_interrupted_apply_interrupts_again_the_ranks_that_did_not_stop(sessi
     timer = threading.Timer(1.5, _thread.interrupt_main)
     timer.start()
     with pytest.raises(RanksInterrupted) as caught:
-        session.apply(_swallow_one_interrupt, 60)
+        session.apply(_miss_one_interrupt, 60)
     timer.cancel()
     assert "every rank stopped" in str(caught.value), str(caught.value)
     session.run("after = 4")  # runs now: no rank is still in the call
     assert session.pull("after") == [4, 4]
+
+
+def _interrupt_when(ready, *, limit: float = 120.0) -> threading.Thread:
+    """A thread that interrupts the kernel's main thread (as the kernel's interrupt does)
+    once ``ready()`` is true."""
+    import _thread
+
+    def watch():
+        deadline = time.monotonic() + limit
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _thread.interrupt_main()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _began_on_every_rank(folder, world_size: int):
+    import os
+
+    return lambda: len(os.listdir(folder)) >= world_size
+
+
+# Marks that the rank is inside the try (the Ctrl-C is meant for that moment), computes until
+# interrupted, then handles the KeyboardInterrupt with {handling}.
+_CATCHING_CELL = (
+    "import os, time\n"
+    "try:\n"
+    "    open(os.path.join({began!r}, str(rank)), 'w').close()\n"
+    "    while True:\n"
+    "        time.sleep(0.01)\n"
+    "except KeyboardInterrupt:\n"
+    "{handling}"
+)
+# A checkpoint written on Ctrl-C: 2 s, then a file, then the KeyboardInterrupt goes on.
+_SAVE_ON_CTRL_C = (
+    "    time.sleep(2.0)\n"
+    "    open(os.path.join({saved!r}, str(rank)), 'w').write('saved')\n"
+    "    print('saved', rank, flush=True)\n"
+    "    raise\n"
+)
+
+
+def _save_on_ctrl_c(began: str, saved: str) -> str:
+    """Applied on a rank: as _CATCHING_CELL with _SAVE_ON_CTRL_C, returning instead of raising."""
+    import os
+    import time
+
+    from IPython import get_ipython
+
+    rank = get_ipython().user_ns["rank"]
+    try:
+        open(os.path.join(began, str(rank)), "w").close()
+        while True:
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        time.sleep(2.0)
+        open(os.path.join(saved, str(rank)), "w").write("saved")
+    return "saved"
+
+
+_save_on_ctrl_c.__module__ = "__main__"
+
+
+@pytest.mark.parametrize("call", ["cell", "apply"])
+def test_code_that_catches_the_interrupt_runs_to_its_end(session, tmp_path, call):
+    """A rank whose code catches the KeyboardInterrupt (a checkpoint written on Ctrl-C, a
+    library's shutdown) runs that code to its end, and the cell waits for it, as a kernel
+    of its own does. Before, the guard SIGINTed every rank still running 0.5 s (a cell) or
+    1 s (an ``apply``) after the interrupt: the handling code was cut short and the
+    checkpoint never written."""
+    import os
+
+    from nbdist.errors import RanksInterrupted
+
+    began, saved = tmp_path / "began", tmp_path / "saved"
+    began.mkdir()
+    saved.mkdir()
+    sink = ListSink()
+    _interrupt_when(_began_on_every_rank(began, session.world_size))
+    with pytest.raises(RanksInterrupted) as caught:
+        if call == "cell":
+            handling = _SAVE_ON_CTRL_C.format(saved=str(saved))
+            session.run(_CATCHING_CELL.format(began=str(began), handling=handling), sink=sink)
+        else:
+            session.apply(_save_on_ctrl_c, str(began), str(saved))
+    assert sorted(os.listdir(saved)) == ["0", "1"], "the handling code was cut short"
+    said = str(caught.value)
+    assert said.startswith("interrupted; every rank stopped"), said
+    assert "ranks 0-1 first ran their own code that caught the KeyboardInterrupt" in said, said
+    if call == "cell":
+        lines = [e[3] for e in sink.events if e[0] == "line"]
+        assert "saved 0" in lines and "saved 1" in lines, lines
+        notes = [e[2] for e in sink.events if e[0] == "line" and "runs on" in e[3]]
+        assert notes == ["ranks 0-1"], sink.events
+    session.run("after = rank + 7")
+    assert session.pull("after") == [7, 8]
+
+
+def test_a_collective_in_code_that_caught_the_interrupt_is_released(session, tmp_path):
+    """A rank whose handling code enters a collective that the other ranks, which did not
+    catch the interrupt, never enter is released from it (it would wait for the group's
+    timeout) and the group is formed again."""
+    from nbdist.errors import RanksInterrupted
+
+    began = tmp_path / "began"
+    began.mkdir()
+    handling = "    if rank == 0:\n        dist.barrier()\n    raise\n"
+    _interrupt_when(_began_on_every_rank(began, session.world_size))
+    with pytest.raises(RanksInterrupted) as caught:
+        session.run(_CATCHING_CELL.format(began=str(began), handling=handling), sink=ListSink())
+    shown = "\n".join(caught.value._render_traceback_())
+    assert "released: rank 0 from barrier #" in shown, shown
+    assert "The process group was formed again" in shown, shown
+    session.run("t = torch.ones(1)\ndist.all_reduce(t)\ntotal = int(t)")
+    assert session.pull("total") == [2, 2]
+
+
+def test_a_second_ctrl_c_stops_code_that_caught_the_first(session, tmp_path):
+    """Handling code that would not end by itself (it caught the KeyboardInterrupt and went
+    on) stops at a second Ctrl-C, as in a kernel of its own."""
+    from nbdist.errors import RanksInterrupted
+
+    began = tmp_path / "began"
+    began.mkdir()
+    handling = "    while True:\n        time.sleep(0.01)\n"
+    sink = ListSink()
+    _interrupt_when(_began_on_every_rank(began, session.world_size))
+    # The second once the cell said it waits for the ranks' handling code.
+    noted = lambda: any(e[0] == "line" and "runs on" in e[3] for e in list(sink.events))  # noqa: E731
+    _interrupt_when(noted)
+    with pytest.raises(RanksInterrupted) as caught:
+        session.run(_CATCHING_CELL.format(began=str(began), handling=handling), sink=sink)
+    assert noted(), sink.events
+    said = str(caught.value)
+    assert said.startswith("interrupted; every rank stopped"), said
+    session.run("after = 9")
+    assert session.pull("after") == [9, 9]
 
 
 def _mark_after(seconds: float) -> None:

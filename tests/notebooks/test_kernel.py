@@ -137,6 +137,54 @@ def test_interrupt_stops_every_rank_and_the_next_cell_works(dist_kernel):
     assert result.seconds < 30, f"the next cell took {result.seconds:.1f} s"
 
 
+def test_a_checkpoint_written_on_ctrl_c_is_written_whole(dist_kernel, tmp_path):
+    """Training code that saves a checkpoint in ``except KeyboardInterrupt:`` saves it whole
+    when the kernel is interrupted, and the cell says it waits for that code; before, the
+    ranks were interrupted again 0.5 s later, inside the save."""
+    kernel = dist_kernel
+    folder = str(tmp_path)
+    msg_id = kernel.submit(
+        "%%on_all_ranks\n"
+        "import os, time\n"
+        "model = torch.nn.Linear(64, 64)\n"
+        "try:\n"
+        "    print('training', flush=True)\n"
+        "    while True:\n"
+        "        model(torch.randn(8, 64)).sum().backward()\n"
+        "        time.sleep(0.01)\n"
+        "except KeyboardInterrupt:\n"
+        "    time.sleep(1.5)  # a large checkpoint takes a while\n"
+        f"    torch.save(model.state_dict(), os.path.join({folder!r}, f'ckpt_{{rank}}.pt'))\n"
+        "    print('checkpoint saved', flush=True)\n"
+        "    raise\n"
+    )
+    outputs, idle = kernel.collect(
+        msg_id,
+        timeout=120,
+        until=lambda outs: ranks_printed(shown_text(outs), "training") == {0, 1},
+    )
+    assert not idle, f"the cell ended before it was interrupted: {shown_text(outputs)!r}"
+    kernel.km.interrupt_kernel()
+    more, _ = kernel.collect(msg_id, timeout=60)
+    reply = kernel.reply(msg_id, timeout=30)
+    assert reply["ename"] == "RanksInterrupted"
+    text = shown_text(more)
+    assert ranks_printed(text, "checkpoint saved") == {0, 1}, text
+    assert "this rank's code caught the KeyboardInterrupt and runs on" in text, text
+    errors = [m["content"] for m in more if m["msg_type"] == "error"]
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(errors[0]["traceback"]))
+    assert shown.endswith(
+        "interrupted; every rank stopped (ranks 0-1 first ran their own code that caught the "
+        "KeyboardInterrupt)"
+    ), shown
+    saved = kernel.ok(
+        "%%on_all_ranks\n"
+        f"back = torch.load(os.path.join({folder!r}, f'ckpt_{{rank}}.pt'))\n"
+        "print(all(torch.equal(back[k], v) for k, v in model.state_dict().items()))"
+    ).stdout
+    assert "[ranks 0-1] True" in saved, saved
+
+
 def _kill_kernel(kernel) -> None:
     pid = kernel.pid
     assert pid in {p.pid for p in psutil.Process().children()}  # our kernel, nothing else

@@ -221,3 +221,31 @@ def test_an_interrupt_names_the_ranks_that_ran_the_cell_to_its_end_all_the_same(
     )
     # Ranks that never replied are said first: they are the ones to act on.
     assert "did not stop" in str(RanksInterrupted(None, [4], finished=[0]))
+
+
+def test_an_interrupt_names_the_ranks_whose_own_code_caught_it():
+    """Ranks whose code caught the KeyboardInterrupt (a checkpoint saved on Ctrl-C) are named
+    as such: not as ranks that ran the cell to its end, nor as ranks that did not stop."""
+    stopped = RankError([RankFailure(0, "KeyboardInterrupt", "", "")])
+    handled = RanksInterrupted(stopped, caught=[0, 1])
+    assert str(handled) == (
+        "interrupted; every rank stopped (ranks 0-1 first ran their own code that caught the "
+        "KeyboardInterrupt)"
+    )
+    assert handled._render_traceback_()[-1] == str(handled)
+    # A rank that caught it and ended the cell well: the interrupt did not come too late.
+    returned = RanksInterrupted(None, caught=[1])
+    assert returned._render_traceback_()[0] == (
+        "KeyboardInterrupt: the cell was interrupted on every rank"
+    )
+    assert str(returned) == (
+        "interrupted; every rank stopped (rank 1 first ran its own code that caught the "
+        "KeyboardInterrupt)"
+    )
+    # Still running when the kernel stopped waiting: which ones handle it, which are stuck.
+    both = RanksInterrupted(None, [2, 3], caught=[3])
+    assert str(both) == (
+        "rank 2 did not stop after the interrupt (blocked in a collective or in native code?); "
+        "rank 3 caught the KeyboardInterrupt and still runs its handling code (the next cell "
+        "runs there after it); interrupt again, or %dist_restart"
+    )

@@ -6,7 +6,7 @@ import pytest
 
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.rank_replies import broken_group_words
-from nbdist.driver.runner import _stream_delta
+from nbdist.driver.rank_streams import stream_delta as _stream_delta
 from nbdist.driver.sinks import ListSink
 
 
