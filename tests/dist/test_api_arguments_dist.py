@@ -149,8 +149,10 @@ def test_powersgd_rank_given_as_text_is_named(session):
     # 'size' ... must be tuple of ints, not float").
     assert (
         _outcomes(session, "apply_comm_hook(ddp, 'powersgd', matrix_rank=1.5)")
-        == ["TypeError: apply_comm_hook: matrix_rank=1.5 is no whole number: pass a count, "
-            "e.g. matrix_rank=1"]
+        == [
+            "TypeError: apply_comm_hook: matrix_rank=1.5 is no whole number: pass a count, "
+            "e.g. matrix_rank=1"
+        ]
         * 2
     )
     assert _outcomes(session, "apply_comm_hook(ddp, 'powersgd', matrix_rank=2) and None") == [

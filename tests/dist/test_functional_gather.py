@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-import nbdist
 from nbdist.driver.sinks import ListSink
 from tests.dist.gpu_like_ranks import two_cpu_ranks
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from nbdist.driver.sinks import ListSink
-from tests.dist.gpu_like_ranks import two_cpu_ranks
 from nbdist.errors import RankError
+from tests.dist.gpu_like_ranks import two_cpu_ranks
 
 CELL = """
 from torch import nn

@@ -134,4 +134,6 @@ for kind in ("gpipe", "1f1b"):
         assert last[kind] == pytest.approx(want_losses, rel=1e-5), kind
         got = weights[0][kind] + weights[1][kind]  # stage 0 holds layer 0, stage 1 layer 1
         for g, w in zip(got, want_weights):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind}: {m}")
+            torch.testing.assert_close(
+                g, w, rtol=1e-5, atol=1e-6, msg=lambda m, kind=kind: f"{kind}: {m}"
+            )
