@@ -9,8 +9,11 @@ its handling code to the end and the cell waits for it, as a kernel of its own
 would, until a second Ctrl-C (:mod:`nbdist.driver.runner`).
 
 Each rank says so itself, on its control channel
-(:func:`nbdist.engine.late_interrupt.caught_in`): a rank paused in debugpy does not
-count (debugpy swallows the KeyboardInterrupt), nor does one that does not answer.
+(:func:`nbdist.engine.late_interrupt.handling_interrupt`): a rank paused in debugpy
+does not count (debugpy swallows the KeyboardInterrupt), nor does one that does not
+answer. It answers for the request it runs, which may be one queued before the one
+the kernel waits for (a ``--noblock`` cell): the SIGINT landed there, and the waited-for
+request is dropped unrun (:mod:`nbdist.driver.missed_interrupt`).
 """
 
 from __future__ import annotations
@@ -27,17 +30,12 @@ ASK_S = 1.0
 
 
 def caught_interrupt(run, ranks: Sequence[int], timeout: float = ASK_S) -> set[int]:
-    """Those of ``ranks`` (of ``run``, a :class:`~nbdist.driver.runner.RankRun`) whose code
-    caught the interrupt's KeyboardInterrupt and still runs the request."""
-    requests = run.requests(ranks)
-    if not requests:
+    """Those of ``ranks`` (of ``run``, a :class:`~nbdist.driver.runner.RankRun`) that run code
+    which caught the interrupt's KeyboardInterrupt: this request's, or that of one before
+    it the SIGINT reached instead (this one, queued behind, is dropped meanwhile)."""
+    engines = run.engine_ids(ranks)
+    if not engines:
         return set()
-    asked = sorted(requests)
-    replies = control_request(
-        run.client,
-        [requests[r][0] for r in asked],
-        "caught",
-        timeout,
-        per_engine=[{"msg_id": requests[r][1]} for r in asked],
-    )
+    asked = sorted(engines)
+    replies = control_request(run.client, [engines[r] for r in asked], "caught", timeout)
     return {rank for rank, reply in zip(asked, replies) if reply and reply.get("caught")}

@@ -184,16 +184,12 @@ class RankRun:
         """The ipyparallel client the requests went through."""
         return result_client(self._ar)
 
-    def requests(self, ranks: Sequence[int]) -> dict[int, tuple[int, str]]:
-        """{rank: (its engine id, its request's msg id)} of those of ``ranks`` in this run."""
+    def engine_ids(self, ranks: Sequence[int]) -> dict[int, int]:
+        """{rank: its engine id} of those of ``ranks`` in this run."""
         engines = per_engine_ids(self._ar)
         if engines is None:
             return {}
-        return {
-            rank: (engines[self._index[rank]], self._children[self._index[rank]].msg_id)
-            for rank in ranks
-            if rank in self._index
-        }
+        return {rank: engines[self._index[rank]] for rank in ranks if rank in self._index}
 
     def child_states(self) -> dict[int, str]:
         """{rank: 'running' | 'ok' | 'error'} from each rank's own reply."""

@@ -67,20 +67,13 @@ class RankWhere:
 
 
 def control_request(
-    client,
-    engine_ids: Sequence[int],
-    action: str,
-    timeout: float,
-    per_engine: Sequence[dict] | None = None,
-    **options,
+    client, engine_ids: Sequence[int], action: str, timeout: float, **options
 ) -> list:
-    """Send nbdist's control ``action`` (with ``options``, and ``per_engine[i]`` to the i-th
-    engine) to the engines; replies (or None) in order."""
+    """Send nbdist's control ``action`` (with ``options``) to the engines; replies (or None) in order."""
     futures = []
-    for i, eid in enumerate(engine_ids):
-        content = {"action": action, **options, **(per_engine[i] if per_engine else {})}
+    for eid in engine_ids:
         try:
-            futures.append(send_control(client, eid, REQUEST, content))
+            futures.append(send_control(client, eid, REQUEST, {"action": action, **options}))
         except Exception:  # the engine left the cluster meanwhile (it died)
             futures.append(None)
     deadline = time.monotonic() + timeout

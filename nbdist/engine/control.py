@@ -28,9 +28,9 @@ ipykernel serves on its own thread (the one that also serves
     stop one request if the kernel's SIGINT came before this rank began it
     (:mod:`nbdist.engine.late_interrupt`).
 ``caught``
-    whether one request's code caught the interrupt's KeyboardInterrupt and runs
-    on (its ``except``/``finally`` code), not paused in debugpy, which swallows it
-    (:func:`nbdist.engine.late_interrupt.caught_in`).
+    whether the request this rank runs caught the interrupt's KeyboardInterrupt
+    and runs on (its ``except``/``finally`` code), not paused in debugpy, which
+    swallows it (:func:`nbdist.engine.late_interrupt.handling_interrupt`).
 ``release``
     break this rank out of the collective it waits in. NCCL: abort the
     communicators (``_abort_process_group``). gloo has no abort (its
@@ -279,8 +279,8 @@ def _handle(kernel, stream, idents, parent) -> None:
             )
             reply = {"status": "ok", "interrupt": done}
         elif action == "caught":
-            caught = late_interrupt.caught_in(str(content.get("msg_id", "")))
-            reply = {"status": "ok", "caught": caught and not dap_relay.main_thread_paused()}
+            caught = late_interrupt.handling_interrupt() and not dap_relay.main_thread_paused()
+            reply = {"status": "ok", "caught": caught}
         elif action == "crash_record":
             path = str(content.get("path", ""))
             if content.get("remove_own"):  # the session stops: this rank's own record goes

@@ -34,7 +34,7 @@ from collections import deque
 
 from nbdist.engine.request_sigint import Redelivery, RequestSigint
 
-__all__ = ["boot_id", "caught_in", "install", "interrupt_request"]
+__all__ = ["boot_id", "handling_interrupt", "install", "interrupt_request"]
 
 # Ended requests remembered, so a late question about one is not taken for one to come.
 _ENDED_KEPT = 256
@@ -152,13 +152,14 @@ def install(kernel) -> None:
     kernel.post_handler_hook = post_handler_hook
 
 
-def caught_in(msg_id: str) -> bool:
-    """Whether request ``msg_id`` runs on after a SIGINT raised KeyboardInterrupt in its user
-    code: that code caught it (an ``except KeyboardInterrupt`` or ``finally`` block saving a
-    checkpoint, a library's shutdown), or it is still unwinding. Another SIGINT would cut it
-    short, as a second Ctrl-C does in a kernel of its own."""
+def handling_interrupt() -> bool:
+    """Whether the request this rank runs goes on after a SIGINT raised KeyboardInterrupt in
+    its user code: that code caught it (an ``except KeyboardInterrupt`` or ``finally`` block
+    saving a checkpoint, a library's shutdown), or it is still unwinding. Another SIGINT
+    would cut it short, as a second Ctrl-C does in a kernel of its own, and could not reach
+    a request queued behind it (that one is dropped: :func:`interrupt_request`)."""
     with _requests.lock:
-        return _requests.current == msg_id and _requests.raised_in == msg_id
+        return _requests.current is not None and _requests.raised_in == _requests.current
 
 
 def boot_id() -> str:

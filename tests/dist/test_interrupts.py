@@ -350,10 +350,12 @@ _mark_after.__module__ = "__main__"
 # a request queued behind it is still waiting when the kernel asks about it.
 _SLOW_TO_STOP = (
     "import time\n"
+    "unwound = False\n"
     "try:\n"
     "    time.sleep(60)\n"
     "except KeyboardInterrupt:\n"
     "    time.sleep(1.5)\n"
+    "    unwound = True\n"
     "    raise"
 )
 
@@ -388,7 +390,9 @@ def _interrupt_an_apply_behind(session, background_code: str, seconds: float, tm
 def test_a_ctrl_c_drops_a_request_queued_behind_a_running_cell(session, tmp_path):
     """The request the kernel waits for is queued behind a --noblock cell: the SIGINT stops
     the cell, and the request, which had not begun, is dropped instead of running after
-    it (before: it ran whole, and the kernel said the ranks "did not stop")."""
+    it (before: it ran whole, and the kernel said the ranks "did not stop"). The cell's
+    own handling of the KeyboardInterrupt runs to its end: the request's guard does not
+    SIGINT again a rank that runs such code (before, 1 s after the first, inside it)."""
     caught, took, background = _interrupt_an_apply_behind(session, _SLOW_TO_STOP, 0.0, tmp_path)
     assert "every rank stopped" in str(caught), str(caught)
     shown = "\n".join(caught._render_traceback_())
@@ -397,6 +401,7 @@ def test_a_ctrl_c_drops_a_request_queued_behind_a_running_cell(session, tmp_path
     with pytest.raises(RankError) as first:  # the SIGINT stopped the cell that was running
         background.wait()
     assert {f.ename for f in first.value.failures} == {"KeyboardInterrupt"}
+    assert session.pull("unwound") == [True, True]
     time.sleep(0.5)
     assert session.pull("ran_late") == [False, False]
 
