@@ -49,6 +49,11 @@ _CAUGHT_NOTE = (
     "nbdist: this rank's code caught the KeyboardInterrupt and runs on (an except or finally "
     "block); the cell waits for it: interrupt again to stop it\n"
 )
+# The same after a --timeout, whose limit holds: the cell ends after one grace all the same.
+_CAUGHT_AT_TIMEOUT_NOTE = (
+    "nbdist: this rank's code caught the KeyboardInterrupt and runs on (an except or finally "
+    f"block); past --timeout, the cell waits for it {_INTERRUPT_GRACE_S:g} s at most\n"
+)
 _POLL_S = 0.05
 # iopub messages that change what a cell shows (ipyparallel accumulates them per rank).
 _OUTPUT_MESSAGES = frozenset({"stream", "display_data", "execute_result", "error"})
@@ -105,6 +110,7 @@ class RankRun:
         self._latch: SigintLatch | None = None  # while waiting: a Ctrl-C swallowed elsewhere
         self._stopped = False  # the ranks were told to stop (Ctrl-C or --timeout)
         self._caught_noted = False  # _CAUGHT_NOTE was fed (or there was none to feed)
+        self._wait_for_caught = True  # after a Ctrl-C, not after a --timeout
         self._missed: MissedInterrupt | None = None  # then: ranks the SIGINT may have missed
         self._merger: OutputMerger | None = None
         self._finished = False
@@ -305,18 +311,26 @@ class RankRun:
             self._latch.take()  # this Ctrl-C is handled here; a second one stops the settling
             # A rank waiting in a collective explains a hang: keep where they were.
             self.where_report = self._guard.where_report(only_if_waiting=True)
-            self._stop_ranks()
+            self._stop_ranks(wait_for_caught=True)
             raise self._interrupted() from None
         if not completed:
             # Before anything is interrupted: where every rank is, and in which collective.
             self.where_report = self._guard.where_report()
-            self._stop_ranks()
+            # The limit holds: code that caught the interrupt gets one grace, not more.
+            self._stop_ranks(wait_for_caught=False)
             where = f"\nwhere the ranks were:\n{self.where_report}" if self.where_report else ""
             note = self._guard.note()
             if self._waiting_for:  # nbdist's own wait, not a cell the user limited
                 raise CellTimeout(
                     f"{self._waiting_for} took longer than {self._timeout:g} s on "
                     f"{len(self.ranks)} rank(s) and was interrupted{where}"
+                )
+            still = self._still_caught()
+            if still:
+                note = (
+                    f"{format_ranks(still)} still run code that caught the KeyboardInterrupt "
+                    "(the next cell runs there after it; interrupt it to stop that code)"
+                    + (f"\n{note}" if note else "")
                 )
             raise CellTimeout(
                 f"the cell ran longer than --timeout {self._timeout:g} s on "
@@ -351,14 +365,18 @@ class RankRun:
             raise self._error
         return list(self._results)
 
-    def _stop_ranks(self) -> None:
-        """SIGINT to the ranks; release those that do not stop; form the group again."""
+    def _stop_ranks(self, *, wait_for_caught: bool) -> None:
+        """SIGINT to the ranks; release those that do not stop; form the group again.
+
+        ``wait_for_caught``: wait for ranks whose code caught the interrupt for as long as
+        they run (a Ctrl-C), not just one grace (a ``--timeout``)."""
         if self._prompts is not None:
             self._prompts.cancel()  # ranks at a prompt stop too; no one is asked again
         since = time.monotonic()
         self._interrupt(self.ranks)
         self._reach_missed(since)
         self._stopped = True
+        self._wait_for_caught = wait_for_caught
         self._guard.interrupted()
         self._settle()
         if self._finished:
@@ -389,8 +407,9 @@ class RankRun:
         if caught is None:
             return
         self._caught_noted = True
+        note = _CAUGHT_NOTE if self._wait_for_caught else _CAUGHT_AT_TIMEOUT_NOTE
         for rank in sorted(caught):
-            self._merger.feed(rank, "stderr", _CAUGHT_NOTE)
+            self._merger.feed(rank, "stderr", note)
 
     def _still_caught(self) -> list[int]:
         """The ranks still running whose code caught the interrupt."""
@@ -401,7 +420,8 @@ class RankRun:
         """After an interrupt: let ranks unwind, show what they printed, stop waiting.
 
         Ranks whose code caught the KeyboardInterrupt run their handling code to its end,
-        waited for as a kernel of their own would wait (the grace renews while they run).
+        waited for as a kernel of their own would wait (after a Ctrl-C, the grace renews
+        while they run).
         A second Ctrl-C while they run SIGINTs every rank still running once more and waits
         one more grace; otherwise (or a third) it stops waiting now.
         """
@@ -420,7 +440,7 @@ class RankRun:
                 self._interrupt([r for r, s in self.child_states().items() if s == "running"])
                 deadline = time.monotonic() + _INTERRUPT_GRACE_S
                 continue
-            if again or not self._still_caught():
+            if again or not self._wait_for_caught or not self._still_caught():
                 break
             deadline = time.monotonic() + _INTERRUPT_GRACE_S
         self._finished = self._all_done()

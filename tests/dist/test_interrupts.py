@@ -510,3 +510,28 @@ def test_sigints_while_short_requests_run_lose_no_reply_and_no_rank(session):
     assert session.apply(os.getpid) == pids  # the same processes: none ended
     session.run("after_sigints = rank")
     assert session.pull("after_sigints") == [0, 1]
+
+
+def test_past_its_timeout_a_cell_waits_for_code_that_caught_the_interrupt_one_grace_only(
+    session, tmp_path
+):
+    """A cell's --timeout holds: code that caught the KeyboardInterrupt and would not end
+    gets the one grace an interrupted cell gets, not an unbounded wait; the error names the
+    ranks still running it, which run on until interrupted again."""
+    from nbdist.driver.runner import CellTimeout
+
+    began = tmp_path / "began"
+    began.mkdir()
+    handling = "    while True:\n        time.sleep(0.01)\n"
+    sink = ListSink()
+    with pytest.raises(CellTimeout) as caught:
+        session.run(
+            _CATCHING_CELL.format(began=str(began), handling=handling), timeout=3, sink=sink
+        )
+    said = str(caught.value)
+    assert "ranks 0-1 still run code that caught the KeyboardInterrupt" in said, said
+    notes = [e[3] for e in sink.events if e[0] == "line" and "runs on" in e[3]]
+    assert notes and "past --timeout, the cell waits for it 10 s at most" in notes[0], notes
+    session.interrupt()  # what the message says to do, here without a cell
+    session.run("after = 11")
+    assert session.pull("after") == [11, 11]
