@@ -255,6 +255,16 @@ class OutputMerger:
         still has every line).
         """
         now = self._clock()
+        self.end_lines()
+        for channel in _CHANNELS:
+            self._drain(channel, now, final=True)
+        self._end_fold()
+        self._update_widgets(final=True)
+
+    def end_lines(self) -> None:
+        """End every rank's unterminated last line (a progress bar's included): what comes
+        next, the cell's result, goes after it, as in a kernel of its own."""
+        now = self._clock()
         self._progress_pending.clear()
         for (rank, stream), state in self._lines.items():
             self._end_progress(rank, stream, state)
@@ -266,10 +276,6 @@ class OutputMerger:
             if text and ("\r" not in state.tail or text.strip()):
                 self._enqueue(stream, rank, (now, text))
             state.tail = ""
-        for channel in _CHANNELS:
-            self._drain(channel, now, final=True)
-        self._end_fold()
-        self._update_widgets(final=True)
 
     # -- internals -------------------------------------------------------------
 
@@ -351,13 +357,20 @@ class OutputMerger:
             self._filled[channel] += 1
         queue.append(item)
 
-    def _drain(self, channel: str, now: float, *, final: bool = False) -> None:
-        """Emit every group of ``channel`` that is ready (all of them if final)."""
+    def _drain(
+        self, channel: str, now: float, *, final: bool = False, only: tuple[int, ...] = ()
+    ) -> None:
+        """Emit every group of ``channel`` that is ready (all of them if final; ``only``: every
+        group of those ranks, grouped among them)."""
         queues = self._queues[channel]
         while True:
             if not self._filled[channel]:
                 return
-            if self._filled[channel] == len(self._ranks):
+            if only:
+                ready = tuple(rank for rank in only if queues[rank])
+                if not ready:
+                    return
+            elif self._filled[channel] == len(self._ranks):
                 ready = self._ranks
             elif final:
                 ready = tuple(rank for rank in self._ranks if queues[rank])
@@ -377,6 +390,11 @@ class OutputMerger:
             self._filled[channel] -= sum(1 for rank in ready if not queues[rank])
             self._oldest[channel] = None
             if channel == _DISPLAY:
+                # The lines these ranks printed before it came first (ipykernel flushes a
+                # rank's streams before a display); those still waiting for other ranks
+                # to group them go out now, or they would show after it.
+                for stream in STREAMS:
+                    self._drain(stream, now, final=True, only=ready)
                 self._end_fold()  # the lines before a display stay before it
                 for group, (data, metadata) in _group_displays(heads):
                     label = format_ranks(group)

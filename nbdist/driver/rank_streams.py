@@ -106,14 +106,15 @@ class RankStreams:
                 seen["outputs"] += 1
 
     def finish(self, merger) -> None:
-        """After the last :meth:`drain`: each rank's result (the cell's last expression) and
-        what the limit left out."""
+        """After the last :meth:`drain`: what the limit left out, then each rank's result (the
+        cell's last expression), after its last line even if unterminated."""
+        merger.end_lines()
+        for (rank, stream), dropped in sorted(self.truncated.items()):
+            merger.feed(rank, stream, f"nbdist: {_mib(dropped)} of {stream} not shown\n")
         for rank, md in zip(self.ranks, self._metadata):
             result = md.get("execute_result")
             if result:
                 merger.feed_display(rank, result.get("data", {}), result.get("metadata", {}))
-        for (rank, stream), dropped in sorted(self.truncated.items()):
-            merger.feed(rank, stream, f"nbdist: {_mib(dropped)} of {stream} not shown\n")
 
     def let_go(self) -> None:
         """Once the cell ended: drop the ranks' accumulated output (a finished run may stay

@@ -101,6 +101,13 @@ def test_a_late_rank_joins_its_line_when_the_cell_ends(dist_kernel):
     assert live[-1]["content"]["data"] == {"text/plain": ""}
 
 
+def test_what_one_rank_printed_shows_before_the_cells_value(dist_kernel):
+    """A line only rank 0 printed, then the cell's value on every rank: the line comes
+    first, as in a kernel of its own (it came after the values)."""
+    result = dist_kernel.ok("%%on_all_ranks\nif rank == 0:\n    print('only zero')\nrank * 10")
+    assert result.stdout == "[rank 0] only zero\n[rank 0] 0\n[rank 1] 10\n", result.stdout
+
+
 def test_interrupt_stops_every_rank_and_the_next_cell_works(dist_kernel):
     kernel = dist_kernel
     msg_id = kernel.submit(

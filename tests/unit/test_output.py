@@ -400,6 +400,52 @@ def test_display_of_one_rank_waits_only_the_window():
     assert sink.events == [("display", "rank 1", {"text/plain": "only 1"}, {})]
 
 
+def test_a_line_one_rank_printed_before_a_display_stays_before_it():
+    """``if rank == 0: print(loss)`` and then a display on every rank (a figure, or the
+    cell's value): rank 0's line waits for the other ranks to group it, but it came first
+    and is shown first, as in a kernel of its own (it was shown after the display)."""
+    merger, sink, clock = make_merger([0, 1])
+    merger.feed(0, "stdout", "loss 0.5\n")
+    clock.advance(0.05)  # within the window: the line still waits for rank 1
+    merger.feed_display(0, {"text/plain": "10"})
+    merger.feed_display(1, {"text/plain": "10"})
+    assert sink.events == [
+        ("line", "stdout", "rank 0", "loss 0.5"),
+        ("display", "ranks 0-1", {"text/plain": "10"}, {}),
+    ]
+
+
+def test_a_display_does_not_take_the_lines_of_ranks_it_does_not_show():
+    """Only the displayed ranks' waiting lines go out before it: another rank's line, which
+    came after the display was fed, keeps waiting for its group."""
+    merger, sink, clock = make_merger([0, 1, 2])
+    merger.feed_display(0, {"text/plain": "x"})
+    merger.feed_display(1, {"text/plain": "x"})
+    clock.advance(0.1)
+    merger.feed(2, "stdout", "step 1\n")
+    clock.advance(0.06)  # the display is past the window, rank 2's line is not
+    merger.poll()
+    assert sink.events == [("display", "ranks 0-1", {"text/plain": "x"}, {})]
+    for rank in (0, 1):
+        merger.feed(rank, "stdout", "step 1\n")
+    assert sink.events[1:] == [("line", "stdout", "ranks 0-2", "step 1")]
+
+
+def test_end_lines_puts_an_unterminated_last_line_before_what_follows():
+    """``print('a', end='')`` and then the cell's value: the line ends before the value."""
+    merger, sink, _clock = make_merger([0, 1])
+    for rank in (0, 1):
+        merger.feed(rank, "stdout", "a")
+    merger.end_lines()
+    for rank in (0, 1):
+        merger.feed_display(rank, {"text/plain": "5"})
+    merger.close()
+    assert sink.events == [
+        ("line", "stdout", "ranks 0-1", "a"),
+        ("display", "ranks 0-1", {"text/plain": "5"}, {}),
+    ]
+
+
 # -- validation -----------------------------------------------------------------------
 
 
