@@ -22,6 +22,11 @@ control channel, answered whatever the rank does):
 Between ipyparallel's check for a dropped request and the start of its handling a
 request is neither: the rank answers "dropped" (or "beginning") and the kernel
 asks again.
+
+The rank also notes the request in whose user code a SIGINT raised
+KeyboardInterrupt: while that request runs on, its code caught it (or is still
+unwinding), and the kernel does not SIGINT it again (:func:`handling_interrupt`,
+asked by :mod:`nbdist.driver.caught_interrupts`).
 """
 
 from __future__ import annotations
