@@ -262,8 +262,13 @@ class OutputMerger:
         self._update_widgets(final=True)
 
     def end_lines(self) -> None:
-        """End every rank's unterminated last line (a progress bar's included): what comes
-        next, the cell's result, goes after it, as in a kernel of its own."""
+        """Once every rank has ended: emit every line, unterminated last lines (a progress
+        bar's) included, and those still waiting for other ranks to fold them (a line only
+        some ranks printed), grouped among the ranks that have them. What comes next, the
+        cell's value, goes after them, as in a kernel of its own.
+
+        (Not at a display mid-cell: a rank's lines and displays are read per stream, so
+        lines it printed after a display may be here before it.)"""
         now = self._clock()
         self._progress_pending.clear()
         for (rank, stream), state in self._lines.items():
@@ -276,6 +281,8 @@ class OutputMerger:
             if text and ("\r" not in state.tail or text.strip()):
                 self._enqueue(stream, rank, (now, text))
             state.tail = ""
+        for stream in STREAMS:
+            self._drain(stream, now, final=True)
 
     # -- internals -------------------------------------------------------------
 
@@ -357,20 +364,13 @@ class OutputMerger:
             self._filled[channel] += 1
         queue.append(item)
 
-    def _drain(
-        self, channel: str, now: float, *, final: bool = False, only: tuple[int, ...] = ()
-    ) -> None:
-        """Emit every group of ``channel`` that is ready (all of them if final; ``only``: every
-        group of those ranks, grouped among them)."""
+    def _drain(self, channel: str, now: float, *, final: bool = False) -> None:
+        """Emit every group of ``channel`` that is ready (all of them if final)."""
         queues = self._queues[channel]
         while True:
             if not self._filled[channel]:
                 return
-            if only:
-                ready = tuple(rank for rank in only if queues[rank])
-                if not ready:
-                    return
-            elif self._filled[channel] == len(self._ranks):
+            if self._filled[channel] == len(self._ranks):
                 ready = self._ranks
             elif final:
                 ready = tuple(rank for rank in self._ranks if queues[rank])
@@ -390,11 +390,6 @@ class OutputMerger:
             self._filled[channel] -= sum(1 for rank in ready if not queues[rank])
             self._oldest[channel] = None
             if channel == _DISPLAY:
-                # The lines these ranks printed before it came first (ipykernel flushes a
-                # rank's streams before a display); those still waiting for other ranks
-                # to group them go out now, or they would show after it.
-                for stream in STREAMS:
-                    self._drain(stream, now, final=True, only=ready)
                 self._end_fold()  # the lines before a display stay before it
                 for group, (data, metadata) in _group_displays(heads):
                     label = format_ranks(group)

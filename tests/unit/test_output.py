@@ -400,18 +400,37 @@ def test_display_of_one_rank_waits_only_the_window():
     assert sink.events == [("display", "rank 1", {"text/plain": "only 1"}, {})]
 
 
-def test_a_line_one_rank_printed_before_a_display_stays_before_it():
-    """``if rank == 0: print(loss)`` and then a display on every rank (a figure, or the
-    cell's value): rank 0's line waits for the other ranks to group it, but it came first
-    and is shown first, as in a kernel of its own (it was shown after the display)."""
+def test_a_line_one_rank_printed_comes_before_the_cells_value():
+    """``if rank == 0: print(loss)`` and then the cell's value on every rank: rank 0's line
+    waits for the other ranks to fold it, but it came first and is shown first, as in a
+    kernel of its own (it was shown after the values)."""
     merger, sink, clock = make_merger([0, 1])
     merger.feed(0, "stdout", "loss 0.5\n")
     clock.advance(0.05)  # within the window: the line still waits for rank 1
+    merger.end_lines()  # the cell ended on every rank
     merger.feed_display(0, {"text/plain": "10"})
     merger.feed_display(1, {"text/plain": "10"})
     assert sink.events == [
         ("line", "stdout", "rank 0", "loss 0.5"),
         ("display", "ranks 0-1", {"text/plain": "10"}, {}),
+    ]
+
+
+def test_a_line_read_before_a_display_it_followed_still_folds_with_other_ranks():
+    """A rank's streams and displays are read separately: under load, a rank's display and
+    the line it printed after it come in one read, the line first. A display mid-cell does
+    not let out the lines waiting for other ranks, so that line still folds with theirs
+    (it was split into one line per rank, CI 2026-12-03)."""
+    merger, sink, clock = make_merger([0, 1])
+    merger.feed_display(0, {"text/html": "<b>hi</b>"})
+    merger.feed(1, "stderr", "done 3/3\n")  # rank 1's read: its line, then its display
+    merger.feed_display(1, {"text/html": "<b>hi</b>"})
+    clock.advance(0.05)
+    merger.feed(0, "stderr", "done 3/3\n")
+    merger.close()
+    assert sink.events == [
+        ("display", "ranks 0-1", {"text/html": "<b>hi</b>"}, {}),
+        ("line", "stderr", "ranks 0-1", "done 3/3"),
     ]
 
 
