@@ -10,6 +10,9 @@ by :func:`nbdist.engine.cell_reply.install`, failed cells included):
 - the rank's ``ast_node_interactivity``, which says whether a cell with no
   expression to show may be sent *silent* (see :meth:`CellChannel.execute`).
 
+A cell whose code caught an interrupt's KeyboardInterrupt and ended well says that
+too (:func:`caught_in_reply`).
+
 Both answers ride on the reply the kernel waits for anyway; a no-op cell's round
 trip is a few ms, so one more message per rank and cell would be measurable. An
 engine whose replies do not carry them yet (its first cell, or an engine nbdist
@@ -26,9 +29,9 @@ import weakref
 from collections.abc import Iterable, Sequence
 
 from nbdist.driver.ipp_internals import reply_content, send_execute
-from nbdist.engine.cell_reply import REPLY_KEY
+from nbdist.engine.cell_reply import CAUGHT_KEY, REPLY_KEY
 
-__all__ = ["AFTER_CELL", "CellChannel", "cell_channel", "displays_nothing"]
+__all__ = ["AFTER_CELL", "CellChannel", "caught_in_reply", "cell_channel", "displays_nothing"]
 
 # Evaluated on each rank, in its namespace (where get_ipython is defined).
 AFTER_CELL = "__import__('nbdist.engine.cell_reply', fromlist=['_']).after_cell(get_ipython())"
@@ -54,6 +57,12 @@ def _answer(result) -> tuple[int | None, str | None, bool]:
         return (total if total >= 0 else None), interactivity, in_content
     except (AttributeError, KeyError, TypeError, ValueError, SyntaxError):
         return None, None, in_content  # an error reply: user expressions are not evaluated then
+
+
+def caught_in_reply(result) -> bool:
+    """Whether one rank's execute reply says its code caught an interrupt's
+    KeyboardInterrupt and ended without an error (False for anything else)."""
+    return bool(reply_content(result).get(CAUGHT_KEY))
 
 
 def displays_nothing(code: str) -> bool:

@@ -21,7 +21,7 @@ from functools import partial
 
 from nbdist.driver.call_guard import CallGuard
 from nbdist.driver.cell_output import remember
-from nbdist.driver.cells import cell_channel
+from nbdist.driver.cells import caught_in_reply, cell_channel
 from nbdist.driver.early_iopub import EarlyIopub
 from nbdist.driver.ipp_internals import (
     per_engine_futures,
@@ -451,25 +451,39 @@ class RankRun:
             self._merger.close()
 
     def _interrupted(self) -> RanksInterrupted:
-        caught = sorted(self._guard.caught or ())
-        context = dict(where=self.where_report, note=self._guard.note(), caught=caught)
         if not self._finished:
+            context = self._interrupted_context(self._guard.caught or set())
             running = [r for r, s in self.child_states().items() if s == "running"]
             return RanksInterrupted(None, running, **context)
         try:
             self._result_or_raise()
         except RankError as stopped:
             stopped.note = ""  # said once, below the tracebacks
-            return RanksInterrupted(stopped, finished=self._ran_to_the_end(), **context)
-        return RanksInterrupted(
-            None, finished=[r for r in self.ranks if r not in caught], **context
-        )
+            caught = self._caught()
+            finished = self._ran_to_the_end(caught)
+            return RanksInterrupted(stopped, finished=finished, **self._interrupted_context(caught))
+        caught = self._caught()
+        finished = [r for r in self.ranks if r not in caught]
+        return RanksInterrupted(None, finished=finished, **self._interrupted_context(caught))
 
-    def _ran_to_the_end(self) -> list[int]:
+    def _interrupted_context(self, caught: set[int]) -> dict:
+        return dict(where=self.where_report, note=self._guard.note(), caught=sorted(caught))
+
+    def _caught(self) -> set[int]:
+        """Once every rank replied: the ranks whose code caught the interrupt, those the guard
+        found handling it and those whose cell's reply says its code caught it and ended well
+        (a handler done before the guard asked)."""
+        said = {
+            rank
+            for rank, res in zip(self.ranks, self._results or [])
+            if not isinstance(res, BaseException) and caught_in_reply(res)
+        }
+        return set(self._guard.caught or ()) | said
+
+    def _ran_to_the_end(self, caught: set[int]) -> list[int]:
         """The ranks whose reply says they ran the whole request (no error, not dropped),
         but for those whose code caught the interrupt and ended it by itself."""
         dead = self._guard.dead()
-        caught = self._guard.caught or ()
         return [
             rank
             for rank, res in zip(self.ranks, self._results or [])

@@ -9,6 +9,11 @@ answer rides on the execute reply the kernel waits for anyway:
 - the shell's ``ast_node_interactivity``, which says whether a cell with no
   expression to show may be sent *silent*.
 
+A cell whose code caught an interrupt's KeyboardInterrupt and ended without an
+error also says so, under :data:`CAUGHT_KEY`: a handler quicker than the kernel's
+question to the ranks still running (:mod:`nbdist.driver.caught_interrupts`) is
+then named as one, not taken for a cell the interrupt came too late for.
+
 Where the wrapper is not in place (an engine nbdist did not set up), the kernel
 asks the same through a Jupyter *user expression* (:data:`nbdist.driver.cells.AFTER_CELL`),
 which IPython compiles, evaluates and formats into a display bundle on every
@@ -19,10 +24,12 @@ from __future__ import annotations
 
 import inspect
 
-__all__ = ["REPLY_KEY", "after_cell", "install"]
+__all__ = ["CAUGHT_KEY", "REPLY_KEY", "after_cell", "install"]
 
 # The execute reply's content key for the answer (the kernel reads it: nbdist.driver.cells).
 REPLY_KEY = "nbdist"
+# Present (True) in the reply of a cell whose code caught the interrupt and ended well.
+CAUGHT_KEY = "nbdist_caught"
 
 
 def after_cell(shell=None) -> str:
@@ -42,6 +49,7 @@ def install(kernel, shell) -> None:
     plain = kernel.do_execute
     if getattr(plain, "nbdist_plain", None) is not None:
         return
+    from nbdist.engine.late_interrupt import handling_interrupt  # rank-side, like after_cell's
 
     async def do_execute(*args, **kwargs):
         reply = plain(*args, **kwargs)
@@ -54,6 +62,9 @@ def install(kernel, shell) -> None:
             info = reply.get("engine_info")
             if reply.get("status") == "error" and isinstance(info, dict):
                 info[REPLY_KEY] = answer
+            # Still this request's: the handler hooks end it after do_execute returns.
+            if reply.get("status") == "ok" and handling_interrupt():
+                reply[CAUGHT_KEY] = True
         except Exception:  # the reply itself must go out whatever happens here
             pass
         return reply

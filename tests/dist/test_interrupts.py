@@ -290,6 +290,33 @@ def test_code_that_catches_the_interrupt_runs_to_its_end(session, tmp_path, call
     assert session.pull("after") == [7, 8]
 
 
+def test_code_that_caught_the_interrupt_quickly_is_named_as_such(session, tmp_path):
+    """Handling code done before the kernel asks the ranks still running (0.5 s after the
+    interrupt) is named like slower code: the cell's reply says so. Before, such a cell
+    read as one the interrupt came too late for ("every rank had run the cell to its
+    end")."""
+    from nbdist.errors import RanksInterrupted
+
+    began = tmp_path / "began"
+    began.mkdir()
+    handling = "    print('handled', rank, flush=True)\n"
+    sink = ListSink()
+    _interrupt_when(_began_on_every_rank(began, session.world_size))
+    with pytest.raises(RanksInterrupted) as caught:
+        session.run(_CATCHING_CELL.format(began=str(began), handling=handling), sink=sink)
+    lines = [e[3] for e in sink.events if e[0] == "line"]
+    assert "handled 0" in lines and "handled 1" in lines, lines
+    said = str(caught.value)
+    assert said == (
+        "interrupted; every rank stopped (ranks 0-1 first ran their own code that caught "
+        "the KeyboardInterrupt)"
+    ), said
+    shown = caught.value._render_traceback_()
+    assert shown[0] == "KeyboardInterrupt: the cell was interrupted on every rank", shown
+    session.run("after = rank + 3")
+    assert session.pull("after") == [3, 4]
+
+
 def test_a_collective_in_code_that_caught_the_interrupt_is_released(session, tmp_path):
     """A rank whose handling code enters a collective that the other ranks, which did not
     catch the interrupt, never enter is released from it (it would wait for the group's
