@@ -17,7 +17,9 @@ that cell (until the cell is run again): under the last cell run on the ranks, a
 a thread's output between cells goes to the last cell in a kernel of its own. The display is redrawn as lines come (:data:`WINDOW_S` after
 the first, then at most every :data:`REDRAW_S`), folded across ranks by content as a cell's own output is
 (:class:`LateFold`: ``[ranks 0-255] tick 3`` whatever the ranks' timing), its
-latest :data:`LATE_LINES` distinct lines. Outside a kernel (a script), lines go
+latest :data:`LATE_LINES` distinct lines, then each rank's line still being written (a
+``\r`` progress bar's latest state, :func:`unfinished_lines`), as a kernel of its own
+shows a partial line at once. Outside a kernel (a script), whole lines go
 to ``sys.stdout``/``sys.stderr`` as they come, several ranks' identical lines
 once when they arrive within :data:`WINDOW_S` (:class:`LateLines`), as a
 terminal shows a cell's live output. Rich displays published late are named,
@@ -52,6 +54,7 @@ __all__ = [
     "LateLines",
     "LateOutput",
     "late_output_of",
+    "unfinished_lines",
 ]
 
 # A cell's late output is shown at most this often: ranks printing "the same" line
@@ -81,6 +84,19 @@ def split_lines(tails: dict, rank: int, stream: str, text: str) -> list[str]:
     if tail:
         tails[(rank, stream)] = tail[-_TAIL_CHARS:]
     return [line.rstrip("\r").rpartition("\r")[2] for line in whole]
+
+
+def unfinished_lines(tails: dict) -> list[str]:
+    """``[label] text`` of each line still being written, in ``tails`` ({(rank, stream):
+    unterminated text}, as :func:`split_lines` keeps it): its visible text (after its last
+    ``\r``), identical ones across ranks once, in rank order; a line erased with blanks
+    (``\r   \r``, a closed bar) is left out."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for (rank, stream), raw in sorted(tails.items()):
+        text = raw.rstrip("\r").rpartition("\r")[2]
+        if text.strip():
+            groups.setdefault((stream, text), []).append(rank)
+    return [f"[{format_ranks(ranks)}] {text}" for (_stream, text), ranks in groups.items()]
 
 
 class LateLines:
@@ -225,7 +241,9 @@ class LateOutput:
             stream = "stdout"
             kinds = ", ".join(sorted(content.get("data", {}))) or "empty"
             lines = [f"<display: {kinds}> (published after the cell ended: not shown)"]
-        if not lines:
+        # In a kernel a stream's unterminated end is drawn too (a progress bar's state):
+        # a message that completed no line may still change the display.
+        if not lines and (cell.kernel is None or kind != "stream"):
             return
         for line in lines:
             (cell.lines if cell.kernel is None else cell.fold).add(rank, stream, line)
@@ -257,12 +275,17 @@ class LateOutput:
             cell.kernel.iopub_socket,
             kind,
             {
-                "data": {"text/plain": cell.fold.text().rstrip("\n")},
+                "data": {"text/plain": _kernel_text(cell)},
                 "metadata": {},
                 "transient": {"display_id": cell.display_id},
             },
             parent=cell.parent,
         )
+
+
+def _kernel_text(cell: _Cell) -> str:
+    """A kernel's display of ``cell``'s late output: its fold, then the lines being written."""
+    return "\n".join([cell.fold.text().rstrip("\n"), *unfinished_lines(cell.tails)])
 
 
 def _joined(items: list[tuple[str, str]]) -> list[tuple[str, str]]:

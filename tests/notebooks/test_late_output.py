@@ -122,3 +122,26 @@ def test_a_thread_printing_on_shows_its_latest_lines_and_the_kernel_keeps_none(
         "print(sum(len(v.get('stdout') or '') for v in md.values() if isinstance(v, dict)))"
     )
     assert kept.stdout.strip() == "0", kept.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_progress_bar_drawn_after_the_cell_shows_its_latest_state(dist_kernel, tmp_path):
+    """A thread's ``\\r`` progress line is never ended by a newline while it runs; its latest
+    state shows under the cell as it is drawn, as a kernel of its own shows a partial line.
+    Before, nothing showed until the newline."""
+    go = tmp_path / "go"
+    parent, _outputs = _run(
+        dist_kernel,
+        "%%on_all_ranks\nimport os, sys, threading, time\n"
+        "def bar():\n"
+        f"    while not os.path.exists({str(go)!r}):\n        time.sleep(0.05)\n"
+        "    print('loading', flush=True)\n"
+        "    for i in range(1, 6):\n"
+        "        sys.stdout.write(f'\\rstep {i}/5')\n        sys.stdout.flush()\n"
+        "        time.sleep(0.1)\n"
+        "threading.Thread(target=bar, daemon=True).start()",
+    )
+    go.touch()
+    want = f"{HEADER}\n[ranks 0-1] loading\n[ranks 0-1] step 5/5"
+    mine, _others, text = _late_displays(dist_kernel, parent, until=lambda t: t == want)
+    assert text == want, f"{text!r}; its messages {mine}"

@@ -7,7 +7,7 @@ and tests/dist/test_session.py.
 
 from __future__ import annotations
 
-from nbdist.driver.late_output import LateFold, LateLines, split_lines
+from nbdist.driver.late_output import LateFold, LateLines, split_lines, unfinished_lines
 
 HEADER = "nbdist: printed by the ranks after they finished this cell\n"
 
@@ -26,6 +26,19 @@ def test_an_unterminated_line_keeps_only_its_end():
     tails: dict = {}
     split_lines(tails, 0, "stdout", "x" * 50_000)
     assert len(tails[(0, "stdout")]) == 10_000
+
+
+def test_lines_still_being_written_show_their_visible_state_identical_ones_once():
+    tails: dict = {}
+    split_lines(tails, 1, "stdout", "\r 10%\r 40%")
+    split_lines(tails, 0, "stdout", "\r 10%\r 40%")
+    split_lines(tails, 2, "stdout", "\r 20%")
+    split_lines(tails, 0, "stderr", "loading")
+    split_lines(tails, 3, "stdout", "\r 99%\r     \r")  # a bar erased on close
+    assert unfinished_lines(tails) == ["[rank 0] loading", "[ranks 0-1]  40%", "[rank 2]  20%"]
+    split_lines(tails, 0, "stdout", "\r100%\n")  # ended: a whole line now, not this one's
+    assert unfinished_lines(tails) == ["[rank 0] loading", "[rank 1]  40%", "[rank 2]  20%"]
+    assert unfinished_lines({}) == []
 
 
 def test_a_line_every_rank_prints_folds_to_one_whatever_the_order_it_comes_in():
