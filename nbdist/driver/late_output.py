@@ -132,7 +132,9 @@ class LateFold:
     The *n*-th occurrence of a line on one rank joins the *n*-th occurrence of the
     same line (:func:`~nbdist.driver.output_fold.fold_key`) on the others, whenever
     each comes; lines are kept in order of first appearance. Memory stays bounded
-    however long the ranks print: the oldest lines are let go (and counted).
+    however long the ranks print: the oldest lines are let go (and counted). A rank
+    more than ``limit`` distinct lines behind the others meets its copies of lines let
+    go already: they count as lines of their own, shown under that rank alone.
     Pure logic.
     """
 
