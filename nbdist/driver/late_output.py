@@ -43,6 +43,7 @@ from typing import Any
 from nbdist.driver.ipp_internals import io_call_later, tap_late_iopub
 from nbdist.driver.output import STREAMS
 from nbdist.driver.output_fold import fold_key
+from nbdist.driver.progress_bars import is_bar_key, live_bar_lines, merge_bars
 from nbdist.errors import format_ranks
 
 __all__ = [
@@ -89,14 +90,17 @@ def split_lines(tails: dict, rank: int, stream: str, text: str) -> list[str]:
 def unfinished_lines(tails: dict) -> list[str]:
     """``[label] text`` of each line still being written, in ``tails`` ({(rank, stream):
     unterminated text}, as :func:`split_lines` keeps it): its visible text (after its last
-    ``\r``), identical ones across ranks once, in rank order; a line erased with blanks
-    (``\r   \r``, a closed bar) is left out."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    ``\r``), identical ones across ranks once, one line per tqdm loop
+    (:func:`~nbdist.driver.progress_bars.live_bar_lines`), in rank order; a line erased
+    with blanks (``\r   \r``, a closed bar) is left out."""
+    by_stream: dict[str, dict[int, str]] = {}
     for (rank, stream), raw in sorted(tails.items()):
         text = raw.rstrip("\r").rpartition("\r")[2]
         if text.strip():
-            groups.setdefault((stream, text), []).append(rank)
-    return [f"[{format_ranks(ranks)}] {text}" for (_stream, text), ranks in groups.items()]
+            by_stream.setdefault(stream, {})[rank] = text
+    lines = [line for bars in by_stream.values() for line in live_bar_lines(bars)]
+    lines.sort(key=lambda line: line[0][0])
+    return [f"[{format_ranks(ranks)}] {text}" for ranks, text in lines]
 
 
 class LateLines:
@@ -116,14 +120,22 @@ class LateLines:
     def take(self) -> list[tuple[str, str]]:
         """``(stream, "[label] line\\n")`` in order; a line several ranks printed, once, where
         the first of them stood."""
-        groups: dict[tuple[str, str], tuple[list[int], str]] = {}
+        groups: dict[tuple[str, str], tuple[list[int], list[str]]] = {}
         for rank, stream, line in self._pending:
-            groups.setdefault((stream, fold_key(line)), ([], line))[0].append(rank)
+            ranks, lines = groups.setdefault((stream, fold_key(line)), ([], []))
+            ranks.append(rank)
+            lines.append(line)
         self._pending = []
         return [
-            (stream, f"[{format_ranks(ranks)}] {line}\n")
-            for (stream, _key), (ranks, line) in groups.items()
+            (stream, f"[{format_ranks(ranks)}] {_standing(key, lines)}\n")
+            for (stream, key), (ranks, lines) in groups.items()
         ]
+
+
+def _standing(key: str, lines: list[str]) -> str:
+    """The text that stands for several ranks' ``lines`` of one fold ``key``: the first
+    rank's; a tqdm bar's with the ranks' timings as ranges."""
+    return merge_bars(lines) if len(lines) > 1 and is_bar_key(key) else lines[0]
 
 
 class LateFold:
@@ -141,8 +153,9 @@ class LateFold:
     def __init__(self, limit: int = LATE_LINES) -> None:
         """Empty; at most ``limit`` distinct lines kept."""
         self._limit = limit
-        # (stream, key, occurrence) -> (the first rank's text, ranks), oldest first
-        self._lines: OrderedDict[tuple[str, str, int], tuple[str, list[int]]] = OrderedDict()
+        # (stream, key, occurrence) -> (the ranks' texts, ranks), oldest first; a line
+        # that is not a tqdm bar keeps its first rank's text only.
+        self._lines: OrderedDict[tuple[str, str, int], tuple[list[str], list[int]]] = OrderedDict()
         self._seen: dict[tuple[int, str, str], int] = {}  # (rank, stream, key) -> occurrences
         self.dropped = 0  # distinct lines let go, the oldest
 
@@ -153,9 +166,11 @@ class LateFold:
         self._seen[(rank, stream, key)] = n + 1
         entry = self._lines.get((stream, key, n))
         if entry is None:
-            self._lines[(stream, key, n)] = (line, [rank])
+            self._lines[(stream, key, n)] = ([line], [rank])
         else:
             entry[1].append(rank)
+            if is_bar_key(key):
+                entry[0].append(line)
         while len(self._lines) > self._limit:
             (old_stream, old_key, old_n), (_text, ranks) = self._lines.popitem(last=False)
             self.dropped += 1
@@ -171,7 +186,10 @@ class LateFold:
             parts.append(
                 f"… {self.dropped} earlier lines not shown (the latest {self._limit} are)\n"
             )
-        parts.extend(f"[{format_ranks(ranks)}] {line}\n" for line, ranks in self._lines.values())
+        parts.extend(
+            f"[{format_ranks(ranks)}] {_standing(key, lines)}\n"
+            for (_stream, key, _n), (lines, ranks) in self._lines.items()
+        )
         return "".join(parts)
 
 

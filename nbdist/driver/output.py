@@ -27,6 +27,9 @@ What the merger decides is handed to a *sink*, a duck-typed object with:
     The progress line last shown for ``label`` is finished; its final text
     follows as an ordinary ``line``. Sinks that draw progress in place use it
     to clear the live bar.
+``progress_flush()``, optional
+    The ``progress`` and ``progress_done`` calls of one pass of the merger are all
+    made: a sink that draws several ranks' bars in one display redraws it here, once.
 ``display_update(label, data, metadata)``, optional
     A widget display shown before (same ``model_id``), with the ``text/plain``
     of its latest state: a rank's ``tqdm.auto`` bar as tqdm would print it
@@ -65,6 +68,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nbdist.driver.output_fold import LineFold, fold_key, lines_per_rank
+from nbdist.driver.progress_bars import is_bar_key, merge_bars
 from nbdist.driver.widget_text import WidgetTexts, widget_model_id
 from nbdist.errors import format_ranks
 
@@ -281,6 +285,7 @@ class OutputMerger:
             if text and ("\r" not in state.tail or text.strip()):
                 self._enqueue(stream, rank, (now, text))
             state.tail = ""
+        self._flush_progress()
         for stream in STREAMS:
             self._drain(stream, now, final=True)
 
@@ -304,6 +309,12 @@ class OutputMerger:
                 self._sink.progress(stream, self._labels[rank], text)
                 state.progress_shown = text
         self._progress_pending.clear()
+        self._flush_progress()
+
+    def _flush_progress(self) -> None:
+        flush = getattr(self._sink, "progress_flush", None)
+        if flush is not None:
+            flush()
 
     def _show_live_fold(self, now: float) -> None:
         fold = self._folds[-1]
@@ -419,12 +430,18 @@ class OutputMerger:
 def _group_lines(heads: list[tuple[int, str, str]]) -> list[tuple[list[int], str]]:
     """Group (rank, text, key) triples by key: text, a library's prefix aside (:func:`fold_key`).
 
-    ``heads`` is in rank order; the lowest rank's text stands for its group.
+    ``heads`` is in rank order; the lowest rank's text stands for its group, and a tqdm
+    bar's group reads with its ranks' timings as ranges (:func:`merge_bars`).
     """
-    groups: dict[str, tuple[list[int], str]] = {}
+    groups: dict[str, tuple[list[int], list[str]]] = {}
     for rank, text, key in heads:
-        groups.setdefault(key, ([], text))[0].append(rank)
-    return list(groups.values())
+        ranks, texts = groups.setdefault(key, ([], []))
+        ranks.append(rank)
+        texts.append(text)
+    return [
+        (ranks, merge_bars(texts) if len(ranks) > 1 and is_bar_key(key) else texts[0])
+        for key, (ranks, texts) in groups.items()
+    ]
 
 
 def _group_displays(heads: list[tuple[int, tuple[dict, dict]]]) -> list[tuple[list[int], Any]]:

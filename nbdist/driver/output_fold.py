@@ -11,7 +11,11 @@ differ only in a library's timestamp or process prefix fold too
 (:func:`fold_key`: the rank's own ``/tmp/ipykernel_<pid>/<hash>.py`` cell file in a
 warning or traceback, torch's c10d/glog ``[W1128 08:32:42.606441197 socket.cpp:207]``,
 NCCL's ``host:pid:tid [0] NCCL``, gloo's ``[Gloo] Rank 3``, torch's ``[rank3]:``,
-logging timestamps); the lowest rank's text stands for its group.
+logging timestamps); the lowest rank's text stands for its group. A tqdm bar's
+final line folds with the other ranks' bars at the same count whatever their
+timings, which the folded line shows as ranges
+(:mod:`nbdist.driver.progress_bars`: ``[ranks 0-255] epoch: 100%|██████████| 30/30
+[00:00–00:01<00:00, 15.92–48.30it/s]``).
 
 :meth:`LineFold.render` orders the distinct lines so that every rank's own
 lines keep their order, and keeps at most ``per_rank`` lines of each rank (its
@@ -27,6 +31,7 @@ import heapq
 import os
 import re
 
+from nbdist.driver.progress_bars import bar_key, is_bar_key, merge_bars
 from nbdist.errors import format_ranks
 
 __all__ = ["DEFAULT_LINES_PER_RANK", "LineFold", "fold_key", "lines_per_rank"]
@@ -84,6 +89,8 @@ def fold_key(text: str) -> str:
     '<ipykernel cell>.py:2: UserWarning: careful now'
     >>> fold_key("epoch 1 done")
     'epoch 1 done'
+
+    A tqdm bar's timing is masked (:func:`~nbdist.driver.progress_bars.bar_key`).
     """
     key = _keys.get(text)
     if key is None:
@@ -95,6 +102,8 @@ def fold_key(text: str) -> str:
                 key = pattern.sub(replacement, key, count=1)
         if "ipykernel_" in key:
             key = _CELL_FILE.sub(_CELL_FILE_MASK, key)
+        if key.endswith("]"):
+            key = bar_key(key) or key
         if len(_keys) >= _KEYS_KEPT:
             _keys.clear()
         _keys[text] = key
@@ -120,7 +129,7 @@ def lines_per_rank() -> int:
 class _Entry:
     """One distinct line: the ranks that printed it and where it first appeared."""
 
-    __slots__ = ("index", "label", "low", "ranks", "seq", "stream", "text")
+    __slots__ = ("bars", "index", "label", "low", "merged", "ranks", "seq", "stream", "text")
 
     def __init__(self, stream: str, text: str, seq: int, index: int) -> None:
         self.stream = stream
@@ -130,6 +139,17 @@ class _Entry:
         self.ranks: list[int] = []
         self.low = -1  # the lowest of ranks (none yet)
         self.label: str | None = None  # format_ranks(ranks), cached until a rank joins
+        # A tqdm bar's: every rank's text (their timings differ), and their merge, cached.
+        self.bars: list[str] | None = None
+        self.merged: str | None = None
+
+    def shown(self) -> str:
+        """The text that stands for the group: a bar's with its ranks' timings as ranges."""
+        if self.bars is None:
+            return self.text
+        if self.merged is None:
+            self.merged = merge_bars(self.bars)
+        return self.merged
 
     def labelled(self) -> str:
         if self.label is None:
@@ -170,9 +190,14 @@ class LineFold:
         entry = self._by_key.get((stream, key, occurrence))
         if entry is None:
             entry = _Entry(stream, text, len(self._entries), len(own))
+            if is_bar_key(key):
+                entry.bars = [text]
             self._entries.append(entry)
             self._by_key[(stream, key, occurrence)] = entry
         else:
+            if entry.bars is not None:
+                entry.bars.append(text)
+                entry.merged = None
             entry.index = min(entry.index, len(own))
             entry.label = None
             if text == entry.text:
@@ -200,7 +225,7 @@ class LineFold:
         When lines were left out, a first line says how many.
         """
         shown = self._entries[-limit:] if limit else []
-        lines = [(e.stream, e.labelled(), e.text) for e in shown]
+        lines = [(e.stream, e.labelled(), e.shown()) for e in shown]
         hidden = len(self._entries) - len(shown)
         if hidden:
             note = f"… {hidden:,} earlier lines, all shown when the cell ends"
@@ -216,7 +241,7 @@ class LineFold:
         """
         order = self._ordered()
         if not per_rank:
-            return [(e.stream, e.labelled(), e.text) for e in order]
+            return [(e.stream, e.labelled(), e.shown()) for e in order]
         kept: set[int] = set()
         for own in self._per_rank.values():
             kept.update(id(entry) for entry, _ in own[-per_rank:])
@@ -235,7 +260,7 @@ class LineFold:
             )
             for hidden, ranks in sorted(hidden_of.items(), key=lambda item: min(item[1]))
         ]
-        return notes + [(e.stream, e.labelled(), e.text) for e in shown]
+        return notes + [(e.stream, e.labelled(), e.shown()) for e in shown]
 
     def _ordered(self) -> list[_Entry]:
         """The entries in an order that keeps every rank's own order (a topological sort).

@@ -23,6 +23,7 @@ import sys
 from typing import Any, Protocol
 
 from nbdist.driver.output import STREAMS
+from nbdist.driver.progress_bars import live_bar_lines
 from nbdist.driver.widget_text import widget_model_id
 from nbdist.errors import format_ranks
 
@@ -188,8 +189,9 @@ class KernelSink(StreamSink):
     One rank's lines are written as they come, like :class:`StreamSink`. A
     ``\r`` progress line (a text tqdm bar) is drawn in place: one rank's in a
     display of its own, several ranks' together in one display (ranks whose bar
-    reads the same on one line, :func:`bar_lines`); a bar is taken out when its
-    final line is written, and the display blanked once none is left.
+    reads the same, or a tqdm loop's, on one line, :func:`bar_lines`), redrawn once per
+    pass of the merger; a bar is taken out when its final line is written, and the
+    display blanked once none is left.
     Displays are republished as they are, after a ``[label]`` line when there
     are several ranks.
     """
@@ -205,6 +207,7 @@ class KernelSink(StreamSink):
         # Several ranks: each live bar's text by (label, stream), all in one display.
         self._bar_texts: dict[tuple[str, str], str] = {}
         self._bars_live: Any = None
+        self._bars_changed = False  # a bar moved, began or ended since the last flush
 
     @property
     def wants_lines(self) -> bool:
@@ -252,15 +255,17 @@ class KernelSink(StreamSink):
     def progress(self, stream: str, label: str, text: str) -> None:
         """Draw the bar in place in the cell (a display updated by id).
 
-        Several ranks' bars share one display, ranks with the same text on one line:
+        Several ranks' bars share one display, one line per loop (:func:`bar_lines`):
         a display can be blanked but not removed, and one per rank left as many empty
-        outputs in the saved notebook (256 at 256 ranks) and as many live lines.
+        outputs in the saved notebook (256 at 256 ranks) and as many live lines. That
+        display is redrawn once per pass of the merger (:meth:`progress_flush`), not once
+        per rank: 256 ranks' bars moving in one pass made 256 redraws of it.
         """
         from IPython.display import display
 
         if self._n_ranks > 1:
             self._bar_texts[(label, stream)] = text
-            self._show_bars()
+            self._bars_changed = True
             return
         data = {"text/plain": f"[{label}] {text}"}
         handle = self._bars.get((label, stream))
@@ -274,13 +279,19 @@ class KernelSink(StreamSink):
     def progress_done(self, stream: str, label: str) -> None:
         """Clear the in-place bar: its final text follows as a line."""
         if self._bar_texts.pop((label, stream), None) is not None:
-            self._show_bars()
+            self._bars_changed = True
             return
         handle = self._bars.pop((label, stream), None)
         if handle is not None:
             # The final text arrives as an ordinary (possibly grouped) line, so
             # the live bar would only duplicate it.
             handle.update({"text/plain": ""}, raw=True)
+
+    def progress_flush(self) -> None:
+        """Several ranks: redraw their bars' display if a bar changed since the last flush."""
+        if self._bars_changed:
+            self._bars_changed = False
+            self._show_bars()
 
     def _show_bars(self) -> None:
         from IPython.display import display
@@ -334,28 +345,33 @@ class KernelSink(StreamSink):
 
 
 def bar_lines(bars: dict[tuple[str, str], str], shown: int = BARS_SHOWN) -> str:
-    """Live progress bars as lines: ranks whose bar reads the same on one, lowest rank first.
+    """Live progress bars as lines: one per loop, lowest rank first.
 
-    ``bars``: text by (label, stream), a label being ``"rank N"``; past ``shown`` lines,
-    a count of the ranks left out.
+    ``bars``: text by (label, stream), a label being ``"rank N"``. The ranks' tqdm bars
+    of one loop make one line at the slowest rank's count
+    (:func:`~nbdist.driver.progress_bars.live_bar_lines`); other text groups the ranks
+    whose bar reads the same. Past ``shown`` lines, a count of the ranks left out.
 
     >>> print(bar_lines({("rank 0", "stderr"): "50%", ("rank 1", "stderr"): "50%",
     ...                  ("rank 2", "stderr"): "25%"}))
     [ranks 0-1] 50%
     [rank 2] 25%
     """
-    groups: dict[tuple[str, str], list] = {}
+    by_stream: dict[str, dict[int, str]] = {}
+    others: list[tuple[str, str, str]] = []  # labels that name no single rank
     for (label, stream), text in bars.items():
         number = label.rpartition(" ")[2]
-        groups.setdefault((stream, text), []).append(int(number) if number.isdigit() else label)
-    lines = []
-    for (_stream, text), ranks in groups.items():
-        numbers = sorted(r for r in ranks if isinstance(r, int))
-        labels = [format_ranks(numbers)] if numbers else []
-        labels += [r for r in ranks if not isinstance(r, int)]
-        first = numbers[0] if numbers else -1
-        lines.append((first, ", ".join(labels), text, len(ranks)))
+        if label.startswith("rank ") and number.isdigit():
+            by_stream.setdefault(stream, {})[int(number)] = text
+        else:
+            others.append((label, stream, text))
+    lines = [
+        (ranks[0], format_ranks(ranks), text, len(ranks))
+        for stream_bars in by_stream.values()
+        for ranks, text in live_bar_lines(stream_bars)
+    ]
     lines.sort(key=lambda line: line[0])
+    lines += [(-1, label, text, 1) for label, _stream, text in others]
     out = [f"[{labels}] {text}" for _first, labels, text, _n in lines[:shown]]
     rest = sum(n for *_x, n in lines[shown:])
     if rest:

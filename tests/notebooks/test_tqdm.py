@@ -1,12 +1,15 @@
-"""A real tqdm.auto loop on 2 real CPU ranks: a live widget per rank, whose text form ends at 100 %.
+"""Real tqdm loops on real CPU ranks.
 
-Through a ``ListSink`` (a script's view) and through a notebook executed by
-nbclient and saved (what a reader without widget state sees).
+``tqdm.auto``: a live widget per rank, whose text form ends at 100 %, through a
+``ListSink`` (a script's view) and through a notebook executed by nbclient and saved
+(what a reader without widget state sees). Text tqdm (``\r`` bars): one display for
+every rank's bar, and one final line for the loop whatever the ranks' timings.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -79,22 +82,45 @@ def test_real_tqdm_in_a_saved_notebook_shows_the_final_state(tmp_path):
     assert "[rank 0]" in labels and "[rank 1]" in labels
 
 
-def test_carriage_return_progress_of_several_ranks_leaves_one_blank_output_not_one_per_rank():
-    # Each rank's "\r" bar had a display of its own, blanked at the end: a saved notebook
-    # kept one empty output per rank (256 at 256 ranks). Now one display holds them all.
+def _cell_outputs(ranks: int, cell: str) -> tuple[list, str]:
+    """Run ``cell`` on ``ranks`` CPU ranks in a real kernel: its outputs, and their stream text."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell("%load_ext nbdist\n%dist_start 3 --cpu"),
-        nbformat.v4.new_code_cell(
-            "%%on_all_ranks\nimport sys, time\nfor i in range(5):\n"
-            "    sys.stdout.write(f'\\rprogress {i * 25}%')\n    sys.stdout.flush()\n"
-            "    time.sleep(0.3)\nprint()\nprint('done')"
-        ),
+        nbformat.v4.new_code_cell(f"%load_ext nbdist\n%dist_start {ranks} --cpu"),
+        nbformat.v4.new_code_cell("%%on_all_ranks\n" + cell),
         nbformat.v4.new_code_cell("%dist_stop"),
     ]
     execute_notebook(nb, timeout=300, kernel_name="python3")
     outputs = nb.cells[1].outputs
+    return outputs, "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+
+
+def test_carriage_return_progress_of_several_ranks_leaves_one_blank_output_not_one_per_rank():
+    # Each rank's "\r" bar had a display of its own, blanked at the end: a saved notebook
+    # kept one empty output per rank (256 at 256 ranks). Now one display holds them all.
+    outputs, text = _cell_outputs(
+        3,
+        "import sys, time\nfor i in range(5):\n"
+        "    sys.stdout.write(f'\\rprogress {i * 25}%')\n    sys.stdout.flush()\n"
+        "    time.sleep(0.3)\nprint()\nprint('done')",
+    )
     displays = [o for o in outputs if o.output_type == "display_data"]
     assert len(displays) <= 1, outputs
-    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "[ranks 0-2] progress 100%\n[ranks 0-2] done\n" in text, text
+
+
+def test_a_text_tqdm_loop_on_ranks_at_different_speeds_ends_as_one_line_with_their_timings():
+    # Each rank's final bar differs in its elapsed time and rate: the saved notebook had
+    # one line per rank (256 at 256 ranks). The loop's bars now fold into one line whose
+    # timings are the ranges the ranks' bars span.
+    outputs, text = _cell_outputs(
+        4,
+        "from tqdm import tqdm\nimport time\n"
+        "for i in tqdm(range(20), desc='epoch', mininterval=0):\n"
+        "    time.sleep(0.01 * (1 + rank))",
+    )
+    assert "[rank" not in text.replace("[ranks 0-3] epoch: 100%", ""), text
+    final = r"\[ranks 0-3\] epoch: 100%\|██████████\| 20/20 \[\d\d:\d\d(–\d\d:\d\d)?<00:00, "
+    assert re.fullmatch(final + r"[\d.]+–[\d.]+it/s\]\n", text), text
+    displays = [o for o in outputs if o.output_type == "display_data"]
+    assert all(not o.data.get("text/plain") for o in displays), displays
