@@ -18,7 +18,7 @@ a thread's output between cells goes to the last cell in a kernel of its own. Th
 the first, then at most every :data:`REDRAW_S`), folded across ranks by content as a cell's own output is
 (:class:`LateFold`: ``[ranks 0-255] tick 3`` whatever the ranks' timing), its
 latest :data:`LATE_LINES` distinct lines, then each rank's line still being written (a
-``\r`` progress bar's latest state, :func:`unfinished_lines`), as a kernel of its own
+``\r`` progress bar's latest state, one line per tqdm loop, :func:`unfinished_lines`), as a kernel of its own
 shows a partial line at once. Outside a kernel (a script), whole lines go
 to ``sys.stdout``/``sys.stderr`` as they come, several ranks' identical lines
 once when they arrive within :data:`WINDOW_S` (:class:`LateLines`), as a

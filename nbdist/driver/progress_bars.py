@@ -43,8 +43,8 @@ _BAR = re.compile(
 _HEAD = re.compile(r"^(?P<desc>.*?) ?\s*\d+%\|[^|]*\| $")
 _RATE_PER_S = re.compile(rf"^(?P<n>{_COUNT})\S*/s$")
 _RATE_S_PER = re.compile(rf"^(?P<n>{_COUNT})s/\S+$")
-_SCALE = {"": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "Z": 1e21}
-_SCALE["Y"] = 1e24
+# tqdm's unit_scale prefixes ("3.00k/30.0k", "1.2MB/s").
+_SCALE = {"": 1.0, **{prefix: 1000.0**i for i, prefix in enumerate("kMGTPEZY", start=1)}}
 _NUMBER_THEN = re.compile(r"^(\d+(?:\.\d+)?)(.*)$")
 
 
@@ -198,26 +198,26 @@ def live_bar_lines(bars: dict[int, str]) -> list[tuple[list[int], str]]:
     for members in groups.values():
         members.sort(key=lambda member: member[0])
         ranks = [rank for rank, _text, _bar in members]
-        texts = {text for _rank, text, _bar in members}
-        parsed = [bar for _rank, _text, bar in members if bar is not None]
-        if len(texts) == 1 or not parsed:
+        alike = len({text for _rank, text, _bar in members}) == 1
+        if alike or members[0][2] is None:  # one text, or not a bar: as it reads
             lines.append((ranks, members[0][1]))
-            continue
-        lines.append((ranks, _loop_line(members)))
+        else:
+            lines.append((ranks, _loop_line(members)))
     lines.sort(key=lambda line: line[0][0])
     return lines
 
 
-def _loop_line(members: list[tuple[int, str, _Bar | None]]) -> str:
+def _loop_line(members: list[tuple[int, str, _Bar]]) -> str:
     """One loop's bars (each rank's, in rank order) as one line at the slowest rank's count."""
-    counts = {rank: _number(bar.n) for rank, _text, bar in members if bar is not None}
+    by_rank = {rank: bar for rank, _text, bar in members}
+    counts = {rank: _number(bar.n) for rank, bar in by_rank.items()}
     low, high = min(counts.values()), max(counts.values())
     slowest = [rank for rank, count in counts.items() if count == low]
-    base = next(bar for rank, _text, bar in members if rank == slowest[0])
-    bars = [bar for _rank, _text, bar in members if bar is not None]
+    base = by_rank[slowest[0]]
+    bars = list(by_rank.values())
     if low == high:
         return f"{base.head}{base.count} {_timing(bars, base.postfix)}"
-    n_high = next(bar.n for rank, _text, bar in members if bar is not None and counts[rank] == high)
+    n_high = next(by_rank[rank].n for rank, count in counts.items() if count == high)
     count = f"{base.n}–{n_high}" + (f"/{base.total}" if base.total is not None else base.unit)
     who = format_ranks(slowest) if len(slowest) <= _SLOWEST_NAMED else f"{len(slowest)} ranks"
     return f"{base.head}{count} {_timing(bars, base.postfix)} · slowest: {who}"
