@@ -113,6 +113,21 @@ def drawn(graph, expression: str, timeout: float = 30):
     return poll(lambda: on_current_view(lambda: graph.evaluate(script)), timeout, interval=0.2)
 
 
+def attached(element, expression: str, timeout: float = 30):
+    """``expression`` (JavaScript: a function of the element ``element`` locates) evaluated
+    on an element still attached to the page.
+
+    Playwright finds the element, then calls the function: a dashboard view rebuilt in
+    between (``update_display_data``) hands the function a detached element, whose computed
+    styles are all empty strings and whose sizes are zero. Such a call is retried on the
+    rebuilt view.
+    """
+    script = f"e => e.isConnected ? [({expression})(e)] : null"
+    value = poll(lambda: on_current_view(lambda: element.evaluate(script)), timeout, interval=0.2)
+    assert value is not None, f"the element stayed detached for {timeout} s: {element}"
+    return value[0]
+
+
 def _require_browser() -> None:
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing: run scripts/install_browser.sh")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ui.conftest import drawn, notebook_json, on_current_view, poll
+from tests.ui.conftest import attached, drawn, notebook_json, on_current_view, poll
 
 STEPS = 500  # per rank, in two halves: the test lets the second half start
 SLEEP_S = 0.01
@@ -642,14 +642,16 @@ def test_layout_theme_and_colours_at_every_width(lab_factory, browser_page, tmp_
     assert len(values) >= 3 and values == sorted(set(values)), ticks
     # One palette: the legend, the plots and the table draw rank r in rank_colours()[r].
     want = [_rgb(c) for c in rank_colours()[:RANKS]]
-    swatches = dashboard.evaluate(
+    swatches = attached(
+        dashboard,
         "r => Array.from(r.querySelectorAll('.nbdist-legend .nbdist-swatch'))"
-        ".slice(0, 2).map(s => getComputedStyle(s).backgroundColor)"
+        ".slice(0, 2).map(s => getComputedStyle(s).backgroundColor)",
     )
     lines = drawn(loss, "d => d._fullData.slice(0, 2).map(t => t.line.color)")
-    table = dashboard.evaluate(
+    table = attached(
+        dashboard,
         "r => Array.from(r.querySelectorAll('.nbdist-table td .nbdist-swatch'))"
-        ".map(s => getComputedStyle(s).backgroundColor)"
+        ".map(s => getComputedStyle(s).backgroundColor)",
     )
     assert swatches == table == want and [_rgb(c) for c in lines] == want, (swatches, lines, table)
 
@@ -680,7 +682,7 @@ def test_layout_theme_and_colours_at_every_width(lab_factory, browser_page, tmp_
                 on_current_view(dashboard.scroll_into_view_if_needed)
                 poll(lambda: _settled(dashboard), 15)
                 dashboard.screenshot(path=str(shots / f"dashboard-{theme}-{width}.png"))
-        texts = dashboard.evaluate(_CONTRAST)
+        texts = attached(dashboard, _CONTRAST)
         worst = min(texts, key=lambda t: t["ratio"])
         assert len(texts) > 30 and worst["ratio"] >= 4.5, f"{theme}: {worst}"
         print(
@@ -696,8 +698,8 @@ def test_layout_theme_and_colours_at_every_width(lab_factory, browser_page, tmp_
 
 
 def _tick_fill(dashboard) -> str:
-    return dashboard.locator(".nbdist-panel .xtick text").first.evaluate(
-        "t => getComputedStyle(t).fill"
+    return attached(
+        dashboard.locator(".nbdist-panel .xtick text").first, "t => getComputedStyle(t).fill"
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ui.conftest import drawn, notebook_json, on_current_view, poll
+from tests.ui.conftest import attached, drawn, notebook_json, on_current_view, poll
 from tests.ui.test_dashboard_browser import PageLog, _open_and_run_all, _plot_state
 
 RANKS = 64
@@ -67,11 +67,12 @@ def test_64_ranks_draw_a_band_and_only_the_deviating_ranks(
     assert len(legend) <= 12, legend
     # Each legend swatch looks like what is drawn: the median a solid line in the text's
     # colour, min and max the grey band, the total (a dotted line) dotted.
-    swatches = dashboard.evaluate(
+    swatches = attached(
+        dashboard,
         "r => Object.fromEntries(Array.from(r.querySelectorAll('.nbdist-legend-item')).map(i => {"
         " const s = getComputedStyle(i.querySelector('.nbdist-swatch'));"
         " return [i.innerText.trim(), [s.borderTopStyle, s.backgroundColor, getComputedStyle(i).color]];"
-        " }))"
+        " }))",
     )
     style, fill, text = swatches["median"]
     assert style == "none" and fill == text, swatches
