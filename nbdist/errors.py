@@ -2,7 +2,10 @@
 
 :class:`RankError` reports what failed on the ranks: every rank's failure,
 with identical failures (same error, same traceback up to rank-specific noise)
-shown once for the group of ranks that hit them.
+shown once for the group of ranks that hit them, and failures that differ only
+in their numbers (a rank number, a batch size, free memory) shown once with each
+number's range across the ranks: at 256 ranks an error whose message names the
+rank is one entry, not 8 tracebacks and 248 lines.
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ __all__ = [
 # Beyond this many distinct failures, further groups get one line each: a
 # wall of near-identical tracebacks hides the first one, which matters most.
 _MAX_FULL_GROUPS = 8
+
+# Up to this many messages of one error that differ only in their numbers each get
+# their line (exact, and short enough); beyond it one line gives each number's range.
+_MAX_LISTED_MESSAGES = 3
+
+# A number in an error message: "3", "4.5", "127.0.0.1", "1e-05", "0x7f3a2c".
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)*(?:[eE][-+]?\d+)?")
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 
@@ -168,6 +178,42 @@ def _headline(failure: RankFailure) -> str:
     return f"{failure.ename}: {failure.evalue}" if failure.evalue else failure.ename
 
 
+def _family_key(failure: RankFailure) -> tuple[str, str, str]:
+    """What failures that differ only in their message's numbers share.
+
+    The traceback is compared whole but for the message it repeats, so the same
+    message raised at another line, or with other frames, stays apart.
+    """
+    trace = _normalised_traceback(failure.traceback)
+    if failure.evalue:
+        trace = trace.replace(_normalised_traceback(failure.evalue), "\0message\0")
+    return (failure.ename, _NUMBER.sub("#", failure.evalue), trace)
+
+
+def _magnitude(token: str) -> tuple:
+    """Sort key of a number token: by value; dotted forms (addresses) part by part."""
+    try:
+        return (0, float(int(token, 16)) if token[:2].lower() == "0x" else float(token))
+    except ValueError:
+        return (1, tuple(int(part) for part in token.split(".")))
+
+
+def _ranged_message(messages: Sequence[str]) -> str:
+    """One message for several alike but for their numbers: each number as the ranks' range.
+
+    ``["rank 3: loss=4.5", "rank 8: loss=12.0"]`` -> ``"rank 3–8: loss=4.5–12.0"``.
+    """
+    pieces = [_NUMBER.split(message) for message in messages]
+    tokens = [_NUMBER.findall(message) for message in messages]
+    out = []
+    for index, text in enumerate(pieces[0]):
+        out.append(text)
+        if index < len(tokens[0]):
+            values = sorted({row[index] for row in tokens}, key=_magnitude)
+            out.append(values[0] if len(values) == 1 else f"{values[0]}–{values[-1]}")
+    return "".join(out)
+
+
 _UNDEFINED = re.compile(r"name '([^']+)' is not defined")
 
 
@@ -233,26 +279,51 @@ class RankError(NbdistError):
                 ranks.append(failure.rank)
         return list(groups.values())
 
+    def families(self) -> list[list[tuple[list[int], RankFailure]]]:
+        """The groups, those that differ only in their message's numbers together.
+
+        ``ValueError: bad batch on rank 3`` and ``... rank 8`` raised by the same
+        code are one family; ordered by lowest rank, as the groups within one.
+        """
+        families: dict[tuple[str, str, str], list[tuple[list[int], RankFailure]]] = {}
+        for ranks, failure in self.groups():
+            families.setdefault(_family_key(failure), []).append((ranks, failure))
+        return list(families.values())
+
     def __str__(self) -> str:
-        """One line per group of identical failures, then the note."""
-        lines = [f"{format_ranks(ranks)}: {_headline(failure)}" for ranks, failure in self.groups()]
+        """One line per family of failures (a few alike: one per message), then the note."""
+        lines = [
+            f"{format_ranks(ranks)}: {headline}"
+            for family in self.families()
+            for ranks, headline in _family_headlines(family)
+        ]
         if self.note:
             lines.append(self.note)
         return "\n".join(lines)
 
     def _render_traceback_(self) -> list[str]:
         """Render for IPython, in place of the (useless) local traceback."""
-        groups = self.groups()
+        families = self.families()
         lines: list[str] = []
-        for ranks, failure in groups[:_MAX_FULL_GROUPS]:
-            lines.append(f"[{format_ranks(ranks)}] {_headline(failure)}")
+        for family in families[:_MAX_FULL_GROUPS]:
+            lines.extend(f"[{format_ranks(r)}] {text}" for r, text in _family_headlines(family))
+            first_ranks, failure = family[0]
+            if len(family) > 1:
+                lines.append(
+                    f"(one error, its numbers differing between the ranks; the traceback is "
+                    f"{format_ranks(first_ranks[:1])}'s; %dist_last_error --full shows each rank's)"
+                )
             lines.extend(failure.traceback.splitlines())
             lines.append("")
-        rest = groups[_MAX_FULL_GROUPS:]
+        rest = families[_MAX_FULL_GROUPS:]
         if rest:
             noun = "failure" if len(rest) == 1 else "failures"
             lines.append(f"{len(rest)} more distinct {noun} (tracebacks omitted):")
-            lines.extend(f"[{format_ranks(ranks)}] {_headline(failure)}" for ranks, failure in rest)
+            lines.extend(
+                f"[{format_ranks(r)}] {text}"
+                for family in rest
+                for r, text in _family_headlines(family)
+            )
         lines.append(self._summary())
         if self.note:
             lines.append(self.note)
@@ -264,6 +335,18 @@ class RankError(NbdistError):
             total = len(self.world_ranks)
             return f"{failed} of {total} {'rank' if total == 1 else 'ranks'} failed"
         return f"{failed} {'rank' if failed == 1 else 'ranks'} failed"
+
+
+def _family_headlines(
+    family: Sequence[tuple[list[int], RankFailure]],
+) -> list[tuple[list[int], str]]:
+    """(ranks, headline) lines of one family: each message while few, else one with ranges."""
+    if len(family) <= _MAX_LISTED_MESSAGES:
+        return [(ranks, _headline(failure)) for ranks, failure in family]
+    ranks = sorted(rank for members, _ in family for rank in members)
+    failure = family[0][1]
+    message = _ranged_message([member.evalue for _, member in family])
+    return [(ranks, f"{failure.ename}: {message}")]
 
 
 class RanksInterrupted(KeyboardInterrupt):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import re
 import time
 
 import numpy as np
@@ -200,6 +201,22 @@ def test_identical_errors_are_grouped(session):
         session.run("raise ValueError('bad batch')", sink=ListSink())
     assert str(info.value).splitlines()[0] == "ranks 0-1: ValueError: bad batch"
     assert len(info.value.groups()) == 1
+
+
+def test_an_error_naming_its_rank_is_one_error_with_one_traceback(session):
+    """The ranks' real tracebacks (IPython's, with the message in colour) are alike but for the
+    message's numbers: one traceback under both ranks' lines."""
+    with pytest.raises(RankError) as info:
+        session.run(
+            "raise ValueError(f'bad batch on rank {rank}: {10 * rank + 3} rows')", sink=ListSink()
+        )
+    assert str(info.value) == (
+        "rank 0: ValueError: bad batch on rank 0: 3 rows\n"
+        "rank 1: ValueError: bad batch on rank 1: 13 rows"
+    )
+    rendered = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(info.value._render_traceback_()))
+    assert rendered.count("raise ValueError") == 1, rendered
+    assert "the traceback is rank 0's" in rendered
 
 
 def test_push_and_apply(session):

@@ -127,26 +127,113 @@ def test_summary_without_world_ranks():
     )
 
 
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo".split()
+
+
 def test_more_than_eight_groups_are_summarised():
-    failures = [value_error(rank, f"problem {rank}") for rank in range(11)]
+    failures = [value_error(rank, f"problem {WORDS[rank]}") for rank in range(11)]
     rendered = RankError(failures, world_ranks=range(12))._render_traceback_()
     full = []
     for rank in range(8):
         full += [
-            f"[rank {rank}] ValueError: problem {rank}",
+            f"[rank {rank}] ValueError: problem {WORDS[rank]}",
             "Traceback",
             "  check()",
-            f"ValueError: problem {rank}",
+            f"ValueError: problem {WORDS[rank]}",
             "",
         ]
     assert rendered == [
         *full,
         "3 more distinct failures (tracebacks omitted):",
-        "[rank 8] ValueError: problem 8",
-        "[rank 9] ValueError: problem 9",
-        "[rank 10] ValueError: problem 10",
+        "[rank 8] ValueError: problem india",
+        "[rank 9] ValueError: problem juliet",
+        "[rank 10] ValueError: problem kilo",
         "11 of 12 ranks failed",
     ]
+
+
+def test_256_ranks_whose_messages_differ_in_numbers_are_one_entry_with_ranges():
+    """An error whose message names the rank or a per-rank value, on every rank: one headline
+    with each number's range and one traceback, not 8 tracebacks and 248 lines."""
+    failures = [
+        value_error(rank, f"bad batch on rank {rank}: loss={rank * 1.5}") for rank in range(256)
+    ]
+    error = RankError(failures, world_ranks=range(256))
+    assert len(error.groups()) == 256  # the exact groups are still there
+    assert error._render_traceback_() == [
+        "[ranks 0-255] ValueError: bad batch on rank 0–255: loss=0.0–382.5",
+        "(one error, its numbers differing between the ranks; the traceback is rank 0's; "
+        "%dist_last_error --full shows each rank's)",
+        "Traceback",
+        "  check()",
+        "ValueError: bad batch on rank 0: loss=0.0",
+        "",
+        "256 of 256 ranks failed",
+    ]
+    assert str(error) == "ranks 0-255: ValueError: bad batch on rank 0–255: loss=0.0–382.5"
+
+
+def test_a_few_messages_differing_in_numbers_each_keep_their_line_over_one_traceback():
+    failures = [
+        value_error(0, "expected 4 got 3"),
+        value_error(1, "expected 4 got 5"),
+        value_error(2, "expected 4 got 3"),
+    ]
+    rendered = RankError(failures)._render_traceback_()
+    assert rendered[:3] == [
+        "[ranks 0,2] ValueError: expected 4 got 3",
+        "[rank 1] ValueError: expected 4 got 5",
+        "(one error, its numbers differing between the ranks; the traceback is rank 0's; "
+        "%dist_last_error --full shows each rank's)",
+    ]
+    assert rendered.count("Traceback") == 1
+    assert str(RankError(failures)) == (
+        "ranks 0,2: ValueError: expected 4 got 3\nrank 1: ValueError: expected 4 got 5"
+    )
+
+
+def test_the_same_message_from_other_code_stays_apart():
+    """Alike messages raised at another place are another error: each keeps its traceback."""
+    here = [value_error(rank, f"step {rank} failed") for rank in range(4)]
+    elsewhere = [
+        RankFailure(
+            rank,
+            "ValueError",
+            f"step {rank} failed",
+            f"Traceback\n  other()\nValueError: step {rank} failed",
+        )
+        for rank in range(4, 8)
+    ]
+    error = RankError(here + elsewhere)
+    assert str(error) == (
+        "ranks 0-3: ValueError: step 0–3 failed\nranks 4-7: ValueError: step 4–7 failed"
+    )
+    assert error._render_traceback_().count("Traceback") == 2
+
+
+@pytest.mark.parametrize(
+    "numbers, ranged",
+    [
+        (["9", "10", "2"], "2–10"),  # by value, not as text
+        (["10.0.0.9", "10.0.0.10"], "10.0.0.9–10.0.0.10"),  # an address part by part
+        (["0x1f", "0xa"], "0xa–0x1f"),
+        (["1e-05", "0.5"], "1e-05–0.5"),
+        (["7", "7"], "7"),
+    ],
+)
+def test_numbers_are_ranged_by_their_value(numbers, ranged):
+    # Four messages or more, so that one line gives the ranges.
+    messages = [f"at {numbers[i % len(numbers)]} now, attempt {i}" for i in range(4)]
+    failures = [value_error(rank, message) for rank, message in enumerate(messages)]
+    assert str(RankError(failures)) == f"ranks 0-3: ValueError: at {ranged} now, attempt 0–3"
+
+
+def test_signs_and_words_are_not_numbers_to_range():
+    """A message whose text around the numbers differs (a sign, a word) is another message."""
+    messages = ["loss -1.5 at step 3", "loss 2.5 at step 3", "loss nan at step 3"]
+    error = RankError([value_error(rank, message) for rank, message in enumerate(messages)])
+    assert error._render_traceback_().count("Traceback") == 3
+    assert "one error" not in "\n".join(error._render_traceback_())
 
 
 def test_failures_are_sorted_and_ranks_property():
