@@ -50,6 +50,8 @@ and its frames name the file's own path (:mod:`nbdist.driver.lab_debug_paths`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import sys
 import threading
 import time
@@ -76,6 +78,8 @@ RANKS_THREAD = 1_000_000
 ALL_RANKS = -1
 # How the summary frame's name begins.
 SUMMARY_PREFIX = "all stopped"
+# A rank to attach to: rank, host, port, pid (or None), relay ((client, engine_id), or None).
+RankTarget = tuple[int, str, int, int | None, tuple | None]
 # Frames of the machinery that runs a cell on a rank: a rank's stack is shown down to
 # the first of them (the cell's frame and what it called).
 _MACHINERY = (
@@ -427,45 +431,93 @@ class LabDebugRouter:
         self._told |= keys
         print(text, file=sys.stderr)
 
-    def connect(
-        self, rank: int, host: str, port: int, pid: int | None = None, *, relay=None
-    ) -> None:
-        """Attach to rank ``rank``'s debugpy at ``host:port`` and give it the breakpoints set so far.
+    def connect(self, targets: list[RankTarget]) -> dict[int, Exception]:
+        """Attach to each target rank's debugpy and give it the breakpoints set so far.
 
-        ``pid``: the rank's process id, when known (a restarted rank is a new process).
-        ``relay``: ``(client, engine_id)`` for a rank on another machine, whose
-        ``host:port`` is that machine's loopback: its messages then travel through
-        the engine's control channel (:mod:`nbdist.driver.rank_relay`) instead of
-        a TCP connection. A connection to the rank's former debugpy is closed.
+        ``targets``: (rank, host, port, pid, relay) each. ``pid``: the rank's process
+        id, when known (a restarted rank is a new process). ``relay``: ``(client,
+        engine_id)`` for a rank on another machine, whose ``host:port`` is that
+        machine's loopback: its messages then travel through the engine's control
+        channel (:mod:`nbdist.driver.rank_relay`) instead of a TCP connection. A
+        connection to a rank's former debugpy is closed. Returns ``{rank: why}`` for
+        the ranks it could not attach to.
+
+        The ranks are attached a window at a time, each step's requests sent to every
+        rank of the window before any answer is waited for: one rank after the other,
+        64 ranks took 15 s of the first stop's 48 s (2 cores). The window stays small
+        so that a loaded machine answers each rank within the timeouts, as before.
         """
-        old = self._ranks.get(rank)
-        if old is not None:
-            old.close()
-        if relay is None:
-            connection = dap.RankConnection(rank, host, port, self._on_rank_event)
-        else:
-            client, engine_id = relay
-            connection = RelayedRankConnection(
-                rank, client, engine_id, (host, port), self._on_rank_event
-            )
-        connection.pid = pid if pid is not None else connection.pid
+        failed: dict[int, Exception] = {}
+        width = max(4, os.cpu_count() or 1)
+        for start in range(0, len(targets), width):
+            failed.update(self._connect_window(targets[start : start + width]))
+        return failed
+
+    def _connect_window(self, targets: list[RankTarget]) -> dict[int, Exception]:
+        failed: dict[int, Exception] = {}
+        opened: dict[int, dap.DapClient] = {}
+        pending: dict[int, list] = {}  # each rank's requests sent, their answers not read
+
+        @contextlib.contextmanager
+        def step(rank):
+            try:
+                yield
+            except Exception as exc:  # noqa: BLE001 - that rank's failure, told by the caller
+                failed[rank] = exc
+                opened.pop(rank).close()
+
         try:
-            dap.succeeded(connection.request("initialize", dap.INITIALIZE))
-            attached = connection.request("attach", dap.ATTACH)
-            if not connection.initialized.wait(dap.CONNECT_TIMEOUT_S):
-                raise TimeoutError(f"rank {rank}'s debugpy did not start a debug session")
-            for arguments in list(self._breakpoints.values()):
-                for moved in self._paths.to_rank(rank, arguments):
-                    dap.succeeded(connection.request("setBreakpoints", moved))
-            if self._exceptions is not None:
-                dap.succeeded(connection.request("setExceptionBreakpoints", self._exceptions))
-            dap.succeeded(connection.request("configurationDone"))
-            dap.succeeded(attached)
-        except BaseException:
-            connection.close()
-            raise
-        with self._lock:
-            self._ranks[rank] = connection
+            for rank, host, port, pid, relay in targets:
+                old = self._ranks.get(rank)
+                if old is not None:
+                    old.close()
+                try:
+                    if relay is None:
+                        connection = dap.RankConnection(rank, host, port, self._on_rank_event)
+                    else:
+                        client, engine_id = relay
+                        connection = RelayedRankConnection(
+                            rank, client, engine_id, (host, port), self._on_rank_event
+                        )
+                except Exception as exc:  # noqa: BLE001 - as in step()
+                    failed[rank] = exc
+                    continue
+                connection.pid = pid if pid is not None else connection.pid
+                opened[rank] = connection
+                pending[rank] = [connection.request("initialize", dap.INITIALIZE)]
+            for rank, connection in list(opened.items()):
+                with step(rank):
+                    dap.succeeded(pending[rank].pop())
+                    # debugpy answers the attach after configurationDone: read last.
+                    pending[rank].append(connection.request("attach", dap.ATTACH))
+            for rank, connection in list(opened.items()):
+                with step(rank):
+                    if not connection.initialized.wait(dap.CONNECT_TIMEOUT_S):
+                        raise TimeoutError(f"rank {rank}'s debugpy did not start a debug session")
+                    pending[rank][:0] = self._configure(rank, connection)
+            for rank in list(opened):
+                with step(rank):
+                    for answer in pending[rank]:
+                        dap.succeeded(answer)
+                    with self._lock:
+                        self._ranks[rank] = opened.pop(rank)
+        finally:
+            for connection in opened.values():  # interrupted before its rank was attached
+                connection.close()
+        return failed
+
+    def _configure(self, rank: int, connection: dap.DapClient) -> list:
+        """Send ``rank`` the breakpoints and exception filters set so far, then
+        ``configurationDone``; the futures of their answers."""
+        sent = [
+            connection.request("setBreakpoints", moved)
+            for arguments in list(self._breakpoints.values())
+            for moved in self._paths.to_rank(rank, arguments)
+        ]
+        if self._exceptions is not None:
+            sent.append(connection.request("setExceptionBreakpoints", self._exceptions))
+        sent.append(connection.request("configurationDone"))
+        return sent
 
     def cell_started(self, ranks) -> None:
         """The kernel's cell runs on ``ranks`` (a Pause while it runs is theirs)."""

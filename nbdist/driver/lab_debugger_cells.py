@@ -102,6 +102,7 @@ def prepare_cell(session, ranks, body: str) -> None:
 
     here = set(lab_debug.machine_addresses())
     engines = {r.rank: r.engine_id for r in getattr(session, "ranks", ())}
+    targets = []
     for rank, endpoint in endpoints.items():
         if endpoint.get("port") is None or found.attached(rank, endpoint):
             continue
@@ -112,17 +113,14 @@ def prepare_cell(session, ranks, body: str) -> None:
         ):
             # Its loopback is not this kernel's: through the engine's control channel.
             relay = (session.client, engines[rank])
-        try:
-            found.connect(
-                rank, endpoint["host"], endpoint["port"], pid=endpoint.get("pid"), relay=relay
-            )
-        except (OSError, RuntimeError) as exc:
-            found.tell(
-                [rank],
-                [endpoint],
-                f"nbdist: JupyterLab's debugger could not attach to rank {rank} ({exc}); "
-                "breakpoints do not stop it, the other ranks stop as usual",
-            )
+        targets.append((rank, endpoint["host"], endpoint["port"], endpoint.get("pid"), relay))
+    for rank, exc in sorted(found.connect(targets).items()):
+        found.tell(
+            [rank],
+            [endpoints[rank]],
+            f"nbdist: JupyterLab's debugger could not attach to rank {rank} ({exc}); "
+            "breakpoints do not stop it, the other ranks stop as usual",
+        )
 
 
 def _cell_lines(source: str, body: str) -> tuple[str | None, int]:
