@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from nbdist.number_ranges import number_shape, with_ranges
+
 __all__ = [
     "FULL_HINT",
     "ClusterNotRunning",
@@ -34,9 +36,6 @@ _MAX_FULL_GROUPS = 8
 # Up to this many messages of one error that differ only in their numbers each get
 # their line (exact, and short enough); beyond it one line gives each number's range.
 _MAX_LISTED_MESSAGES = 3
-
-# A number in an error message: "3", "4.5", "127.0.0.1", "1e-05", "0x7f3a2c".
-_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)*(?:[eE][-+]?\d+)?")
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 
@@ -187,31 +186,7 @@ def _family_key(failure: RankFailure) -> tuple[str, str, str]:
     trace = _normalised_traceback(failure.traceback)
     if failure.evalue:
         trace = trace.replace(_normalised_traceback(failure.evalue), "\0message\0")
-    return (failure.ename, _NUMBER.sub("#", failure.evalue), trace)
-
-
-def _magnitude(token: str) -> tuple:
-    """Sort key of a number token: by value; dotted forms (addresses) part by part."""
-    try:
-        return (0, float(int(token, 16)) if token[:2].lower() == "0x" else float(token))
-    except ValueError:
-        return (1, tuple(int(part) for part in token.split(".")))
-
-
-def _ranged_message(messages: Sequence[str]) -> str:
-    """One message for several alike but for their numbers: each number as the ranks' range.
-
-    ``["rank 3: loss=4.5", "rank 8: loss=12.0"]`` -> ``"rank 3–8: loss=4.5–12.0"``.
-    """
-    pieces = [_NUMBER.split(message) for message in messages]
-    tokens = [_NUMBER.findall(message) for message in messages]
-    out = []
-    for index, text in enumerate(pieces[0]):
-        out.append(text)
-        if index < len(tokens[0]):
-            values = sorted({row[index] for row in tokens}, key=_magnitude)
-            out.append(values[0] if len(values) == 1 else f"{values[0]}–{values[-1]}")
-    return "".join(out)
+    return (failure.ename, number_shape(failure.evalue), trace)
 
 
 _UNDEFINED = re.compile(r"name '([^']+)' is not defined")
@@ -345,7 +320,7 @@ def _family_headlines(
         return [(ranks, _headline(failure)) for ranks, failure in family]
     ranks = sorted(rank for members, _ in family for rank in members)
     failure = family[0][1]
-    message = _ranged_message([member.evalue for _, member in family])
+    message = with_ranges([member.evalue for _, member in family])
     return [(ranks, f"{failure.ename}: {message}")]
 
 

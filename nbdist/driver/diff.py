@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from nbdist.engine import rank_diff
 from nbdist.errors import format_ranks
+from nbdist.number_ranges import number_shape, with_ranges
 
 __all__ = [
     "BATCH_BYTES",
@@ -46,6 +47,9 @@ __all__ = [
 BATCH_BYTES = 256 << 20
 COLUMNS = ("path", "rank", "kind", "detail", "max_abs_diff", "first_index")
 _MAX_LINES = 100
+# Beyond this many groups of ranks differing on one leaf in ways alike but for their numbers
+# (weights never broadcast: each rank its own max |diff|), the report gives them one line.
+_MAX_LISTED_GROUPS = 3
 
 
 @dataclass
@@ -103,18 +107,47 @@ class DiffResult:
         )
 
     def report(self) -> str:
-        """One line per differing leaf and group of ranks, then :meth:`summary`."""
+        """One line per differing leaf and group of ranks, then :meth:`summary`.
+
+        A leaf on which more than three groups of ranks differ alike but for the
+        numbers (every rank's own max |diff|) is one line, each number the range the
+        groups span: at 256 ranks a state_dict never broadcast is one line per leaf.
+        """
+        families: dict[tuple[str, str], list[Difference]] = {}
+        for d in self.differences:
+            families.setdefault((d.path, d.kind), []).append(d)
         lines = []
-        for d in self.differences[:_MAX_LINES]:
-            who = format_ranks(d.ranks)
-            verb = "differs" if len(d.ranks) == 1 else "differ"
-            lines.append(f"{d.path}: {who} {verb} from rank {self.ref}: {d.detail}")
-        if len(self.differences) > _MAX_LINES:
+        for family in families.values():
+            if len(family) <= _MAX_LISTED_GROUPS:
+                for d in family:
+                    verb = "differs" if len(d.ranks) == 1 else "differ"
+                    who = format_ranks(d.ranks)
+                    lines.append(f"{d.path}: {who} {verb} from rank {self.ref}: {d.detail}")
+                continue
+            ranks = format_ranks(r for d in family for r in d.ranks)
             lines.append(
-                f"... and {len(self.differences) - _MAX_LINES} more "
-                f"(nbdist.diff({self.expr!r}) lists them all)"
+                f"{family[0].path}: {ranks} differ from rank {self.ref} ({len(family)} different "
+                f"values): {self._folded(family)}"
             )
+        if len(lines) > _MAX_LINES:
+            lines[_MAX_LINES:] = [
+                f"... and {len(lines) - _MAX_LINES} more (nbdist.diff({self.expr!r}) lists them all)"
+            ]
         return "\n".join([*lines, self.summary()])
+
+    def _folded(self, family: list[Difference]) -> str:
+        """One detail for the groups of ranks ``family`` (one leaf, one kind of difference)."""
+        details = [d.detail for d in family]
+        if len({number_shape(detail) for detail in details}) == 1:
+            return with_ranges(details)  # "shape (5–8,), rank 0: (4,)"
+        gaps = [d.max_abs_diff for d in family if d.max_abs_diff is not None]
+        if len(gaps) == len(family):
+            worst = max(family, key=lambda d: d.max_abs_diff)
+            return (
+                f"max |diff| {min(gaps):.1e}–{max(gaps):.1e} (the largest on "
+                f"{format_ranks(worst.ranks)})"
+            )
+        return f"in {len(family)} ways (nbdist.diff({self.expr!r}) lists them)"
 
     def __str__(self) -> str:
         """The report."""

@@ -32,6 +32,7 @@ TOP_LEVEL = {
     "checkpoint.py",
     "errors.py",
     "integrations.py",
+    "number_ranges.py",
     "rank_states.py",
     "text_table.py",
 }

@@ -191,3 +191,56 @@ def test_dist_diff_without_a_session_names_dist_start():
     magics = InspectMagics(None, DistMagics(None))
     with pytest.raises(UsageError, match="%dist_start"):
         magics.dist_diff("w")
+
+
+def test_weights_never_broadcast_are_one_line_per_leaf_whatever_the_ranks():
+    """Each rank initialised its own model: on every leaf every rank differs from rank 0 by its
+    own amount. The report is one line per leaf, each number the range across the ranks (at 256
+    ranks it was 100 lines of the first leaf's ranks, then "... and 1430 more")."""
+    ranks = 256
+    states = {}
+    for rank in range(ranks):
+        torch.manual_seed(rank)
+        layer = torch.nn.Linear(4, 2)
+        states[rank] = {"weight": layer.weight.detach(), "bias": layer.bias.detach(), "lr": 0.1}
+    result = local_diff(states, expr="state")
+    lines = result.report().splitlines()
+    assert len(lines) == 3, lines  # weight, bias, the summary
+    for path, line in zip(("['weight']", "['bias']"), lines):
+        gaps = [d.max_abs_diff for d in result.differences if d.path == path]
+        assert len(gaps) == ranks - 1
+        worst = max(range(1, ranks), key=lambda r: gaps[r - 1])
+        assert line == (
+            f"{path}: ranks 1-255 differ from rank 0 (255 different values): "
+            f"max |diff| {min(gaps):.1e}–{max(gaps):.1e} (the largest on rank {worst})"
+        ), line
+    assert (
+        lines[-1] == "2 of 3 values differ on ranks 1-255 (reference rank 0; ranks 0-255 compared)"
+    )
+    assert len(result.rows()) == 2 * (ranks - 1)  # the table keeps every rank's own line
+
+
+def test_a_few_groups_on_one_leaf_keep_a_line_each():
+    w = torch.zeros(4)
+    values = {0: w, 1: w + 1, 2: w + 2, 3: w + 3}
+    lines = local_diff(values, expr="w").report().splitlines()
+    assert [line.split(": max")[0] for line in lines[:3]] == [
+        "w: rank 1 differs from rank 0",
+        "w: rank 2 differs from rank 0",
+        "w: rank 3 differs from rank 0",
+    ]
+
+
+def test_groups_that_differ_in_kind_are_not_folded_together():
+    """Four ranks whose shapes differ and four whose values differ: two lines, not one."""
+    w = torch.zeros(4)
+    values = {0: w}
+    values.update({r: torch.zeros(4 + r) for r in range(1, 5)})
+    values.update({r: w + r for r in range(5, 9)})
+    lines = local_diff(values, expr="w").report().splitlines()
+    assert lines[0] == (
+        "w: ranks 1-4 differ from rank 0 (4 different values): shape (5–8,), rank 0: (4,)"
+    )
+    assert lines[1].startswith("w: ranks 5-8 differ from rank 0 (4 different values")
+    assert "max |diff| 5.0e+00–8.0e+00" in lines[1], lines[1]
+    assert len(lines) == 3

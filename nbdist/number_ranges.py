@@ -1,0 +1,52 @@
+"""Both sides (standard library only): texts alike but for their numbers, written once with ranges.
+
+An error raised on 256 ranks that names its rank, or ``%dist_diff`` finding that every
+rank's weights differ from rank 0's by a different amount, gives texts that differ only
+in their numbers. Written once, each number as the range the texts span, they stay
+readable whatever the number of ranks:
+
+>>> number_shape("bad batch on rank 3: loss=4.5")
+'bad batch on rank #: loss=#'
+>>> with_ranges(["bad batch on rank 3: loss=4.5", "bad batch on rank 10: loss=15.0"])
+'bad batch on rank 3–10: loss=4.5–15.0'
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+__all__ = ["number_shape", "with_ranges"]
+
+# A number: "3", "4.5", "127.0.0.1", "1e-05", "6.0e-01", "0x7f3a2c". A sign is text: texts
+# whose numbers differ in sign are not alike ("-1.5" against "2.5").
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)*(?:[eE][-+]?\d+)?")
+
+
+def number_shape(text: str) -> str:
+    """``text`` with each number replaced by ``#``: texts alike but for their numbers share it."""
+    return _NUMBER.sub("#", text)
+
+
+def _magnitude(token: str) -> tuple:
+    """Sort key of a number: by value; dotted forms (addresses) part by part."""
+    try:
+        return (0, float(int(token, 16)) if token[:2].lower() == "0x" else float(token))
+    except ValueError:
+        return (1, tuple(int(part) for part in token.split(".")))
+
+
+def with_ranges(texts: Sequence[str]) -> str:
+    """One text for ``texts`` of one :func:`number_shape`: each number as ``low–high`` by value
+    (one value where they agree)."""
+    pieces = _NUMBER.split(texts[0])
+    tokens = [_NUMBER.findall(text) for text in texts]
+    if any(len(row) != len(tokens[0]) for row in tokens):
+        raise ValueError(f"texts not alike but for their numbers: {texts[:2]!r}")
+    out = []
+    for index, text in enumerate(pieces):
+        out.append(text)
+        if index < len(tokens[0]):
+            values = sorted({row[index] for row in tokens}, key=_magnitude)
+            out.append(values[0] if len(values) == 1 else f"{values[0]}–{values[-1]}")
+    return "".join(out)
