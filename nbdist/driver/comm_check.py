@@ -7,71 +7,29 @@ Example (5 ranks, rank 3 behind a slow PCIe path)::
 
 The measurement is ``%dist_bench comm``'s send/recv rows alone
 (:func:`nbdist.driver.comm_table.pair_rows`), a fraction of a second to a
-couple of seconds; :func:`slow_links` decides what "far below" is.
+couple of seconds; :func:`nbdist.driver.comm_table.slow_links` decides what "far below" is.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
-from nbdist.driver.comm_table import format_gbs, format_size, pair_bytes, pair_rows, rank_memory
+from nbdist.driver.comm_table import (
+    SLOW_FACTOR,
+    format_gbs,
+    format_size,
+    pair_bytes,
+    pair_rows,
+    rank_memory,
+    slow_links,
+)
 from nbdist.engine import comm_bench
 from nbdist.errors import format_ranks
 
-__all__ = ["SLOW_FACTOR", "SlowLink", "check_links", "link_report", "slow_links"]
+__all__ = ["check_links", "link_report"]
 
-# "Far below": a link this many times slower than the median of the others. Healthy
-# links of one machine differ by less than 2x (PCIe across sockets vs under one switch),
-# and the median of interleaved exchanges on a loaded 2-core machine stays well within
-# that; the faults worth a warning are 4x and more (a PCIe link trained at x4 instead
-# of x16, or an older generation; NCCL falling back from NVLink or InfiniBand to PCIe
-# or TCP sockets: 5-50x).
-SLOW_FACTOR = 3.0
 _CHECK_ITERS, _CHECK_WARMUP = 7, 3
-
-
-@dataclass
-class SlowLink:
-    """A link from rank 0 far slower than the others: its rank, GB/s, the others' median."""
-
-    rank: int
-    gbs: float
-    median: float
-
-    @property
-    def ratio(self) -> float:
-        """How many times slower than the median of the other links."""
-        return self.median / self.gbs if self.gbs > 0 else float("inf")
-
-    def warning(self) -> str:
-        """``nbdist: rank 3's link is 6.1x slower than the median ...: check its NIC or PCIe path``."""
-        return (
-            f"nbdist: rank {self.rank}'s link is {self.ratio:.1f}x slower than the median of the "
-            f"others ({format_gbs(self.gbs)} vs {format_gbs(self.median)} GB/s): check its NIC or PCIe path"
-        )
-
-
-def slow_links(bandwidth: dict[int, float], factor: float = SLOW_FACTOR) -> list[SlowLink]:
-    """Links (rank -> GB/s to and from rank 0) at least ``factor`` times below the others' median.
-
-    Each link is compared with the median of the *other* links, so one slow
-    link among two or three cannot pull its own yardstick down; with a single
-    link there is nothing to compare and nothing is flagged. Example::
-
-        >>> [s.rank for s in slow_links({1: 4.9, 2: 5.1, 3: 0.8})]
-        [3]
-    """
-    found = []
-    for rank, gbs in sorted(bandwidth.items()):
-        others = [v for r, v in bandwidth.items() if r != rank]
-        if not others:
-            continue
-        median = statistics.median(others)
-        if gbs * factor <= median:
-            found.append(SlowLink(rank, gbs, median))
-    return found
 
 
 def link_report(bandwidth: dict[int, float], how: str) -> list[str]:

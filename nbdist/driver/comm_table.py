@@ -32,12 +32,15 @@ from nbdist.text_table import format_table
 
 __all__ = [
     "COLUMNS",
+    "SLOW_FACTOR",
+    "SlowLink",
     "CommResult",
     "bench_comm",
     "bus_factor",
     "collective_rows",
     "default_sizes",
     "format_gbs",
+    "slow_links",
     "format_size",
     "measure_comm",
     "pair_bytes",
@@ -192,6 +195,58 @@ def _table(rows: list[dict]) -> str:
     return format_table(header, cells, right={2, 3, 4, 5})
 
 
+# "Far below": a link this many times slower than the median of the others. Healthy
+# links of one machine differ by less than 2x (PCIe across sockets vs under one switch),
+# and the median of interleaved exchanges on a loaded 2-core machine stays well within
+# that; the faults worth a warning are 4x and more (a PCIe link trained at x4 instead
+# of x16, or an older generation; NCCL falling back from NVLink or InfiniBand to PCIe
+# or TCP sockets: 5-50x).
+SLOW_FACTOR = 3.0
+_MAX_PAIR_ROWS = 8  # beyond: the links' median, and those far slower
+
+
+@dataclass
+class SlowLink:
+    """A link from rank 0 far slower than the others: its rank, GB/s, the others' median."""
+
+    rank: int
+    gbs: float
+    median: float
+
+    @property
+    def ratio(self) -> float:
+        """How many times slower than the median of the other links."""
+        return self.median / self.gbs if self.gbs > 0 else float("inf")
+
+    def warning(self) -> str:
+        """``nbdist: rank 3's link is 6.1x slower than the median ...: check its NIC or PCIe path``."""
+        return (
+            f"nbdist: rank {self.rank}'s link is {self.ratio:.1f}x slower than the median of the "
+            f"others ({format_gbs(self.gbs)} vs {format_gbs(self.median)} GB/s): check its NIC or PCIe path"
+        )
+
+
+def slow_links(bandwidth: dict[int, float], factor: float = SLOW_FACTOR) -> list[SlowLink]:
+    """Links (rank -> GB/s to and from rank 0) at least ``factor`` times below the others' median.
+
+    Each link is compared with the median of the *other* links, so one slow
+    link among two or three cannot pull its own yardstick down; with a single
+    link there is nothing to compare and nothing is flagged. Example::
+
+        >>> [s.rank for s in slow_links({1: 4.9, 2: 5.1, 3: 0.8})]
+        [3]
+    """
+    found = []
+    for rank, gbs in sorted(bandwidth.items()):
+        others = [v for r, v in bandwidth.items() if r != rank]
+        if not others:
+            continue
+        median = statistics.median(others)
+        if gbs * factor <= median:
+            found.append(SlowLink(rank, gbs, median))
+    return found
+
+
 @dataclass
 class CommResult:
     """What :func:`measure_comm` found: one row per op and size, and what was measured."""
@@ -219,10 +274,39 @@ class CommResult:
         first = (
             f"nbdist: comm bench · {self.world} ranks · backend {self.backend} · device {devices}"
         )
-        lines = [f"{first} · {self.note}", _table(self.rows)]
+        rows, folded = self._shown_rows()
+        lines = [f"{first} · {self.note}", _table(rows), *folded]
         for op, why in self.skipped.items():
             lines.append(f"{op}: skipped, the {self.backend} group cannot run it here ({why})")
         return "\n".join(lines)
+
+    def _shown_rows(self) -> tuple[list[dict], list[str]]:
+        """The rows the report shows, and a line on the links left out.
+
+        Past :data:`_MAX_PAIR_ROWS` links (256 ranks: 255 of them) the table shows their
+        median and the links far slower than the others only, as ``%dist_status`` shows
+        the ranks that deviate; :meth:`table` keeps every link.
+        """
+        pairs = [r for r in self.rows if r["op"] == "sendrecv"]
+        if len(pairs) <= _MAX_PAIR_ROWS:
+            return self.rows, []
+        by_peer = {int(r["ranks"].split("↔")[1]): r for r in pairs}
+        slow = {link.rank for link in slow_links({p: r["algbw_gbs"] for p, r in by_peer.items()})}
+        peers = format_ranks(by_peer).removeprefix("ranks ")
+        seconds = statistics.median(r["time_us"] / 1e6 for r in pairs)
+        median = _row("sendrecv", f"0↔{peers} (median)", pairs[0]["bytes"], seconds, 2)
+        shown = [r for r in self.rows if r["op"] != "sendrecv"] + [median]
+        shown += [by_peer[p] for p in sorted(slow)]
+        if slow:
+            said = (
+                f"{len(slow)} {SLOW_FACTOR:g}x or more slower than the median of the others, shown"
+            )
+        else:
+            said = f"none {SLOW_FACTOR:g}x below the others"
+        return shown, [
+            f"sendrecv: {len(pairs)} links with rank 0, their median; {said} "
+            "(nbdist.driver.comm_table.bench_comm() lists every link)"
+        ]
 
     def __str__(self) -> str:
         """The report."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
-from nbdist.driver.comm_check import SLOW_FACTOR, link_report, slow_links
+from nbdist.driver.comm_check import link_report
 from nbdist.driver.comm_table import (
     COLUMNS,
+    SLOW_FACTOR,
     CommResult,
     bus_factor,
     collective_rows,
@@ -15,6 +18,7 @@ from nbdist.driver.comm_table import (
     pair_rows,
     parse_ops,
     parse_sizes,
+    slow_links,
 )
 from nbdist.engine.comm_bench import OPS, elements
 from nbdist.errors import PlacementError
@@ -185,3 +189,41 @@ def test_table_lines_align():
     assert lines[2].split() == ["all_reduce", "0-1", "1", "MiB", "1000.0", "1.05", "1.05"]
     assert lines[3].split() == ["broadcast", "0-1", "1", "KiB", "100.0", "0.01", "0.01"]
     assert len({len(x) for x in lines[1:]}) == 1
+
+
+def _pairs(times: dict[int, float], nbytes: int = 4 << 20) -> list[dict]:
+    """``comm_bench.time_pairs`` results of rank 0 and each peer, each exchange ``times[peer]`` s."""
+    zero = {"bytes": nbytes, "times": {p: [t, t] for p, t in times.items()}, "skipped": {}}
+    peers = [{"bytes": nbytes, "times": {p: [t, t]}, "skipped": {}} for p, t in times.items()]
+    return pair_rows([zero, *peers])
+
+
+def test_past_8_links_the_report_shows_their_median_and_the_far_slower_ones():
+    """255 links of 256 ranks made a 255-row table; now their median and rank 70's slow link."""
+    times = {peer: 0.001 + peer * 1e-6 for peer in range(1, 256)}
+    times[70] = 0.004  # 4x the others' time: far slower
+    r = _rank_result([("all_reduce", 1 << 20, [0.001])])
+    rows = collective_rows([r, r]) + _pairs(times)
+    result = CommResult(256, "gloo", ["cpu"] * 256, rows, {}, "note")
+    lines = result.report().splitlines()
+    assert [line.split()[:2] for line in lines[2:5]] == [
+        ["all_reduce", "0-1"],
+        ["sendrecv", "0↔1-255"],
+        ["sendrecv", "0↔70"],
+    ]
+    assert lines[3].split()[2] == "(median)"
+    assert float(lines[3].split()[5]) == pytest.approx(
+        statistics.median(times.values()) * 1e6, abs=0.1
+    )
+    assert lines[5] == (
+        "sendrecv: 255 links with rank 0, their median; 1 3x or more slower than the median of "
+        "the others, shown (nbdist.driver.comm_table.bench_comm() lists every link)"
+    )
+    assert len(lines) == 6
+    assert len(result.rows) == 1 + 255  # the table (a DataFrame) keeps every link
+
+
+def test_up_to_8_links_each_has_its_row():
+    rows = _pairs({peer: 0.001 for peer in range(1, 9)})
+    lines = CommResult(9, "gloo", ["cpu"] * 9, rows, {}, "note").report().splitlines()
+    assert [line.split()[1] for line in lines[2:]] == [f"0↔{peer}" for peer in range(1, 9)]
