@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from nbdist.driver.trace_summary import RankSummary, format_summary, hta_breakdown, summarize
 from nbdist.engine import profiling
-from nbdist.errors import NbdistError
+from nbdist.errors import NbdistError, format_ranks
 
 __all__ = [
     "PERFETTO_URL",
@@ -93,11 +93,15 @@ class MergedProfile:
 
     def report(self) -> str:
         """The lines ``%dist_profile`` prints: the file, how to open it, alignment, summary."""
-        steps = ", ".join(f"rank {r}: {n}" for r, n in sorted(self.steps.items()))
+        # Ranks grouped by their count: "ranks 0-255: 3", not 256 entries.
+        by_count: dict[int, list[int]] = {}
+        for rank, count in sorted(self.steps.items()):
+            by_count.setdefault(count, []).append(rank)
+        steps = ", ".join(f"{format_ranks(r)}: {n}" for n, r in by_count.items())
         shifted = {r: o for r, o in self.offsets.items() if o.applied_ns}
         if shifted:
             worst = max(o.rtt_ns for o in shifted.values()) / 2e6
-            clocks = f"clocks of ranks {sorted(shifted)} aligned to within {worst:.2f} ms (RTT/2)"
+            clocks = f"clocks of {format_ranks(shifted)} aligned to within {worst:.2f} ms (RTT/2)"
         else:
             clocks = "clocks: every rank agrees with this kernel's clock (offsets within ±RTT/2)"
         lines = [f"nbdist: merged profile of {len(self.ranks)} ranks ({steps} steps): {self.path}"]

@@ -28,8 +28,10 @@ the traces, :func:`hta_breakdown` adds HTA's own temporal breakdown and overlap
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
+from nbdist.errors import format_ranks
 from nbdist.text_table import format_table
 
 __all__ = ["RankSummary", "format_summary", "hta_breakdown", "is_comm", "summarize"]
@@ -37,6 +39,10 @@ __all__ = ["RankSummary", "format_summary", "hta_breakdown", "is_comm", "summari
 _COMM_PREFIXES = ("c10d::", "gloo:", "nccl", "record_param_comms", "mpi:", "ucc:")
 _GPU_COMPUTE = ("kernel", "gpu_memcpy", "gpu_memset")
 _TOP = 5
+# Past this many ranks the summary shows their median and the ranks that stand out:
+# a compute, communication or idle share this far (a fraction of the window) from the median.
+_MAX_RANK_ROWS = 8
+_STANDS_OUT = 0.10
 
 
 def is_comm(name: str) -> bool:
@@ -192,26 +198,98 @@ def _pct(value) -> str:
 
 
 def format_summary(rows: list[RankSummary]) -> str:
-    """The summary as a text table, then each rank's top operators by self time."""
+    """The summary as a text table, then the top operators by self time.
+
+    Up to :data:`_MAX_RANK_ROWS` ranks, a row and a top-operators line per rank. Past it
+    (256 ranks made 512 lines), a row of the ranks' medians, then only the ranks whose
+    compute, communication or idle share is :data:`_STANDS_OUT` or more from that
+    median (the farthest :data:`_MAX_RANK_ROWS`), and the operators' mean over the
+    ranks; ``MergedProfile.to_pandas()`` keeps every rank.
+    """
     header = ["rank", "window", "steps", "compute", "comm", "idle", "overlap"]
-    cells = [
-        [
-            r.rank,
-            f"{r.window_ms:.1f} ms",
-            r.steps,
-            _pct(r.compute),
-            _pct(r.communication),
-            _pct(r.idle),
-            _pct(r.overlap),
-        ]
-        for r in rows
-    ]
+    if len(rows) <= _MAX_RANK_ROWS:
+        lines = [format_table(header, [_cells(r.rank, r) for r in rows], right=range(len(header)))]
+        lines += [_top_line(f"rank {r.rank}", r.top_ops) for r in rows if r.top_ops]
+        return "\n".join(lines)
+    median = _median_row(rows)
+    distance = {r.rank: _distance(r, median) for r in rows}
+    odd = [r for r in rows if distance[r.rank] >= _STANDS_OUT]
+    shown = sorted(
+        sorted(odd, key=lambda r: -distance[r.rank])[:_MAX_RANK_ROWS], key=lambda r: r.rank
+    )
+    everyone = format_ranks(r.rank for r in rows).removeprefix("ranks ")
+    cells = [_cells(f"{everyone} (median)", median)] + [_cells(r.rank, r) for r in shown]
     lines = [format_table(header, cells, right=range(len(header)))]
-    for r in rows:
-        if r.top_ops:
-            top = ", ".join(f"{n} {ms:.2f} ms ×{calls}" for n, ms, calls in r.top_ops)
-            lines.append(f"rank {r.rank} top by self time: {top}")
+    points = f"{100 * _STANDS_OUT:.0f} points or more from the median"
+    if not odd:
+        lines.append(f"no rank's compute, comm or idle share is {points}")
+    else:
+        left = len(odd) - len(shown)
+        more = f" ({left} more, nearer the median, not shown)" if left else ""
+        lines.append(
+            f"{len(odd)} {'rank' if len(odd) == 1 else 'ranks'} with a compute, comm or idle "
+            f"share {points} listed{more}; MergedProfile.to_pandas() has every rank"
+        )
+    lines.append(_top_line(f"ranks {everyone} (mean)", _mean_top(rows)))
+    lines += [_top_line(f"rank {r.rank}", r.top_ops) for r in shown if r.top_ops]
     return "\n".join(lines)
+
+
+def _cells(label, r) -> list:
+    return [
+        label,
+        f"{r.window_ms:.1f} ms",
+        r.steps,
+        _pct(r.compute),
+        _pct(r.communication),
+        _pct(r.idle),
+        _pct(r.overlap),
+    ]
+
+
+def _top_line(who: str, top_ops) -> str:
+    top = ", ".join(
+        f"{n} {ms:.2f} ms" + (f" ×{calls}" if calls is not None else "") for n, ms, calls in top_ops
+    )
+    return f"{who} top by self time: {top}"
+
+
+def _median_row(rows: list[RankSummary]) -> RankSummary:
+    """Each column's median over ``rows`` (overlap over the ranks that had communication)."""
+    overlaps = [r.overlap for r in rows if r.overlap is not None]
+    return RankSummary(
+        rank=-1,
+        window_ms=statistics.median(r.window_ms for r in rows),
+        steps=int(statistics.median(r.steps for r in rows)),
+        compute=statistics.median(r.compute for r in rows),
+        communication=statistics.median(r.communication for r in rows),
+        idle=statistics.median(r.idle for r in rows),
+        overlap=statistics.median(overlaps) if overlaps else None,
+        mode=rows[0].mode,
+    )
+
+
+def _distance(r: RankSummary, median: RankSummary) -> float:
+    """How far the rank's shares are from the median's: the largest of the three gaps."""
+    return max(
+        abs(r.compute - median.compute),
+        abs(r.communication - median.communication),
+        abs(r.idle - median.idle),
+    )
+
+
+def _mean_top(rows: list[RankSummary]) -> list[tuple[str, float, None]]:
+    """The operators with the most self time over all ranks: (name, mean ms per rank, None).
+
+    From each rank's own top operators: one that is not among a rank's top counts 0 there,
+    so a mean is a lower bound (calls are left out: few ranks may have counted them).
+    """
+    totals: dict[str, float] = {}
+    for r in rows:
+        for name, ms, _ in r.top_ops:
+            totals[name] = totals.get(name, 0.0) + ms
+    top = sorted(totals.items(), key=lambda item: -item[1])[:_TOP]
+    return [(name, ms / len(rows), None) for name, ms in top]
 
 
 def hta_breakdown(trace_dir: str) -> dict[int, dict] | None:

@@ -186,7 +186,7 @@ def test_dist_profile_collect_stops_a_profile_cut_short(session, shell, capsys):
     shell.run_line_magic("dist_profile", "--collect")
     out = capsys.readouterr().out
     # Started at the 1st log call, 1 step skipped, 2 completed, the 3rd cut short by --collect.
-    assert "nbdist: merged profile of 2 ranks (rank 0: 2, rank 1: 2 steps)" in out
+    assert "nbdist: merged profile of 2 ranks (ranks 0-1: 2 steps)" in out
 
 
 # A loop without collectives, for one rank alone.
@@ -200,7 +200,7 @@ def test_a_cell_that_raises_stops_its_profile_and_keeps_the_steps(session, shell
     cell = "%%on_all_ranks\n" + LOGGING_LOOP.format(n=4) + "raise ValueError('boom')\n"
     assert not shell.run_cell(cell).success
     out = capsys.readouterr().out
-    assert "nbdist: merged profile of 2 ranks (rank 0: 2, rank 1: 2 steps)" in out, out
+    assert "nbdist: merged profile of 2 ranks (ranks 0-1: 2 steps)" in out, out
     assert "nbdist: profile stopped at the cell's end after 2 of 5 steps" in out, out
     # Nothing of it runs on: the next cells neither record nor refuse a new profile.
     session.run(
@@ -303,4 +303,4 @@ def test_a_profile_armed_before_a_restart_is_armed_again_on_the_fresh_ranks(sess
     session.run(SETUP, sink=ListSink())
     assert shell.run_cell("%%on_all_ranks\n" + LOGGING_LOOP.format(n=5)).success
     out = capsys.readouterr().out
-    assert "nbdist: merged profile of 2 ranks (rank 0: 2, rank 1: 2 steps)" in out, out
+    assert "nbdist: merged profile of 2 ranks (ranks 0-1: 2 steps)" in out, out

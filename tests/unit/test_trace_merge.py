@@ -7,7 +7,7 @@ import os
 import pytest
 
 from nbdist.driver.trace_merge import merge_traces, trace_base_ns
-from nbdist.driver.trace_summary import format_summary, is_comm, summarize
+from nbdist.driver.trace_summary import RankSummary, format_summary, is_comm, summarize
 
 
 def rank_trace(pid: int, events: list[tuple], base_ns: int | None = 1_000_000_000) -> dict:
@@ -186,3 +186,65 @@ def test_profiles_without_history_go_to_a_private_folder_per_session():
     finally:
         os.rmdir(first)
         os.rmdir(second)
+
+
+def _rank_row(rank: int, compute: float, comm: float, top_ms: float = 1.0) -> RankSummary:
+    return RankSummary(
+        rank=rank,
+        window_ms=100.0,
+        steps=3,
+        compute=compute,
+        communication=comm,
+        idle=1.0 - compute - comm,
+        overlap=0.5,
+        mode="cpu",
+        top_ops=[("aten::mm", top_ms, 30), ("c10d::allreduce_", top_ms / 2, 3)],
+    )
+
+
+def test_past_8_ranks_the_summary_is_their_median_and_the_ranks_that_stand_out():
+    """256 ranks: one row per rank and one top-operators line per rank made 512 lines; now the
+    median, the ranks whose shares are 10 points or more from it, and the operators' mean."""
+    rows = [_rank_row(rank, 0.60 + (rank % 3) * 0.01, 0.30) for rank in range(256)]
+    rows[17] = _rank_row(17, 0.85, 0.10, top_ms=4.0)  # a straggler: computes, others wait
+    rows[200] = _rank_row(200, 0.45, 0.30)  # 15 points idler than the median
+    lines = format_summary(rows).splitlines()
+    assert lines[1].split() == [
+        "0-255",
+        "(median)",
+        "100.0",
+        "ms",
+        "3",
+        "61.0",
+        "%",
+        "30.0",
+        "%",
+        "9.0",
+        "%",
+        "50.0",
+        "%",
+    ]  # one row: each column's median
+    assert [line.split()[0] for line in lines[2:4]] == ["17", "200"]
+    assert lines[4] == (
+        "2 ranks with a compute, comm or idle share 10 points or more from the median listed; "
+        "MergedProfile.to_pandas() has every rank"
+    )
+    mean = (254 * 1.0 + 4.0 + 1.0) / 256
+    assert lines[5] == (
+        f"ranks 0-255 (mean) top by self time: aten::mm {mean:.2f} ms, "
+        f"c10d::allreduce_ {mean / 2:.2f} ms"
+    )
+    assert lines[6].startswith("rank 17 top by self time: aten::mm 4.00 ms")
+    assert len(lines) == 8
+
+
+def test_past_8_ranks_alike_no_rank_is_listed():
+    lines = format_summary([_rank_row(rank, 0.6, 0.3) for rank in range(9)]).splitlines()
+    assert lines[1].split()[:2] == ["0-8", "(median)"]
+    assert lines[2] == "no rank's compute, comm or idle share is 10 points or more from the median"
+    assert len(lines) == 4
+
+
+def test_up_to_8_ranks_each_has_its_row():
+    lines = format_summary([_rank_row(rank, 0.6, 0.3) for rank in range(8)]).splitlines()
+    assert [line.split()[0] for line in lines[1:9]] == [str(rank) for rank in range(8)]
