@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-__all__ = ["number_shape", "with_ranges"]
+__all__ = ["fold_texts", "number_shape", "with_ranges"]
 
 # A number: "3", "4.5", "127.0.0.1", "1e-05", "6.0e-01", "0x7f3a2c". A sign is text: texts
 # whose numbers differ in sign are not alike ("-1.5" against "2.5").
@@ -50,3 +50,27 @@ def with_ranges(texts: Sequence[str]) -> str:
             values = sorted({row[index] for row in tokens}, key=_magnitude)
             out.append(values[0] if len(values) == 1 else f"{values[0]}–{values[-1]}")
     return "".join(out)
+
+
+def fold_texts(texts: dict[int, str], listed: int = 3) -> list[tuple[list[int], str]]:
+    """(ranks, text) for each rank's text, ordered by lowest rank: identical texts once with
+    their ranks; more than ``listed`` texts alike but for their numbers once, with ranges.
+
+    >>> fold_texts({3: "pid 901 killed", 10: "pid 923 killed", 17: "pid 993 killed",
+    ...             24: "pid 1053 killed", 5: "exit code 1"})
+    [([3, 10, 17, 24], 'pid 901–1053 killed'), ([5], 'exit code 1')]
+    """
+    exact: dict[str, list[int]] = {}
+    for rank in sorted(texts):
+        exact.setdefault(texts[rank], []).append(rank)
+    families: dict[str, list[tuple[str, list[int]]]] = {}
+    for text, ranks in exact.items():
+        families.setdefault(number_shape(text), []).append((text, ranks))
+    out = []
+    for members in families.values():
+        if len(members) <= listed:
+            out += [(ranks, text) for text, ranks in members]
+        else:
+            ranks = sorted(rank for _, group in members for rank in group)
+            out.append((ranks, with_ranges([text for text, _ in members])))
+    return sorted(out, key=lambda item: item[0][0])

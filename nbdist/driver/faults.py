@@ -115,7 +115,7 @@ class CellGuard:
     def release_reason(self) -> str:
         """Why the ranks were released ('' if they were not); deaths as known now."""
         if self._release_reason == _DIED:
-            return f"{', '.join(f'rank {r}' for r in sorted(self.dead()))} died"
+            return f"{ranks_text(self.dead())} died"
         return self._release_reason
 
     # -- what the waiting loop calls ----------------------------------------

@@ -27,6 +27,8 @@ import time
 
 from nbdist.driver import crash_stack
 from nbdist.driver.oom import OomCounter, oom_counter
+from nbdist.errors import format_ranks
+from nbdist.number_ranges import fold_texts
 
 __all__ = ["RankMonitor", "dead_ranks", "dead_ranks_message", "death_cause"]
 
@@ -219,7 +221,7 @@ def dead_ranks(
 def dead_ranks_message(dead: dict[int, str], hint: str, alive: int | None) -> str:
     """What a call on dead ranks says: how each died, ``hint`` (what brings them back), and,
     with ``alive`` (a live rank), that its values can still be pulled first."""
-    which = "; ".join(f"rank {r} died: {c}" for r, c in sorted(dead.items()))
+    which = "; ".join(f"{format_ranks(r)} died: {c}" for r, c in fold_texts(dead))
     keep = (
         ""
         if alive is None

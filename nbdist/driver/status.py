@@ -22,6 +22,8 @@ import time
 from nbdist.dashboard.table import PER_RANK_UP_TO, fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
 from nbdist.driver.ipp_internals import awaiting_replies, queue_status
 from nbdist.driver.where import control_request
+from nbdist.errors import format_ranks
+from nbdist.number_ranges import fold_texts
 from nbdist.rank_states import BUSY, DEAD, IDLE
 from nbdist.text_table import format_table
 
@@ -256,8 +258,9 @@ def _table(
     ]
     notes = []
     dead = [r for r in rows if r["state"] == DEAD]
-    for r in dead:
-        notes.append(f"rank {r['rank']} died: {r.get('died') or 'its process is gone'}")
+    causes = {r["rank"]: r.get("died") or "its process is gone" for r in dead}
+    for ranks, cause in fold_texts(causes):  # 40 ranks killed alike: one line
+        notes.append(f"{format_ranks(ranks)} died: {cause}")
     if dead:
         notes.append(hint)
     for r in rows:

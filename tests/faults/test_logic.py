@@ -6,10 +6,11 @@ import signal
 
 import pytest
 
-from nbdist.driver.rank_deaths import death_cause
+from nbdist.driver.rank_deaths import dead_ranks_message, death_cause
 from nbdist.driver.status import format_status
 from nbdist.driver.where import RankWhere, diagnose, format_where
 from nbdist.engine import collectives
+from nbdist.errors import format_ranks
 
 
 @pytest.mark.parametrize(
@@ -113,6 +114,35 @@ def test_status_says_how_a_dead_rank_died():
         "rank 1 died: pid 11 killed by SIGKILL (signal 9)",
         "%dist_restart brings every rank back",
     ]
+
+
+def test_ranks_killed_alike_are_one_line_of_status_and_of_the_error():
+    """Ranks the out-of-memory killer took: one line with their pids' range, not a line per
+    rank (%dist_status lists at most 16 deviating ranks; the error names every dead rank); a
+    rank that died otherwise keeps its own line."""
+    common = dict(host="h", device="cpu", backend="gloo", memory_mib=None, state="dead")
+
+    def killed(rank):
+        return f"pid {1000 + rank} killed by SIGKILL (signal 9)"
+
+    rows = [dict(common, rank=r, engine=r, pid=1000 + r, died=killed(r)) for r in range(0, 20, 2)]
+    rows.append(dict(common, rank=81, engine=81, pid=2000, died="exited with status 1"))
+    rows += [
+        dict(common, rank=r, engine=r, pid=3000 + r, state="idle", memory_mib=100.0, died=None)
+        for r in range(82, 256)
+    ]
+    notes = format_status(rows).splitlines()[-3:]
+    assert notes == [
+        "ranks 0,2,4,6,8,10,12,14,16,18 died: pid 1000–1018 killed by SIGKILL (signal 9)",
+        "rank 81 died: exited with status 1",
+        "%dist_restart brings every rank back",
+    ]
+    dead = {r: killed(r) for r in range(0, 80, 2)}
+    dead[81] = "exited with status 1"
+    assert dead_ranks_message(dead, "restart", None) == (
+        f"{format_ranks(range(0, 80, 2))} died: pid 1000–1078 killed by SIGKILL (signal 9); "
+        "rank 81 died: exited with status 1. restart"
+    )
 
 
 def test_oom_counter_reads_cgroup_v2_and_v1_files(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbdist.number_ranges import number_shape, with_ranges
+from nbdist.number_ranges import fold_texts, number_shape, with_ranges
 
 
 def test_the_shape_masks_each_number_and_keeps_signs_and_words():
@@ -23,3 +23,15 @@ def test_each_number_is_the_range_of_its_values_in_order_of_value():
 def test_texts_not_alike_are_refused():
     with pytest.raises(ValueError, match="not alike"):
         with_ranges(["step 1", "step 1 of 2"])
+
+
+def test_ranks_texts_fold_identical_then_alike_beyond_three():
+    texts = {rank: f"pid {100 + rank} killed" for rank in range(6)}
+    texts[6] = "exit code 1"
+    texts[7] = "exit code 1"
+    texts[8] = "exit code 2"
+    assert fold_texts(texts) == [
+        ([0, 1, 2, 3, 4, 5], "pid 100–105 killed"),
+        ([6, 7], "exit code 1"),  # two texts alike: each keeps its line
+        ([8], "exit code 2"),
+    ]
