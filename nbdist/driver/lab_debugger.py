@@ -484,7 +484,8 @@ class LabDebugRouter:
                     continue
                 connection.pid = pid if pid is not None else connection.pid
                 opened[rank] = connection
-                pending[rank] = [connection.request("initialize", dap.INITIALIZE)]
+                with step(rank):
+                    pending[rank] = [connection.request("initialize", dap.INITIALIZE)]
             for rank, connection in list(opened.items()):
                 with step(rank):
                     dap.succeeded(pending[rank].pop())

@@ -9,9 +9,15 @@ values and run on, whichever window it was in.
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import threading
+import types
+
 import pytest
 
-from nbdist.driver.lab_debugger import RANKS_THREAD
+from nbdist.driver.lab_debugger import RANKS_THREAD, LabDebugRouter
 from tests.debugging.test_lab_debugger import (
     LabDebugClient,
     _debugger_on,
@@ -56,3 +62,67 @@ def test_every_rank_stops_at_the_breakpoint_and_runs_on(many):
         assert f"done {rank} {10 * rank + 1}" in text, text
     # No rank's attach failed: the cell says nothing of one it could not attach to.
     assert "could not attach" not in text, text
+
+
+# A process with debugpy listening on loopback, as a rank's is: prints its port, then waits.
+_DEBUGGEE = (
+    "import debugpy, sys, time\n"
+    "print(debugpy.listen(('127.0.0.1', 0))[1], flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_ranks_it_cannot_attach_to_are_named_and_the_others_are_attached():
+    """In windows, a rank whose debugpy refuses or hangs up fails alone: the ranks around it,
+    in its window and the next, are attached to their (real) debugpy."""
+    debuggees = [
+        subprocess.Popen(
+            [sys.executable, "-c", _DEBUGGEE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    refused_port = closed.getsockname()[1]
+    closed.close()
+    hangs_up = socket.socket()
+    hangs_up.bind(("127.0.0.1", 0))
+    hangs_up.listen(8)
+
+    def hang_up():
+        while True:
+            try:
+                conn, _ = hangs_up.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    router = LabDebugRouter(types.SimpleNamespace(do_debug_request=None))
+    try:
+        ports = [int(d.stdout.readline()) for d in debuggees]
+        good = {2: ports[0], 7: ports[1]}  # one in the first window of 4, one in the second
+        targets = [
+            (
+                rank,
+                "127.0.0.1",
+                good.get(rank, refused_port if rank % 2 else hangs_up.getsockname()[1]),
+                None,
+                None,
+            )
+            for rank in range(9)
+        ]
+        failed = router.connect(targets)
+        assert router.connected() == [2, 7]
+        assert sorted(failed) == [0, 1, 3, 4, 5, 6, 8]
+        assert isinstance(failed[1], ConnectionRefusedError), failed[1]
+        assert isinstance(failed[0], ConnectionError), failed[0]  # it hung up
+    finally:
+        router.disconnect()
+        hangs_up.close()
+        for debuggee in debuggees:
+            debuggee.stdin.close()  # it returns from its read and exits
+            debuggee.wait(timeout=30)
