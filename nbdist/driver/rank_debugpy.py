@@ -75,6 +75,11 @@ class DapClient:
         with self._lock:
             seq = next(self._seq)
             self._pending[seq] = future
+            if self.closed:
+                # It went away before this request (a debugpy that hung up at once): a send
+                # to a socket the peer closed may still succeed, and no answer would come.
+                self._fail(seq, ConnectionError("the connection is closed"))
+                return future
             message = {"seq": seq, "type": "request", "command": command}
             if arguments is not None:
                 message["arguments"] = arguments
@@ -107,7 +112,7 @@ class DapClient:
 
     def _gone(self) -> None:
         """The connection ended: pending requests fail, the callback hears ``nbdist_closed``."""
-        self.closed = True
+        self.closed = True  # before the pending requests are taken: request() fails later ones
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
         for future in pending:
