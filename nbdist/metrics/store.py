@@ -177,23 +177,33 @@ def runs(path: str | None = None) -> list[RunRecord]:
         return []
     conn = _connect(path, readonly=True)
     try:
-        rows = conn.execute(
-            "SELECT r.id, r.started, r.ended, r.world_size, r.backend, r.label, r.host,"
-            " (SELECT COALESCE(SUM(n), 0) FROM batches b WHERE b.run = r.id)"
-            " FROM runs r ORDER BY r.id"
-        ).fetchall()
-    except sqlite3.DatabaseError as exc:
-        # A kernel creating the history makes the file a moment before its tables: read
-        # then, it is an empty history (the sidebar asks every few seconds), not a wrong file.
-        if _no_tables(conn):
-            return []
-        raise ValueError(
-            f"runs: {path!r} is no nbdist run history ({exc}): give the file a session "
-            "wrote, or leave path out for the default history"
-        ) from None
+        for attempt in range(2):
+            try:
+                rows = conn.execute(_RUNS_QUERY).fetchall()
+                break
+            except sqlite3.DatabaseError as exc:
+                # A kernel creating the history makes the file a moment before its tables:
+                # read then, it is an empty history (the sidebar asks every few seconds), not
+                # a wrong file. The tables may also come between the failed read and this
+                # look (~1 in 10 reads racing a creation, 2026-12-04): read once more.
+                if _no_tables(conn):
+                    return []
+                if attempt == 0:
+                    continue
+                raise ValueError(
+                    f"runs: {path!r} is no nbdist run history ({exc}): give the file a session "
+                    "wrote, or leave path out for the default history"
+                ) from None
     finally:
         conn.close()
     return [RunRecord(*row, path=path) for row in rows]
+
+
+_RUNS_QUERY = (
+    "SELECT r.id, r.started, r.ended, r.world_size, r.backend, r.label, r.host,"
+    " (SELECT COALESCE(SUM(n), 0) FROM batches b WHERE b.run = r.id)"
+    " FROM runs r ORDER BY r.id"
+)
 
 
 def _no_tables(conn: sqlite3.Connection) -> bool:

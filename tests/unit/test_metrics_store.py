@@ -86,6 +86,35 @@ def test_a_history_being_created_reads_as_empty_and_another_database_is_named(tm
         runs(str(other))
 
 
+def test_histories_read_while_a_kernel_creates_them_never_fail(tmp_path):
+    """A reader racing a kernel's RunStore creating the history: the read that found no
+    ``runs`` table and then saw the tables, committed a moment later, called the file no run
+    history (the sidebar's GET /nbdist/api/runs answered 500; 32 of 300 creations here).
+    Each creation is raced by a reader that polls until the history exists whole."""
+    import threading
+
+    failed = []
+    for i in range(150):
+        path = str(tmp_path / f"h{i}.sqlite")
+        created = threading.Event()
+
+        def read(path, created):
+            while not created.is_set():
+                try:
+                    runs(path)
+                except ValueError as exc:
+                    failed.append(exc)
+                    return
+
+        reader = threading.Thread(target=read, args=(path, created))
+        reader.start()
+        RunStore(path)._conn.close()
+        created.set()
+        reader.join()
+        assert runs(path) == []  # whole: an empty history
+    assert not failed, failed[:1]
+
+
 def test_run_to_pandas_one_row_per_rank_and_step():
     run = Run(1, world_size=2)
     run.add(0, [(0, 1.0, {"loss": 3.0}), (0, 1.1, {"memory_mib": 5.0}), (1, 2.0, {"loss": 2.0})])
