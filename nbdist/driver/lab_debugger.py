@@ -14,7 +14,7 @@ its own debugger, which sees only the kernel's process.
 - a ``%%on_all_ranks``/``%%on_rank`` cell (or ``%dist_run``) run while the debugger
   is on calls :func:`~nbdist.driver.lab_debugger_cells.prepare_cell` first: it starts
   debugpy on the ranks the first time (loopback, one connection per rank from the
-  kernel) and tells each rank the notebook cell's path (what ``dumpCell`` returned
+  kernel, made a window of ranks at a time: :mod:`nbdist.driver.lab_debug_attach`) and tells each rank the notebook cell's path (what ``dumpCell`` returned
   for it) and the line its body starts on, so a breakpoint in the cell's gutter
   stops the ranks there (:mod:`nbdist.engine.lab_debug`);
 - stopped ranks appear as one more thread, "ranks", whose stack lists every
@@ -50,13 +50,12 @@ and its frames name the file's own path (:mod:`nbdist.driver.lab_debug_paths`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import sys
 import threading
 import time
 
 from nbdist.driver import rank_debugpy as dap
+from nbdist.driver.lab_debug_attach import RankTarget, attach_ranks
 from nbdist.driver.lab_debug_ids import FIRST_ID, RankIds
 from nbdist.driver.lab_debug_paths import RankPaths
 from nbdist.driver.lab_debug_pause import pause_ranks
@@ -78,8 +77,6 @@ RANKS_THREAD = 1_000_000
 ALL_RANKS = -1
 # How the summary frame's name begins.
 SUMMARY_PREFIX = "all stopped"
-# A rank to attach to: rank, host, port, pid (or None), relay ((client, engine_id), or None).
-RankTarget = tuple[int, str, int, int | None, tuple | None]
 # Frames of the machinery that runs a cell on a rank: a rank's stack is shown down to
 # the first of them (the cell's frame and what it called).
 _MACHINERY = (
@@ -432,80 +429,22 @@ class LabDebugRouter:
         print(text, file=sys.stderr)
 
     def connect(self, targets: list[RankTarget]) -> dict[int, Exception]:
-        """Attach to each target rank's debugpy and give it the breakpoints set so far.
+        """Attach to each target rank's debugpy (:func:`~nbdist.driver.lab_debug_attach.attach_ranks`)
+        and give it the breakpoints set so far; ``{rank: why}`` for the ranks it could not.
 
-        ``targets``: (rank, host, port, pid, relay) each. ``pid``: the rank's process
-        id, when known (a restarted rank is a new process). ``relay``: ``(client,
-        engine_id)`` for a rank on another machine, whose ``host:port`` is that
-        machine's loopback: its messages then travel through the engine's control
-        channel (:mod:`nbdist.driver.rank_relay`) instead of a TCP connection. A
-        connection to a rank's former debugpy is closed. Returns ``{rank: why}`` for
-        the ranks it could not attach to.
-
-        The ranks are attached a window at a time, each step's requests sent to every
-        rank of the window before any answer is waited for: one rank after the other,
-        64 ranks took 15 s of the first stop's 48 s (2 cores). The window stays small
-        so that a loaded machine answers each rank within the timeouts, as before.
+        ``targets``: (rank, host, port, pid, relay) each; ``pid``: the rank's process id,
+        when known (a restarted rank is a new process). A connection to a rank's former
+        debugpy is closed.
         """
-        failed: dict[int, Exception] = {}
-        width = max(4, os.cpu_count() or 1)
-        for start in range(0, len(targets), width):
-            failed.update(self._connect_window(targets[start : start + width]))
-        return failed
+        for rank, *_ in targets:
+            old = self._ranks.get(rank)
+            if old is not None:
+                old.close()
+        return attach_ranks(targets, self._on_rank_event, self._configure, self._attached)
 
-    def _connect_window(self, targets: list[RankTarget]) -> dict[int, Exception]:
-        failed: dict[int, Exception] = {}
-        opened: dict[int, dap.DapClient] = {}
-        pending: dict[int, list] = {}  # each rank's requests sent, their answers not read
-
-        @contextlib.contextmanager
-        def step(rank):
-            try:
-                yield
-            except Exception as exc:  # noqa: BLE001 - that rank's failure, told by the caller
-                failed[rank] = exc
-                opened.pop(rank).close()
-
-        try:
-            for rank, host, port, pid, relay in targets:
-                old = self._ranks.get(rank)
-                if old is not None:
-                    old.close()
-                try:
-                    if relay is None:
-                        connection = dap.RankConnection(rank, host, port, self._on_rank_event)
-                    else:
-                        client, engine_id = relay
-                        connection = RelayedRankConnection(
-                            rank, client, engine_id, (host, port), self._on_rank_event
-                        )
-                except Exception as exc:  # noqa: BLE001 - as in step()
-                    failed[rank] = exc
-                    continue
-                connection.pid = pid if pid is not None else connection.pid
-                opened[rank] = connection
-                with step(rank):
-                    pending[rank] = [connection.request("initialize", dap.INITIALIZE)]
-            for rank, connection in list(opened.items()):
-                with step(rank):
-                    dap.succeeded(pending[rank].pop())
-                    # debugpy answers the attach after configurationDone: read last.
-                    pending[rank].append(connection.request("attach", dap.ATTACH))
-            for rank, connection in list(opened.items()):
-                with step(rank):
-                    if not connection.initialized.wait(dap.CONNECT_TIMEOUT_S):
-                        raise TimeoutError(f"rank {rank}'s debugpy did not start a debug session")
-                    pending[rank][:0] = self._configure(rank, connection)
-            for rank in list(opened):
-                with step(rank):
-                    for answer in pending[rank]:
-                        dap.succeeded(answer)
-                    with self._lock:
-                        self._ranks[rank] = opened.pop(rank)
-        finally:
-            for connection in opened.values():  # interrupted before its rank was attached
-                connection.close()
-        return failed
+    def _attached(self, rank: int, connection: dap.DapClient) -> None:
+        with self._lock:
+            self._ranks[rank] = connection
 
     def _configure(self, rank: int, connection: dap.DapClient) -> list:
         """Send ``rank`` the breakpoints and exception filters set so far, then
