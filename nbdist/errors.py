@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from nbdist.number_ranges import number_shape, with_ranges
+from nbdist.number_ranges import fold_texts, number_shape
 
 __all__ = [
     "FULL_HINT",
@@ -32,10 +32,6 @@ __all__ = [
 # Beyond this many distinct failures, further groups get one line each: a
 # wall of near-identical tracebacks hides the first one, which matters most.
 _MAX_FULL_GROUPS = 8
-
-# Up to this many messages of one error that differ only in their numbers each get
-# their line (exact, and short enough); beyond it one line gives each number's range.
-_MAX_LISTED_MESSAGES = 3
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 
@@ -316,12 +312,7 @@ def _family_headlines(
     family: Sequence[tuple[list[int], RankFailure]],
 ) -> list[tuple[list[int], str]]:
     """(ranks, headline) lines of one family: each message while few, else one with ranges."""
-    if len(family) <= _MAX_LISTED_MESSAGES:
-        return [(ranks, _headline(failure)) for ranks, failure in family]
-    ranks = sorted(rank for members, _ in family for rank in members)
-    failure = family[0][1]
-    message = with_ranges([member.evalue for _, member in family])
-    return [(ranks, f"{failure.ename}: {message}")]
+    return fold_texts({rank: _headline(failure) for ranks, failure in family for rank in ranks})
 
 
 class RanksInterrupted(KeyboardInterrupt):
