@@ -25,17 +25,17 @@ from nbdist.driver import rank_debugpy as dap
 from nbdist.driver.ipp_internals import send_control
 from nbdist.driver.lab_debugger import LabDebugRouter
 from nbdist.engine.control import REQUEST
-from nbdist.errors import RankError, RanksInterrupted, format_ranks
+from nbdist.errors import RankError, RanksInterrupted, format_ranks, ranks_text
+from nbdist.number_ranges import fold_texts
 
 __all__ = ["install", "prepare_cell", "router", "session_ended"]
 
 _router: list[LabDebugRouter | None] = [None]
 # Whether a rank's main thread is paused in debugpy (nbdist.engine.dap_relay).
 _PAUSED = {"action": "lab_paused"}
-# How long the ranks may take to prepare. A rank's first preparation starts its debugpy,
-# whose adapter is a new Python process (debugpy itself waits 30 s for it to start): on a
-# 2-core machine loaded by other ranks that took more than 10 s. A rank prepared before
-# answers at once.
+# How long the ranks may take to prepare. A rank's first preparation starts its debugpy
+# (in the rank, ~0.1 CPU-s): 256 ranks sharing 2 cores took 17 s, and a machine loaded
+# by other work longer. A rank prepared before answers at once.
 PREPARE_TIMEOUT_S = 45.0
 # A rank still paused in an interrupted cell is interrupted again this many times, each
 # given this long to leave the pause.
@@ -114,13 +114,24 @@ def prepare_cell(session, ranks, body: str) -> None:
             # Its loopback is not this kernel's: through the engine's control channel.
             relay = (session.client, engines[rank])
         targets.append((rank, endpoint["host"], endpoint["port"], endpoint.get("pid"), relay))
-    for rank, exc in sorted(found.connect(targets).items()):
+    failed = found.connect(targets)
+    for ranks_alike, why in _alike(failed):
         found.tell(
-            [rank],
-            [endpoints[rank]],
-            f"nbdist: JupyterLab's debugger could not attach to rank {rank} ({exc}); "
-            "breakpoints do not stop it, the other ranks stop as usual",
+            ranks_alike,
+            [endpoints[r] for r in ranks_alike],
+            f"nbdist: JupyterLab's debugger could not attach to {ranks_text(ranks_alike)} "
+            f"({why}); breakpoints do not stop {_them(ranks_alike)}, the other ranks stop as usual",
         )
+
+
+def _alike(failures: dict[int, Exception]) -> list[tuple[list[int], str]]:
+    # 256 ranks the debugger could not reach on a loaded machine are one line, not 256;
+    # the reasons that name their rank (or port) too, with ranges.
+    return fold_texts({rank: str(exc) for rank, exc in failures.items()})
+
+
+def _them(ranks: list[int]) -> str:
+    return "it" if len(ranks) == 1 else "them"
 
 
 def _cell_lines(source: str, body: str) -> tuple[str | None, int]:
@@ -243,16 +254,19 @@ def _prepare_ranks(found, session, ranks, cell) -> dict[int, dict]:
     # A dead rank never answers: the whole window would pass before the cell says it died.
     dead = session.dead_ranks(among=ranks)
     alive = [r for r in ranks if r not in dead]
+    failed = {}
     for rank, answer in _ask_ranks(session, alive, content, PREPARE_TIMEOUT_S).items():
         if isinstance(answer, Exception):
-            found.tell(
-                [rank],
-                [{}],
-                f"nbdist: JupyterLab's debugger could not prepare rank {rank} ({answer}); "
-                "breakpoints do not stop it in this cell",
-            )
+            failed[rank] = answer
         else:
             endpoints[rank] = answer
+    for ranks_alike, why in _alike(failed):
+        found.tell(
+            ranks_alike,
+            [{}] * len(ranks_alike),
+            f"nbdist: JupyterLab's debugger could not prepare {ranks_text(ranks_alike)} ({why}); "
+            f"breakpoints do not stop {_them(ranks_alike)} in this cell",
+        )
     return endpoints
 
 

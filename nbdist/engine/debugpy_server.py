@@ -88,6 +88,7 @@ def listen(port: int | None = 0, host: str = LOOPBACK) -> dict:
         if _endpoint is not None:
             rearm()
             return _described(_endpoint, new=False)
+        _skip_unlogged_environment_report()
         try:
             # Must precede listen(): the rank's children (DataLoader workers, helper
             # processes) would otherwise each connect to the adapter as a debuggee.
@@ -95,11 +96,17 @@ def listen(port: int | None = 0, host: str = LOOPBACK) -> dict:
         except RuntimeError:
             pass  # debugging already started in this process: listen() says how below
         try:
-            bound = debugpy.listen((host, port))
+            # In process: pydevd itself speaks the protocol on the socket. debugpy's
+            # default starts an adapter process per listener (~0.5 CPU-s and ~30 MB
+            # each: 64 ranks' debugger spent half its start there), whose one gain,
+            # following subprocesses, is off above anyway.
+            bound = debugpy.listen((host, port), in_process_debug_adapter=True)
         except RuntimeError as exc:
             if "already been called" not in str(exc):
                 raise
             return _described(_other_listener(), new=False)
+        if not bound:
+            bound = _in_process_endpoint()
         _endpoint = {"host": bound[0], "port": int(bound[1]), "owner": "nbdist", "note": ""}
         tensor_view.show_tensors()  # tensors show shape, dtype, device (and small values)
         shell = _ipython_shell()
@@ -139,6 +146,33 @@ def _ipython_shell():
     # importing IPython: under torchrun there is none, and listen() re-arms instead.
     ipython = sys.modules.get("IPython")
     return ipython.get_ipython() if ipython is not None else None
+
+
+def _skip_unlogged_environment_report() -> None:
+    # debugpy's first configure()/listen() describes the whole environment, reading every
+    # installed distribution's metadata (0.2-0.6 CPU-s on a rank with ~180 packages), for
+    # a log it writes only when a log directory is set (DEBUGPY_LOG_DIR, log_to()); without
+    # one the text is dropped. 256 ranks sharing 2 cores spent most of their debugger
+    # start on it. With a log directory debugpy logs as it always does.
+    try:
+        from debugpy.common import log
+        from debugpy.server import api
+    except ImportError:  # another debugpy layout: it describes, as it always did
+        return
+    ensure = getattr(api, "ensure_logging", None)
+    if getattr(log, "log_dir", "") is None and getattr(ensure, "ensured", True) is False:
+        ensure.ensured = True
+
+
+def _in_process_endpoint() -> tuple[str, int]:
+    # debugpy before 1.8.22 returns nothing from an in-process listen(); its pydevd
+    # knows where it bound (port 0: the port the OS chose) once its socket is up.
+    import pydevd
+
+    debugger = pydevd.get_global_debugger()
+    debugger.wait_for_server_socket_ready()
+    host, port = debugger._server_socket_name[:2]  # noqa: SLF001 - no public form in those versions
+    return host, port
 
 
 def _other_listener() -> dict:

@@ -126,3 +126,44 @@ def test_ranks_it_cannot_attach_to_are_named_and_the_others_are_attached():
         for debuggee in debuggees:
             debuggee.stdin.close()  # it returns from its read and exits
             debuggee.wait(timeout=30)
+
+
+# Run in the kernel: the odd ranks lose debugpy (an environment without it), through the
+# Python API, which starts no debugger on the ranks as a cell magic would.
+_BREAK_ODD_RANKS = """
+import nbdist
+
+def _without_debugpy():
+    import os, sys
+    if int(os.environ["RANK"]) % 2:
+        sys.modules["debugpy"] = None  # import debugpy raises ImportError from now on
+
+nbdist.current_session().apply(_without_debugpy)
+"""
+
+
+def test_ranks_the_debugger_cannot_start_on_are_one_line_and_the_others_stop(many):
+    """Fresh ranks, the odd ones without debugpy: the cell says once which ranks its
+    breakpoints do not stop and why (with the rank numbers in the reason as a range),
+    not once per rank; the even ranks stop and the cell ends."""
+    kernel, dbg = many
+    kernel.ok("%dist_restart")
+    kernel.ok(_BREAK_ODD_RANKS)
+    dbg.events.clear()
+    _debugger_on(dbg, CELL, [{"line": 3}])
+    msg_id = kernel.submit(CELL)
+    evens = list(range(0, RANKS, 2))
+    dbg.wait_event("stopped", threadId=RANKS_THREAD, count=len(evens), timeout=240)
+    assert sorted(_stack(dbg)) == evens
+    _select_all(dbg)
+    assert dbg.request("continue", threadId=1)["success"]
+    text = dbg.cell_output(msg_id, timeout=240)
+    assert kernel.reply(msg_id)["status"] == "ok"
+    said = [line for line in text.splitlines() if "could not" in line]
+    assert said == [
+        "nbdist: JupyterLab's debugger could not prepare ranks 1,3,5,7 (ImportError: "
+        "debugpy is not installed on rank 1–7: pip install debugpy); breakpoints do not "
+        "stop them in this cell"
+    ], text
+    for rank in range(RANKS):
+        assert f"done {rank} {10 * rank + 1}" in text, text

@@ -194,14 +194,17 @@ def test_next_with_a_ranks_frame_selected_steps_that_rank_alone(lab):
 
 
 def _rank_pids(kernel: Kernel, *, session: bool) -> list[int]:
-    """The ranks' processes and their debugpy adapters (started with the debugger); with
-    ``session``, every process the session started (controller, launcher...) too."""
+    """The ranks' processes and any they started (debugpy runs inside the rank: no
+    adapter process); with ``session``, every process the session started
+    (controller, launcher...) too."""
     out = kernel.ok(
-        "%%on_all_ranks\nimport os\nfrom debugpy.server import api as _api\n"
-        "print('pids', os.getpid(), _api._adapter_process.pid)"
+        "%%on_all_ranks\nimport os, psutil\n"
+        "print('pids', os.getpid(), *[c.pid for c in psutil.Process().children(recursive=True)])"
     ).stdout
-    pids = [int(p) for line in out.splitlines() if "pids" in line for p in line.split()[-2:]]
-    assert len(pids) == 4, out
+    pids = [
+        int(p) for line in out.splitlines() if "pids" in line for p in line.split("pids")[1].split()
+    ]
+    assert len(pids) == 2, f"the ranks started processes of their own: {out}"
     return sorted(set(pids) | set(kernel.nbdist_pids() if session else ()))
 
 
@@ -221,7 +224,7 @@ def test_stop_or_restart_while_ranks_are_paused(lab, magic):
     dbg.events.clear()
     cell = "%%on_all_ranks --noblock\nw = rank\nprint('ran', w)"
     _debugger_on(dbg, cell, [{"line": 2}])
-    # %dist_restart keeps the controller: the ranks and their adapters must go.
+    # %dist_restart keeps the controller: the ranks must go.
     pids = _rank_pids(kernel, session=magic == "%dist_stop")
     _run(kernel, dbg, cell)  # --noblock: the kernel is free while the ranks are paused
     dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
