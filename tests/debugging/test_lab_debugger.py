@@ -11,6 +11,7 @@ evaluate on a rank's frame, then continue and the cell's output.
 from __future__ import annotations
 
 import queue
+import re
 import time
 
 from nbdist.driver.lab_debugger import RANKS_THREAD
@@ -277,8 +278,16 @@ def test_interrupting_the_kernel_while_ranks_are_paused(lab):
     msg_id = kernel.submit(cell)
     dbg.wait_event("stopped", threadId=RANKS_THREAD, count=2, timeout=120)
     kernel.km.interrupt_kernel()
-    dbg.cell_output(msg_id)
-    assert kernel.reply(msg_id)["status"] == "error"
+    said = dbg.cell_output(msg_id)
+    reply = kernel.reply(msg_id)
+    assert reply["status"] == "error"
+    # The traceback ends at the cell's line where the rank was paused, once, not in
+    # debugpy's wait (whose frames also made each rank format it for seconds), and
+    # nothing says the user's code caught the KeyboardInterrupt.
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(reply["traceback"]))
+    assert "pydevd" not in shown and "threading.py" not in shown, shown
+    assert shown.count("----> 2 z = rank + 5") == 1, shown
+    assert "caught the KeyboardInterrupt" not in said + shown, (said, shown)
     # The Callstack no longer shows the ranks as paused.
     threads = dbg.request("threads")["body"]["threads"]
     assert RANKS_THREAD not in [t["id"] for t in threads], threads
