@@ -97,6 +97,7 @@ def listen(port: int | None = 0, host: str = LOOPBACK) -> dict:
             rearm()
             return _described(_endpoint, new=False)
         _skip_unlogged_environment_report()
+        _check_bindable(host, port)
         try:
             # Must precede listen(): the rank's children (DataLoader workers, helper
             # processes) would otherwise each connect to the adapter as a debuggee.
@@ -220,6 +221,20 @@ def _skip_unlogged_environment_report() -> None:
     ensure = getattr(api, "ensure_logging", None)
     if getattr(log, "log_dir", "") is None and getattr(ensure, "ensured", True) is False:
         ensure.ensured = True
+
+
+def _check_bindable(host: str, port: int) -> None:
+    # In process, debugpy binds on a thread of its own and waits for that socket without
+    # end: a port in use or an address not of this host would hang the rank. Bound here
+    # first, the way it binds, the failure is the error debugpy's adapter gave.
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))
+    except OSError as exc:
+        raise RuntimeError(f"Can't listen for client connections: {exc}") from None
+    finally:
+        probe.close()
 
 
 def _in_process_endpoint() -> tuple[str, int]:
