@@ -1,8 +1,8 @@
 """Rank side: debugpy listening on this rank (what ``%dist_debugpy`` starts), and how to attach.
 
 :func:`listen` runs on a rank (the kernel calls it with ``session.apply``): it
-starts debugpy listening on loopback (port 0: one the OS picks) and returns the
-endpoint as a dict; calling it again returns the same listener. debugpy listens
+starts debugpy listening on loopback (port 0: one the OS picks), inside the rank
+(no adapter process), and returns the endpoint as a dict; calling it again returns the same listener. debugpy listens
 at most once per process: when other code on the rank already called
 ``debugpy.listen`` (e.g. ipykernel's own debugger, on a debug request), that
 listener is reported instead of failing. :func:`attach_text` (standard library
@@ -106,7 +106,7 @@ def listen(port: int | None = 0, host: str = LOOPBACK) -> dict:
             pass  # debugging already started in this process: listen() says how below
         try:
             # In process: pydevd itself speaks the protocol on the socket. debugpy's
-            # default starts an adapter process per listener (~0.5 CPU-s and ~30 MB
+            # default starts an adapter process per listener (~0.5 CPU-s and ~14 MB unique
             # each: 64 ranks' debugger spent half its start there), whose one gain,
             # following subprocesses, is off above anyway.
             bound = debugpy.listen((host, port), in_process_debug_adapter=True)
