@@ -14,9 +14,10 @@ its own debugger, which sees only the kernel's process.
 - a ``%%on_all_ranks``/``%%on_rank`` cell (or ``%dist_run``) run while the debugger
   is on calls :func:`~nbdist.driver.lab_debugger_cells.prepare_cell` first: it starts
   debugpy on the ranks the first time (loopback, one connection per rank from the
-  kernel, made a window of ranks at a time: :mod:`nbdist.driver.lab_debug_attach`) and tells each rank the notebook cell's path (what ``dumpCell`` returned
-  for it) and the line its body starts on, so a breakpoint in the cell's gutter
-  stops the ranks there (:mod:`nbdist.engine.lab_debug`);
+  kernel, made a window of ranks at a time: :mod:`nbdist.driver.lab_debug_attach`)
+  and tells each rank the notebook cell's path (what ``dumpCell`` returned for it)
+  and the line its body starts on, so a breakpoint in the cell's gutter stops the
+  ranks there (:mod:`nbdist.engine.lab_debug`);
 - stopped ranks appear as one more thread, "ranks", whose stack lists every
   stopped rank's frames, each named ``rank R · function``, under a first
   summary frame, ``all stopped (ranks 0-1) · function``. JupyterLab's Callstack

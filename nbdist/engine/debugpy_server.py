@@ -18,7 +18,9 @@ An interrupt (the kernel's, or a cell's ``--timeout``) that lands while the
 rank is stopped at a breakpoint raises inside debugpy's trace function, and
 CPython then drops that thread's tracing: breakpoints would never stop it
 again. :func:`rearm` traces the thread again; it runs before every cell of an
-IPython rank (a ``pre_execute`` hook) and on every :func:`listen`.
+IPython rank (a ``pre_execute`` hook) and on every :func:`listen`. The
+KeyboardInterrupt's traceback, which went on through debugpy's own frames, ends at
+the cell's line (IPython's ``showtraceback`` on the rank cuts it there).
 
 Example (a script; ``%dist_debugpy 1`` does the same in a notebook)::
 
@@ -38,15 +40,7 @@ import threading
 
 from nbdist.engine import tensor_view
 
-__all__ = [
-    "LOOPBACK",
-    "attach_text",
-    "is_loopback",
-    "listen",
-    "listening",
-    "rearm",
-    "trim_debugger_frames",
-]
+__all__ = ["LOOPBACK", "attach_text", "is_loopback", "listen", "listening", "rearm"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -166,14 +160,14 @@ def _leave_debugger_frames_out(shell) -> None:
 
     def showtraceback(exc_tuple=None, *args, **kwargs):
         value = (exc_tuple or sys.exc_info())[1]
-        trim_debugger_frames(getattr(value, "__traceback__", None))
+        _trim_debugger_frames(getattr(value, "__traceback__", None))
         return show(exc_tuple, *args, **kwargs)
 
     showtraceback.nbdist_trims_debugger = True
     shell.showtraceback = showtraceback
 
 
-def trim_debugger_frames(tb) -> None:
+def _trim_debugger_frames(tb) -> None:
     """Cut traceback ``tb`` (in place) before its first frame of debugpy's own code.
 
     An exception raised in a trace function enters the traced frame's line twice in
@@ -185,11 +179,11 @@ def trim_debugger_frames(tb) -> None:
             if previous is not None:
                 previous.tb_next = None
             return
-        if (
-            previous is not None
-            and tb.tb_frame is previous.tb_frame
-            and (tb.tb_lineno == previous.tb_lineno)
-        ):
+        repeat = previous is not None and (tb.tb_frame, tb.tb_lineno) == (
+            previous.tb_frame,
+            previous.tb_lineno,
+        )
+        if repeat:
             previous.tb_next = tb.tb_next
         else:
             previous = tb
@@ -226,7 +220,12 @@ def _skip_unlogged_environment_report() -> None:
 def _check_bindable(host: str, port: int) -> None:
     # In process, debugpy binds on a thread of its own and waits for that socket without
     # end: a port in use or an address not of this host would hang the rank. Bound here
-    # first, the way it binds, the failure is the error debugpy's adapter gave.
+    # first, the way it binds, the failure is the error debugpy's adapter gave. Not when
+    # other code's listen() came first: debugpy refuses a second one, and says so.
+    from debugpy.server import api
+
+    if getattr(api.listen, "called", False):
+        return
     probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
