@@ -4,8 +4,8 @@ A cell's waiting loop consults its :class:`nbdist.driver.faults.CellGuard`, whic
 releases the ranks when one fails, dies or hangs, and SIGINTs again those an interrupt
 did not stop. A call that is not a cell (``apply``, ``push``, ``pull``, nbdist's own
 calls) has :class:`CallGuard`: it watches nothing and releases nothing, but SIGINTs
-once more, :data:`INTERRUPT_AGAIN_S` after an interrupt, the ranks still running whose
-code did not catch it (:mod:`nbdist.driver.caught_interrupts`). In CI (2026-12-02) an
+once more, :data:`INTERRUPT_AGAIN_S` after an interrupt, the ranks still running that
+it did not reach: neither caught nor reporting it (:mod:`nbdist.driver.caught_interrupts`). In CI (2026-12-02) an
 interrupted ``apply`` ran on on one rank for the whole 10 s grace, where cells, whose
 guard interrupts again, stopped.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from nbdist.driver.caught_interrupts import caught_interrupt
+from nbdist.driver.caught_interrupts import interrupt_answers
 
 __all__ = ["INTERRUPT_AGAIN_S", "CallGuard"]
 
@@ -52,8 +52,9 @@ class CallGuard:
             return
         self.released = True
         running = [r for r, s in run.child_states().items() if s == "running"]
-        self.caught = caught_interrupt(run, running) if running else set()
-        missed = [r for r in running if r not in self.caught]
+        answers = interrupt_answers(run, running)
+        self.caught = answers.caught
+        missed = answers.missed(running)
         if missed:
             self._interrupt(missed)
 

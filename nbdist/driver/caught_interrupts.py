@@ -4,12 +4,15 @@ A Ctrl-C relays SIGINT to the ranks. Where it raised KeyboardInterrupt in the us
 code and that code caught it, an ``except KeyboardInterrupt`` or ``finally`` block
 runs (a checkpoint saved on Ctrl-C, Lightning's or a DataLoader's shutdown): the
 rank is still busy with the request half a second later, as one the SIGINT did not
-reach is. The guards SIGINT again only the second kind; a rank that caught it runs
-its handling code to the end and the cell waits for it, as a kernel of its own
-would, until a second Ctrl-C (:mod:`nbdist.driver.runner`).
+reach is, and as one still reporting the KeyboardInterrupt is (IPython formats and
+highlights its traceback: seconds per rank at 64 ranks on 2 cores). The guards SIGINT
+again only the ranks the SIGINT missed; a rank that caught it runs its handling code
+to the end and the cell waits for it, as a kernel of its own would, until a second
+Ctrl-C (:mod:`nbdist.driver.runner`); a rank reporting it ends by itself and is named
+as neither.
 
 Each rank says so itself, on its control channel
-(:func:`nbdist.engine.late_interrupt.handling_interrupt`): a rank paused in debugpy
+(:func:`nbdist.engine.late_interrupt.interrupt_answer`): a rank paused in debugpy
 does not count (debugpy swallows the KeyboardInterrupt), nor does one that does not
 answer. It answers for the request it runs, which may be one queued before the one
 the kernel waits for (a ``--noblock`` cell): the SIGINT landed there, and the waited-for
@@ -19,23 +22,40 @@ request is dropped unrun (:mod:`nbdist.driver.missed_interrupt`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from nbdist.driver.where import control_request
 
-__all__ = ["ASK_S", "caught_interrupt"]
+__all__ = ["ASK_S", "InterruptAnswers", "interrupt_answers"]
 
 # How long the ranks' answers are waited for: the control thread answers at once unless
 # native code holds the GIL (then the rank is not running Python code that caught anything).
 ASK_S = 1.0
 
 
-def caught_interrupt(run, ranks: Sequence[int], timeout: float = ASK_S) -> set[int]:
+class InterruptAnswers(NamedTuple):
+    """What the running ranks asked did with the interrupt's KeyboardInterrupt."""
+
+    caught: set[int]  # their code caught it and runs on: waited for, named
+    reporting: set[int]  # it left their code and is being reported: ends by itself
+
+    def missed(self, running) -> list[int]:
+        """Those of ``running`` that did neither: the SIGINT did not reach their code."""
+        return [r for r in running if r not in self.caught and r not in self.reporting]
+
+
+def interrupt_answers(run, ranks: Sequence[int], timeout: float = ASK_S) -> InterruptAnswers:
     """Those of ``ranks`` (of ``run``, a :class:`~nbdist.driver.runner.RankRun`) that run code
-    which caught the interrupt's KeyboardInterrupt: this request's, or that of one before
-    it the SIGINT reached instead (this one, queued behind, is dropped meanwhile)."""
+    which caught the interrupt's KeyboardInterrupt, and those reporting it: this request's,
+    or that of one before it the SIGINT reached instead (this one, queued behind, is
+    dropped meanwhile)."""
     engines = run.engine_ids(ranks)
     if not engines:
-        return set()
+        return InterruptAnswers(set(), set())
     asked = sorted(engines)
     replies = control_request(run.client, [engines[r] for r in asked], "caught", timeout)
-    return {rank for rank, reply in zip(asked, replies) if reply and reply.get("caught")}
+    said = [(rank, reply or {}) for rank, reply in zip(asked, replies)]
+    return InterruptAnswers(
+        {rank for rank, reply in said if reply.get("caught")},
+        {rank for rank, reply in said if reply.get("reporting")},
+    )

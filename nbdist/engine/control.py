@@ -30,7 +30,8 @@ ipykernel serves on its own thread (the one that also serves
 ``caught``
     whether the request this rank runs caught the interrupt's KeyboardInterrupt
     and runs on (its ``except``/``finally`` code), not paused in debugpy, which
-    swallows it (:func:`nbdist.engine.late_interrupt.handling_interrupt`).
+    swallows it; or, ``reporting``, whether that KeyboardInterrupt left the user's
+    code and the engine reports it (:func:`nbdist.engine.late_interrupt.interrupt_answer`).
 ``release``
     break this rank out of the collective it waits in. NCCL: abort the
     communicators (``_abort_process_group``). gloo has no abort (its
@@ -279,8 +280,13 @@ def _handle(kernel, stream, idents, parent) -> None:
             )
             reply = {"status": "ok", "interrupt": done}
         elif action == "caught":
-            caught = late_interrupt.handling_interrupt() and not dap_relay.main_thread_paused()
-            reply = {"status": "ok", "caught": caught}
+            # A rank paused in debugpy caught nothing: debugpy swallows the KeyboardInterrupt.
+            answer = "" if dap_relay.main_thread_paused() else late_interrupt.interrupt_answer()
+            reply = {
+                "status": "ok",
+                "caught": answer == "caught",
+                "reporting": answer == "reporting",
+            }
         elif action == "crash_record":
             path = str(content.get("path", ""))
             if content.get("remove_own"):  # the session stops: this rank's own record goes

@@ -20,7 +20,7 @@ CPython then drops that thread's tracing: breakpoints would never stop it
 again. :func:`rearm` traces the thread again; it runs before every cell of an
 IPython rank (a ``pre_execute`` hook) and on every :func:`listen`. The
 KeyboardInterrupt's traceback, which went on through debugpy's own frames, ends at
-the cell's line (IPython's ``showtraceback`` on the rank cuts it there).
+the cell's line (:mod:`nbdist.engine.traceback_trim`).
 
 Example (a script; ``%dist_debugpy 1`` does the same in a notebook)::
 
@@ -115,7 +115,6 @@ def listen(port: int | None = 0, host: str = LOOPBACK) -> dict:
         shell = _ipython_shell()
         if shell is not None:
             shell.events.register("pre_execute", rearm)
-            _leave_debugger_frames_out(shell)
         return _described(_endpoint, new=True)
 
 
@@ -143,55 +142,6 @@ def rearm() -> bool:
             resume_threads("*")
     debugpy.debug_this_thread()
     return True
-
-
-def _leave_debugger_frames_out(shell) -> None:
-    """The cell's traceback ends at the user's frame where debugpy raised into it.
-
-    An interrupt of a rank paused in the debugger raises KeyboardInterrupt inside
-    debugpy's wait: its traceback went on through a dozen of debugpy's frames, which
-    IPython then read and highlighted (pydevd.py alone is 3,000 lines): 2.5 CPU-s a
-    rank, 23 s before 64 paused ranks on 2 cores ended their cell, and a traceback whose
-    last 20 lines were debugpy's, not the user's.
-    """
-    show = shell.showtraceback
-    if getattr(show, "nbdist_trims_debugger", False):
-        return
-
-    def showtraceback(exc_tuple=None, *args, **kwargs):
-        value = (exc_tuple or sys.exc_info())[1]
-        _trim_debugger_frames(getattr(value, "__traceback__", None))
-        return show(exc_tuple, *args, **kwargs)
-
-    showtraceback.nbdist_trims_debugger = True
-    shell.showtraceback = showtraceback
-
-
-def _trim_debugger_frames(tb) -> None:
-    """Cut traceback ``tb`` (in place) before its first frame of debugpy's own code.
-
-    An exception raised in a trace function enters the traced frame's line twice in
-    the traceback; the repeat goes too.
-    """
-    previous = None
-    while tb is not None:
-        if _is_debugger_code(tb.tb_frame.f_code.co_filename):
-            if previous is not None:
-                previous.tb_next = None
-            return
-        repeat = previous is not None and (tb.tb_frame, tb.tb_lineno) == (
-            previous.tb_frame,
-            previous.tb_lineno,
-        )
-        if repeat:
-            previous.tb_next = tb.tb_next
-        else:
-            previous = tb
-        tb = tb.tb_next
-
-
-def _is_debugger_code(filename: str) -> bool:
-    return "pydevd" in filename or f"{os.sep}debugpy{os.sep}" in filename
 
 
 def _ipython_shell():

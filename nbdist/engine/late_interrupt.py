@@ -24,22 +24,26 @@ request is neither: the rank answers "dropped" (or "beginning") and the kernel
 asks again.
 
 The rank also notes the request in whose user code a SIGINT raised
-KeyboardInterrupt: while that request runs on, its code caught it (or is still
-unwinding), and the kernel does not SIGINT it again (:func:`handling_interrupt`,
-asked by :mod:`nbdist.driver.caught_interrupts`).
+KeyboardInterrupt. While that request runs on, the kernel does not SIGINT it again
+(:func:`interrupt_answer`, asked by :mod:`nbdist.driver.caught_interrupts`): with the
+user's code still on the main thread's stack, that code caught it (an ``except`` or
+``finally`` block) or is unwinding; without, the KeyboardInterrupt left it and the
+engine is reporting it (IPython formats its traceback: seconds at 64 ranks on 2 cores),
+which ends the request by itself.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
 
-from nbdist.engine.request_sigint import Redelivery, RequestSigint
+from nbdist.engine.request_sigint import Redelivery, RequestSigint, runs_user_code
 
-__all__ = ["boot_id", "handling_interrupt", "install", "interrupt_request"]
+__all__ = ["boot_id", "handling_interrupt", "install", "interrupt_answer", "interrupt_request"]
 
 # Ended requests remembered, so a late question about one is not taken for one to come.
 _ENDED_KEPT = 256
@@ -64,6 +68,8 @@ class _Requests:
         # The request in whose user code a SIGINT last raised KeyboardInterrupt (set in the
         # signal handler too).
         self.raised_in: str | None = None
+        # The shell's user namespace, whose frames are the user's code (request_sigint.py).
+        self.user_globals: dict | None = None
 
 
 _requests = _Requests()
@@ -133,7 +139,9 @@ def install(kernel) -> None:
         # only (request_sigint.py); set in one call, so no SIGINT meets Python's own
         # handler here, where a KeyboardInterrupt would end the engine's event loop.
         shell = getattr(kernel, "shell", None)
-        handler = RequestSigint(getattr(shell, "user_global_ns", None), _held, _raised, redelivery)
+        user_globals = getattr(shell, "user_global_ns", None)
+        _requests.user_globals = user_globals
+        handler = RequestSigint(user_globals, _held, _raised, redelivery)
         kernel.saved_sigint_handler = signal.signal(signal.SIGINT, handler)
 
     def post_handler_hook():
@@ -165,6 +173,23 @@ def handling_interrupt() -> bool:
     a request queued behind it (that one is dropped: :func:`interrupt_request`)."""
     with _requests.lock:
         return _requests.current is not None and _requests.raised_in == _requests.current
+
+
+def interrupt_answer() -> str:
+    """What the request this rank runs does after a SIGINT raised KeyboardInterrupt in its
+    user code, as the kernel asks it from the control thread.
+
+    "caught": the user's code still runs (:func:`handling_interrupt`, with a frame of
+    the user's namespace on the main thread's stack): it is waited for and named.
+    "reporting": the KeyboardInterrupt left the user's code; the engine is reporting it
+    and ends the request by itself (another SIGINT would only be held, and named as code
+    that caught it, the rank would be misnamed). "": no KeyboardInterrupt was raised in
+    this request's code (the SIGINT missed it), or no request runs.
+    """
+    if not handling_interrupt():
+        return ""
+    frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001 - the only way
+    return "caught" if runs_user_code(frame, _requests.user_globals) else "reporting"
 
 
 def boot_id() -> str:

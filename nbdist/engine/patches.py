@@ -46,6 +46,7 @@ from nbdist.engine import (
     p2p_staging,
     rank_names,
     stdin_bridge,
+    traceback_trim,
     user_group,
 )
 from nbdist.metrics import log as metrics_log
@@ -179,6 +180,16 @@ PATCHES: tuple[Patch, ...] = (
         turn_off="no switch; shell.reset.nbdist_original is IPython's own",
     ),
     Patch(
+        "traceback_trim",
+        "kernel",
+        wraps="the engine shell's showtraceback (a cell's and an apply's errors): the "
+        "traceback cut before nbdist's SIGINT handler and debugpy's frames",
+        why="every interrupted cell's traceback ended in request_sigint.py's raise, read as "
+        "nbdist's own error; a rank paused in the debugger, interrupted, spent 2.5 CPU-s "
+        "highlighting debugpy's frames",
+        turn_off="no switch; shell.showtraceback.nbdist_original is IPython's own",
+    ),
+    Patch(
         "child_output",
         "kernel",
         wraps="nothing: the engine's IO-pub thread opens ipykernel's pipe for forked children "
@@ -236,6 +247,8 @@ def install_on_rank(kernel=None, shell=None) -> None:
         exit_refusal.install(shell)
         # %reset clears the user's names, not the rank's own (rank, dist, ...).
         rank_names.install(shell)
+        # Tracebacks end at the user's code (not in nbdist's SIGINT handler or debugpy).
+        traceback_trim.install(shell)
         callbacks = shell.events.callbacks.get("pre_execute", [])
         # A collective is known to be this cell's or an earlier one's (a release's rule);
         # a cell's first point does not take the pause since the last cell as its step.
