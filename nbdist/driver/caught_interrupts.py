@@ -9,7 +9,8 @@ highlights its traceback: seconds per rank at 64 ranks on 2 cores). The guards S
 again only the ranks the SIGINT missed; a rank that caught it runs its handling code
 to the end and the cell waits for it, as a kernel of its own would, until a second
 Ctrl-C (:mod:`nbdist.driver.runner`); a rank reporting it ends by itself and is named
-as neither.
+as neither, as is one whose request ended meanwhile (its reply on its way: 1 of 64 ranks
+in one of four interrupts on 2 cores, which then cost a release and the group formed again).
 
 Each rank says so itself, on its control channel
 (:func:`nbdist.engine.late_interrupt.interrupt_answer`): a rank paused in debugpy
@@ -28,8 +29,10 @@ from nbdist.driver.where import control_request
 
 __all__ = ["ASK_S", "InterruptAnswers", "interrupt_answers"]
 
-# How long the ranks' answers are waited for: the control thread answers at once unless
-# native code holds the GIL (then the rank is not running Python code that caught anything).
+# How long the ranks' answers are waited for, and more after each answer while some still come
+# (the control thread answers at once unless native code holds the GIL, when the rank is not
+# running Python code that caught anything, or the machine is loaded: 64 ranks formatting
+# their tracebacks on 2 cores answered in 0.6-1.5 s).
 ASK_S = 1.0
 
 
@@ -38,24 +41,31 @@ class InterruptAnswers(NamedTuple):
 
     caught: set[int]  # their code caught it and runs on: waited for, named
     reporting: set[int]  # it left their code and is being reported: ends by itself
+    idle: set[int]  # they run no request: its reply is on its way (or it is dropped)
 
     def missed(self, running) -> list[int]:
-        """Those of ``running`` that did neither: the SIGINT did not reach their code."""
-        return [r for r in running if r not in self.caught and r not in self.reporting]
+        """Those of ``running`` that said none of those (or nothing): the SIGINT did not
+        reach their code."""
+        done = self.caught | self.reporting | self.idle
+        return [r for r in running if r not in done]
 
 
 def interrupt_answers(run, ranks: Sequence[int], timeout: float = ASK_S) -> InterruptAnswers:
     """Those of ``ranks`` (of ``run``, a :class:`~nbdist.driver.runner.RankRun`) that run code
-    which caught the interrupt's KeyboardInterrupt, and those reporting it: this request's,
-    or that of one before it the SIGINT reached instead (this one, queued behind, is
-    dropped meanwhile)."""
+    which caught the interrupt's KeyboardInterrupt, those reporting it (this request's,
+    or that of one before it the SIGINT reached instead: this one, queued behind, is
+    dropped meanwhile), and those that run no request any more."""
     engines = run.engine_ids(ranks)
     if not engines:
-        return InterruptAnswers(set(), set())
+        return InterruptAnswers(set(), set(), set())
     asked = sorted(engines)
-    replies = control_request(run.client, [engines[r] for r in asked], "caught", timeout)
-    said = [(rank, reply or {}) for rank, reply in zip(asked, replies)]
-    return InterruptAnswers(
-        {rank for rank, reply in said if reply.get("caught")},
-        {rank for rank, reply in said if reply.get("reporting")},
+    replies = control_request(
+        run.client, [engines[r] for r in asked], "caught", timeout, while_answering=True
     )
+    said = {rank: (reply or {}).get("answer") for rank, reply in zip(asked, replies)}
+    return InterruptAnswers(
+        *({rank for rank, answer in said.items() if answer == kind} for kind in _KINDS)
+    )
+
+
+_KINDS = ("caught", "reporting", "idle")

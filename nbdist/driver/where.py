@@ -27,6 +27,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from nbdist.driver.ipp_internals import send_control
@@ -67,24 +68,44 @@ class RankWhere:
 
 
 def control_request(
-    client, engine_ids: Sequence[int], action: str, timeout: float, **options
+    client,
+    engine_ids: Sequence[int],
+    action: str,
+    timeout: float,
+    *,
+    while_answering: bool = False,
+    **options,
 ) -> list:
-    """Send nbdist's control ``action`` (with ``options``) to the engines; replies (or None) in order."""
+    """Send nbdist's control ``action`` (with ``options``) to the engines; replies (or None) in order.
+
+    ``while_answering``: each answer gives the ranks still silent ``timeout`` more (a rank
+    holding the GIL in native code never answers, and the wait ends ``timeout`` after the
+    last answer). 64 ranks formatting their tracebacks on 2 cores answered the same
+    question in 0.6-1.5 s.
+    """
     futures = []
     for eid in engine_ids:
         try:
             futures.append(send_control(client, eid, REQUEST, {"action": action, **options}))
         except Exception:  # the engine left the cluster meanwhile (it died)
             futures.append(None)
+    pending = {future for future in futures if future is not None}
     deadline = time.monotonic() + timeout
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        answered, pending = wait(pending, timeout=left, return_when=FIRST_COMPLETED)
+        if answered and while_answering:
+            deadline = time.monotonic() + timeout
     replies = []
     for future in futures:
-        if future is None:
+        if future is None or future in pending:
             replies.append(None)
             continue
         try:
-            msgs = future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except Exception:  # no answer in time, or the engine is gone
+            msgs = future.result(timeout=0)
+        except Exception:  # the engine is gone
             replies.append(None)
             continue
         msg = msgs[0] if isinstance(msgs, list) else msgs

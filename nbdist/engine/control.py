@@ -28,10 +28,10 @@ ipykernel serves on its own thread (the one that also serves
     stop one request if the kernel's SIGINT came before this rank began it
     (:mod:`nbdist.engine.late_interrupt`).
 ``caught``
-    whether the request this rank runs caught the interrupt's KeyboardInterrupt
-    and runs on (its ``except``/``finally`` code), not paused in debugpy, which
-    swallows it; or, ``reporting``, whether that KeyboardInterrupt left the user's
-    code and the engine reports it (:func:`nbdist.engine.late_interrupt.interrupt_answer`).
+    what the request this rank runs did with the interrupt's KeyboardInterrupt:
+    caught it and runs on (its ``except``/``finally`` code; not paused in debugpy,
+    which swallows it), reports it, or there is no request any more
+    (:func:`nbdist.engine.late_interrupt.interrupt_answer`).
 ``release``
     break this rank out of the collective it waits in. NCCL: abort the
     communicators (``_abort_process_group``). gloo has no abort (its
@@ -282,11 +282,7 @@ def _handle(kernel, stream, idents, parent) -> None:
         elif action == "caught":
             # A rank paused in debugpy caught nothing: debugpy swallows the KeyboardInterrupt.
             answer = "" if dap_relay.main_thread_paused() else late_interrupt.interrupt_answer()
-            reply = {
-                "status": "ok",
-                "caught": answer == "caught",
-                "reporting": answer == "reporting",
-            }
+            reply = {"status": "ok", "answer": answer}
         elif action == "crash_record":
             path = str(content.get("path", ""))
             if content.get("remove_own"):  # the session stops: this rank's own record goes

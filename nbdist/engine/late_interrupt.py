@@ -29,7 +29,8 @@ KeyboardInterrupt. While that request runs on, the kernel does not SIGINT it aga
 user's code still on the main thread's stack, that code caught it (an ``except`` or
 ``finally`` block) or is unwinding; without, the KeyboardInterrupt left it and the
 engine is reporting it (IPython formats its traceback: seconds at 64 ranks on 2 cores),
-which ends the request by itself.
+which ends the request by itself. Nor does it SIGINT a rank that runs no request any
+more (its reply is on its way).
 """
 
 from __future__ import annotations
@@ -176,16 +177,21 @@ def handling_interrupt() -> bool:
 
 
 def interrupt_answer() -> str:
-    """What the request this rank runs does after a SIGINT raised KeyboardInterrupt in its
-    user code, as the kernel asks it from the control thread.
+    """What the request this rank runs does after the kernel's SIGINT, as the kernel asks it
+    from the control thread half a second after sending it.
 
-    "caught": the user's code still runs (:func:`handling_interrupt`, with a frame of
-    the user's namespace on the main thread's stack): it is waited for and named.
-    "reporting": the KeyboardInterrupt left the user's code; the engine is reporting it
-    and ends the request by itself (another SIGINT would only be held, and named as code
-    that caught it, the rank would be misnamed). "": no KeyboardInterrupt was raised in
-    this request's code (the SIGINT missed it), or no request runs.
+    "caught": it raised KeyboardInterrupt in the user's code, which still runs
+    (:func:`handling_interrupt`, with a frame of the user's namespace on the main
+    thread's stack): waited for and named. "reporting": it raised there and left the
+    user's code; the engine is reporting it and ends the request by itself (another
+    SIGINT would only be held; named as code that caught it, the rank would be
+    misnamed). "idle": no request runs (the one asked about ended and its reply is on
+    its way, or it has not begun: :func:`interrupt_request` drops it). "": a request
+    runs whose code the SIGINT did not reach.
     """
+    with _requests.lock:
+        if _requests.current is None:
+            return "idle"
     if not handling_interrupt():
         return ""
     frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001 - the only way

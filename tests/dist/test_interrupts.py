@@ -3,7 +3,6 @@ waits for on every rank (real engines, a real gloo group of 2 CPU ranks)."""
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 
@@ -316,55 +315,6 @@ def test_code_that_caught_the_interrupt_quickly_is_named_as_such(session, tmp_pa
     assert shown[0] == "KeyboardInterrupt: the cell was interrupted on every rank", shown
     session.run("after = rank + 3")
     assert session.pull("after") == [3, 4]
-
-
-# Run on the ranks: IPython's report of an error takes 3 s there, as it does at 64 ranks on
-# 2 cores (each formats and highlights its traceback on a share of a core). Defined in a
-# namespace of its own: the user's code does not report errors, the engine does.
-_SLOW_REPORT = (
-    "_report_ns = {}\n"
-    "exec('import time\\n'\n"
-    "     'def slow(show):\\n'\n"
-    "     '    def showtraceback(*args, **kwargs):\\n'\n"
-    "     '        time.sleep(3.0)\\n'\n"
-    "     '        return show(*args, **kwargs)\\n'\n"
-    "     '    return showtraceback', _report_ns)\n"
-    "_plain_report = get_ipython().showtraceback\n"
-    "get_ipython().showtraceback = _report_ns['slow'](_plain_report)"
-)
-
-
-def test_ranks_still_reporting_the_interrupt_did_not_catch_it(session, tmp_path):
-    """A KeyboardInterrupt that left the user's code is being reported, not handled: the
-    ranks still formatting their tracebacks half a second after the interrupt are not
-    named as code that caught it. Before, 64 CPU ranks interrupted in a plain loop were
-    said to have "first ran their own code that caught the KeyboardInterrupt"."""
-    from nbdist.errors import RanksInterrupted
-
-    began = tmp_path / "began"
-    began.mkdir()
-    session.run(_SLOW_REPORT)
-    sink = ListSink()
-    try:
-        _interrupt_when(_began_on_every_rank(began, session.world_size))
-        with pytest.raises(RanksInterrupted) as caught:
-            session.run(
-                f"import os, time\nopen(os.path.join({str(began)!r}, str(rank)), 'w').close()\n"
-                "time.sleep(60)",
-                sink=sink,
-            )
-    finally:
-        session.run("get_ipython().showtraceback = _plain_report")
-    said = str(caught.value)
-    assert said == "interrupted; every rank stopped", said
-    notes = [e for e in sink.events if e[0] == "line" and "runs on" in e[3]]
-    assert notes == [], notes
-    shown = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(caught.value._render_traceback_()))
-    # The traceback ends at the cell's line, not in nbdist's SIGINT handler.
-    assert "----> 3 time.sleep(60)" in shown, shown
-    assert "request_sigint" not in shown and "raise KeyboardInterrupt" not in shown, shown
-    session.run("after = rank + 5")
-    assert session.pull("after") == [5, 6]
 
 
 def test_a_collective_in_code_that_caught_the_interrupt_is_released(session, tmp_path):
