@@ -5,7 +5,8 @@ releases the ranks when one fails, dies or hangs, and SIGINTs again those an int
 did not stop. A call that is not a cell (``apply``, ``push``, ``pull``, nbdist's own
 calls) has :class:`CallGuard`: it watches nothing and releases nothing, but SIGINTs
 once more, :data:`INTERRUPT_AGAIN_S` after an interrupt, the ranks still running that
-it did not reach: neither caught nor reporting it (:mod:`nbdist.driver.caught_interrupts`). In CI (2026-12-02) an
+it did not reach: in the user's code, which did not catch it
+(:mod:`nbdist.driver.caught_interrupts`). In CI (2026-12-02) an
 interrupted ``apply`` ran on on one rank for the whole 10 s grace, where cells, whose
 guard interrupts again, stopped.
 """

@@ -4,13 +4,14 @@ A Ctrl-C relays SIGINT to the ranks. Where it raised KeyboardInterrupt in the us
 code and that code caught it, an ``except KeyboardInterrupt`` or ``finally`` block
 runs (a checkpoint saved on Ctrl-C, Lightning's or a DataLoader's shutdown): the
 rank is still busy with the request half a second later, as one the SIGINT did not
-reach is, and as one still reporting the KeyboardInterrupt is (IPython formats and
-highlights its traceback: seconds per rank at 64 ranks on 2 cores). The guards SIGINT
-again only the ranks the SIGINT missed; a rank that caught it runs its handling code
-to the end and the cell waits for it, as a kernel of its own would, until a second
-Ctrl-C (:mod:`nbdist.driver.runner`); a rank reporting it ends by itself and is named
-as neither, as is one whose request ended meanwhile (its reply on its way: 1 of 64 ranks
-in one of four interrupts on 2 cores, which then cost a release and the group formed again).
+reach is, and as one still reporting its error is (IPython formats and highlights the
+traceback: seconds per rank at 64 ranks on 2 cores). The guards SIGINT again only the
+ranks the SIGINT missed; a rank that caught it runs its handling code to the end and
+the cell waits for it, as a kernel of its own would, until a second Ctrl-C
+(:mod:`nbdist.driver.runner`); a rank outside the user's code (reporting, sending its
+reply) ends by itself and is named as neither, as is one whose request ended meanwhile
+(its reply on its way: 1 of 64 ranks in one of four interrupts on 2 cores, which then
+cost a release and the group formed again).
 
 Each rank says so itself, on its control channel
 (:func:`nbdist.engine.late_interrupt.interrupt_answer`): a rank paused in debugpy
@@ -40,21 +41,21 @@ class InterruptAnswers(NamedTuple):
     """What the running ranks asked did with the interrupt's KeyboardInterrupt."""
 
     caught: set[int]  # their code caught it and runs on: waited for, named
-    reporting: set[int]  # it left their code and is being reported: ends by itself
+    outside: set[int]  # their request runs outside the user's code (reporting): ends by itself
     idle: set[int]  # they run no request: its reply is on its way (or it is dropped)
 
     def missed(self, running) -> list[int]:
         """Those of ``running`` that said none of those (or nothing): the SIGINT did not
         reach their code."""
-        done = self.caught | self.reporting | self.idle
+        done = self.caught | self.outside | self.idle
         return [r for r in running if r not in done]
 
 
 def interrupt_answers(run, ranks: Sequence[int], timeout: float = ASK_S) -> InterruptAnswers:
     """Those of ``ranks`` (of ``run``, a :class:`~nbdist.driver.runner.RankRun`) that run code
-    which caught the interrupt's KeyboardInterrupt, those reporting it (this request's,
-    or that of one before it the SIGINT reached instead: this one, queued behind, is
-    dropped meanwhile), and those that run no request any more."""
+    which caught the interrupt's KeyboardInterrupt (this request's, or that of one before
+    it the SIGINT reached instead: this one, queued behind, is dropped meanwhile), those
+    whose request runs outside the user's code, and those that run no request any more."""
     engines = run.engine_ids(ranks)
     if not engines:
         return InterruptAnswers(set(), set(), set())
@@ -68,4 +69,4 @@ def interrupt_answers(run, ranks: Sequence[int], timeout: float = ASK_S) -> Inte
     )
 
 
-_KINDS = ("caught", "reporting", "idle")
+_KINDS = ("caught", "outside", "idle")

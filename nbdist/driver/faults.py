@@ -4,7 +4,7 @@
 When a rank failed and others wait for it in a collective (or still run ~5 s later),
 or when a rank died (:mod:`nbdist.driver.rank_deaths` notices it), or when an
 interrupt did not reach a rank's code (one whose code caught it runs its handling
-code on, one reporting it ends by itself: :mod:`nbdist.driver.caught_interrupts`),
+code on, one reporting an error ends by itself: :mod:`nbdist.driver.caught_interrupts`),
 or when ranks wait in a collective for ranks that finished the cell without it, it
 *releases* the ranks: every live rank breaks out of
 its collective (see :mod:`nbdist.engine.control`) and ranks still computing get
@@ -88,8 +88,8 @@ class CellGuard:
         # Once asked, INTERRUPT_GRACE_S after an interrupt: the running ranks whose code
         # caught its KeyboardInterrupt and runs on (not SIGINTed again, waited for).
         self.caught: set[int] | None = None
-        # Then too: those the KeyboardInterrupt left, reporting it (not SIGINTed again).
-        self._reporting: set[int] = set()
+        # Then too: those whose request runs outside the user's code (not SIGINTed again).
+        self._outside: set[int] = set()
         self._next_stranded_look: float | None = None  # the guard's next look at collectives
         self._stranded_interval = STRANDED_GRACE_S / 2  # doubled before each look
         # {rank: what it waited in, for whom}: ranks released from a collective that ranks
@@ -144,12 +144,12 @@ class CellGuard:
                 return
             if self.caught is None:
                 answers = interrupt_answers(run, running)
-                self.caught, self._reporting = answers.caught, answers.reporting
+                self.caught, self._outside = answers.caught, answers.outside
                 if answers.missed(running):
                     self.release(run, "the cell was interrupted")
                     return
-            # Every rank still running handles the interrupt in its own code (or reports
-            # it): it is released only from a collective that ranks which ended never enter.
+            # Every rank still running handles the interrupt in its own code (or reports an
+            # error): it is released only from a collective that ranks which ended never enter.
             self._look_stranded(run, states, running, now)
         elif failed and running:
             before, self._running_last_pass = self._running_last_pass, len(running)
@@ -285,9 +285,9 @@ class CellGuard:
                 # Inside, or already failing out of it (gloo noticed a dead peer):
                 # the release ends it; SIGINT would only cut its traceback short.
                 self._released_from[rank] = f"{c['op']} #{c['seq']}"
-            elif rank not in (self.caught or ()) and rank not in self._reporting:
+            elif rank not in (self.caught or ()) and rank not in self._outside:
                 # (One whose code caught the interrupt runs its handling code on: not
-                # SIGINTed, as a second Ctrl-C would; one reporting it ends by itself.)
+                # SIGINTed, as a second Ctrl-C would; one reporting an error ends by itself.)
                 computing.add(rank)
         # A rank may be unwinding already (gloo noticed a dead peer itself):
         # give it a moment before interrupting code that is about to end anyway.

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from nbdist.driver.call_guard import CallGuard
+from nbdist.driver.caught_interrupts import interrupt_answers
 from nbdist.driver.cell_output import remember
 from nbdist.driver.cells import caught_in_reply, cell_channel
 from nbdist.driver.early_iopub import EarlyIopub
@@ -44,6 +45,10 @@ __all__ = ["CellTimeout", "RankRun", "submit"]
 # How long interrupted ranks get to unwind before the cell gives up on them (renewed while
 # ranks whose code caught the KeyboardInterrupt run their handling code).
 _INTERRUPT_GRACE_S = 10.0
+# Graces more while ranks still report their errors (64 ranks released from a collective
+# formatted tracebacks through torch.distributed's 6,900-line module for over 10 s on 2
+# cores and were said not to have stopped); bounded, whatever the ranks say.
+_OUTSIDE_RENEWALS = 5
 # Said once under each rank whose code caught the interrupt (nbdist.driver.caught_interrupts).
 _CAUGHT_NOTE = (
     "nbdist: this rank's code caught the KeyboardInterrupt and runs on (an except or finally "
@@ -411,6 +416,17 @@ class RankRun:
         for rank in sorted(caught):
             self._merger.feed(rank, "stderr", note)
 
+    def _ending_by_themselves(self) -> bool:
+        """Whether ranks still running run outside the user's code (reporting an error, a
+        released collective's or the KeyboardInterrupt's, or sending the reply) or no
+        request any more: they end without another SIGINT, so the cell waits for them
+        rather than say they did not stop."""
+        running = [r for r, s in self.child_states().items() if s == "running"]
+        if not running:
+            return False
+        answers = interrupt_answers(self, running)
+        return bool(answers.outside or answers.idle)
+
     def _still_caught(self) -> list[int]:
         """The ranks still running whose code caught the interrupt."""
         caught = self._guard.caught or set()
@@ -421,12 +437,13 @@ class RankRun:
 
         Ranks whose code caught the KeyboardInterrupt run their handling code to its end,
         waited for as a kernel of their own would wait (after a Ctrl-C, the grace renews
-        while they run).
+        while they run); so, a few times, do ranks still outside the user's code.
         A second Ctrl-C while they run SIGINTs every rank still running once more and waits
         one more grace; otherwise (or a third) it stops waiting now.
         """
         deadline = time.monotonic() + _INTERRUPT_GRACE_S
         again = False
+        renewed = 0
         while True:
             try:
                 if self._loop(deadline):
@@ -440,9 +457,14 @@ class RankRun:
                 self._interrupt([r for r, s in self.child_states().items() if s == "running"])
                 deadline = time.monotonic() + _INTERRUPT_GRACE_S
                 continue
-            if again or not self._wait_for_caught or not self._still_caught():
-                break
-            deadline = time.monotonic() + _INTERRUPT_GRACE_S
+            if not again and self._wait_for_caught and self._still_caught():
+                deadline = time.monotonic() + _INTERRUPT_GRACE_S
+                continue
+            if renewed < _OUTSIDE_RENEWALS and self._ending_by_themselves():
+                renewed += 1
+                deadline = time.monotonic() + _INTERRUPT_GRACE_S
+                continue
+            break
         self._finished = self._all_done()
         if self._finished:
             self._finish_output()

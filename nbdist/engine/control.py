@@ -30,7 +30,8 @@ ipykernel serves on its own thread (the one that also serves
 ``caught``
     what the request this rank runs did with the interrupt's KeyboardInterrupt:
     caught it and runs on (its ``except``/``finally`` code; not paused in debugpy,
-    which swallows it), reports it, or there is no request any more
+    which swallows it), the request runs outside the user's code (reporting an error),
+    or there is no request any more
     (:func:`nbdist.engine.late_interrupt.interrupt_answer`).
 ``release``
     break this rank out of the collective it waits in. NCCL: abort the

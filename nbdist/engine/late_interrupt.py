@@ -24,13 +24,11 @@ request is neither: the rank answers "dropped" (or "beginning") and the kernel
 asks again.
 
 The rank also notes the request in whose user code a SIGINT raised
-KeyboardInterrupt. While that request runs on, the kernel does not SIGINT it again
-(:func:`interrupt_answer`, asked by :mod:`nbdist.driver.caught_interrupts`): with the
-user's code still on the main thread's stack, that code caught it (an ``except`` or
-``finally`` block) or is unwinding; without, the KeyboardInterrupt left it and the
-engine is reporting it (IPython formats its traceback: seconds at 64 ranks on 2 cores),
-which ends the request by itself. Nor does it SIGINT a rank that runs no request any
-more (its reply is on its way).
+KeyboardInterrupt: while the user's code still runs in that request, it caught it (an
+``except`` or ``finally`` block) or is unwinding, and the kernel does not SIGINT it
+again (:func:`interrupt_answer`, asked by :mod:`nbdist.driver.caught_interrupts`).
+Nor does it SIGINT a rank whose request runs outside the user's code (reporting an
+error, sending the reply) or that runs no request any more (its reply is on its way).
 """
 
 from __future__ import annotations
@@ -178,24 +176,26 @@ def handling_interrupt() -> bool:
 
 def interrupt_answer() -> str:
     """What the request this rank runs does after the kernel's SIGINT, as the kernel asks it
-    from the control thread half a second after sending it.
+    from the control thread (half a second after sending it, and again at the end of its
+    wait for the interrupted ranks).
 
     "caught": it raised KeyboardInterrupt in the user's code, which still runs
-    (:func:`handling_interrupt`, with a frame of the user's namespace on the main
-    thread's stack): waited for and named. "reporting": it raised there and left the
-    user's code; the engine is reporting it and ends the request by itself (another
-    SIGINT would only be held; named as code that caught it, the rank would be
-    misnamed). "idle": no request runs (the one asked about ended and its reply is on
-    its way, or it has not begun: :func:`interrupt_request` drops it). "": a request
-    runs whose code the SIGINT did not reach.
+    (:func:`handling_interrupt`): waited for and named. "outside": no frame of the user's
+    namespace is on the main thread's stack: the engine is reporting an error (the
+    KeyboardInterrupt's, or a released collective's: IPython formats the traceback,
+    seconds a rank at 64 ranks on 2 cores) or sending the reply, and ends the request by
+    itself, or has not reached the user's code yet, where a SIGINT held meanwhile lands;
+    another SIGINT would only be held. "idle": no request runs (the one asked about
+    ended and its reply is on its way, or it has not begun: :func:`interrupt_request`
+    drops it). "": the user's code runs and the SIGINT did not reach it.
     """
     with _requests.lock:
         if _requests.current is None:
             return "idle"
-    if not handling_interrupt():
-        return ""
     frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001 - the only way
-    return "caught" if runs_user_code(frame, _requests.user_globals) else "reporting"
+    if not runs_user_code(frame, _requests.user_globals):
+        return "outside"
+    return "caught" if handling_interrupt() else ""
 
 
 def boot_id() -> str:
