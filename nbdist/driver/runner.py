@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from nbdist.driver.call_guard import CallGuard
-from nbdist.driver.caught_interrupts import interrupt_answers
+from nbdist.driver.caught_interrupts import ending_by_themselves
 from nbdist.driver.cell_output import remember
 from nbdist.driver.cells import caught_in_reply, cell_channel
 from nbdist.driver.early_iopub import EarlyIopub
@@ -45,9 +45,9 @@ __all__ = ["CellTimeout", "RankRun", "submit"]
 # How long interrupted ranks get to unwind before the cell gives up on them (renewed while
 # ranks whose code caught the KeyboardInterrupt run their handling code).
 _INTERRUPT_GRACE_S = 10.0
-# Graces more while ranks still report their errors (64 ranks released from a collective
-# formatted tracebacks through torch.distributed's 6,900-line module for over 10 s on 2
-# cores and were said not to have stopped); bounded, whatever the ranks say.
+# Graces more while ranks still end or report their errors (64 ranks released from a
+# collective formatted tracebacks through torch.distributed's 6,900-line module for over
+# 10 s on 2 cores and were said not to have stopped); bounded, whatever the ranks say.
 _OUTSIDE_RENEWALS = 5
 # Said once under each rank whose code caught the interrupt (nbdist.driver.caught_interrupts).
 _CAUGHT_NOTE = (
@@ -416,16 +416,8 @@ class RankRun:
         for rank in sorted(caught):
             self._merger.feed(rank, "stderr", note)
 
-    def _ending_by_themselves(self) -> bool:
-        """Whether ranks still running run outside the user's code (reporting an error, a
-        released collective's or the KeyboardInterrupt's, or sending the reply) or no
-        request any more: they end without another SIGINT, so the cell waits for them
-        rather than say they did not stop."""
-        running = [r for r, s in self.child_states().items() if s == "running"]
-        if not running:
-            return False
-        answers = interrupt_answers(self, running)
-        return bool(answers.outside or answers.idle)
+    def _running_count(self) -> int:
+        return sum(1 for s in self.child_states().values() if s == "running")
 
     def _still_caught(self) -> list[int]:
         """The ranks still running whose code caught the interrupt."""
@@ -443,7 +435,7 @@ class RankRun:
         """
         deadline = time.monotonic() + _INTERRUPT_GRACE_S
         again = False
-        renewed = 0
+        renewed, running = 0, self._running_count()
         while True:
             try:
                 if self._loop(deadline):
@@ -460,8 +452,9 @@ class RankRun:
             if not again and self._wait_for_caught and self._still_caught():
                 deadline = time.monotonic() + _INTERRUPT_GRACE_S
                 continue
-            if renewed < _OUTSIDE_RENEWALS and self._ending_by_themselves():
+            if renewed < _OUTSIDE_RENEWALS and ending_by_themselves(self, running):
                 renewed += 1
+                running = self._running_count()
                 deadline = time.monotonic() + _INTERRUPT_GRACE_S
                 continue
             break
