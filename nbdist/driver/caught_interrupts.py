@@ -1,4 +1,4 @@
-"""Kernel side: which interrupted ranks caught the KeyboardInterrupt and run on.
+"""Kernel side: what interrupted ranks did with the KeyboardInterrupt: caught it, report, or missed it.
 
 A Ctrl-C relays SIGINT to the ranks. Where it raised KeyboardInterrupt in the user's
 code and that code caught it, an ``except KeyboardInterrupt`` or ``finally`` block
