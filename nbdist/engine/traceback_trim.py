@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 import sys
 
+from nbdist.engine.request_sigint import RequestSigint
+
 __all__ = ["install", "trim"]
 
 
@@ -69,8 +71,6 @@ def trim(tb) -> None:
 
 
 def _not_the_users(code) -> bool:
-    from nbdist.engine.request_sigint import RequestSigint
-
     if code is RequestSigint.__call__.__code__:
         return True
     filename = code.co_filename
