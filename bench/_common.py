@@ -26,8 +26,11 @@ __all__ = [
     "SERVE",
     "CpuMeter",
     "TorchrunJob",
+    "add_settle_arguments",
     "assert_no_children",
     "balanced_orders",
+    "bootstrap_interval",
+    "check_settle_arguments",
     "private_history",
     "conclude",
     "cores",
@@ -93,19 +96,35 @@ def ratio_interval(
     >>> ratio_interval([10, 10, 10], [5, 5, 5])
     (2.0, 2.0)
     """
-    import random
-
     if len(values) != len(baselines) or not values:
         raise ValueError(
             f"need as many windows of each job, got {len(values)} and {len(baselines)}"
         )
+
+    def of(idx: list[int]) -> float:
+        return ratio(median([values[i] for i in idx]), median([baselines[i] for i in idx]))
+
+    return bootstrap_interval(len(values), of, rounds=rounds, level=level)
+
+
+def bootstrap_interval(
+    n: int, statistic, *, rounds: int = 2000, level: float = 0.95
+) -> tuple[float, float]:
+    """The middle ``level`` of ``statistic(idx)`` over ``rounds`` resamples of ``range(n)``.
+
+    ``idx`` lists ``n`` indices drawn with replacement (a fixed seed: the same samples
+    give the same interval); the statistic reads whatever it measured at those indices,
+    every job's sample ``i`` together, since they ran side by side.
+
+    >>> bootstrap_interval(4, lambda idx: sum(idx) / len(idx), rounds=200, level=1.0)
+    (0.25, 2.75)
+    """
+    import random
+
+    if n < 1:
+        raise ValueError(f"need at least one sample to resample, got {n}")
     pick = random.Random(0)
-    n = len(values)
-    got = []
-    for _ in range(rounds):
-        idx = [pick.randrange(n) for _ in range(n)]
-        got.append(ratio(median([values[i] for i in idx]), median([baselines[i] for i in idx])))
-    got.sort()
+    got = sorted(statistic([pick.randrange(n) for _ in range(n)]) for _ in range(rounds))
     tail = (1 - level) / 2
     return got[int(tail * (rounds - 1))], got[int((1 - tail) * (rounds - 1))]
 
@@ -122,6 +141,33 @@ def settled(interval: tuple[float, float], goal: float, within: float, windows: 
     if windows < SETTLE_MIN_WINDOWS:
         return False
     return low >= goal or high < goal or (high - low) / 2 <= within
+
+
+def add_settle_arguments(parser, unit: str) -> None:
+    """``--settle PCT`` and ``--max-minutes M``, as train.py and nccl.py take them (``unit``: what
+    they add, "windows" or "rounds")."""
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        metavar="PCT",
+        help=f"after --{unit}, add {unit} until the ratio's 99 %% interval is on one side of "
+        "the goal or at most ±PCT %% wide",
+    )
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=10.0,
+        help=f"with --settle: start none of the {unit} that would end later than this (10)",
+    )
+
+
+def check_settle_arguments(parser, args) -> None:
+    """Refuse a ``--settle`` or ``--max-minutes`` that cannot be met, naming the value."""
+    if args.settle is not None and not args.settle > 0:
+        parser.error(f"--settle {args.settle}: give a half-width in percent > 0, e.g. --settle 1")
+    if not args.max_minutes > 0:
+        parser.error(f"--max-minutes {args.max_minutes}: give minutes > 0, e.g. --max-minutes 8")
 
 
 def cores() -> int:

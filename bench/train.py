@@ -71,8 +71,10 @@ from _common import (  # noqa: E402
     SERVE,
     CpuMeter,
     TorchrunJob,
+    add_settle_arguments,
     assert_no_children,
     balanced_orders,
+    check_settle_arguments,
     load,
     machine,
     median,
@@ -178,25 +180,9 @@ def _main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (20; GPU 200)")
     parser.add_argument("--no-control", action="store_true", help="no second torchrun job (A/A)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
-    parser.add_argument(
-        "--settle",
-        type=float,
-        default=None,
-        metavar="PCT",
-        help="after --windows, add windows until the ratio's 99 %% interval is on one side of "
-        "the goal or at most ±PCT %% wide",
-    )
-    parser.add_argument(
-        "--max-minutes",
-        type=float,
-        default=10.0,
-        help="with --settle: start no window that would end later than this (10)",
-    )
+    add_settle_arguments(parser, "windows")
     args = parser.parse_args(argv)
-    if args.settle is not None and not args.settle > 0:
-        parser.error(f"--settle {args.settle}: give a half-width in percent > 0, e.g. --settle 1")
-    if not args.max_minutes > 0:
-        parser.error(f"--max-minutes {args.max_minutes}: give minutes > 0, e.g. --max-minutes 8")
+    check_settle_arguments(parser, args)
     began = time.monotonic()
     plan = plan_ranks(args.n, cpu=args.cpu, one_gpu_ranks=1)
     n, cuda = plan["n"], plan["cuda"]

@@ -6,7 +6,7 @@
 # offline from the wheelhouse, then runs, side by side where the cores allow (each job
 # under its own time limit, all within a time budget; scripts/gpu_check_steps.py):
 #   pytest tests/gpu (one process per test file and layout) · every examples/*.ipynb
-#   (scripts/run_notebook.py) · then, alone: bench/nccl.py --quick · bench/train.py
+#   (scripts/run_notebook.py) · then, alone: bench/nccl.py --quick --settle 2 · bench/train.py
 #   --windows 9 · bench/log_call.py --cuda --flushes (and bench/shared_gpu.py when asked)
 # It goes on past a failing job, keeps every log under the output directory and ends
 # with a markdown results block (device, date, commit, versions, each job's result, and
@@ -24,8 +24,9 @@ usage: bash scripts/gpu_check.sh WHEELHOUSE [OUTDIR] [options]
 
 On a GPU server without internet: install nbdist from WHEELHOUSE (made by
 scripts/wheelhouse.sh) into a venv over the system Python's CUDA torch, run
-tests/gpu and every example notebook side by side, then bench/nccl.py --quick,
-bench/train.py --windows 9 and bench/log_call.py --cuda --flushes alone (and
+tests/gpu and every example notebook side by side, then bench/nccl.py --quick
+--settle 2 (90 s at most), bench/train.py --windows 9 and bench/log_call.py
+--cuda --flushes alone (and
 bench/shared_gpu.py with --steps ...,shared), within a time budget, and
 print a results block for bench/RESULTS.md. Exit status 0 only if every job passed.
 The nbdist wheel in WHEELHOUSE must be built from this checkout: its nbdist/ files

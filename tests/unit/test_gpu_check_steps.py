@@ -236,7 +236,7 @@ def test_the_default_check_leaves_every_job_room_in_the_default_budget():
     rest = [j for j in jobs if not j.alone]
     assert {j.name.split(" [")[0] for j in benches} == {
         "pytest tests/gpu/test_gpu_stats.py",
-        "python bench/nccl.py --quick",
+        "python bench/nccl.py --quick --settle 2 --max-minutes 1.5",
         "python bench/train.py --windows 9",
         "python bench/log_call.py --cuda --flushes --rounds 5",
     }

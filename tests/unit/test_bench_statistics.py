@@ -1,0 +1,96 @@
+"""The benchmarks' statistics: when a ratio counts as settled, and nccl.py's rounds (no ranks).
+
+bench/ is scripts, not a package: its modules are loaded from their directory as the
+scripts load each other.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "bench")
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    sys.path.insert(0, BENCH)
+    try:
+        yield importlib.import_module("_common"), importlib.import_module("nccl")
+    finally:
+        sys.path.remove(BENCH)
+
+
+def _rounds(nbdist_s: list[float], torchrun_s: list[float], sizes=(1 << 20, 4 << 20)) -> dict:
+    # The same per-round times at every size: what nccl.py's measuring loop fills in.
+    return {
+        "nbdist": {s: [t * s for t in nbdist_s] for s in sizes},
+        "torchrun": {s: [t * s for t in torchrun_s] for s in sizes},
+    }
+
+
+def test_the_examples_in_the_statistics_docstrings_hold(bench_modules):
+    common, nccl = bench_modules
+    for module in (common, nccl):
+        failed, tried = doctest.testmod(module)
+        assert tried > 0 and failed == 0, module.__name__
+
+
+def test_train_ratio_interval_is_the_one_before_the_bootstrap_was_shared(bench_modules):
+    """train.py's interval, now through the shared bootstrap: the figures it gave before."""
+    common, _ = bench_modules
+    v = [100, 104, 98, 110, 97, 101, 103, 99, 105, 96]
+    b = [101, 100, 99, 102, 100, 98, 104, 100, 101, 99]
+    assert common.ratio_interval(v, b) == (0.98, 1.0396039603960396)
+    assert common.ratio_interval(v, b, rounds=500, level=0.99) == (0.9797979797979798, 1.04)
+
+
+def test_nccl_goal_interval_below_the_goal_settles_after_ten_rounds(bench_modules):
+    """nbdist 10 % slower in every round (some noise): the interval lies below 0.95 and, from
+    the tenth round on, the run counts as settled; before, not (too few rounds to resample)."""
+    common, nccl = bench_modules
+    noise = [1.00, 1.02, 0.99, 1.01, 0.98, 1.00, 1.03, 0.97, 1.01, 0.99, 1.00, 1.02]
+    times = _rounds([1.1 * x for x in noise], noise)
+    sizes = [1 << 20, 4 << 20]
+    assert nccl.goal_ratio(times, sizes) == pytest.approx(1 / 1.1)
+    low, high = nccl.goal_interval(times, sizes, level=0.99)
+    assert high < nccl.GOAL
+    assert common.settled((low, high), nccl.GOAL, 0.02, 12)
+    early = _rounds([1.1 * x for x in noise[:5]], noise[:5])
+    interval = nccl.goal_interval(early, sizes, level=0.99)
+    assert interval[1] < nccl.GOAL and not common.settled(interval, nccl.GOAL, 0.02, 5)
+
+
+def test_nccl_goal_interval_straddling_the_goal_is_not_settled(bench_modules):
+    """Rounds that swing from 0.8x to 1.1x: the ratio's interval spans the goal, more than
+    ±2 % wide, and more rounds are wanted."""
+    common, nccl = bench_modules
+    torchrun = [1.0] * 12
+    nbdist = [1.25, 0.91, 1.2, 0.93, 1.1, 0.95, 1.3, 0.9, 1.05, 1.0, 1.15, 0.92]
+    interval = nccl.goal_interval(_rounds(nbdist, torchrun), [1 << 20, 4 << 20], level=0.99)
+    assert interval[0] < nccl.GOAL <= interval[1]
+    assert not common.settled(interval, nccl.GOAL, 0.02, 12)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--settle", "0"], "--settle 0.0: give a half-width in percent > 0"),
+        (["--settle", "1", "--max-minutes", "-2"], "--max-minutes -2.0: give minutes > 0"),
+    ],
+)
+def test_nccl_refuses_a_settle_it_cannot_meet_before_starting_ranks(args, message):
+    run = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "nccl.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert message in run.stderr
