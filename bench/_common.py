@@ -34,6 +34,7 @@ __all__ = [
     "private_history",
     "conclude",
     "cores",
+    "interval_verdict",
     "load",
     "machine",
     "median",
@@ -168,6 +169,24 @@ def check_settle_arguments(parser, args) -> None:
         parser.error(f"--settle {args.settle}: give a half-width in percent > 0, e.g. --settle 1")
     if not args.max_minutes > 0:
         parser.error(f"--max-minutes {args.max_minutes}: give minutes > 0, e.g. --max-minutes 8")
+
+
+def interval_verdict(
+    interval: tuple[float, float], goal: float, is_settled: bool, count: int, unit: str
+) -> str:
+    """Where a ratio's 95 % ``interval`` from ``count`` ``unit`` lies against ``goal``, in words.
+
+    >>> interval_verdict((0.9, 0.93), 0.95, True, 12, "rounds")
+    '95 % interval [0.900, 0.930] over 12 rounds: below the goal 0.95x (settled)'
+    """
+    low, high = interval
+    where = (
+        f"{'above' if low >= goal else 'below'} the goal {goal}x"
+        if low >= goal or high < goal
+        else f"straddles the goal {goal}x"
+    )
+    state = "settled" if is_settled else f"not settled: more {unit}, or --settle"
+    return f"95 % interval [{low:.3f}, {high:.3f}] over {count} {unit}: {where} ({state})"
 
 
 def cores() -> int:

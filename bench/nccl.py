@@ -66,6 +66,7 @@ from _common import (  # noqa: E402
     balanced_orders,
     bootstrap_interval,
     check_settle_arguments,
+    interval_verdict,
     load,
     machine,
     median,
@@ -380,14 +381,8 @@ def _main(argv=None) -> int:
     for name, f in final.items():
         print(f"  {name}: {f}")
     print(
-        f"nbdist / torchrun busBW over {which} {goal_r:.3f}x, 95 % interval "
-        f"[{interval[0]:.3f}, {interval[1]:.3f}] over {rounds} rounds: "
-        + (
-            f"{'above' if interval[0] >= GOAL else 'below'} the goal {GOAL}x"
-            if interval[0] >= GOAL or interval[1] < GOAL
-            else f"straddles the goal {GOAL}x"
-        )
-        + f" ({'settled' if is_settled else 'not settled: more rounds, or --settle'})"
+        f"nbdist / torchrun busBW over {which} {goal_r:.3f}x, "
+        + interval_verdict(interval, GOAL, is_settled, rounds, "rounds")
     )
     ok = goal_r >= GOAL
     goal = f"median busBW ratio over {which} {goal_r:.3f}x >= {GOAL}"

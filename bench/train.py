@@ -75,6 +75,7 @@ from _common import (  # noqa: E402
     assert_no_children,
     balanced_orders,
     check_settle_arguments,
+    interval_verdict,
     load,
     machine,
     median,
@@ -307,14 +308,8 @@ def _main(argv=None) -> int:
         print(f"{ratio(med[a], med[b]):>10.3f}x  pairs {pairs(a, b):.3f}x  {what}")
     log_pairs = 1 - pairs("nbdist_log", "nbdist")
     print(
-        f"nbdist / torchrun {r:.3f}x, 95 % interval [{interval[0]:.3f}, {interval[1]:.3f}] over "
-        f"{windows} windows: "
-        + (
-            f"{'above' if interval[0] >= goal else 'below'} the goal {goal}x"
-            if interval[0] >= goal or interval[1] < goal
-            else f"straddles the goal {goal}x"
-        )
-        + f" ({'settled' if is_settled else 'not settled: more windows, or --settle'})"
+        f"nbdist / torchrun {r:.3f}x, "
+        + interval_verdict(interval, goal, is_settled, windows, "windows")
     )
     print(f"cost of nbdist.log every step: {100 * log_cost:.1f} % (pairs {100 * log_pairs:.1f} %)")
     print(
