@@ -135,11 +135,18 @@ def bootstrap_interval(
 SETTLE_MIN_WINDOWS = 10
 
 
-def settled(interval: tuple[float, float], goal: float, within: float, windows: int) -> bool:
-    """True when ``interval``, from ``windows`` windows (at least :data:`SETTLE_MIN_WINDOWS`),
-    lies wholly on one side of ``goal`` or is at most ``±within`` wide."""
+def settled(
+    interval: tuple[float, float],
+    goal: float,
+    within: float,
+    windows: int,
+    *,
+    at_least: int = SETTLE_MIN_WINDOWS,
+) -> bool:
+    """True when ``interval``, from ``windows`` windows (``at_least`` of them, default
+    :data:`SETTLE_MIN_WINDOWS`), lies wholly on one side of ``goal`` or is at most ``±within`` wide."""
     low, high = interval
-    if windows < SETTLE_MIN_WINDOWS:
+    if windows < at_least:
         return False
     return low >= goal or high < goal or (high - low) / 2 <= within
 
