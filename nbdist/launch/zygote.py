@@ -44,13 +44,11 @@ import threading
 import time
 
 from nbdist.launch import process_tree
+from nbdist.launch.zygote_imports import import_all
 
 __all__ = [
-    "ENGINE_MODULES",
     "RECORD_KINDS",
-    "TRACEBACK_SOURCES",
     "fork_unsafe_reason",
-    "import_all",
     "main",
     "read_crash",
     "read_exit",
@@ -61,129 +59,6 @@ _PR_SET_PDEATHSIG = 1
 # Blocked while engines are forked; SIGUSR1 asks for a restart (fresh engines).
 _MASKED = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
 _wakeup_fds: tuple[int, int] | None = None  # the signal wakeup pipe of the zygote's loop
-
-# What every engine imports while it starts, besides torch and ipykernel's debugger
-# module: imported once in the zygote, shared by the forks instead of paid per rank.
-# None of them starts a thread at import; fork_unsafe_reason() checks.
-ENGINE_MODULES = (
-    "sqlite3",
-    "IPython.extensions.storemagic",
-    # Imported by each engine after registering (measured with -X importtime):
-    "tornado.platform.asyncio",
-    "IPython.core.oinspect",
-    "IPython.core.completerlib",
-    "argcomplete",
-    # Imported by each engine at its first error, to format the traceback (IPython's
-    # ultratb): with the walk below, ~20 ms of CPU a rank, in the cell that failed.
-    "stack_data",
-    "pygments.console",
-    "pygments.formatters.terminal256",
-    "pygments.styles",
-    # Imported by each rank while the group forms.
-    "nbdist.engine.bootstrap",  # with patches (every patch module), devices, netif, metrics.log
-)
-
-
-# torch's modules whose frames most errors on a rank pass through (a collective's, a released
-# collective's, a model's forward), and from how many forks on their sources are parsed here.
-TRACEBACK_SOURCES = (
-    "torch.distributed.distributed_c10d",
-    "torch.distributed.c10d_logger",
-    "torch.nn.modules.module",
-)
-_PARSE_SOURCES_FROM = 8
-
-
-def import_all(forks: int = 1) -> None:
-    """torch, torch.distributed, ipyparallel's engine, ipykernel's debugger module, the rest.
-
-    What the forks share copy-on-write instead of importing each; called with
-    Python's cyclic collector off (see :func:`main`). ``forks``: how many engines this
-    zygote forks (from :data:`_PARSE_SOURCES_FROM` on, :func:`_parse_traceback_sources`).
-    """
-    import torch  # noqa: F401 - the point of the zygote: imported once, shared by forks
-    import torch.distributed  # noqa: F401
-    from ipyparallel.engine.app import IPEngine  # noqa: F401
-
-    _import_debugger_module()
-    _preimport(ENGINE_MODULES)
-    _warm_traceback_caches()
-    if forks >= _PARSE_SOURCES_FROM:
-        _parse_traceback_sources(TRACEBACK_SOURCES)
-
-
-def _preimport(names) -> None:
-    import importlib
-
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # an optional speed-up: the engine imports what it needs anyway
-            pass
-
-
-def _warm_traceback_caches() -> None:
-    """Fill the cache IPython fills at a rank's first error, once, for every fork.
-
-    Formatting a traceback maps each frame's file to its module: ``inspect.getmodule``
-    first walks every module imported (torch's thousands, a ``realpath`` each) into
-    ``inspect.modulesbyfile``, ~10 ms of CPU per engine, paid in the cell that failed:
-    at 256 ranks over a second of a small machine's time, while other ranks still run.
-    """
-    import inspect
-
-    try:
-        # A file no module has: the walk runs (one of a module's would be found in the
-        # cache torch's import began, and end it early).
-        inspect.getmodule(compile("", "<nbdist warm-up>", "exec"))
-    except Exception:  # an optional speed-up, as _preimport
-        pass
-
-
-def _parse_traceback_sources(names) -> None:
-    """Parse, as IPython does at a rank's first error through them, the modules ``names``.
-
-    IPython's tracebacks read each frame's file with ``stack_data``, which parses and
-    tokenizes the whole file once per process: an error through torch.distributed cost a
-    rank 0.24 CPU-s the first time, 0.05 s with its files parsed here (a model's forward
-    0.14 → 0.07 s). 64 ranks released from a collective took 17.8 s to report it on 2
-    cores. Parsed once here (0.7 CPU-s, 39 MiB shared by every fork), from 8 ranks on,
-    where it pays for itself.
-    """
-    import importlib
-
-    try:
-        import stack_data
-
-        for name in names:
-            source = stack_data.Source.for_filename(importlib.import_module(name).__file__)
-            source.pieces  # noqa: B018 - what the traceback reads, cached on the source
-            source.tokens_by_lineno  # noqa: B018
-    except Exception:  # an optional speed-up, as _preimport
-        pass
-
-
-def _import_debugger_module() -> None:
-    """Import ipykernel's debugger module without debugpy.
-
-    ipykernel imports debugpy (~0.1 s, ~150 modules) for a debugger that an
-    ipyparallel engine never enables (it has no debug channel; its log says
-    "debugging will not be enabled"). Hidden while ipykernel looks, debugpy
-    counts as missing there; afterwards a rank can still ``import debugpy``
-    (e.g. ``debugpy.listen`` to attach an IDE to one rank).
-    """
-    import importlib
-
-    hidden = "debugpy" not in sys.modules
-    if hidden:
-        sys.modules["debugpy"] = None  # makes "import debugpy" raise ImportError
-    try:
-        importlib.import_module("ipykernel.debugger")
-    except Exception:  # an optional speed-up: the engine imports what it needs anyway
-        pass
-    finally:
-        if hidden and sys.modules.get("debugpy", False) is None:
-            del sys.modules["debugpy"]
 
 
 def _set_pdeathsig(sig: int = signal.SIGKILL) -> None:
