@@ -58,13 +58,13 @@ _PARSE_RANKS_PER_CORE = 4
 def parse_pays(forks: int, cores: int) -> bool:
     """Whether parsing :data:`TRACEBACK_SOURCES` before forking ``forks`` ranks on ``cores`` pays.
 
-    The parse costs the start ~1.8 CPU-s, serial, before the first fork. Each rank then
+    The parse costs the start ~1.4 CPU-s, serial, before the first fork. Each rank then
     saves 0.1-0.2 CPU-s the first time an error passes through one of those files
     (IPython's ``stack_data`` parses a frame's whole file once per process), in the cell
     that failed, on every rank at once. With a core per rank that is 0.1-0.2 s of wall
-    time saved for ~1.8 s added to every start; with 4 ranks or more queueing per core it
-    is seconds (64 ranks on 2 cores: an error through ``nn.functional`` first took 9.1 s
-    to report, then 1.7 s).
+    time saved for ~1.4 s added to every start; with 4 ranks or more queueing per core it
+    is seconds (64 ranks on 2 cores: the first error through ``nn.functional`` took
+    7.0-7.3 s to report without its parse, 1.5 s with it; bench/RESULTS.md).
     """
     return forks >= _PARSE_SOURCES_FROM and forks >= _PARSE_RANKS_PER_CORE * max(1, cores)
 
@@ -130,7 +130,7 @@ def _parse_traceback_sources(names) -> None:
     rank 0.24 CPU-s the first time, 0.05 s with its files parsed here (a model's forward
     0.14 → 0.07 s, a second ``backward()`` 0.12 → 0.03 s, ``F.cross_entropy``'s shape
     check 0.16 → 0.03 s). 64 ranks released from a collective took 17.8 s to report it
-    on 2 cores. Parsed once here (~1.8 CPU-s, ~80 MiB shared by every fork) where
+    on 2 cores. Parsed once here (~1.4 CPU-s, ~75 MiB shared by every fork) where
     :func:`parse_pays`.
     """
     import importlib

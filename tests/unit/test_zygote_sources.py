@@ -60,7 +60,7 @@ def test_an_error_through_torch_reads_the_sources_the_zygote_parsed(how):
     [
         (8, 2, True),  # 4 ranks a core: each saves 0.1-0.2 CPU-s at an error, on every rank
         (256, 2, True),
-        (7, 1, False),  # too few ranks for ~1.8 CPU-s of parse at every start
+        (7, 1, False),  # too few ranks for ~1.4 CPU-s of parse at every start
         (8, 16, False),  # a core per rank: the parse would cost the start more than it saves
         (63, 16, False),
         (64, 16, True),
