@@ -22,6 +22,7 @@ from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_wi
 from nbdist.driver.runner import RankRun
 from nbdist.engine import bootstrap
 from nbdist.engine.pid_space import pid_space
+from nbdist.errors import format_ranks
 from nbdist.launch.options import StartOptions
 from nbdist.launch.placement import EngineInfo, Placement, parse_ranks, plan_attached
 from nbdist.launch.serializer_warmup import serializer_ready
@@ -70,6 +71,19 @@ class Group:
     backend: str
     released: bool = False
     hosts: dict[int, str] = field(default_factory=dict)  # rank -> host, when several hosts
+    # Ranks whose gloo connects lazily (TORCH_GLOO_LAZY_INIT): not releasable from a hang.
+    lazy_gloo: list[int] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        """What the ready line says of this group beyond its ranks (a sentence each)."""
+        if not self.lazy_gloo:
+            return []
+        have = "has" if len(self.lazy_gloo) == 1 else "have"
+        return [
+            f"{format_ranks(self.lazy_gloo)} {have} TORCH_GLOO_LAZY_INIT set: gloo connects "
+            "ranks at their first collective, and nbdist cannot release ranks hung in one "
+            "(Ctrl-C, --timeout, a dead rank); unset it before %dist_start to keep that"
+        ]
 
     @property
     def engine_ids(self) -> list[int]:
@@ -197,7 +211,11 @@ def form_group(
         )
     ranks.sort(key=lambda r: r.rank)
     hosts = {r.rank: r.host for r in ranks} if len({r.host for r in ranks}) > 1 else {}
-    return Group(ranks, master_addr, placement.backend, hosts=hosts), placement
+    lazy = sorted(
+        slots[eid].rank for eid, result in zip(pending, results) if result.get("gloo_lazy")
+    )
+    group = Group(ranks, master_addr, placement.backend, hosts=hosts, lazy_gloo=lazy)
+    return group, placement
 
 
 def gloo_on_gpu_reason(placement) -> str:

@@ -1,7 +1,8 @@
 """Kernel side: the lines a session prints once its ranks are ready (``%dist_start``, ``%dist_restart``).
 
 Ranks, hosts, backend and devices, how long the start (or restart) took and what
-a restart kept, then the placement's notes (ranks sharing a GPU, threads per rank).
+a restart kept, then the placement's notes (ranks sharing a GPU, threads per rank) and the group's
+(gloo connecting lazily, :meth:`nbdist.driver.group.Group.notes`).
 """
 
 from __future__ import annotations
@@ -35,4 +36,6 @@ def ready_lines(session) -> str:
         )
     placement = session.placement
     notes = [placement.sharing_note(), placement.threads_note()] if placement else []
+    if session.group is not None:
+        notes += session.group.notes()
     return "\n".join([line, *(f"nbdist: {note}" for note in notes if note)])

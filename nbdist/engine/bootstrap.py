@@ -197,6 +197,7 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         "torch": str(torch.__version__),
         "threads": torch.get_num_threads(),
         "crash_record": record,
+        "gloo_lazy": spec["backend"] == "gloo" and control.gloo_connects_lazily(),
     }
 
 
