@@ -81,7 +81,8 @@ class Group:
         have = "has" if len(self.lazy_gloo) == 1 else "have"
         return [
             f"{format_ranks(self.lazy_gloo)} {have} TORCH_GLOO_LAZY_INIT set: gloo connects "
-            "ranks at their first collective, and nbdist cannot release ranks hung in one "
+            "two ranks at their first collective together, and nbdist may not release ranks "
+            "hung in one "
             "(Ctrl-C, --timeout, a dead rank); unset it before %dist_start to keep that"
         ]
 

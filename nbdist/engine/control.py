@@ -135,8 +135,9 @@ def gloo_connects_lazily() -> bool:
 
     :func:`release` shuts down the sockets a group opened while it formed; a lazily
     connected group opens its ranks' connections later, inside collectives, where
-    nobody records them: a rank hung there cannot be released (64 ranks: group
-    formation as fast, 256 ranks on 2 cores 7 s faster and ~240 fewer sockets a rank).
+    nobody records them (those of its first all-reduce, made while it forms, are): a
+    subgroup's all-reduce hung past 300 s, unreleased. What lazy connections save: 256
+    ranks on 2 cores formed the group 7 s faster, with ~240 fewer sockets a rank.
     Truthy as torch reads its boolean variables.
     """
     value = os.environ.get("TORCH_GLOO_LAZY_INIT", "")

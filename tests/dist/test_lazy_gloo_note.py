@@ -21,7 +21,7 @@ def test_a_lazily_connecting_gloo_group_is_named_in_the_ready_lines(monkeypatch)
     try:
         text = s.summary()
         assert "nbdist: ranks 0-1 have TORCH_GLOO_LAZY_INIT set" in text, text
-        assert "nbdist cannot release ranks hung in one" in text
+        assert "nbdist may not release ranks hung in one" in text
         s.run("t = torch.ones(1); dist.all_reduce(t)")  # the group still works
         assert s.pull("t.item()") == [2.0, 2.0]
     finally:
