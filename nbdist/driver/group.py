@@ -82,8 +82,7 @@ class Group:
         return [
             f"{format_ranks(self.lazy_gloo)} {have} TORCH_GLOO_LAZY_INIT set: gloo connects "
             "two ranks at their first collective together, and nbdist may not release ranks "
-            "hung in one "
-            "(Ctrl-C, --timeout, a dead rank); unset it before %dist_start to keep that"
+            "hung in one (Ctrl-C, --timeout, a dead rank); unset it before %dist_start to keep that"
         ]
 
     @property

@@ -73,7 +73,7 @@ def import_all(forks: int = 1) -> None:
     """torch, torch.distributed, ipyparallel's engine, ipykernel's debugger module, the rest.
 
     What the forks share copy-on-write instead of importing each; called with
-    Python's cyclic collector off (see :func:`main`). ``forks``: how many engines this
+    Python's cyclic collector off (see :func:`nbdist.launch.zygote.main`). ``forks``: how many engines this
     zygote forks (:func:`parse_pays` decides on :func:`_parse_traceback_sources`).
     """
     import torch  # noqa: F401 - the point of the zygote: imported once, shared by forks
@@ -117,7 +117,7 @@ def _warm_traceback_caches() -> None:
 
 def _usable_cores() -> int:
     try:
-        return len(os.sched_getaffinity(0))  # a cgroup or taskset limit, where there is one
+        return len(os.sched_getaffinity(0))  # a taskset or cpuset limit, where there is one
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
 
