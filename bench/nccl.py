@@ -83,8 +83,9 @@ GOAL = 0.95
 LARGE = 1 << 20  # the goal's sizes start here
 # Fewer rounds never settle the ratio. Of five 90 s runs of --cpu --quick --settle 2 on a
 # 2-core machine, four (113-121 rounds) ended at 0.93-0.99x straddling the goal, and one
-# stopped after 19 rounds at 1.19x "above" it: a run's rounds drift more than a bootstrap
-# of its first dozen or two can see (bench/RESULTS.md). Rounds are short (0.75 s there).
+# stopped after 19 rounds at 1.19x "above" it: the runs differ more than a bootstrap of one
+# run's first dozen rounds can see. A floor, not a cure: a later run stopped after 48 rounds
+# at 1.07x (bench/RESULTS.md). Rounds are short (0.75 s there).
 SETTLE_MIN_ROUNDS = 30
 
 # The measuring code, identical for both jobs; run on every rank with torch.distributed ready.
