@@ -429,7 +429,8 @@ class RankRun:
 
         Ranks whose code caught the KeyboardInterrupt run their handling code to its end,
         waited for as a kernel of their own would wait (after a Ctrl-C, the grace renews
-        while they run); so, a few times, do ranks still outside the user's code.
+        while they run); so, a few times (:data:`_OUTSIDE_RENEWALS`), do ranks still
+        ending or outside the user's code, after a second Ctrl-C too.
         A second Ctrl-C while they run SIGINTs every rank still running once more and waits
         one more grace; otherwise (or a third) it stops waiting now.
         """
