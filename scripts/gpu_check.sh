@@ -7,7 +7,8 @@
 # under its own time limit, all within a time budget; scripts/gpu_check_steps.py):
 #   pytest tests/gpu (one process per test file and layout) · every examples/*.ipynb
 #   (scripts/run_notebook.py) · then, alone: bench/nccl.py --quick --settle 2 · bench/train.py
-#   --windows 9 · bench/log_call.py --cuda --flushes (and bench/shared_gpu.py when asked)
+#   --windows 9 · bench/log_call.py --cuda --flushes (bench/shared_gpu.py and
+#   bench/log_cost.py --profile when asked)
 # It goes on past a failing job, keeps every log under the output directory and ends
 # with a markdown results block (device, date, commit, versions, each job's result, and
 # for a failure its cell or tests, exception and last lines) for bench/RESULTS.md, and
@@ -26,8 +27,8 @@ On a GPU server without internet: install nbdist from WHEELHOUSE (made by
 scripts/wheelhouse.sh) into a venv over the system Python's CUDA torch, run
 tests/gpu and every example notebook side by side, then bench/nccl.py --quick
 --settle 2 (90 s at most), bench/train.py --windows 9 and bench/log_call.py
---cuda --flushes alone (and
-bench/shared_gpu.py with --steps ...,shared), within a time budget, and
+--cuda --flushes alone (and bench/shared_gpu.py with --steps ...,shared,
+bench/log_cost.py --profile with --steps ...,logcost), within a time budget, and
 print a results block for bench/RESULTS.md. Exit status 0 only if every job passed.
 The nbdist wheel in WHEELHOUSE must be built from this checkout: its nbdist/ files
 are compared with the checkout's, and a wheel from other sources is refused.
@@ -36,8 +37,9 @@ OUTDIR (logs, executed notebooks, results.md, results.json): the argument, else
 $NBDIST_GPU_CHECK_OUT, else $OUT if set, else ./gpu_check_out.
 
 options:
-  --steps LIST    comma-separated subset of: tests,notebooks,nccl,train,shared,log
-                  (default: tests,notebooks,nccl,train,log; shared is bench/shared_gpu.py)
+  --steps LIST    comma-separated subset of: tests,notebooks,nccl,train,shared,log,logcost
+                  (default: tests,notebooks,nccl,train,log; shared is bench/shared_gpu.py,
+                  logcost bench/log_cost.py --profile)
   --timeout S     time limit of each job in seconds (default: a pytest shard 540, a
                   notebook 420, a benchmark 240)
   --budget S      start no job that would not end within S seconds of the first
@@ -109,8 +111,8 @@ if [[ -n "$LIMIT" && ! "$LIMIT" =~ ^[1-9][0-9]*$ ]]; then die "--timeout '$LIMIT
 [[ -z "$SLOTS" || "$SLOTS" =~ ^[1-9][0-9]*$ ]] || die "--slots '$SLOTS': a positive integer"
 IFS=',' read -r -a STEP_LIST <<<"$STEPS"
 for s in "${STEP_LIST[@]}"; do
-  [[ "$s" =~ ^(tests|notebooks|nccl|train|shared|log)$ ]] ||
-    die "--steps: unknown step '$s' (tests,notebooks,nccl,train,shared,log)"
+  [[ "$s" =~ ^(tests|notebooks|nccl|train|shared|log|logcost)$ ]] ||
+    die "--steps: unknown step '$s' (tests,notebooks,nccl,train,shared,log,logcost)"
 done
 if [[ -n "$SINCE" ]]; then
   git -C "$ROOT" rev-parse --verify --quiet "$SINCE^{commit}" >/dev/null ||

@@ -5,7 +5,7 @@ Standard library only, so ``--dry-run`` works with any Python 3.10+. The steps:
 - ``pytest tests/gpu`` in shards (one per test file; the strategies files once per
   layout), each its own pytest process, so they run side by side on one GPU;
 - every ``examples/NN_*.ipynb`` through scripts/run_notebook.py;
-- the benchmarks (nccl --quick, train, log_call --cuda; shared_gpu on request), run
+- the benchmarks (nccl --quick, train, log_call --cuda; shared_gpu and log_cost on request), run
   last and alone, as timing is their point, with the test files in ``ALONE``.
 
 Jobs start longest first while the ranks they start fit (``--slots``, default two
@@ -50,15 +50,22 @@ __all__ = [
     "summary_line",
 ]
 
-STEPS = ("tests", "notebooks", "nccl", "train", "shared", "log")
+STEPS = ("tests", "notebooks", "nccl", "train", "shared", "log", "logcost")
 # What a check runs unless --steps says otherwise. bench/shared_gpu.py (every collective on
 # CUDA tensors over gloo, timed) only on request: tests/gpu checks those collectives, and its
-# 90 s keep the tests and notebooks within the ten minutes.
+# 90 s keep the tests and notebooks within the ten minutes. bench/log_cost.py (which part of
+# nbdist.log costs a GPU step its time, with a profile) only on request too: ~2.5 minutes.
 DEFAULT_STEPS = ("tests", "notebooks", "nccl", "train", "log")
 # Seconds from the first job's start to the last one's end (gpu_check.sh --budget): with the
 # install and start-up, the check fits ten minutes.
 DEFAULT_BUDGET_S = 540
-BENCHES = {"nccl": "nccl", "train": "train", "shared": "shared_gpu", "log": "log_call"}
+BENCHES = {
+    "nccl": "nccl",
+    "train": "train",
+    "shared": "shared_gpu",
+    "log": "log_call",
+    "logcost": "log_cost",
+}
 # Each benchmark's arguments here. train.py: 9 windows of 1000 steps per job, taking turns,
 # with the A/A control (4 jobs): run 3's --quick (3 windows of 300 steps, no control) gave
 # nbdist 0.81x torchrun where run 1's gave 1.08x, too few steps to settle the ratio; at
@@ -72,6 +79,7 @@ BENCH_ARGS = {
     "train": ["--windows", "9"],
     "shared_gpu": [],
     "log_call": ["--cuda", "--flushes", "--rounds", "5"],
+    "log_cost": ["--profile"],
 }
 # Expected seconds on one H200 with 16 cores: the order jobs start in (longest first) and
 # whether one still fits the budget. From the 2026-11-29 runs, rounded up: pytest shards
@@ -86,6 +94,7 @@ EXPECTED_S = {
     "bench/train.py": 120,
     "bench/nccl.py": 105,
     "bench/log_call.py": 20,
+    "bench/log_cost.py": 150,
     "tests/gpu/test_gpu_stats.py": 35,
 }
 # Test files that run by themselves, after the rest, as the benchmarks do:

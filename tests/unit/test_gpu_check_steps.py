@@ -284,3 +284,21 @@ def test_expected_times_come_from_the_previous_run_where_a_job_ran_to_its_end():
     # A timeout or a job that did not run keeps the table's figure.
     assert by_name["examples/01_ddp_digits.ipynb"].expected_s == table
     assert by_name["examples/02_dataparallel.ipynb"].expected_s == table
+
+
+def test_the_logging_cost_benchmark_runs_only_when_asked_and_alone():
+    """bench/log_cost.py (which part of nbdist.log costs a GPU step, with a profile) is a
+    step of its own, left out of the default check, and refused steps are named."""
+    default = [j.name for j in steps.plan_jobs(ROOT, python="PY")]
+    assert not any("log_cost" in name for name in default)
+    asked = steps.plan_jobs(ROOT, python="PY", steps=("logcost",))
+    assert [(j.name, j.alone) for j in asked] == [("python bench/log_cost.py --profile", True)]
+    env = dict(os.environ, PYTHON=sys.executable)
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--steps", "logcost,logcosts"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode != 0 and "unknown step 'logcosts'" in run.stderr

@@ -1,0 +1,319 @@
+"""Which part of ``nbdist.log`` costs a training step its time: each part switched on alone.
+
+bench/train.py measures what logging every step costs a DDP rank (its ``nbdist_log``
+job against ``nbdist``); bench/log_call.py what one call costs. On an H200 the first
+was 5.5 % of a 1.6 ms step (95 % interval 1.3-8.8 %) while the call was 1.3-2.2 us
+(bench/RESULTS.md, "GPU, 2026-12-04"): most of the cost is not the call. This
+benchmark runs train.py's model (MLP 512-512-512-10, batch 64, SGD, DDP) on one rank
+of one session, in windows that take turns in balanced order, each window with one
+of these after every step:
+
+- ``none``: nothing (the baseline), and ``none_b``: nothing again (the A/A control: the
+  noise floor of the run);
+- ``detach``: ``loss.detach()``, dropped at once (what the caller of ``log`` pays);
+- ``keep``: ``loss.detach()`` kept in a list emptied every 300 steps, about one
+  flush's worth at 600 steps/s: what holding a step's 0-d device tensor until the
+  flush costs the allocator, without nbdist;
+- ``log_number``: ``nbdist.log(step=, loss=0.5, samples=)``, no tensor: the call and
+  the flush without any device tensor to read (no stack, no copy to the host);
+- ``log_bare``: ``nbdist.log(step=, loss=loss.detach(), samples=)`` with the flush's
+  memory and NVML readings off (``NBDIST_LOG_MEMORY=0``, ``NBDIST_LOG_GPU=0``);
+- ``log``: the same call with both on: what bench/train.py's ``nbdist_log`` does.
+
+Each window times every step on the training thread (``time.perf_counter`` after
+each), so the cost shows both as steps/s and as where it lands: a median step that
+is longer (every step pays) or a few long steps (something stalls the thread, as a
+flush holding the GIL or a device sync would). Per variant: steps/s, its ratio to
+``none`` with a 95 % bootstrap interval over the windows, the extra microseconds per
+step split into the median step's shift and the rest, and the long steps (> 3x the
+window's median). On a GPU also the device allocations (``cudaMalloc``) per window,
+from the caching allocator's counters.
+
+``--profile``: one more window of ``none`` and of ``log`` under ``torch.profiler``
+(CPU, and CUDA on a GPU; every thread, the flush thread's too), then the ops whose
+self CPU time differs most between the two.
+
+Goal (issue: logging costs a GPU step <= 2 %): ``log`` at >= 0.98x ``none``.
+
+Usage: python bench/log_cost.py [--cpu] [--windows 8] [--steps N] [--quick] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import (  # noqa: E402
+    CpuMeter,
+    assert_no_children,
+    balanced_orders,
+    conclude,
+    machine,
+    median,
+    plan_ranks,
+    ratio,
+    ratio_interval,
+    run_benchmark,
+    threads_per_rank,
+)
+from train import TRAIN  # noqa: E402  (the model and step bench/train.py times)
+
+GOAL = 0.98
+VARIANTS = ("none", "none_b", "detach", "keep", "log_number", "log_bare", "log")
+LONG_STEP = 3.0  # a step this many times its window's median counts as a long one
+
+# Run on the rank after TRAIN; one window of one variant, timed step by step.
+WINDOW = """
+import os as _os
+import time as _time
+
+import nbdist.metrics.log as _log_module
+
+
+def _keeper():
+    held = []
+
+    def keep(step, loss, samples):
+        held.append(loss.detach())
+        if len(held) >= 300:
+            held.clear()
+
+    return keep
+
+
+def _log(step, loss, samples):
+    nbdist.log(step=step, loss=loss.detach(), samples=samples)
+
+
+_VARIANTS = {
+    "none": None,
+    "none_b": None,
+    "detach": lambda step, loss, samples: loss.detach(),
+    "keep": _keeper(),
+    "log_number": lambda step, loss, samples: nbdist.log(step=step, loss=0.5, samples=samples),
+    "log_bare": _log,
+    "log": _log,
+}
+
+
+def _device_allocs():
+    if _trainer.device.type != "cuda":
+        return None
+    return torch.cuda.memory_stats(_trainer.device).get("num_device_alloc")
+
+
+def _bare(on):
+    # The flush reads NBDIST_LOG_GPU at every flush, the memory switch once at start
+    # (the channel's attribute): both set here, around one window.
+    channel = _log_module._channel
+    if on:
+        _os.environ["NBDIST_LOG_GPU"] = "0"
+    else:
+        _os.environ.pop("NBDIST_LOG_GPU", None)
+    if channel is not None:
+        if not hasattr(channel, "memory"):
+            raise RuntimeError("nbdist's metrics channel has no 'memory' switch: update log_cost.py")
+        channel.memory = not on
+
+
+def _timed_window(variant, steps, long_step):
+    fn = _VARIANTS[variant]
+    _bare(variant == "log_bare")
+    allocs = _device_allocs()
+    try:
+        dist.barrier()
+        _trainer._sync()
+        clock = _time.perf_counter
+        stamps = [0.0] * (steps + 1)
+        stamps[0] = clock()
+        for k in range(steps):
+            loss = _trainer.step()
+            if fn is not None:
+                fn(_trainer.i, loss, _trainer.batch)
+            stamps[k + 1] = clock()
+        _trainer._sync()
+        end = clock()
+    finally:
+        _bare(False)
+    took = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    mid = took[len(took) // 2]
+    long = [t for t in took if t > long_step * mid]
+    after = _device_allocs()
+    return {
+        "rate": steps / (end - stamps[0]),
+        "median_us": 1e6 * mid,
+        "p99_us": 1e6 * took[min(len(took) - 1, int(0.99 * len(took)))],
+        "max_us": 1e6 * took[-1],
+        "long": len(long),
+        "long_ms": 1e3 * sum(long),
+        "sync_us": 1e6 * (end - stamps[-1]),
+        "device_allocs": None if allocs is None else after - allocs,
+    }
+
+
+def _profiled(variant, steps):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if _trainer.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        _timed_window(variant, steps, 3.0)
+    rows = {}
+    for event in prof.key_averages():
+        rows[event.key] = (event.self_cpu_time_total, event.count)
+    return rows
+"""
+
+
+def _main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU even if CUDA is there")
+    parser.add_argument("--windows", type=int, default=None, help="windows per variant (8)")
+    parser.add_argument("--steps", type=int, default=None, help="steps a window (200; GPU 1000)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
+    parser.add_argument("--profile", action="store_true", help="also profile none against log")
+    args = parser.parse_args(argv)
+    for name in ("windows", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} {value}: give a whole number >= 1, e.g. --{name} 8")
+    plan = plan_ranks(1, cpu=args.cpu, one_gpu_ranks=1)
+    cuda = plan["cuda"]
+    scale = 5 if cuda else 1  # launch-bound GPU steps are short: longer windows
+    windows = args.windows or (3 if args.quick else 8)
+    steps = args.steps or scale * (60 if args.quick else 200)
+    warmup = scale * (10 if args.quick else 40)
+    model = dict(width=512, batch=64, seed=0)
+    info = machine()
+    meter = CpuMeter()
+    print(
+        f"log_cost: {plan['note']}; {windows} windows of {steps} steps per variant after "
+        f"{warmup} warm-up steps each, variants {', '.join(VARIANTS)}; {info}",
+        flush=True,
+    )
+    from nbdist import DistSession
+
+    got: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    profiles: dict[str, dict] = {}
+    os.environ.update(plan["env"])
+    threads = threads_per_rank(1)
+    session = DistSession(1, cpu=not cuda, backend=plan["backend"], threads=threads)
+    try:
+        session.start()
+        session.run(TRAIN + WINDOW + f"\n_trainer = BenchTrainer(nbdist.device(), **{model!r})")
+
+        def window(variant: str, k: int) -> dict:
+            session.run(f"_got = _timed_window({variant!r}, {k}, {LONG_STEP})")
+            return session.pull("_got", rank=0)
+
+        for variant in VARIANTS:
+            window(variant, warmup)
+        orders = balanced_orders(list(VARIANTS))
+        for w in range(windows):
+            for variant in orders[w % len(orders)]:
+                got[variant].append(window(variant, steps))
+            line = ", ".join(f"{v} {got[v][-1]['rate']:.1f}" for v in VARIANTS)
+            print(f"  window {w + 1}/{windows}: {line} steps/s", flush=True)
+        if args.profile:
+            for variant in ("none", "log"):
+                session.run(f"_prof = _profiled({variant!r}, {steps})")
+                profiles[variant] = session.pull("_prof", rank=0)
+    finally:
+        session.stop()
+        leftovers = assert_no_children()
+        cpu = meter.read()
+
+    rates = {v: [g["rate"] for g in got[v]] for v in VARIANTS}
+    base = median(rates["none"])
+    rows = {}
+    print()
+    print(
+        f"{'variant':>10} {'steps/s':>8} {'x none':>7} {'95 % interval':>16} {'extra us/step':>14}"
+        f" {'median shift':>13} {'long steps':>11} {'long ms':>8} {'max ms':>7} {'cudaMalloc':>10}"
+    )
+    for v in VARIANTS:
+        rate = median(rates[v])
+        low, high = ratio_interval(rates[v], rates["none"])
+        extra = 1e6 / rate - 1e6 / base
+        shift = median([g["median_us"] for g in got[v]]) - median(
+            [g["median_us"] for g in got["none"]]
+        )
+        allocs = [g["device_allocs"] for g in got[v] if g["device_allocs"] is not None]
+        rows[v] = dict(
+            steps_s=round(rate, 2),
+            ratio=round(ratio(rate, base), 4),
+            interval=[round(low, 4), round(high, 4)],
+            extra_us_per_step=round(extra, 2),
+            median_shift_us=round(shift, 2),
+            long_steps=median([g["long"] for g in got[v]]),
+            long_ms=round(median([g["long_ms"] for g in got[v]]), 2),
+            max_ms=round(max(g["max_us"] for g in got[v]) / 1e3, 2),
+            device_allocs=median(allocs) if allocs else None,
+        )
+        r = rows[v]
+        print(
+            f"{v:>10} {rate:>8.1f} {r['ratio']:>7.3f} [{low:.3f}, {high:.3f}]"
+            f" {extra:>14.1f} {shift:>13.1f} {r['long_steps']:>11} {r['long_ms']:>8.1f}"
+            f" {r['max_ms']:>7.1f} {'-' if r['device_allocs'] is None else r['device_allocs']:>10}"
+        )
+    print(
+        "extra us/step: 1e6/steps/s against none's; median shift: how much longer the median "
+        f"step is (every step pays); long steps: steps > {LONG_STEP:g}x their window's median, "
+        "their count and time a window (medians over windows); cudaMalloc: device allocations "
+        "a window"
+    )
+    if profiles:
+        _print_profile_difference(profiles["none"], profiles["log"], steps)
+    low, high = rows["log"]["interval"]
+    log_ratio = rows["log"]["ratio"]
+    ok = log_ratio >= GOAL
+    where = "above" if low >= GOAL else "below" if high < GOAL else "straddles"
+    print(
+        f"log / none {log_ratio:.3f}x, 95 % interval [{low:.3f}, {high:.3f}] over {windows} "
+        f"windows: {where} the goal {GOAL}x"
+        + (" (more windows: --windows)" if where == "straddles" else "")
+    )
+    conclude(
+        "log_cost",
+        f"logging every step costs {100 * (1 - log_ratio):.1f} % <= 2 % (log {log_ratio:.3f}x none)",
+        GOAL,
+        ok,
+        leftovers,
+        cpu,
+        info,
+        args.quick,
+        plan=plan,
+        windows=windows,
+        steps=steps,
+        warmup=warmup,
+        model=f"MLP 512-512-512-10, batch 64, SGD lr 0.01, DDP, {plan['backend']}, 1 rank",
+        rows=rows,
+        samples={v: [round(x, 2) for x in rates[v]] for v in VARIANTS},
+        profiled=sorted(profiles),
+    )
+    return 0
+
+
+def _print_profile_difference(none: dict, logged: dict, steps: int) -> None:
+    """The ops whose self CPU time (all threads) differs most between the two windows."""
+    keys = set(none) | set(logged)
+
+    def diff(key: str) -> float:
+        return logged.get(key, (0, 0))[0] - none.get(key, (0, 0))[0]
+
+    print(f"\nprofile, one window of {steps} steps each: self CPU us (calls), log against none")
+    print(f"{'op':>44} {'none':>16} {'log':>16} {'log - none, per step':>21}")
+    for key in sorted(keys, key=lambda k: -abs(diff(k)))[:15]:
+        a, b = none.get(key, (0, 0)), logged.get(key, (0, 0))
+        print(
+            f"{key[:44]:>44} {a[0]:>9.0f} ({a[1]:>4}) {b[0]:>9.0f} ({b[1]:>4})"
+            f" {diff(key) / steps:>21.2f}"
+        )
+
+
+if __name__ == "__main__":
+    run_benchmark(_main)

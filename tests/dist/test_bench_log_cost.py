@@ -1,0 +1,57 @@
+"""bench/log_cost.py on a real CPU rank: every part of nbdist.log switched on alone, measured.
+
+The benchmark reaches into the rank's metrics channel to turn its memory reading off for
+the ``log_bare`` windows; this runs it end to end (one rank, three short windows, the
+profile) so a change to that channel breaks here, not on a GPU machine whose time is
+scarce. Its figures are not judged: timing belongs to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench/log_cost.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+
+
+@pytest.mark.timeout(360)
+def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
+    run = _run("--cpu", "--quick", "--profile")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    rows = summary["rows"]
+    assert list(rows) == ["none", "none_b", "detach", "keep", "log_number", "log_bare", "log"]
+    for name, row in rows.items():
+        assert row["steps_s"] > 0, (name, row)
+        assert row["device_allocs"] is None  # CPU ranks: no CUDA allocator to read
+        low, high = row["interval"]
+        assert low <= row["ratio"] <= high, (name, row)
+    assert rows["none"]["ratio"] == 1.0
+    assert all(len(v) == 3 for v in summary["samples"].values())
+    assert summary["profiled"] == ["log", "none"]
+    profile = run.stdout.split("profile, one window of 60 steps each")[1]
+    assert "aten::" in profile  # the model's own ops, from the rank's profile
+    assert summary["leftover_pids"] == []
+
+
+def test_a_window_count_below_one_is_refused_before_any_rank_starts():
+    run = _run("--cpu", "--windows", "0", timeout=60)
+    assert run.returncode == 2
+    assert "--windows 0: give a whole number >= 1, e.g. --windows 8" in run.stderr
+    assert "window 1/" not in run.stdout
