@@ -36,7 +36,16 @@ def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     rows = summary["rows"]
-    assert list(rows) == ["none", "none_b", "detach", "keep", "log_number", "log_bare", "log"]
+    assert list(rows) == [
+        "none",
+        "none_b",
+        "detach",
+        "keep",
+        "copy",
+        "log_number",
+        "log_bare",
+        "log",
+    ]
     for name, row in rows.items():
         assert row["steps_s"] > 0, (name, row)
         assert row["device_allocs"] is None  # CPU ranks: no CUDA allocator to read
