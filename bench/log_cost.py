@@ -21,6 +21,10 @@ of these after every step:
   the flush without any device tensor to read (no stack, no copy to the host);
 - ``log_bare``: ``nbdist.log(step=, loss=loss.detach(), samples=)`` with the flush's
   memory and NVML readings off (``NBDIST_LOG_MEMORY=0``, ``NBDIST_LOG_GPU=0``);
+- ``log_held``: that call with both on, but no flush during the window (the flush
+  thread waits for the channel's send lock, held by the window; the points go after
+  it, untimed): the call and the holding without the flush thread's work beside the
+  training thread;
 - ``log``: the same call with both on: what bench/train.py's ``nbdist_log`` does.
 
 Each window times every step on the training thread (``time.perf_counter`` after
@@ -65,7 +69,17 @@ from _common import (  # noqa: E402
 from train import TRAIN  # noqa: E402  (the model and step bench/train.py times)
 
 GOAL = 0.98
-VARIANTS = ("none", "none_b", "detach", "keep", "copy", "log_number", "log_bare", "log")
+VARIANTS = (
+    "none",
+    "none_b",
+    "detach",
+    "keep",
+    "copy",
+    "log_number",
+    "log_bare",
+    "log_held",
+    "log",
+)
 LONG_STEP = 3.0  # a step this many times its window's median counts as a long one
 
 # Run on the rank after TRAIN; one window of one variant, timed step by step.
@@ -111,6 +125,7 @@ _VARIANTS = {
     "copy": _copier(),
     "log_number": lambda step, loss, samples: nbdist.log(step=step, loss=0.5, samples=samples),
     "log_bare": _log,
+    "log_held": _log,
     "log": _log,
 }
 
@@ -135,11 +150,31 @@ def _bare(on):
         channel.memory = not on
 
 
+def _held(on):
+    # A flush takes the channel's send lock first (log() never does): held by the window,
+    # the flush thread waits there, off the GIL, until the window ends.
+    channel = _log_module._channel
+    if channel is None:
+        return
+    if not hasattr(channel, "send_lock"):
+        raise RuntimeError("nbdist's metrics channel has no 'send_lock': update log_cost.py")
+    global _holding
+    if on:
+        channel.send_lock.acquire()  # waits for a flush under way to end
+        _holding = channel.send_lock
+    elif globals().get("_holding") is not None:
+        _holding, held = None, _holding
+        held.release()
+
+
 def _timed_window(variant, steps, long_step):
     fn = _VARIANTS[variant]
-    _bare(variant == "log_bare")
+    channel = _log_module._channel
     allocs = _device_allocs()
     try:
+        _bare(variant == "log_bare")
+        _held(variant == "log_held")
+        sent = channel.total if channel is not None else 0
         dist.barrier()
         _trainer._sync()
         clock = _time.perf_counter
@@ -152,8 +187,11 @@ def _timed_window(variant, steps, long_step):
             stamps[k + 1] = clock()
         _trainer._sync()
         end = clock()
+        # Points the flush thread sent during the window (none while held).
+        sent = (channel.total if channel is not None else 0) - sent
     finally:
         _bare(False)
+        _held(False)
     took = sorted(b - a for a, b in zip(stamps, stamps[1:]))
     mid = took[len(took) // 2]
     long = [t for t in took if t > long_step * mid]
@@ -167,6 +205,7 @@ def _timed_window(variant, steps, long_step):
         "long_ms": 1e3 * sum(long),
         "sync_us": 1e6 * (end - stamps[-1]),
         "device_allocs": None if allocs is None else after - allocs,
+        "sent": sent,
     }
 
 
@@ -188,8 +227,8 @@ def _profiled(variant, steps):
 def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU even if CUDA is there")
-    parser.add_argument("--windows", type=int, default=None, help="windows per variant (8; GPU 12)")
-    parser.add_argument("--steps", type=int, default=None, help="steps a window (200; GPU 1000)")
+    parser.add_argument("--windows", type=int, default=None, help="windows per variant (8; GPU 10)")
+    parser.add_argument("--steps", type=int, default=None, help="steps a window (200; GPU 800)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
     parser.add_argument("--profile", action="store_true", help="also profile none against log")
     args = parser.parse_args(argv)
@@ -199,9 +238,11 @@ def _main(argv=None) -> int:
             parser.error(f"--{name} {value}: give a whole number >= 1, e.g. --{name} 8")
     plan = plan_ranks(1, cpu=args.cpu, one_gpu_ranks=1)
     cuda = plan["cuda"]
-    scale = 5 if cuda else 1  # launch-bound GPU steps are short: longer windows
-    # A GPU window's rate varies by a few % (bench/train.py's did): more of them there.
-    windows = args.windows or (3 if args.quick else 12 if cuda else 8)
+    # Launch-bound GPU steps are short (~1.6 ms on an H200): longer windows there, and more
+    # of them (a GPU window's rate varies by a few %, as bench/train.py's did). Nine
+    # variants of 10 windows of 800 steps: about 2.5 minutes on an H200.
+    scale = 4 if cuda else 1
+    windows = args.windows or (3 if args.quick else 10 if cuda else 8)
     steps = args.steps or scale * (60 if args.quick else 200)
     warmup = scale * (10 if args.quick else 40)
     model = dict(width=512, batch=64, seed=0)
@@ -270,6 +311,7 @@ def _main(argv=None) -> int:
             long_ms=round(median([g["long_ms"] for g in got[v]]), 2),
             max_ms=round(max(g["max_us"] for g in got[v]) / 1e3, 2),
             device_allocs=median(allocs) if allocs else None,
+            sent_in_window=[g["sent"] for g in got[v]],
         )
         r = rows[v]
         print(

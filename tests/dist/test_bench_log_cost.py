@@ -32,7 +32,8 @@ def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(360)
 def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
-    run = _run("--cpu", "--quick", "--profile")
+    # Windows of ~1 s on CPU: long enough for the flush thread (twice a second) to send.
+    run = _run("--cpu", "--quick", "--steps", "400", "--profile")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     rows = summary["rows"]
@@ -44,6 +45,7 @@ def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
         "copy",
         "log_number",
         "log_bare",
+        "log_held",
         "log",
     ]
     for name, row in rows.items():
@@ -52,9 +54,13 @@ def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
         low, high = row["interval"]
         assert low <= row["ratio"] <= high, (name, row)
     assert rows["none"]["ratio"] == 1.0
+    # The flush thread sent points during the logged windows, and none while held.
+    assert sum(rows["log"]["sent_in_window"]) > 0, rows["log"]
+    assert rows["log_held"]["sent_in_window"] == [0, 0, 0], rows["log_held"]
+    assert rows["none"]["sent_in_window"] == [0, 0, 0]
     assert all(len(v) == 3 for v in summary["samples"].values())
     assert summary["profiled"] == ["log", "none"]
-    profile = run.stdout.split("profile, one window of 60 steps each")[1]
+    profile = run.stdout.split("profile, one window of 400 steps each")[1]
     assert "aten::" in profile  # the model's own ops, from the rank's profile
     assert summary["leftover_pids"] == []
 
