@@ -311,7 +311,12 @@ def _main(argv=None) -> int:
         f"nbdist / torchrun {r:.3f}x, "
         + interval_verdict(interval, goal, is_settled, windows, "windows")
     )
-    print(f"cost of nbdist.log every step: {100 * log_cost:.1f} % (pairs {100 * log_pairs:.1f} %)")
+    # The cost's interval, as the ratio's: its windows resampled as pairs.
+    log_low, log_high = ratio_interval(rates["nbdist_log"], rates["nbdist"])
+    print(
+        f"cost of nbdist.log every step: {100 * log_cost:.1f} % (pairs {100 * log_pairs:.1f} %), "
+        f"95 % interval {100 * (1 - log_high):.1f} to {100 * (1 - log_low):.1f} %"
+    )
     print(
         f"final losses {{job: (loss, steps)}} {losses} (all equal: {same_loss}); "
         f"(threads, device, backend): {setup}"
@@ -349,6 +354,7 @@ def _main(argv=None) -> int:
             log_ratio=round(log_ratio, 4),
             log_pair_ratio_median=round(pairs("nbdist_log", "nbdist"), 4),
             log_cost=round(log_cost, 4),
+            log_cost_interval=[round(1 - log_high, 4), round(1 - log_low, 4)],
             goal_log_cost=GOAL_LOG_COST,
             **(
                 dict(control_ratio=round(ratio(med["torchrun_b"], med["torchrun"]), 3))
