@@ -136,18 +136,24 @@ def _device_allocs():
     return torch.cuda.memory_stats(_trainer.device).get("num_device_alloc")
 
 
+_GPU_ENV = _os.environ.get("NBDIST_LOG_GPU")  # as the rank started: restored after a window
+_MEMORY = getattr(_log_module._channel, "memory", True)
+
+
 def _bare(on):
     # The flush reads NBDIST_LOG_GPU at every flush, the memory switch once at start
-    # (the channel's attribute): both set here, around one window.
+    # (the channel's attribute): both set here, around one window, then put back.
     channel = _log_module._channel
     if on:
         _os.environ["NBDIST_LOG_GPU"] = "0"
-    else:
+    elif _GPU_ENV is None:
         _os.environ.pop("NBDIST_LOG_GPU", None)
+    else:
+        _os.environ["NBDIST_LOG_GPU"] = _GPU_ENV
     if channel is not None:
         if not hasattr(channel, "memory"):
             raise RuntimeError("nbdist's metrics channel has no 'memory' switch: update log_cost.py")
-        channel.memory = not on
+        channel.memory = False if on else _MEMORY
 
 
 def _held(on):
