@@ -48,8 +48,14 @@ _ONE_WORKER_FOLDERS = ("tests/cluster/",)
 # Tests marked ``alone``, which scripts/test.sh runs after the others, in one process with
 # nothing beside them: the browser tests time how fast the page answers (a machine shared with
 # another test's ranks stretched one answer past 20 s), and 256 ranks starting at once fill
-# the machine (they would starve whatever ran beside them).
-_ALONE = ("tests/ui/", "tests/reliability/test_start_limits.py")
+# the machine (they would starve whatever ran beside them), as bench/log_cost.py's profiled
+# windows do (example 25's rank 0, beside it, took 32 % of its steps in compute where it
+# takes 4 %, and was flagged a straggler).
+_ALONE = (
+    "tests/ui/",
+    "tests/reliability/test_start_limits.py",
+    "tests/dist/test_bench_log_cost.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
