@@ -179,9 +179,16 @@ def check_settle_arguments(parser, args) -> None:
 
 
 def interval_verdict(
-    interval: tuple[float, float], goal: float, is_settled: bool, count: int, unit: str
+    interval: tuple[float, float],
+    goal: float,
+    is_settled: bool,
+    count: int,
+    unit: str,
+    *,
+    more: str = "--settle",
 ) -> str:
-    """Where a ratio's 95 % ``interval`` from ``count`` ``unit`` lies against ``goal``, in words.
+    """Where a ratio's 95 % ``interval`` from ``count`` ``unit`` lies against ``goal``, in words;
+    ``more``: the option that adds ``unit``, named when the ratio is not settled.
 
     >>> interval_verdict((0.9, 0.93), 0.95, True, 12, "rounds")
     '95 % interval [0.900, 0.930] over 12 rounds: below the goal 0.95x (settled)'
@@ -192,7 +199,7 @@ def interval_verdict(
         if low >= goal or high < goal
         else f"straddles the goal {goal}x"
     )
-    state = "settled" if is_settled else f"not settled: more {unit}, or --settle"
+    state = "settled" if is_settled else f"not settled: more {unit}, or {more}"
     return f"95 % interval [{low:.3f}, {high:.3f}] over {count} {unit}: {where} ({state})"
 
 

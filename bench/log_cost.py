@@ -58,6 +58,7 @@ from _common import (  # noqa: E402
     assert_no_children,
     balanced_orders,
     conclude,
+    interval_verdict,
     machine,
     median,
     plan_ranks,
@@ -66,7 +67,7 @@ from _common import (  # noqa: E402
     run_benchmark,
     threads_per_rank,
 )
-from train import TRAIN  # noqa: E402  (the model and step bench/train.py times)
+from train import MODEL, MODEL_TEXT, TRAIN  # noqa: E402  (train.py's model and step)
 
 GOAL = 0.98
 VARIANTS = (
@@ -215,14 +216,14 @@ def _timed_window(variant, steps, long_step):
     }
 
 
-def _profiled(variant, steps):
+def _profiled(variant, steps, long_step):
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if _trainer.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
-        _timed_window(variant, steps, 3.0)
+        _timed_window(variant, steps, long_step)
     rows = {}
     for event in prof.key_averages():
         rows[event.key] = (event.self_cpu_time_total, event.count)
@@ -251,7 +252,6 @@ def _main(argv=None) -> int:
     windows = args.windows or (3 if args.quick else 10 if cuda else 8)
     steps = args.steps or scale * (60 if args.quick else 200)
     warmup = scale * (10 if args.quick else 40)
-    model = dict(width=512, batch=64, seed=0)
     info = machine()
     meter = CpuMeter()
     print(
@@ -268,7 +268,7 @@ def _main(argv=None) -> int:
     session = DistSession(1, cpu=not cuda, backend=plan["backend"], threads=threads)
     try:
         session.start()
-        session.run(TRAIN + WINDOW + f"\n_trainer = BenchTrainer(nbdist.device(), **{model!r})")
+        session.run(TRAIN + WINDOW + f"\n_trainer = BenchTrainer(nbdist.device(), **{MODEL!r})")
 
         def window(variant: str, k: int) -> dict:
             session.run(f"_got = _timed_window({variant!r}, {k}, {LONG_STEP})")
@@ -284,7 +284,7 @@ def _main(argv=None) -> int:
             print(f"  window {w + 1}/{windows}: {line} steps/s", flush=True)
         if args.profile:
             for variant in ("none", "log"):
-                session.run(f"_prof = _profiled({variant!r}, {steps})")
+                session.run(f"_prof = _profiled({variant!r}, {steps}, {LONG_STEP})")
                 profiles[variant] = session.pull("_prof", rank=0)
     finally:
         session.stop()
@@ -336,11 +336,10 @@ def _main(argv=None) -> int:
     low, high = rows["log"]["interval"]
     log_ratio = rows["log"]["ratio"]
     ok = log_ratio >= GOAL
-    where = "above" if low >= GOAL else "below" if high < GOAL else "straddles"
+    decided = low >= GOAL or high < GOAL
     print(
-        f"log / none {log_ratio:.3f}x, 95 % interval [{low:.3f}, {high:.3f}] over {windows} "
-        f"windows: {where} the goal {GOAL}x"
-        + (" (more windows: --windows)" if where == "straddles" else "")
+        f"log / none {log_ratio:.3f}x, "
+        + interval_verdict((low, high), GOAL, decided, windows, "windows", more="--windows")
     )
     conclude(
         "log_cost",
@@ -355,7 +354,7 @@ def _main(argv=None) -> int:
         windows=windows,
         steps=steps,
         warmup=warmup,
-        model=f"MLP 512-512-512-10, batch 64, SGD lr 0.01, DDP, {plan['backend']}, 1 rank",
+        model=f"{MODEL_TEXT}, {plan['backend']}, 1 rank",
         rows=rows,
         samples={v: [round(x, 2) for x in rates[v]] for v in VARIANTS},
         profiled=sorted(profiles),

@@ -90,6 +90,9 @@ from _common import (  # noqa: E402
 )
 
 GOAL_CPU, GOAL_GPU = 0.97, 1.0
+# BenchTrainer's arguments, and the model in words (bench/log_cost.py times the same one).
+MODEL = dict(width=512, batch=64, seed=0)
+MODEL_TEXT = "MLP 512-512-512-10, batch 64, SGD lr 0.01, DDP"
 GOAL_LOG_COST = 0.02
 
 # The training code, identical for all jobs; run on every rank with torch.distributed ready.
@@ -195,7 +198,6 @@ def _main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else scale * (5 if args.quick else 20)
     control = not (args.no_control or args.quick)
     goal = GOAL_GPU if cuda else GOAL_CPU
-    model = dict(width=512, batch=64, seed=0)
     threads = threads_per_rank(n)
 
     info = machine()
@@ -213,7 +215,7 @@ def _main(argv=None) -> int:
     session = DistSession(n, cpu=not cuda, backend=plan["backend"])
     workdir = tempfile.mkdtemp(prefix="nbdist-bench-")
     jobs: dict[str, TorchrunJob] = {}
-    config = dict(cuda=cuda, backend=plan["backend"], model=model)
+    config = dict(cuda=cuda, backend=plan["backend"], model=MODEL)
     env = dict(OMP_NUM_THREADS=str(threads), BENCH_THREADS=str(threads))
     try:
         for name in variants[2:]:
@@ -221,7 +223,7 @@ def _main(argv=None) -> int:
             code = TRAIN + SERVE + TORCHRUN_MAIN
             jobs[name] = TorchrunJob(n, code, os.path.join(workdir, name), config=config, env=env)
         session.start()
-        make = f"BenchTrainer(nbdist.device(), **{model!r})"
+        make = f"BenchTrainer(nbdist.device(), **{MODEL!r})"
         session.run(TRAIN + f"\n_trainer = {make}\n_trainer_log = {make}")
         for job in jobs.values():
             job.wait_ready()
@@ -339,7 +341,7 @@ def _main(argv=None) -> int:
             windows=windows,
             steps=steps,
             warmup=warmup,
-            model=f"MLP 512-512-512-10, batch 64, SGD lr 0.01, DDP, {plan['backend']}",
+            model=f"{MODEL_TEXT}, {plan['backend']}",
             machine=info,
             load_end=load(),
             cpu=cpu,
