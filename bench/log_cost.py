@@ -27,6 +27,18 @@ of these after every step:
   training thread;
 - ``log``: the same call with both on: what bench/train.py's ``nbdist_log`` does.
 
+``log_number``, ``log_bare`` and ``log`` end each turn with ``nbdist.metrics.log.flush()``
+on the clock: what the flush thread has not sent by then would otherwise go at the
+cell's end, off it (in the first GPU run, 1-31 % of a window's points did), so all of
+their flush work counts, and counts whole (not only where it held up the training
+thread): if anything, an overestimate. ``log_held``'s points still go at the cell's end.
+
+``--slices K`` (GPU default 8, CPU 1) splits each window into K turns per variant of
+``steps / K`` steps, the variants taking turns in a changing balanced order: on the
+H200 a 1.3 s window's rate varied by 7-15 % against the baseline's window of the same
+round, noise that lasts less than a window (bench/train.py's docstring); variants
+compared within a fraction of a second of each other share more of it.
+
 Each window times every step on the training thread (``time.perf_counter`` after
 each), so the cost shows both as steps/s and as where it lands: a median step that
 is longer (every step pays) or a few long steps (something stalls the thread, as a
@@ -42,7 +54,8 @@ self CPU time differs most between the two.
 
 Goal: logging every step costs a GPU step <= 2 %, ``log`` at >= 0.98x ``none``.
 
-Usage: python bench/log_cost.py [--cpu] [--windows N] [--steps N] [--quick] [--profile]
+Usage: python bench/log_cost.py [--cpu] [--windows N] [--steps N] [--slices K] [--quick]
+                                [--profile]
 """
 
 from __future__ import annotations
@@ -129,6 +142,8 @@ _VARIANTS = {
     "log_held": _log,
     "log": _log,
 }
+# Flushed at the end of each turn, on the clock: all of their flush work counts.
+_FLUSHED = {"log_number", "log_bare", "log"}
 
 
 def _device_allocs():
@@ -174,7 +189,11 @@ def _held(on):
         held.release()
 
 
-def _timed_window(variant, steps, long_step):
+# What a window's turns of one variant add up to, until _window_summary takes it.
+_turns = {}
+
+
+def _turn(variant, steps):
     fn = _VARIANTS[variant]
     channel = _log_module._channel
     allocs = _device_allocs()
@@ -192,28 +211,48 @@ def _timed_window(variant, steps, long_step):
             if fn is not None:
                 fn(_trainer.i, loss, _trainer.batch)
             stamps[k + 1] = clock()
+        # Points the flush thread sent during the steps (none while held).
+        sent = (channel.total if channel is not None else 0) - sent
+        if variant in _FLUSHED:  # the rest on the clock, not at the cell's end off it
+            _log_module.flush()
         _trainer._sync()
         end = clock()
-        # Points the flush thread sent during the window (none while held).
-        sent = (channel.total if channel is not None else 0) - sent
     finally:
         _bare(False)
         _held(False)
-    took = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    after = _device_allocs()
+    acc = _turns.setdefault(
+        variant, {"took": [], "seconds": 0.0, "sync": 0.0, "allocs": None, "sent": 0}
+    )
+    acc["took"].extend(b - a for a, b in zip(stamps, stamps[1:]))
+    acc["seconds"] += end - stamps[0]
+    acc["sync"] += end - stamps[-1]
+    acc["sent"] += sent
+    if allocs is not None:
+        acc["allocs"] = (acc["allocs"] or 0) + after - allocs
+
+
+def _window_summary(variant, long_step):
+    acc = _turns.pop(variant)
+    took = sorted(acc["took"])
     mid = took[len(took) // 2]
     long = [t for t in took if t > long_step * mid]
-    after = _device_allocs()
     return {
-        "rate": steps / (end - stamps[0]),
+        "rate": len(took) / acc["seconds"],
         "median_us": 1e6 * mid,
         "p99_us": 1e6 * took[min(len(took) - 1, int(0.99 * len(took)))],
         "max_us": 1e6 * took[-1],
         "long": len(long),
         "long_ms": 1e3 * sum(long),
-        "sync_us": 1e6 * (end - stamps[-1]),
-        "device_allocs": None if allocs is None else after - allocs,
-        "sent": sent,
+        "sync_us": 1e6 * acc["sync"],
+        "device_allocs": acc["allocs"],
+        "sent": acc["sent"],
     }
+
+
+def _timed_window(variant, steps, long_step):
+    _turn(variant, steps)
+    return _window_summary(variant, long_step)
 
 
 def _profiled(variant, steps, long_step):
@@ -237,9 +276,16 @@ def _main(argv=None) -> int:
     parser.add_argument("--windows", type=int, default=None, help="windows per variant (8; GPU 10)")
     parser.add_argument("--steps", type=int, default=None, help="steps a window (200; GPU 800)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=None,
+        metavar="K",
+        help="turns each variant takes a window, steps/K steps each (1; GPU 8)",
+    )
     parser.add_argument("--profile", action="store_true", help="also profile none against log")
     args = parser.parse_args(argv)
-    for name in ("windows", "steps"):
+    for name in ("windows", "steps", "slices"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} {value}: give a whole number >= 1, e.g. --{name} 8")
@@ -252,11 +298,20 @@ def _main(argv=None) -> int:
     windows = args.windows or (3 if args.quick else 10 if cuda else 8)
     steps = args.steps or scale * (60 if args.quick else 200)
     warmup = scale * (10 if args.quick else 40)
+    # On the H200 most of a window's noise lasted less than a window (bench/train.py's
+    # docstring): turns of 100 steps (~0.17 s) put the variants compared close together.
+    slices = args.slices or (8 if cuda and not args.quick else 1)
+    if steps % slices:
+        parser.error(
+            f"--slices {slices} does not divide a window's {steps} steps: "
+            f"give --steps as a multiple of {slices}, or another --slices"
+        )
     info = machine()
     meter = CpuMeter()
     print(
-        f"log_cost: {plan['note']}; {windows} windows of {steps} steps per variant after "
-        f"{warmup} warm-up steps each, variants {', '.join(VARIANTS)}; {info}",
+        f"log_cost: {plan['note']}; {windows} windows of {steps} steps per variant in "
+        f"{slices} turn(s) each, after {warmup} warm-up steps each, variants "
+        f"{', '.join(VARIANTS)}; {info}",
         flush=True,
     )
     from nbdist import DistSession
@@ -270,16 +325,21 @@ def _main(argv=None) -> int:
         session.start()
         session.run(TRAIN + WINDOW + f"\n_trainer = BenchTrainer(nbdist.device(), **{MODEL!r})")
 
-        def window(variant: str, k: int) -> dict:
-            session.run(f"_got = _timed_window({variant!r}, {k}, {LONG_STEP})")
+        def summary(variant: str) -> dict:
+            session.run(f"_got = _window_summary({variant!r}, {LONG_STEP})")
             return session.pull("_got", rank=0)
 
         for variant in VARIANTS:
-            window(variant, warmup)
+            session.run(f"_turn({variant!r}, {warmup})")
+            summary(variant)
         orders = balanced_orders(list(VARIANTS))
         for w in range(windows):
-            for variant in orders[w % len(orders)]:
-                got[variant].append(window(variant, steps))
+            # The variants take turns, ``slices`` a window, in a changing balanced order.
+            for t in range(slices):
+                for variant in orders[(w * slices + t) % len(orders)]:
+                    session.run(f"_turn({variant!r}, {steps // slices})")
+            for variant in VARIANTS:
+                got[variant].append(summary(variant))
             line = ", ".join(f"{v} {got[v][-1]['rate']:.1f}" for v in VARIANTS)
             print(f"  window {w + 1}/{windows}: {line} steps/s", flush=True)
         if args.profile:
@@ -353,6 +413,7 @@ def _main(argv=None) -> int:
         plan=plan,
         windows=windows,
         steps=steps,
+        slices=slices,
         warmup=warmup,
         model=f"{MODEL_TEXT}, {plan['backend']}, 1 rank",
         rows=rows,

@@ -43,6 +43,21 @@ too. A second, identical torchrun job ("torchrun_b", left out by
 All jobs start from the same seed and run the same steps, so their final losses
 agree (a check that they ran the same computation).
 
+``--slices K`` splits every window into K turns per job (``steps / K`` steps each; the
+jobs take turns K times, in a changing balanced order), so the jobs a ratio compares run
+within a fraction of a second of each other. On the H200 (bench/RESULTS.md "GPU,
+2026-12-04, second session") a job's 1000-step window (1.6 s) varied in rate by ~11 %
+(standard deviation of its log), correlated 0.12-0.34 with its window before and only
+0.35-0.58 with the other jobs' windows of the same round: most of the noise lasts less
+than a window, so a window's ratio carries it; finer turns cancel more of it, at a
+turn's cost (a barrier and a cell, outside the timing).
+
+The logged job's turn ends with ``nbdist.metrics.log.flush()`` on the clock: the flush
+thread sends every 0.5 s, and the rest a turn logged would otherwise go at the cell's
+end, off the clock (in bench/log_cost.py's first GPU run 1-31 % of a window's points
+did). A flush made so waits for nothing the final synchronize would not, and its work
+counts whole, not only where it held up the training thread: at most an overestimate.
+
 Whether a run has enough windows: a bootstrap 95 % interval of the nbdist / torchrun
 ratio (the windows resampled as pairs) is printed with it. On a noisy machine (an
 H200 whose windows varied 0.72-1.28x, bench/RESULTS.md) a dozen windows cannot tell
@@ -54,7 +69,8 @@ never count as settled (a bootstrap of 3 sees 10 distinct resamples). The stop l
 the goal more often than once in twenty.
 
 Usage: python bench/train.py [--cpu] [--n N] [--windows 12] [--steps S] [--warmup W]
-                             [--no-control] [--quick] [--settle PCT [--max-minutes M]]
+                             [--no-control] [--quick] [--slices K]
+                             [--settle PCT [--max-minutes M]]
 """
 
 from __future__ import annotations
@@ -140,9 +156,10 @@ class BenchTrainer:
         self.i += 1
         return loss
 
-    def window(self, steps, log=None):
+    def window(self, steps, log=None, flush=None):
         # Steps/s of ``steps`` steps, timed on this rank after a barrier;
-        # ``log``: called every step as a training loop calls nbdist.log.
+        # ``log``: called every step as a training loop calls nbdist.log; ``flush``:
+        # sends what is left, on the clock (else the cell's end would, off it).
         dist.barrier()
         self._sync()
         t0 = time.perf_counter()
@@ -150,6 +167,8 @@ class BenchTrainer:
             loss = self.step()
             if log is not None:
                 log(step=self.i, loss=loss.detach(), samples=self.batch)
+        if flush is not None:
+            flush()
         self._sync()
         rate = steps / (time.perf_counter() - t0)
         self.loss = float(loss.detach())
@@ -184,9 +203,18 @@ def _main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (20; GPU 200)")
     parser.add_argument("--no-control", action="store_true", help="no second torchrun job (A/A)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        metavar="K",
+        help="turns each job takes a window, steps/K steps each (1; the logged job: whole windows)",
+    )
     add_settle_arguments(parser, "windows")
     args = parser.parse_args(argv)
     check_settle_arguments(parser, args)
+    if args.slices < 1:
+        parser.error(f"--slices {args.slices}: a window has at least one turn; give 1 or more")
     began = time.monotonic()
     plan = plan_ranks(args.n, cpu=args.cpu, one_gpu_ranks=1)
     n, cuda = plan["n"], plan["cuda"]
@@ -197,14 +225,20 @@ def _main(argv=None) -> int:
     steps = args.steps or scale * (30 if args.quick else 100)
     warmup = args.warmup if args.warmup is not None else scale * (5 if args.quick else 20)
     control = not (args.no_control or args.quick)
+    if steps % args.slices:
+        parser.error(
+            f"--slices {args.slices} does not divide a window's {steps} steps: "
+            f"give --steps as a multiple of {args.slices}, or another --slices"
+        )
     goal = GOAL_GPU if cuda else GOAL_CPU
     threads = threads_per_rank(n)
 
     info = machine()
     meter = CpuMeter()
     print(
-        f"train: {plan['note']}; n={n}, {windows} windows of {steps} steps per job after "
-        f"{warmup} warm-up steps, {threads} thread(s)/rank, control job: {control}, {info}",
+        f"train: {plan['note']}; n={n}, {windows} windows of {steps} steps per job in "
+        f"{args.slices} turn(s) each, after {warmup} warm-up steps, {threads} thread(s)/rank, "
+        f"control job: {control}, {info}",
         flush=True,
     )
     from nbdist import DistSession
@@ -228,12 +262,13 @@ def _main(argv=None) -> int:
         for job in jobs.values():
             job.wait_ready()
 
-        def nbdist_window(steps: int, trainer: str = "_trainer", log: str = "None") -> float:
-            session.run(f"_rate = {trainer}.window({steps}, log={log})")
+        def nbdist_window(steps: int, trainer: str = "_trainer", log: str = "") -> float:
+            session.run(f"_rate = {trainer}.window({steps}{log})")
             return session.pull("_rate", rank=0)
 
         run = {"nbdist": nbdist_window}
-        run["nbdist_log"] = lambda k: nbdist_window(k, "_trainer_log", "nbdist.log")
+        logged = ", log=nbdist.log, flush=nbdist.metrics.log.flush"
+        run["nbdist_log"] = lambda k: nbdist_window(k, "_trainer_log", logged)
         run.update({name: job.call for name, job in jobs.items()})
         if warmup:  # the same untimed steps on every job
             for variant in variants:
@@ -251,11 +286,19 @@ def _main(argv=None) -> int:
             interval = ratio_interval(rates["nbdist"], rates["torchrun"], level=0.99)
             return not settled(interval, goal, args.settle / 100, w)
 
+        def one_window(w: int) -> dict[str, float]:
+            # Each job's steps/s over its turns: its steps over the seconds its turns took.
+            turn = steps // args.slices
+            seconds = dict.fromkeys(variants, 0.0)
+            for s in range(args.slices):
+                for variant in orders[(w * args.slices + s) % len(orders)]:
+                    seconds[variant] += turn / run[variant](turn)
+            return {v: steps / seconds[v] for v in variants}
+
         while w < windows or unsettled():
             started = time.monotonic()
-            got = {}
-            for variant in orders[w % len(orders)]:
-                got[variant] = run[variant](steps)
+            got = one_window(w)
+            for variant in variants:
                 rates[variant].append(got[variant])
             took = time.monotonic() - started
             w += 1
@@ -340,6 +383,7 @@ def _main(argv=None) -> int:
             plan=plan,
             windows=windows,
             steps=steps,
+            slices=args.slices,
             warmup=warmup,
             model=f"{MODEL_TEXT}, {plan['backend']}",
             machine=info,

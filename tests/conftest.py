@@ -50,11 +50,12 @@ _ONE_WORKER_FOLDERS = ("tests/cluster/",)
 # another test's ranks stretched one answer past 20 s), and 256 ranks starting at once fill
 # the machine (they would starve whatever ran beside them), as bench/log_cost.py's profiled
 # windows do (example 25's rank 0, beside it, took 32 % of its steps in compute where it
-# takes 4 %, and was flagged a straggler).
+# takes 4 %, and was flagged a straggler) and bench/train.py's four jobs' ranks would.
 _ALONE = (
     "tests/ui/",
     "tests/reliability/test_start_limits.py",
     "tests/dist/test_bench_log_cost.py",
+    "tests/dist/test_bench_train.py",
 )
 
 

@@ -9,31 +9,19 @@ scarce. Its figures are not judged: timing belongs to bench/RESULTS.md.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from bench_script import run_bench
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "bench/log_cost.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
+def _run(*args: str, timeout: float = 300):
+    return run_bench("log_cost.py", *args, timeout=timeout)
 
 
 @pytest.mark.timeout(360)
 def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
     # Windows of ~1 s on CPU: long enough for the flush thread (twice a second) to send.
-    run = _run("--cpu", "--quick", "--windows", "2", "--steps", "400", "--profile")
+    run = _run("--cpu", "--quick", "--windows", "2", "--steps", "400", "--slices", "2", "--profile")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     rows = summary["rows"]
@@ -59,6 +47,10 @@ def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
     assert rows["log_held"]["sent_in_window"] == [0, 0], rows["log_held"]
     assert rows["none"]["sent_in_window"] == [0, 0]
     assert all(len(v) == 2 for v in summary["samples"].values())
+    # Two turns of 200 steps a window for every variant.
+    assert (
+        summary["slices"] == 2 and "2 windows of 400 steps per variant in 2 turn(s)" in run.stdout
+    )
     assert summary["profiled"] == ["log", "none"]
     profile = run.stdout.split("profile, one window of 400 steps each")[1]
     assert "aten::" in profile  # the model's own ops, from the rank's profile
@@ -69,4 +61,12 @@ def test_a_window_count_below_one_is_refused_before_any_rank_starts():
     run = _run("--cpu", "--windows", "0", timeout=60)
     assert run.returncode == 2
     assert "--windows 0: give a whole number >= 1, e.g. --windows 8" in run.stderr
+    assert "window 1/" not in run.stdout
+
+
+def test_turns_that_do_not_divide_a_window_are_refused_by_name():
+    run = _run("--cpu", "--steps", "400", "--slices", "3", timeout=60)
+    assert run.returncode == 2
+    assert "--slices 3 does not divide a window's 400 steps" in run.stderr
+    assert "give --steps as a multiple of 3, or another --slices" in run.stderr
     assert "window 1/" not in run.stdout

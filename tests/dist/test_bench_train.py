@@ -1,0 +1,51 @@
+"""bench/train.py on real CPU ranks and torchrun jobs, its windows cut into turns.
+
+``--slices K`` makes every job take K turns a window; this runs the benchmark end to end
+(two ranks, three short windows in three turns each) so a change to how turns add up
+breaks here, not on a GPU machine whose time is scarce. Its figures are not judged:
+timing belongs to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_script import run_bench
+
+
+def _run(*args: str, timeout: float = 240):
+    return run_bench("train.py", *args, timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_windows_in_turns_run_every_step_of_every_job_and_leave_nothing_running():
+    run = _run("--cpu", "--quick", "--slices", "3")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["slices"] == 3 and summary["windows"] == 3 and summary["steps"] == 30
+    assert "3 windows of 30 steps per job in 3 turn(s) each, after 5 warm-up steps" in run.stdout
+    for job, rates in summary["samples"].items():
+        assert len(rates) == 3 and all(r > 0 for r in rates), (job, rates)
+    # Every job ran the warm-up and each window's turns: 5 + 3 x (3 x 10) steps, the same
+    # computation (the same final loss), the logged one included.
+    assert {f["steps"] for f in summary["final"].values()} == {95}
+    assert summary["same_final_loss"] is True
+    assert set(summary["final"]) == {"nbdist", "nbdist_log", "torchrun"}
+    low, high = summary["ratio_interval"]
+    assert low <= summary["ratio"] <= high
+    assert summary["leftover_pids"] == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--slices", "7"), "--slices 7 does not divide a window's 30 steps"),
+        (("--slices", "0"), "--slices 0: a window has at least one turn; give 1 or more"),
+    ],
+)
+def test_turns_a_window_cannot_take_are_refused_before_any_rank_starts(args, message):
+    run = _run("--cpu", "--quick", *args, timeout=60)
+    assert run.returncode == 2
+    assert message in run.stderr
+    assert "train:" not in run.stdout  # nothing started
