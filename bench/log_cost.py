@@ -213,8 +213,11 @@ def _turn(variant, steps):
             stamps[k + 1] = clock()
         # Points the flush thread sent during the steps (none while held).
         sent = (channel.total if channel is not None else 0) - sent
+        flushed = 0.0
         if variant in _FLUSHED:  # the rest on the clock, not at the cell's end off it
+            flushed = clock()
             _log_module.flush()
+            flushed = clock() - flushed
         _trainer._sync()
         end = clock()
     finally:
@@ -222,11 +225,11 @@ def _turn(variant, steps):
         _held(False)
     after = _device_allocs()
     acc = _turns.setdefault(
-        variant, {"took": [], "seconds": 0.0, "sync": 0.0, "allocs": None, "sent": 0}
+        variant, {"took": [], "seconds": 0.0, "flush": 0.0, "allocs": None, "sent": 0}
     )
     acc["took"].extend(b - a for a, b in zip(stamps, stamps[1:]))
     acc["seconds"] += end - stamps[0]
-    acc["sync"] += end - stamps[-1]
+    acc["flush"] += flushed
     acc["sent"] += sent
     if allocs is not None:
         acc["allocs"] = (acc["allocs"] or 0) + after - allocs
@@ -244,7 +247,7 @@ def _window_summary(variant, long_step):
         "max_us": 1e6 * took[-1],
         "long": len(long),
         "long_ms": 1e3 * sum(long),
-        "sync_us": 1e6 * acc["sync"],
+        "flush_ms": 1e3 * acc["flush"],  # the turns' flushes on the clock, together
         "device_allocs": acc["allocs"],
         "sent": acc["sent"],
     }
@@ -378,6 +381,7 @@ def _main(argv=None) -> int:
             max_ms=round(max(g["max_us"] for g in got[v]) / 1e3, 2),
             device_allocs=median(allocs) if allocs else None,
             sent_in_window=[g["sent"] for g in got[v]],
+            flush_ms=round(median([g["flush_ms"] for g in got[v]]), 3),
         )
         r = rows[v]
         print(
@@ -391,6 +395,8 @@ def _main(argv=None) -> int:
         "their count and time a window (medians over windows); cudaMalloc: device allocations "
         "a window"
     )
+    on_clock = ", ".join(f"{v} {rows[v]['flush_ms']:.2f}" for v in VARIANTS if rows[v]["flush_ms"])
+    print(f"the turns' flushes on the clock, ms a window (median): {on_clock or 'none'}")
     if profiles:
         _print_profile_difference(profiles["none"], profiles["log"], steps)
     low, high = rows["log"]["interval"]

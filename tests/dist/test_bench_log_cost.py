@@ -46,6 +46,10 @@ def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
     assert sum(rows["log"]["sent_in_window"]) > 0, rows["log"]
     assert rows["log_held"]["sent_in_window"] == [0, 0], rows["log_held"]
     assert rows["none"]["sent_in_window"] == [0, 0]
+    # Only the variants that log as train.py does flush their rest on the clock.
+    assert rows["log"]["flush_ms"] > 0 and rows["log_number"]["flush_ms"] > 0
+    assert rows["log_held"]["flush_ms"] == 0 and rows["keep"]["flush_ms"] == 0
+    assert "the turns' flushes on the clock, ms a window (median): log_number " in run.stdout
     assert all(len(v) == 2 for v in summary["samples"].values())
     # Two turns of 200 steps a window for every variant.
     assert (
