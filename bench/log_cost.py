@@ -29,7 +29,7 @@ of these after every step:
 
 ``log_number``, ``log_bare`` and ``log`` end each turn with ``nbdist.metrics.log.flush()``
 on the clock: what the flush thread has not sent by then would otherwise go at the
-cell's end, off it (in the first GPU run, 1-31 % of a window's points did), so all of
+cell's end, off it (in the first GPU run, 6-28 % of a ``log`` window's points did), so all of
 their flush work counts, and counts whole (not only where it held up the training
 thread): if anything, an overestimate. ``log_held``'s points still go at the cell's end.
 

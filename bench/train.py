@@ -54,7 +54,7 @@ turn's cost (a barrier and a cell, outside the timing).
 
 The logged job's turn ends with ``nbdist.metrics.log.flush()`` on the clock: the flush
 thread sends every 0.5 s, and the rest a turn logged would otherwise go at the cell's
-end, off the clock (in bench/log_cost.py's first GPU run 1-31 % of a window's points
+end, off the clock (in bench/log_cost.py's first GPU run 6-28 % of a ``log`` window's points
 did). A flush made so waits for nothing the final synchronize would not, and its work
 counts whole, not only where it held up the training thread: at most an overestimate.
 
