@@ -130,6 +130,31 @@ def bootstrap_interval(
     return got[int(tail * (rounds - 1))], got[int((1 - tail) * (rounds - 1))]
 
 
+def windows_needed(
+    values: list[float], baselines: list[float], within: float, *, level: float = 0.99
+) -> int:
+    """About how many windows make the ratio's ``level`` interval at most ``±within`` wide.
+
+    At the spread these windows show: ``(z * sd / within) ** 2``, ``sd`` the standard
+    deviation of the windows' log ratios and ``z`` the normal quantile of ``level`` (99 %:
+    what ``--settle`` looks at). An estimate from the normal approximation, for planning
+    a run (a GPU's minutes are few), not a stopping rule.
+
+    >>> windows_needed([1.1, 0.9, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], 0.01)
+    446
+    """
+    import math
+    import statistics
+
+    if len(values) != len(baselines) or len(values) < 2:
+        raise ValueError(
+            f"need at least two windows of each job, got {len(values)} and {len(baselines)}"
+        )
+    sd = statistics.stdev(math.log(v / b) for v, b in zip(values, baselines))
+    z = statistics.NormalDist().inv_cdf(0.5 + level / 2)
+    return math.ceil((z * sd / within) ** 2)
+
+
 # Fewer windows than this never settle a ratio: their bootstrap cannot see a spread it has not
 # sampled (3 windows resample to 10 distinct sets, and an interval of them looks tight).
 SETTLE_MIN_WINDOWS = 10

@@ -103,6 +103,7 @@ from _common import (  # noqa: E402
     run_benchmark,
     settled,
     threads_per_rank,
+    windows_needed,
 )
 
 GOAL_CPU, GOAL_GPU = 0.97, 1.0
@@ -356,6 +357,14 @@ def _main(argv=None) -> int:
         f"nbdist / torchrun {r:.3f}x, "
         + interval_verdict(interval, goal, is_settled, windows, "windows")
     )
+    # How many windows this machine's spread asks for: what a GPU run has to plan for.
+    within = (args.settle or 1.0) / 100
+    needed = windows_needed(rates["nbdist"], rates["torchrun"], within) if windows > 1 else None
+    if needed is not None:
+        print(
+            f"at this run's spread a 99 % interval of nbdist / torchrun within ±{100 * within:g} % "
+            f"needs about {needed} windows"
+        )
     # The cost's interval, as the ratio's: its windows resampled as pairs.
     log_low, log_high = ratio_interval(rates["nbdist_log"], rates["nbdist"])
     print(
@@ -395,6 +404,7 @@ def _main(argv=None) -> int:
             ratio_interval=[round(x, 3) for x in interval],
             settled=is_settled,
             settle_pct=args.settle,
+            windows_needed=needed,
             pair_ratio_median=round(pairs("nbdist", "torchrun"), 3),
             goal_ratio=goal,
             log_ratio=round(log_ratio, 4),

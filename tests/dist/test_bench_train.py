@@ -34,6 +34,10 @@ def test_windows_in_turns_run_every_step_of_every_job_and_leave_nothing_running(
     assert set(summary["final"]) == {"nbdist", "nbdist_log", "torchrun"}
     low, high = summary["ratio_interval"]
     assert low <= summary["ratio"] <= high
+    # What the spread of these windows asks for, said in words and in the JSON.
+    assert summary["windows_needed"] >= 1
+    needed = f"within ±1 % needs about {summary['windows_needed']} windows"
+    assert needed in run.stdout
     assert summary["leftover_pids"] == []
 
 

@@ -98,3 +98,17 @@ def test_nccl_refuses_a_settle_it_cannot_meet_before_starting_ranks(args, messag
     )
     assert run.returncode == 2, run.stdout + run.stderr
     assert message in run.stderr
+
+
+def test_the_windows_a_spread_needs_grow_as_its_square_and_refuse_one_window(bench_modules):
+    common, _ = bench_modules
+    noisy = [1.1, 0.9, 1.0, 1.0] * 4
+    base = [1.0] * len(noisy)
+    one = common.windows_needed(noisy, base, 0.01)
+    # Half the width asks for four times the windows; a 95 % interval for fewer than a 99 %.
+    assert common.windows_needed(noisy, base, 0.005) in range(4 * one - 3, 4 * one + 4)
+    assert common.windows_needed(noisy, base, 0.01, level=0.95) < one
+    # Two jobs that moved together need few windows, however much both moved.
+    assert common.windows_needed([2.0, 1.0, 3.0], [2.0, 1.0, 3.0], 0.01) == 0
+    with pytest.raises(ValueError, match="need at least two windows of each job, got 1 and 1"):
+        common.windows_needed([1.0], [1.0], 0.01)
