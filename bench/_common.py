@@ -203,6 +203,40 @@ def check_settle_arguments(parser, args) -> None:
         parser.error(f"--max-minutes {args.max_minutes}: give minutes > 0, e.g. --max-minutes 8")
 
 
+def add_slices_argument(parser, unit: str, default: str) -> None:
+    """``--slices K``, as train.py and log_cost.py take it (``unit``: "job" or "variant";
+    ``default``: the default in words). Unset: None, for the script to choose."""
+    parser.add_argument(
+        "--slices",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"turns each {unit} takes a window, steps/K steps each ({default})",
+    )
+
+
+def check_slices(parser, slices: int, steps: int) -> None:
+    """Refuse a turn count a window of ``steps`` steps cannot take, naming the value."""
+    if slices < 1:
+        parser.error(f"--slices {slices}: a window has at least one turn; give 1 or more")
+    if steps % slices:
+        parser.error(
+            f"--slices {slices} does not divide a window's {steps} steps: "
+            f"give --steps as a multiple of {slices}, or another --slices"
+        )
+
+
+def turn_orders(orders: list[list], window: int, slices: int) -> list[list]:
+    """The order of each of window ``window``'s ``slices`` turns: ``orders`` (from
+    :func:`balanced_orders`) taken on one per turn, so each job still follows every other
+    equally often over the run.
+
+    >>> turn_orders([["a", "b"], ["b", "a"]], 1, 3)
+    [['b', 'a'], ['a', 'b'], ['b', 'a']]
+    """
+    return [orders[(window * slices + t) % len(orders)] for t in range(slices)]
+
+
 def interval_verdict(
     interval: tuple[float, float],
     goal: float,

@@ -68,8 +68,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import (  # noqa: E402
     CpuMeter,
+    add_slices_argument,
     assert_no_children,
     balanced_orders,
+    check_slices,
     conclude,
     interval_verdict,
     machine,
@@ -79,6 +81,7 @@ from _common import (  # noqa: E402
     ratio_interval,
     run_benchmark,
     threads_per_rank,
+    turn_orders,
 )
 from train import MODEL, MODEL_TEXT, TRAIN  # noqa: E402  (train.py's model and step)
 
@@ -279,16 +282,10 @@ def _main(argv=None) -> int:
     parser.add_argument("--windows", type=int, default=None, help="windows per variant (8; GPU 10)")
     parser.add_argument("--steps", type=int, default=None, help="steps a window (200; GPU 800)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
-    parser.add_argument(
-        "--slices",
-        type=int,
-        default=None,
-        metavar="K",
-        help="turns each variant takes a window, steps/K steps each (1; GPU 8)",
-    )
+    add_slices_argument(parser, "variant", "1; GPU 8")
     parser.add_argument("--profile", action="store_true", help="also profile none against log")
     args = parser.parse_args(argv)
-    for name in ("windows", "steps", "slices"):
+    for name in ("windows", "steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} {value}: give a whole number >= 1, e.g. --{name} 8")
@@ -303,12 +300,8 @@ def _main(argv=None) -> int:
     warmup = scale * (10 if args.quick else 40)
     # On the H200 most of a window's noise lasted less than a window (bench/train.py's
     # docstring): turns of 100 steps (~0.17 s) put the variants compared close together.
-    slices = args.slices or (8 if cuda and not args.quick else 1)
-    if steps % slices:
-        parser.error(
-            f"--slices {slices} does not divide a window's {steps} steps: "
-            f"give --steps as a multiple of {slices}, or another --slices"
-        )
+    slices = args.slices if args.slices is not None else 8 if cuda and not args.quick else 1
+    check_slices(parser, slices, steps)
     info = machine()
     meter = CpuMeter()
     print(
@@ -338,8 +331,8 @@ def _main(argv=None) -> int:
         orders = balanced_orders(list(VARIANTS))
         for w in range(windows):
             # The variants take turns, ``slices`` a window, in a changing balanced order.
-            for t in range(slices):
-                for variant in orders[(w * slices + t) % len(orders)]:
+            for order in turn_orders(orders, w, slices):
+                for variant in order:
                     session.run(f"_turn({variant!r}, {steps // slices})")
             for variant in VARIANTS:
                 got[variant].append(summary(variant))

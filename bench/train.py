@@ -88,9 +88,11 @@ from _common import (  # noqa: E402
     CpuMeter,
     TorchrunJob,
     add_settle_arguments,
+    add_slices_argument,
     assert_no_children,
     balanced_orders,
     check_settle_arguments,
+    check_slices,
     interval_verdict,
     load,
     machine,
@@ -103,6 +105,7 @@ from _common import (  # noqa: E402
     run_benchmark,
     settled,
     threads_per_rank,
+    turn_orders,
     windows_needed,
 )
 
@@ -204,18 +207,10 @@ def _main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (20; GPU 200)")
     parser.add_argument("--no-control", action="store_true", help="no second torchrun job (A/A)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
-    parser.add_argument(
-        "--slices",
-        type=int,
-        default=1,
-        metavar="K",
-        help="turns each job takes a window, steps/K steps each (1; the logged job: whole windows)",
-    )
+    add_slices_argument(parser, "job", "1")
     add_settle_arguments(parser, "windows")
     args = parser.parse_args(argv)
     check_settle_arguments(parser, args)
-    if args.slices < 1:
-        parser.error(f"--slices {args.slices}: a window has at least one turn; give 1 or more")
     began = time.monotonic()
     plan = plan_ranks(args.n, cpu=args.cpu, one_gpu_ranks=1)
     n, cuda = plan["n"], plan["cuda"]
@@ -226,11 +221,8 @@ def _main(argv=None) -> int:
     steps = args.steps or scale * (30 if args.quick else 100)
     warmup = args.warmup if args.warmup is not None else scale * (5 if args.quick else 20)
     control = not (args.no_control or args.quick)
-    if steps % args.slices:
-        parser.error(
-            f"--slices {args.slices} does not divide a window's {steps} steps: "
-            f"give --steps as a multiple of {args.slices}, or another --slices"
-        )
+    slices = 1 if args.slices is None else args.slices
+    check_slices(parser, slices, steps)
     goal = GOAL_GPU if cuda else GOAL_CPU
     threads = threads_per_rank(n)
 
@@ -238,7 +230,7 @@ def _main(argv=None) -> int:
     meter = CpuMeter()
     print(
         f"train: {plan['note']}; n={n}, {windows} windows of {steps} steps per job in "
-        f"{args.slices} turn(s) each, after {warmup} warm-up steps, {threads} thread(s)/rank, "
+        f"{slices} turn(s) each, after {warmup} warm-up steps, {threads} thread(s)/rank, "
         f"control job: {control}, {info}",
         flush=True,
     )
@@ -289,10 +281,10 @@ def _main(argv=None) -> int:
 
         def one_window(w: int) -> dict[str, float]:
             # Each job's steps/s over its turns: its steps over the seconds its turns took.
-            turn = steps // args.slices
+            turn = steps // slices
             seconds = dict.fromkeys(variants, 0.0)
-            for s in range(args.slices):
-                for variant in orders[(w * args.slices + s) % len(orders)]:
+            for order in turn_orders(orders, w, slices):
+                for variant in order:
                     seconds[variant] += turn / run[variant](turn)
             return {v: steps / seconds[v] for v in variants}
 
@@ -392,7 +384,7 @@ def _main(argv=None) -> int:
             plan=plan,
             windows=windows,
             steps=steps,
-            slices=args.slices,
+            slices=slices,
             warmup=warmup,
             model=f"{MODEL_TEXT}, {plan['backend']}",
             machine=info,
