@@ -38,12 +38,14 @@ __all__ = [
     "load",
     "machine",
     "median",
+    "overall_rate",
     "p90",
     "plan_ranks",
     "print_goal_and_cpu",
     "print_summary",
     "ratio",
     "ratio_interval",
+    "rate_ratio",
     "run_benchmark",
     "settled",
     "threads_per_rank",
@@ -83,16 +85,45 @@ def ratio(value: float, baseline: float) -> float:
     return value / baseline if baseline else float("nan")
 
 
+def overall_rate(rates: list[float]) -> float:
+    """A job's steps/s over all its windows, every window the same steps: their steps over
+    the seconds they took together (the harmonic mean of the rates).
+
+    >>> overall_rate([10.0, 30.0])
+    15.0
+    """
+    return len(rates) / sum(1 / r for r in rates)
+
+
+def rate_ratio(values: list[float], baselines: list[float], idx=None) -> float:
+    """``values``' steps/s over the windows ``idx`` (all when None) against ``baselines``'.
+
+    Every window runs the same steps, so it is the baseline's seconds over the values'
+    seconds, summed over the same windows: window ``i`` of both jobs ran side by side,
+    and a slow patch of the machine that stretched both cancels out. A ratio of the two
+    jobs' medians keeps less of that pairing (each median may come from a different
+    window): over the 21 pairs of jobs in the H200's runs of train.py and log_cost.py its
+    95 % intervals were on average 1.3-1.5x as wide as this one's (bench/RESULTS.md, "The
+    ratio's statistic").
+
+    >>> round(rate_ratio([10.0, 20.0], [10.0, 10.0]), 4)
+    1.3333
+    """
+    if idx is None:
+        idx = range(len(values))
+    return sum(1 / baselines[i] for i in idx) / sum(1 / values[i] for i in idx)
+
+
 def ratio_interval(
     values: list[float], baselines: list[float], *, rounds: int = 2000, level: float = 0.95
 ) -> tuple[float, float]:
-    """A bootstrap confidence interval of ``median(values) / median(baselines)``.
+    """A bootstrap confidence interval of :func:`rate_ratio`.
 
     The windows are resampled as pairs (window ``i`` of both jobs ran side by side,
-    under the same load), ``rounds`` times with a fixed seed, and the ratio of the
-    medians taken each time; the interval holds the middle ``level`` of those ratios.
-    Its width says how many windows a run needs: a ratio whose interval lies on one
-    side of the goal is settled, one whose interval straddles it is not.
+    under the same load), ``rounds`` times with a fixed seed, and the ratio taken each
+    time; the interval holds the middle ``level`` of those ratios. Its width says how
+    many windows a run needs: a ratio whose interval lies on one side of the goal is
+    settled, one whose interval straddles it is not.
 
     >>> ratio_interval([10, 10, 10], [5, 5, 5])
     (2.0, 2.0)
@@ -101,11 +132,9 @@ def ratio_interval(
         raise ValueError(
             f"need as many windows of each job, got {len(values)} and {len(baselines)}"
         )
-
-    def of(idx: list[int]) -> float:
-        return ratio(median([values[i] for i in idx]), median([baselines[i] for i in idx]))
-
-    return bootstrap_interval(len(values), of, rounds=rounds, level=level)
+    return bootstrap_interval(
+        len(values), lambda idx: rate_ratio(values, baselines, idx), rounds=rounds, level=level
+    )
 
 
 def bootstrap_interval(
@@ -133,24 +162,29 @@ def bootstrap_interval(
 def windows_needed(
     values: list[float], baselines: list[float], within: float, *, level: float = 0.99
 ) -> int:
-    """About how many windows make the ratio's ``level`` interval at most ``±within`` wide.
+    """About how many windows make :func:`rate_ratio`'s ``level`` interval at most ``±within``
+    wide.
 
-    At the spread these windows show: ``(z * sd / within) ** 2``, ``sd`` the standard
-    deviation of the windows' log ratios and ``z`` the normal quantile of ``level`` (99 %:
-    what ``--settle`` looks at). An estimate from the normal approximation, for planning
-    a run (a GPU's minutes are few), not a stopping rule.
+    At the spread these windows show: ``(z * sd / within) ** 2``, ``z`` the normal quantile
+    of ``level`` (99 %: what ``--settle`` looks at) and ``sd`` the standard deviation of a
+    window's part in the ratio's relative error (``u_i / mean(u) - t_i / mean(t)``, ``t``
+    and ``u`` the two jobs' seconds a step: the delta method for a ratio of sums). An
+    estimate from the normal approximation, for planning a run (a GPU's minutes are few),
+    not a stopping rule.
 
     >>> windows_needed([1.1, 0.9, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], 0.01)
-    446
+    450
     """
     import math
-    import statistics
 
     if len(values) != len(baselines) or len(values) < 2:
         raise ValueError(
             f"need at least two windows of each job, got {len(values)} and {len(baselines)}"
         )
-    sd = statistics.stdev(math.log(v / b) for v, b in zip(values, baselines))
+    t = [1 / v for v in values]
+    u = [1 / b for b in baselines]
+    mean_t, mean_u = statistics.fmean(t), statistics.fmean(u)
+    sd = statistics.stdev(ui / mean_u - ti / mean_t for ti, ui in zip(t, u))
     z = statistics.NormalDist().inv_cdf(0.5 + level / 2)
     return math.ceil((z * sd / within) ** 2)
 

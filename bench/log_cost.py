@@ -42,8 +42,9 @@ compared within a fraction of a second of each other share more of it.
 Each window times every step on the training thread (``time.perf_counter`` after
 each), so the cost shows both as steps/s and as where it lands: a median step that
 is longer (every step pays) or a few long steps (something stalls the thread, as a
-flush holding the GIL or a device sync would). Per variant: steps/s, its ratio to
-``none`` with a 95 % bootstrap interval over the windows, the extra microseconds per
+flush holding the GIL or a device sync would). Per variant: steps/s over all its windows,
+its ratio to ``none`` (``_common.rate_ratio``: the two variants' turns of a window paired)
+with a 95 % bootstrap interval over the windows, the extra microseconds per
 step split into the median step's shift and the rest, and the long steps (> 3x the
 window's median). On a GPU also the device allocations (``cudaMalloc``) per window,
 from the caching allocator's counters.
@@ -76,8 +77,9 @@ from _common import (  # noqa: E402
     interval_verdict,
     machine,
     median,
+    overall_rate,
     plan_ranks,
-    ratio,
+    rate_ratio,
     ratio_interval,
     run_benchmark,
     threads_per_rank,
@@ -348,7 +350,7 @@ def _main(argv=None) -> int:
         cpu = meter.read()
 
     rates = {v: [g["rate"] for g in got[v]] for v in VARIANTS}
-    base = median(rates["none"])
+    base = overall_rate(rates["none"])
     rows = {}
     print()
     print(
@@ -356,7 +358,7 @@ def _main(argv=None) -> int:
         f" {'median shift':>13} {'long steps':>11} {'long ms':>8} {'max ms':>7} {'cudaMalloc':>10}"
     )
     for v in VARIANTS:
-        rate = median(rates[v])
+        rate = overall_rate(rates[v])
         low, high = ratio_interval(rates[v], rates["none"])
         extra = 1e6 / rate - 1e6 / base
         shift = median([g["median_us"] for g in got[v]]) - median(
@@ -365,7 +367,7 @@ def _main(argv=None) -> int:
         allocs = [g["device_allocs"] for g in got[v] if g["device_allocs"] is not None]
         rows[v] = dict(
             steps_s=round(rate, 2),
-            ratio=round(ratio(rate, base), 4),
+            ratio=round(rate_ratio(rates[v], rates["none"]), 4),
             interval=[round(low, 4), round(high, 4)],
             extra_us_per_step=round(extra, 2),
             median_shift_us=round(shift, 2),

@@ -35,10 +35,11 @@ The torchrun job waits for its turn in a blocking read of a FIFO per rank; the
 nbdist engines wait idle as between cells. Steps/s are
 measured on rank 0 inside the loop: ``dist.barrier()`` (and on GPU
 ``torch.cuda.synchronize()``), then ``time.perf_counter()`` around the steps (on
-GPU up to a final synchronize). Figures: the median over nbdist's windows divided
-by the median over torchrun's (goal >= 0.97 on CPU, >= 1.0 on GPU), and the cost
-of logging, 1 - nbdist_log / nbdist (goal <= 2 %); medians of per-window ratios
-too. A second, identical torchrun job ("torchrun_b", left out by
+GPU up to a final synchronize). Figures: each job's steps/s over all its windows
+(their steps over the seconds they took together), nbdist's divided by torchrun's
+(goal >= 0.97 on CPU, >= 1.0 on GPU: ``_common.rate_ratio``, window ``i`` of both jobs
+paired, so a slow patch that stretched both cancels), and the cost of logging,
+1 - nbdist_log / nbdist (goal <= 2 %); medians of per-window ratios too. A second, identical torchrun job ("torchrun_b", left out by
 ``--no-control`` and ``--quick``) is an A/A control, the noise floor of the run.
 All jobs start from the same seed and run the same steps, so their final losses
 agree (a check that they ran the same computation).
@@ -59,7 +60,8 @@ did). A flush made so waits for nothing the final synchronize would not, and its
 counts whole, not only where it held up the training thread: at most an overestimate.
 
 Whether a run has enough windows: a bootstrap 95 % interval of the nbdist / torchrun
-ratio (the windows resampled as pairs) is printed with it. On a noisy machine (an
+ratio (the windows resampled as pairs) is printed with it, and how many windows this
+run's spread would need for a 99 % one within ±PCT % (``_common.windows_needed``). On a noisy machine (an
 H200 whose windows varied 0.72-1.28x, bench/RESULTS.md) a dozen windows cannot tell
 1.0x from 0.97x; ``--settle PCT`` keeps adding windows after ``--windows`` until the
 interval lies on one side of the goal or is at most ±PCT % wide, or ``--max-minutes``
@@ -97,9 +99,11 @@ from _common import (  # noqa: E402
     load,
     machine,
     median,
+    overall_rate,
     plan_ranks,
     print_goal_and_cpu,
     print_summary,
+    rate_ratio,
     ratio,
     ratio_interval,
     run_benchmark,
@@ -321,15 +325,15 @@ def _main(argv=None) -> int:
             leftovers = assert_no_children()
             cpu = meter.read()
 
-    med = {v: median(rates[v]) for v in variants}
+    overall = {v: overall_rate(rates[v]) for v in variants}
 
     def pairs(a: str, b: str) -> float:
         return median([ratio(x, y) for x, y in zip(rates[a], rates[b])])
 
-    r = ratio(med["nbdist"], med["torchrun"])
+    r = rate_ratio(rates["nbdist"], rates["torchrun"])
     interval = ratio_interval(rates["nbdist"], rates["torchrun"])
     is_settled = settled(interval, goal, (args.settle or 1.0) / 100, windows)
-    log_ratio = ratio(med["nbdist_log"], med["nbdist"])
+    log_ratio = rate_ratio(rates["nbdist_log"], rates["nbdist"])
     log_cost = 1 - log_ratio
     losses = {v: (final[v]["loss"], final[v]["steps"]) for v in final}
     same_loss = len(set(losses.values())) == 1
@@ -341,9 +345,9 @@ def _main(argv=None) -> int:
         rows.append(("torchrun_b", "torchrun", "A/A control: the noise floor of this run"))
     print()
     for v in variants:
-        print(f"{v:>12} {med[v]:>9.1f} steps/s (median of {windows} windows)")
+        print(f"{v:>12} {overall[v]:>9.1f} steps/s (over its {windows} windows)")
     for a, b, what in rows:
-        print(f"{ratio(med[a], med[b]):>10.3f}x  pairs {pairs(a, b):.3f}x  {what}")
+        print(f"{rate_ratio(rates[a], rates[b]):>10.3f}x  pairs {pairs(a, b):.3f}x  {what}")
     log_pairs = 1 - pairs("nbdist_log", "nbdist")
     print(
         f"nbdist / torchrun {r:.3f}x, "
@@ -391,7 +395,7 @@ def _main(argv=None) -> int:
             load_end=load(),
             cpu=cpu,
             setup=setup,
-            steps_s={v: round(x, 2) for v, x in med.items()},
+            steps_s={v: round(x, 2) for v, x in overall.items()},
             ratio=round(r, 3),
             ratio_interval=[round(x, 3) for x in interval],
             settled=is_settled,
@@ -405,7 +409,7 @@ def _main(argv=None) -> int:
             log_cost_interval=[round(1 - log_high, 4), round(1 - log_low, 4)],
             goal_log_cost=GOAL_LOG_COST,
             **(
-                dict(control_ratio=round(ratio(med["torchrun_b"], med["torchrun"]), 3))
+                dict(control_ratio=round(rate_ratio(rates["torchrun_b"], rates["torchrun"]), 3))
                 if control
                 else {}
             ),

@@ -42,13 +42,32 @@ def test_the_examples_in_the_statistics_docstrings_hold(bench_modules):
         assert tried > 0 and failed == 0, module.__name__
 
 
-def test_train_ratio_interval_is_the_one_before_the_bootstrap_was_shared(bench_modules):
-    """train.py's interval, now through the shared bootstrap: the figures it gave before."""
+def test_a_rate_ratio_is_the_jobs_steps_over_their_seconds_not_their_medians(bench_modules):
+    """Windows of 100 steps: a job's steps/s over them is its steps over the seconds they took
+    together, whatever the median window was."""
     common, _ = bench_modules
-    v = [100, 104, 98, 110, 97, 101, 103, 99, 105, 96]
-    b = [101, 100, 99, 102, 100, 98, 104, 100, 101, 99]
-    assert common.ratio_interval(v, b) == (0.98, 1.0396039603960396)
-    assert common.ratio_interval(v, b, rounds=500, level=0.99) == (0.9797979797979798, 1.04)
+    seconds_a, seconds_b = [1.0, 1.0, 4.0], [2.0, 2.0, 2.0]
+    a, b = [100 / s for s in seconds_a], [100 / s for s in seconds_b]
+    assert common.overall_rate(a) == pytest.approx(300 / 6.0)
+    assert common.overall_rate(b) == pytest.approx(300 / 6.0)
+    # Equal totals: 1.0x, where the medians (100 and 50 steps/s) would say 2.0x.
+    assert common.rate_ratio(a, b) == pytest.approx(1.0)
+    assert common.rate_ratio(a, b, [0, 1]) == pytest.approx(2.0)  # windows picked by index
+    assert common.ratio_interval([10, 10, 10], [5, 5, 5]) == (2.0, 2.0)
+
+
+def test_a_slow_patch_that_stretched_both_jobs_cancels_from_the_interval(bench_modules):
+    """The machine's speed swings 3x over the run and hits both jobs' window i alike;
+    nbdist 5 % slower (±0.5 % of its own): the 99 % interval stays within ±1 % of 0.95x and
+    settles below 1.0x. Resampling the jobs' windows apart would spread it over the swing."""
+    common, _ = bench_modules
+    speed = [50 + 100 * ((7 * i) % 24) / 23 for i in range(24)]
+    own = [1.0, 1.005, 0.995, 1.0] * 6
+    torchrun = [600 * x for x in speed]
+    nbdist = [0.95 * t * o for t, o in zip(torchrun, own)]
+    low, high = common.ratio_interval(nbdist, torchrun, level=0.99)
+    assert 0.94 < low <= common.rate_ratio(nbdist, torchrun) <= high < 0.96
+    assert common.settled((low, high), 1.0, 0.01, len(speed))
 
 
 def test_nccl_goal_interval_below_the_goal_settles_only_after_thirty_rounds(bench_modules):
@@ -108,7 +127,9 @@ def test_the_windows_a_spread_needs_grow_as_its_square_and_refuse_one_window(ben
     # Half the width asks for four times the windows; a 95 % interval for fewer than a 99 %.
     assert common.windows_needed(noisy, base, 0.005) in range(4 * one - 3, 4 * one + 4)
     assert common.windows_needed(noisy, base, 0.01, level=0.95) < one
-    # Two jobs that moved together need few windows, however much both moved.
+    # Two jobs that moved together need no windows, however much both moved, and
+    # whether or not one is slower.
     assert common.windows_needed([2.0, 1.0, 3.0], [2.0, 1.0, 3.0], 0.01) == 0
+    assert common.windows_needed([1.0, 0.5, 2.0], [2.0, 1.0, 4.0], 0.01) == 0
     with pytest.raises(ValueError, match="need at least two windows of each job, got 1 and 1"):
         common.windows_needed([1.0], [1.0], 0.01)
