@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -27,6 +28,15 @@ def bench_modules():
         sys.path.remove(BENCH)
 
 
+@pytest.fixture(scope="module")
+def step_noise():
+    sys.path.insert(0, BENCH)
+    try:
+        yield importlib.import_module("step_noise")
+    finally:
+        sys.path.remove(BENCH)
+
+
 def _rounds(nbdist_s: list[float], torchrun_s: list[float], sizes=(1 << 20, 4 << 20)) -> dict:
     # The same per-round times at every size: what nccl.py's measuring loop fills in.
     return {
@@ -35,9 +45,9 @@ def _rounds(nbdist_s: list[float], torchrun_s: list[float], sizes=(1 << 20, 4 <<
     }
 
 
-def test_the_examples_in_the_statistics_docstrings_hold(bench_modules):
+def test_the_examples_in_the_statistics_docstrings_hold(bench_modules, step_noise):
     common, nccl = bench_modules
-    for module in (common, nccl):
+    for module in (common, nccl, step_noise):
         failed, tried = doctest.testmod(module)
         assert tried > 0 and failed == 0, module.__name__
 
@@ -133,3 +143,42 @@ def test_the_windows_a_spread_needs_grow_as_its_square_and_refuse_one_window(ben
     assert common.windows_needed([1.0, 0.5, 2.0], [2.0, 1.0, 4.0], 0.01) == 0
     with pytest.raises(ValueError, match="need at least two windows of each job, got 1 and 1"):
         common.windows_needed([1.0], [1.0], 0.01)
+
+
+def _stamps(durations: list[float]) -> list[float]:
+    out = [0.0]
+    for d in durations:
+        out.append(out[-1] + d)
+    return out
+
+
+def test_turns_shorter_than_the_machines_slow_spells_compare_alike(step_noise):
+    """bench/step_noise.py: steps 20 % slower in alternate spells of 500 steps. Turns of 10
+    steps a few turns apart mostly lie in the same spell (a small spread); turns of 500
+    lie in different spells at distances 1 and 3, in the same at 2."""
+    noise = step_noise
+    stamps = _stamps([1.0 if (k // 500) % 2 == 0 else 1.2 for k in range(20_000)])
+    short, pairs = noise.turn_spread(stamps, 10, 4)
+    long, _ = noise.turn_spread(stamps, 500, 4)
+    assert pairs == 20_000 // 10 - 1
+    # Of a turn's distances 1-3, spells cross in about 2 / 50 of the pairs at 10 steps.
+    assert short == pytest.approx(math.log(1.2) * math.sqrt(2 / 50), rel=0.05)
+    assert long == pytest.approx(math.log(1.2) * math.sqrt(2 / 3), rel=0.05)
+    rows = noise.plan_rows(stamps, 4, 0.01, turn_cost_s=0.0)
+    assert min(rows, key=lambda r: r["minutes"])["steps"] == 10
+    # Too few turns for a spread: no row rather than a figure from a handful of pairs.
+    assert noise.turn_spread(stamps[:201], 10, 4) is None
+
+
+def test_white_noise_spread_shrinks_as_the_root_of_the_turn(step_noise):
+    """Steps independent of each other: a turn of L steps varies as 1/sqrt(L), so turns of
+    1000 steps spread ~10x less than turns of 10 (each sd from 99 pairs or more is off by
+    about 1/sqrt(2 x 99) = 7 %: the ratio within ±30 %)."""
+    import random
+
+    noise = step_noise
+    pick = random.Random(7)
+    stamps = _stamps([pick.uniform(0.5, 1.5) for _ in range(100_000)])
+    short, _ = noise.turn_spread(stamps, 10, 4)
+    long, _ = noise.turn_spread(stamps, 1000, 4)
+    assert 7 < short / long < 13
