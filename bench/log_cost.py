@@ -206,16 +206,8 @@ def _turn(variant, steps):
         _bare(variant == "log_bare")
         _held(variant == "log_held")
         sent = channel.total if channel is not None else 0
-        dist.barrier()
-        _trainer._sync()
+        stamps = _trainer.stamped(steps, fn)
         clock = _time.perf_counter
-        stamps = [0.0] * (steps + 1)
-        stamps[0] = clock()
-        for k in range(steps):
-            loss = _trainer.step()
-            if fn is not None:
-                fn(_trainer.i, loss, _trainer.batch)
-            stamps[k + 1] = clock()
         # Points the flush thread sent during the steps (none while held).
         sent = (channel.total if channel is not None else 0) - sent
         flushed = 0.0

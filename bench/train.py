@@ -182,6 +182,21 @@ class BenchTrainer:
         self.loss = float(loss.detach())
         return rate
 
+    def stamped(self, steps, after=None):
+        # The clock after every step (stamps[0]: before the first), after a barrier;
+        # ``after(step, loss, batch)`` after each step. The caller synchronises at the end.
+        dist.barrier()
+        self._sync()
+        clock = time.perf_counter
+        stamps = [0.0] * (steps + 1)
+        stamps[0] = clock()
+        for k in range(steps):
+            loss = self.step()
+            if after is not None:
+                after(self.i, loss, self.batch)
+            stamps[k + 1] = clock()
+        return stamps
+
     def info(self):
         return {
             "threads": torch.get_num_threads(),

@@ -24,3 +24,12 @@ def run_bench(script: str, *args: str, timeout: float) -> subprocess.CompletedPr
         cwd=ROOT,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
+
+
+def assert_refused(script: str, args: tuple[str, ...], message: str, banner: str) -> None:
+    """``python bench/<script> <args>`` exits 2 naming the fault (``message`` in its stderr)
+    before it starts anything: no ``banner``, the line a run prints once it has begun."""
+    run = run_bench(script, *args, timeout=60)
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert message in run.stderr
+    assert banner not in run.stdout

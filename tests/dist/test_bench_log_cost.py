@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_script import run_bench
+from bench_script import assert_refused, run_bench
 
 
 def _run(*args: str, timeout: float = 300):
@@ -62,10 +62,8 @@ def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
 
 
 def test_a_window_count_below_one_is_refused_before_any_rank_starts():
-    run = _run("--cpu", "--windows", "0", timeout=60)
-    assert run.returncode == 2
-    assert "--windows 0: give a whole number >= 1, e.g. --windows 8" in run.stderr
-    assert "window 1/" not in run.stdout
+    message = "--windows 0: give a whole number >= 1, e.g. --windows 8"
+    assert_refused("log_cost.py", ("--cpu", "--windows", "0"), message, "window 1/")
 
 
 def test_turns_that_do_not_divide_a_window_are_refused_by_name():

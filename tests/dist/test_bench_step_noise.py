@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_script import run_bench
+from bench_script import assert_refused, run_bench
 
 
 @pytest.mark.timeout(240)
@@ -46,7 +46,4 @@ def test_a_stream_of_steps_is_cut_into_turns_and_planned_and_nothing_is_left_run
     ],
 )
 def test_a_plan_it_cannot_make_is_refused_before_any_rank_starts(args, message):
-    run = run_bench("step_noise.py", "--cpu", *args, timeout=60)
-    assert run.returncode == 2
-    assert message in run.stderr
-    assert "step_noise:" not in run.stdout  # nothing started
+    assert_refused("step_noise.py", ("--cpu", *args), message, "step_noise:")

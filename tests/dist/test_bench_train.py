@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_script import run_bench
+from bench_script import assert_refused, run_bench
 
 
 def _run(*args: str, timeout: float = 240):
@@ -49,7 +49,4 @@ def test_windows_in_turns_run_every_step_of_every_job_and_leave_nothing_running(
     ],
 )
 def test_turns_a_window_cannot_take_are_refused_before_any_rank_starts(args, message):
-    run = _run("--cpu", "--quick", *args, timeout=60)
-    assert run.returncode == 2
-    assert message in run.stderr
-    assert "train:" not in run.stdout  # nothing started
+    assert_refused("train.py", ("--cpu", "--quick", *args), message, "train:")
