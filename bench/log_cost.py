@@ -53,10 +53,14 @@ from the caching allocator's counters.
 (CPU, and CUDA on a GPU; every thread, the flush thread's too), then the ops whose
 self CPU time differs most between the two.
 
+``--variants LIST`` times only those (``none`` and ``log`` at least): ``--variants
+none,none_b,log`` is the goal's pair and the A/A control, three times the windows of all
+nine in the same minutes, for deciding the goal once the parts are known.
+
 Goal: logging every step costs a GPU step <= 2 %, ``log`` at >= 0.98x ``none``.
 
 Usage: python bench/log_cost.py [--cpu] [--windows N] [--steps N] [--slices K] [--quick]
-                                [--profile]
+                                [--variants LIST] [--profile]
 """
 
 from __future__ import annotations
@@ -277,12 +281,19 @@ def _main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="steps a window (200; GPU 800)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 3 short windows")
     add_slices_argument(parser, "variant", "1; GPU 8")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        metavar="LIST",
+        help="comma-separated variants to time (all; none and log at least)",
+    )
     parser.add_argument("--profile", action="store_true", help="also profile none against log")
     args = parser.parse_args(argv)
     for name in ("windows", "steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} {value}: give a whole number >= 1, e.g. --{name} 8")
+    variants = _variants(parser, args.variants)
     plan = plan_ranks(1, cpu=args.cpu, one_gpu_ranks=1)
     cuda = plan["cuda"]
     # Launch-bound GPU steps are short (~1.6 ms on an H200): longer windows there, and more
@@ -301,12 +312,12 @@ def _main(argv=None) -> int:
     print(
         f"log_cost: {plan['note']}; {windows} windows of {steps} steps per variant in "
         f"{slices} turn(s) each, after {warmup} warm-up steps each, variants "
-        f"{', '.join(VARIANTS)}; {info}",
+        f"{', '.join(variants)}; {info}",
         flush=True,
     )
     from nbdist import DistSession
 
-    got: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    got: dict[str, list[dict]] = {v: [] for v in variants}
     profiles: dict[str, dict] = {}
     os.environ.update(plan["env"])
     threads = threads_per_rank(1)
@@ -319,18 +330,18 @@ def _main(argv=None) -> int:
             session.run(f"_got = _window_summary({variant!r}, {LONG_STEP})")
             return session.pull("_got", rank=0)
 
-        for variant in VARIANTS:
+        for variant in variants:
             session.run(f"_turn({variant!r}, {warmup})")
             summary(variant)
-        orders = balanced_orders(list(VARIANTS))
+        orders = balanced_orders(list(variants))
         for w in range(windows):
             # The variants take turns, ``slices`` a window, in a changing balanced order.
             for order in turn_orders(orders, w, slices):
                 for variant in order:
                     session.run(f"_turn({variant!r}, {steps // slices})")
-            for variant in VARIANTS:
+            for variant in variants:
                 got[variant].append(summary(variant))
-            line = ", ".join(f"{v} {got[v][-1]['rate']:.1f}" for v in VARIANTS)
+            line = ", ".join(f"{v} {got[v][-1]['rate']:.1f}" for v in variants)
             print(f"  window {w + 1}/{windows}: {line} steps/s", flush=True)
         if args.profile:
             for variant in ("none", "log"):
@@ -341,7 +352,7 @@ def _main(argv=None) -> int:
         leftovers = assert_no_children()
         cpu = meter.read()
 
-    rates = {v: [g["rate"] for g in got[v]] for v in VARIANTS}
+    rates = {v: [g["rate"] for g in got[v]] for v in variants}
     base = overall_rate(rates["none"])
     rows = {}
     print()
@@ -349,7 +360,7 @@ def _main(argv=None) -> int:
         f"{'variant':>10} {'steps/s':>8} {'x none':>7} {'95 % interval':>16} {'extra us/step':>14}"
         f" {'median shift':>13} {'long steps':>11} {'long ms':>8} {'max ms':>7} {'cudaMalloc':>10}"
     )
-    for v in VARIANTS:
+    for v in variants:
         rate = overall_rate(rates[v])
         low, high = ratio_interval(rates[v], rates["none"])
         extra = 1e6 / rate - 1e6 / base
@@ -382,7 +393,7 @@ def _main(argv=None) -> int:
         "their count and time a window (medians over windows); cudaMalloc: device allocations "
         "a window"
     )
-    on_clock = ", ".join(f"{v} {rows[v]['flush_ms']:.2f}" for v in VARIANTS if rows[v]["flush_ms"])
+    on_clock = ", ".join(f"{v} {rows[v]['flush_ms']:.2f}" for v in variants if rows[v]["flush_ms"])
     print(f"the turns' flushes on the clock, ms a window (median): {on_clock or 'none'}")
     if profiles:
         _print_profile_difference(profiles["none"], profiles["log"], steps)
@@ -410,10 +421,28 @@ def _main(argv=None) -> int:
         warmup=warmup,
         model=f"{MODEL_TEXT}, {plan['backend']}, 1 rank",
         rows=rows,
-        samples={v: [round(x, 2) for x in rates[v]] for v in VARIANTS},
+        samples={v: [round(x, 2) for x in rates[v]] for v in variants},
         profiled=sorted(profiles),
     )
     return 0
+
+
+def _variants(parser, text: str | None) -> tuple[str, ...]:
+    """The variants ``--variants`` names, in the order of :data:`VARIANTS`; all when None."""
+    if text is None:
+        return VARIANTS
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        parser.error(
+            f"--variants: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}"
+        )
+    missing = [name for name in ("none", "log") if name not in names]
+    if missing:
+        parser.error(
+            f"--variants {text}: the goal compares log with none; add {' and '.join(missing)}"
+        )
+    return tuple(v for v in VARIANTS if v in names)
 
 
 def _print_profile_difference(none: dict, logged: dict, steps: int) -> None:

@@ -72,3 +72,25 @@ def test_turns_that_do_not_divide_a_window_are_refused_by_name():
     assert "--slices 3 does not divide a window's 400 steps" in run.stderr
     assert "give --steps as a multiple of 3, or another --slices" in run.stderr
     assert "window 1/" not in run.stdout
+
+
+@pytest.mark.timeout(300)
+def test_the_goals_pair_and_its_control_alone_are_timed_when_named():
+    run = _run("--cpu", "--quick", "--windows", "2", "--variants", "log,none_b,none")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert list(summary["rows"]) == list(summary["samples"]) == ["none", "none_b", "log"]
+    assert all(len(rates) == 2 for rates in summary["samples"].values())
+    assert "variants none, none_b, log;" in run.stdout
+    assert summary["leftover_pids"] == []
+
+
+@pytest.mark.parametrize(
+    "variants, message",
+    [
+        ("none,logg", "--variants: unknown variant 'logg'; choose from none, none_b, detach"),
+        ("none,keep", "--variants none,keep: the goal compares log with none; add log"),
+    ],
+)
+def test_variants_it_cannot_judge_the_goal_by_are_refused(variants, message):
+    assert_refused("log_cost.py", ("--cpu", "--variants", variants), message, "log_cost:")

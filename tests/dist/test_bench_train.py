@@ -50,3 +50,18 @@ def test_windows_in_turns_run_every_step_of_every_job_and_leave_nothing_running(
 )
 def test_turns_a_window_cannot_take_are_refused_before_any_rank_starts(args, message):
     assert_refused("train.py", ("--cpu", "--quick", *args), message, "train:")
+
+
+@pytest.mark.timeout(300)
+def test_without_the_logged_job_only_the_ratio_is_measured():
+    run = _run("--cpu", "--quick", "--no-log")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(summary["final"]) == set(summary["samples"]) == {"nbdist", "torchrun"}
+    assert summary["logged"] is False and "log_cost" not in summary
+    assert summary["same_final_loss"] is True
+    assert "logged job: False" in run.stdout
+    assert "cost of nbdist.log" not in run.stdout and "logging every step" not in run.stdout
+    low, high = summary["ratio_interval"]
+    assert low <= summary["ratio"] <= high
+    assert summary["leftover_pids"] == []
