@@ -64,10 +64,10 @@ counts whole, not only where it held up the training thread: at most an overesti
 
 Whether a run has enough windows: a bootstrap 95 % interval of the nbdist / torchrun
 ratio (the windows resampled as pairs) is printed with it, and how many windows this
-run's spread would need for a 99 % one within ±PCT % (``_common.windows_needed``). On a noisy machine (an
-H200 whose windows varied 0.72-1.28x, bench/RESULTS.md) a dozen windows cannot tell
-1.0x from 0.97x; ``--settle PCT`` keeps adding windows after ``--windows`` until the
-interval lies on one side of the goal or is at most ±PCT % wide, or ``--max-minutes``
+run's spread would need for a 99 % one within ±PCT % (``_common.windows_needed``). On a
+noisy machine (an H200 whose windows varied 0.72-1.28x, bench/RESULTS.md) a dozen windows
+cannot tell 1.0x from 0.97x; ``--settle PCT`` keeps adding windows after ``--windows``
+until the interval lies on one side of the goal or is at most ±PCT % wide, or ``--max-minutes``
 have passed (a window that would end past them is not started); fewer than 10 windows
 never count as settled (a bootstrap of 3 sees 10 distinct resamples). The stop looks at a
 99 % interval: checked after every window, a 95 % one would stop on the wrong side of
