@@ -16,10 +16,12 @@ from bench_script import assert_refused, run_bench
 
 @pytest.mark.timeout(240)
 def test_a_stream_of_steps_is_cut_into_turns_and_planned_and_nothing_is_left_running():
-    run = run_bench("step_noise.py", "--cpu", "--quick", timeout=200)
+    # One rank: hundreds of steps a second even beside other tests, so 4 seconds hold the
+    # 21 turns of 10 steps the first row needs.
+    run = run_bench("step_noise.py", "--cpu", "--quick", "--n", "1", timeout=200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
-    assert summary["bench"] == "step_noise" and summary["jobs"] == 4
+    assert summary["bench"] == "step_noise" and summary["jobs"] == 4 and summary["n"] == 1
     assert summary["steps"] > 0 and summary["turn_cost_ms"] > 0
     rows = summary["rows"]
     assert rows and rows[0]["steps"] == 10, rows
