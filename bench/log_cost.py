@@ -393,7 +393,15 @@ def _main(argv=None) -> int:
         "their count and time a window (medians over windows); cudaMalloc: device allocations "
         "a window"
     )
-    on_clock = ", ".join(f"{v} {rows[v]['flush_ms']:.2f}" for v in variants if rows[v]["flush_ms"])
+    # Their share of a window: at most what the turn-end flushes add to a variant's cost
+    # (a flush every turn, where logging alone would flush every 0.5 s).
+    for v in variants:
+        rows[v]["flush_share"] = round(rows[v]["flush_ms"] / 1e3 * rows[v]["steps_s"] / steps, 5)
+    on_clock = ", ".join(
+        f"{v} {rows[v]['flush_ms']:.2f} ({100 * rows[v]['flush_share']:.2f} % of it)"
+        for v in variants
+        if rows[v]["flush_ms"]
+    )
     print(f"the turns' flushes on the clock, ms a window (median): {on_clock or 'none'}")
     if profiles:
         _print_profile_difference(profiles["none"], profiles["log"], steps)

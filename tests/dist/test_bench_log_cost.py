@@ -50,6 +50,13 @@ def test_every_variant_is_measured_and_profiled_and_nothing_is_left_running():
     assert rows["log"]["flush_ms"] > 0 and rows["log_number"]["flush_ms"] > 0
     assert rows["log_held"]["flush_ms"] == 0 and rows["keep"]["flush_ms"] == 0
     assert "the turns' flushes on the clock, ms a window (median): log_number " in run.stdout
+    # Their share of the window: the flushes' seconds over the window's (400 steps).
+    log = rows["log"]
+    assert log["flush_share"] == pytest.approx(
+        log["flush_ms"] / 1e3 / (400 / log["steps_s"]), rel=1e-3, abs=1e-5
+    )
+    assert 0 < log["flush_share"] < 1 and rows["keep"]["flush_share"] == 0
+    assert f"log {log['flush_ms']:.2f} ({100 * log['flush_share']:.2f} % of it)" in run.stdout
     assert all(len(v) == 2 for v in summary["samples"].values())
     # Two turns of 200 steps a window for every variant.
     assert (
