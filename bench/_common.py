@@ -109,9 +109,9 @@ def rate_ratio(values: list[float], baselines: list[float], idx=None) -> float:
     >>> round(rate_ratio([10.0, 20.0], [10.0, 10.0]), 4)
     1.3333
     """
-    if idx is None:
-        idx = range(len(values))
-    return sum(1 / baselines[i] for i in idx) / sum(1 / values[i] for i in idx)
+    if idx is not None:
+        values, baselines = [values[i] for i in idx], [baselines[i] for i in idx]
+    return overall_rate(values) / overall_rate(baselines)
 
 
 def ratio_interval(
@@ -132,9 +132,14 @@ def ratio_interval(
         raise ValueError(
             f"need as many windows of each job, got {len(values)} and {len(baselines)}"
         )
-    return bootstrap_interval(
-        len(values), lambda idx: rate_ratio(values, baselines, idx), rounds=rounds, level=level
-    )
+    # rate_ratio over the resampled windows, each window's seconds a step taken once here
+    # rather than in every resample (train.py's --settle bootstraps after every window).
+    seconds, base_seconds = [1 / v for v in values], [1 / b for b in baselines]
+
+    def of(idx: list[int]) -> float:
+        return sum(base_seconds[i] for i in idx) / sum(seconds[i] for i in idx)
+
+    return bootstrap_interval(len(values), of, rounds=rounds, level=level)
 
 
 def bootstrap_interval(

@@ -32,6 +32,9 @@ on the clock: what the flush thread has not sent by then would otherwise go at t
 cell's end, off it (in the first GPU run, 6-28 % of a ``log`` window's points did), so all of
 their flush work counts, and counts whole (not only where it held up the training
 thread): if anything, an overestimate. ``log_held``'s points still go at the cell's end.
+Those flushes' time a window and its share of the window are printed (``flush_ms``,
+``flush_share``): a flush every turn where logging alone flushes every 0.5 s, so with
+turns shorter than that the share bounds what the turns add to the cost.
 
 ``--slices K`` (GPU default 8, CPU 1) splits each window into K turns per variant of
 ``steps / K`` steps, the variants taking turns in a changing balanced order: on the

@@ -54,7 +54,11 @@ within a fraction of a second of each other. On the H200 (bench/RESULTS.md "GPU,
 (standard deviation of its log), correlated 0.12-0.34 with its window before and only
 0.35-0.58 with the other jobs' windows of the same round: most of the noise lasts less
 than a window, so a window's ratio carries it; finer turns cancel more of it, at a
-turn's cost (a barrier and a cell, outside the timing).
+turn's cost (a barrier and a cell, outside the timing). On the 2-core machine 10 turns a
+window cut the windows a ratio within ±1 % needs from 1080 to 248-464, and
+bench/step_noise.py says beforehand which turn length needs the fewest minutes
+(bench/RESULTS.md, "How long the slow spells last"). The logged job flushes at every turn's
+end (below), so turns much shorter than the 0.5 s between flushes overstate its cost.
 
 The logged job's turn ends with ``nbdist.metrics.log.flush()`` on the clock: the flush
 thread sends every 0.5 s, and the rest a turn logged would otherwise go at the cell's
@@ -70,8 +74,8 @@ cannot tell 1.0x from 0.97x; ``--settle PCT`` keeps adding windows after ``--win
 until the interval lies on one side of the goal or is at most ±PCT % wide, or ``--max-minutes``
 have passed (a window that would end past them is not started); fewer than 10 windows
 never count as settled (a bootstrap of 3 sees 10 distinct resamples). The stop looks at a
-99 % interval: checked after every window, a 95 % one would stop on the wrong side of
-the goal more often than once in twenty.
+99 % interval, printed after every window: checked that often, a 95 % one would stop on
+the wrong side of the goal more often than once in twenty.
 
 Usage: python bench/train.py [--cpu] [--n N] [--windows 12] [--steps S] [--warmup W]
                              [--no-control] [--no-log] [--quick] [--slices K]
@@ -297,15 +301,13 @@ def _main(argv=None) -> int:
         orders = balanced_orders(variants)  # each job follows every other equally often
         deadline = began + 60 * args.max_minutes
         w, took = 0, 0.0
+        so_far = (0.0, float("inf"))  # the ratio's interval after the latest window
 
         def unsettled() -> bool:
             # With --settle, past --windows: another window while time is left for it.
             if args.settle is None or time.monotonic() + took > deadline:
                 return False
-            # 99 %: looked at after every window, a 95 % interval would stop on the wrong
-            # side of the goal more often than one time in twenty.
-            interval = ratio_interval(rates["nbdist"], rates["torchrun"], level=0.99)
-            return not settled(interval, goal, args.settle / 100, w)
+            return not settled(so_far, goal, args.settle / 100, w)
 
         def one_window(w: int) -> dict[str, float]:
             # Each job's steps/s over its turns: its steps over the seconds its turns took.
@@ -324,12 +326,21 @@ def _main(argv=None) -> int:
             took = time.monotonic() - started
             w += 1
             line = ", ".join(f"{v} {got[v]:.1f}" for v in variants)
-            so_far = ""
+            # With --settle the interval the stop looks at, printed and read by unsettled():
+            # 99 %, since looked at after every window a 95 % one would stop on the wrong side
+            # of the goal more often than one time in twenty. Without, a quick 95 % one.
+            shown = ""
             if w >= 3:
-                low, high = ratio_interval(rates["nbdist"], rates["torchrun"], rounds=500)
-                so_far = f", nbdist / torchrun so far [{low:.3f}, {high:.3f}]"
+                level, rounds = (0.99, 2000) if args.settle is not None else (0.95, 500)
+                so_far = ratio_interval(
+                    rates["nbdist"], rates["torchrun"], rounds=rounds, level=level
+                )
+                shown = (
+                    f", nbdist / torchrun so far {100 * level:g} % "
+                    f"[{so_far[0]:.3f}, {so_far[1]:.3f}]"
+                )
             label = f"{w}/{windows}" if args.settle is None else f"{w} (at least {windows})"
-            print(f"  window {label}: {line} steps/s, load {load()}{so_far}", flush=True)
+            print(f"  window {label}: {line} steps/s, load {load()}{shown}", flush=True)
         windows = w
         session.run("_info = [_trainer.info()]" + (" + [_trainer_log.info()]" if logged else ""))
         final.update(zip(["nbdist", "nbdist_log"], session.pull("_info", rank=0)))
