@@ -65,6 +65,9 @@ thread sends every 0.5 s, and the rest a turn logged would otherwise go at the c
 end, off the clock (in bench/log_cost.py's first GPU run 6-28 % of a ``log`` window's points
 did). A flush made so waits for nothing the final synchronize would not, and its work
 counts whole, not only where it held up the training thread: at most an overestimate.
+Those flushes' time is printed beside the cost (``log_flush_ms`` a window and
+``log_flush_share`` of the logged job's time in the JSON): a flush a turn where logging
+alone flushes every 0.5 s, so at most that share of the cost is the turns'.
 
 Whether a run has enough windows: a bootstrap 95 % interval of the nbdist / torchrun
 ratio (the windows resampled as pairs) is printed with it, and how many windows this
@@ -214,6 +217,18 @@ class BenchTrainer:
         }
 """
 
+# The logged job's flush at each turn's end, timed on the rank (the seconds, summed).
+TIMED_FLUSH = """
+_flush_s = 0.0
+
+
+def _timed_flush():
+    global _flush_s
+    began = time.perf_counter()
+    nbdist.metrics.log.flush()
+    _flush_s += time.perf_counter() - began
+"""
+
 TORCHRUN_MAIN = """
 cfg, device = bench_init()
 try:
@@ -282,7 +297,10 @@ def _main(argv=None) -> int:
             jobs[name] = TorchrunJob(n, code, os.path.join(workdir, name), config=config, env=env)
         session.start()
         make = f"BenchTrainer(nbdist.device(), **{MODEL!r})"
-        session.run(TRAIN + f"\n_trainer = {make}" + (f"\n_trainer_log = {make}" if logged else ""))
+        setup = TRAIN + f"\n_trainer = {make}"
+        if logged:
+            setup += f"\n_trainer_log = {make}\n" + TIMED_FLUSH
+        session.run(setup)
         for job in jobs.values():
             job.wait_ready()
 
@@ -292,12 +310,14 @@ def _main(argv=None) -> int:
 
         run = {"nbdist": nbdist_window}
         if logged:
-            log = ", log=nbdist.log, flush=nbdist.metrics.log.flush"
+            log = ", log=nbdist.log, flush=_timed_flush"
             run["nbdist_log"] = lambda k: nbdist_window(k, "_trainer_log", log)
         run.update({name: job.call for name, job in jobs.items()})
         if warmup:  # the same untimed steps on every job
             for variant in variants:
                 run[variant](warmup)
+        if logged:
+            session.run("_flush_s = 0.0")  # the timed windows' flushes only
         orders = balanced_orders(variants)  # each job follows every other equally often
         deadline = began + 60 * args.max_minutes
         w, took = 0, 0.0
@@ -344,6 +364,7 @@ def _main(argv=None) -> int:
         windows = w
         session.run("_info = [_trainer.info()]" + (" + [_trainer_log.info()]" if logged else ""))
         final.update(zip(["nbdist", "nbdist_log"], session.pull("_info", rank=0)))
+        flush_s = session.pull("_flush_s", rank=0) if logged else 0.0
         for name, job in jobs.items():
             final[name] = job.finish()
     finally:
@@ -394,7 +415,9 @@ def _main(argv=None) -> int:
             f"at this run's spread a 99 % interval of nbdist / torchrun within ±{100 * within:g} % "
             f"needs about {needed} windows"
         )
-    logging = _logging_cost(rates, pairs("nbdist_log", "nbdist")) if logged else {}
+    logging = {}
+    if logged:
+        logging = _logging_cost(rates, pairs("nbdist_log", "nbdist"), steps, flush_s)
     print(
         f"final losses {{job: (loss, steps)}} {losses} (all equal: {same_loss}); "
         f"(threads, device, backend): {setup}"
@@ -450,8 +473,13 @@ def _main(argv=None) -> int:
     return 0
 
 
-def _logging_cost(rates: dict[str, list[float]], pair_median: float) -> dict:
-    """The logged job against nbdist's: its cost, printed, and the summary's fields."""
+def _logging_cost(
+    rates: dict[str, list[float]], pair_median: float, steps: int, flush_s: float
+) -> dict:
+    """The logged job against nbdist's: its cost, printed, and the summary's fields.
+
+    ``flush_s``: the seconds its turn-end flushes took on rank 0 over the timed windows.
+    """
     log_ratio = rate_ratio(rates["nbdist_log"], rates["nbdist"])
     log_cost = 1 - log_ratio
     # The cost's interval, as the ratio's: its windows resampled as pairs.
@@ -461,11 +489,21 @@ def _logging_cost(rates: dict[str, list[float]], pair_median: float) -> dict:
         f"{100 * (1 - pair_median):.1f} %), 95 % interval {100 * (1 - high):.1f} to "
         f"{100 * (1 - low):.1f} %"
     )
+    # A flush a turn, where logging alone flushes every 0.5 s (on its own thread): with
+    # turns much shorter than that, this share of the cost is the turns'.
+    windows = len(rates["nbdist_log"])
+    flush_share = flush_s / sum(steps / rate for rate in rates["nbdist_log"])
+    print(
+        f"its turn-end flushes on the clock: {1e3 * flush_s / windows:.2f} ms a window, "
+        f"{100 * flush_share:.2f} % of its time (at most that much of the cost is the turns')"
+    )
     return dict(
         log_ratio=round(log_ratio, 4),
         log_pair_ratio_median=round(pair_median, 4),
         log_cost=round(log_cost, 4),
         log_cost_interval=[round(1 - high, 4), round(1 - low, 4)],
+        log_flush_ms=round(1e3 * flush_s / windows, 3),
+        log_flush_share=round(flush_share, 5),
         goal_log_cost=GOAL_LOG_COST,
     )
 

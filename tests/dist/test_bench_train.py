@@ -9,6 +9,7 @@ timing belongs to bench/RESULTS.md.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from bench_script import assert_refused, run_bench
@@ -38,6 +39,15 @@ def test_windows_in_turns_run_every_step_of_every_job_and_leave_nothing_running(
     assert summary["windows_needed"] >= 1
     needed = f"within ±1 % needs about {summary['windows_needed']} windows"
     assert needed in run.stdout
+    # The logged job's turn-end flushes (9 here: 3 windows of 3 turns) were timed on its
+    # rank, and their share of its time printed: what bounds the turns' part of the cost.
+    assert summary["log_flush_ms"] > 0 and 0 < summary["log_flush_share"] < 1
+    line = re.search(
+        r"its turn-end flushes on the clock: ([\d.]+) ms a window, ([\d.]+) %", run.stdout
+    )
+    assert line, run.stdout[-3000:]
+    assert float(line[1]) == pytest.approx(summary["log_flush_ms"], abs=0.006)
+    assert float(line[2]) == pytest.approx(100 * summary["log_flush_share"], abs=0.006)
     assert summary["leftover_pids"] == []
 
 
@@ -59,6 +69,7 @@ def test_without_the_logged_job_only_the_ratio_is_measured():
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert set(summary["final"]) == set(summary["samples"]) == {"nbdist", "torchrun"}
     assert summary["logged"] is False and "log_cost" not in summary
+    assert "log_flush_share" not in summary and "turn-end flushes" not in run.stdout
     assert summary["same_final_loss"] is True
     assert "logged job: False" in run.stdout
     assert "cost of nbdist.log" not in run.stdout and "logging every step" not in run.stdout
