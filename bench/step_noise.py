@@ -9,17 +9,18 @@ slow and fast spells last, which one steady stream of steps shows.
 
 This runs train.py's model (MLP 512-512-512-10, batch 64, SGD, DDP) on the ranks of one
 session, as train.py's nbdist job does (2 on CPU, one per GPU: 1 on a one-GPU machine;
-``--n``), for ``--seconds`` without a pause, the time after every step taken on rank 0's
-training thread (``time.perf_counter``; on a GPU the queue is not synchronised between
-steps, so a stamp is when the step was issued: this launch-bound step keeps the queue
-short). Runs in the benchmark's own process (the place of a notebook kernel); the
+``--n``), for ``--seconds`` (and at least the 210 steps the shortest turns' 20 pairs
+need) without a pause, the time after every step taken on rank 0's training thread
+(``time.perf_counter``; on a GPU the queue is not synchronised between steps, so a
+stamp is when the step was issued: this launch-bound step keeps the queue short). Runs in the benchmark's own process (the place of a notebook kernel); the
 stepping runs on the rank. Then, for turns of L steps (10 to 2000): the stream cut into
 consecutive turns, and the log ratio of the durations of two turns ``g`` turns apart,
 g = 1 .. jobs - 1 (the distances at which ``--jobs`` jobs in balanced order run their
 turns of one round); its standard deviation pooled over those g is the A/A spread of
 one turn pair, ``s(L)``. A ratio within ±``--within`` % at 99 % then needs about
 ``(2.58 s(L) / within)^2`` turn pairs, and a run of that many rounds takes
-``jobs x (L / steps/s + a turn's cost)`` per round: the minutes column. A turn's cost
+``jobs x (1.1 L / steps/s + 20 ms + a turn's cost)`` per round (train.py's turns start
+with a 20 ms pause and a tenth of the turn untimed): the minutes column. A turn's cost
 (a barrier and a cell, outside the timing) is measured in the same session.
 
 Same-process turns are a lower bound for separate jobs, which add their own
@@ -56,7 +57,13 @@ from _common import (  # noqa: E402
     run_benchmark,
     threads_per_rank,
 )
-from train import MODEL, MODEL_TEXT, TRAIN  # noqa: E402  (train.py's model and step)
+from train import (  # noqa: E402  (train.py's model and step, and how its turns start)
+    MODEL,
+    MODEL_TEXT,
+    TRAIN,
+    TURN_PAUSE_MS,
+    TURN_WARMUP_DIVISOR,
+)
 
 TURN_LENGTHS = (10, 20, 50, 100, 200, 500, 1000, 2000)
 # Fewer turn pairs than this at a length and its spread is not printed: an sd of a handful
@@ -117,7 +124,11 @@ def plan_rows(
             continue
         spread, pairs = got
         needed = math.ceil((z * spread / within) ** 2)
-        minutes = needed * jobs * (length / rate + turn_cost_s) / 60
+        # A turn as train.py's turned windows take it: its timed steps, a tenth more
+        # untimed, the pause before them and the cell around them.
+        timed = length / rate
+        turn_s = timed + timed / TURN_WARMUP_DIVISOR + TURN_PAUSE_MS / 1000 + turn_cost_s
+        minutes = needed * jobs * turn_s / 60
         rows.append(
             dict(
                 steps=length,
@@ -182,7 +193,9 @@ def _main(argv=None) -> int:
             session.run("_turn_cost()")
             costs.append(time.perf_counter() - began)
         turn_cost = median(costs)
-        steps = max(10, int(seconds * rate))
+        # At least the shortest turns' pairs, however slow the stream (a loaded machine):
+        # a plan always has its first row.
+        steps = max((MIN_PAIRS + 1) * TURN_LENGTHS[0], int(seconds * rate))
         session.run(f"_stamps = _stream({steps})")
         stamps = session.pull("_stamps", rank=0)
     finally:
@@ -209,18 +222,14 @@ def _main(argv=None) -> int:
     print(
         f"A/A spread: sd of the log ratio of two turns 1-{args.jobs - 1} turns apart; pairs "
         f"needed: for a 99 % interval within ±{args.within:g} %; minutes: that many rounds of "
-        f"{args.jobs} turns, a turn's cost included (a lower bound for separate jobs)"
+        f"{args.jobs} turns, each with train.py's pause, untimed steps and cell (a lower "
+        "bound for separate jobs)"
     )
-    best = min(rows, key=lambda r: r["minutes"]) if rows else None
-    if best is not None:
-        print(
-            f"soonest: turns of {best['steps']} steps, about {best['minutes']:g} minutes "
-            f"(train.py: --steps W --slices W/{best['steps']})"
-        )
-    else:
-        print(
-            f"too few steps for {MIN_PAIRS} turn pairs of {TURN_LENGTHS[0]} steps: more --seconds"
-        )
+    best = min(rows, key=lambda r: r["minutes"])  # the stream holds the first row's pairs
+    print(
+        f"soonest: turns of {best['steps']} steps, about {best['minutes']:g} minutes "
+        f"(train.py: --steps W --slices W/{best['steps']})"
+    )
     print_goal_and_cpu("nothing left running", not leftovers, leftovers, cpu)
     print_summary(
         dict(

@@ -60,6 +60,17 @@ bench/step_noise.py says beforehand which turn length needs the fewest minutes
 (bench/RESULTS.md, "How long the slow spells last"). The logged job flushes at every turn's
 end (below), so turns much shorter than the 0.5 s between flushes overstate its cost.
 
+Every job's turn starts alike, outside the timing: a pause (``--turn-pause``, 20 ms) and
+untimed steps (``--turn-warmup``, a tenth of the turn), both 0 with whole windows. Without
+them the turns did not start alike: a torchrun turn's end is the next turn's start, an
+nbdist turn ends only once its cell has ended and its result was pulled, so the previous
+job's tail (its OpenMP threads spin on for a while after their last parallel region)
+overlapped more of an nbdist turn's first steps, which also follow the cell's own Python
+in the same process. On the 2-core machine at one rank (2 threads), 50-step turns
+(~80 ms) gave nbdist 0.963-0.968x torchrun in four runs where whole windows gave 0.996
+and 1.000, and so did ``OMP_WAIT_POLICY=PASSIVE`` (no spinning; 0.994 twice): a bias of
+the turns, not nbdist's steps (bench/RESULTS.md, "Turns that start alike").
+
 The logged job's turn ends with ``nbdist.metrics.log.flush()`` on the clock: the flush
 thread sends every 0.5 s, and the rest a turn logged would otherwise go at the cell's
 end, off the clock (in bench/log_cost.py's first GPU run 6-28 % of a ``log`` window's points
@@ -82,6 +93,7 @@ the wrong side of the goal more often than once in twenty.
 
 Usage: python bench/train.py [--cpu] [--n N] [--windows 12] [--steps S] [--warmup W]
                              [--no-control] [--no-log] [--quick] [--slices K]
+                             [--turn-warmup W] [--turn-pause MS]
                              [--settle PCT [--max-minutes M]]
 """
 
@@ -128,6 +140,10 @@ GOAL_CPU, GOAL_GPU = 0.97, 1.0
 MODEL = dict(width=512, batch=64, seed=0)
 MODEL_TEXT = "MLP 512-512-512-10, batch 64, SGD lr 0.01, DDP"
 GOAL_LOG_COST = 0.02
+# How every job's turn starts when windows are cut into turns (module docstring): a pause,
+# then a tenth of the turn in untimed steps.
+TURN_PAUSE_MS = 20
+TURN_WARMUP_DIVISOR = 10
 
 # The training code, identical for all jobs; run on every rank with torch.distributed ready.
 TRAIN = """
@@ -174,10 +190,14 @@ class BenchTrainer:
         self.i += 1
         return loss
 
-    def window(self, steps, log=None, flush=None):
-        # Steps/s of ``steps`` steps, timed on this rank after a barrier;
-        # ``log``: called every step as a training loop calls nbdist.log; ``flush``:
-        # sends what is left, on the clock (else the cell's end would, off it).
+    def window(self, steps, warm=0, pause_ms=0, log=None, flush=None):
+        # Steps/s of ``steps`` steps, timed on this rank after a pause, ``warm`` untimed
+        # steps and a barrier; ``log``: called every step as a training loop calls
+        # nbdist.log; ``flush``: sends what is left, on the clock (else the cell's end
+        # would, off it).
+        time.sleep(pause_ms / 1000)
+        for _ in range(warm):
+            self.step()
         dist.barrier()
         self._sync()
         t0 = time.perf_counter()
@@ -246,6 +266,22 @@ def _main(argv=None) -> int:
     parser.add_argument("--windows", type=int, default=None, help="timed windows per job (12)")
     parser.add_argument("--steps", type=int, default=None, help="steps per window (100; GPU 1000)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (20; GPU 200)")
+    parser.add_argument(
+        "--turn-warmup",
+        type=int,
+        default=None,
+        metavar="W",
+        help="untimed steps at the start of every turn, on every job "
+        "(a tenth of a turn with --slices > 1, else 0)",
+    )
+    parser.add_argument(
+        "--turn-pause",
+        type=int,
+        default=None,
+        metavar="MS",
+        help="milliseconds every job waits before its turn's untimed steps "
+        "(20 with --slices > 1, else 0)",
+    )
     parser.add_argument("--no-control", action="store_true", help="no second torchrun job (A/A)")
     parser.add_argument(
         "--no-log", action="store_true", help="no logged job (the ratio alone: more windows)"
@@ -268,6 +304,16 @@ def _main(argv=None) -> int:
     logged = not args.no_log
     slices = 1 if args.slices is None else args.slices
     check_slices(parser, slices, steps)
+    turn_warmup = args.turn_warmup
+    if turn_warmup is None:
+        turn_warmup = steps // slices // TURN_WARMUP_DIVISOR if slices > 1 else 0
+    if turn_warmup < 0:
+        parser.error(f"--turn-warmup {turn_warmup}: give 0 or more untimed steps a turn")
+    pause = args.turn_pause
+    if pause is None:
+        pause = TURN_PAUSE_MS if slices > 1 else 0
+    if pause < 0:
+        parser.error(f"--turn-pause {pause}: give 0 or more milliseconds")
     goal = GOAL_GPU if cuda else GOAL_CPU
     threads = threads_per_rank(n)
 
@@ -275,7 +321,9 @@ def _main(argv=None) -> int:
     meter = CpuMeter()
     print(
         f"train: {plan['note']}; n={n}, {windows} windows of {steps} steps per job in "
-        f"{slices} turn(s) each, after {warmup} warm-up steps, {threads} thread(s)/rank, "
+        f"{slices} turn(s) each (a turn starts with a {pause} ms pause and {turn_warmup} "
+        "untimed step(s)), after "
+        f"{warmup} warm-up steps, {threads} thread(s)/rank, "
         f"control job: {control}, logged job: {logged}, {info}",
         flush=True,
     )
@@ -304,18 +352,22 @@ def _main(argv=None) -> int:
         for job in jobs.values():
             job.wait_ready()
 
-        def nbdist_window(steps: int, trainer: str = "_trainer", log: str = "") -> float:
-            session.run(f"_rate = {trainer}.window({steps}{log})")
+        def nbdist_window(
+            steps: int, warm: int, pause: int, trainer: str = "_trainer", log: str = ""
+        ) -> float:
+            session.run(f"_rate = {trainer}.window({steps}, {warm}, {pause}{log})")
             return session.pull("_rate", rank=0)
 
         run = {"nbdist": nbdist_window}
         if logged:
             log = ", log=nbdist.log, flush=_timed_flush"
-            run["nbdist_log"] = lambda k: nbdist_window(k, "_trainer_log", log)
+            run["nbdist_log"] = lambda k, warm, pause: nbdist_window(
+                k, warm, pause, "_trainer_log", log
+            )
         run.update({name: job.call for name, job in jobs.items()})
         if warmup:  # the same untimed steps on every job
             for variant in variants:
-                run[variant](warmup)
+                run[variant](warmup, 0, 0)
         if logged:
             session.run("_flush_s = 0.0")  # the timed windows' flushes only
         orders = balanced_orders(variants)  # each job follows every other equally often
@@ -335,7 +387,7 @@ def _main(argv=None) -> int:
             seconds = dict.fromkeys(variants, 0.0)
             for order in turn_orders(orders, w, slices):
                 for variant in order:
-                    seconds[variant] += turn / run[variant](turn)
+                    seconds[variant] += turn / run[variant](turn, turn_warmup, pause)
             return {v: steps / seconds[v] for v in variants}
 
         while w < windows or unsettled():
@@ -442,6 +494,8 @@ def _main(argv=None) -> int:
             windows=windows,
             steps=steps,
             slices=slices,
+            turn_warmup=turn_warmup,
+            turn_pause_ms=pause,
             warmup=warmup,
             model=f"{MODEL_TEXT}, {plan['backend']}",
             machine=info,
