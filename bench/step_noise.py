@@ -12,8 +12,9 @@ session, as train.py's nbdist job does (2 on CPU, one per GPU: 1 on a one-GPU ma
 ``--n``), for ``--seconds`` (and at least the 210 steps the shortest turns' 20 pairs
 need) without a pause, the time after every step taken on rank 0's training thread
 (``time.perf_counter``; on a GPU the queue is not synchronised between steps, so a
-stamp is when the step was issued: this launch-bound step keeps the queue short). Runs in the benchmark's own process (the place of a notebook kernel); the
-stepping runs on the rank. Then, for turns of L steps (10 to 2000): the stream cut into
+stamp is when the step was issued: this launch-bound step keeps the queue short). Runs
+in the benchmark's own process (the place of a notebook kernel); the stepping runs on
+the rank. Then, for turns of L steps (10 to 2000): the stream cut into
 consecutive turns, and the log ratio of the durations of two turns ``g`` turns apart,
 g = 1 .. jobs - 1 (the distances at which ``--jobs`` jobs in balanced order run their
 turns of one round); its standard deviation pooled over those g is the A/A spread of

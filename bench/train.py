@@ -67,9 +67,12 @@ nbdist turn ends only once its cell has ended and its result was pulled, so the 
 job's tail (its OpenMP threads spin on for a while after their last parallel region)
 overlapped more of an nbdist turn's first steps, which also follow the cell's own Python
 in the same process. On the 2-core machine at one rank (2 threads), 50-step turns
-(~80 ms) gave nbdist 0.963-0.968x torchrun in four runs where whole windows gave 0.996
-and 1.000, and so did ``OMP_WAIT_POLICY=PASSIVE`` (no spinning; 0.994 twice): a bias of
-the turns, not nbdist's steps (bench/RESULTS.md, "Turns that start alike").
+(~80 ms) gave nbdist 0.946-0.983x torchrun in thirteen runs where whole windows gave
+0.996 and 1.000, and so did ``OMP_WAIT_POLICY=PASSIVE`` (no spinning; 0.994 twice): a
+bias of the turns, not of nbdist's steps. Starting them alike removed about half of it
+(0.979-0.995 in six runs); about 1 % (~1 ms a turn) stays, so a ratio from turns much
+shorter than ~200 steps is read beside whole windows (bench/RESULTS.md, "Turns that
+start alike").
 
 The logged job's turn ends with ``nbdist.metrics.log.flush()`` on the clock: the flush
 thread sends every 0.5 s, and the rest a turn logged would otherwise go at the cell's
