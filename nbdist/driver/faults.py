@@ -253,7 +253,11 @@ class CellGuard:
         return all(state != "running" or rank in dead for rank, state in run.child_states().items())
 
     def release(self, run, reason: str) -> None:
-        """Break every live rank out of its collective; SIGINT the ranks still computing."""
+        """Break every live rank out of its collective; SIGINT the ranks still computing.
+
+        After a death, a rank that already failed because the group broke (a closed
+        connection to the dead rank) is named as released, not as a failure of its own.
+        """
         from nbdist.driver.where import ask, control_request
 
         session = self.session
@@ -262,14 +266,18 @@ class CellGuard:
         dead = session.dead_ranks()
         live = [r for r in session.ranks if r.rank not in dead]
         running = set(r for r, s in run.child_states().items() if s == "running") - set(dead)
+        # A rank whose peer died may fail out of its collective before the death is known
+        # here (gloo sees the closed connection first): its error is the death's, not its own.
+        broken = set(run.broken_group_errors()) - set(dead) - running if reason is _DIED else set()
         client = session.client
-        found = {
-            w.rank: w
-            for w in ask(client, [r for r in live if r.rank in running], timeout=_RELEASE_ASK_S)
-        }
+        asked = [r for r in live if r.rank in running | broken]
+        found = {w.rank: w for w in ask(client, asked, timeout=_RELEASE_ASK_S)}
         control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
         session.group.released = True
         computing: set[int] = set()
+        for rank in sorted(broken):
+            c = found[rank].collective if rank in found else None
+            self._released_from[rank] = f"{c['op']} #{c['seq']}" if c is not None else _NO_ANSWER
         for rank in sorted(running):
             w = found.get(rank)
             c = w.collective if w is not None else None

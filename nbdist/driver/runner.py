@@ -213,18 +213,25 @@ class RankRun:
             self._state_of[self.ranks[i]] = "error" if failed else "ok"
         return dict(self._state_of)
 
-    def broken_group_error(self) -> str:
-        """The first rank error that says the process group itself broke ('' if none does).
+    def broken_group_errors(self) -> dict[int, str]:
+        """{rank: its words} of the ranks whose error says the process group itself broke.
 
         gloo's transport errors (a collective that timed out, a peer's closed
         connection) and NCCL's aborted communicator leave the group unusable.
         """
+        found = {}
         for rank, child in zip(self.ranks, self._children):
             error = child_result(child)
             if isinstance(error, BaseException):
                 words = broken_group_words(str(getattr(error, "evalue", error)))
                 if words:
-                    return f"rank {rank}: {words}"
+                    found[rank] = words
+        return found
+
+    def broken_group_error(self) -> str:
+        """The first rank error that says the process group itself broke ('' if none does)."""
+        for rank, words in self.broken_group_errors().items():
+            return f"rank {rank}: {words}"
         return ""
 
     def _all_done(self) -> bool:

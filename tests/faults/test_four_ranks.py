@@ -52,6 +52,41 @@ def test_one_of_four_fails_and_all_three_others_are_released():
         s.stop()
 
 
+# Rank 3 closes its connections to rank 0 (as when its host goes down), then dies 0.3 s later.
+_CLOSE_THEN_DIE = """
+import os, socket, time, psutil
+if rank == 3:
+    theirs = {{c.laddr for c in psutil.Process({pid0}).net_connections("tcp")}}
+    for c in psutil.Process().net_connections("tcp"):
+        if c.raddr and c.raddr in theirs:
+            socket.fromfd(c.fd, c.family, c.type).shutdown(socket.SHUT_RDWR)
+    time.sleep(0.3)
+    os._exit(7)
+dist.all_reduce(torch.ones(1000))
+"""
+
+
+def test_a_neighbour_that_failed_before_the_death_was_known_is_released_not_failed():
+    """Rank 0's all_reduce fails on the closed connection 0.3 s before rank 3 dies: its
+    error reached the kernel first (it once did so when rank 3 just died, the closed
+    connection and the death racing). It is the death's consequence, not rank 0's own."""
+    s = nbdist.DistSession(4, cpu=True, timeout=120, group_timeout=60, history=False).start()
+    try:
+        s.run("import os\npid = os.getpid()\ndist.all_reduce(torch.ones(1000))", sink=ListSink())
+        pid0 = s.pull("pid", rank=0)
+        with pytest.raises(RankError) as info:
+            s.run(_CLOSE_THEN_DIE.format(pid0=pid0), sink=ListSink())
+        err = info.value
+        assert [(f.rank, f.ename) for f in err.failures] == [(3, "RankDied")], str(err)
+        assert re.search(
+            r"rank 3 died; the others were released: ranks 0, 1 and 2 from all_reduce #2\.",
+            str(err),
+        ), str(err)
+        assert [row["state"] for row in s.status()] == ["idle", "idle", "idle", "dead"]
+    finally:
+        s.stop()
+
+
 # Rank 1 is late by more than the guard's grace: a wait that ends by itself must not be cut.
 _LATE_S = 5.0
 
