@@ -276,20 +276,18 @@ class CellGuard:
         session.group.released = True
         computing: set[int] = set()
         for rank in sorted(broken):
-            c = found[rank].collective if rank in found else None
-            self._released_from[rank] = f"{c['op']} #{c['seq']}" if c is not None else _NO_ANSWER
+            w = found.get(rank)
+            c = w.collective if w is not None else None
+            if w is None or not w.answered:
+                self._released_from[rank] = _NO_ANSWER
+            elif self._raised_now(c):
+                self._released_from[rank] = f"{c['op']} #{c['seq']}"
+            else:  # a call nbdist's record does not see (DDP's, from C++)
+                self._released_from[rank] = "its running code"
         for rank in sorted(running):
             w = found.get(rank)
             c = w.collective if w is not None else None
-            # A call that raised in an earlier cell (a stale group's, caught by the user)
-            # is still the rank's last one: only this cell's counts.
-            raised_now = (
-                c is not None
-                and c.get("raised")
-                # The rank's own answer; by the kernel's clock where it has none.
-                and c.get("this_cell", c["seconds"] < self._age())
-            )
-            if c is not None and (c["inside"] or raised_now):
+            if c is not None and (c["inside"] or self._raised_now(c)):
                 # Inside, or already failing out of it (gloo noticed a dead peer):
                 # the release ends it; SIGINT would only cut its traceback short.
                 self._released_from[rank] = f"{c['op']} #{c['seq']}"
@@ -319,6 +317,19 @@ class CellGuard:
             self._released_from[rank] = f"{what} (interrupted)"
         if computing:
             session.interrupt(sorted(computing))
+
+    def _raised_now(self, c: dict | None) -> bool:
+        """Whether the last collective ``c`` a rank reported raised during this cell.
+
+        A call that raised in an earlier cell (a stale group's, caught by the user) is
+        still the rank's last one: only this cell's counts.
+        """
+        return bool(
+            c is not None
+            and c.get("raised")
+            # The rank's own answer; by the kernel's clock where it has none.
+            and c.get("this_cell", c["seconds"] < self._age())
+        )
 
     def where_report(self, *, only_if_waiting: bool = False) -> str:
         """The ranks' stacks and last collectives (a cell past its ``--timeout``, or interrupted).
