@@ -62,7 +62,7 @@ if rank == 3:
             socket.fromfd(c.fd, c.family, c.type).shutdown(socket.SHUT_RDWR)
     time.sleep(0.3)
     os._exit(7)
-dist.all_reduce(torch.ones(1000))
+{collective}
 """
 
 
@@ -74,8 +74,9 @@ def test_a_neighbour_that_failed_before_the_death_was_known_is_released_not_fail
     try:
         s.run("import os\npid = os.getpid()\ndist.all_reduce(torch.ones(1000))", sink=ListSink())
         pid0 = s.pull("pid", rank=0)
+        cell = _CLOSE_THEN_DIE.format(pid0=pid0, collective="dist.all_reduce(torch.ones(1000))")
         with pytest.raises(RankError) as info:
-            s.run(_CLOSE_THEN_DIE.format(pid0=pid0), sink=ListSink())
+            s.run(cell, sink=ListSink())
         err = info.value
         assert [(f.rank, f.ename) for f in err.failures] == [(3, "RankDied")], str(err)
         assert re.search(
@@ -83,6 +84,30 @@ def test_a_neighbour_that_failed_before_the_death_was_known_is_released_not_fail
             str(err),
         ), str(err)
         assert [row["state"] for row in s.status()] == ["idle", "idle", "idle", "dead"]
+
+        # DDP's all-reduce, issued from C++, is not nbdist's record: rank 0 failed in its
+        # backward, and the note says so instead of naming an older collective.
+        s.restart()
+        s.run(
+            "import os\npid = os.getpid()\n"
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "ddp = DDP(torch.nn.Linear(1000, 1000))\ndist.all_reduce(torch.ones(1))\n",
+            sink=ListSink(),
+        )
+        pid0 = s.pull("pid", rank=0)
+        cell = _CLOSE_THEN_DIE.format(
+            pid0=pid0, collective="ddp(torch.ones(8, 1000)).sum().backward()"
+        )
+        with pytest.raises(RankError) as info:
+            s.run(cell, sink=ListSink())
+        err = info.value
+        assert [(f.rank, f.ename) for f in err.failures] == [(3, "RankDied")], str(err)
+        assert re.search(
+            r"rank 3 died; the others were released: (.*, )?(rank 0|ranks 0\b[^;.]*?) from (its|their) "
+            r"running code[,.]",
+            str(err),
+        ), str(err)
+        assert "#" not in str(err).rsplit("died;", 1)[1], str(err)
     finally:
         s.stop()
 
