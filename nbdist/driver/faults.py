@@ -253,11 +253,7 @@ class CellGuard:
         return all(state != "running" or rank in dead for rank, state in run.child_states().items())
 
     def release(self, run, reason: str) -> None:
-        """Break every live rank out of its collective; SIGINT the ranks still computing.
-
-        After a death, a rank that already failed because the group broke (a closed
-        connection to the dead rank) is named as released, not as a failure of its own.
-        """
+        """Break every live rank out of its collective; SIGINT the ranks still computing."""
         from nbdist.driver.where import ask, control_request
 
         session = self.session
@@ -266,24 +262,14 @@ class CellGuard:
         dead = session.dead_ranks()
         live = [r for r in session.ranks if r.rank not in dead]
         running = set(r for r, s in run.child_states().items() if s == "running") - set(dead)
-        # A rank whose peer died may fail out of its collective before the death is known
-        # here (gloo sees the closed connection first): its error is the death's, not its own.
-        broken = set(run.broken_group_errors()) - set(dead) - running if reason is _DIED else set()
         client = session.client
-        asked = [r for r in live if r.rank in running | broken]
-        found = {w.rank: w for w in ask(client, asked, timeout=_RELEASE_ASK_S)}
+        found = {
+            w.rank: w
+            for w in ask(client, [r for r in live if r.rank in running], timeout=_RELEASE_ASK_S)
+        }
         control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
         session.group.released = True
         computing: set[int] = set()
-        for rank in sorted(broken):
-            w = found.get(rank)
-            c = w.collective if w is not None else None
-            if w is None or not w.answered:
-                self._released_from[rank] = _NO_ANSWER
-            elif self._raised_now(c):
-                self._released_from[rank] = f"{c['op']} #{c['seq']}"
-            else:  # a call nbdist's record does not see (DDP's, from C++)
-                self._released_from[rank] = "its running code"
         for rank in sorted(running):
             w = found.get(rank)
             c = w.collective if w is not None else None
@@ -349,12 +335,17 @@ class CellGuard:
         return format_where(found)
 
     def recover(self, run, *, interrupted: bool = False) -> None:
-        """After the cell: form the group again if it was released or left inconsistent."""
+        """After the cell: form the group again if it was released or left inconsistent.
+
+        Where ranks died, only what the death did to the others is settled (a full group
+        needs every rank: %dist_restart).
+        """
         from nbdist.driver.where import ask
 
         session = self.session
         if session.dead_ranks():
-            return  # a full group needs every rank: %dist_restart
+            self._blame_deaths(run)
+            return
         if interrupted and not self.released:
             # Ranks that stopped at different collectives (one returned from #7,
             # another never entered it) would pair the wrong calls from now on.
@@ -380,6 +371,47 @@ class CellGuard:
                     )
             except Exception as exc:
                 self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
+
+    def _blame_deaths(self, run) -> None:
+        """Name the live ranks whose error says the group broke as released by the death.
+
+        gloo tells a rank that its peer's connection closed before the kernel learns of the
+        peer's death: at once on another host (the controller's heartbeat takes 10 s), or by
+        a few milliseconds here. Such a rank failed out of its collective before the guard
+        could release it; its error ("Connection closed by peer") is the death's, not its own.
+        """
+        from nbdist.driver.where import ask
+
+        dead = self.dead()
+        broken = set(run.broken_group_errors()) - set(dead) - set(self._released_from)
+        if not dead or not broken:
+            return
+        found = {
+            w.rank: w
+            for w in ask(
+                self.session.client,
+                [self._by_rank[r] for r in sorted(broken)],
+                timeout=_RELEASE_ASK_S,
+            )
+        }
+        for rank in sorted(broken):
+            w = found.get(rank)
+            c = w.collective if w is not None else None
+            if w is None or not w.answered:
+                self._released_from[rank] = _NO_ANSWER
+            elif self._raised_now(c):
+                self._released_from[rank] = f"{c['op']} #{c['seq']}"
+            else:  # a call nbdist's record does not see (DDP's, from C++)
+                self._released_from[rank] = "its running code"
+        failed_alone = [
+            r
+            for r, s in run.child_states().items()
+            if s == "error" and r not in broken and r not in dead
+        ]
+        self.released = True
+        if not failed_alone:
+            # The failures that made the guard release the ranks were the death's too.
+            self._release_reason = _DIED
 
     def _release_after_cell(self, reason: str) -> None:
         """Release every rank once the cell ended, so that the group is formed again."""
