@@ -409,7 +409,7 @@ class CellGuard:
             if s == "error" and r not in broken and r not in dead
         ]
         self.released = True
-        if not failed_alone:
+        if not failed_alone or not self._release_reason:
             # The failures that made the guard release the ranks were the death's too.
             self._release_reason = _DIED
 
