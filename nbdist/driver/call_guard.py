@@ -29,6 +29,7 @@ class CallGuard:
     """What a :class:`nbdist.driver.runner.RankRun` of a call consults in place of a cell's guard."""
 
     stranded: dict[int, str] = {}
+    ended: dict[int, str] = {}  # nothing is released, so nothing is held after a release
 
     def __init__(self, interrupt: Callable[[Sequence[int]], None]) -> None:
         """``interrupt(ranks)``: SIGINT to those ranks (the session's)."""
@@ -64,6 +65,10 @@ class CallGuard:
         return False
 
     def dead(self) -> dict[int, str]:
+        """Dead ranks are not watched here: {}."""
+        return {}
+
+    def deaths(self) -> dict[int, str]:
         """Dead ranks are not watched here: {}."""
         return {}
 

@@ -28,6 +28,7 @@ import time
 from nbdist.driver.caught_interrupts import interrupt_answers
 from nbdist.driver.collective_waits import idle_ranks, stranded_waits, waits_for_failed
 from nbdist.driver.oom import cuda_oom_note
+from nbdist.engine.held_collective import HELD_S
 from nbdist.errors import ranks_text
 
 __all__ = ["CellGuard"]
@@ -57,6 +58,10 @@ STRANDED_GRACE_S = 3.0
 # control message per running rank (and, while some ranks finished, a read of the flight
 # recorder, ~20 ms), and a cell may run for hours, or rank 0 evaluate alone for minutes.
 STRANDED_LOOK_MAX_S = 30.0
+# After a release, the ranks still in a collective are looked at HELD_S later, then at
+# doubling intervals up to STRANDED_LOOK_MAX_S: one that a collective it was in when
+# released still holds HELD_S after its own release is ended
+# (:mod:`nbdist.engine.held_collective`: gloo would hold it until the group's timeout).
 # A release because ranks died: the words name every rank dead by the time they are read.
 _DIED = object()
 # What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
@@ -98,6 +103,10 @@ class CellGuard:
         # {rank: 'all_reduce #9'}: a stranded wait nbdist's records do not see (DDP's, from C++).
         self._untracked_wait: dict[int, str] = {}
         self.reformed = ""  # what happened to the group after a release
+        # {rank: 'send #2'}: ranks ended because a collective held them after the release.
+        self.ended: dict[int, str] = {}
+        self._next_held_look: float | None = None
+        self._held_interval = HELD_S
         self._started = time.monotonic()
 
     def _age(self) -> float:
@@ -112,23 +121,30 @@ class CellGuard:
         released while alive and dead a moment later is named among the dead.
         """
         dead = self.dead() if self._released_from else {}
-        return {r: what for r, what in self._released_from.items() if r not in dead}
+        return {
+            r: what for r, what in self._released_from.items() if r not in dead or r in self.ended
+        }
 
     @property
     def release_reason(self) -> str:
         """Why the ranks were released ('' if they were not); deaths as known now."""
         if self._release_reason == _DIED:
-            return f"{ranks_text(self.dead())} died"
+            return f"{ranks_text(self.deaths())} died"
         return self._release_reason
 
     # -- what the waiting loop calls ----------------------------------------
     def dead(self) -> dict[int, str]:
-        """{rank: cause} of this cell's ranks that died."""
+        """{rank: cause} of this cell's ranks that died, or that the guard ended."""
         return self.session.dead_ranks({r.rank for r in self.ranks})
+
+    def deaths(self) -> dict[int, str]:
+        """{rank: cause} of this cell's ranks that died by themselves (not ended here)."""
+        return {r: cause for r, cause in self.dead().items() if r not in self.ended}
 
     def poll(self, run) -> None:
         """Each pass of the waiting loop: release the ranks if the cell cannot finish."""
         if self.released:
+            self._look_held(run)
             return
         dead = self.dead()
         if dead:
@@ -195,6 +211,46 @@ class CellGuard:
             if stranded:
                 self.stranded = stranded
                 self.release(run, _STRANDED)
+
+    def _look_held(self, run) -> None:
+        """After a release: end the ranks that a collective still holds (:data:`HELD_S`)."""
+        from nbdist.driver.where import ask, control_request
+
+        now = time.monotonic()
+        if self._next_held_look is None:
+            self._next_held_look = now + HELD_S
+            return
+        if now < self._next_held_look:
+            return
+        self._held_interval = min(2 * self._held_interval, STRANDED_LOOK_MAX_S)
+        self._next_held_look = now + self._held_interval
+        dead = self.dead()
+        running = [
+            self._by_rank[r]
+            for r, state in run.child_states().items()
+            if state == "running" and r not in dead and r not in self.ended
+        ]
+        if not running:
+            return
+        found = ask(self.session.client, running, light=True, timeout=_RELEASE_ASK_S)
+        held = {
+            w.rank: f"{w.collective['op']} #{w.collective['seq']}"
+            for w in found
+            if w.answered and w.collective and w.held_s is not None and w.held_s >= HELD_S
+        }
+        if not held:
+            return
+        # Each rank checks again before it ends (it may have left its collective since).
+        control_request(
+            self.session.client,
+            [self._by_rank[r].engine_id for r in held],
+            "end_if_held",
+            timeout=2.0,
+            min_s=HELD_S,
+        )
+        self.ended.update(held)
+        for rank, what in held.items():
+            self._released_from[rank] = what
 
     def _overdue(self, run, running: list[int], now: float) -> bool:
         """Some running rank has computed FAILURE_WAIT_MAX_S since a rank failed, and no
@@ -382,8 +438,8 @@ class CellGuard:
         """
         from nbdist.driver.where import ask
 
-        dead = self.dead()
-        broken = set(run.broken_group_errors()) - set(dead) - set(self._released_from)
+        dead = self.deaths()
+        broken = set(run.broken_group_errors()) - set(self.dead()) - set(self._released_from)
         if not dead or not broken:
             return
         found = {
@@ -432,14 +488,34 @@ class CellGuard:
     def _released_note(self) -> str:
         if not self.released:
             return ""
-        parts = _released_parts(self.released_from)
+        parts = _released_parts(
+            {r: what for r, what in self.released_from.items() if r not in self.ended}
+        )
         released = "released" if self.stranded else "the others were released"
         head = self.release_reason + (f"; {released}: {', '.join(parts)}" if parts else "")
+        head += "".join(f"; {part}" for part in self._ended_parts())
         if self.session.dead_ranks():
             return head + f". {self.session.restart_hint()}."
         return head + (
             f". {self.reformed[0].upper()}{self.reformed[1:]}." if self.reformed else "."
         )
+
+    def _ended_parts(self) -> list[str]:
+        """'rank 0 was ended, still in send #2 10 s after its release (...)': one per place."""
+        ended = {r: what for r, what in self.ended.items() if r in self.dead()}
+        by_what: dict[str, list[int]] = {}
+        for rank, what in sorted(ended.items()):
+            by_what.setdefault(what, []).append(rank)
+        timeout = self.session.options.group_timeout
+        parts = []
+        for what, ranks in by_what.items():
+            one = len(ranks) == 1
+            parts.append(
+                f"{ranks_text(ranks)} {'was' if one else 'were'} ended, still in {what} "
+                f"{HELD_S:g} s after {'its' if one else 'their'} release (gloo would hold "
+                f"{'it' if one else 'them'} there until the group's timeout, {timeout:g} s)"
+            )
+        return parts
 
 
 def _released_parts(released_from: dict[int, str]) -> list[str]:

@@ -27,6 +27,7 @@ import time
 
 from nbdist.driver import crash_stack
 from nbdist.driver.oom import OomCounter, oom_counter
+from nbdist.engine import held_collective
 from nbdist.errors import format_ranks
 from nbdist.number_ranges import fold_texts
 
@@ -74,6 +75,11 @@ def death_cause(status: int | None, oom: OomCounter | None = None) -> str:
         return (
             f"exited with code {code} on SIGTERM: its job was cancelled (scancel), ran out "
             "of time, or was preempted"
+        )
+    if code == held_collective.EXIT_CODE:
+        return (
+            f"exited with code {code}: nbdist ended it, held in a collective after a release "
+            "(gloo would have held it until the group's timeout)"
         )
     return f"exited with code {code}"
 

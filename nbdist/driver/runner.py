@@ -519,7 +519,8 @@ class RankRun:
                 self._results = self._ar.get(return_exceptions=True)
             else:  # a dead rank's reply may never come: each live rank's own
                 self._results = [child_result(child) for child in self._children]
-        dead = self._guard.dead()
+        # A rank the guard ended (a collective held it after the release) is named in the note.
+        dead = self._guard.deaths()
         failures = [
             RankFailure(rank=rank, ename="RankDied", evalue=cause, traceback="")
             for rank, cause in sorted(dead.items())
@@ -528,7 +529,7 @@ class RankRun:
         failures += [
             rank_failure(rank, res, stopped=self._stopped)
             for rank, res in zip(self.ranks, self._results)
-            if isinstance(res, BaseException) and rank not in dead
+            if isinstance(res, BaseException) and rank not in dead and rank not in self._guard.ended
         ]
         released = self._guard.released_from
         genuine = [f for f in failures if f.rank not in released]

@@ -41,6 +41,10 @@ ipykernel serves on its own thread (the one that also serves
     then fails at once with "Connection closed". The process, its
     variables and its models stay; the group must be formed again
     (:func:`nbdist.engine.bootstrap.rejoin`).
+``end_if_held``
+    end this rank if a collective it was in when released still holds it
+    (gloo leaves some sends waiting until the group's timeout:
+    :mod:`nbdist.engine.held_collective`).
 
 Blocking waits release the GIL, so the control thread runs while the main
 thread waits. A rank stuck in native code that holds the GIL does not answer;
@@ -55,7 +59,14 @@ import sys
 import threading
 import traceback
 
-from nbdist.engine import collectives, crash_record, dap_relay, flight_recorder, late_interrupt
+from nbdist.engine import (
+    collectives,
+    crash_record,
+    dap_relay,
+    flight_recorder,
+    held_collective,
+    late_interrupt,
+)
 from nbdist.engine.helpers import device, rank
 from nbdist.metrics.gpu import read_this_rank
 
@@ -104,6 +115,7 @@ def remember_group_sockets(opened: set[tuple[int, str]]) -> None:
     _group_sockets.clear()
     _group_sockets.update(opened)
     _released = False
+    held_collective.forget_release()
 
 
 def track_subgroups() -> None:
@@ -160,6 +172,7 @@ def release() -> dict:
     import torch.distributed as dist
 
     _released = True
+    held_collective.mark_released()
     if not dist.is_initialized():
         return {"action": "none", "detail": "no process group"}
     backend = dist.get_backend()
@@ -257,7 +270,8 @@ def collective_state(flight: bool = False) -> dict:
         busy = runs_cell(code.co_name, code.co_filename) or code.co_name == "do_apply"
         frame = frame.f_back
     last = collectives.last()
-    state = {"busy": busy, "collective": last}
+    # Seconds a collective has outlived this rank's release (None: none has).
+    state = {"busy": busy, "collective": last, "held_s": held_collective.held_s()}
     if flight and not (last and last["inside"]):
         state["flight_state"] = flight_recorder.default_group_state()
     return state
@@ -285,6 +299,10 @@ def _handle(kernel, stream, idents, parent) -> None:
             reply = {"status": "ok", "where": collective_state(bool(content.get("flight")))}
         elif action == "release":
             reply = {"status": "ok", "release": release()}
+        elif action == "end_if_held":
+            # Returns only where the rank left its collective meanwhile: else it exits.
+            ended = held_collective.end_if_held(float(content.get("min_s", held_collective.HELD_S)))
+            reply = {"status": "ok", "ended": ended}
         elif action == "gpu":
             reply = {"status": "ok", "gpu": gpu()}
         elif action == "interrupt":
