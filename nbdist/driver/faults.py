@@ -58,10 +58,6 @@ STRANDED_GRACE_S = 3.0
 # control message per running rank (and, while some ranks finished, a read of the flight
 # recorder, ~20 ms), and a cell may run for hours, or rank 0 evaluate alone for minutes.
 STRANDED_LOOK_MAX_S = 30.0
-# After a release, the ranks still in a collective are looked at HELD_S later, then at
-# doubling intervals up to STRANDED_LOOK_MAX_S: one that a collective it was in when
-# released still holds HELD_S after its own release is ended
-# (:mod:`nbdist.engine.held_collective`: gloo would hold it until the group's timeout).
 # A release because ranks died: the words name every rank dead by the time they are read.
 _DIED = object()
 # What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
@@ -213,7 +209,13 @@ class CellGuard:
                 self.release(run, _STRANDED)
 
     def _look_held(self, run) -> None:
-        """After a release: end the ranks that a collective still holds (:data:`HELD_S`)."""
+        """After a release: end the ranks that a collective they were in then still holds.
+
+        The ranks still running are asked :data:`HELD_S` after the release, then at doubling
+        intervals up to :data:`STRANDED_LOOK_MAX_S`; one held :data:`HELD_S` after its own
+        release (:mod:`nbdist.engine.held_collective`: gloo leaves some waits to the group's
+        timeout) ends itself.
+        """
         from nbdist.driver.where import ask, control_request
 
         now = time.monotonic()
@@ -512,8 +514,8 @@ class CellGuard:
             one = len(ranks) == 1
             parts.append(
                 f"{ranks_text(ranks)} {'was' if one else 'were'} ended, still in {what} "
-                f"{HELD_S:g} s after {'its' if one else 'their'} release (gloo would hold "
-                f"{'it' if one else 'them'} there until the group's timeout, {timeout:g} s)"
+                f"{HELD_S:g} s after {'its' if one else 'their'} release (the wait would last "
+                f"until the group's timeout, {timeout:g} s)"
             )
         return parts
 

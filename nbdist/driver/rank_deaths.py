@@ -79,7 +79,7 @@ def death_cause(status: int | None, oom: OomCounter | None = None) -> str:
     if code == held_collective.EXIT_CODE:
         return (
             f"exited with code {code}: nbdist ended it, held in a collective after a release "
-            "(gloo would have held it until the group's timeout)"
+            "(its wait would have lasted until the group's timeout)"
         )
     return f"exited with code {code}"
 

@@ -1,15 +1,16 @@
 """Rank side: a collective that outlives this rank's release, measured and ended.
 
 A release (:func:`nbdist.engine.control.release`) shuts the gloo group's sockets so
-that every wait fails at once. One wait it cannot end: a gloo send whose write met
-the closed connection (EPIPE or ECONNRESET) before gloo's own loop thread saw it
-close. gloo queues such a send to retry it, and when the connection's error comes it
-tells the queued sends of the old, bound buffers, not those of the unbound buffers
-that torch's collectives and point-to-point calls use: the send waits for the
-group's timeout (30 minutes by default; gloo's ``pair.cc``, ``signalException``).
-At 256 ranks on 2 cores, where a loop thread runs seconds behind, one rank in
-about four cells with a death stayed so; at 2 ranks it takes a send that met a
-closed connection (tests/faults).
+that every wait fails at once. Two waits it cannot end. A send that gloo queued (its
+socket full, or its write met the closed connection, EPIPE or ECONNRESET, before
+gloo's own loop thread saw it close): when the connection's error comes, gloo tells
+the queued sends of its old, bound buffers, not those of the unbound buffers that
+torch's collectives and point-to-point calls use. And a receive halfway through its
+data, which gloo holds apart from the receives it tells (gloo's ``pair.cc``,
+``signalException``). Either waits for the group's timeout, 30 minutes by default.
+At 256 ranks on 2 cores, where a loop thread runs seconds behind, one rank in about
+four cells with a death stayed so; at 3 ranks, a rank stopped halfway through a large
+transfer does it every time (tests/faults/test_held_after_release.py).
 
 Nothing in the process can wake that wait, and no later collective of the group can
 run. The kernel asks each rank still in a collective after the release how long it

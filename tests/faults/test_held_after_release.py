@@ -43,9 +43,9 @@ def test_ranks_a_collective_holds_after_the_release_are_ended_and_named():
         err = failing_cell(s, _HELD.format(pid1=pids[1]))
         assert [(f.rank, f.ename) for f in err.failures] == [(2, "ValueError")], str(err)
         assert (
-            "rank 2 failed; rank 0 was ended, still in send #2 10 s after its release (gloo "
-            "would hold it there until the group's timeout, 600 s); rank 1 was ended, still "
-            "in recv #2 10 s after its release"
+            "rank 2 failed; rank 0 was ended, still in send #2 10 s after its release (the "
+            "wait would last until the group's timeout, 600 s); rank 1 was ended, still in "
+            "recv #2 10 s after its release"
         ) in str(err)
         assert str(err).endswith("%dist_restart (or restart()) brings every rank back.")
         rows = s.status()
