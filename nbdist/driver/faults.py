@@ -212,7 +212,8 @@ class CellGuard:
         """After a release: end the ranks that a collective they were in then still holds.
 
         The ranks still running are asked :data:`HELD_S` after the release, then at doubling
-        intervals up to :data:`STRANDED_LOOK_MAX_S`; one held :data:`HELD_S` after its own
+        intervals up to :data:`STRANDED_LOOK_MAX_S`, or sooner where a rank held less long
+        will have been held :data:`HELD_S` then; one held :data:`HELD_S` after its own
         release (:mod:`nbdist.engine.held_collective`: gloo leaves some waits to the group's
         timeout) ends itself.
         """
@@ -235,11 +236,13 @@ class CellGuard:
         if not running:
             return
         found = ask(self.session.client, running, light=True, timeout=_RELEASE_ASK_S)
-        held = {
-            w.rank: f"{w.collective['op']} #{w.collective['seq']}"
-            for w in found
-            if w.answered and w.collective and w.held_s is not None and w.held_s >= HELD_S
-        }
+        seen = {w.rank: w.held for w in found if w.answered and w.held is not None}
+        held = {rank: h["call"] for rank, h in seen.items() if h["s"] >= HELD_S}
+        soonest = min((HELD_S - h["s"] for h in seen.values() if h["s"] < HELD_S), default=None)
+        if soonest is not None:
+            # A rank released late (its control thread answered the release late: stopped,
+            # or one of hundreds on a loaded machine) is looked at again when it may count.
+            self._next_held_look = min(self._next_held_look, now + soonest + 0.1)
         if not held:
             return
         # Each rank checks again before it ends (it may have left its collective since).

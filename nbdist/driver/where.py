@@ -65,8 +65,9 @@ class RankWhere:
     flight: list[dict] | None = None
     # The default group's last and newest open call there (the cell guard's look; None: not asked).
     flight_state: dict | None = None
-    # Seconds a collective the rank was in when released has held it since (None: none has).
-    held_s: float | None = None
+    # The call the rank was in when released that holds it still: {"s": seconds since the
+    # release, "call": "send #2"} (None: none has).
+    held: dict | None = None
 
 
 def control_request(
@@ -154,7 +155,7 @@ def ask(
                 collective=w["collective"],
                 flight=w.get("flight"),
                 flight_state=w.get("flight_state"),
-                held_s=w.get("held_s"),
+                held=w.get("held"),
             )
         )
     return found

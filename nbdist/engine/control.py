@@ -76,6 +76,7 @@ __all__ = [
     "gloo_connects_lazily",
     "group_sockets",
     "install",
+    "main_busy",
     "release",
     "remember_group_sockets",
     "runs_cell",
@@ -254,6 +255,17 @@ def where() -> dict:
     }
 
 
+def main_busy() -> bool:
+    """Whether the main thread runs a cell or an apply (walking its frames: microseconds)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001
+    while frame is not None:
+        code = frame.f_code
+        if runs_cell(code.co_name, code.co_filename) or code.co_name == "do_apply":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def collective_state(flight: bool = False) -> dict:
     """Whether the main thread runs a cell or an apply, and this rank's last collective.
 
@@ -263,15 +275,10 @@ def collective_state(flight: bool = False) -> dict:
     flight recorder (:func:`nbdist.engine.flight_recorder.default_group_state`),
     unless the rank waits in a collective nbdist records already.
     """
-    frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001
-    busy = False
-    while frame is not None and not busy:
-        code = frame.f_code
-        busy = runs_cell(code.co_name, code.co_filename) or code.co_name == "do_apply"
-        frame = frame.f_back
+    busy = main_busy()
     last = collectives.last()
-    # Seconds a collective has outlived this rank's release (None: none has).
-    state = {"busy": busy, "collective": last, "held_s": held_collective.held_s()}
+    # The call this rank has stayed in since its release, and how long (None: none).
+    state = {"busy": busy, "collective": last, "held": held_collective.held(busy)}
     if flight and not (last and last["inside"]):
         state["flight_state"] = flight_recorder.default_group_state()
     return state
@@ -301,7 +308,8 @@ def _handle(kernel, stream, idents, parent) -> None:
             reply = {"status": "ok", "release": release()}
         elif action == "end_if_held":
             # Returns only where the rank left its collective meanwhile: else it exits.
-            ended = held_collective.end_if_held(float(content.get("min_s", held_collective.HELD_S)))
+            min_s = float(content.get("min_s", held_collective.HELD_S))
+            ended = held_collective.end_if_held(min_s, main_busy())
             reply = {"status": "ok", "ended": ended}
         elif action == "gpu":
             reply = {"status": "ok", "gpu": gpu()}

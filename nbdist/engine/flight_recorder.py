@@ -26,7 +26,14 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["DEFAULT_ENTRIES", "enable", "group_formed", "group_forming", "recent"]
+__all__ = [
+    "DEFAULT_ENTRIES",
+    "enable",
+    "group_formed",
+    "group_forming",
+    "open_before",
+    "recent",
+]
 
 # Entries kept per rank: a few training steps of DDP buckets, a few hundred KB at most.
 DEFAULT_ENTRIES = 1024
@@ -209,3 +216,28 @@ def default_group_state() -> dict | None:
             "seconds": (time.time_ns() - created) / 1e9 if created else 0.0,
         }
     return state
+
+
+def open_before(ns: int) -> dict | None:
+    """The newest call of the groups formed last that was created before ``ns`` and never finished.
+
+    ``{"op", "seq"}``, numbered as :func:`recent` numbers them; None where there is none, or
+    nothing is recorded. Any group's calls count, point-to-point ones too (numbered among
+    the group's point-to-point calls): what a rank held after its release waits in
+    (:mod:`nbdist.engine.held_collective`), whichever call it is.
+    """
+    found = _dump()
+    if not found:
+        return None
+    opened = [
+        e
+        for e in found.get("entries", [])
+        if not e.get("retired", False)
+        and _group_since_ns <= e.get("time_created_ns", 0) < ns
+        and (e.get("is_p2p") or _number(e) > 0)
+    ]
+    if not opened:
+        return None
+    newest = max(opened, key=lambda e: e["time_created_ns"])
+    seq = int(newest.get("p2p_seq_id", 0)) if newest.get("is_p2p") else _number(newest)
+    return {"op": str(newest.get("profiling_name", "")).split(":", 1)[-1], "seq": seq}

@@ -14,20 +14,41 @@ transfer does it every time (tests/faults/test_held_after_release.py).
 
 Nothing in the process can wake that wait, and no later collective of the group can
 run. The kernel asks each rank still in a collective after the release how long it
-has stayed (:func:`held_s`); one held :data:`HELD_S` after its own release ends
-itself on the kernel's request (:func:`end_if_held`): its processes are ended as at
-a stop, and it exits with :data:`EXIT_CODE`, which the kernel's death words name.
+has stayed (:func:`held`); one held :data:`HELD_S` after its own release ends itself
+on the kernel's request (:func:`end_if_held`): its processes are ended as at a stop,
+and it exits with :data:`EXIT_CODE`, which the kernel's death words name.
+
+Two kinds of wait are seen. A call made through ``torch.distributed`` is in nbdist's
+own record (:mod:`nbdist.engine.collectives`), entered before the release and not
+returned. A wait in C++ is not: DDP's gradient all-reduce in ``backward()``, or an
+``async_op`` work's ``wait()``. Such a rank counts as held when all of these hold: its
+main thread runs a cell and has run no bytecode since the release (a pending call
+CPython would run there at its next bytecode has not run: the SIGINT that follows a
+release would have raised wherever bytecode ran), it sleeps (the kernel's thread state, and no CPU time across a short
+look: a C++ computation, a matrix product, runs), and the group's flight recorder
+(:mod:`nbdist.engine.flight_recorder`) holds a call created before the release that
+never finished.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
+import threading
 import time
 
-from nbdist.engine import collectives, crash_record, own_processes
+from nbdist.engine import collectives, crash_record, flight_recorder, own_processes
 
-__all__ = ["EXIT_CODE", "HELD_S", "end_if_held", "held_s", "mark_released", "forget_release"]
+__all__ = [
+    "EXIT_CODE",
+    "HELD_S",
+    "asleep_since_release",
+    "end_if_held",
+    "forget_release",
+    "held",
+    "mark_released",
+]
 
 # A released rank leaves its collective within seconds: at 256 ranks on 2 cores, 1.6 s
 # after its release at the median and 2.5 s at most (a cell where one rank died,
@@ -35,39 +56,131 @@ __all__ = ["EXIT_CODE", "HELD_S", "end_if_held", "held_s", "mark_released", "for
 HELD_S = 10.0
 # The exit status of a rank that ended itself here (EX_TEMPFAIL: the job itself is fine).
 EXIT_CODE = 75
+# How long the main thread's CPU clock is watched for a C++ wait, and how much it may
+# advance meanwhile: a sleeping thread's does not move, a computing one's moves by most
+# of it (by a few ms at least, even on a machine that runs 256 ranks on 2 cores).
+_SLEEP_LOOK_S = 0.05
+_SLEEP_CPU_S = 0.001
 
 _released_at: float | None = None  # time.monotonic() of this rank's last release
+_released_ns = 0  # the same moment on the flight recorder's clock (time.time_ns())
+# The main thread's innermost frame at the release: (id, code, instruction), None if none.
+_main_at_release: tuple | None = None
+
+
+# Whether the main thread ran bytecode since the release: a pending call, which CPython
+# runs on the main thread at its next bytecode, sets it. (The frame alone cannot tell: a
+# loop back to the same sleep is the same frame at the same instruction.)
+_ran_since_release = True
+
+
+def _note_bytecode(_arg) -> int:
+    global _ran_since_release
+    _ran_since_release = True
+    return 0
+
+
+# Kept for the process's life: CPython calls it later, from the main thread.
+_NOTE_BYTECODE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(_note_bytecode)
+
+
+def _main_frame():
+    # The only way to read another thread's frame (this runs on the control thread).
+    return sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001
+
+
+def _frame_key(frame) -> tuple | None:
+    return None if frame is None else (id(frame), frame.f_code, frame.f_lasti)
 
 
 def mark_released() -> None:
-    """The release ran now (called by :func:`nbdist.engine.control.release`)."""
-    global _released_at
+    """The release runs now (called by :func:`nbdist.engine.control.release`)."""
+    global _released_at, _released_ns, _main_at_release, _ran_since_release
+    _ran_since_release = False
+    if ctypes.pythonapi.Py_AddPendingCall(_NOTE_BYTECODE, None) != 0:
+        _ran_since_release = True  # CPython's queue is full: nothing can count as asleep
+    _main_at_release = _frame_key(_main_frame())
+    _released_ns = time.time_ns()
     _released_at = time.monotonic()
 
 
 def forget_release() -> None:
     """The group formed again: no release is pending."""
-    global _released_at
+    global _released_at, _main_at_release
     _released_at = None
+    _main_at_release = None
 
 
-def held_s() -> float | None:
-    """Seconds this rank has stayed, since its release, in a collective it entered before it.
+def held(busy: bool) -> dict | None:
+    """``{"s": seconds, "call": "send #2"}``: the call this rank has stayed in since its release.
 
-    None where it was not released, is in no collective, or entered this one after the
-    release (a call on the released group fails at once: it is not held).
+    ``busy``: whether the main thread runs a cell (or an apply) now. None where the rank
+    was not released, is in no call, or entered this one after the release (a call on
+    the released group fails at once: it is not held).
     """
     released_at = _released_at
-    last = collectives.last()
-    if released_at is None or not last or not last["inside"]:
+    if released_at is None or not busy:
         return None
     now = time.monotonic()
-    if now - last["seconds"] > released_at:
+    last = collectives.last()
+    if last and last["inside"]:
+        if now - last["seconds"] > released_at:
+            return None
+        return {"s": now - released_at, "call": f"{last['op']} #{last['seq']}"}
+    call = _native_wait()
+    return None if call is None else {"s": time.monotonic() - released_at, "call": call}
+
+
+def _native_wait() -> str | None:
+    """The unfinished call a main thread asleep in C++ since the release waits for, if any."""
+    if not asleep_since_release():
         return None
-    return now - released_at
+    opened = flight_recorder.open_before(_released_ns)
+    if opened is None:
+        return None
+    return (
+        f"{opened['op']} #{opened['seq']} (waited for in C++: DDP's backward, or a work's wait())"
+    )
 
 
-def end_if_held(min_s: float) -> bool:
+def asleep_since_release() -> bool:
+    """Whether the main thread has slept in one native call since the release (Linux only).
+
+    No bytecode ran (a pending call CPython would have run on the main thread at its next
+    bytecode has not run, and the frame is the same), the kernel says it sleeps,
+    and its CPU clock stays still across :data:`_SLEEP_LOOK_S`: a C++ computation that
+    began before the release (a matrix product) runs, and does not count.
+    """
+    if (
+        _ran_since_release
+        or _main_at_release is None
+        or _frame_key(_main_frame()) != _main_at_release
+    ):
+        return False  # bytecode ran since the release (or no frame was seen then)
+    try:
+        clock = time.pthread_getcpuclockid(threading.main_thread().ident)
+        before = time.clock_gettime(clock)
+        asleep = _main_thread_state() == "S"
+        time.sleep(_SLEEP_LOOK_S)
+        asleep = asleep and _main_thread_state() == "S"
+        moved = time.clock_gettime(clock) - before
+    except (AttributeError, OSError):  # not Linux: a C++ wait cannot be told from work
+        return False
+    return asleep and moved <= _SLEEP_CPU_S and not _ran_since_release
+
+
+def _main_thread_state() -> str:
+    """The Linux state letter of the main thread (``S``: asleep, ``R``: runs).
+
+    The process's own ``stat`` holds its main thread's state: a rank in a PID namespace
+    of its own sees ``/proc`` with other thread numbers than ``threading`` gives.
+    """
+    with open("/proc/self/stat") as f:
+        # "pid (comm) S ...": the name may hold spaces and parentheses, the state follows its last ')'.
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def end_if_held(min_s: float, busy: bool) -> bool:
     """End this process if it has been held at least ``min_s`` (it left meanwhile: False).
 
     Runs on the control thread while the main thread waits in gloo: the output the
@@ -75,8 +188,8 @@ def end_if_held(min_s: float) -> bool:
     (as at a stop), then the process exits without running Python's exit handlers,
     which would wait for the held main thread.
     """
-    held = held_s()
-    if held is None or held < min_s:
+    found = held(busy)
+    if found is None or found["s"] < min_s:
         return False
     for stream in (sys.stdout, sys.stderr):
         try:
