@@ -42,9 +42,9 @@ ipykernel serves on its own thread (the one that also serves
     variables and its models stay; the group must be formed again
     (:func:`nbdist.engine.bootstrap.rejoin`).
 ``end_if_held``
-    end this rank if a collective it was in when released still holds it
-    (gloo leaves some sends waiting until the group's timeout:
-    :mod:`nbdist.engine.held_collective`).
+    end this rank if a call it was in when released still holds it (gloo
+    leaves a queued send, or a receive halfway through its data, waiting
+    until the group's timeout: :mod:`nbdist.engine.held_collective`).
 
 Blocking waits release the GIL, so the control thread runs while the main
 thread waits. A rank stuck in native code that holds the GIL does not answer;

@@ -222,9 +222,9 @@ def open_before(ns: int) -> dict | None:
     """The newest call of the groups formed last that was created before ``ns`` and never finished.
 
     ``{"op", "seq"}``, numbered as :func:`recent` numbers them; None where there is none, or
-    nothing is recorded. Any group's calls count, point-to-point ones too (numbered among
-    the group's point-to-point calls): what a rank held after its release waits in
-    (:mod:`nbdist.engine.held_collective`), whichever call it is.
+    nothing is recorded. Any group's calls count, and NCCL's point-to-point ones (numbered
+    among the group's point-to-point calls; gloo records none, torch 2.13): what a rank
+    held after its release waits in (:mod:`nbdist.engine.held_collective`).
     """
     found = _dump()
     if not found:

@@ -24,10 +24,10 @@ returned. A wait in C++ is not: DDP's gradient all-reduce in ``backward()``, or 
 ``async_op`` work's ``wait()``. Such a rank counts as held when all of these hold: its
 main thread runs a cell and has run no bytecode since the release (a pending call
 CPython would run there at its next bytecode has not run: the SIGINT that follows a
-release would have raised wherever bytecode ran), it sleeps (the kernel's thread state, and no CPU time across a short
-look: a C++ computation, a matrix product, runs), and the group's flight recorder
-(:mod:`nbdist.engine.flight_recorder`) holds a call created before the release that
-never finished.
+release would have raised wherever bytecode ran), it sleeps (the kernel's thread
+state, and no CPU time across a short look: a C++ computation, a matrix product,
+runs), and the group's flight recorder (:mod:`nbdist.engine.flight_recorder`) holds a
+call created before the release that never finished.
 """
 
 from __future__ import annotations
@@ -56,21 +56,18 @@ __all__ = [
 HELD_S = 10.0
 # The exit status of a rank that ended itself here (EX_TEMPFAIL: the job itself is fine).
 EXIT_CODE = 75
-# How long the main thread's CPU clock is watched for a C++ wait, and how much it may
-# advance meanwhile: a sleeping thread's does not move, a computing one's moves by most
-# of it (by a few ms at least, even on a machine that runs 256 ranks on 2 cores).
+# How long the main thread is watched for a C++ wait, and how much its CPU clock may
+# advance meanwhile: a sleeping thread's does not move. A computing one's state reads R
+# (running, or waiting for a core: on a machine with far more ranks than cores its clock
+# may move little), and its clock moves where it gets a core.
 _SLEEP_LOOK_S = 0.05
 _SLEEP_CPU_S = 0.001
 
 _released_at: float | None = None  # time.monotonic() of this rank's last release
 _released_ns = 0  # the same moment on the flight recorder's clock (time.time_ns())
-# The main thread's innermost frame at the release: (id, code, instruction), None if none.
-_main_at_release: tuple | None = None
-
-
 # Whether the main thread ran bytecode since the release: a pending call, which CPython
-# runs on the main thread at its next bytecode, sets it. (The frame alone cannot tell: a
-# loop back to the same sleep is the same frame at the same instruction.)
+# runs on the main thread at its next bytecode, sets it. (Its frame cannot tell: a loop
+# back to the same sleep is the same frame at the same instruction.)
 _ran_since_release = True
 
 
@@ -84,31 +81,20 @@ def _note_bytecode(_arg) -> int:
 _NOTE_BYTECODE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(_note_bytecode)
 
 
-def _main_frame():
-    # The only way to read another thread's frame (this runs on the control thread).
-    return sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001
-
-
-def _frame_key(frame) -> tuple | None:
-    return None if frame is None else (id(frame), frame.f_code, frame.f_lasti)
-
-
 def mark_released() -> None:
     """The release runs now (called by :func:`nbdist.engine.control.release`)."""
-    global _released_at, _released_ns, _main_at_release, _ran_since_release
+    global _released_at, _released_ns, _ran_since_release
     _ran_since_release = False
     if ctypes.pythonapi.Py_AddPendingCall(_NOTE_BYTECODE, None) != 0:
         _ran_since_release = True  # CPython's queue is full: nothing can count as asleep
-    _main_at_release = _frame_key(_main_frame())
     _released_ns = time.time_ns()
     _released_at = time.monotonic()
 
 
 def forget_release() -> None:
     """The group formed again: no release is pending."""
-    global _released_at, _main_at_release
+    global _released_at
     _released_at = None
-    _main_at_release = None
 
 
 def held(busy: bool) -> dict | None:
@@ -147,16 +133,12 @@ def asleep_since_release() -> bool:
     """Whether the main thread has slept in one native call since the release (Linux only).
 
     No bytecode ran (a pending call CPython would have run on the main thread at its next
-    bytecode has not run, and the frame is the same), the kernel says it sleeps,
-    and its CPU clock stays still across :data:`_SLEEP_LOOK_S`: a C++ computation that
-    began before the release (a matrix product) runs, and does not count.
+    bytecode has not run), the kernel says it sleeps, and its CPU clock stays still across
+    :data:`_SLEEP_LOOK_S`: a C++ computation that began before the release (a matrix
+    product) runs, and does not count.
     """
-    if (
-        _ran_since_release
-        or _main_at_release is None
-        or _frame_key(_main_frame()) != _main_at_release
-    ):
-        return False  # bytecode ran since the release (or no frame was seen then)
+    if _released_at is None or _ran_since_release:
+        return False
     try:
         clock = time.pthread_getcpuclockid(threading.main_thread().ident)
         before = time.clock_gettime(clock)
