@@ -3,8 +3,9 @@
 nbdist wraps the collective functions of ``torch.distributed`` on every rank
 (``dist.all_reduce``, ``dist.barrier``, ...) so that each call is counted and
 remembered: its name, its sequence number in this group, whether it
-returned, and whom it waits for (its group, or a point-to-point call's peer;
-never its tensors). When ranks hang, comparing these records says who is
+returned, whom it waits for (its group, or a point-to-point call's peer;
+never its tensors), and, for an async call, its works (weakly: whether a wait
+on them can still be waiting). When ranks hang, comparing these records says who is
 waiting for whom ("rank 1 never entered all_reduce #118"), and lets the
 kernel's cell guard release ranks whose collective can no longer end
 (:mod:`nbdist.driver.faults`).
@@ -28,10 +29,11 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 
 from nbdist.metrics import steptime
 
-__all__ = ["TRACKED_OPS", "cell_started", "install", "last", "reset"]
+__all__ = ["TRACKED_OPS", "cell_started", "install", "last", "open_work_since", "reset"]
 
 TRACKED_OPS = (
     "all_gather",
@@ -60,7 +62,7 @@ TRACKED_OPS = (
 
 
 class _Record:
-    __slots__ = ("op", "seq", "entered", "exited", "raised", "group", "peer", "group_peer")
+    __slots__ = ("op", "seq", "entered", "exited", "raised", "group", "peer", "group_peer", "works")
 
     def __init__(self, op: str, seq: int, entered: float) -> None:
         self.op = op
@@ -74,6 +76,10 @@ class _Record:
         self.group = None
         self.peer: int | tuple[int, ...] | None = None
         self.group_peer: int | None = None
+        # The works an async call returned (``async_op=True``, ``batch_isend_irecv``), held
+        # weakly: a wait on them is in C++, where a rank a release cannot free stays
+        # (held_collective.py). gloo's flight recorder does not record point-to-point calls.
+        self.works: list | None = None
 
 
 # Where each op takes its group and its peer, by position: (group, peer, group_peer).
@@ -136,7 +142,10 @@ def _tracked(op: str, fn):
             end_event = steptime.cuda_comm_events(first)
         _depth += 1
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if result is not None:  # a synchronous collective returns None
+                record.works = _weakly(result)
+            return result
         except BaseException:
             record.raised = True  # e.g. a peer died or the group was released
             raise
@@ -152,6 +161,34 @@ def _tracked(op: str, fn):
 
     tracked.nbdist_original = fn
     return tracked
+
+
+def _weakly(result) -> list | None:
+    """Weak references to the works in ``result`` (a Work, or a list of them), or None."""
+    found = result if isinstance(result, list) else [result]
+    try:
+        return [weakref.ref(w) for w in found if hasattr(w, "is_completed")] or None
+    except TypeError:  # a work without weak references: not kept (nor kept alive)
+        return None
+
+
+def open_work_since(moment: float) -> str | None:
+    """``"batch_isend_irecv #4"``: the last call, entered before ``moment``, whose works are unfinished.
+
+    ``moment`` is on ``time.monotonic()``'s clock. None where the last call returned no
+    works, entered later, or every work it returned finished (or was dropped).
+    """
+    record = _last
+    if record is None or record.works is None or record.entered > moment:
+        return None
+    for ref in record.works:
+        work = ref()
+        try:
+            if work is not None and not work.is_completed():
+                return f"{record.op} #{record.seq}"
+        except Exception:  # a work whose group was destroyed: not waited for
+            continue
+    return None
 
 
 def install() -> None:

@@ -27,7 +27,9 @@ CPython would run there at its next bytecode has not run: the SIGINT that follow
 release would have raised wherever bytecode ran), it sleeps (the kernel's thread
 state, and no CPU time across a short look: a C++ computation, a matrix product,
 runs), and the group's flight recorder (:mod:`nbdist.engine.flight_recorder`) holds a
-call created before the release that never finished.
+call created before the release that never finished, or the last call nbdist recorded
+before the release returned works not finished (a pipeline schedule's
+``batch_isend_irecv``: gloo's recorder has no point-to-point calls).
 """
 
 from __future__ import annotations
@@ -122,11 +124,12 @@ def _native_wait() -> str | None:
     if not asleep_since_release():
         return None
     opened = flight_recorder.open_before(_released_ns)
-    if opened is None:
-        return None
-    return (
-        f"{opened['op']} #{opened['seq']} (waited for in C++: DDP's backward, or a work's wait())"
-    )
+    if opened is not None:
+        return f"{opened['op']} #{opened['seq']} (waited for in C++: DDP's backward, or a work's wait())"
+    # gloo's recorder has no point-to-point calls: a pipeline schedule's batch_isend_irecv
+    # works are in nbdist's own record.
+    call = collectives.open_work_since(_released_at)
+    return None if call is None else f"{call} (waited for in C++: a work's wait())"
 
 
 def asleep_since_release() -> bool:

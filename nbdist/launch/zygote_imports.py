@@ -4,9 +4,10 @@ Everything here runs in :mod:`nbdist.launch.zygote` before its first fork, so th
 ranks share it copy-on-write instead of each paying for it: torch and
 torch.distributed, ipyparallel's engine, the modules every engine imports as it
 starts or at its first error (:data:`ENGINE_MODULES`), the caches IPython fills
-when it formats a rank's first traceback, and, where many ranks share each core,
-the torch sources those tracebacks read (:data:`TRACEBACK_SOURCES`,
-:func:`parse_pays`). Nothing here starts a thread: the zygote checks
+when it formats a rank's first traceback, where many ranks start, torch's compiler
+front end that DDP imports as it is built (:func:`dynamo_pays`), and, where many
+ranks share each core, the torch sources those tracebacks read
+(:data:`TRACEBACK_SOURCES`, :func:`parse_pays`). Nothing here starts a thread: the zygote checks
 (:func:`nbdist.launch.zygote.fork_unsafe_reason`) before it forks.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["ENGINE_MODULES", "TRACEBACK_SOURCES", "import_all", "parse_pays"]
+__all__ = ["ENGINE_MODULES", "TRACEBACK_SOURCES", "dynamo_pays", "import_all", "parse_pays"]
 
 # What every engine imports while it starts, besides torch and ipykernel's debugger
 # module: imported once in the zygote, shared by the forks instead of paid per rank.
@@ -38,6 +39,9 @@ ENGINE_MODULES = (
     "nbdist.engine.bootstrap",  # with patches (every patch module), devices, netif, metrics.log
 )
 
+
+# From how many forks the zygote imports torch._dynamo (see dynamo_pays).
+_DYNAMO_FROM = 8
 
 # torch's modules whose frames most errors on a rank pass through (a collective's, a released
 # collective's, a model's forward, a backward pass, a loss or activation function's shape check).
@@ -69,6 +73,21 @@ def parse_pays(forks: int, cores: int) -> bool:
     return forks >= _PARSE_SOURCES_FROM and forks >= _PARSE_RANKS_PER_CORE * max(1, cores)
 
 
+def dynamo_pays(forks: int) -> bool:
+    """Whether importing ``torch._dynamo`` before forking ``forks`` ranks pays.
+
+    Building ``DistributedDataParallel`` imports it (torch 2.13: ~810 modules, sympy
+    among them): each rank pays ~1 CPU-s and ~71 MiB of its own memory the first time,
+    in the same cell on every rank at once. With 256 ranks that is ~18 GiB, more than a
+    24-GiB machine had left: its out-of-memory killer ended the ranks after 15 minutes
+    of a cell that built a one-layer DDP (2026-12-05); at 64 ranks on 2 cores the cell
+    took 46 s. Imported once here it costs the start ~0.5 CPU-s (the cyclic collector
+    off) and its pages are shared; where few ranks start, a start that never builds a
+    DDP model would pay for nothing.
+    """
+    return forks >= _DYNAMO_FROM
+
+
 def import_all(forks: int = 1) -> None:
     """torch, torch.distributed, ipyparallel's engine, ipykernel's debugger module, the rest.
 
@@ -83,6 +102,10 @@ def import_all(forks: int = 1) -> None:
     _import_debugger_module()
     _preimport(ENGINE_MODULES)
     _warm_traceback_caches()
+    if dynamo_pays(forks):
+        # No thread starts at its import (fork_unsafe_reason checks); torch.compile's
+        # workers start at a first compile, in the rank.
+        _preimport(("torch._dynamo",))
     if parse_pays(forks, _usable_cores()):
         _parse_traceback_sources(TRACEBACK_SOURCES)
 

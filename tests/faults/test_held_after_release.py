@@ -7,7 +7,8 @@ with a CellTimeout first). Rank 2 stops rank 1 (SIGSTOP), so that rank 0's 128 M
 transfer fills the socket and rank 1's receive stops halfway, then fails; rank 1 runs on
 8 s later, after the release. Once in a call nbdist records (``dist.send``), once in a
 wait it does not see (an ``async_op`` work's ``wait()``, as DDP's backward waits for its
-gradient all-reduce in C++).
+gradient all-reduce in C++), once in a wait on ``batch_isend_irecv``'s works (a pipeline
+schedule's), which gloo's flight recorder does not record.
 """
 
 from __future__ import annotations
@@ -85,4 +86,17 @@ def test_a_rank_a_wait_in_cpp_holds_after_the_release_is_ended_and_named():
         "rank 1 was ended, still in all_reduce #2 (waited for in C++: DDP's backward, or "
         "a work's wait()) 10 s after its release (the wait would last until the group's "
         "timeout, 600 s)"
+    ) in text
+
+
+def test_a_rank_a_point_to_point_wait_holds_after_the_release_is_ended_and_named():
+    # A pipeline schedule's wait: batch_isend_irecv's works, waited for in C++; gloo's
+    # flight recorder has no point-to-point calls, nbdist's record keeps the works.
+    p2p = "[w.wait() for w in dist.batch_isend_irecv([dist.P2POp(dist.{}, big, {})])]"
+    cell = _HELD.format(rank1=p2p.format("irecv", 0), rank0=p2p.format("isend", 1))
+    text = _ended_by_the_cell("dist.all_reduce(big)", cell, ended=[0, 1])
+    assert (
+        "rank 2 failed; ranks 0 and 1 were ended, still in batch_isend_irecv #2 (waited for "
+        "in C++: a work's wait()) 10 s after their release (the wait would last until the "
+        "group's timeout, 600 s)."
     ) in text
