@@ -77,13 +77,14 @@ def dynamo_pays(forks: int) -> bool:
     """Whether importing ``torch._dynamo`` before forking ``forks`` ranks pays.
 
     Building ``DistributedDataParallel`` imports it (torch 2.13: ~810 modules, sympy
-    among them): each rank pays ~1 CPU-s and ~71 MiB of its own memory the first time,
-    in the same cell on every rank at once. With 256 ranks that is ~18 GiB, more than a
-    24-GiB machine had left: its out-of-memory killer ended the ranks after 15 minutes
-    of a cell that built a one-layer DDP (2026-12-05); at 64 ranks on 2 cores the cell
-    took 46 s. Imported once here it costs the start ~0.5 CPU-s (the cyclic collector
-    off) and its pages are shared; where few ranks start, a start that never builds a
-    DDP model would pay for nothing.
+    among them): each rank paid ~1 CPU-s and ~94 MiB of its own memory the first time,
+    in the same cell on every rank at once. With 256 ranks that is ~23.5 GiB: on a
+    24-GiB machine a cell that built a one-layer DDP had not ended after 15 minutes, and
+    the out-of-memory killer had ended 60 ranks; at 64 ranks on 2 cores it took 36 s,
+    0.7 s with the import shared (bench/first_ddp.py, 2026-12-05). Imported once here it
+    costs the start ~0.5 CPU-s (the cyclic collector off); below 8 ranks the start is
+    left alone: ~1 CPU-s a rank at the first DDP model, against ~0.5 s added to every
+    start, also those that never build one (most of a test suite's).
     """
     return forks >= _DYNAMO_FROM
 
