@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -20,7 +19,7 @@ zygote_imports.import_all(int(sys.argv[1]))
 unsafe = zygote.fork_unsafe_reason()
 gc.enable()
 import torch, torch.distributed as dist
-dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:" + sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[2])
 before = set(sys.modules)
 torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
 dist.destroy_process_group()
@@ -28,17 +27,11 @@ print(json.dumps({"unsafe": unsafe, "imported": len(set(sys.modules) - before)})
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("forks", [8, 2])
-def test_a_rank_builds_ddp_without_imports_of_its_own_where_many_ranks_start(forks):
+def test_a_rank_builds_ddp_without_imports_of_its_own_where_many_ranks_start(forks, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")  # the zygote's setting: no thread at torch's import
     out = subprocess.run(
-        [sys.executable, "-c", _CHECK, str(forks), str(_free_port())],
+        [sys.executable, "-c", _CHECK, str(forks), str(tmp_path / "store")],
         capture_output=True,
         text=True,
         timeout=120,
