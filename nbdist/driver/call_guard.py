@@ -46,6 +46,10 @@ class CallGuard:
         """Nothing is released from a collective here: {}."""
         return {}
 
+    def watching(self) -> bool:
+        """Whether :meth:`poll` may act now: always (it only SIGINTs the ranks again)."""
+        return True
+
     def poll(self, run) -> None:
         """Each pass of the waiting loop: SIGINT again the ranks an interrupt did not reach."""
         if self._interrupted_at is None or self.released:

@@ -72,9 +72,15 @@ _STRANDED = (
 class CellGuard:
     """Watches one cell's ranks: releases the others when one fails, hangs or dies."""
 
-    def __init__(self, session, ranks) -> None:
-        """Guard one cell of ``session`` running on ``ranks`` (RankInfo, in run order)."""
+    def __init__(self, session, ranks, background=None) -> None:
+        """Guard one cell of ``session`` running on ``ranks`` (RankInfo, in run order).
+
+        ``background``: the session's :class:`~nbdist.driver.background_runs.BackgroundRuns`
+        (a rank still running a cell sent before this one without waiting has not begun it).
+        """
         self.session = session
+        self._background = background
+        self._group = session.group  # a restart forms another: this cell's ranks are gone
         self.ranks = list(ranks)  # RankInfo of the cell's ranks, in run order
         self._by_rank = {r.rank: r for r in self.ranks}
         self._released_from: dict[int, str] = {}  # rank -> what it was released from
@@ -137,6 +143,11 @@ class CellGuard:
         """{rank: cause} of this cell's ranks that died by themselves (not ended here)."""
         return {r: cause for r, cause in self.dead().items() if r not in self.ended}
 
+    def watching(self) -> bool:
+        """Whether :meth:`poll` may act now: while the cell's ranks run (a run sent without
+        waiting may be asked ``done()`` after a stop or restart, whose ranks are gone)."""
+        return self.session.running and self.session.group is self._group
+
     def poll(self, run) -> None:
         """Each pass of the waiting loop: release the ranks if the cell cannot finish."""
         if self.released:
@@ -150,6 +161,10 @@ class CellGuard:
         failed = [r for r, s in states.items() if s == "error"]
         running = [r for r, s in states.items() if s == "running"]
         now = time.monotonic()
+        if self._interrupted_at is None and self._background is not None:
+            # Not begun: still in a cell sent before without waiting, whose guard watches it.
+            behind = self._background.running_before(run)
+            running = [r for r in running if r not in behind]
         if self._interrupted_at is not None:
             # Interrupted ranks fail with KeyboardInterrupt: that is no cause to name.
             if not running or now - self._interrupted_at < INTERRUPT_GRACE_S:
@@ -432,6 +447,11 @@ class CellGuard:
                     )
             except Exception as exc:
                 self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
+        elif self.released and session.group is not None:
+            # A cell sent without waiting, waited for after a later cell formed the group again.
+            self.reformed = (
+                "the process group was formed again for a later cell; variables and models are kept"
+            )
 
     def _blame_deaths(self, run) -> None:
         """Name the live ranks whose error says the group broke as released by the death.

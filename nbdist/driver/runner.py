@@ -86,6 +86,7 @@ class RankRun:
         waiting_for: str = "",
         prompts: PromptServer | None = None,
         iopub: EarlyIopub | None = None,
+        background: Callable[[RankRun], None] | None = None,
     ):
         """Follow ``async_result`` (one child per rank of ``ranks``, same order).
 
@@ -98,9 +99,12 @@ class RankRun:
         ``prompts`` answers the ranks' pdb and ``input()`` prompts (``timeout``
         pauses while the user is asked); ``iopub`` holds the messages that came
         before this object existed (its callbacks were attached when the requests
-        were sent), else callbacks are attached here."""
+        were sent), else callbacks are attached here; ``background(run)``, called on each
+        pass too, drives the guards of the session's cells sent without waiting
+        (:class:`~nbdist.driver.background_runs.BackgroundRuns`)."""
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
+        self._background = background
         # nbdist.driver.faults.CellGuard: releases the ranks when one fails, dies or hangs.
         self._guard = guard if guard is not None else CallGuard(interrupt)
         self.where_report = ""  # what the ranks were doing when --timeout expired
@@ -182,8 +186,22 @@ class RankRun:
         return f"<RankRun {format_ranks(self.ranks)}: {state}>"
 
     def done(self) -> bool:
-        """Every rank replied."""
-        return self._concluded or self._ar.ready()
+        """Every rank replied, or the run cannot finish (a rank died).
+
+        A run nobody waits for is watched here too: a rank failed while others wait for it
+        in a collective, or a rank died, releases the others as the waiting loop would
+        (:class:`~nbdist.driver.faults.CellGuard`), so a run sent without waiting and
+        polled with ``done()`` ends; :meth:`wait` then raises its error.
+        """
+        if self._concluded:
+            return True
+        if self._latch is None and not self._finished and self._guard.watching():
+            self._guard.poll(self)
+        return self._ar.ready() or self._guard.finished(self)
+
+    def sent_before(self, other: RankRun) -> bool:
+        """Whether this run was sent before ``other`` (a rank runs its requests in order)."""
+        return self._started < other._started
 
     @property
     def results(self) -> list | None:
@@ -261,6 +279,10 @@ class RankRun:
         while True:
             if self._latch is not None and self._latch.take():
                 raise KeyboardInterrupt  # it was raised elsewhere and swallowed there
+            # The cells sent before this one without waiting first: a rank still in one of
+            # them has not begun this cell, and that cell's guard knows why it waits.
+            if self._background is not None and not self._stopped:
+                self._background(self)
             self._guard.poll(self)
             # Once the guard released the ranks it has SIGINTed those still computing:
             # a rank asked after that would be interrupted twice.
@@ -564,6 +586,7 @@ def submit(
     watch: Callable[[], None] | None = None,
     guard=None,
     silent_if_possible: bool = False,
+    background: Callable[[RankRun], None] | None = None,
 ) -> RankRun:
     """Send ``code`` to the engines of ``ranks`` (same order) without waiting.
 
@@ -588,4 +611,5 @@ def submit(
         guard=guard,
         prompts=PromptServer(client, engine_ids, ranks),
         iopub=early,
+        background=background,
     )

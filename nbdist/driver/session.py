@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from nbdist.driver import file_sync
+from nbdist.driver.background_runs import BackgroundRuns
 from nbdist.driver.call_arguments import check_cell_timeout, check_code, check_names, check_one_rank
 from nbdist.driver.cells import cell_channel
 from nbdist.driver.faults import CellGuard
@@ -166,6 +167,8 @@ class DistSession:
         self._hub = None  # nbdist.metrics.hub.MetricsHub, made at the first start
         self._handle: ClusterHandle | None = None
         self._watch: SessionWatch | None = None  # rank monitor and sidebar entry, while running
+        # Cells sent without waiting: every other wait drives their guards (background_runs.py).
+        self._background = BackgroundRuns()
 
     # -- what it is -------------------------------------------------------
     @property
@@ -321,6 +324,7 @@ class DistSession:
     def _unwatch(self) -> ClusterHandle | None:
         # The handle, taken from the session, which no longer watches its ranks.
         handle, self._handle = self._handle, None
+        self._background.clear()  # their ranks are stopped or about to be replaced
         if self._watch is not None:
             self._watch.end()
             self._watch = None
@@ -433,10 +437,12 @@ class DistSession:
                 sink=sink,
                 timeout=timeout,
                 watch=watch,
-                guard=CellGuard(self, chosen),
+                guard=CellGuard(self, chosen, self._background),
                 silent_if_possible=block,
+                background=self._background.poll,
             )
             if not block and not latch.pending:
+                self._background.add(run)
                 return run
             try:
                 return run.wait(latch)
@@ -467,7 +473,13 @@ class DistSession:
         fail_undecodable_replies(self._handle.client)  # a value the kernel cannot unpickle
         with SigintLatch(holding=True) as latch:  # as in run(): a Ctrl-C once sent is theirs
             ar = send(self._handle.client[[r.engine_id for r in chosen]])
-            return RankRun(ar, [r.rank for r in chosen], interrupt=self.interrupt).wait(latch)
+            run = RankRun(
+                ar,
+                [r.rank for r in chosen],
+                interrupt=self.interrupt,
+                background=self._background.poll,
+            )
+            return run.wait(latch)
 
     def apply(self, fn: Callable, *args, ranks=None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on the ranks; returns results in rank order."""

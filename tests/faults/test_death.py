@@ -15,17 +15,13 @@ from nbdist.dashboard.table import rank_rows
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.status import format_status
 from nbdist.errors import NbdistError, RankError
+from tests.faults.two_ranks import reduce_works, two_ranks
 
 
 @pytest.fixture(scope="module")
 def session():
-    with nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=60, history=False) as s:
+    with two_ranks() as s:
         yield s
-
-
-def _reduce_works(session) -> None:
-    session.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t)", sink=ListSink())
-    assert [t.item() for t in session.pull("t")] == [3.0, 3.0]
 
 
 def test_a_killed_rank_fails_the_cell_releases_the_other_and_restart_brings_it_back(session):
@@ -76,7 +72,7 @@ def test_a_killed_rank_fails_the_cell_releases_the_other_and_restart_brings_it_b
     session.restart()
     assert [row["state"] for row in session.status()] == ["idle", "idle"]
     assert session.ranks[1].pid != victim
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_exit_in_a_cell_fails_it_and_the_rank_keeps_its_state_and_the_group(session):
@@ -106,7 +102,7 @@ def test_exit_in_a_cell_fails_it_and_the_rank_keeps_its_state_and_the_group(sess
     assert [r.pid for r in session.ranks] == pids
     assert session.pull("kept") == [0, 10]
     assert session.pull("after", rank=0) == 0  # rank 0 ran on past the line rank 1 failed at
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_a_rank_ended_by_sigterm_from_outside_says_so(session):
@@ -128,7 +124,7 @@ def test_a_rank_ended_by_sigterm_from_outside_says_so(session):
     with pytest.raises(NbdistError, match=r"rank 1 died: .* received signal 15, stopping"):
         session.run("print(rank)", sink=ListSink())
     session.restart()
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def _segfault_on(session, rank: int):
@@ -165,8 +161,8 @@ def test_a_rank_whose_heart_is_silent_for_seconds_is_not_named_dead():
     """A loaded machine can hold every heart of a session back for seconds; a live rank of
     this machine is dead only when its PID says so. Here rank 1 is stopped (SIGSTOP) for 6 s,
     twice the silence that once made the controller drop such a rank."""
-    with nbdist.DistSession(2, cpu=True, timeout=120, history=False) as session:
-        _reduce_works(session)
+    with two_ranks(group_timeout=1800) as session:
+        reduce_works(session)
         pid = session.ranks[1].pid
         os.kill(pid, signal.SIGSTOP)
         try:
@@ -174,7 +170,7 @@ def test_a_rank_whose_heart_is_silent_for_seconds_is_not_named_dead():
         finally:
             os.kill(pid, signal.SIGCONT)
         assert session.dead_ranks() == {}
-        _reduce_works(session)
+        reduce_works(session)
         assert [row["state"] for row in session.status()] == ["idle", "idle"]
 
 
@@ -183,8 +179,8 @@ def test_ranks_outlive_half_a_minute_without_the_controllers_heartbeat():
     seconds while the ranks form their group; ipyparallel's engine ended itself after 27.5 s
     without a ping, and ranks died ("exited with code 1") while the controller was alive.
     Here the whole controller is stopped (SIGSTOP) for 31 s with the ranks idle."""
-    with nbdist.DistSession(2, cpu=True, timeout=120, history=False) as session:
-        _reduce_works(session)
+    with two_ranks(group_timeout=1800) as session:
+        reduce_works(session)
         pids = [r.pid for r in session.ranks]
         controller = psutil.Process(session.cluster.cluster.controller.pid)
         tree = [controller, *controller.children(recursive=True)]
@@ -196,5 +192,5 @@ def test_ranks_outlive_half_a_minute_without_the_controllers_heartbeat():
             for proc in reversed(tree):
                 proc.send_signal(signal.SIGCONT)
         assert session.dead_ranks() == {}
-        _reduce_works(session)
+        reduce_works(session)
         assert [r.pid for r in session.ranks] == pids

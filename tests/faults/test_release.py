@@ -16,17 +16,17 @@ import time
 import pytest
 import torch
 
-import nbdist
 from nbdist.driver.runner import CellTimeout
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.where import diagnose
 from nbdist.errors import RankError, RanksInterrupted
 from tests.faults.failing import failing_cell
+from tests.faults.two_ranks import reduce_works, two_ranks
 
 
 @pytest.fixture(scope="module")
 def session():
-    with nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=60, history=False) as s:
+    with two_ranks() as s:
         yield s
 
 
@@ -51,11 +51,6 @@ def _interrupt_once_ready(flags, settle: float = 0.5) -> threading.Thread:
     thread = threading.Thread(target=wait_then_interrupt, daemon=True)
     thread.start()
     return thread
-
-
-def _reduce_works(session) -> None:
-    session.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t)", sink=ListSink())
-    assert [t.item() for t in session.pull("t")] == [3.0, 3.0]
 
 
 def test_a_failing_rank_releases_the_other_and_state_survives(session):
@@ -85,7 +80,7 @@ def test_a_failing_rank_releases_the_other_and_state_survives(session):
     assert session.pull("kept") == [0, 10]
     session.run("same = bool((model.weight == w_before).all())", sink=ListSink())
     assert session.pull("same") == [True, True]
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_a_ddp_model_wrapped_again_trains_after_a_release(session):
@@ -140,7 +135,7 @@ def test_a_collective_of_a_subgroup_is_released_too_and_what_holds_the_old_group
     assert info.value.ranks == [0]
     message = str(info.value)
     assert "the others were released: rank 1 from all_reduce #" in message
-    _reduce_works(session)
+    reduce_works(session)
     # The note names every variable bound to the old group (ddp: the test above), and
     # one level inside the others (a trainer's attributes, a dict's entries; a list
     # holding several is named once), and nothing else; the subgroup and the sharded
@@ -180,7 +175,7 @@ def test_a_group_formed_again_before_a_cell_names_what_holds_the_old_group(sessi
     err = capsys.readouterr().err
     assert "the process group was formed again before this cell" in err, err
     assert err.rstrip().endswith("make them again before using them: sub (process group)"), err
-    _reduce_works(session)
+    reduce_works(session)
     session.run("del sub, kept, after", sink=ListSink())
 
 
@@ -212,7 +207,7 @@ def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
     # finish or fail by itself, then it is interrupted.
     assert info.value.ranks == [0]
     assert "rank 1 from its running code (interrupted)" in str(info.value)
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_a_rank_that_cannot_say_where_it_is_is_not_named_as_computing(session):
@@ -233,7 +228,7 @@ def test_a_rank_that_cannot_say_where_it_is_is_not_named_as_computing(session):
     text = str(info.value)
     assert "rank 1 interrupted where it was (no answer within 1 s)" in text, text
     assert "running code" not in text, text
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_ranks_failing_the_same_way_seconds_apart_keep_the_group(session):
@@ -274,7 +269,7 @@ def test_interrupt_while_blocked_in_a_collective(session, tmp_path):
     assert re.search(r"rank 0: inside all_reduce #\d+ for ", info.value.where)
     assert "rank 1: never entered all_reduce #" in info.value.where
     assert "the others were released: rank 0 from all_reduce #" in info.value.note
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_ranks_stopped_at_different_collectives_get_a_fresh_group(session, tmp_path):
@@ -291,7 +286,7 @@ def test_ranks_stopped_at_different_collectives_get_a_fresh_group(session, tmp_p
     interrupter.join()
     session.run("from nbdist.engine import collectives\nlast = collectives.last()", sink=ListSink())
     assert session.pull("last") == [None, None]  # counting restarted with a new group
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_where_shows_who_never_entered_the_collective_without_stopping_anything(session):
@@ -331,7 +326,7 @@ def test_where_shows_who_never_entered_the_collective_without_stopping_anything(
         run._timeout = time.monotonic() - run._started + 60
         with pytest.raises(RankError):
             run.wait()
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_timeout_reports_where_each_rank_was(session):
@@ -348,7 +343,7 @@ def test_timeout_reports_where_each_rank_was(session):
     assert "time.sleep(120)" in text
     assert "the cell was interrupted; the others were released: " in text
     assert f"rank 1 from all_reduce #{seq}. The process group was formed again" in text
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_a_rank_that_makes_the_call_in_a_later_queued_cell_is_waited_for(session):
@@ -361,7 +356,7 @@ def test_a_rank_that_makes_the_call_in_a_later_queued_cell_is_waited_for(session
     )
     first.wait()
     second.wait()
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_a_rank_that_begins_the_cell_late_is_not_interrupted_in_the_one_before(session):
@@ -378,7 +373,7 @@ def test_a_rank_that_begins_the_cell_late_is_not_interrupted_in_the_one_before(s
     assert "released" not in str(info.value), str(info.value)
     earlier.wait()
     assert session.pull("slept", rank=1) is True
-    _reduce_works(session)
+    reduce_works(session)
 
 
 @pytest.mark.parametrize(
@@ -407,13 +402,13 @@ def test_ranks_waiting_in_collectives_that_cannot_match_are_released(session, ce
         (1, "CollectiveMismatch", rank1),
     ]
     assert "the same collective calls in the same order" in str(err)
-    _reduce_works(session)
+    reduce_works(session)
 
 
 def test_a_group_broken_by_its_own_timeout_is_formed_again_for_the_next_cell():
     # torch's own functions, not the torch.distributed names nbdist records: nothing tells
     # nbdist where the ranks wait, so gloo's 5 s timeout ends the cell on both ranks.
-    with nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=5, history=False) as s:
+    with two_ranks(group_timeout=5) as s:
         err = failing_cell(
             s,
             "from torch.distributed import distributed_c10d as c10d\nt = torch.ones(4)\n"
@@ -428,7 +423,7 @@ def test_a_group_broken_by_its_own_timeout_is_formed_again_for_the_next_cell():
             str(err),
         ), str(err)
         # Before: every later collective failed at once with "Connection closed by peer".
-        _reduce_works(s)
+        reduce_works(s)
 
 
 def test_ddp_with_a_step_more_on_one_rank_is_released_naming_the_uneven_steps(session):
@@ -456,7 +451,7 @@ def test_ddp_with_a_step_more_on_one_rank_is_released_naming_the_uneven_steps(se
         r"released: rank 0 from all_reduce #\d+( \(interrupted\))?\. The process group",
         str(err),
     ), str(err)
-    _reduce_works(session)
+    reduce_works(session)
     # The released call stays open in the recorder, under the old group: a later cell in
     # which rank 0 works alone for longer than the guard's grace is not taken for a hang.
     session.run("import time\nif rank == 0:\n    time.sleep(5)\n", timeout=50, sink=ListSink())

@@ -1,0 +1,70 @@
+"""Kernel side: the cells sent without waiting that still run, watched while the kernel waits.
+
+A cell's :class:`~nbdist.driver.faults.CellGuard` (a rank failed and the others wait for it in
+a collective; a rank died) acts only when something drives it: the cell's waiting loop. A cell
+sent without waiting (``%%on_all_ranks --noblock``, ``run(block=False)``) has no loop until
+``.wait()``: when one of its ranks failed, the others waited in their collective until the
+group's timeout (30 minutes by default), and a cell queued behind it was blamed for that wait.
+
+So the session keeps its runs sent without waiting here (weakly: a run nobody holds is not kept
+alive), and each pass of any other wait of the same session (a cell, ``push``, ``pull``,
+``apply``) drives their guards, as ``RankRun.done()`` does: the failed cell's ranks are
+released by its own guard, named in its own error (``.wait()`` raises it), and the cell queued
+behind it begins once they are. Single-threaded, like every other use of the client.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+__all__ = ["BackgroundRuns"]
+
+
+class BackgroundRuns:
+    """A session's runs sent without waiting that have not been waited for to the end."""
+
+    def __init__(self) -> None:
+        """Empty: the session adds each run it sends without waiting."""
+        self._runs: list[weakref.ref] = []
+
+    def add(self, run) -> None:
+        """Watch ``run`` (a :class:`~nbdist.driver.runner.RankRun`) until it is done."""
+        self._runs.append(weakref.ref(run))
+
+    def poll(self, current=None) -> None:
+        """Drive the guard of each run still running, ``current`` (the run being waited for) aside.
+
+        A run that is done (every rank replied, or it cannot finish) is let go: its
+        ``.wait()`` reports it.
+        """
+        kept = []
+        for ref in self._runs:
+            run = ref()
+            if run is None or run is current:
+                if run is current:
+                    kept.append(ref)
+                continue
+            if not run.done():  # done() drives the run's guard
+                kept.append(ref)
+        self._runs = kept
+
+    def running_before(self, run) -> set[int]:
+        """The ranks still running a watched run sent before ``run``: they have not begun it.
+
+        (A rank's later request is queued behind the one it runs; its guard would take a
+        rank waiting in the earlier cell's collective for one waiting in its own.)
+        """
+        busy: set[int] = set()
+        for ref in self._runs:
+            other = ref()
+            if other is not None and other is not run and other.sent_before(run):
+                busy.update(r for r, s in other.child_states().items() if s == "running")
+        return busy
+
+    def clear(self) -> None:
+        """The ranks are stopped or replaced: no run of theirs can finish any more."""
+        self._runs = []
+
+    def __len__(self) -> int:
+        """How many runs are watched."""
+        return sum(1 for ref in self._runs if ref() is not None)

@@ -1,0 +1,82 @@
+"""A cell sent without waiting (``--noblock``) where a rank fails while the other waits in a
+collective (2 real gloo ranks).
+
+Nothing waits for such a cell until ``.wait()``; its guard is driven by ``done()`` and by
+every other wait of the session. The group's own timeout is 60 s here: without that, the
+waiting rank would stay in its all-reduce until then, and the cell queued behind it would be
+blamed for the wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nbdist.driver.sinks import ListSink
+from nbdist.errors import RankError
+from tests.faults.two_ranks import reduce_works, two_ranks
+
+# Rank 1 fails 1 s in; rank 0 waits for it in an all-reduce it never enters.
+_FAILING = (
+    "import time\n"
+    "time.sleep(1)\n"
+    "if rank == 1:\n"
+    "    raise ValueError('bad batch on rank 1')\n"
+    "dist.all_reduce(torch.ones(4))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def session():
+    with two_ranks() as s:
+        yield s
+
+
+def _waited_for(session, run, formed: str) -> None:
+    """``run.wait()`` names the failing rank alone, with its own error, and the waiting rank as
+    released; ``formed``: what the note says of the group; the group works."""
+    with pytest.raises(RankError) as info:
+        run.wait()
+    err = info.value
+    assert [(f.rank, f.ename) for f in err.failures] == [(1, "ValueError")], str(err)
+    assert "rank 1 failed; the others were released: rank 0 from all_reduce #" in str(err)
+    assert formed in str(err), str(err)
+    reduce_works(session)
+
+
+def test_a_noblock_cell_polled_with_done_ends_when_a_rank_fails(session):
+    run = session.run(_FAILING, block=False, sink=ListSink())
+    t0 = time.monotonic()
+    # Well inside the group's 60-s timeout, which alone ended the wait before.
+    while not run.done() and time.monotonic() - t0 < 30:
+        time.sleep(0.1)
+    assert run.done(), "the rank waiting for the failed one was not released"
+    _waited_for(session, run, "formed again; variables and models are kept")
+
+
+def test_a_cell_queued_behind_a_failed_noblock_cell_is_not_blamed_for_its_wait(session):
+    background = session.run(_FAILING, block=False, sink=ListSink())
+    # Sent at once: queued behind the failing cell on both ranks (or, on a slow machine,
+    # begun on rank 1 once it failed there). It makes no collective call.
+    with pytest.raises(RankError) as queued:
+        session.run("after = rank", sink=ListSink())
+    err = queued.value
+    # Where it was queued behind the failed cell, a rank dropped it: not a wait of its own.
+    assert {f.ename for f in err.failures} == {"NotRun"}, str(err)
+    assert 0 in err.ranks
+    assert "released" not in str(err) and "CollectiveMismatch" not in str(err), str(err)
+    _waited_for(session, background, "formed again for a later cell; variables and models are kept")
+
+
+def test_a_noblock_cell_that_ends_well_is_left_alone_by_the_cells_after_it(session):
+    # Rank 0 waits 2 s in the all-reduce for rank 1, which computes: no failure, no release.
+    background = session.run(
+        "import time\nif rank == 1:\n    time.sleep(2)\nt = torch.ones(1)\ndist.all_reduce(t)",
+        block=False,
+        sink=ListSink(),
+    )
+    session.run("after = rank", sink=ListSink())
+    background.wait()
+    assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
+    assert session.pull("after") == [0, 1]
