@@ -39,7 +39,7 @@ def waits_for_failed(
 
     ``failed``: ranks whose cell raised and that are idle. A running rank counts when it
     has waited at least ``lasted_s`` in a collective whose group holds a failed rank (or
-    whose group it does not know), or, with ``flight``, in an open call of the default
+    whose group it does not know) or on the works such a call returned, or, with ``flight``, in an open call of the default
     group's flight recorder (one torch issued from C++, DDP's gradient all-reduce). Ranks
     that compute, or that do not answer (a busy machine), are left to finish or fail by
     themselves.
@@ -50,7 +50,9 @@ def waits_for_failed(
         if not w.answered:
             continue
         c = w.collective
-        if c and c["inside"]:
+        # Inside the call, or past it with works of this cell's not completed (a pipeline
+        # stage waits on its batch_isend_irecv's works in C++): for as long since.
+        if c and (c["inside"] or (c.get("open_works") and c.get("this_cell"))):
             members = set(c.get("ranks") or ())
             if c["seconds"] >= lasted_s and (not members or members & failed):
                 waits[w.rank] = f"{c['op']} #{c['seq']}"

@@ -193,7 +193,11 @@ class CellGuard:
                 self.release(run, f"{ranks_text(failed)} failed")
             elif now >= self._next_failure_look:
                 self._failure_looks += 1
-                if self._waits_for_failed(run, running, failed):
+                waits = self._waits_for_failed(run, running, failed)
+                if waits:
+                    # Named by their call: a wait outside nbdist's record (on a work's
+                    # wait(), DDP's) would read as "its running code".
+                    self._untracked_wait.update(waits)
                     self.release(run, f"{ranks_text(failed)} failed")
                 else:
                     # Each look costs every running rank a moment of CPU (at 256 ranks on a

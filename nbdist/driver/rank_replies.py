@@ -2,8 +2,9 @@
 
 The words :class:`~nbdist.driver.runner.RankRun` puts in a cell's
 :class:`~nbdist.errors.RankError`: a rank's exception as a :class:`RankFailure`, an
-"aborted" reply (a request the rank dropped unrun) said plainly, and whether a rank's
-error says that the process group itself broke.
+"aborted" reply (a request the rank dropped unrun) said plainly, whether a rank's
+error says that the process group itself broke, and which ranks a run's error names
+(:func:`run_failures`: the dead, and the cause rather than the ranks released for it).
 
 Example::
 
@@ -17,7 +18,7 @@ import re
 
 from nbdist.errors import RankFailure
 
-__all__ = ["broken_group_words", "child_result", "rank_failure"]
+__all__ = ["broken_group_words", "child_result", "rank_failure", "run_failures"]
 
 # What a rank's error says when the group's connections are gone (gloo's transport, which
 # names its own source file) or aborted (NCCL); a user's own "Connection reset" is not it.
@@ -67,3 +68,39 @@ def child_result(child):
         return None
     exc = child.exception()
     return exc if exc is not None else child.result()
+
+
+def run_failures(ranks, results, guard, *, stopped: bool = False) -> list[RankFailure]:
+    """The failures a run's :class:`~nbdist.errors.RankError` names, from each rank's result.
+
+    ``ranks`` and ``results`` in run order; ``guard``: the run's cell guard (its dead,
+    ended, released and stranded ranks); ``stopped``: the ranks were interrupted.
+    """
+    # A rank the guard ended (a collective held it after the release) is named in the note.
+    dead = guard.deaths()
+    failures = [
+        RankFailure(rank=rank, ename="RankDied", evalue=cause, traceback="")
+        for rank, cause in sorted(dead.items())
+        if rank in ranks
+    ]
+    failures += [
+        rank_failure(rank, res, stopped=stopped)
+        for rank, res in zip(ranks, results)
+        if isinstance(res, BaseException) and rank not in dead and rank not in guard.ended
+    ]
+    released = guard.released_from
+    genuine = [f for f in failures if f.rank not in released]
+    if genuine:
+        # A released rank's error ("Connection closed by peer") is the release
+        # itself; the note names those ranks, the failures are the cause.
+        return genuine
+    if guard.stranded:
+        # No rank failed: the released ranks' own error is the fault, said plainly.
+        stranded = guard.stranded
+        return [
+            RankFailure(f.rank, "CollectiveMismatch", stranded[f.rank], f.traceback)
+            if f.rank in stranded
+            else f
+            for f in failures
+        ]
+    return failures

@@ -34,11 +34,11 @@ from nbdist.driver.late_output import late_output_of
 from nbdist.driver.missed_interrupt import MissedInterrupt
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.prompts import PromptServer
-from nbdist.driver.rank_replies import broken_group_words, child_result, rank_failure
+from nbdist.driver.rank_replies import broken_group_words, child_result, run_failures
 from nbdist.driver.rank_streams import RankStreams
 from nbdist.driver.sigint_latch import SigintLatch
 from nbdist.driver.sinks import default_sink
-from nbdist.errors import NbdistError, RankError, RankFailure, RanksInterrupted, format_ranks
+from nbdist.errors import NbdistError, RankError, RanksInterrupted, format_ranks
 
 __all__ = ["CellTimeout", "RankRun", "submit"]
 
@@ -541,33 +541,7 @@ class RankRun:
                 self._results = self._ar.get(return_exceptions=True)
             else:  # a dead rank's reply may never come: each live rank's own
                 self._results = [child_result(child) for child in self._children]
-        # A rank the guard ended (a collective held it after the release) is named in the note.
-        dead = self._guard.deaths()
-        failures = [
-            RankFailure(rank=rank, ename="RankDied", evalue=cause, traceback="")
-            for rank, cause in sorted(dead.items())
-            if rank in self.ranks
-        ]
-        failures += [
-            rank_failure(rank, res, stopped=self._stopped)
-            for rank, res in zip(self.ranks, self._results)
-            if isinstance(res, BaseException) and rank not in dead and rank not in self._guard.ended
-        ]
-        released = self._guard.released_from
-        genuine = [f for f in failures if f.rank not in released]
-        if genuine:
-            # A released rank's error ("Connection closed by peer") is the release
-            # itself; the note names those ranks, the failures are the cause.
-            failures = genuine
-        elif self._guard.stranded:
-            # No rank failed: the released ranks' own error is the fault, said plainly.
-            stranded = self._guard.stranded
-            failures = [
-                RankFailure(f.rank, "CollectiveMismatch", stranded[f.rank], f.traceback)
-                if f.rank in stranded
-                else f
-                for f in failures
-            ]
+        failures = run_failures(self.ranks, self._results, self._guard, stopped=self._stopped)
         if failures:
             note = self._guard.note(failures)
             raise RankError(failures, world_ranks=self.ranks, note=note)

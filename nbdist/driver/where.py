@@ -196,7 +196,8 @@ def diagnose(found: Sequence[RankWhere]) -> dict[int, str]:
 
 def _done(c: dict) -> str:
     how = "raised" if c.get("raised") else "returned"
-    return f"{c['op']} #{c['seq']}, {how} {c['seconds']:.1f} s ago"
+    works = ", its works not completed" if c.get("open_works") else ""
+    return f"{c['op']} #{c['seq']}, {how} {c['seconds']:.1f} s ago{works}"
 
 
 def format_where(found: Sequence[RankWhere], *, frames: int = 6) -> str:

@@ -14,9 +14,13 @@ Only calls made through the ``torch.distributed`` namespace are counted (what
 user code and most libraries call); torch's own internal calls and DDP's
 gradient buckets (C++) are not. The wall time of each outermost call (and, for
 CUDA tensors, a pair of CUDA events around it) goes to the step breakdown's
-``comm_s`` (:mod:`nbdist.metrics.steptime`, which says what that measures). ``isend``/``irecv`` stay unwrapped: torch
-checks their identity (``P2POp(dist.isend, ...)``, used by pipelining). Bookkeeping costs one small object per call,
-about a microsecond next to collectives that take tens of microseconds at least.
+``comm_s`` (:mod:`nbdist.metrics.steptime`, which says what that measures). ``isend`` and
+``irecv`` are wrapped in ``distributed_c10d`` too: torch compares a ``P2POp``'s op with
+that module's own by identity, and torch's pipeline schedules post a batch of sends (or of
+receives) through them one by one, then wait on their works. Inside another wrapped call
+(``batch_isend_irecv``'s ops, ``send``'s own ``isend``) they are not counted again.
+Bookkeeping costs one small object per call, about a microsecond next to collectives that
+take tens of microseconds at least.
 
 Example (on a rank, where nbdist installed it already)::
 
@@ -49,6 +53,8 @@ TRACKED_OPS = (
     "broadcast_object_list",
     "gather",
     "gather_object",
+    "irecv",
+    "isend",
     "monitored_barrier",
     "recv",
     "reduce",
@@ -83,7 +89,14 @@ class _Record:
 
 
 # Where each op takes its group and its peer, by position: (group, peer, group_peer).
-_PEER_ARGS = {"send": ("dst", "group_dst"), "recv": ("src", "group_src")}
+_PEER_ARGS = {
+    "send": ("dst", "group_dst"),
+    "recv": ("src", "group_src"),
+    "isend": ("dst", "group_dst"),
+    "irecv": ("src", "group_src"),
+}
+# Compared by identity with distributed_c10d's own (P2POp's check): wrapped there too.
+_CHECKED_BY_IDENTITY = ("isend", "irecv")
 
 
 def _positions(op: str, fn) -> tuple[int | None, int | None, int | None]:
@@ -117,10 +130,14 @@ def _tracked(op: str, fn):
     group_at, peer_at, group_peer_at = _positions(op, fn)
     peer_name, group_peer_name = _PEER_ARGS.get(op, (None, None))
     batch = op == "batch_isend_irecv"
+    one_of_many = op in _CHECKED_BY_IDENTITY
 
     @functools.wraps(fn)
     def tracked(*args, **kwargs):
         global _seq, _last, _depth
+        if one_of_many and _depth:
+            # One op of a batch_isend_irecv, or send's own isend: the outer call is the record.
+            return fn(*args, **kwargs)
         _seq += 1
         record = _last = _Record(op, _seq, time.monotonic())
         # Inline, not a helper call: this runs on every collective.
@@ -179,27 +196,37 @@ def open_work_since(moment: float) -> str | None:
     works, entered later, or every work it returned finished (or was dropped).
     """
     record = _last
-    if record is None or record.works is None or record.entered > moment:
+    if record is None or record.entered > moment or not _has_open_work(record):
         return None
-    for ref in record.works:
+    return f"{record.op} #{record.seq}"
+
+
+def _has_open_work(record: _Record) -> bool:
+    """Whether a work ``record``'s call returned is still unfinished (its wait would block)."""
+    for ref in record.works or ():
         work = ref()
         try:
             if work is not None and not work.is_completed():
-                return f"{record.op} #{record.seq}"
+                return True
         except Exception:  # a work whose group was destroyed: not waited for
             continue
-    return None
+    return False
 
 
 def install() -> None:
     """Wrap the collectives of ``torch.distributed`` (idempotent)."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
     for op in TRACKED_OPS:
         fn = getattr(dist, op, None)
         if fn is None or hasattr(fn, "nbdist_original"):
             continue
-        setattr(dist, op, _tracked(op, fn))
+        wrapped = _tracked(op, fn)
+        setattr(dist, op, wrapped)
+        if op in _CHECKED_BY_IDENTITY:
+            # P2POp(dist.isend, ...) must pass torch's check against c10d's own isend.
+            setattr(c10d, op, wrapped)
 
 
 def reset() -> None:
@@ -227,7 +254,9 @@ def last() -> dict | None:
     it has been inside, or how long ago it returned; ``raised`` if it ended
     with an exception; ``this_cell`` if it was entered during the cell running
     now (or last); ``ranks``: the global ranks it waits for (its group's, or
-    a point-to-point call's peers; None where they cannot be read).
+    a point-to-point call's peers; None where they cannot be read); ``open_works``
+    if it returned works (``batch_isend_irecv``, ``async_op=True``) not completed: a
+    pipeline's rank waits on them in C++, outside the call.
     """
     record = _last
     if record is None:
@@ -242,6 +271,7 @@ def last() -> dict | None:
         "seconds": now - (record.entered if exited is None else exited),
         "this_cell": _cell_began is not None and record.entered >= _cell_began,
         "ranks": _ranks(record),
+        "open_works": exited is not None and _has_open_work(record),
     }
 
 

@@ -103,6 +103,14 @@ def _receiver(plain, *, asynchronous: bool):
     return recv
 
 
+def _unwrapped(op, plain: set):
+    """``op``, or the function of ``plain`` it wraps (nbdist's collectives wrapper, installed
+    after this module's, is what ``dist.isend`` is then)."""
+    while op not in plain and hasattr(op, "nbdist_original"):
+        op = op.nbdist_original
+    return op
+
+
 def install(*, stage_cpu_tensors: bool = False) -> None:
     """Stage point-to-point calls of CUDA tensors through host memory (idempotent).
 
@@ -128,7 +136,7 @@ def install(*, stage_cpu_tensors: bool = False) -> None:
         works = []
         for p2p in p2p_op_list:
             # P2POp keeps the peer both ways (global and group rank): pass the group one.
-            if p2p.op in sending:
+            if _unwrapped(p2p.op, sending) in sending:
                 work = isend(p2p.tensor, group=p2p.group, tag=p2p.tag, group_dst=p2p.group_peer)
             else:
                 work = irecv(p2p.tensor, group=p2p.group, tag=p2p.tag, group_src=p2p.group_peer)

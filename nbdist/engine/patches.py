@@ -101,7 +101,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "collectives",
         "group",
-        wraps="torch.distributed's collectives (TRACKED_OPS): each call counted and timed",
+        wraps="torch.distributed's collectives (TRACKED_OPS; isend and irecv in "
+        "distributed_c10d too): each call counted and timed",
         why="%dist_where and a cell's --timeout name the collective each rank is in; the "
         "step breakdown's comm_s",
         # ~1 us per call; a user timing single collectives could want a switch (there is none).

@@ -7,8 +7,9 @@ with a CellTimeout first). Rank 2 stops rank 1 (SIGSTOP), so that rank 0's 128 M
 transfer fills the socket and rank 1's receive stops halfway, then fails; rank 1 runs on
 8 s later, after the release. Once in a call nbdist records (``dist.send``), once in a
 wait it does not see (an ``async_op`` work's ``wait()``, as DDP's backward waits for its
-gradient all-reduce in C++), once in a wait on ``batch_isend_irecv``'s works (a pipeline
-schedule's), which gloo's flight recorder does not record.
+gradient all-reduce in C++), once in a wait on ``batch_isend_irecv``'s works and once on a
+bare ``isend``/``irecv``'s (a pipeline schedule's), which gloo's flight recorder does not
+record.
 """
 
 from __future__ import annotations
@@ -100,3 +101,15 @@ def test_a_rank_a_point_to_point_wait_holds_after_the_release_is_ended_and_named
         "in C++: a work's wait()) 10 s after their release (the wait would last until the "
         "group's timeout, 600 s)."
     ) in text
+
+
+def test_a_rank_a_bare_isend_or_irecv_wait_holds_after_the_release_is_ended_and_named():
+    # torch's pipeline schedules post a batch of sends (or of receives) one by one through
+    # dist.isend / dist.irecv and wait on the works: those calls are in nbdist's record too.
+    cell = _HELD.format(rank1="dist.irecv(big, 0).wait()", rank0="dist.isend(big, 1).wait()")
+    text = _ended_by_the_cell("dist.all_reduce(big)", cell, ended=[0, 1])
+    for rank, call in ((0, "isend #2"), (1, "irecv #2")):
+        assert (
+            f"rank {rank} was ended, still in {call} (waited for in C++: a work's wait()) 10 s "
+            "after its release"
+        ) in text, text

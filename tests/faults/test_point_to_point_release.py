@@ -1,0 +1,124 @@
+"""A pipeline stage fails while its peer waits on point-to-point works (2 real gloo ranks).
+
+torch's pipeline schedules post a batch of sends (or of receives) through ``dist.isend`` /
+``dist.irecv`` one by one, mixed ones through ``batch_isend_irecv``, then wait on the works
+in C++. Such a wait is now seen as one for the failed rank: the peer is released once it has
+waited 0.5 s, named by its call, instead of 5 s later as a rank that computes ("from its
+running code"). The group's own timeout is 60 s (``two_ranks``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from nbdist.driver.sinks import ListSink
+from nbdist.driver.where import diagnose
+from nbdist.errors import RankError
+from tests.faults.failing import failing_cell
+from tests.faults.two_ranks import reduce_works, two_ranks
+
+# Two stages of a GPipe schedule over 4 micro-batches; `fail` makes a stage's forward raise.
+_PIPELINE = """
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise ValueError(f"bad stage on rank {rank}")
+        return self.lin(x)
+
+torch.manual_seed(0)
+stage_module = Stage()
+stage = PipelineStage(stage_module, rank, 2, torch.device("cpu"))
+schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+x, y = torch.randn(8, 16), torch.randn(8, 16)
+
+def pipeline_step():
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=[])
+
+pipeline_step()
+"""
+
+
+@pytest.fixture(scope="module")
+def session():
+    with two_ranks() as s:
+        yield s
+
+
+def _released_by_its_call(err: RankError, call: str, ename: str = "ValueError") -> None:
+    # The failing stage alone, with its own error; its peer released from the call it waits on.
+    assert [(f.rank, f.ename) for f in err.failures] == [(1, ename)], str(err)
+    assert re.search(
+        rf"rank 1 failed; the others were released: rank 0 from {call} #\d+\.", str(err)
+    ), str(err)
+
+
+def test_a_pipeline_stage_waiting_on_a_failed_stage_is_released_from_its_point_to_point_call(
+    session,
+):
+    session.run(_PIPELINE, sink=ListSink())  # one step that works: the stages are set up
+    err = failing_cell(session, "if rank == 1:\n    stage_module.fail = True\npipeline_step()")
+    # Before: "rank 0 from its running code", released as a rank that computes 5 s on.
+    # (The schedule raises its own RuntimeError from the stage's ValueError.)
+    _released_by_its_call(err, "i(?:send|recv)", "RuntimeError")
+    assert "bad stage on rank 1" in err.failures[0].traceback
+    reduce_works(session)
+    session.run("stage_module.fail = False", sink=ListSink())
+
+
+def test_a_rank_waiting_on_a_batch_isend_irecv_of_a_failed_peer_is_released_from_it(session):
+    err = failing_cell(
+        session,
+        "import time\n"
+        "buf = torch.zeros(4)\n"
+        "if rank == 1:\n"
+        "    time.sleep(1)\n"
+        "    raise ValueError('bad stage')\n"
+        "ops = [dist.P2POp(dist.isend, torch.ones(4), 1), dist.P2POp(dist.irecv, buf, 1)]\n"
+        "for work in dist.batch_isend_irecv(ops):\n"
+        "    work.wait()\n",
+    )
+    _released_by_its_call(err, "batch_isend_irecv")
+    reduce_works(session)
+
+
+def test_where_says_a_rank_waits_on_the_works_of_its_last_call(session):
+    # Rank 1 sleeps before its send: rank 0 waits on its irecv's work, past the call.
+    run = session.run(
+        "import time\n"
+        "buf = torch.zeros(4)\n"
+        "if rank == 1:\n"
+        "    time.sleep(4)\n"
+        "    dist.send(torch.ones(4), 0)\n"
+        "else:\n"
+        "    dist.irecv(buf, 1).wait()\n",
+        block=False,
+        sink=ListSink(),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        lines: dict[int, str] = {}
+        while time.monotonic() < deadline:
+            lines = diagnose(session.where())
+            if "its works not completed" in lines[0]:
+                break
+            time.sleep(0.1)
+        assert re.fullmatch(
+            r"last collective irecv #\d+, returned \d+\.\d s ago, its works not completed", lines[0]
+        ), lines
+    finally:
+        run.wait()
+    assert session.pull("buf", rank=0).tolist() == [1.0] * 4
