@@ -63,6 +63,51 @@ def waits_for_failed(
     return waits
 
 
+# Point-to-point calls by the way their data goes: a send ends with its peer's receive.
+_DIRECTION = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+
+
+def _waiting(c: dict | None) -> bool:
+    """Inside the call, or past it on the unfinished works it returned in this cell (how a
+    pipeline stage waits on its isend/irecv)."""
+    return bool(c) and bool(c["inside"] or (c.get("open_works") and c.get("this_cell")))
+
+
+def _cannot_match(rank: int, c: dict, members: set[int], inside: dict[int, dict]) -> str:
+    """Why ``rank``'s call ``c`` cannot end while each of ``members`` waits in its own call
+    (``inside``): 'rank 1 waited in broadcast #1'; '' where it may.
+
+    Two group collectives of different kinds never pair. A send and a receive between the
+    same two ranks are one transfer in flight; two sends (or two receives) towards each
+    other, or a point-to-point call while its peer waits in a group collective, never end.
+    A ``batch_isend_irecv`` (sends and receives at once) is not judged.
+    """
+    mine = _DIRECTION.get(c["op"])
+    if mine is not None:
+        (peer,) = members
+        theirs = inside[peer]
+        if _DIRECTION.get(theirs["op"]) == mine and theirs.get("ranks") == [rank]:
+            to = "to" if mine == "send" else "from"
+            return f"rank {peer} waited in {theirs['op']} {to} it too"
+        if _is_group_call(theirs["op"]):
+            return f"rank {peer} waited in {theirs['op']} #{theirs['seq']}"
+        return ""
+    if not _is_group_call(c["op"]):
+        return ""
+    for m in sorted(members):
+        theirs = inside[m]
+        if _is_group_call(theirs["op"]) and theirs["op"] != c["op"]:
+            return f"rank {m} waited in {theirs['op']} #{theirs['seq']}"
+        if not _is_group_call(theirs["op"]) and rank in (theirs.get("ranks") or ()):
+            # It waits for this rank, which waits in the collective for it.
+            return f"rank {m} waited in {theirs['op']} #{theirs['seq']}"
+    return ""
+
+
+def _is_group_call(op: str) -> bool:
+    return op not in _DIRECTION and op != "batch_isend_irecv"
+
+
 def stranded_waits(
     client, by_rank: dict, running, done: set[int], untracked: dict[int, str], *, lasted_s: float
 ) -> dict[int, str]:
@@ -70,8 +115,9 @@ def stranded_waits(
 
     Four cases, each certain once it has lasted ``lasted_s``: the ranks it waits for
     finished the cell and are idle; they all wait in a collective too, but another one
-    (``all_reduce`` against ``broadcast``); two ranks each wait to receive from (or send
-    to) the other; or, where nbdist does not see the call (DDP's gradient all-reduce,
+    (``all_reduce`` against ``broadcast``, or a send while its peer is in a collective);
+    two ranks each wait to receive from (or send to) the other (in the call, or on its
+    works: a pipeline's isend/irecv); or, where nbdist does not see the call (DDP's gradient all-reduce,
     issued from C++), the process group's flight recorder holds an open call that idle
     finished ranks never issued (such ranks are also put in ``untracked``: {rank: the call}).
     """
@@ -81,11 +127,7 @@ def stranded_waits(
     found = ask(
         client, [by_rank[r] for r in running], timeout=_ANSWER_S, light=True, flight=bool(idle)
     )
-    inside = {
-        w.rank: w.collective
-        for w in found
-        if w.answered and w.collective and w.collective["inside"]
-    }
+    inside = {w.rank: w.collective for w in found if w.answered and _waiting(w.collective)}
     stranded = {}
     for rank, c in inside.items():
         members = set(c.get("ranks") or ())
@@ -98,13 +140,9 @@ def stranded_waits(
             continue
         if not members or not members <= inside.keys():
             continue  # some rank it waits for is still computing: it may yet come
-        other = next((m for m in sorted(members) if inside[m]["op"] != c["op"]), None)
-        if other is not None:
-            theirs = inside[other]
-            stranded[rank] = f"{what} while rank {other} waited in {theirs['op']} #{theirs['seq']}"
-        elif c["op"] in ("send", "recv") and inside[next(iter(members))].get("ranks") == [rank]:
-            peer = next(iter(members))
-            stranded[rank] = f"{what} while rank {peer} waited in {c['op']} from it too"
+        why = _cannot_match(rank, c, members, inside)
+        if why:
+            stranded[rank] = f"{what} while {why}"
     lasted = [r for r in stranded if inside[r]["seconds"] >= lasted_s]
     opened = {
         w.rank: w.flight_state["open"]

@@ -391,8 +391,15 @@ def test_a_rank_that_begins_the_cell_late_is_not_interrupted_in_the_one_before(s
             "waited in recv #1 while rank 1 waited in recv from it too",
             "waited in recv #1 while rank 0 waited in recv from it too",
         ),
+        # Each rank waits on its isend's work: a send waits for the peer's receive (a
+        # pipeline's schedules out of step, after an interrupt mid-step).
+        (
+            "dist.isend(torch.ones(4), 1 - rank).wait()\n",
+            "waited in isend #1 while rank 1 waited in isend to it too",
+            "waited in isend #1 while rank 0 waited in isend to it too",
+        ),
     ],
-    ids=["all_reduce-vs-broadcast", "recv-recv"],
+    ids=["all_reduce-vs-broadcast", "recv-recv", "isend-isend-works"],
 )
 def test_ranks_waiting_in_collectives_that_cannot_match_are_released(session, cell, rank0, rank1):
     session.run("from nbdist.engine import collectives\ncollectives.reset()", sink=ListSink())
