@@ -40,11 +40,9 @@ class BackgroundRuns:
         kept = []
         for ref in self._runs:
             run = ref()
-            if run is None or run is current:
-                if run is current:
-                    kept.append(ref)
+            if run is None:
                 continue
-            if not run.done():  # done() drives the run's guard
+            if run is current or not run.done():  # done() drives the run's guard
                 kept.append(ref)
         self._runs = kept
 
@@ -64,7 +62,3 @@ class BackgroundRuns:
     def clear(self) -> None:
         """The ranks are stopped or replaced: no run of theirs can finish any more."""
         self._runs = []
-
-    def __len__(self) -> int:
-        """How many runs are watched."""
-        return sum(1 for ref in self._runs if ref() is not None)

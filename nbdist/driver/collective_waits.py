@@ -32,37 +32,6 @@ def idle_ranks(client, by_rank: dict, ranks) -> set[int]:
     return {r for r in ranks if by_rank[r].engine_id not in queued}
 
 
-def waits_for_failed(
-    client, by_rank: dict, running, failed: set[int], *, lasted_s: float, flight: bool = True
-) -> dict[int, str]:
-    """{rank: 'all_reduce #3'} of running ranks that wait in a call a failed rank never joins.
-
-    ``failed``: ranks whose cell raised and that are idle. A running rank counts when it
-    has waited at least ``lasted_s`` in a collective whose group holds a failed rank (or
-    whose group it does not know) or on the works such a call returned, or, with ``flight``, in an open call of the default
-    group's flight recorder (one torch issued from C++, DDP's gradient all-reduce). Ranks
-    that compute, or that do not answer (a busy machine), are left to finish or fail by
-    themselves.
-    """
-    found = ask(client, [by_rank[r] for r in running], timeout=_ANSWER_S, light=True, flight=flight)
-    waits = {}
-    for w in found:
-        if not w.answered:
-            continue
-        c = w.collective
-        # Inside the call, or past it with works of this cell's not completed (a pipeline
-        # stage waits on its batch_isend_irecv's works in C++): for as long since.
-        if c and (c["inside"] or (c.get("open_works") and c.get("this_cell"))):
-            members = set(c.get("ranks") or ())
-            if c["seconds"] >= lasted_s and (not members or members & failed):
-                waits[w.rank] = f"{c['op']} #{c['seq']}"
-            continue
-        call = w.flight_state["open"] if w.flight_state else None
-        if call and call["seconds"] >= lasted_s:
-            waits[w.rank] = f"{call['op']} #{call['seq']}"
-    return waits
-
-
 # Point-to-point calls by the way their data goes: a send ends with its peer's receive.
 _DIRECTION = {"send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 
@@ -71,6 +40,35 @@ def _waiting(c: dict | None) -> bool:
     """Inside the call, or past it on the unfinished works it returned in this cell (how a
     pipeline stage waits on its isend/irecv)."""
     return bool(c) and bool(c["inside"] or (c.get("open_works") and c.get("this_cell")))
+
+
+def waits_for_failed(
+    client, by_rank: dict, running, failed: set[int], *, lasted_s: float, flight: bool = True
+) -> dict[int, str]:
+    """{rank: 'all_reduce #3'} of running ranks that wait in a call a failed rank never joins.
+
+    ``failed``: ranks whose cell raised and that are idle. A running rank counts when it
+    has waited at least ``lasted_s`` in a collective whose group holds a failed rank (or
+    whose group it does not know) or on the works such a call returned, or, with
+    ``flight``, in an open call of the default group's flight recorder (one torch issued
+    from C++, DDP's gradient all-reduce). Ranks that compute, or that do not answer (a
+    busy machine), are left to finish or fail by themselves.
+    """
+    found = ask(client, [by_rank[r] for r in running], timeout=_ANSWER_S, light=True, flight=flight)
+    waits = {}
+    for w in found:
+        if not w.answered:
+            continue
+        c = w.collective
+        if _waiting(c):
+            members = set(c.get("ranks") or ())
+            if c["seconds"] >= lasted_s and (not members or members & failed):
+                waits[w.rank] = f"{c['op']} #{c['seq']}"
+            continue
+        call = w.flight_state["open"] if w.flight_state else None
+        if call and call["seconds"] >= lasted_s:
+            waits[w.rank] = f"{call['op']} #{call['seq']}"
+    return waits
 
 
 def _cannot_match(rank: int, c: dict, members: set[int], inside: dict[int, dict]) -> str:
@@ -117,9 +115,10 @@ def stranded_waits(
     finished the cell and are idle; they all wait in a collective too, but another one
     (``all_reduce`` against ``broadcast``, or a send while its peer is in a collective);
     two ranks each wait to receive from (or send to) the other (in the call, or on its
-    works: a pipeline's isend/irecv); or, where nbdist does not see the call (DDP's gradient all-reduce,
-    issued from C++), the process group's flight recorder holds an open call that idle
-    finished ranks never issued (such ranks are also put in ``untracked``: {rank: the call}).
+    works: a pipeline's isend/irecv); or, where nbdist does not see the call (DDP's
+    gradient all-reduce, issued from C++), the process group's flight recorder holds an
+    open call that idle finished ranks never issued (such ranks are also put in
+    ``untracked``: {rank: the call}).
     """
     idle = idle_ranks(client, by_rank, done)
     # With idle finished ranks, the running ones' flight recorders too: a call issued from
