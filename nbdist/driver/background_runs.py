@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import weakref
 
+from nbdist.errors import format_ranks
+
 __all__ = ["BackgroundRuns"]
 
 
@@ -26,6 +28,9 @@ class BackgroundRuns:
     def __init__(self) -> None:
         """Empty: the session adds each run it sends without waiting."""
         self._runs: list[weakref.ref] = []
+        # Those that ended with a rank's error, not yet waited for: a cell queued behind one
+        # was dropped where it failed, and its error says where to look.
+        self._failed: list[weakref.ref] = []
 
     def add(self, run) -> None:
         """Watch ``run`` (a :class:`~nbdist.driver.runner.RankRun`) until it is done."""
@@ -44,6 +49,8 @@ class BackgroundRuns:
                 continue
             if run is current or not run.done():  # done() drives the run's guard
                 kept.append(ref)
+            elif "error" in run.child_states().values():
+                self._failed.append(ref)
         self._runs = kept
 
     def running_before(self, run) -> set[int]:
@@ -59,6 +66,21 @@ class BackgroundRuns:
                 busy.update(r for r, s in other.child_states().items() if s == "running")
         return busy
 
+    def failed_note(self, run) -> str:
+        """'rank 1 failed the --noblock cell sent before this one: ...' for the runs sent
+        before ``run`` that ended with a rank's error and were not waited for ('' if none)."""
+        self._failed = [ref for ref in self._failed if ref() is not None and ref().results is None]
+        lines = []
+        for ref in self._failed:
+            other = ref()
+            if other is not None and other.sent_before(run):
+                lines.append(
+                    f"{format_ranks(other.failed_ranks())} failed the --noblock cell sent before this one: "
+                    "its run's .wait() (the value that cell returned) shows the error"
+                )
+        return "\n".join(lines)
+
     def clear(self) -> None:
         """The ranks are stopped or replaced: no run of theirs can finish any more."""
         self._runs = []
+        self._failed = []

@@ -86,7 +86,7 @@ class RankRun:
         waiting_for: str = "",
         prompts: PromptServer | None = None,
         iopub: EarlyIopub | None = None,
-        background: Callable[[RankRun], None] | None = None,
+        background=None,
     ):
         """Follow ``async_result`` (one child per rank of ``ranks``, same order).
 
@@ -99,9 +99,9 @@ class RankRun:
         ``prompts`` answers the ranks' pdb and ``input()`` prompts (``timeout``
         pauses while the user is asked); ``iopub`` holds the messages that came
         before this object existed (its callbacks were attached when the requests
-        were sent), else callbacks are attached here; ``background(run)``, called on each
-        pass too, drives the guards of the session's cells sent without waiting
-        (:class:`~nbdist.driver.background_runs.BackgroundRuns`)."""
+        were sent), else callbacks are attached here; ``background``: the session's
+        :class:`~nbdist.driver.background_runs.BackgroundRuns`, whose guards each pass
+        drives too (its cells sent without waiting)."""
         self._ar = async_result
         self._watch = watch  # called on the waiting thread each pass (e.g. shows a dashboard)
         self._background = background
@@ -199,6 +199,11 @@ class RankRun:
             self._guard.poll(self)
         return self._ar.ready() or self._guard.finished(self)
 
+    def failed_ranks(self) -> list[int]:
+        """The ranks whose reply is an error of their own, not one a release caused."""
+        released = self._guard.released_from if self._guard is not None else {}
+        return [r for r, s in self.child_states().items() if s == "error" and r not in released]
+
     def sent_before(self, other: RankRun) -> bool:
         """Whether this run was sent before ``other`` (a rank runs its requests in order)."""
         return self._started < other._started
@@ -282,7 +287,7 @@ class RankRun:
             # The cells sent before this one without waiting first: a rank still in one of
             # them has not begun this cell, and that cell's guard knows why it waits.
             if self._background is not None and not self._stopped:
-                self._background(self)
+                self._background.poll(self)
             self._guard.poll(self)
             # Once the guard released the ranks it has SIGINTed those still computing:
             # a rank asked after that would be interrupted twice.
@@ -544,6 +549,9 @@ class RankRun:
         failures = run_failures(self.ranks, self._results, self._guard, stopped=self._stopped)
         if failures:
             note = self._guard.note(failures)
+            if self._background is not None and any(f.ename == "NotRun" for f in failures):
+                # Dropped behind a --noblock cell that failed: whose error is in its run.
+                note = "\n".join(x for x in (note, self._background.failed_note(self)) if x)
             raise RankError(failures, world_ranks=self.ranks, note=note)
         return list(self._results)
 
@@ -560,7 +568,7 @@ def submit(
     watch: Callable[[], None] | None = None,
     guard=None,
     silent_if_possible: bool = False,
-    background: Callable[[RankRun], None] | None = None,
+    background=None,
 ) -> RankRun:
     """Send ``code`` to the engines of ``ranks`` (same order) without waiting.
 

@@ -439,7 +439,7 @@ class DistSession:
                 watch=watch,
                 guard=CellGuard(self, chosen, self._background),
                 silent_if_possible=block,
-                background=self._background.poll,
+                background=self._background,
             )
             if not block and not latch.pending:
                 self._background.add(run)
@@ -477,7 +477,7 @@ class DistSession:
                 ar,
                 [r.rank for r in chosen],
                 interrupt=self.interrupt,
-                background=self._background.poll,
+                background=self._background,
             )
             return run.wait(latch)
 

@@ -66,6 +66,11 @@ def test_a_cell_queued_behind_a_failed_noblock_cell_is_not_blamed_for_its_wait(s
     assert {f.ename for f in err.failures} == {"NotRun"}, str(err)
     assert 0 in err.ranks
     assert "released" not in str(err) and "CollectiveMismatch" not in str(err), str(err)
+    # Where to look for why.
+    assert (
+        "rank 1 failed the --noblock cell sent before this one: its run's .wait() (the value "
+        "that cell returned) shows the error"
+    ) in str(err), str(err)
     _waited_for(session, background, "formed again for a later cell; variables and models are kept")
 
 
