@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 
-from nbdist.errors import format_ranks
+from nbdist.errors import ranks_text
 
 __all__ = ["BackgroundRuns"]
 
@@ -73,10 +73,11 @@ class BackgroundRuns:
         lines = []
         for ref in self._failed:
             other = ref()
-            if other is not None and other.sent_before(run):
+            failed = other.failed_ranks() if other is not None and other.sent_before(run) else []
+            if failed:
                 lines.append(
-                    f"{format_ranks(other.failed_ranks())} failed the --noblock cell sent before this one: "
-                    "its run's .wait() (the value that cell returned) shows the error"
+                    f"{ranks_text(failed)} failed the --noblock cell sent before this one: its "
+                    "run's .wait() (the value that cell returned) shows the error"
                 )
         return "\n".join(lines)
 
