@@ -220,3 +220,16 @@ def external_cluster(tmp_path):
         terminate_in_order(procs)
         for pid in wait_gone(pids, timeout=15):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def dist_kernel():
+    """One real Jupyter kernel with ``%dist_start 2 --cpu`` done, shared by a module's tests."""
+    from tests.notebooks.conftest import Kernel
+
+    kernel = Kernel()
+    try:
+        kernel.start_dist(2)
+        yield kernel
+    finally:
+        kernel.shutdown()

@@ -10,16 +10,30 @@ So the session keeps its runs sent without waiting here (weakly: a run nobody ho
 alive), and each pass of any other wait of the same session (a cell, ``push``, ``pull``,
 ``apply``) drives their guards, as ``RankRun.done()`` does: the failed cell's ranks are
 released by its own guard, named in its own error (``.wait()`` raises it), and the cell queued
-behind it begins once they are. Single-threaded, like every other use of the client.
+behind it begins once they are. While the kernel is idle nothing else waits: the kernel's
+own event loop drives them every :data:`IDLE_POLL_S` until none runs. That loop is the main
+thread's, the thread of every cell, so a look never overlaps a cell's use of the client or of
+the runs; a run sent from another thread (a kernel subshell's) is driven by waits and
+``done()`` alone.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import weakref
 
 from nbdist.errors import ranks_text
 
-__all__ = ["BackgroundRuns"]
+__all__ = ["IDLE_POLL_S", "BackgroundRuns"]
+
+# How often the kernel's idle loop drives the guards: a failed rank's peers are first looked
+# at 0.5 s after it failed (faults.FAILURE_GRACE_S), and a pass reads the runs' states alone
+# until a guard has something to look at.
+IDLE_POLL_S = 0.2
+
+_log = logging.getLogger(__name__)
 
 
 class BackgroundRuns:
@@ -31,10 +45,35 @@ class BackgroundRuns:
         # Those that ended with a rank's error, not yet waited for: a cell queued behind one
         # was dropped where it failed, and its error says where to look.
         self._failed: list[weakref.ref] = []
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     def add(self, run) -> None:
         """Watch ``run`` (a :class:`~nbdist.driver.runner.RankRun`) until it is done."""
         self._runs.append(weakref.ref(run))
+        self._drive_while_idle()
+
+    def _drive_while_idle(self) -> None:
+        """Have the main thread's running event loop (a kernel's) :meth:`poll` while idle."""
+        if (
+            self._idle_timer is not None
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a script: nothing runs between its own calls
+            return
+        self._idle_timer = loop.call_later(IDLE_POLL_S, _idle_poll, weakref.ref(self))
+
+    def _idle_pass(self) -> None:
+        self._idle_timer = None
+        try:
+            self.poll()
+        except Exception:  # the run's own wait meets it again and raises it to the user
+            _log.warning("nbdist: watching the --noblock cells while idle failed", exc_info=True)
+            return
+        if self._runs:
+            self._drive_while_idle()
 
     def poll(self, current=None) -> None:
         """Drive the guard of each run still running, ``current`` (the run being waited for) aside.
@@ -85,3 +124,13 @@ class BackgroundRuns:
         """The ranks are stopped or replaced: no run of theirs can finish any more."""
         self._runs = []
         self._failed = []
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+
+def _idle_poll(ref: weakref.ref) -> None:
+    """The idle loop's pass (the loop holds the session's runs weakly, as the session does)."""
+    runs = ref()
+    if runs is not None:
+        runs._idle_pass()  # noqa: SLF001

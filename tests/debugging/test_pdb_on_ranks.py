@@ -19,13 +19,8 @@ from tests.notebooks.conftest import CELL_TIMEOUT, CellResult, Kernel, strip_ans
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    k = Kernel()
-    try:
-        k.start_dist(2)
-        yield k
-    finally:
-        k.shutdown()
+def kernel(dist_kernel):
+    return dist_kernel
 
 
 def run_with_stdin(

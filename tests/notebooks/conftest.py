@@ -167,14 +167,3 @@ def kernel_factory():
     yield start
     for kernel in kernels:
         kernel.shutdown()
-
-
-@pytest.fixture(scope="module")
-def dist_kernel():
-    """One kernel with ``%dist_start 2`` done, shared by a module's tests."""
-    kernel = Kernel()
-    try:
-        kernel.start_dist(2)
-        yield kernel
-    finally:
-        kernel.shutdown()
