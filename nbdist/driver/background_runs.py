@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import weakref
 
 from nbdist.errors import ranks_text
@@ -32,6 +33,9 @@ __all__ = ["IDLE_POLL_S", "BackgroundRuns"]
 # at 0.5 s after it failed (faults.FAILURE_GRACE_S), and a pass reads the runs' states alone
 # until a guard has something to look at.
 IDLE_POLL_S = 0.2
+
+# How often settle() drives the guards (a cell's waiting loop passes as often).
+_SETTLE_POLL_S = 0.05
 
 _log = logging.getLogger(__name__)
 
@@ -92,6 +96,22 @@ class BackgroundRuns:
                 self._failed.append(ref)
         self._runs = kept
 
+    def settle(self) -> None:
+        """Drive the guards until no watched run has a rank that failed while others still run it.
+
+        Called before the session sends the ranks anything: a failed rank is idle and would
+        begin the request at once, and a collective in it would pair with the one the others
+        still wait in (gloo pairs by order, not by size: an all-reduce of 1 element against
+        one of 4 gave both ranks wrong values, and the request ran on the failed rank alone).
+        Released, the others end that cell and all begin the request together. The guard
+        releases within about FAILURE_WAIT_MAX_S (ranks still computing are interrupted then).
+        """
+        while True:
+            self.poll()
+            if not any(_failing(ref()) for ref in self._runs):
+                return
+            time.sleep(_SETTLE_POLL_S)
+
     def running_before(self, run) -> set[int]:
         """The ranks still running a watched run sent before ``run``: they have not begun it.
 
@@ -127,6 +147,12 @@ class BackgroundRuns:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+
+
+def _failing(run) -> bool:
+    """One of ``run``'s ranks failed while others still run it (None: a run let go)."""
+    states = run.child_states().values() if run is not None else ()
+    return "error" in states and "running" in states
 
 
 def _idle_poll(ref: weakref.ref) -> None:

@@ -412,16 +412,7 @@ class DistSession:
         code, timeout = check_code(code), check_cell_timeout(timeout)
         chosen = self.select(ranks)
         self._require_whole()
-        if self.group.released:  # an earlier attempt to form the group again failed
-            stale = self.reform_group()
-            if stale:
-                # The cell's own note (faults.py) could not name them: that attempt failed.
-                print(
-                    "nbdist: the process group was formed again before this cell; these were "
-                    "made with the old group: make them again before using them: "
-                    + ", ".join(stale),
-                    file=sys.stderr,
-                )
+        self._ready_for_collectives()
         client, engine_ids = self._handle.client, [r.engine_id for r in chosen]
         watch = cell_watcher(self._hub.run, self.rank_states)
         # A Ctrl-C from here on, once the cell may be on its way, is held and handed to
@@ -453,6 +444,22 @@ class DistSession:
                 # waiting loop ended: its dashboard still appears under it.
                 watch()
 
+    def _ready_for_collectives(self) -> None:
+        """Before a request that may make collective calls: a failed ``--noblock`` cell's other
+        ranks released (``BackgroundRuns.settle``), the group formed again if a release left it
+        broken."""
+        self._background.settle()
+        if self.group.released:  # an earlier attempt to form the group again failed
+            stale = self.reform_group()
+            if stale:
+                # The cell's own note (faults.py) could not name them: that attempt failed.
+                print(
+                    "nbdist: the process group was formed again before this cell; these were "
+                    "made with the old group: make them again before using them: "
+                    + ", ".join(stale),
+                    file=sys.stderr,
+                )
+
     def record_cell(self, code: str) -> None:
         """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""
         self.cells.append(code)
@@ -465,11 +472,19 @@ class DistSession:
         options.setdefault("ranks", max(1, self.world_size or self._cells_ranks))
         return export_script(self.cells, path, **options)
 
-    def _on_ranks(self, ranks, send: Callable) -> list:
+    def _on_ranks(self, ranks, send: Callable, *, collectives: bool = False) -> list:
         # send(view) -> AsyncResult; waited for like a cell (errors by rank, Ctrl-C relayed).
+        # collectives: what it runs may make collective calls (apply).
         chosen = self.select(ranks)
         # ipyparallel would answer with a KeyError (or wait for an engine that is gone).
         self._require_alive([r.rank for r in chosen])
+        if collectives and not self.dead_ranks():
+            self._ready_for_collectives()
+        else:
+            # A value read or written needs no group (one a release left broken is formed
+            # again by the next cell: that could fail, and the value is wanted), and none
+            # forms with a rank dead.
+            self._background.settle()
         fail_undecodable_replies(self._handle.client)  # a value the kernel cannot unpickle
         with SigintLatch(holding=True) as latch:  # as in run(): a Ctrl-C once sent is theirs
             ar = send(self._handle.client[[r.engine_id for r in chosen]])
@@ -483,7 +498,9 @@ class DistSession:
 
     def apply(self, fn: Callable, *args, ranks=None, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on the ranks; returns results in rank order."""
-        return self._on_ranks(ranks, lambda view: view.apply_async(fn, *args, **kwargs))
+        return self._on_ranks(
+            ranks, lambda view: view.apply_async(fn, *args, **kwargs), collectives=True
+        )
 
     def push(self, mapping: Mapping[str, object], ranks=None) -> None:
         """Copy names from here into the ranks' namespaces."""

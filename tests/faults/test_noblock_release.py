@@ -85,3 +85,36 @@ def test_a_noblock_cell_that_ends_well_is_left_alone_by_the_cells_after_it(sessi
     background.wait()
     assert [t.item() for t in session.pull("t")] == [2.0, 2.0]
     assert session.pull("after") == [0, 1]
+
+
+@pytest.mark.parametrize("send", ["cell", "apply"])
+def test_a_request_sent_once_a_rank_failed_waits_for_the_others_release(session, send):
+    failing = _FAILING.replace(
+        "dist.all_reduce(torch.ones(4))", "t = torch.ones(4)\ndist.all_reduce(t)"
+    )
+    background = session.run(failing, block=False, sink=ListSink())
+    # Read without driving the guard: rank 1 has failed, rank 0 still waits in its all-reduce.
+    while background.child_states()[1] != "error":
+        time.sleep(0.01)
+    assert background.child_states()[0] == "running"
+    # Sent now, this all-reduce would begin at once on the idle rank 1 and pair with rank 0's
+    # open one: gloo pairs by order, so both got wrong values (rank 1 [1.0] for 3.0), and the
+    # request, dropped on rank 0 behind its failed cell, had run on rank 1 alone.
+    if send == "cell":
+        session.run("u = torch.ones(1) * (rank + 1)\ndist.all_reduce(u)", sink=ListSink())
+        assert [u.item() for u in session.pull("u")] == [3.0, 3.0]
+    else:
+        assert session.apply(_reduced_rank) == [3.0, 3.0]
+    # Rank 0's tensor was not touched by rank 1's all-reduce.
+    assert session.pull("t", 0).tolist() == [1.0] * 4
+    _waited_for(session, background, "formed again for a later cell; variables and models are kept")
+
+
+def _reduced_rank() -> float:
+    """On a rank: its rank + 1, summed over the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    u = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(u)
+    return u.item()
