@@ -46,9 +46,9 @@ class BackgroundRuns:
     def __init__(self) -> None:
         """Empty: the session adds each run it sends without waiting."""
         self._runs: list[weakref.ref] = []
-        # Those that ended with a rank's error, not yet waited for: a cell queued behind one
-        # was dropped where it failed, and its error says where to look.
-        self._failed: list[weakref.ref] = []
+        # Those that ended with a rank's error, not yet waited for, and when that was seen: a
+        # cell queued behind one was dropped where it failed, and its error says where to look.
+        self._failed: list[tuple[weakref.ref, float]] = []
         self._idle_timer: asyncio.TimerHandle | None = None
 
     def add(self, run) -> None:
@@ -93,7 +93,7 @@ class BackgroundRuns:
             if run is current or not run.done():  # done() drives the run's guard
                 kept.append(ref)
             elif "error" in run.child_states().values():
-                self._failed.append(ref)
+                self._failed.append((ref, time.monotonic()))
         self._runs = kept
 
     def settle(self) -> None:
@@ -127,12 +127,16 @@ class BackgroundRuns:
 
     def failed_note(self, run) -> str:
         """'rank 1 failed the --noblock cell sent before this one: ...' for the runs sent
-        before ``run`` that ended with a rank's error and were not waited for ('' if none)."""
-        self._failed = [ref for ref in self._failed if ref() is not None and ref().results is None]
+        before ``run`` that ended with a rank's error after it was sent, not waited for ('' if
+        none). One seen ended before it was sent is no cause of its drop: each wait and the
+        kernel's idle loop look often, and :meth:`settle` looks just before a request is sent."""
+        self._failed = [(ref, seen) for ref, seen in self._failed if _unwaited(ref())]
         lines = []
-        for ref in self._failed:
+        for ref, seen in self._failed:
             other = ref()
-            failed = other.failed_ranks() if other is not None and other.sent_before(run) else []
+            if other is None or seen < run.sent_at or not other.sent_before(run):
+                continue
+            failed = other.failed_ranks()
             if failed:
                 lines.append(
                     f"{ranks_text(failed)} failed the --noblock cell sent before this one: its "
@@ -147,6 +151,11 @@ class BackgroundRuns:
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+
+
+def _unwaited(run) -> bool:
+    """``run`` is kept by someone and its ``.wait()`` has not reported it yet."""
+    return run is not None and run.results is None
 
 
 def _failing(run) -> bool:

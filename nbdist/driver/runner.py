@@ -209,6 +209,11 @@ class RankRun:
         return self._started < other._started
 
     @property
+    def sent_at(self) -> float:
+        """When the requests were sent (``time.monotonic()``, taken just after)."""
+        return self._started
+
+    @property
     def results(self) -> list | None:
         """Per-rank results (exceptions included) once :meth:`wait` got them, else None."""
         return self._results

@@ -118,3 +118,20 @@ def _reduced_rank() -> float:
     u = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(u)
     return u.item()
+
+
+def test_a_dropped_cell_names_only_the_failed_noblock_cell_it_was_queued_behind(session):
+    earlier = session.run(_FAILING, block=False, sink=ListSink())
+    while not earlier.done():
+        time.sleep(0.1)
+    session.run("between = rank", sink=ListSink())
+    # The earlier run failed and nobody asked its .wait(); the next one is the cause.
+    later = session.run(_FAILING, block=False, sink=ListSink())
+    with pytest.raises(RankError) as queued:
+        session.run("after = rank", sink=ListSink())
+    text = str(queued.value)
+    assert {f.ename for f in queued.value.failures} == {"NotRun"}, text
+    # One line, for the run the cell was queued behind: the earlier one ended before it was sent.
+    assert text.count("rank 1 failed the --noblock cell sent before this one") == 1, text
+    _waited_for(session, later, "formed again for a later cell; variables and models are kept")
+    _waited_for(session, earlier, "formed again for a later cell; variables and models are kept")
