@@ -426,14 +426,20 @@ class CellGuard:
         if session.dead_ranks():
             self._blame_deaths(run)
             return
-        if interrupted and not self.released:
+        if (interrupted or run.interrupted_ranks()) and not self.released:
             # Ranks that stopped at different collectives (one returned from #7,
-            # another never entered it) would pair the wrong calls from now on.
+            # another never entered it) would pair the wrong calls from now on. (Ranks
+            # interrupted from elsewhere too: DistSession.interrupt while nothing waited.)
             found = ask(session.client, session.ranks, timeout=2.0)
             seqs = {w.collective["seq"] if w.collective else 0 for w in found}
             stuck = any(w.collective and w.collective["inside"] for w in found)
             if len(seqs) > 1 or stuck or not all(w.answered for w in found):
                 self._release_after_cell("the ranks stopped at different collectives")
+            elif any(w.collective and w.collective.get("unfinished") for w in found):
+                # A send or receive posted and never finished (a pipeline step cut short)
+                # would take the data of the next one between the same ranks: wrong values,
+                # a receive waiting for ever, or gloo writing into a buffer since freed.
+                self._release_after_cell("sends or receives were left unfinished")
         if not interrupted and not self.released and session.group is not None:
             broken = run.broken_group_error()
             if broken:

@@ -256,6 +256,13 @@ class RankRun:
                     found[rank] = words
         return found
 
+    def interrupted_ranks(self) -> list[int]:
+        """The ranks whose reply is a KeyboardInterrupt (SIGINT, from the kernel or elsewhere)."""
+        errors = (child_result(child) for child in self._children)
+        return [
+            r for r, e in zip(self.ranks, errors) if getattr(e, "ename", "") == "KeyboardInterrupt"
+        ]
+
     def broken_group_error(self) -> str:
         """The first rank error that says the process group itself broke ('' if none does)."""
         for rank, words in self.broken_group_errors().items():

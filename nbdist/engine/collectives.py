@@ -124,6 +124,11 @@ _seq = 0
 _last: _Record | None = None
 _depth = 0  # > 0 inside a wrapped call: a collective made by another is not timed twice
 _cell_began: float | None = None  # when this rank's current (or last) cell began
+# Every work a call returned that may be unfinished, weakly (a pipeline step posts its sends
+# and receives, then waits on them): one an interrupt left behind would take the data of a
+# later call between the same ranks. Pruned of finished ones past _prune_at works.
+_unfinished: list = []
+_prune_at = 256
 
 
 def _tracked(op: str, fn):
@@ -162,6 +167,10 @@ def _tracked(op: str, fn):
             result = fn(*args, **kwargs)
             if result is not None:  # a synchronous collective returns None
                 record.works = _weakly(result)
+                if record.works:
+                    _unfinished.extend(record.works)
+                    if len(_unfinished) > _prune_at:
+                        _prune_unfinished()
             return result
         except BaseException:
             record.raised = True  # e.g. a peer died or the group was released
@@ -201,16 +210,25 @@ def open_work_since(moment: float) -> str | None:
     return f"{record.op} #{record.seq}"
 
 
+def _prune_unfinished() -> int:
+    """Drop the finished (or dropped) works from ``_unfinished``; how many are left."""
+    global _unfinished, _prune_at
+    _unfinished = [ref for ref in _unfinished if _is_open(ref())]
+    # A loop that keeps many works open (a long pipeline) is pruned as rarely per work.
+    _prune_at = max(256, 2 * len(_unfinished))
+    return len(_unfinished)
+
+
+def _is_open(work) -> bool:
+    try:
+        return work is not None and not work.is_completed()
+    except Exception:  # a work whose group was destroyed: not waited for
+        return False
+
+
 def _has_open_work(record: _Record) -> bool:
     """Whether a work ``record``'s call returned is still unfinished (its wait would block)."""
-    for ref in record.works or ():
-        work = ref()
-        try:
-            if work is not None and not work.is_completed():
-                return True
-        except Exception:  # a work whose group was destroyed: not waited for
-            continue
-    return False
+    return any(_is_open(ref()) for ref in record.works or ())
 
 
 def install() -> None:
@@ -233,6 +251,7 @@ def reset() -> None:
     """Start counting from zero (a new group: every rank resets together)."""
     global _seq, _last
     _seq, _last = 0, None
+    _unfinished.clear()  # the old group's: nothing of the new one pairs with them
 
 
 def cell_started() -> None:
@@ -256,7 +275,8 @@ def last() -> dict | None:
     now (or last); ``ranks``: the global ranks it waits for (its group's, or
     a point-to-point call's peers; None where they cannot be read); ``open_works``
     if it returned works (``batch_isend_irecv``, ``async_op=True``) not completed: a
-    pipeline's rank waits on them in C++, outside the call.
+    pipeline's rank waits on them in C++, outside the call; ``unfinished``: how many works
+    of any call are (one an interrupt left would take a later call's data).
     """
     record = _last
     if record is None:
@@ -272,6 +292,7 @@ def last() -> dict | None:
         "this_cell": _cell_began is not None and record.entered >= _cell_began,
         "ranks": _ranks(record),
         "open_works": exited is not None and _has_open_work(record),
+        "unfinished": _prune_unfinished(),
     }
 
 

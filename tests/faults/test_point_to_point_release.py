@@ -122,3 +122,51 @@ def test_where_says_a_rank_waits_on_the_works_of_its_last_call(session):
     finally:
         run.wait()
     assert session.pull("buf", rank=0).tolist() == [1.0] * 4
+
+
+def test_receives_an_interrupt_left_unfinished_do_not_take_a_later_cells_data(session):
+    # Each rank posts a receive from the other and is interrupted before it finishes: the
+    # ranks stopped at the same call (irecv #1), nothing inside a collective.
+    run = session.run(
+        "buf = torch.zeros(4)\nwork = dist.irecv(buf, src=1 - rank)\nimport time\ntime.sleep(60)",
+        block=False,
+        sink=ListSink(),
+    )
+    while not all(w.collective and w.collective["op"] == "irecv" for w in session.where()):
+        time.sleep(0.1)
+    session.interrupt()
+    with pytest.raises(RankError) as info:
+        run.wait()
+    assert {f.ename for f in info.value.failures} == {"KeyboardInterrupt"}, str(info.value)
+    assert (
+        "sends or receives were left unfinished. The process group was formed again; "
+        "variables and models are kept"
+    ) in str(info.value)
+    # Left in the old group, rank 0's receive took rank 1's next send: the cell's own
+    # receive then waited for a rank that had finished (released after 3 s, nothing received).
+    session.run(
+        "t = torch.zeros(4)\n"
+        "if rank == 1:\n"
+        "    dist.send(torch.full((4,), 7.0), dst=0)\n"
+        "else:\n"
+        "    dist.recv(t, src=1)",
+        sink=ListSink(),
+        timeout=50,
+    )
+    assert session.pull("t", 0).tolist() == [7.0] * 4
+    assert session.pull("buf", 0).tolist() == [0.0] * 4
+    reduce_works(session)
+
+
+def test_finished_works_are_not_kept(session):
+    # A pipeline loop posts works for hours: those that finished are dropped as it goes.
+    session.run(
+        "from nbdist.engine import collectives as nbdist_collectives\n"
+        "for i in range(1000):\n"
+        "    t = torch.ones(1)\n"
+        "    (dist.isend(t, 1) if rank == 0 else dist.irecv(t, 0)).wait()\n"
+        "kept = len(nbdist_collectives._unfinished)",
+        sink=ListSink(),
+    )
+    assert all(kept <= 256 for kept in session.pull("kept")), session.pull("kept")
+    assert [w.collective["unfinished"] for w in session.where()] == [0, 0]
