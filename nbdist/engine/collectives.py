@@ -210,13 +210,14 @@ def open_work_since(moment: float) -> str | None:
     return f"{record.op} #{record.seq}"
 
 
-def _prune_unfinished() -> int:
-    """Drop the finished (or dropped) works from ``_unfinished``; how many are left."""
+def _prune_unfinished() -> None:
+    """Drop the finished (or dropped) works from ``_unfinished`` (on the main thread only:
+    the control thread's :func:`last` reads the list, and a list it rebound would lose the
+    works the main thread adds meanwhile)."""
     global _unfinished, _prune_at
     _unfinished = [ref for ref in _unfinished if _is_open(ref())]
     # A loop that keeps many works open (a long pipeline) is pruned as rarely per work.
     _prune_at = max(256, 2 * len(_unfinished))
-    return len(_unfinished)
 
 
 def _is_open(work) -> bool:
@@ -292,7 +293,7 @@ def last() -> dict | None:
         "this_cell": _cell_began is not None and record.entered >= _cell_began,
         "ranks": _ranks(record),
         "open_works": exited is not None and _has_open_work(record),
-        "unfinished": _prune_unfinished(),
+        "unfinished": sum(_is_open(ref()) for ref in list(_unfinished)),
     }
 
 
