@@ -73,6 +73,9 @@ class Group:
     hosts: dict[int, str] = field(default_factory=dict)  # rank -> host, when several hosts
     # Ranks whose gloo connects lazily (TORCH_GLOO_LAZY_INIT): not releasable from a hang.
     lazy_gloo: list[int] = field(default_factory=list)
+    # As the group was last formed again: the ranks' pipeline schedules whose step was cut
+    # short ("schedule (ScheduleGPipe)"), which fail their next step.
+    cut_schedules: list[str] = field(default_factory=list)
 
     def notes(self) -> list[str]:
         """What the ready line says of this group beyond its ranks (a sentence each)."""
@@ -245,7 +248,8 @@ def reform_group(
     Only the group changes on the ranks: namespaces, models and tensors stay.
     ``group.released`` stays True if this fails, so the next cell tries again.
     Returns the ranks' variables that hold the old group, to be made again
-    (``"ddp_model (DistributedDataParallel)"``; each name once, as any rank has it).
+    (``"ddp_model (DistributedDataParallel)"``; each name once, as any rank has it);
+    the pipeline schedules whose step was cut short go to ``group.cut_schedules``.
     """
     group.released = True
     rank0 = group.ranks[0]
@@ -273,9 +277,13 @@ def reform_group(
     ).wait()
     group.released = False
     stale: dict[str, str] = {}
+    cut: dict[str, str] = {}
     for result in rejoined:
         for name, what in (result or {}).get("stale", ()):
             stale.setdefault(name, what)
+        for name, what in (result or {}).get("cut", ()):
+            cut.setdefault(name, what)
+    group.cut_schedules = [f"{name} ({what})" for name, what in cut.items()]
     return [f"{name} ({what})" for name, what in stale.items()]
 
 

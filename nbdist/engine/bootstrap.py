@@ -33,6 +33,7 @@ from nbdist.engine import (
     group_bound,
     own_processes,
     patches,
+    pipeline_schedules,
     rank_names,
     torchrun_env,
     user_group,
@@ -284,20 +285,23 @@ def rejoin(spec: dict, get_shell=None) -> dict:
     Only the group changes: the namespace, models and tensors stay. Objects
     bound to the old group (a ``DistributedDataParallel`` wrapper) must be
     made again. Returns this rank's last collective before the group was formed
-    again (``before``) and the user's variables bound to the old group
-    (``stale``: ``(name, what)`` pairs; none without ``get_shell``).
+    again (``before``), the user's variables bound to the old group (``stale``:
+    ``(name, what)`` pairs) and the pipeline schedules whose step was cut short (``cut``:
+    ``(name, class)``); none without ``get_shell``.
     """
     before = collectives.last()
     shell = get_shell() if get_shell is not None else None
+    namespace = shell.user_ns if shell is not None else {}
     try:
-        stale = group_bound.bound_to_group(shell.user_ns) if shell is not None else []
+        stale = group_bound.bound_to_group(namespace)
+        cut = pipeline_schedules.cut_short(namespace)
     except Exception:  # a note for the user must never stop the group from forming again
-        stale = []
+        stale, cut = [], []
     os.environ["MASTER_PORT"] = str(spec["master_port"])
     # A new mesh over the same ranks must not be handed the old one from DTensor's caches.
     dtensor_caches.forget_meshes()
     _join_group(spec, str(rank_device()))
-    return {"before": before, "stale": stale}
+    return {"before": before, "stale": stale, "cut": cut}
 
 
 def rejoin_as_this_rank(base: dict, get_shell=None) -> dict:

@@ -13,16 +13,11 @@ Naming them when the group is formed again tells the user what to make again.
 
 from __future__ import annotations
 
-import itertools
 import sys
-import types
+
+from nbdist.engine.user_variables import one_level_in, user_variables
 
 __all__ = ["bound_to_group"]
-
-# IPython's own names in a namespace: never the user's objects.
-_IPYTHON_NAMES = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
-# Entries looked at inside one variable: a list of a million tensors is not walked.
-_INNER_LIMIT = 64
 
 
 def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
@@ -73,9 +68,7 @@ def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
             return ""
 
     found = []
-    for name, value in list(namespace.items()):
-        if name.startswith("_") or name in _IPYTHON_NAMES:
-            continue
+    for name, value in user_variables(namespace):
         kind = judged(value)
         if kind:
             found.append((name, kind))
@@ -83,7 +76,7 @@ def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
         # One level in: a notebook's own trainer object (trainer.model = DDP(...)), or a
         # dict or list of models.
         inside = [
-            (suffix, kind) for suffix, inner in _one_level_in(value) if (kind := judged(inner))
+            (suffix, kind) for suffix, inner in one_level_in(value) if (kind := judged(inner))
         ]
         if len(inside) > 1 and isinstance(value, (dict, list, tuple)):
             # A list of 64 DTensors is one thing to make again, not 64 lines.
@@ -92,28 +85,3 @@ def bound_to_group(namespace: dict) -> list[tuple[str, str]]:
         else:
             found.extend((name + suffix, kind) for suffix, kind in inside)
     return found
-
-
-def _one_level_in(value) -> list[tuple[str, object]]:
-    """``(suffix, value)`` one level inside a dict, list, tuple or plain object; the first 64.
-
-    Modules (Python's and torch's) and classes are not entered: their attributes are
-    their machinery, and torch modules are judged whole.
-    """
-    import torch
-
-    if isinstance(value, dict):
-        items = ((f"[{key!r}]", inner) for key, inner in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = ((f"[{index}]", inner) for index, inner in enumerate(value))
-    elif isinstance(value, (types.ModuleType, type, torch.nn.Module)):
-        return []
-    else:
-        attributes = getattr(value, "__dict__", None)
-        if not isinstance(attributes, dict):
-            return []
-        items = ((f".{key}", inner) for key, inner in attributes.items() if key[:1] != "_")
-    try:
-        return list(itertools.islice(items, _INNER_LIMIT))
-    except Exception:  # a container that changes or raises while read
-        return []

@@ -170,3 +170,42 @@ def test_finished_works_are_not_kept(session):
     )
     assert all(kept <= 256 for kept in session.pull("kept")), session.pull("kept")
     assert [w.collective["unfinished"] for w in session.where()] == [0, 0]
+
+
+def test_an_interrupted_pipeline_step_names_the_schedule_to_make_again(session):
+    session.run(_PIPELINE, sink=ListSink())
+    # The last stage's loss of the second micro-batch takes a minute: the step is interrupted
+    # there, the first micro-batch's loss kept in the schedule.
+    session.run(
+        "import time\n"
+        "calls, slow = [], False\n"
+        "def slow_loss(out, y):\n"
+        "    calls.append(1)\n"
+        "    if slow and len(calls) == 2:\n"
+        "        time.sleep(60)\n"
+        "    return ((out - y) ** 2).mean()\n"
+        "schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=slow_loss)\n"
+        "pipeline_step()  # a schedule's first step also infers the shapes (and calls the loss)\n"
+        "calls, slow = [], True",
+        sink=ListSink(),
+    )
+    run = session.run("pipeline_step()", block=False, sink=ListSink())
+    while not any(f["name"] == "slow_loss" for f in session.where(1)[0].stack):
+        time.sleep(0.1)
+    session.interrupt()
+    with pytest.raises(RankError) as info:
+        run.wait()
+    text = str(info.value)
+    assert (
+        "a pipeline step was cut short and its schedule keeps that step's losses, so its next "
+        "step fails: make the stages and the schedule again: schedule (ScheduleGPipe)"
+    ) in text, text
+    # As it says: the same schedule's next step fails on the last stage, with torch's own
+    # error ("Expecting 4 losses but got 5" here; "Failed to run stage backward" where the
+    # step was cut in its backward).
+    err = failing_cell(session, "pipeline_step()")
+    assert [(f.rank, f.ename) for f in err.failures] == [(1, "RuntimeError")], str(err)
+    assert "losses" in err.failures[0].evalue, str(err)
+    # Stages and schedule made again, the step runs.
+    session.run(_PIPELINE, sink=ListSink())
+    reduce_works(session)
