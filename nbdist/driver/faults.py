@@ -455,14 +455,9 @@ class CellGuard:
                         ", but these were made with the old group: make them again before "
                         "using them: " + ", ".join(stale)
                     )
-                cut = session.group.cut_schedules
+                cut = session.group.cut_schedules_note()
                 if cut:
-                    # torch's error at the next step would not say why (pipeline_schedules.py).
-                    self.reformed += (
-                        "; a pipeline step was cut short and its schedule keeps that step's "
-                        "losses, so its next step fails: make the stages and the schedule "
-                        "again: " + ", ".join(cut)
-                    )
+                    self.reformed += f"; {cut}"
             except Exception as exc:
                 self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
         elif self.released and session.group is not None:

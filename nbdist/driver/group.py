@@ -88,6 +88,17 @@ class Group:
             "hung in one (Ctrl-C, --timeout, a dead rank); unset it before %dist_start to keep that"
         ]
 
+    def cut_schedules_note(self) -> str:
+        """'a pipeline step was cut short ...: schedule (ScheduleGPipe)' ('' if none was): what
+        the user makes again, since torch's error at the next step would not say why."""
+        if not self.cut_schedules:
+            return ""
+        return (
+            "a pipeline step was cut short and its schedule keeps that step's losses, so its "
+            "next step fails: make the stages and the schedule again: "
+            + ", ".join(self.cut_schedules)
+        )
+
     @property
     def engine_ids(self) -> list[int]:
         """The engines of the ranks, in rank order."""

@@ -459,6 +459,8 @@ class DistSession:
                     + ", ".join(stale),
                     file=sys.stderr,
                 )
+            if self.group.cut_schedules:
+                print(f"nbdist: {self.group.cut_schedules_note()}", file=sys.stderr)
 
     def record_cell(self, code: str) -> None:
         """Remember ``code`` as run on every rank, for :meth:`export` (``%%on_all_ranks`` calls it)."""
