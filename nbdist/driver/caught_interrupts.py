@@ -8,7 +8,7 @@ reach is, and as one still reporting its error is (IPython formats and highlight
 traceback: seconds per rank at 64 ranks on 2 cores). The guards SIGINT again only the
 ranks the SIGINT missed; a rank that caught it runs its handling code to the end and
 the cell waits for it, as a kernel of its own would, until a second Ctrl-C
-(:mod:`nbdist.driver.runner`); a rank outside the user's code (reporting, sending its
+(:mod:`nbdist.driver.run_interrupts`); a rank outside the user's code (reporting, sending its
 reply) ends by itself and is named as neither, as is one whose request ended meanwhile
 (its reply on its way: 1 of 64 ranks in one of four interrupts on 2 cores, which then
 cost a release and the group formed again).

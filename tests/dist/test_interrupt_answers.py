@@ -139,9 +139,9 @@ def test_ranks_reporting_past_the_grace_are_waited_for(session, tmp_path, monkey
     torch.distributed on 2 cores, were said to be "blocked in a collective or in native
     code" after 10.4 s, and the group was left unformed). Here the grace is 2 s and each
     rank's report 3 s."""
-    from nbdist.driver import runner
+    from nbdist.driver import run_interrupts
 
-    monkeypatch.setattr(runner, "_INTERRUPT_GRACE_S", 2.0)
+    monkeypatch.setattr(run_interrupts, "_INTERRUPT_GRACE_S", 2.0)
     began = tmp_path / "began"
     began.mkdir()
     session.run(_SLOW_REPORT)
