@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -104,12 +105,18 @@ class BackgroundRuns:
         still wait in (gloo pairs by order, not by size: an all-reduce of 1 element against
         one of 4 gave both ranks wrong values, and the request ran on the failed rank alone).
         Released, the others end that cell and all begin the request together. The guard
-        releases within about FAILURE_WAIT_MAX_S (ranks still computing are interrupted then).
+        releases within about FAILURE_WAIT_MAX_S (ranks still computing are interrupted then);
+        the request starting seconds late, the user is told why, once, on stderr.
         """
+        said = False
         while True:
             self.poll()
-            if not any(_failing(ref()) for ref in self._runs):
+            failing = [run for run in (ref() for ref in self._runs) if _failing(run)]
+            if not failing:
                 return
+            if not said:  # the request starts seconds late: why, once
+                said = True
+                print(_settling_line(failing[0]), file=sys.stderr)
             time.sleep(_SETTLE_POLL_S)
 
     def running_before(self, run) -> set[int]:
@@ -162,6 +169,20 @@ def _failing(run) -> bool:
     """One of ``run``'s ranks failed while others still run it (None: a run let go)."""
     states = run.child_states().values() if run is not None else ()
     return "error" in states and "running" in states
+
+
+def _settling_line(run) -> str:
+    """What :meth:`BackgroundRuns.settle` waits for, said before it waits."""
+    states = run.child_states()
+    failed = [r for r, s in states.items() if s == "error"]
+    running = [r for r, s in states.items() if s == "running"]
+    still, one = ranks_text(running), len(running) == 1
+    return (
+        f"nbdist: {ranks_text(failed)} failed a --noblock cell that {still} still "
+        f"{'runs' if one else 'run'} (waiting for it in a collective, or computing): this "
+        f"begins on the ranks once {still} {'is' if one else 'are'} released (a few seconds); "
+        "that cell's .wait() shows the error"
+    )
 
 
 def _idle_poll(ref: weakref.ref) -> None:

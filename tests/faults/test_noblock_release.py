@@ -88,7 +88,7 @@ def test_a_noblock_cell_that_ends_well_is_left_alone_by_the_cells_after_it(sessi
 
 
 @pytest.mark.parametrize("send", ["cell", "apply"])
-def test_a_request_sent_once_a_rank_failed_waits_for_the_others_release(session, send):
+def test_a_request_sent_once_a_rank_failed_waits_for_the_others_release(session, send, capsys):
     failing = _FAILING.replace(
         "dist.all_reduce(torch.ones(4))", "t = torch.ones(4)\ndist.all_reduce(t)"
     )
@@ -107,6 +107,14 @@ def test_a_request_sent_once_a_rank_failed_waits_for_the_others_release(session,
         assert session.apply(_reduced_rank) == [3.0, 3.0]
     # Rank 0's tensor was not touched by rank 1's all-reduce.
     assert session.pull("t", 0).tolist() == [1.0] * 4
+    # The request began seconds late, and the user was told why, once.
+    said = capsys.readouterr().err
+    line = (
+        "nbdist: rank 1 failed a --noblock cell that rank 0 still runs (waiting for it in a "
+        "collective, or computing): this begins on the ranks once rank 0 is released (a few "
+        "seconds); that cell's .wait() shows the error"
+    )
+    assert said.count(line) == 1, said
     _waited_for(session, background, "formed again for a later cell; variables and models are kept")
 
 
