@@ -107,7 +107,14 @@ def _is_group_call(op: str) -> bool:
 
 
 def stranded_waits(
-    client, by_rank: dict, running, done: set[int], untracked: dict[int, str], *, lasted_s: float
+    client,
+    by_rank: dict,
+    running,
+    done: set[int],
+    untracked: dict[int, str],
+    *,
+    lasted_s: float,
+    paired: set[int] | None = None,
 ) -> dict[int, str]:
     """{rank: what it waits in, and for whom} of running ranks whose collective cannot end.
 
@@ -119,6 +126,11 @@ def stranded_waits(
     gradient all-reduce, issued from C++), the process group's flight recorder holds an
     open call that idle finished ranks never issued (such ranks are also put in
     ``untracked``: {rank: the call}).
+
+    Where the ranks it waits for made the same call (kind and number) in this cell and
+    returned from it, the calls paired but did not match: gloo pairs calls by order, not by
+    size, so a rank given fewer elements returns (with wrong values) while its peer waits for
+    the rest. Such a rank is said so, and put in ``paired``.
     """
     idle = idle_ranks(client, by_rank, done)
     # With idle finished ranks, the running ones' flight recorders too: a call issued from
@@ -128,11 +140,13 @@ def stranded_waits(
     )
     inside = {w.rank: w.collective for w in found if w.answered and _waiting(w.collective)}
     stranded = {}
+    gone_of: dict[int, list[int]] = {}
     for rank, c in inside.items():
         members = set(c.get("ranks") or ())
         what = f"waited in {c['op']} #{c['seq']}"
         gone = sorted(members & idle)
         if gone:
+            gone_of[rank] = gone
             stranded[rank] = (
                 f"{what} for {ranks_text(gone)}, which finished the cell without entering it"
             )
@@ -151,9 +165,42 @@ def stranded_waits(
     if opened and idle:
         stranded.update(_issued_alone(client, opened, idle, by_rank, untracked))
         lasted += [r for r in opened if r in stranded and opened[r]["seconds"] >= lasted_s]
-    # One wait that lasted the grace makes the case: the others named with it may have
-    # begun later (a rank slow to start the cell) but wait for the same ranks.
-    return stranded if lasted else {}
+    if not lasted:
+        # One wait that lasted the grace makes the case: the others named with it may have
+        # begun later (a rank slow to start the cell) but wait for the same ranks.
+        return {}
+    if gone_of:  # asked only now: the finished ranks are idle, and the verdict is made
+        stranded.update(_paired_calls(client, by_rank, inside, gone_of, paired))
+    return stranded
+
+
+def _paired_calls(
+    client, by_rank: dict, inside: dict[int, dict], gone_of: dict[int, list[int]], paired
+) -> dict[int, str]:
+    """{rank: what it waits in} of waiting ranks whose peers, finished, made the same call."""
+    idle = sorted({r for gone in gone_of.values() for r in gone})
+    found = ask(client, [by_rank[r] for r in idle], timeout=2.0, light=True)
+    last = {w.rank: w.collective for w in found if w.answered and w.collective}
+    said = {}
+    for rank, gone in gone_of.items():
+        c = inside[rank]
+        made = [r for r in gone if _returned_from(last.get(r), c)]
+        if not made:
+            continue
+        if paired is not None:
+            paired.add(rank)
+        what = f"waited in {c['op']} #{c['seq']}"
+        parts = [
+            f"{what} for {ranks_text(made)}, which made {c['op']} #{c['seq']} too and returned "
+            "from it: the calls paired but differ (another size, dtype or shape on each rank?)"
+        ]
+        skipped = [r for r in gone if r not in made]
+        if skipped:
+            parts.append(
+                f"and for {ranks_text(skipped)}, which finished the cell without entering it"
+            )
+        said[rank] = "; ".join(parts)
+    return said
 
 
 def _issued_alone(
@@ -175,3 +222,10 @@ def _issued_alone(
                 "drop_last=True)"
             )
     return alone
+
+
+def _returned_from(theirs: dict | None, call: dict) -> bool:
+    """Whether a finished rank's last call (``theirs``) is ``call``, made this cell and ended."""
+    if not theirs or not theirs["this_cell"] or theirs["inside"]:
+        return False
+    return (theirs["op"], theirs["seq"]) == (call["op"], call["seq"])

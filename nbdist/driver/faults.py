@@ -68,6 +68,15 @@ _STRANDED = (
     "and load are collectives too: call them on every rank)"
 )
 
+# The same where the ranks made the same call with different arguments (the calls paired).
+_PAIRED_BUT_DIFFERENT = (
+    "every rank made the collective, with different tensors: gloo pairs calls by order, not "
+    "by size, so the ranks that returned may hold wrong values; give every rank tensors of "
+    "the same size, dtype and shape. %dist_start --check-collectives (DistSession("
+    "check_collectives=True)) compares each collective across the ranks before it runs and "
+    "names what differs"
+)
+
 
 class CellGuard:
     """Watches one cell's ranks: releases the others when one fails, hangs or dies."""
@@ -215,6 +224,7 @@ class CellGuard:
             self._stranded_interval = min(2 * self._stranded_interval, STRANDED_LOOK_MAX_S)
             self._next_stranded_look = now + self._stranded_interval
             done = {r for r, s in states.items() if s != "running"}
+            paired: set[int] = set()
             stranded = stranded_waits(
                 self.session.client,
                 self._by_rank,
@@ -222,10 +232,11 @@ class CellGuard:
                 done,
                 self._untracked_wait,
                 lasted_s=STRANDED_GRACE_S,
+                paired=paired,
             )
             if stranded:
                 self.stranded = stranded
-                self.release(run, _STRANDED)
+                self.release(run, _PAIRED_BUT_DIFFERENT if paired else _STRANDED)
 
     def _look_held(self, run) -> None:
         """After a release: end the ranks that a collective they were in then still holds.

@@ -76,17 +76,28 @@ class Group:
     # As the group was last formed again: the ranks' pipeline schedules whose step was cut
     # short ("schedule (ScheduleGPipe)"), which fail their next step.
     cut_schedules: list[str] = field(default_factory=list)
+    # Each collective compared across the ranks before it runs (--check-collectives), also
+    # when the group is formed again.
+    checks_collectives: bool = False
 
     def notes(self) -> list[str]:
         """What the ready line says of this group beyond its ranks (a sentence each)."""
-        if not self.lazy_gloo:
-            return []
-        have = "has" if len(self.lazy_gloo) == 1 else "have"
-        return [
-            f"{format_ranks(self.lazy_gloo)} {have} TORCH_GLOO_LAZY_INIT set: gloo connects "
-            "two ranks at their first collective together, and nbdist may not release ranks "
-            "hung in one (Ctrl-C, --timeout, a dead rank); unset it before %dist_start to keep that"
-        ]
+        notes = []
+        if self.checks_collectives:
+            notes.append(
+                "each collective is compared across the ranks before it runs "
+                "(--check-collectives): one whose kind, shapes or dtypes differ fails on every "
+                "rank, naming them; every collective costs an extra exchange"
+            )
+        if self.lazy_gloo:
+            have = "has" if len(self.lazy_gloo) == 1 else "have"
+            notes.append(
+                f"{format_ranks(self.lazy_gloo)} {have} TORCH_GLOO_LAZY_INIT set: gloo connects "
+                "two ranks at their first collective together, and nbdist may not release ranks "
+                "hung in one (Ctrl-C, --timeout, a dead rank); unset it before %dist_start to "
+                "keep that"
+            )
+        return notes
 
     def cut_schedules_note(self) -> str:
         """'a pipeline step was cut short ...: schedule (ScheduleGPipe)' ('' if none was): what
@@ -174,6 +185,7 @@ def form_group(
             cuda_index=slot.cuda_index,
             threads=placement.threads_for(slot),
             timeout=options.group_timeout,
+            check_collectives=options.check_collectives,
             loopback_only=master_addr.startswith("127."),
             metrics_url=metrics_url,
             metrics_key=metrics_key_for_ranks,
@@ -228,7 +240,14 @@ def form_group(
     lazy = sorted(
         slots[eid].rank for eid, result in zip(pending, results) if result.get("gloo_lazy")
     )
-    group = Group(ranks, master_addr, placement.backend, hosts=hosts, lazy_gloo=lazy)
+    group = Group(
+        ranks,
+        master_addr,
+        placement.backend,
+        hosts=hosts,
+        lazy_gloo=lazy,
+        checks_collectives=options.check_collectives,
+    )
     return group, placement
 
 
@@ -274,6 +293,7 @@ def reform_group(
         master_port=port,
         backend=group.backend,
         timeout=group_timeout,
+        check_collectives=group.checks_collectives,
     )
     ar = client[group.engine_ids].apply_async(
         bootstrap.rejoin_as_this_rank, base, _shell_reference()

@@ -95,6 +95,7 @@ class NamedSession(DistSession):
             n=n,
             start_method=self.options.start_method,
             group_timeout=self.options.group_timeout,
+            check_collectives=self.options.check_collectives,
             launch_options=dict(options["launch_options"])
             if options.get("launch_options")
             else None,
@@ -194,6 +195,7 @@ class NamedSession(DistSession):
                     group["rendezvous_addr"],
                     group["backend"],
                     hosts={int(k): v for k, v in (group.get("hosts") or {}).items()},
+                    checks_collectives=bool(group.get("checks_collectives")),
                 )
             if self.group.hosts:
                 self._hub.run.hosts = dict(self.group.hosts)
@@ -373,6 +375,7 @@ def _write_group(name: str, group: Group) -> None:
         "rendezvous_addr": group.rendezvous_addr,
         "backend": group.backend,
         "hosts": {str(k): v for k, v in group.hosts.items()},
+        "checks_collectives": group.checks_collectives,
     }
     named_session_records.write_json(
         os.path.join(named_session_records.session_dir(name), "group.json"), content

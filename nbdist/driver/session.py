@@ -74,7 +74,9 @@ class DistSession(SessionLifecycle):
     (cluster file) of a running ipyparallel cluster to use instead of starting
     one, ``ip`` the controller address (loopback by default),
     ``start_method`` 'fork' (engines forked after importing torch) or 'spawn',
-    ``group_timeout`` the process group's own timeout, ``history`` where the
+    ``group_timeout`` the process group's own timeout, ``check_collectives``
+    each collective's kind, shapes and dtypes compared across the ranks before
+    it runs (slower; torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``), ``history`` where the
     run's metrics are kept (a path, None for the default, False for none),
     ``launch_options`` for ``launcher`` 'slurm', 'ssh' or 'mpi' (partition,
     time, account, hosts...: :mod:`nbdist.launch.launcher_options`).
@@ -98,6 +100,7 @@ class DistSession(SessionLifecycle):
         ip: str = "127.0.0.1",
         start_method: str = "fork",
         group_timeout: float = 1800.0,
+        check_collectives: bool = False,
         history: str | bool | None = None,
         launch_options: Mapping[str, object] | None = None,
         attach: str | None = None,
@@ -135,6 +138,7 @@ class DistSession(SessionLifecycle):
                 ip=ip,
                 start_method=start_method,
                 group_timeout=group_timeout,
+                check_collectives=check_collectives,
                 launch_options=launch_options,
             )
         )

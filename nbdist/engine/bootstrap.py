@@ -230,6 +230,13 @@ def _join_group(spec: dict, device: str) -> None:
     # when asked before it forms.
     flight_recorder.enable()
     flight_recorder.group_forming()
+    # --check-collectives: torch wraps the group in one that compares each collective's kind,
+    # shapes and dtypes across the ranks first (TORCH_DISTRIBUTED_DEBUG=DETAIL), read as the
+    # group forms. Otherwise the level the environment asks for, as torch's import read it.
+    if spec.get("check_collectives"):
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    else:
+        dist.set_debug_level_from_env()
     init_kwargs = {}
     if spec["backend"] == "nccl":
         init_kwargs["device_id"] = torch.device(device)

@@ -78,6 +78,7 @@ class StartOptions:
     ip: str = "127.0.0.1"
     start_method: str = "fork"
     group_timeout: float = 1800.0
+    check_collectives: bool = False
     launch_options: Mapping[str, object] | None = None
     launch: LaunchPlan | None = None
     controller_gone_s: float | None = None
@@ -245,6 +246,11 @@ def check_start_options(requested: StartOptions) -> StartOptions:
     if not isinstance(o.cpu, bool) and o.cpu not in (0, 1):
         # cpu="no" would be true: a string from a config file must not start CPU ranks.
         raise PlacementError(f"cpu {o.cpu!r}: give True (CPU ranks, gloo) or False")
+    if not isinstance(o.check_collectives, bool):
+        raise PlacementError(
+            f"check_collectives {o.check_collectives!r}: give True (each collective compared "
+            "across the ranks before it runs) or False"
+        )
     if o.start_method not in START_METHODS:
         raise PlacementError(f"start_method {o.start_method!r}: use 'fork' or 'spawn'")
     if o.connect and (o.launcher or o.profile):

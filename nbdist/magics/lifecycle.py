@@ -57,6 +57,12 @@ class DistMagics(Magics):
     @argument("--threads", default=None, help="torch threads per rank (default: cores / ranks)")
     @argument("--timeout", default="120", help="seconds to wait for the ranks (default 120)")
     @argument("--group-timeout", default="1800", help="the process group's timeout, s (1800)")
+    @argument(
+        "--check-collectives",
+        action="store_true",
+        help="compare each collective's kind, shapes and dtypes across the ranks before it "
+        "runs: a mismatch fails at once, naming them (slower)",
+    )
     @argument("--launcher", default=None, help="ipyparallel engine launcher: mpi, ssh, slurm, ...")
     @argument("--profile", default=None, help="ipyparallel profile name (for its launcher config)")
     @argument("--connect", default=None, help="connection file of a running ipyparallel cluster")
@@ -161,6 +167,7 @@ class DistMagics(Magics):
                 threads=threads,
                 timeout=parse_seconds(args.timeout),
                 group_timeout=parse_seconds(args.group_timeout, "--group-timeout"),
+                check_collectives=args.check_collectives,
                 launcher=args.launcher,
                 profile=args.profile,
                 connect=connect,

@@ -1,0 +1,84 @@
+"""Ranks make the same collective with different tensors (2 real gloo ranks).
+
+gloo pairs calls by order, not by size: an all-reduce of 1 element on rank 1 against one of
+4 on rank 0 returns on rank 1, with a wrong value, while rank 0 waits for the rest. Without
+``check_collectives`` nbdist releases rank 0 and says the calls paired but differ; with it
+(torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) the call fails at once on every rank, naming the
+shapes, and no rank's tensor is touched.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nbdist.driver.sinks import ListSink
+from nbdist.errors import PlacementError, RankError
+from tests.faults.two_ranks import reduce_works, two_ranks
+
+_SIZES_DIFFER = "t = torch.ones(4 if rank == 0 else 1)\ndist.all_reduce(t)"
+
+
+@pytest.fixture(scope="module")
+def session():
+    with two_ranks() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def checked():
+    with two_ranks(check_collectives=True) as s:
+        yield s
+
+
+def test_a_collective_whose_sizes_differ_is_named_as_paired_but_different(session):
+    with pytest.raises(RankError) as caught:
+        session.run(_SIZES_DIFFER, sink=ListSink())
+    text = str(caught.value)
+    assert [(f.rank, f.ename) for f in caught.value.failures] == [(0, "CollectiveMismatch")], text
+    assert (
+        "rank 0: CollectiveMismatch: waited in all_reduce #1 for rank 1, which made all_reduce "
+        "#1 too and returned from it: the calls paired but differ (another size, dtype or shape "
+        "on each rank?)"
+    ) in text, text
+    # Not the words of a rank that skipped the call, and the way to have it named at once.
+    assert "without entering it" not in text, text
+    assert "%dist_start --check-collectives" in text, text
+    reduce_works(session)
+
+
+def test_checked_collectives_fail_at_once_on_every_rank_naming_the_shapes(checked):
+    assert "each collective is compared across the ranks before it runs" in checked.summary()
+    with pytest.raises(RankError) as caught:
+        checked.run(_SIZES_DIFFER, sink=ListSink())
+    text = str(caught.value)
+    assert sorted(f.rank for f in caught.value.failures) == [0, 1], text
+    assert {f.ename for f in caught.value.failures} == {"RuntimeError"}, text
+    assert "Detected mismatch between collectives on ranks" in text, text
+    assert "Tensor shapes: 4vs 1" in text and "Tensor shapes: 1vs 4" in text, text
+    # Nothing was reduced: each rank keeps its ones, and nothing was released.
+    assert [t.tolist() for t in checked.pull("t")] == [[1.0] * 4, [1.0]]
+    assert "released" not in text, text
+    reduce_works(checked)
+
+
+def test_checked_collectives_stay_checked_when_the_group_is_formed_again(checked):
+    checked.reform_group()
+    with pytest.raises(RankError) as caught:
+        checked.run(
+            "u = torch.ones(2, dtype=torch.float64 if rank else torch.float32)\ndist.all_reduce(u)",
+            sink=ListSink(),
+        )
+    assert "Detected mismatch between collectives on ranks" in str(caught.value)
+    reduce_works(checked)
+
+
+def test_a_session_checks_no_collective_unless_asked(session):
+    session.run("level = str(dist.get_debug_level())", sink=ListSink())
+    assert session.pull("level") == ["DebugLevel.OFF"] * 2
+
+
+def test_check_collectives_takes_true_or_false():
+    import nbdist
+
+    with pytest.raises(PlacementError, match=r"check_collectives 'yes': give True"):
+        nbdist.DistSession(2, cpu=True, check_collectives="yes")
