@@ -217,6 +217,24 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
     assert named_session_records.read("api") is None
 
 
+def test_a_kernel_attaching_keeps_checking_collectives(history_env, cleanup_named):
+    """A session started with check_collectives: a kernel attaching later forms the group
+    again (after a release) with the check too, and says so."""
+    cleanup_named.append("checked")
+    first = NamedSession(
+        2, cpu=True, name="checked", timeout=START_TIMEOUT, check_collectives=True
+    ).start()
+    first.detach()
+    again = NamedSession.attach("checked")
+    try:
+        assert "each collective is compared across the ranks" in again.summary()
+        again.reform_group()
+        again.run("level = str(dist.get_debug_level())")
+        assert again.pull("level") == ["DebugLevel.DETAIL"] * 2
+    finally:
+        again.stop()
+
+
 def test_synced_copies_outlive_a_detach_serve_the_next_kernel_and_go_at_the_stop(
     history_env, cleanup_named, tmp_path
 ):
