@@ -28,6 +28,8 @@ def ready_lines(session) -> str:
             f"nbdist: restarted {len(ranks)} ranks{where} in {restarted.seconds:.1f} s · {what} "
             f"({how})"
         )
+    elif session.startup_seconds is None:  # attached to ranks another kernel started
+        line = f"nbdist: {len(ranks)} ranks ready{where} · {what} · attached"
     else:
         start_note = session.cluster.start_note
         line = (
