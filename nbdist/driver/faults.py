@@ -45,6 +45,11 @@ FAILURE_WAIT_MAX_S = 5.0
 INTERRUPT_GRACE_S = 0.5
 # Once released, how long a rank outside any collective may take to finish by itself.
 UNWIND_GRACE_S = 0.3
+# ... and one seen waiting on a send's or receive's work for a failed rank (a wait nbdist
+# does not record as inside a collective): the release ends that wait, and its error then
+# crosses the schedule's code and the engine's reply, 0.1-0.3 s on an idle 2-core machine
+# (2026-12-06), longer under load; a SIGINT meanwhile would only cut its traceback short.
+KNOWN_WAIT_UNWIND_S = 2.0
 # How long a release waits for the running ranks to say where they are.
 _RELEASE_ASK_S = 1.0
 # A released rank that did not say where it was (its name in released_from).
@@ -374,16 +379,30 @@ class CellGuard:
                 computing.add(rank)
         # A rank may be unwinding already (gloo noticed a dead peer itself):
         # give it a moment before interrupting code that is about to end anyway.
-        deadline = time.monotonic() + UNWIND_GRACE_S
-        while computing and time.monotonic() < deadline:
+        start = time.monotonic()
+        deadline = {
+            r: start + (KNOWN_WAIT_UNWIND_S if r in self._untracked_wait else UNWIND_GRACE_S)
+            for r in computing
+        }
+        while computing:
             states = run.child_states()
             for rank in [r for r in computing if states.get(r) != "running"]:
                 computing.discard(rank)
                 # Neither inside a collective nor failing out of one when asked: its last
                 # call (often an earlier cell's) is not what it was released from.
                 self._released_from[rank] = self._untracked_wait.get(rank) or "its running code"
-            time.sleep(0.02)
-        for rank in sorted(computing):
+            now = time.monotonic()
+            # Each rank is interrupted once its own grace is over, not the longest one.
+            overdue = sorted(r for r in computing if now >= deadline[r])
+            if overdue:
+                computing.difference_update(overdue)
+                self._interrupt_released(overdue, found)
+            if computing:
+                time.sleep(0.02)
+
+    def _interrupt_released(self, ranks: list[int], found: dict) -> None:
+        """SIGINT released ``ranks`` that did not end by themselves; name where each was."""
+        for rank in ranks:
             w = found.get(rank)
             if w is not None and not w.answered and rank not in self._untracked_wait:
                 # Computing in native code that holds the GIL, or a machine so loaded that
@@ -392,8 +411,7 @@ class CellGuard:
                 continue
             what = self._untracked_wait.get(rank) or "its running code"
             self._released_from[rank] = f"{what} (interrupted)"
-        if computing:
-            session.interrupt(sorted(computing))
+        self.session.interrupt(ranks)
 
     def _raised_now(self, c: dict | None) -> bool:
         """Whether the last collective ``c`` a rank reported raised during this cell.

@@ -79,6 +79,33 @@ def test_a_pipeline_stage_waiting_on_a_failed_stage_is_released_from_its_point_t
     session.run("stage_module.fail = False", sink=ListSink())
 
 
+def test_a_released_stage_runs_its_own_error_handling_to_the_end(session):
+    # Rank 0's wait ends with the release; its `except` block then takes 1 s (saving state,
+    # say). Before: SIGINTed 0.3 s after the release, named "isend #N (interrupted)", its
+    # handling cut short by a KeyboardInterrupt (also what a loaded machine did to a stage
+    # whose error merely crossed the schedule slowly).
+    session.run(_PIPELINE, sink=ListSink())
+    err = failing_cell(
+        session,
+        "import time\n"
+        "handled = False\n"
+        "if rank == 1:\n"
+        "    stage_module.fail = True\n"
+        "try:\n"
+        "    pipeline_step()\n"
+        "except Exception:\n"
+        "    if rank == 0:\n"
+        "        time.sleep(1)\n"
+        "        handled = True\n"
+        "    raise\n",
+    )
+    _released_by_its_call(err, "i(?:send|recv)", "RuntimeError")
+    assert "(interrupted)" not in str(err)
+    assert session.pull("handled", rank=0) is True
+    reduce_works(session)
+    session.run("stage_module.fail = False", sink=ListSink())
+
+
 def test_a_rank_waiting_on_a_batch_isend_irecv_of_a_failed_peer_is_released_from_it(session):
     err = failing_cell(
         session,
