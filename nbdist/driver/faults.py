@@ -9,7 +9,8 @@ or when ranks wait in a collective for ranks that finished the cell without it, 
 *releases* the ranks: every live rank breaks out of
 its collective (see :mod:`nbdist.engine.control`) and ranks still computing get
 SIGINT. After the cell the group is formed again on the surviving processes (their
-variables and models stay).
+variables and models stay). The words this adds to the cell's error are written by
+:mod:`nbdist.driver.release_note`.
 
 Example (what a notebook user sees)::
 
@@ -28,6 +29,13 @@ import time
 from nbdist.driver.caught_interrupts import interrupt_answers
 from nbdist.driver.collective_waits import idle_ranks, stranded_waits, waits_for_failed
 from nbdist.driver.oom import cuda_oom_note
+from nbdist.driver.release_note import (
+    NO_ANSWER,
+    PAIRED_BUT_DIFFERENT,
+    STRANDED,
+    ended_parts,
+    released_parts,
+)
 from nbdist.engine.held_collective import HELD_S
 from nbdist.errors import ranks_text
 
@@ -52,8 +60,6 @@ UNWIND_GRACE_S = 0.3
 KNOWN_WAIT_UNWIND_S = 2.0
 # How long a release waits for the running ranks to say where they are.
 _RELEASE_ASK_S = 1.0
-# A released rank that did not say where it was (its name in released_from).
-_NO_ANSWER = "(no answer)"
 # A rank that finished the cell enters no collective of it any more: a rank inside one that
 # waits for it would wait until the group's timeout (30 min). A wait must last this long to
 # count, and the first look comes after it: in flight, a collective a finished rank did
@@ -65,22 +71,6 @@ STRANDED_GRACE_S = 3.0
 STRANDED_LOOK_MAX_S = 30.0
 # A release because ranks died: the words name every rank dead by the time they are read.
 _DIED = object()
-# What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
-_STRANDED = (
-    "a collective cannot end while ranks of its group skip it or wait in another one: "
-    "every rank of a group must make the same collective calls in the same order (one under "
-    "`if rank == 0:` waits for the others until the group's timeout; nbdist.checkpoint.save "
-    "and load are collectives too: call them on every rank)"
-)
-
-# The same where the ranks made the same call with different arguments (the calls paired).
-_PAIRED_BUT_DIFFERENT = (
-    "every rank made the collective, with different tensors: gloo pairs calls by order, not "
-    "by size, so the ranks that returned may hold wrong values; give every rank tensors of "
-    "the same size, dtype and shape. %dist_start --check-collectives (DistSession("
-    "check_collectives=True)) compares each collective across the ranks before it runs and "
-    "names what differs"
-)
 
 
 class CellGuard:
@@ -222,7 +212,7 @@ class CellGuard:
             self._look_stranded(run, states, running, now)
 
     def _look_stranded(self, run, states: dict[int, str], running: list[int], now: float) -> None:
-        """Release the ranks if some wait in a collective that cannot end (:data:`_STRANDED`)."""
+        """Release the ranks if some wait in a collective that cannot end (:data:`~nbdist.driver.release_note.STRANDED`)."""
         if self._next_stranded_look is None:
             self._next_stranded_look = now + STRANDED_GRACE_S
         elif now >= self._next_stranded_look:
@@ -241,7 +231,7 @@ class CellGuard:
             )
             if stranded:
                 self.stranded = stranded
-                self.release(run, _PAIRED_BUT_DIFFERENT if paired else _STRANDED)
+                self.release(run, PAIRED_BUT_DIFFERENT if paired else STRANDED)
 
     def _look_held(self, run) -> None:
         """After a release: end the ranks that a collective they were in then still holds.
@@ -407,7 +397,7 @@ class CellGuard:
             if w is not None and not w.answered and rank not in self._untracked_wait:
                 # Computing in native code that holds the GIL, or a machine so loaded that
                 # the answer came late: where it was is not known, so it is not named.
-                self._released_from[rank] = _NO_ANSWER
+                self._released_from[rank] = NO_ANSWER
                 continue
             what = self._untracked_wait.get(rank) or "its running code"
             self._released_from[rank] = f"{what} (interrupted)"
@@ -521,7 +511,7 @@ class CellGuard:
             w = found.get(rank)
             c = w.collective if w is not None else None
             if w is None or not w.answered:
-                self._released_from[rank] = _NO_ANSWER
+                self._released_from[rank] = NO_ANSWER
             elif self._raised_now(c):
                 self._released_from[rank] = f"{c['op']} #{c['seq']}"
             else:  # a call nbdist's record does not see (DDP's, from C++)
@@ -555,55 +545,18 @@ class CellGuard:
     def _released_note(self) -> str:
         if not self.released:
             return ""
-        parts = _released_parts(
-            {r: what for r, what in self.released_from.items() if r not in self.ended}
+        parts = released_parts(
+            {r: what for r, what in self.released_from.items() if r not in self.ended},
+            ask_s=_RELEASE_ASK_S,
         )
         released = "released" if self.stranded else "the others were released"
         head = self.release_reason + (f"; {released}: {', '.join(parts)}" if parts else "")
-        head += "".join(f"; {part}" for part in self._ended_parts())
+        ended = {r: what for r, what in self.ended.items() if r in self.dead()}
+        timeout = self.session.options.group_timeout
+        ended_words = ended_parts(ended, held_s=HELD_S, group_timeout=timeout)
+        head += "".join(f"; {part}" for part in ended_words)
         if self.session.dead_ranks():
             return head + f". {self.session.restart_hint()}."
         return head + (
             f". {self.reformed[0].upper()}{self.reformed[1:]}." if self.reformed else "."
         )
-
-    def _ended_parts(self) -> list[str]:
-        """'rank 0 was ended, still in send #2 10 s after its release (...)': one per place."""
-        ended = {r: what for r, what in self.ended.items() if r in self.dead()}
-        by_what: dict[str, list[int]] = {}
-        for rank, what in sorted(ended.items()):
-            by_what.setdefault(what, []).append(rank)
-        timeout = self.session.options.group_timeout
-        parts = []
-        for what, ranks in by_what.items():
-            one = len(ranks) == 1
-            parts.append(
-                f"{ranks_text(ranks)} {'was' if one else 'were'} ended, still in {what} "
-                f"{HELD_S:g} s after {'its' if one else 'their'} release (the wait would last "
-                f"until the group's timeout, {timeout:g} s)"
-            )
-        return parts
-
-
-def _released_parts(released_from: dict[int, str]) -> list[str]:
-    """'rank 0 from all_reduce #3', 'ranks 4-9,12 from their running code': one per place.
-
-    Ranks released from the same place are named together: at 256 ranks a part each
-    filled the screen.
-    """
-    by_what: dict[str, list[int]] = {}
-    for rank, what in sorted(released_from.items()):
-        by_what.setdefault(what, []).append(rank)
-    parts = []
-    for what, ranks in by_what.items():
-        if what == _NO_ANSWER:
-            where = "they were" if len(ranks) > 1 else "it was"
-            parts.append(
-                f"{ranks_text(ranks)} interrupted where {where} "
-                f"(no answer within {_RELEASE_ASK_S:g} s)"
-            )
-            continue
-        if len(ranks) > 1 and what.startswith("its "):
-            what = "their " + what[4:]
-        parts.append(f"{ranks_text(ranks)} from {what}")
-    return parts

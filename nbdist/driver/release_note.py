@@ -1,0 +1,85 @@
+"""Kernel side: the words a release adds to a cell's error — why, and from where.
+
+When :class:`~nbdist.driver.faults.CellGuard` releases ranks (one failed, died or hung, or
+ranks wait in a collective that cannot end), the cell's error ends with one line built here:
+the reason (:data:`STRANDED` and :data:`PAIRED_BUT_DIFFERENT` are the long ones, with
+their fix), where each rank was released from — ranks released from the same place named
+together, so 256 ranks read as one part — and the ranks a collective still held and that
+were ended. What the group became after (formed again, or the restart to do) closes it.
+"""
+
+from __future__ import annotations
+
+from nbdist.errors import ranks_text
+
+__all__ = [
+    "NO_ANSWER",
+    "PAIRED_BUT_DIFFERENT",
+    "STRANDED",
+    "ended_parts",
+    "released_parts",
+]
+
+# A released rank that did not say where it was (its name in released_from).
+NO_ANSWER = "(no answer)"
+
+# What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
+STRANDED = (
+    "a collective cannot end while ranks of its group skip it or wait in another one: "
+    "every rank of a group must make the same collective calls in the same order (one under "
+    "`if rank == 0:` waits for the others until the group's timeout; nbdist.checkpoint.save "
+    "and load are collectives too: call them on every rank)"
+)
+
+# The same where the ranks made the same call with different arguments (the calls paired).
+PAIRED_BUT_DIFFERENT = (
+    "every rank made the collective, with different tensors: gloo pairs calls by order, not "
+    "by size, so the ranks that returned may hold wrong values; give every rank tensors of "
+    "the same size, dtype and shape. %dist_start --check-collectives (DistSession("
+    "check_collectives=True)) compares each collective across the ranks before it runs and "
+    "names what differs"
+)
+
+
+def released_parts(released_from: dict[int, str], *, ask_s: float) -> list[str]:
+    """'rank 0 from all_reduce #3', 'ranks 4-9,12 from their running code': one per place.
+
+    Ranks released from the same place are named together: at 256 ranks a part each
+    filled the screen. ``ask_s``: how long the release waited for the ranks to say where
+    they were (named for those that did not answer).
+    """
+    by_what: dict[str, list[int]] = {}
+    for rank, what in sorted(released_from.items()):
+        by_what.setdefault(what, []).append(rank)
+    parts = []
+    for what, ranks in by_what.items():
+        if what == NO_ANSWER:
+            where = "they were" if len(ranks) > 1 else "it was"
+            parts.append(
+                f"{ranks_text(ranks)} interrupted where {where} (no answer within {ask_s:g} s)"
+            )
+            continue
+        if len(ranks) > 1 and what.startswith("its "):
+            what = "their " + what[4:]
+        parts.append(f"{ranks_text(ranks)} from {what}")
+    return parts
+
+
+def ended_parts(ended: dict[int, str], *, held_s: float, group_timeout: float) -> list[str]:
+    """'rank 0 was ended, still in send #2 10 s after its release (...)': one per place.
+
+    ``ended``: {rank: the call that held it}, for ranks the guard ended; ``held_s``: how long
+    after its release a rank still held was ended.
+    """
+    by_what: dict[str, list[int]] = {}
+    for rank, what in sorted(ended.items()):
+        by_what.setdefault(what, []).append(rank)
+    parts = []
+    for what, ranks in by_what.items():
+        one = len(ranks) == 1
+        parts.append(
+            f"{ranks_text(ranks)} {'was' if one else 'were'} ended, still in {what} "
+            f"{held_s:g} s after {'its' if one else 'their'} release (the wait would last "
+            f"until the group's timeout, {group_timeout:g} s)"
+        )
+    return parts
