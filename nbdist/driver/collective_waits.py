@@ -189,11 +189,7 @@ def _paired_calls(
             continue
         if paired is not None:
             paired.add(rank)
-        what = f"waited in {c['op']} #{c['seq']}"
-        parts = [
-            f"{what} for {ranks_text(made)}, which made {c['op']} #{c['seq']} too and returned "
-            "from it: the calls paired but differ (another size, dtype or shape on each rank?)"
-        ]
+        parts = [_paired_words(c, {r: last[r].get("tensor") for r in made})]
         skipped = [r for r in gone if r not in made]
         if skipped:
             parts.append(
@@ -201,6 +197,31 @@ def _paired_calls(
             )
         said[rank] = "; ".join(parts)
     return said
+
+
+def _paired_words(call: dict, theirs: dict[int, str | None]) -> str:
+    """'waited in all_reduce #1 with float32 [4] for rank 1, which made ... [1] and returned
+    from it: the calls paired but their tensors differ'.
+
+    ``call``: the waiting rank's record; ``theirs``: {finished rank: its call's first tensor,
+    as dtype and shape} (None where not known: the words then only guess what differs).
+    """
+    name = f"{call['op']} #{call['seq']}"
+    mine = call.get("tensor")
+    if mine is None or any(t is None or t == mine for t in theirs.values()):
+        return (
+            f"waited in {name} for {ranks_text(sorted(theirs))}, which made {name} too and "
+            "returned from it: the calls paired but differ (another size, dtype or shape on "
+            "each rank?)"
+        )
+    by_tensor: dict[str, list[int]] = {}
+    for rank, tensor in sorted(theirs.items()):
+        by_tensor.setdefault(tensor, []).append(rank)
+    made = ", ".join(f"{ranks_text(ranks)} with {tensor}" for tensor, ranks in by_tensor.items())
+    return (
+        f"waited in {name} with {mine} for {made}, which made {name} too and returned from "
+        "it: the calls paired but their tensors differ"
+    )
 
 
 def _issued_alone(

@@ -4,7 +4,7 @@ nbdist wraps the collective functions of ``torch.distributed`` on every rank
 (``dist.all_reduce``, ``dist.barrier``, ...) so that each call is counted and
 remembered: its name, its sequence number in this group, whether it
 returned, whom it waits for (its group, or a point-to-point call's peer;
-never its tensors), and, for an async call, its works (weakly: whether a wait
+never its tensors, only the first one's shape and dtype), and, for an async call, its works (weakly: whether a wait
 on them can still be waiting). When ranks hang, comparing these records says who is
 waiting for whom ("rank 1 never entered all_reduce #118"), and lets the
 kernel's cell guard release ranks whose collective can no longer end
@@ -26,7 +26,7 @@ Example (on a rank, where nbdist installed it already)::
 
     from nbdist.engine import collectives
     dist.all_reduce(t)
-    collectives.last()   # {'op': 'all_reduce', 'seq': 1, 'inside': False, 'seconds': 0.01}
+    collectives.last()   # {'op': 'all_reduce', 'seq': 1, 'inside': False, ..., 'tensor': 'float32 [4]'}
 """
 
 from __future__ import annotations
@@ -68,7 +68,19 @@ TRACKED_OPS = (
 
 
 class _Record:
-    __slots__ = ("op", "seq", "entered", "exited", "raised", "group", "peer", "group_peer", "works")
+    __slots__ = (
+        "op",
+        "seq",
+        "entered",
+        "exited",
+        "raised",
+        "group",
+        "peer",
+        "group_peer",
+        "works",
+        "shape",
+        "dtype",
+    )
 
     def __init__(self, op: str, seq: int, entered: float) -> None:
         self.op = op
@@ -86,6 +98,11 @@ class _Record:
         # weakly: a wait on them is in C++, where a rank a release cannot free stays
         # (held_collective.py). gloo's flight recorder does not record point-to-point calls.
         self.works: list | None = None
+        # The shape and dtype of its first tensor (not the tensor): calls that paired across
+        # the ranks with different tensors (gloo pairs by order, not by size) are named by
+        # what differs. None where the call has none (barrier) or takes it by keyword.
+        self.shape = None
+        self.dtype = None
 
 
 # Where each op takes its group and its peer, by position: (group, peer, group_peer).
@@ -162,6 +179,11 @@ def _tracked(op: str, fn):
             if isinstance(first, (list, tuple)) and first:
                 first = first[0]
             end_event = steptime.cuda_comm_events(first)
+            try:  # two attribute reads; the tensor itself is not kept
+                record.shape = first.shape
+                record.dtype = first.dtype
+            except Exception:  # not a tensor (batch_isend_irecv's ops, an object list's item)
+                pass
         _depth += 1
         try:
             result = fn(*args, **kwargs)
@@ -277,7 +299,8 @@ def last() -> dict | None:
     a point-to-point call's peers; None where they cannot be read); ``open_works``
     if it returned works (``batch_isend_irecv``, ``async_op=True``) not completed: a
     pipeline's rank waits on them in C++, outside the call; ``unfinished``: how many works
-    of any call are (one an interrupt left would take a later call's data).
+    of any call are (one an interrupt left would take a later call's data); ``tensor``: the
+    dtype and shape of its first tensor (``"float32 [4]"``), None where it took none.
     """
     record = _last
     if record is None:
@@ -294,7 +317,19 @@ def last() -> dict | None:
         "ranks": _ranks(record),
         "open_works": exited is not None and _has_open_work(record),
         "unfinished": sum(_is_open(ref()) for ref in list(_unfinished)),
+        "tensor": _tensor_text(record),
     }
+
+
+def _tensor_text(record: _Record) -> str | None:
+    """``"float32 [4, 16]"``: the dtype and shape of ``record``'s first tensor, or None."""
+    try:
+        if record.shape is None or record.dtype is None:
+            return None
+        dtype = str(record.dtype).removeprefix("torch.")
+        return f"{dtype} [{', '.join(str(int(n)) for n in record.shape)}]"
+    except Exception:  # a shape that is not a sequence of whole numbers: not named
+        return None
 
 
 def _ranks(record: _Record) -> list[int] | None:

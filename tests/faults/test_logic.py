@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from nbdist.driver.collective_waits import _paired_words
 from nbdist.driver.rank_deaths import dead_ranks_message, death_cause
 from nbdist.driver.status import format_status
 from nbdist.driver.where import RankWhere, diagnose, format_where
@@ -87,6 +88,61 @@ def test_collective_records_inside_returned_and_raised():
         assert tracked.nbdist_original is op
     finally:
         collectives.reset()
+
+
+def test_a_collective_record_names_its_first_tensors_dtype_and_shape():
+    import torch
+
+    tracked = collectives._tracked("all_reduce", lambda *args: None)
+    collectives.reset()
+    try:
+        tracked(torch.ones(2, 3))
+        assert collectives.last()["tensor"] == "float32 [2, 3]"
+        tracked([torch.zeros(4, dtype=torch.int64), torch.zeros(1)])  # all_gather's list
+        assert collectives.last()["tensor"] == "int64 [4]"
+        tracked(torch.tensor(1.0, dtype=torch.bfloat16))
+        assert collectives.last()["tensor"] == "bfloat16 []"
+        for no_tensor in ((), ([None, None],), ("a text",)):  # barrier, object lists
+            tracked(*no_tensor)
+            assert collectives.last()["tensor"] is None, no_tensor
+    finally:
+        collectives.reset()
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "words"),
+    [
+        (
+            "float32 [4]",
+            {1: "float32 [1]"},
+            "waited in all_reduce #3 with float32 [4] for rank 1 with float32 [1], which made "
+            "all_reduce #3 too and returned from it: the calls paired but their tensors differ",
+        ),
+        (
+            "float32 [4]",
+            {1: "float32 [1]", 2: "float32 [1]", 3: "float32 [2]"},
+            "waited in all_reduce #3 with float32 [4] for ranks 1 and 2 with float32 [1], rank 3 "
+            "with float32 [2], which made all_reduce #3 too and returned from it: the calls "
+            "paired but their tensors differ",
+        ),
+        # Not known on one side, or alike (what differs is not the first tensor): a guess.
+        (
+            None,
+            {1: "float32 [1]"},
+            "waited in all_reduce #3 for rank 1, which made all_reduce #3 too and returned from "
+            "it: the calls paired but differ (another size, dtype or shape on each rank?)",
+        ),
+        (
+            "float32 [4]",
+            {1: "float32 [4]", 2: None},
+            "waited in all_reduce #3 for ranks 1 and 2, which made all_reduce #3 too and returned "
+            "from it: the calls paired but differ (another size, dtype or shape on each rank?)",
+        ),
+    ],
+)
+def test_paired_calls_are_named_by_the_tensors_that_differ(mine, theirs, words):
+    call = {"op": "all_reduce", "seq": 3, "tensor": mine}
+    assert _paired_words(call, theirs) == words
 
 
 def _one_dead_rank(engines: tuple[int, int]) -> list[dict]:
