@@ -96,8 +96,10 @@ def main() -> None:
         router = LabDebugRouter(types.SimpleNamespace(do_debug_request=None))
         router.active = True
         endpoints = debug.apply(lab_debug.prepare, "pass", "/nonexistent/cell.py", 1, "\npass")
-        for rank, endpoint in enumerate(endpoints):
-            router.connect(rank, endpoint["host"], endpoint["port"])
+        targets = [(rank, e["host"], e["port"], None, None) for rank, e in enumerate(endpoints)]
+        failed = router.connect(targets)
+        if failed:
+            raise SystemExit(f"the router could not attach to the ranks: {failed}")
         for future in [
             c.request(
                 "setBreakpoints",
