@@ -200,8 +200,8 @@ def _paired_calls(
 
 
 def _paired_words(call: dict, theirs: dict[int, str | None]) -> str:
-    """'waited in all_reduce #1 with float32 [4] for rank 1, which made ... [1] and returned
-    from it: the calls paired but their tensors differ'.
+    """'waited in all_reduce #1 with float32 [4] for rank 1 with float32 [1], which made
+    all_reduce #1 too and returned from it: the calls paired but their tensors differ'.
 
     ``call``: the waiting rank's record; ``theirs``: {finished rank: its call's first tensor,
     as dtype and shape} (None where not known: the words then only guess what differs).

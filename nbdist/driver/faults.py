@@ -212,7 +212,10 @@ class CellGuard:
             self._look_stranded(run, states, running, now)
 
     def _look_stranded(self, run, states: dict[int, str], running: list[int], now: float) -> None:
-        """Release the ranks if some wait in a collective that cannot end (:data:`~nbdist.driver.release_note.STRANDED`)."""
+        """Release the ranks if some wait in a collective that cannot end.
+
+        (The words: :data:`~nbdist.driver.release_note.STRANDED`.)
+        """
         if self._next_stranded_look is None:
             self._next_stranded_look = now + STRANDED_GRACE_S
         elif now >= self._next_stranded_look:

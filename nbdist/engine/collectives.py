@@ -3,12 +3,13 @@
 nbdist wraps the collective functions of ``torch.distributed`` on every rank
 (``dist.all_reduce``, ``dist.barrier``, ...) so that each call is counted and
 remembered: its name, its sequence number in this group, whether it
-returned, whom it waits for (its group, or a point-to-point call's peer;
-never its tensors, only the first one's shape and dtype), and, for an async call, its works (weakly: whether a wait
-on them can still be waiting). When ranks hang, comparing these records says who is
-waiting for whom ("rank 1 never entered all_reduce #118"), and lets the
-kernel's cell guard release ranks whose collective can no longer end
-(:mod:`nbdist.driver.faults`).
+returned, whom it waits for (its group, or a point-to-point call's peer),
+its first tensor's dtype and shape (never the tensor), and, for an async call,
+its works (weakly: whether a wait on them can still be waiting). When ranks
+hang, comparing these records says who is waiting for whom ("rank 1 never
+entered all_reduce #118"), and lets the kernel's cell guard release ranks whose
+collective can no longer end (:mod:`nbdist.driver.faults`); where the ranks made
+the same call with different tensors, it names them ("with float32 [4]").
 
 Only calls made through the ``torch.distributed`` namespace are counted (what
 user code and most libraries call); torch's own internal calls and DDP's
@@ -26,7 +27,8 @@ Example (on a rank, where nbdist installed it already)::
 
     from nbdist.engine import collectives
     dist.all_reduce(t)
-    collectives.last()   # {'op': 'all_reduce', 'seq': 1, 'inside': False, ..., 'tensor': 'float32 [4]'}
+    collectives.last()   # {'op': 'all_reduce', 'seq': 1, 'inside': False, ...,
+                         #  'tensor': 'float32 [4]'}
 """
 
 from __future__ import annotations
