@@ -106,7 +106,9 @@ class CellGuard:
         # {rank: what it waited in, for whom}: ranks released from a collective that ranks
         # which finished the cell never entered.
         self.stranded: dict[int, str] = {}
-        # {rank: 'all_reduce #9'}: a stranded wait nbdist's records do not see (DDP's, from C++).
+        # {rank: 'all_reduce #9'}: a wait found for failed or finished ranks that nbdist's
+        # records do not show as inside a call (DDP's, from C++; a pipeline's on its works):
+        # named by it, and given KNOWN_WAIT_UNWIND_S once released.
         self._untracked_wait: dict[int, str] = {}
         self.reformed = ""  # what happened to the group after a release
         # {rank: 'send #2'}: ranks ended because a collective held them after the release.

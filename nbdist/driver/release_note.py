@@ -48,11 +48,8 @@ def released_parts(released_from: dict[int, str], *, ask_s: float) -> list[str]:
     filled the screen. ``ask_s``: how long the release waited for the ranks to say where
     they were (named for those that did not answer).
     """
-    by_what: dict[str, list[int]] = {}
-    for rank, what in sorted(released_from.items()):
-        by_what.setdefault(what, []).append(rank)
     parts = []
-    for what, ranks in by_what.items():
+    for what, ranks in _by_place(released_from).items():
         if what == NO_ANSWER:
             where = "they were" if len(ranks) > 1 else "it was"
             parts.append(
@@ -71,11 +68,8 @@ def ended_parts(ended: dict[int, str], *, held_s: float, group_timeout: float) -
     ``ended``: {rank: the call that held it}, for ranks the guard ended; ``held_s``: how long
     after its release a rank still held was ended.
     """
-    by_what: dict[str, list[int]] = {}
-    for rank, what in sorted(ended.items()):
-        by_what.setdefault(what, []).append(rank)
     parts = []
-    for what, ranks in by_what.items():
+    for what, ranks in _by_place(ended).items():
         one = len(ranks) == 1
         parts.append(
             f"{ranks_text(ranks)} {'was' if one else 'were'} ended, still in {what} "
@@ -83,3 +77,11 @@ def ended_parts(ended: dict[int, str], *, held_s: float, group_timeout: float) -
             f"until the group's timeout, {group_timeout:g} s)"
         )
     return parts
+
+
+def _by_place(where: dict[int, str]) -> dict[str, list[int]]:
+    """{place: its ranks, ascending}, places in the order of their lowest rank."""
+    by_place: dict[str, list[int]] = {}
+    for rank, place in sorted(where.items()):
+        by_place.setdefault(place, []).append(rank)
+    return by_place

@@ -19,12 +19,7 @@ def test_the_debugger_is_switched_on_and_off_and_each_ratio_printed():
     run = run_bench("lab_debugger.py", "--windows", "1", "--steps", "5", timeout=280)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for label in ("A/A (debugger never on in either):", "debugger on, breakpoint not hit:"):
-        assert re.search(
-            rf"^{re.escape(label)}\s+\d+\.\d{{3}}\s+\d+\.\d{{3}}$", run.stdout, re.M
-        ), (
-            label,
-            run.stdout,
-        )
-    assert re.search(
-        r"^debugger switched off again:\s+\d+\.\d{3}\s+\d+\.\d{3}  \(goal", run.stdout, re.M
-    )
+        ratios = rf"^{re.escape(label)}\s+\d+\.\d{{3}}\s+\d+\.\d{{3}}$"
+        assert re.search(ratios, run.stdout, re.M), (label, run.stdout)
+    off = r"^debugger switched off again:\s+\d+\.\d{3}\s+\d+\.\d{3}  \(goal"
+    assert re.search(off, run.stdout, re.M), run.stdout
