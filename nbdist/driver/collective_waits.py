@@ -124,8 +124,9 @@ def stranded_waits(
     two ranks each wait to receive from (or send to) the other (in the call, or on its
     works: a pipeline's isend/irecv); or, where nbdist does not see the call (DDP's
     gradient all-reduce, issued from C++), the process group's flight recorder holds an
-    open call that idle finished ranks never issued (such ranks are also put in
-    ``untracked``: {rank: the call}).
+    open call that idle finished ranks never issued. Such ranks, and those that wait on a
+    call's works rather than in it, are also put in ``untracked`` ({rank: the call}): the
+    release ends their wait, though no record shows them inside a call.
 
     Where the ranks it waits for made the same call (kind and number) in this cell and
     returned from it, the calls paired but did not match: gloo pairs calls by order, not by
@@ -169,6 +170,12 @@ def stranded_waits(
         # One wait that lasted the grace makes the case: the others named with it may have
         # begun later (a rank slow to start the cell) but wait for the same ranks.
         return {}
+    for rank in stranded.keys() & inside.keys():
+        if not inside[rank]["inside"]:
+            # Past its call, on the works it returned (a pipeline's isend/irecv): the
+            # release ends that wait too, so it is not a rank that computes.
+            c = inside[rank]
+            untracked[rank] = f"{c['op']} #{c['seq']}"
     if gone_of:  # asked only now: the finished ranks are idle, and the verdict is made
         stranded.update(_paired_calls(client, by_rank, inside, gone_of, paired))
     return stranded

@@ -102,12 +102,12 @@ class _Record:
         self.works: list | None = None
         # The shape and dtype of its first tensor (not the tensor): calls that paired across
         # the ranks with different tensors (gloo pairs by order, not by size) are named by
-        # what differs. None where the call has none (barrier) or takes it by keyword.
+        # what differs. None where the call has none (barrier, an object list).
         self.shape = None
         self.dtype = None
 
 
-# Where each op takes its group and its peer, by position: (group, peer, group_peer).
+# Where each op takes its peer and its group's peer, by name (their positions: _positions).
 _PEER_ARGS = {
     "send": ("dst", "group_dst"),
     "recv": ("src", "group_src"),
@@ -118,7 +118,9 @@ _PEER_ARGS = {
 _CHECKED_BY_IDENTITY = ("isend", "irecv")
 
 
-def _positions(op: str, fn) -> tuple[int | None, int | None, int | None]:
+def _positions(op: str, fn) -> tuple[int | None, int | None, int | None, str | None]:
+    """Where ``fn`` takes its group, peer and group peer, by position, and its first
+    tensor's name (``"tensor"``, ``"output_tensor"``; None for barrier, which takes none)."""
     import inspect
 
     try:
@@ -130,7 +132,8 @@ def _positions(op: str, fn) -> tuple[int | None, int | None, int | None]:
     def at(name):
         return names.index(name) if name in names else None
 
-    return at("group"), at(peer), at(group_peer)
+    first = names[0] if names and names[0] not in ("group", "args") else None
+    return at("group"), at(peer), at(group_peer), first
 
 
 def _arg(args: tuple, kwargs: dict, name: str | None, index: int | None):
@@ -151,7 +154,7 @@ _prune_at = 256
 
 
 def _tracked(op: str, fn):
-    group_at, peer_at, group_peer_at = _positions(op, fn)
+    group_at, peer_at, group_peer_at, first_name = _positions(op, fn)
     peer_name, group_peer_name = _PEER_ARGS.get(op, (None, None))
     batch = op == "batch_isend_irecv"
     one_of_many = op in _CHECKED_BY_IDENTITY
@@ -176,16 +179,18 @@ def _tracked(op: str, fn):
             record.peer = tuple(getattr(p, "peer", None) for p in args[0])
         outer = _depth == 0
         end_event = None
-        if outer and args:
-            first = args[0]
-            if isinstance(first, (list, tuple)) and first:
-                first = first[0]
-            end_event = steptime.cuda_comm_events(first)
-            try:  # two attribute reads; the tensor itself is not kept
-                record.shape = first.shape
-                record.dtype = first.dtype
-            except Exception:  # not a tensor (batch_isend_irecv's ops, an object list's item)
-                pass
+        if outer:
+            # By position, or by name (``dist.all_reduce(tensor=t)``); None for barrier.
+            first = args[0] if args else kwargs.get(first_name) if kwargs else None
+            if first is not None:
+                if isinstance(first, (list, tuple)) and first:
+                    first = first[0]
+                end_event = steptime.cuda_comm_events(first)
+                try:  # two attribute reads; the tensor itself is not kept
+                    record.shape = first.shape
+                    record.dtype = first.dtype
+                except Exception:  # not a tensor (batch_isend_irecv's ops, an object's item)
+                    pass
         _depth += 1
         try:
             result = fn(*args, **kwargs)

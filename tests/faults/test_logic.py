@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 
 import pytest
@@ -105,6 +106,38 @@ def test_a_collective_record_names_its_first_tensors_dtype_and_shape():
         for no_tensor in ((), ([None, None],), ("a text",)):  # barrier, object lists
             tracked(*no_tensor)
             assert collectives.last()["tensor"] is None, no_tensor
+    finally:
+        collectives.reset()
+
+
+def test_a_tensor_given_by_keyword_is_recorded_as_one_given_by_position():
+    # torch's own functions, for their parameters' names; the calls themselves are not made.
+    import torch
+    import torch.distributed as dist
+
+    def signature_of(fn):
+        return functools.wraps(fn)(lambda *args, **kwargs: None)
+
+    collectives.reset()
+    try:
+        for op, kwargs, words in (
+            ("all_reduce", {"tensor": torch.ones(2, 3)}, "float32 [2, 3]"),
+            ("send", {"tensor": torch.ones(5, dtype=torch.float16), "dst": 1}, "float16 [5]"),
+            (
+                "all_gather",
+                {"tensor_list": [torch.zeros(4)], "tensor": torch.zeros(4)},
+                "float32 [4]",
+            ),
+            (
+                "all_gather_into_tensor",
+                {"input_tensor": torch.zeros(2), "output_tensor": torch.zeros(4)},
+                "float32 [4]",
+            ),
+            ("barrier", {"group": None}, None),
+        ):
+            tracked = collectives._tracked(op, signature_of(getattr(dist, op)))
+            tracked(**kwargs)
+            assert collectives.last()["tensor"] == words, op
     finally:
         collectives.reset()
 

@@ -106,6 +106,29 @@ def test_a_released_stage_runs_its_own_error_handling_to_the_end(session):
     session.run("stage_module.fail = False", sink=ListSink())
 
 
+def test_a_stage_waiting_on_a_finished_peer_runs_its_own_error_handling_to_the_end(session):
+    # Rank 1 finishes the cell without sending: rank 0's receive cannot end and is released
+    # (the stranded look, 3 s on). Its `except` block then takes 1 s. Before: SIGINTed 0.3 s
+    # after the release, as a rank that computes, named "irecv #N (interrupted)".
+    err = failing_cell(
+        session,
+        "import time\n"
+        "handled = False\n"
+        "if rank == 0:\n"
+        "    try:\n"
+        "        dist.irecv(torch.zeros(4), 1).wait()\n"
+        "    except Exception:\n"
+        "        time.sleep(1)\n"
+        "        handled = True\n"
+        "        raise\n",
+    )
+    assert [f.rank for f in err.failures] == [0], str(err)
+    assert re.search(r"rank 0 from irecv #\d+\.", str(err)), str(err)
+    assert "(interrupted)" not in str(err)
+    assert session.pull("handled", rank=0) is True
+    reduce_works(session)
+
+
 def test_a_rank_waiting_on_a_batch_isend_irecv_of_a_failed_peer_is_released_from_it(session):
     err = failing_cell(
         session,
