@@ -6,7 +6,7 @@ or when a rank died (:mod:`nbdist.driver.rank_deaths` notices it), or when an
 interrupt did not reach a rank's code (one whose code caught it runs its handling
 code on, one reporting an error ends by itself: :mod:`nbdist.driver.caught_interrupts`),
 or when ranks wait in a collective for ranks that finished the cell without it, it
-*releases* the ranks: every live rank breaks out of
+*releases* the ranks (:mod:`nbdist.driver.release`): every live rank breaks out of
 its collective (see :mod:`nbdist.engine.control`) and ranks still computing get
 SIGINT. After the cell the group is formed again on the surviving processes (their
 variables and models stay). The words this adds to the cell's error are written by
@@ -29,6 +29,7 @@ import time
 from nbdist.driver.caught_interrupts import interrupt_answers
 from nbdist.driver.collective_waits import idle_ranks, stranded_waits, waits_for_failed
 from nbdist.driver.oom import cuda_oom_note
+from nbdist.driver.release import ASK_S, raised_in_cell, release_ranks
 from nbdist.driver.release_note import (
     NO_ANSWER,
     PAIRED_BUT_DIFFERENT,
@@ -51,15 +52,6 @@ FAILURE_GRACE_S = 0.5
 FAILURE_WAIT_MAX_S = 5.0
 # After an interrupt, how long ranks get to stop on SIGINT alone.
 INTERRUPT_GRACE_S = 0.5
-# Once released, how long a rank outside any collective may take to finish by itself.
-UNWIND_GRACE_S = 0.3
-# ... and one seen waiting on a send's or receive's work for a failed rank (a wait nbdist
-# does not record as inside a collective): the release ends that wait, and its error then
-# crosses the schedule's code and the engine's reply, 0.1-0.3 s on an idle 2-core machine
-# (2026-12-06), longer under load; a SIGINT meanwhile would only cut its traceback short.
-KNOWN_WAIT_UNWIND_S = 2.0
-# How long a release waits for the running ranks to say where they are.
-_RELEASE_ASK_S = 1.0
 # A rank that finished the cell enters no collective of it any more: a rank inside one that
 # waits for it would wait until the group's timeout (30 min). A wait must last this long to
 # count, and the first look comes after it: in flight, a collective a finished rank did
@@ -108,7 +100,7 @@ class CellGuard:
         self.stranded: dict[int, str] = {}
         # {rank: 'all_reduce #9'}: a wait found for failed or finished ranks that nbdist's
         # records do not show as inside a call (DDP's, from C++; a pipeline's on its works):
-        # named by it, and given KNOWN_WAIT_UNWIND_S once released.
+        # named by it, and given release.KNOWN_WAIT_UNWIND_S once released.
         self._untracked_wait: dict[int, str] = {}
         self.reformed = ""  # what happened to the group after a release
         # {rank: 'send #2'}: ranks ended because a collective held them after the release.
@@ -265,7 +257,7 @@ class CellGuard:
         ]
         if not running:
             return
-        found = ask(self.session.client, running, light=True, timeout=_RELEASE_ASK_S)
+        found = ask(self.session.client, running, light=True, timeout=ASK_S)
         seen = {w.rank: w.held for w in found if w.answered and w.held is not None}
         held = {rank: h["call"] for rank, h in seen.items() if h["s"] >= HELD_S}
         soonest = min((HELD_S - h["s"] for h in seen.values() if h["s"] < HELD_S), default=None)
@@ -345,80 +337,19 @@ class CellGuard:
 
     def release(self, run, reason: str) -> None:
         """Break every live rank out of its collective; SIGINT the ranks still computing."""
-        from nbdist.driver.where import ask, control_request
-
-        session = self.session
         self.released = True
         self._release_reason = reason
-        dead = session.dead_ranks()
-        live = [r for r in session.ranks if r.rank not in dead]
-        running = set(r for r, s in run.child_states().items() if s == "running") - set(dead)
-        client = session.client
-        found = {
-            w.rank: w
-            for w in ask(client, [r for r in live if r.rank in running], timeout=_RELEASE_ASK_S)
-        }
-        control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
-        session.group.released = True
-        computing: set[int] = set()
-        for rank in sorted(running):
-            w = found.get(rank)
-            c = w.collective if w is not None else None
-            if c is not None and (c["inside"] or self._raised_now(c)):
-                # Inside, or already failing out of it (gloo noticed a dead peer):
-                # the release ends it; SIGINT would only cut its traceback short.
-                self._released_from[rank] = f"{c['op']} #{c['seq']}"
-            elif rank not in (self.caught or ()) and rank not in self._outside:
-                # (One whose code caught the interrupt runs its handling code on: not
-                # SIGINTed, as a second Ctrl-C would; one reporting an error ends by itself.)
-                computing.add(rank)
-        # A rank may be unwinding already (gloo noticed a dead peer itself):
-        # give it a moment before interrupting code that is about to end anyway.
-        start = time.monotonic()
-        deadline = {
-            r: start + (KNOWN_WAIT_UNWIND_S if r in self._untracked_wait else UNWIND_GRACE_S)
-            for r in computing
-        }
-        while computing:
-            states = run.child_states()
-            for rank in [r for r in computing if states.get(r) != "running"]:
-                computing.discard(rank)
-                # Neither inside a collective nor failing out of one when asked: its last
-                # call (often an earlier cell's) is not what it was released from.
-                self._released_from[rank] = self._untracked_wait.get(rank) or "its running code"
-            now = time.monotonic()
-            # Each rank is interrupted once its own grace is over, not the longest one.
-            overdue = sorted(r for r in computing if now >= deadline[r])
-            if overdue:
-                computing.difference_update(overdue)
-                self._interrupt_released(overdue, found)
-            if computing:
-                time.sleep(0.02)
-
-    def _interrupt_released(self, ranks: list[int], found: dict) -> None:
-        """SIGINT released ``ranks`` that did not end by themselves; name where each was."""
-        for rank in ranks:
-            w = found.get(rank)
-            if w is not None and not w.answered and rank not in self._untracked_wait:
-                # Computing in native code that holds the GIL, or a machine so loaded that
-                # the answer came late: where it was is not known, so it is not named.
-                self._released_from[rank] = NO_ANSWER
-                continue
-            what = self._untracked_wait.get(rank) or "its running code"
-            self._released_from[rank] = f"{what} (interrupted)"
-        self.session.interrupt(ranks)
-
-    def _raised_now(self, c: dict | None) -> bool:
-        """Whether the last collective ``c`` a rank reported raised during this cell.
-
-        A call that raised in an earlier cell (a stale group's, caught by the user) is
-        still the rank's last one: only this cell's counts.
-        """
-        return bool(
-            c is not None
-            and c.get("raised")
-            # The rank's own answer; by the kernel's clock where it has none.
-            and c.get("this_cell", c["seconds"] < self._age())
+        self._released_from.update(
+            release_ranks(
+                self.session,
+                run,
+                by_rank=self._by_rank,
+                known_waits=self._untracked_wait,
+                # Code that caught the interrupt runs its handling on (not SIGINTed, as a
+                # second Ctrl-C would); a request outside the user's code ends by itself.
+                spared=set(self.caught or ()) | self._outside,
+                cell_age=self._age(),
+            )
         )
 
     def where_report(self, *, only_if_waiting: bool = False) -> str:
@@ -509,7 +440,7 @@ class CellGuard:
             for w in ask(
                 self.session.client,
                 [self._by_rank[r] for r in sorted(broken)],
-                timeout=_RELEASE_ASK_S,
+                timeout=ASK_S,
             )
         }
         for rank in sorted(broken):
@@ -517,7 +448,7 @@ class CellGuard:
             c = w.collective if w is not None else None
             if w is None or not w.answered:
                 self._released_from[rank] = NO_ANSWER
-            elif self._raised_now(c):
+            elif raised_in_cell(c, self._age()):
                 self._released_from[rank] = f"{c['op']} #{c['seq']}"
             else:  # a call nbdist's record does not see (DDP's, from C++)
                 self._released_from[rank] = "its running code"
@@ -552,7 +483,7 @@ class CellGuard:
             return ""
         parts = released_parts(
             {r: what for r, what in self.released_from.items() if r not in self.ended},
-            ask_s=_RELEASE_ASK_S,
+            ask_s=ASK_S,
         )
         released = "released" if self.stranded else "the others were released"
         head = self.release_reason + (f"; {released}: {', '.join(parts)}" if parts else "")

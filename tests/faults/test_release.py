@@ -231,6 +231,29 @@ def test_a_rank_that_cannot_say_where_it_is_is_not_named_as_computing(session):
     reduce_works(session)
 
 
+def test_a_rank_that_could_not_answer_then_ended_by_itself_is_named_by_its_collective(session):
+    # Rank 1 holds the GIL (a PyDLL call) for 7 s, past the release (5 s after rank 0's
+    # failure, then 1 s asking): then it calls all_reduce, which the release ended. Before:
+    # named "from its running code", its end not looked at (as were ranks inside an
+    # all_reduce on a machine too loaded to answer within 1 s, once in a full run of the
+    # tests), or SIGINTed when 0.3 s had passed. A rank that did not answer now gets 2 s,
+    # and is asked again once it has ended.
+    with pytest.raises(RankError) as info:
+        session.run(
+            "import ctypes, time\n"
+            "if rank == 0:\n"
+            "    raise RuntimeError('rank 0 gives up')\n"
+            "time.sleep(0.5)\n"
+            "ctypes.PyDLL(None).usleep(6_500_000)\n"
+            "dist.all_reduce(torch.ones(1))\n",
+            sink=ListSink(),
+        )
+    assert info.value.ranks == [0]
+    text = _plain(str(info.value))
+    assert re.search(r"the others were released: rank 1 from all_reduce #\d+\.", text), text
+    reduce_works(session)
+
+
 def test_ranks_failing_the_same_way_seconds_apart_keep_the_group(session):
     # The same error reaches ranks seconds apart (at 96 ranks a NameError's cell reaches the
     # last ranks seconds after the first fail; here rank 1 computes 1.5 s longer). Neither
