@@ -233,7 +233,11 @@ def test_stop_or_restart_while_ranks_are_paused(lab, magic):
     time.sleep(1.5)
     dbg._drain()
     assert not [e for e in dbg.events if e.get("event") == "continued"], dbg.events
-    assert sorted(_stack(dbg)) == [0, 1]
+    # (Once in a full run of the tests on 2 workers, rank 1 was missing here: the stops' own
+    # words and the frames listed say which rank stopped, and where.)
+    stops = [e["body"].get("description") for e in dbg.events if e.get("event") == "stopped"]
+    tops = _stack(dbg)
+    assert sorted(tops) == [0, 1], (stops, tops)
 
     said = _run(kernel, dbg, magic)
     # The debugger sees the ranks go: no thread of stopped ranks any more.
