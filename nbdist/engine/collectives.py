@@ -119,8 +119,10 @@ _CHECKED_BY_IDENTITY = ("isend", "irecv")
 
 
 def _positions(op: str, fn) -> tuple[int | None, int | None, int | None, str | None]:
-    """Where ``fn`` takes its group, peer and group peer, by position, and its first
-    tensor's name (``"tensor"``, ``"output_tensor"``; None for barrier, which takes none)."""
+    """Where ``fn`` takes its group, peer and group peer, by position, and the name of its
+    first parameter, which takes the tensor (or list) recorded: ``"tensor"``,
+    ``"output_tensor"``; None for the barriers (their first is the group) and for a function
+    known only as ``*args``."""
     import inspect
 
     try:
