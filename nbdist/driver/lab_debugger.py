@@ -495,9 +495,9 @@ class LabDebugRouter:
             return sorted(r for r in ranks if r in self._stopped)
 
     def cell_ended(self, ranks, still_paused=frozenset()) -> None:
-        """The kernel's cell that ran on ``ranks`` returned (finished, failed, interrupted, or
-        a ``--noblock`` cell that left them running): those not ``still_paused`` (as each
-        rank said) are no longer shown stopped."""
+        """The kernel's cell returned (finished, failed, interrupted, or a ``--noblock`` cell
+        that left its ranks running): those of ``ranks`` (the ranks asked) not
+        ``still_paused`` (as each rank said) are no longer shown stopped."""
         self._running = set()
         with self._lock:
             cleared = [

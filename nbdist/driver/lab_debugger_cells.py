@@ -161,11 +161,15 @@ def _watch_cell_end(found: LabDebugRouter, session, ranks) -> None:
         if isinstance(getattr(result, "error_in_exec", None), _INTERRUPTED_RANKS):
             # The cell interrupted its ranks: none may stay paused in it.
             paused = _unpause_interrupted(found, session, ranks)
-        elif marked:
+            found.cell_ended(ranks, still_paused=paused)
+            return
+        if marked:
             # The cell returned while ranks it ran on were paused: a --noblock cell, whose
             # ranks run on (paused ones stay paused). Each says whether it still is.
             paused = _paused(session, marked)
-        found.cell_ended(ranks, still_paused=paused)
+        # Only the ranks asked: one that stopped meanwhile (a --noblock cell's rank reaching
+        # its breakpoint while the others answered) is paused, and was once shown running.
+        found.cell_ended(marked, still_paused=paused)
 
     found.cell_started(ranks)
     events.register("post_run_cell", ended)

@@ -233,8 +233,10 @@ def test_stop_or_restart_while_ranks_are_paused(lab, magic):
     time.sleep(1.5)
     dbg._drain()
     assert not [e for e in dbg.events if e.get("event") == "continued"], dbg.events
-    # (Once in a full run of the tests on 2 workers, rank 1 was missing here: the stops' own
-    # words and the frames listed say which rank stopped, and where.)
+    # Once in a full run of the tests on 2 workers rank 1 was missing here: it reached its
+    # breakpoint while rank 0, the one rank shown stopped when the kernel's cell returned,
+    # said it was paused, and the cell's end then cleared every rank not said paused. Only
+    # the ranks asked are cleared now. (The stops' words and the frames say who stopped.)
     stops = [e["body"].get("description") for e in dbg.events if e.get("event") == "stopped"]
     tops = _stack(dbg)
     assert sorted(tops) == [0, 1], (stops, tops)
