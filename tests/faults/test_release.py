@@ -210,10 +210,10 @@ def test_a_rank_still_computing_is_interrupted_when_another_fails(session):
     reduce_works(session)
 
 
-def test_a_rank_that_cannot_say_where_it_is_is_not_named_as_computing(session):
-    # Rank 1 sleeps in C holding the GIL (a PyDLL call), so its control thread cannot answer
-    # the release's question; it was named "from its running code" all the same (and 31
-    # ranks waiting in an all_reduce on a machine too loaded to answer within 1 s, too).
+def _rank_1_holds_the_gil(session, sleep: str, then: str = "") -> str:
+    """Run a cell where rank 0 fails at once and rank 1 sleeps in C holding the GIL (libc's
+    ``sleep``, called through ``ctypes.PyDLL``: its control thread cannot answer), then runs
+    ``then``; the cell's error text, rank 0 its one failure."""
     with pytest.raises(RankError) as info:
         session.run(
             "import ctypes, time\n"
@@ -221,11 +221,18 @@ def test_a_rank_that_cannot_say_where_it_is_is_not_named_as_computing(session):
             "    raise RuntimeError('rank 0 gives up')\n"
             # A moment without the GIL first: the rank's "busy" (its beginning) gets out.
             "time.sleep(0.5)\n"
-            "ctypes.PyDLL(None).sleep(60)\n",
+            f"ctypes.PyDLL(None).{sleep}\n{then}\n",
             sink=ListSink(),
         )
     assert info.value.ranks == [0]
-    text = str(info.value)
+    return str(info.value)
+
+
+def test_a_rank_that_cannot_say_where_it_is_is_not_named_as_computing(session):
+    # Rank 1 sleeps in C holding the GIL (a PyDLL call), so its control thread cannot answer
+    # the release's question; it was named "from its running code" all the same (and 31
+    # ranks waiting in an all_reduce on a machine too loaded to answer within 1 s, too).
+    text = _rank_1_holds_the_gil(session, "sleep(60)")
     assert "rank 1 interrupted where it was (no answer within 1 s)" in text, text
     assert "running code" not in text, text
     reduce_works(session)
@@ -238,18 +245,9 @@ def test_a_rank_that_could_not_answer_then_ended_by_itself_is_named_by_its_colle
     # all_reduce on a machine too loaded to answer within 1 s, once in a full run of the
     # tests), or SIGINTed when 0.3 s had passed. A rank that did not answer now gets 2 s,
     # and is asked again once it has ended.
-    with pytest.raises(RankError) as info:
-        session.run(
-            "import ctypes, time\n"
-            "if rank == 0:\n"
-            "    raise RuntimeError('rank 0 gives up')\n"
-            "time.sleep(0.5)\n"
-            "ctypes.PyDLL(None).usleep(6_500_000)\n"
-            "dist.all_reduce(torch.ones(1))\n",
-            sink=ListSink(),
-        )
-    assert info.value.ranks == [0]
-    text = _plain(str(info.value))
+    text = _plain(
+        _rank_1_holds_the_gil(session, "usleep(6_500_000)", "dist.all_reduce(torch.ones(1))")
+    )
     assert re.search(r"the others were released: rank 1 from all_reduce #\d+\.", text), text
     reduce_works(session)
 
