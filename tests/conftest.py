@@ -10,6 +10,7 @@ test run of its own here (its own isolated dirs, its own processes checked).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -195,6 +196,29 @@ def terminate_in_order(procs) -> None:
             proc.wait()
 
 
+def wait_for_controller(client_file, timeout: float = 60.0) -> None:
+    """Wait until an ipcontroller has written its client and engine connection files whole.
+
+    The controller creates each file and then writes it, the engine file after the client
+    file: a file that exists may still be empty (a client reading it then fails to parse
+    it, as happened once in CI).
+    """
+    engine_file = client_file.with_name(client_file.name.replace("-client.json", "-engine.json"))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            json.loads(client_file.read_text())
+            json.loads(engine_file.read_text())
+            return
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the controller wrote no whole connection files in {timeout:g} s: "
+                    f"{client_file}, {engine_file}"
+                ) from None
+            time.sleep(0.1)
+
+
 @pytest.fixture
 def external_cluster(tmp_path):
     """An ipcontroller and two ipengines started by hand, as on other hosts."""
@@ -216,9 +240,7 @@ def external_cluster(tmp_path):
         )
     ]
     client_file = profile / "security" / "ipcontroller-ext-client.json"
-    deadline = time.monotonic() + 60
-    while not client_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for_controller(client_file)
     for _ in range(2):
         procs.append(
             subprocess.Popen(

@@ -22,7 +22,7 @@ from IPython.core.interactiveshell import InteractiveShell
 
 from nbdist.dashboard.table import rank_rows
 from nbdist.dashboard.text import summary_text
-from tests.conftest import terminate_in_order, wait_gone
+from tests.conftest import terminate_in_order, wait_for_controller, wait_gone
 from tests.multihost.forged import send_forged_metrics
 from tests.multihost.netns import Hosts, namespaces_unavailable
 
@@ -79,10 +79,7 @@ def two_hosts(tmp_path_factory):
             )
         )
         client_file = profile / "security" / f"ipcontroller-{CLUSTER_ID}-client.json"
-        deadline = time.monotonic() + 60
-        while not client_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert client_file.exists(), "the controller wrote no connection file"
+        wait_for_controller(client_file)
         # One at a time, waiting for each, so the registration order is A, B, A, B.
         for count, index in enumerate([0, 1, 0, 1], start=1):
             procs.append(

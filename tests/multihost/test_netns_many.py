@@ -20,13 +20,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-from tests.conftest import wait_gone
+from tests.conftest import wait_for_controller, wait_gone
 from tests.multihost.netns import Hosts, namespaces_unavailable
 from tests.multihost.test_netns import _registered
 
@@ -73,10 +72,7 @@ def eight_hosts(tmp_path_factory):
             )
         )
         client_file = profile / "security" / "ipcontroller-hosts-client.json"
-        deadline = time.monotonic() + 60
-        while not client_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert client_file.exists(), "the controller wrote no connection file"
+        wait_for_controller(client_file)
         slots = [{"NBDIST_SLOT": str(j), "LOCAL_RANK": str(j)} for j in range(PER_HOST)]
         for index in range(HOSTS):
             zygote = [
