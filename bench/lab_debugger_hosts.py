@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # _common, and tests' protocol client
@@ -48,7 +49,7 @@ from _common import (  # noqa: E402
 )
 
 from nbdist.driver.lab_debugger import RANKS_THREAD  # noqa: E402
-from tests.conftest import terminate_in_order  # noqa: E402
+from tests.conftest import terminate_in_order, wait_for_controller  # noqa: E402
 from tests.debugging.test_lab_debugger import (  # noqa: E402
     LabDebugClient,
     _debugger_on,
@@ -153,11 +154,7 @@ def _cluster(hosts: Hosts, profile: str) -> tuple[list[subprocess.Popen], str]:
         )
     ]
     client_file = os.path.join(profile, "security", "ipcontroller-bench-client.json")
-    deadline = time.monotonic() + 60
-    while not os.path.exists(client_file):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the controller wrote no connection file")
-        time.sleep(0.1)
+    wait_for_controller(Path(client_file))
     for index in (0, 1, 0, 1):
         engine = [sys.executable, "-m", "ipyparallel.engine", "--IPEngine.enable_nanny=False"]
         procs.append(subprocess.Popen(hosts.command(index, [*engine, *common]), **quiet))
@@ -246,8 +243,10 @@ def main() -> int:
     ok = p90 < 250 and not leftovers
     print_goal_and_cpu(f"relayed stop latency p90 {p90} ms < 250 ms", ok, leftovers, meter.read())
     summary["goal_met"] = ok
+    summary["leftover_pids"] = leftovers
     print_summary(summary)
-    return 0 if ok else 1
+    # A missed goal is a figure (goal_met); only a process left behind is a failure.
+    return 1 if leftovers else 0
 
 
 if __name__ == "__main__":

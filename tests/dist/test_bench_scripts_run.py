@@ -4,7 +4,8 @@ Two of bench/'s scripts had stopped running (a name changed under them) with not
 say so until a run for bench/RESULTS.md; each here runs end to end on real CPU ranks and
 prints the summary it ends with. Figures and goals are not judged: timing belongs to
 bench/RESULTS.md. (faults.py, lab_debugger.py, log_cost.py, step_noise.py, train.py,
-nccl.py and the others the GPU check runs have tests of their own.)
+nccl.py and the others the GPU check runs have tests of their own; dashboard_browser.py's is
+in tests/ui, lab_debugger_hosts.py's in tests/multihost.)
 """
 
 from __future__ import annotations
