@@ -31,7 +31,7 @@ import re
 
 from nbdist.engine.control import runs_cell
 
-__all__ = ["crash_words", "summary"]
+__all__ = ["ABORTED_IN_COLLECTIVE", "crash_words", "summary"]
 
 # How many of the innermost frames the line names (the cell's line comes on top).
 INNERMOST = 3
@@ -39,6 +39,18 @@ _FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func
 _HEADER = re.compile(r"^(?P<current>Current thread|Thread) 0x[0-9a-f]+")
 _LIB = re.compile(r".*/(?:site-packages|dist-packages|lib/python3\.\d+)/")
 _FATAL = re.compile(r"^Fatal Python error: (?P<what>.+)$", re.MULTILINE)
+_COLLECTIVES = "torch/distributed/"
+# What aborts a rank from a thread of its own while its cell waits in a collective. gloo's
+# receiving rank, given more bytes than its tensor holds (a peer's tensor of another size
+# or dtype in the same call), ends the process (an all_reduce of float64 on rank 1 and
+# float32 on rank 0 aborted rank 0, the rank whose tensor was right); NCCL's watchdog does
+# when a call outlasts the group's timeout. The rank that died need not be the one whose
+# tensor differs, so the words point to the check that names it.
+ABORTED_IN_COLLECTIVE = (
+    "gloo aborts a rank this way when a peer's tensor in the same call has another size or "
+    "dtype, whichever rank's differs (%dist_start --check-collectives names it before the "
+    "call), and NCCL's watchdog when a call outlasts the group's timeout"
+)
 
 
 def _threads(dump: str) -> list[tuple[bool, list[tuple[str, int, str]]]]:
@@ -100,7 +112,14 @@ def summary(dump: str) -> str:
         words = f"{words}, from {cell}" if words else f"in {cell}"
     if current is None:
         words = f"a thread without Python frames crashed while the cell's thread was {words}"
+        if _aborted(dump) and any(_COLLECTIVES in f for f, _, _ in frames):
+            words += f": {ABORTED_IN_COLLECTIVE}"
     return words
+
+
+def _aborted(dump: str) -> bool:
+    fatal = list(_FATAL.finditer(dump))
+    return bool(fatal) and fatal[-1]["what"].strip() == "Aborted"
 
 
 def crash_words(dump: str) -> str:

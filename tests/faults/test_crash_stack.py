@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbdist.driver.crash_stack import summary
+from nbdist.driver.crash_stack import ABORTED_IN_COLLECTIVE, summary
 
 SITE = "/venv/lib/python3.12/site-packages"
 RUN_CODE = f'  File "{SITE}/IPython/core/interactiveshell.py", line 3577 in run_code'
@@ -48,6 +48,29 @@ Thread 0x00007f00 (most recent call first):
         "a thread without Python frames crashed while the cell's thread was in wait_tensor "
         "(torch/distributed/_functional_collectives.py:138), from the cell, line 5"
     )
+
+
+def test_an_abort_from_a_thread_of_its_own_in_a_collective_says_what_aborts_there():
+    cells_thread = f"""
+Thread 0x00007f01 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 355 in wait
+
+Thread 0x00007f00 (most recent call first):
+  File "{SITE}/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
+  File "/tmp/ipykernel_4242/2718.py", line 2 in <module>
+{RUN_CODE}
+"""
+    where = (
+        "a thread without Python frames crashed while the cell's thread was in all_reduce "
+        "(torch/distributed/distributed_c10d.py:3252), from the cell, line 2"
+    )
+    aborted = summary("Fatal Python error: Aborted\n" + cells_thread)
+    assert aborted == f"{where}: {ABORTED_IN_COLLECTIVE}"
+    assert "--check-collectives" in aborted
+    # Another signal, or an abort outside a collective, is not said to be one of those.
+    assert summary("Fatal Python error: Segmentation fault\n" + cells_thread) == where
+    outside = cells_thread.replace("torch/distributed/distributed_c10d.py", "numpy/linalg.py")
+    assert "gloo" not in summary("Fatal Python error: Aborted\n" + outside)
 
 
 def test_a_crash_in_the_cell_itself_and_a_dump_that_names_nothing():

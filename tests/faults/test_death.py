@@ -12,6 +12,7 @@ import pytest
 
 import nbdist
 from nbdist.dashboard.table import rank_rows
+from nbdist.driver.crash_stack import ABORTED_IN_COLLECTIVE
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.status import format_status
 from nbdist.errors import NbdistError, RankError
@@ -155,6 +156,25 @@ def test_a_segfault_on_a_spawned_rank_is_named_too():
         2, cpu=True, timeout=120, group_timeout=60, history=False, start_method="spawn"
     ) as spawned:
         _segfault_on(spawned, 1)
+
+
+def test_a_rank_gloo_aborted_over_a_peers_dtype_says_what_aborts_a_rank_there():
+    """gloo's receiving thread ends the process when a peer sends more bytes than its tensor
+    holds: here rank 0 (float32, the right dtype) dies of SIGABRT for rank 1's float64. The
+    death's line says what does that, and the check that names the tensor that differs."""
+    with two_ranks() as s:
+        with pytest.raises(RankError) as info:
+            s.run(
+                "t = torch.ones(2, dtype=torch.float64 if rank == 1 else torch.float32)\n"
+                "dist.all_reduce(t)\n",
+                sink=ListSink(),
+            )
+        died = [f for f in info.value.failures if f.ename == "RankDied"]
+        assert [f.rank for f in died] == [0], str(info.value)
+        words = died[0].evalue
+        assert "killed by SIGABRT (signal 6)" in words, words
+        assert "while the cell's thread was in all_reduce" in words, words
+        assert words.endswith(f"from the cell, line 2: {ABORTED_IN_COLLECTIVE}"), words
 
 
 def test_a_rank_whose_heart_is_silent_for_seconds_is_not_named_dead():
