@@ -13,6 +13,8 @@ import re
 
 import pytest
 
+import nbdist
+from nbdist.driver.crash_stack import ABORTED_IN_COLLECTIVE
 from nbdist.driver.sinks import ListSink
 from nbdist.errors import PlacementError, RankError
 from tests.faults.two_ranks import reduce_works, two_ranks
@@ -96,7 +98,34 @@ def test_a_session_checks_no_collective_unless_asked(session):
 
 
 def test_check_collectives_takes_true_or_false():
-    import nbdist
-
     with pytest.raises(PlacementError, match=r"check_collectives 'yes': give True"):
         nbdist.DistSession(2, cpu=True, check_collectives="yes")
+
+
+_DTYPE_DIFFERS_ON_RANK_1 = (
+    "t = torch.ones(2, dtype=torch.float64 if rank == 1 else torch.float32)\ndist.all_reduce(t)"
+)
+
+
+def test_a_dtype_that_differs_on_one_of_four_ranks_kills_a_rank_unless_checked():
+    """Four ranks, rank 1's tensor float64: unchecked, gloo aborts a rank whose tensor was
+    right and the death's line says what does that; checked, every rank fails at once
+    naming the dtypes, no rank dies and the group goes on."""
+    options = {"timeout": 120, "group_timeout": 60, "history": False}
+    with nbdist.DistSession(4, cpu=True, **options) as unchecked:
+        with pytest.raises(RankError) as caught:
+            unchecked.run(_DTYPE_DIFFERS_ON_RANK_1, sink=ListSink())
+        text = str(caught.value)
+        died = [f for f in caught.value.failures if f.ename == "RankDied"]
+        assert died and all(f.rank != 1 for f in died), text
+        assert all(f.evalue.endswith(ABORTED_IN_COLLECTIVE) for f in died), text
+    with nbdist.DistSession(4, cpu=True, check_collectives=True, **options) as checked:
+        with pytest.raises(RankError) as caught:
+            checked.run(_DTYPE_DIFFERS_ON_RANK_1, sink=ListSink())
+        text = str(caught.value)
+        assert sorted(f.rank for f in caught.value.failures) == [0, 1, 2, 3], text
+        assert {f.ename for f in caught.value.failures} == {"RuntimeError"}, text
+        assert re.search(r"Tensor dtypes: (Floatvs Double|Doublevs Float)", text), text
+        assert checked.dead_ranks() == {}
+        checked.run("u = torch.ones(1) * (rank + 1)\ndist.all_reduce(u)", sink=ListSink())
+        assert [u.item() for u in checked.pull("u")] == [10.0] * 4
