@@ -48,6 +48,13 @@ _RANK_NOISE = (
     (re.compile(r"\b(Cell|Input) In ?\[\d+\]"), r"\1 In[#]"),
     # object addresses in reprs differ per process
     (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x#"),
+    # a peer's address and port in gloo's errors ("Connection closed by peer
+    # [127.0.0.1]:10629"): each released rank names another, and at 256 ranks one release
+    # read as 255 lines
+    (
+        re.compile(r"\[(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*(?:%[\w.-]+)?)\]:\d+"),
+        "[#]:#",
+    ),
 )
 
 

@@ -110,9 +110,22 @@ _DTYPE_DIFFERS_ON_RANK_1 = (
 def test_a_dtype_that_differs_on_one_of_four_ranks_kills_a_rank_unless_checked():
     """Four ranks, rank 1's tensor float64: unchecked, gloo aborts a rank whose tensor was
     right and the death's line says what does that; checked, every rank fails at once
-    naming the dtypes, no rank dies and the group goes on."""
+    naming the dtypes, no rank dies and the group goes on. (Unchecked, a size that differs
+    first: the ranks it leaves waiting are named in one line.)"""
     options = {"timeout": 120, "group_timeout": 60, "history": False}
     with nbdist.DistSession(4, cpu=True, **options) as unchecked:
+        # First a size that differs: the three ranks left waiting are released, each with
+        # gloo's error naming another peer, and read as one line.
+        with pytest.raises(RankError) as caught:
+            unchecked.run(
+                "t = torch.ones(1 if rank == 3 else 4)\ndist.all_reduce(t)", sink=ListSink()
+            )
+        lines = str(caught.value).splitlines()
+        assert len(lines) == 2, lines
+        assert lines[0].startswith(
+            "ranks 0-2: CollectiveMismatch: waited in all_reduce #1 with float32 [4] for rank 3 "
+            "with float32 [1]"
+        ), lines
         with pytest.raises(RankError) as caught:
             unchecked.run(_DTYPE_DIFFERS_ON_RANK_1, sink=ListSink())
         text = str(caught.value)

@@ -58,6 +58,23 @@ def test_noise_normalisation_covers_engine_rank_pid_and_address_forms():
     assert [ranks for ranks, _ in error.groups()] == [[0, 1]]
 
 
+def test_gloos_peer_addresses_do_not_split_groups():
+    """Each rank a release ends names another peer in gloo's error: one group all the same."""
+
+    def released(rank, peer):
+        traceback = (
+            "Traceback\n  dist.all_reduce(t)\nRuntimeError: [third_party/gloo/gloo/transport/"
+            f"tcp/pair.cc:553] Connection closed by peer {peer}. This is typically caused by a "
+            "remote worker crashing."
+        )
+        return RankFailure(rank, "CollectiveMismatch", "waited in all_reduce #1", traceback)
+
+    peers = ["[127.0.0.1]:10629", "[10.0.3.17]:21430", "[::1]:40007", "[fe80::1%eth0]:5"]
+    error = RankError([released(rank, peer) for rank, peer in enumerate(peers)])
+    assert [ranks for ranks, _ in error.groups()] == [[0, 1, 2, 3]]
+    assert str(error) == "ranks 0-3: CollectiveMismatch: waited in all_reduce #1"
+
+
 def test_colour_codes_do_not_split_groups():
     coloured = zero_division(0, engine_id=0)
     plain = RankFailure(
