@@ -49,8 +49,8 @@ _RANK_NOISE = (
     # object addresses in reprs differ per process
     (re.compile(r"\b0x[0-9a-fA-F]{6,}\b"), "0x#"),
     # a peer's address and port in gloo's errors ("Connection closed by peer
-    # [127.0.0.1]:10629"): each released rank names another, and at 256 ranks one release
-    # read as 255 lines
+    # [127.0.0.1]:10629"): released ranks name different peers, so the 3 ranks one release
+    # ended at 4 ranks read as 2-3 lines (and could read as up to 255 at 256 ranks)
     (
         re.compile(r"\[(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9A-Fa-f]*:[0-9A-Fa-f:.]*(?:%[\w.-]+)?)\]:\d+"),
         "[#]:#",
