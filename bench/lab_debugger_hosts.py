@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # _common, and tests' protocol client
@@ -154,7 +153,7 @@ def _cluster(hosts: Hosts, profile: str) -> tuple[list[subprocess.Popen], str]:
         )
     ]
     client_file = os.path.join(profile, "security", "ipcontroller-bench-client.json")
-    wait_for_controller(Path(client_file))
+    wait_for_controller(client_file)
     for index in (0, 1, 0, 1):
         engine = [sys.executable, "-m", "ipyparallel.engine", "--IPEngine.enable_nanny=False"]
         procs.append(subprocess.Popen(hosts.command(index, [*engine, *common]), **quiet))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -203,6 +204,7 @@ def wait_for_controller(client_file, timeout: float = 60.0) -> None:
     file: a file that exists may still be empty (a client reading it then fails to parse
     it, as happened once in CI).
     """
+    client_file = pathlib.Path(client_file)
     engine_file = client_file.with_name(client_file.name.replace("-client.json", "-engine.json"))
     deadline = time.monotonic() + timeout
     while True:

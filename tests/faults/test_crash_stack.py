@@ -32,18 +32,25 @@ Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
     )
 
 
-def test_a_crash_outside_python_names_where_the_cells_thread_waited():
-    # gloo's own thread crashed: no "Current thread"; the cell's thread is the one in run_code.
-    dump = f"""Fatal Python error: Segmentation fault
+def _crashed_outside_python(fatal: str, path: str, line: int, func: str, cell_line: int) -> str:
+    """A dump with no "Current thread" (gloo's own thread crashed): ``fatal`` ('Aborted'), and
+    the cell's thread (the one in run_code) waiting in ``func`` at ``path:line``."""
+    return f"""Fatal Python error: {fatal}
 
 Thread 0x00007f01 (most recent call first):
   File "/usr/lib/python3.12/threading.py", line 355 in wait
 
 Thread 0x00007f00 (most recent call first):
-  File "{SITE}/torch/distributed/_functional_collectives.py", line 138 in wait_tensor
-  File "/tmp/ipykernel_4242/2718.py", line 5 in <module>
+  File "{SITE}/{path}", line {line} in {func}
+  File "/tmp/ipykernel_4242/2718.py", line {cell_line} in <module>
 {RUN_CODE}
 """
+
+
+def test_a_crash_outside_python_names_where_the_cells_thread_waited():
+    dump = _crashed_outside_python(
+        "Segmentation fault", "torch/distributed/_functional_collectives.py", 138, "wait_tensor", 5
+    )
     assert summary(dump) == (
         "a thread without Python frames crashed while the cell's thread was in wait_tensor "
         "(torch/distributed/_functional_collectives.py:138), from the cell, line 5"
@@ -51,26 +58,19 @@ Thread 0x00007f00 (most recent call first):
 
 
 def test_an_abort_from_a_thread_of_its_own_in_a_collective_says_what_aborts_there():
-    cells_thread = f"""
-Thread 0x00007f01 (most recent call first):
-  File "/usr/lib/python3.12/threading.py", line 355 in wait
+    def dump(fatal: str, path: str = "torch/distributed/distributed_c10d.py") -> str:
+        return _crashed_outside_python(fatal, path, 3252, "all_reduce", 2)
 
-Thread 0x00007f00 (most recent call first):
-  File "{SITE}/torch/distributed/distributed_c10d.py", line 3252 in all_reduce
-  File "/tmp/ipykernel_4242/2718.py", line 2 in <module>
-{RUN_CODE}
-"""
     where = (
         "a thread without Python frames crashed while the cell's thread was in all_reduce "
         "(torch/distributed/distributed_c10d.py:3252), from the cell, line 2"
     )
-    aborted = summary("Fatal Python error: Aborted\n" + cells_thread)
+    aborted = summary(dump("Aborted"))
     assert aborted == f"{where}: {ABORTED_IN_COLLECTIVE}"
     assert "--check-collectives" in aborted
     # Another signal, or an abort outside a collective, is not said to be one of those.
-    assert summary("Fatal Python error: Segmentation fault\n" + cells_thread) == where
-    outside = cells_thread.replace("torch/distributed/distributed_c10d.py", "numpy/linalg.py")
-    assert "gloo" not in summary("Fatal Python error: Aborted\n" + outside)
+    assert summary(dump("Segmentation fault")) == where
+    assert "gloo" not in summary(dump("Aborted", path="numpy/linalg.py"))
 
 
 def test_a_crash_in_the_cell_itself_and_a_dump_that_names_nothing():
