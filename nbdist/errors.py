@@ -176,8 +176,26 @@ def _failure_key(failure: RankFailure) -> tuple[str, str, str]:
     return (failure.ename, failure.evalue, _normalised_traceback(failure.traceback))
 
 
+# torch's collective check prints each call's options whole, "TensorOptions(dtype=float
+# (default), device=cpu, layout=Strided (default), ..., memory_format=(nullopt))", twice a
+# message: three quarters of a 700-character line. The headline keeps what is set.
+_TENSOR_OPTIONS = re.compile(r"TensorOptions\(((?:[^()]|\([^()]*\))*)\)")
+
+
+def _set_options_only(match: re.Match) -> str:
+    kept = [
+        item
+        for item in match.group(1).split(", ")
+        if not item.endswith(" (default)") and not item.endswith("=(nullopt)")
+    ]
+    return f"TensorOptions({', '.join(kept)})"
+
+
 def _headline(failure: RankFailure) -> str:
-    return f"{failure.ename}: {failure.evalue}" if failure.evalue else failure.ename
+    """The failure in one line; the traceback below it and ``--full`` keep the text whole."""
+    if not failure.evalue:
+        return failure.ename
+    return f"{failure.ename}: {_TENSOR_OPTIONS.sub(_set_options_only, failure.evalue)}"
 
 
 def _family_key(failure: RankFailure) -> tuple[str, str, str]:

@@ -52,13 +52,40 @@ def with_ranges(texts: Sequence[str]) -> str:
     return "".join(out)
 
 
+def _split_by_few_valued_numbers(texts: Sequence[str], listed: int) -> list[list[int]]:
+    """Indices of ``texts`` (alike but for their numbers) in groups by the numbers that take
+    at most ``listed`` values, where those make at most ``listed`` groups; else one group.
+
+    torch's collective check at 256 ranks gives "Rank N is running ... TensorShape=[4] ...
+    but Rank 3 ... [1]" on 255 ranks and the mirror on rank 3: ranged whole, that reads
+    "Rank 0–255 ... TensorShape=[1–4]" and no longer says which rank had which shape. The
+    numbers a rank number or a loss spans (many values) are ranged; a shape that one rank
+    alone differs in (two values) keeps a line of its own.
+    """
+    tokens = [_NUMBER.findall(text) for text in texts]
+    few = [
+        position
+        for position in range(len(tokens[0]))
+        if len({row[position] for row in tokens}) <= listed
+    ]
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for index, row in enumerate(tokens):
+        groups.setdefault(tuple(row[position] for position in few), []).append(index)
+    if len(groups) > listed:
+        return [list(range(len(texts)))]
+    return list(groups.values())
+
+
 def fold_texts(texts: dict[int, str], listed: int = 3) -> list[tuple[list[int], str]]:
     """(ranks, text) for each rank's text, ordered by lowest rank: identical texts once with
-    their ranks; more than ``listed`` texts alike but for their numbers once, with ranges.
+    their ranks; more than ``listed`` texts alike but for their numbers once with ranges,
+    or a few times where some numbers take a few values only (one line per such value).
 
     >>> fold_texts({3: "pid 901 killed", 10: "pid 923 killed", 17: "pid 993 killed",
     ...             24: "pid 1053 killed", 5: "exit code 1"})
     [([3, 10, 17, 24], 'pid 901–1053 killed'), ([5], 'exit code 1')]
+    >>> fold_texts({rank: f"rank {rank} has shape [{1 if rank == 3 else 4}]" for rank in range(6)})
+    [([0, 1, 2, 4, 5], 'rank 0–5 has shape [4]'), ([3], 'rank 3 has shape [1]')]
     """
     exact: dict[str, list[int]] = {}
     for rank in sorted(texts):
@@ -70,7 +97,8 @@ def fold_texts(texts: dict[int, str], listed: int = 3) -> list[tuple[list[int], 
     for members in families.values():
         if len(members) <= listed:
             out += [(ranks, text) for text, ranks in members]
-        else:
-            ranks = sorted(rank for _, group in members for rank in group)
-            out.append((ranks, with_ranges([text for text, _ in members])))
+            continue
+        for group in _split_by_few_valued_numbers([text for text, _ in members], listed):
+            ranks = sorted(rank for index in group for rank in members[index][1])
+            out.append((ranks, with_ranges([members[index][0] for index in group])))
     return sorted(out, key=lambda item: item[0][0])

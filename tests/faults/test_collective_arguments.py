@@ -110,8 +110,9 @@ _DTYPE_DIFFERS_ON_RANK_1 = (
 def test_a_dtype_that_differs_on_one_of_four_ranks_kills_a_rank_unless_checked():
     """Four ranks, rank 1's tensor float64: unchecked, gloo aborts a rank whose tensor was
     right and the death's line says what does that; checked, every rank fails at once
-    naming the dtypes, no rank dies and the group goes on. (Unchecked, a size that differs
-    first: the ranks it leaves waiting are named in one line.)"""
+    naming the dtypes, no rank dies and the group goes on. (A size that differs on rank 3
+    first: unchecked, the ranks it leaves waiting are named in one line; checked, the three
+    alike in one line and rank 3 in its own.)"""
     options = {"timeout": 120, "group_timeout": 60, "history": False}
     with nbdist.DistSession(4, cpu=True, **options) as unchecked:
         # First a size that differs: the three ranks left waiting are released, each with
@@ -133,6 +134,17 @@ def test_a_dtype_that_differs_on_one_of_four_ranks_kills_a_rank_unless_checked()
         assert died and all(f.rank != 1 for f in died), text
         assert all(f.evalue.endswith(ABORTED_IN_COLLECTIVE) for f in died), text
     with nbdist.DistSession(4, cpu=True, check_collectives=True, **options) as checked:
+        # Every rank's message names itself and the rank it differs from: the three alike
+        # read as one line, rank 3's shape kept apart from theirs (not "TensorShape=[1–4]").
+        with pytest.raises(RankError) as caught:
+            checked.run(
+                "t = torch.ones(1 if rank == 3 else 4)\ndist.all_reduce(t)", sink=ListSink()
+            )
+        lines = str(caught.value).splitlines()
+        assert [line.split(": ")[0] for line in lines] == ["ranks 0-2", "rank 3"], lines
+        assert re.search(r"Rank 0–2 is running .*TensorShape=\[4\].* but Rank 3 .*\[1\]", lines[0])
+        assert re.search(r"Rank 3 is running .*TensorShape=\[1\].* but Rank 0 .*\[4\]", lines[1])
+        assert "(default)" not in lines[0] and "TensorOptions(device=cpu)" in lines[0], lines
         with pytest.raises(RankError) as caught:
             checked.run(_DTYPE_DIFFERS_ON_RANK_1, sink=ListSink())
         text = str(caught.value)

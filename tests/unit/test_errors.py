@@ -231,18 +231,83 @@ def test_the_same_message_from_other_code_stays_apart():
 @pytest.mark.parametrize(
     "numbers, ranged",
     [
-        (["9", "10", "2"], "2–10"),  # by value, not as text
-        (["10.0.0.9", "10.0.0.10"], "10.0.0.9–10.0.0.10"),  # an address part by part
-        (["0x1f", "0xa"], "0xa–0x1f"),
-        (["1e-05", "0.5"], "1e-05–0.5"),
-        (["7", "7"], "7"),
+        (["9", "10", "2", "3"], "2–10"),  # by value, not as text
+        (["10.0.0.9", "10.0.0.10", "10.0.0.2", "10.0.0.3"], "10.0.0.2–10.0.0.10"),  # by part
+        (["0x1f", "0xa", "0x3", "0x2"], "0x2–0x1f"),
+        (["1e-05", "0.5", "0.25", "0.125"], "1e-05–0.5"),
+        (["7", "7", "7", "7"], "7"),
     ],
 )
 def test_numbers_are_ranged_by_their_value(numbers, ranged):
-    # Four messages or more, so that one line gives the ranges.
-    messages = [f"at {numbers[i % len(numbers)]} now, attempt {i}" for i in range(4)]
+    # Four messages or more, each number another (or all one), so that one line gives the ranges.
+    messages = [f"at {numbers[i]} now, attempt {i}" for i in range(4)]
     failures = [value_error(rank, message) for rank, message in enumerate(messages)]
     assert str(RankError(failures)) == f"ranks 0-3: ValueError: at {ranged} now, attempt 0–3"
+
+
+def _checks_message(rank: int, shape: int, peer: int, peer_shape: int) -> str:
+    """torch's collective check (TORCH_DISTRIBUTED_DEBUG=DETAIL) as 2.13 words it on gloo."""
+
+    def fingerprint(shape: int) -> str:
+        return (
+            f"CollectiveFingerPrint(SequenceNumber=1, OpType=ALLREDUCE, TensorShape=[{shape}], "
+            "TensorDtypes=Float, TensorDeviceTypes=TensorOptions(dtype=float (default), "
+            "device=cpu, layout=Strided (default), requires_grad=false (default), "
+            "pinned_memory=false (default), memory_format=(nullopt)))"
+        )
+
+    return (
+        f"Detected mismatch between collectives on ranks. Rank {rank} is running collective: "
+        f"{fingerprint(shape)}, but Rank {peer} is running collective: "
+        f"{fingerprint(peer_shape)}.Collectives differ in the following aspects:   "
+        f"Tensor Tensor shapes: {shape}vs {peer_shape}"
+    )
+
+
+def _short_fingerprint(shape: int) -> str:
+    return (
+        f"CollectiveFingerPrint(SequenceNumber=1, OpType=ALLREDUCE, TensorShape=[{shape}], "
+        "TensorDtypes=Float, TensorDeviceTypes=TensorOptions(device=cpu))"
+    )
+
+
+def test_the_rank_whose_shape_differs_keeps_its_line_among_256():
+    """torch's check on 256 ranks, rank 3's tensor another size: ranged whole, the line read
+    "Rank 0–255 ... TensorShape=[1–4]", which no longer said which rank had which shape (and
+    each message was 700 characters, three quarters of them torch's default options)."""
+    failures = [
+        RankFailure(
+            rank,
+            "RuntimeError",
+            _checks_message(rank, 1, 0, 4) if rank == 3 else _checks_message(rank, 4, 3, 1),
+            "Traceback\n  dist.all_reduce(t)\nRuntimeError: Detected mismatch",
+        )
+        for rank in range(256)
+    ]
+    assert str(RankError(failures)).splitlines() == [
+        "ranks 0-2,4-255: RuntimeError: Detected mismatch between collectives on ranks. "
+        f"Rank 0–255 is running collective: {_short_fingerprint(4)}, but Rank 3 is running "
+        f"collective: {_short_fingerprint(1)}.Collectives differ in the following aspects:   "
+        "Tensor Tensor shapes: 4vs 1",
+        "rank 3: RuntimeError: Detected mismatch between collectives on ranks. Rank 3 is running "
+        f"collective: {_short_fingerprint(1)}, but Rank 0 is running collective: "
+        f"{_short_fingerprint(4)}.Collectives differ in the following aspects:   "
+        "Tensor Tensor shapes: 1vs 4",
+    ]
+
+
+def test_torchs_default_options_are_left_out_of_the_headline_only():
+    message = _checks_message(0, 4, 1, 1)
+    error = RankError([RankFailure(0, "RuntimeError", message, f"Traceback\n{message}")])
+    assert str(error) == (
+        "rank 0: RuntimeError: Detected mismatch between collectives on ranks. Rank 0 is "
+        f"running collective: {_short_fingerprint(4)}, but Rank 1 is running collective: "
+        f"{_short_fingerprint(1)}.Collectives differ in the following aspects:   "
+        "Tensor Tensor shapes: 4vs 1"
+    )
+    # The traceback under it, and the failure %dist_last_error --full prints, keep it whole.
+    assert error._render_traceback_()[2] == message
+    assert error.failures[0].evalue == message
 
 
 def test_signs_and_words_are_not_numbers_to_range():

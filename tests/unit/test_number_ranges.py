@@ -35,3 +35,28 @@ def test_ranks_texts_fold_identical_then_alike_beyond_three():
         ([6, 7], "exit code 1"),  # two texts alike: each keeps its line
         ([8], "exit code 2"),
     ]
+
+
+def test_a_number_few_texts_differ_in_keeps_their_lines_apart():
+    """Alike texts ranged whole hide which rank had which value where one takes a few values:
+    a line for each such value, the many-valued numbers (ranks, pids) ranged within it."""
+    texts = {
+        rank: f"rank {rank} has [{1 if rank == 3 else 4}], rank 3 has [1]" for rank in range(8)
+    }
+    texts[3] = "rank 3 has [1], rank 0 has [4]"
+    assert fold_texts(texts) == [
+        ([0, 1, 2, 4, 5, 6, 7], "rank 0–7 has [4], rank 3 has [1]"),
+        ([3], "rank 3 has [1], rank 0 has [4]"),
+    ]
+    # On two nodes: one line a node, each node's ranks ranged.
+    texts = {rank: f"rank {rank} on 10.0.0.{1 + rank // 4} lost" for rank in range(8)}
+    assert fold_texts(texts) == [
+        ([0, 1, 2, 3], "rank 0–3 on 10.0.0.1 lost"),
+        ([4, 5, 6, 7], "rank 4–7 on 10.0.0.2 lost"),
+    ]
+
+
+def test_few_valued_numbers_that_make_many_lines_are_ranged_as_one():
+    """Two numbers of two values each make four lines: more than three, so one line."""
+    texts = {rank: f"rank {rank}: {rank % 2} and {rank // 4}" for rank in range(8)}
+    assert fold_texts(texts) == [(list(range(8)), "rank 0–7: 0–1 and 0–1")]
