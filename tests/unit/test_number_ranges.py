@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
+import nbdist.number_ranges
 from nbdist.number_ranges import fold_texts, number_shape, with_ranges
+
+
+def test_the_modules_examples_hold():
+    """The examples in the module's docstrings are what the functions return."""
+    failed, tried = doctest.testmod(nbdist.number_ranges)
+    assert tried >= 4 and failed == 0
 
 
 def test_the_shape_masks_each_number_and_keeps_signs_and_words():
