@@ -112,14 +112,15 @@ def summary(dump: str) -> str:
         words = f"{words}, from {cell}" if words else f"in {cell}"
     if current is None:
         words = f"a thread without Python frames crashed while the cell's thread was {words}"
-        if _aborted(dump) and any(_COLLECTIVES in f for f, _, _ in frames):
+        if _last_fatal(dump) == "Aborted" and any(_COLLECTIVES in f for f, _, _ in frames):
             words += f": {ABORTED_IN_COLLECTIVE}"
     return words
 
 
-def _aborted(dump: str) -> bool:
+def _last_fatal(dump: str) -> str:
+    """The rank's death in ``dump`` ('Segmentation fault', 'Aborted'); '' if none is recorded."""
     fatal = list(_FATAL.finditer(dump))
-    return bool(fatal) and fatal[-1]["what"].strip() == "Aborted"
+    return fatal[-1]["what"].strip() if fatal else ""
 
 
 def crash_words(dump: str) -> str:
@@ -137,9 +138,8 @@ def crash_words(dump: str) -> str:
         >>> crash_words("")
         ''
     """
-    fatal = list(_FATAL.finditer(dump))
-    if not fatal:
+    what = _last_fatal(dump)
+    if not what:
         return ""
     where = summary(dump)
-    what = fatal[-1]["what"].strip()
     return f"crashed: {what}, {where}" if where else f"crashed: {what}"
