@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_without_kernel
 from nbdist.driver.runner import RankRun
+from nbdist.driver.store_connects import slow_connects_note
 from nbdist.engine import bootstrap
 from nbdist.engine.pid_space import pid_space
 from nbdist.errors import format_ranks
@@ -79,6 +80,8 @@ class Group:
     # Each collective compared across the ranks before it runs (--check-collectives), also
     # when the group is formed again.
     checks_collectives: bool = False
+    # Ranks held up seconds connecting to rank 0's store, and why (a sentence; '' if none were).
+    slow_store_note: str = ""
 
     def notes(self) -> list[str]:
         """What the ready line says of this group beyond its ranks (a sentence each)."""
@@ -97,6 +100,8 @@ class Group:
                 "hung in one (Ctrl-C, --timeout, a dead rank); unset it before %dist_start to "
                 "keep that"
             )
+        if self.slow_store_note:
+            notes.append(self.slow_store_note)
         return notes
 
     def cut_schedules_note(self) -> str:
@@ -240,6 +245,9 @@ def form_group(
     lazy = sorted(
         slots[eid].rank for eid, result in zip(pending, results) if result.get("gloo_lazy")
     )
+    connects = {
+        slots[eid].rank: result.get("store_connect_s", 0.0) for eid, result in zip(pending, results)
+    }
     group = Group(
         ranks,
         master_addr,
@@ -247,6 +255,7 @@ def form_group(
         hosts=hosts,
         lazy_gloo=lazy,
         checks_collectives=options.check_collectives,
+        slow_store_note="" if hosts else slow_connects_note(connects, master_addr),
     )
     return group, placement
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 from nbdist.engine import (
     backend_support,
@@ -166,7 +167,7 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         # one, each rank training alone on all the data. The user's setting wins.
         os.environ.setdefault("ACCELERATE_USE_CPU", "True")
 
-    _join_group(spec, device)
+    store_connect_s = _join_group(spec, device)
     remember_identity(
         rank=spec["rank"],
         local_rank=spec["local_rank"],
@@ -199,11 +200,16 @@ def init_rank(spec: dict, get_shell=None) -> dict:
         "threads": torch.get_num_threads(),
         "crash_record": record,
         "gloo_lazy": spec["backend"] == "gloo" and control.gloo_connects_lazily(),
+        "store_connect_s": store_connect_s,
     }
 
 
-def _join_group(spec: dict, device: str) -> None:
-    """Form the process group (a fresh TCPStore on rank 0's socket), then prove it works."""
+def _join_group(spec: dict, device: str) -> float:
+    """Form the process group (a fresh TCPStore on rank 0's socket), then prove it works.
+
+    Returns the seconds this rank took to connect to the store (rank 0: also its wait for the
+    others), which the kernel reads for ranks held up there (:mod:`nbdist.driver.store_connects`).
+    """
     import torch
     import torch.distributed as dist
 
@@ -218,6 +224,7 @@ def _join_group(spec: dict, device: str) -> None:
         # so Python never closes that fd number again (it may be reused by then).
         listen_fd = _listener.detach()
         _forget_listener()
+    connecting = time.perf_counter()
     store = dist.TCPStore(
         spec["master_addr"],
         spec["master_port"],
@@ -226,6 +233,7 @@ def _join_group(spec: dict, device: str) -> None:
         timeout=timeout,
         master_listen_fd=listen_fd,
     )
+    connect_s = time.perf_counter() - connecting
     # The group records its last collectives (what %dist_where shows of a hang) only
     # when asked before it forms.
     flight_recorder.enable()
@@ -272,6 +280,7 @@ def _join_group(spec: dict, device: str) -> None:
         stage_p2p=gloo_on_cuda,
         gloo_for_nccl=spec.get("gloo_for_nccl", "") if device.startswith("cuda") else "",
     )
+    return connect_s
 
 
 def _leave_group() -> None:
