@@ -46,6 +46,7 @@ from nbdist.engine import (
     p2p_staging,
     rank_names,
     stdin_bridge,
+    traceback_once,
     traceback_trim,
     user_group,
 )
@@ -191,6 +192,15 @@ PATCHES: tuple[Patch, ...] = (
         turn_off="no switch; shell.showtraceback.nbdist_original is IPython's own",
     ),
     Patch(
+        "traceback_once",
+        "kernel",
+        wraps="the engine shell's _showtraceback and _format_exception_for_storage: the "
+        "traceback just shown is what IPython's history keeps of that exception",
+        why="IPython 9 formatted every failed cell's traceback twice, half of what an error "
+        "cost a rank: seconds when 64 or 256 ranks on a few cores fail together",
+        turn_off="no switch; shell._format_exception_for_storage.nbdist_original is IPython's own",
+    ),
+    Patch(
         "child_output",
         "kernel",
         wraps="nothing: the engine's IO-pub thread opens ipykernel's pipe for forked children "
@@ -250,6 +260,8 @@ def install_on_rank(kernel=None, shell=None) -> None:
         rank_names.install(shell)
         # Tracebacks end at the user's code (not in nbdist's SIGINT handler or debugpy).
         traceback_trim.install(shell)
+        # ... formatted once: IPython's history keeps the traceback the notebook was sent.
+        traceback_once.install(shell)
         callbacks = shell.events.callbacks.get("pre_execute", [])
         # A collective is known to be this cell's or an earlier one's (a release's rule);
         # a cell's first point does not take the pause since the last cell as its step.

@@ -70,3 +70,40 @@ def test_the_zygote_parses_only_where_ranks_queue_for_cores(forks, cores, pays):
     from nbdist.launch import zygote_imports
 
     assert zygote_imports.parse_pays(forks, cores) is pays
+
+
+_WARM_CHECK = """
+import contextlib, io, re, sys
+import torch.distributed  # imported in the zygote before anything else
+from IPython.core.interactiveshell import InteractiveShell
+from nbdist.launch import zygote_imports as zygote
+
+if sys.argv[1] == "warmed":
+    zygote._format_one_traceback()  # in the zygote, before the fork
+shell = InteractiveShell.instance()  # the engine's shell, made after the fork
+shell.user_ns["torch"] = torch
+# Regular expressions compiled from here on: Python's re module keeps what it compiled.
+compiler = getattr(re, "_compiler", None) or __import__("sre_compile")
+compiled = []
+plain = compiler.compile
+compiler.compile = lambda pattern, flags=0: compiled.append(pattern) or plain(pattern, flags)
+with contextlib.redirect_stdout(io.StringIO()):
+    shell.run_cell("torch.distributed.broadcast(None, src=0)")
+assert "Error" in str(shell.last_execution_result.error_in_exec.__class__.__name__)
+print(len(compiled))
+"""
+
+
+@pytest.mark.parametrize("how", ["warmed", "cold"])
+def test_the_first_traceback_a_fork_formats_finds_the_highlighters_regexes_compiled(how):
+    """The zygote formats one traceback before forking (where it parses the sources): a rank's
+    first error then compiles none of pygments' ~90 expressions for the Python lexer again."""
+    out = subprocess.run(
+        [sys.executable, "-c", _WARM_CHECK, how], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    compiled = int(out.stdout.strip())
+    if how == "warmed":
+        assert compiled < 10, compiled
+    else:  # the check sees the compiles where they are made
+        assert compiled > 50, compiled
