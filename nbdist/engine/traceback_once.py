@@ -9,9 +9,10 @@ time (py-spy, 2 ranks, this VM, 2026-12-06). Many ranks failing together on few 
 released collective on 64 or 256 ranks) wait for all of it.
 
 :func:`install` wraps the rank shell's ``_showtraceback`` to remember the traceback it has just
-sent, and ``_format_exception_for_storage`` to give that same text for the same exception.
-Anything else (syntax errors, exception groups, an exception with its own renderer, a shell
-without these methods) is left to IPython.
+sent, and ``_format_exception_for_storage`` to give that same text for the same exception
+(an exception with its own ``_render_traceback_`` included: IPython renders it so both times).
+Left to IPython: syntax errors and SystemExit (shown otherwise than stored), exception groups
+(printed without ``_showtraceback``), and a shell without these methods.
 
 Example (on a rank: what the engine's setup does)::
 
