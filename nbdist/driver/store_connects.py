@@ -20,6 +20,7 @@ import socket
 import threading
 from collections.abc import Callable, Mapping
 
+from nbdist.engine.netif import is_loopback
 from nbdist.errors import format_ranks
 
 __all__ = ["SLOW_S", "asks_the_resolver", "connect_address", "slow_connects_note"]
@@ -44,13 +45,6 @@ def connect_address(master_addr: str) -> str:
     except ValueError:
         return ""
     return f"::ffff:{address}" if address.version == 4 else str(address)
-
-
-def _is_loopback(master_addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(master_addr).is_loopback
-    except ValueError:
-        return False
 
 
 def asks_the_resolver(address: str, wait_s: float = LOOKUP_WAIT_S) -> bool:
@@ -90,7 +84,7 @@ def slow_connects_note(
     """
     slow = sorted(r for r, s in seconds.items() if r != 0 and s >= SLOW_S)
     address = connect_address(master_addr)
-    if not slow or not _is_loopback(master_addr) or not asks(address):
+    if not slow or not is_loopback(master_addr) or not asks(address):
         return ""
     others = [s for r, s in seconds.items() if r != 0 and s < SLOW_S]
     longest = max(seconds[r] for r in slow)

@@ -55,6 +55,7 @@ import uuid
 
 from nbdist.engine import debugpy_server, lab_debug
 from nbdist.engine.dap_framing import Frames, frame
+from nbdist.engine.netif import is_loopback
 
 __all__ = [
     "ABANDONED_S",
@@ -165,7 +166,7 @@ def _open(port) -> dict:
     if endpoint is None or endpoint.get("port") is None:
         raise RuntimeError("debugpy is not listening on this rank (the debugger prepares it)")
     # Only the port this rank's own debugpy listens on: the relay is no general proxy.
-    if int(port) != endpoint["port"] or not debugpy_server.is_loopback(endpoint["host"]):
+    if int(port) != endpoint["port"] or not is_loopback(endpoint["host"]):
         raise ValueError(f"port {port} is not this rank's debugpy")
     sock = socket.create_connection((debugpy_server.LOOPBACK, endpoint["port"]), timeout=10.0)
     sock.settimeout(None)

@@ -31,7 +31,6 @@ Example (a script; ``%dist_debugpy 1`` does the same in a notebook)::
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import socket
@@ -39,23 +38,14 @@ import sys
 import threading
 
 from nbdist.engine import tensor_view
+from nbdist.engine.netif import is_loopback
 
-__all__ = ["LOOPBACK", "attach_text", "is_loopback", "listen", "listening", "rearm"]
+__all__ = ["LOOPBACK", "attach_text", "listen", "listening", "rearm"]
 
 LOOPBACK = "127.0.0.1"
 
 _lock = threading.Lock()
 _endpoint: dict | None = None  # what this module's listen() started, once it has
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address (only this machine can connect)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def listening() -> dict | None:

@@ -37,9 +37,25 @@ __all__ = [
     "address_towards",
     "choose_socket_ifname",
     "interface_for",
+    "is_loopback",
     "local_interfaces",
     "socket_ifname_env",
 ]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address or ``localhost`` (only this machine reaches it).
+
+    >>> is_loopback("127.0.0.1"), is_loopback("::1"), is_loopback("localhost"), is_loopback("node1")
+    (True, True, True, False)
+    """
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
 
 # The variables that name the interface of each backend's data sockets.
 IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -116,12 +132,8 @@ def address_towards(host: str) -> str:
 
     A UDP ``connect`` sends nothing; it only asks the kernel to pick a route.
     """
-    try:
-        if ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        if host == "localhost":
-            return "127.0.0.1"
+    if is_loopback(host):
+        return "127.0.0.1"
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect((host, 9))

@@ -39,7 +39,7 @@ from nbdist.engine.devices import (
     nccl_version,
 )
 from nbdist.engine.helpers import remember_identity
-from nbdist.engine.netif import address_towards, choose_socket_ifname
+from nbdist.engine.netif import address_towards, choose_socket_ifname, is_loopback
 from nbdist.metrics.log import configure, flush, shutdown
 
 __all__ = ["finish", "init", "launcher_environment", "metrics_run"]
@@ -117,7 +117,7 @@ def init(backend: str | None = None, *, history: str | bool | None = None):
             master = env.get("MASTER_ADDR", "127.0.0.1")
             # A MASTER_ADDR host name can resolve to loopback on rank 0's own host
             # (Debian's 127.0.1.1): there, leave the choice to gloo/NCCL (or the user).
-            if _several_hosts(env) and not _is_loopback(_address_or_empty(master)):
+            if _several_hosts(env) and not _is_loopback_or_unknown(_address_or_empty(master)):
                 choose_socket_ifname(master)
             dist.init_process_group(chosen, **kwargs)
         else:  # plain `python script.py`: a group of one, nothing listens
@@ -173,17 +173,18 @@ def _address_or_empty(host: str) -> str:
         return ""
 
 
-def _is_loopback(address: str) -> bool:
-    return address.startswith("127.") or address in ("::1", "")
+def _is_loopback_or_unknown(address: str) -> bool:
+    # '' is an address a rank could not find: as useless to another host as loopback.
+    return not address or is_loopback(address)
 
 
 def _collector_address(seen: list, master: str) -> str:
     """Rank 0's address on the route to a rank of another host (``seen``: by rank)."""
     own = seen[0] or ""
     for address in seen[1:]:
-        if address and address != own and not _is_loopback(address):
+        if address and address != own and not _is_loopback_or_unknown(address):
             found = _address_or_empty(address)
-            if found and not _is_loopback(found):
+            if found and not _is_loopback_or_unknown(found):
                 return found
     return _address_or_empty(master) or "127.0.0.1"
 

@@ -34,6 +34,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from nbdist.engine.netif import is_loopback
 from nbdist.errors import PlacementError
 from nbdist.launch.batch_task_engine import NO_SELF_SHUTDOWN
 from nbdist.launch.values import check_count, is_digits, is_whole
@@ -250,13 +251,6 @@ def _check_capacity(total: int, text) -> None:
         raise PlacementError(f"hosts: {total} ranks in all are too many here: {found[0]}")
 
 
-def _is_loopback(ip: str) -> bool:
-    try:
-        return ipaddress.ip_address(ip).is_loopback
-    except ValueError:
-        return ip == "localhost"
-
-
 def _slurm_here(partition: str | None) -> bool:
     """Whether a controller on loopback will do: Slurm's nodes are all this machine."""
     if shutil.which("sinfo") is None:
@@ -277,7 +271,7 @@ def _hosts_here(hosts, ssh_args=None) -> bool:
 def _check_remote_ip(launcher: str, ip: str, *, here: bool = False) -> None:
     """Engines on other hosts dial ``ip``: it must not be loopback (unless ``here``:
     every engine runs on this machine)."""
-    if here and _is_loopback(ip):
+    if here and is_loopback(ip):
         return
     try:
         address = ipaddress.ip_address(ip)
@@ -388,7 +382,7 @@ def _check_launcher_options(launcher, n: int | None, ip: str, options: Mapping) 
         # job's output can go to the session's private log directory as well.
         here = _slurm_here(checked.get("partition"))
         _check_remote_ip(name, ip, here=here)
-        checked["output_here"] = here and _is_loopback(ip)
+        checked["output_here"] = here and is_loopback(ip)
     elif name == "ssh":
         if not opts.get("hosts"):
             raise PlacementError(

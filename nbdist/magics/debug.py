@@ -137,6 +137,7 @@ class DebugMagics(SessionMagics):
         can run any code on the rank. See docs/debugging.md.
         """
         from nbdist.engine import debugpy_server
+        from nbdist.engine.netif import is_loopback
         from nbdist.launch.values import is_digits
 
         if asked_for_help(self.dist_debugpy, line):
@@ -166,7 +167,7 @@ class DebugMagics(SessionMagics):
         # Warned once it listens, on the address it listens on (a rank listens once: asked
         # again, it keeps its first address); an address it cannot take gets no warning.
         host = endpoint.get("host")
-        if host and not debugpy_server.is_loopback(host):
+        if host and not is_loopback(host):
             print(
                 f"warning: debugpy on rank {rank} listens on {host}, beyond loopback: "
                 "anyone who can reach that port can run any code on the rank (debugpy asks "
