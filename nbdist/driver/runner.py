@@ -332,7 +332,6 @@ class RankRun(RunInterrupts):
 
     def _wait_with(self, latch: SigintLatch, deadline: float | None) -> list:
         self._latch = latch
-        latch.holding = False  # from here a Ctrl-C raises where it lands; one held is taken
         try:
             return self._wait(deadline)
         finally:
@@ -340,6 +339,10 @@ class RankRun(RunInterrupts):
 
     def _wait(self, deadline: float | None) -> list:
         try:
+            # From here a Ctrl-C raises where it lands, inside this try (one held is taken by
+            # the loop). Let go before it, a Ctrl-C landing on the call itself escaped as the
+            # kernel's own KeyboardInterrupt, the ranks never told (seen under load in CI).
+            self._latch.holding = False
             completed = self._loop(deadline)
         except KeyboardInterrupt:
             self._latch.take()  # this Ctrl-C is handled here; a second one stops the settling

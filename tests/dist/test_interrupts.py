@@ -153,6 +153,42 @@ def test_a_ctrl_c_while_the_cell_is_sent_interrupts_it_on_the_ranks(session, cal
     assert session.pull("after") == [2, 2]
 
 
+@pytest.mark.parametrize(
+    "call",
+    [lambda s: s.run(_SLOW, sink=ListSink()), lambda s: s.apply(time.sleep, 60)],
+    ids=["cell", "apply"],
+)
+def test_a_ctrl_c_as_the_wait_begins_interrupts_it_on_the_ranks(session, call):
+    """Ctrl-C landing on the very call that begins the kernel's wait (the moment it stops
+    only noting a Ctrl-C and lets one raise) is the ranks' interrupt too, not a bare
+    KeyboardInterrupt of the kernel's that leaves the ranks running (a loaded CI machine
+    met it: the lab debugger's interrupt of paused ranks)."""
+    import _thread
+    import sys
+
+    from nbdist.driver.runner import RankRun
+    from nbdist.errors import RanksInterrupted
+
+    fired = []
+
+    def on_call(frame, event, arg):
+        if event == "call" and frame.f_code is RankRun._wait.__code__ and not fired:
+            fired.append(True)
+            _thread.interrupt_main()  # handled at the function's first instruction
+
+    sys.setprofile(on_call)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            call(session)
+    finally:
+        sys.setprofile(None)
+    assert fired, "the wait was not reached: the test proves nothing"
+    assert isinstance(caught.value, RanksInterrupted), repr(caught.value)
+    assert "every rank stopped" in str(caught.value), str(caught.value)
+    session.run("after = 3")  # runs now: the ranks are not still in the request
+    assert session.pull("after") == [3, 3]
+
+
 def _miss_one_interrupt(seconds: float) -> str:
     """Applied on a rank: the first SIGINT does not reach this code (as one that came while
     the engine did not run it), the next ones do; sleeps ``seconds`` after the first."""
