@@ -106,6 +106,29 @@ def test_a_ctrl_c_swallowed_while_the_cell_waits_still_stops_it(session):
 _SLOW = "import time\nfor _ in range(600):\n    time.sleep(0.1)"
 
 
+def _interrupted_on_entering(code, call, session) -> BaseException:
+    """The KeyboardInterrupt ``call(session)`` raised, the kernel's interrupt played as the
+    main thread entered ``code`` (handled at the function's first instruction)."""
+    import _thread
+    import sys
+
+    fired = []
+
+    def on_call(frame, event, arg):
+        if event == "call" and frame.f_code is code and not fired:
+            fired.append(True)
+            _thread.interrupt_main()
+
+    sys.setprofile(on_call)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            call(session)
+    finally:
+        sys.setprofile(None)
+    assert fired, f"{code.co_qualname} was not reached: the test proves nothing"
+    return caught.value
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -122,32 +145,16 @@ def test_a_ctrl_c_while_the_cell_is_sent_interrupts_it_on_the_ranks(session, cal
     comes before a rank began the request (an idle engine ignores it): the rank then drops
     the request, or stops it as it begins, instead of running it whole (for ``apply``, with
     no cell guard to interrupt again, it ran whole)."""
-    import _thread
-    import sys
-
     from nbdist.driver.runner import RankRun
     from nbdist.errors import RanksInterrupted
 
-    fired = []
-
-    def on_call(frame, event, arg):
-        # The kernel's interrupt once the request is sent: every path builds the RankRun
-        # that follows it only then.
-        if event == "call" and frame.f_code is RankRun.__init__.__code__ and not fired:
-            fired.append(True)
-            _thread.interrupt_main()
-
     t0 = time.monotonic()
-    sys.setprofile(on_call)
-    try:
-        with pytest.raises(KeyboardInterrupt) as caught:
-            call(session)
-    finally:
-        sys.setprofile(None)
-    assert fired, "nothing was sent: the test proves nothing"
+    # The kernel's interrupt once the request is sent: every path builds the RankRun that
+    # follows it only then.
+    caught = _interrupted_on_entering(RankRun.__init__.__code__, call, session)
     # Not a bare KeyboardInterrupt from the kernel's side: the ranks were interrupted.
-    assert isinstance(caught.value, RanksInterrupted), repr(caught.value)
-    assert "every rank stopped" in str(caught.value), str(caught.value)
+    assert isinstance(caught, RanksInterrupted), repr(caught)
+    assert "every rank stopped" in str(caught), str(caught)
     assert time.monotonic() - t0 < 10  # not the 60 s the request takes, nor the 10 s grace
     session.run("after = 2")  # runs now: the ranks are not still in the request
     assert session.pull("after") == [2, 2]
@@ -163,28 +170,12 @@ def test_a_ctrl_c_as_the_wait_begins_interrupts_it_on_the_ranks(session, call):
     only noting a Ctrl-C and lets one raise) is the ranks' interrupt too, not a bare
     KeyboardInterrupt of the kernel's that leaves the ranks running (a loaded CI machine
     met it: the lab debugger's interrupt of paused ranks)."""
-    import _thread
-    import sys
-
     from nbdist.driver.runner import RankRun
     from nbdist.errors import RanksInterrupted
 
-    fired = []
-
-    def on_call(frame, event, arg):
-        if event == "call" and frame.f_code is RankRun._wait.__code__ and not fired:
-            fired.append(True)
-            _thread.interrupt_main()  # handled at the function's first instruction
-
-    sys.setprofile(on_call)
-    try:
-        with pytest.raises(KeyboardInterrupt) as caught:
-            call(session)
-    finally:
-        sys.setprofile(None)
-    assert fired, "the wait was not reached: the test proves nothing"
-    assert isinstance(caught.value, RanksInterrupted), repr(caught.value)
-    assert "every rank stopped" in str(caught.value), str(caught.value)
+    caught = _interrupted_on_entering(RankRun._wait.__code__, call, session)
+    assert isinstance(caught, RanksInterrupted), repr(caught)
+    assert "every rank stopped" in str(caught), str(caught)
     session.run("after = 3")  # runs now: the ranks are not still in the request
     assert session.pull("after") == [3, 3]
 
