@@ -222,8 +222,13 @@ def wait_for_controller(client_file, timeout: float = 60.0) -> None:
 
 
 @pytest.fixture
-def external_cluster(tmp_path):
-    """An ipcontroller and two ipengines started by hand, as on other hosts."""
+def external_cluster(tmp_path, request):
+    """An ipcontroller and two ipengines started by hand, as on other hosts.
+
+    The controller checks the engines' heartbeats every 100 ms (a dead engine is noticed
+    at once), or every ``request.param`` ms where a test parametrizes the fixture.
+    """
+    period = getattr(request, "param", 100)
     profile = tmp_path / "profile"
     profile.mkdir()
     common = [f"--profile-dir={profile}", "--cluster-id=ext"]
@@ -234,7 +239,7 @@ def external_cluster(tmp_path):
                 "-m",
                 "ipyparallel.controller",
                 "--ip=127.0.0.1",
-                "--HeartMonitor.period=100",
+                f"--HeartMonitor.period={period}",
                 *common,
             ],
             stdout=subprocess.DEVNULL,

@@ -18,6 +18,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from nbdist.driver.engine_questions import ask_engines, take_back
 from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_without_kernel
 from nbdist.driver.runner import RankRun
 from nbdist.driver.store_connects import slow_connects_note
@@ -141,7 +142,7 @@ def form_group(
     options: StartOptions,
     metrics_url: str,
     metrics_key_for_ranks: bytes | None,
-    interrupt: Callable[[Sequence[int]], None],
+    interrupt_engines: Callable[[list[int], list[int]], None],
 ) -> tuple[Group, Placement]:
     """Describe the engines, number the ranks, open the rendezvous and init every rank.
 
@@ -149,13 +150,23 @@ def form_group(
     it is made here from what the engines report). ``options``: the session's
     checked start options. ``metrics_key_for_ranks``:
     sent to the ranks only where the cluster has no key of its own (CurveZMQ).
-    Returns the group and the placement it followed.
+    ``interrupt_engines(pids, engine_ids)``: SIGINT to engines (a Ctrl-C or the
+    --timeout while they join; the session's ranks are not numbered yet).
+    Every wait ends at the start's --timeout. Returns the group and the placement it followed.
     """
     serializer_ready()  # the serializer's set-up may still run on its thread: not thread-safe
     tolerate_shells_without_kernel()  # a terminal IPython drives ranks too
     engine_ids = sorted(client.ids)
     towards = options.ip if owned else controller_host(client)
-    infos = dict(zip(engine_ids, client[engine_ids].apply_sync(bootstrap.describe_rank, towards)))
+    described = ask_engines(
+        client,
+        engine_ids,
+        bootstrap.describe_rank,
+        towards,
+        timeout=options.timeout,
+        asking="for its host, address and devices",
+    )
+    infos = dict(zip(engine_ids, described))
     if owned and placement is not None and all(i["slot"] is not None for i in infos.values()):
         by_slot = {info["slot"]: eid for eid, info in infos.items()}
         slots = {by_slot[slot.local_rank]: slot for slot in placement.slots}
@@ -169,7 +180,14 @@ def form_group(
         )
     rank0_engine = next(e for e, s in slots.items() if s.rank == 0)
     master_addr = infos[rank0_engine]["address"]
-    port = client[[rank0_engine]].apply_sync(bootstrap.open_rendezvous, master_addr)[0]
+    port = ask_engines(
+        client,
+        [rank0_engine],
+        bootstrap.open_rendezvous,
+        master_addr,
+        timeout=options.timeout,
+        asking="to open the rendezvous socket as rank 0",
+    )[0]
     sharing = {r for ranks in placement.shared_gpus.values() for r in ranks}
     # torchrun's names: a "group" is a host; the run id ties the ranks of one start.
     host_index = {host: i for i, host in enumerate(placement.hosts)}
@@ -190,6 +208,7 @@ def form_group(
             cuda_index=slot.cuda_index,
             threads=placement.threads_for(slot),
             timeout=options.group_timeout,
+            join_timeout=options.timeout,
             check_collectives=options.check_collectives,
             loopback_only=master_addr.startswith("127."),
             metrics_url=metrics_url,
@@ -214,14 +233,26 @@ def form_group(
     from ipyparallel import AsyncResult
 
     joined = AsyncResult.join(*pending.values())
-    results = RankRun(
-        joined,
-        [slots[eid].rank for eid in pending],
-        interrupt=interrupt,
-        sink=None,
-        timeout=options.timeout,
-        waiting_for=f"forming the process group (%dist_start --timeout {options.timeout:g})",
-    ).wait()
+    engine_of = {slot.rank: eid for eid, slot in slots.items()}
+
+    def interrupt(ranks: Sequence[int]) -> None:
+        chosen = [engine_of[r] for r in ranks]
+        interrupt_engines([infos[e]["pid"] for e in chosen], chosen)
+
+    try:
+        results = RankRun(
+            joined,
+            [slots[eid].rank for eid in pending],
+            interrupt=interrupt,
+            sink=None,
+            timeout=options.timeout,
+            waiting_for=f"forming the process group (%dist_start --timeout {options.timeout:g})",
+        ).wait()
+    except BaseException:
+        # An engine that has not begun joining (stopped, busy) would join this dead
+        # rendezvous when it frees, and wait there for --group-timeout.
+        take_back(client, joined, list(pending))
+        raise
     ranks = []
     for eid, result in zip(pending, results):
         slot = slots[eid]
@@ -295,26 +326,43 @@ def reform_group(
     rendezvous = client[[rank0.engine_id]].apply_async(
         bootstrap.open_rendezvous, group.rendezvous_addr
     )
-    port = RankRun(rendezvous, [0], interrupt=interrupt).wait()[0]
+    try:
+        port = RankRun(
+            rendezvous,
+            [0],
+            interrupt=interrupt,
+            timeout=timeout,
+            waiting_for="rank 0 opening the rendezvous socket again (the %dist_start --timeout)",
+        ).wait()[0]
+    except BaseException:
+        take_back(client, rendezvous, [rank0.engine_id])
+        raise
     base = dict(
         world_size=len(group.ranks),
         master_addr=group.rendezvous_addr,
         master_port=port,
         backend=group.backend,
         timeout=group_timeout,
+        join_timeout=timeout,
         check_collectives=group.checks_collectives,
     )
     ar = client[group.engine_ids].apply_async(
         bootstrap.rejoin_as_this_rank, base, _shell_reference()
     )
-    rejoined = RankRun(
-        ar,
-        [r.rank for r in group.ranks],
-        interrupt=interrupt,
-        timeout=timeout,
-        waiting_for="forming the process group again (the %dist_start --timeout; "
-        "the next cell tries again, %dist_restart starts fresh ranks)",
-    ).wait()
+    try:
+        rejoined = RankRun(
+            ar,
+            [r.rank for r in group.ranks],
+            interrupt=interrupt,
+            timeout=timeout,
+            waiting_for="forming the process group again (the %dist_start --timeout; "
+            "the next cell tries again, %dist_restart starts fresh ranks)",
+        ).wait()
+    except BaseException:
+        # As at a start: a rank that has not begun would join this dead rendezvous later,
+        # ahead of the next cell's try.
+        take_back(client, ar, group.engine_ids)
+        raise
     group.released = False
     stale: dict[str, str] = {}
     cut: dict[str, str] = {}

@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 
 from nbdist.driver import file_sync
 from nbdist.driver.group import Group, RankInfo, form_group
@@ -42,7 +43,7 @@ from nbdist.driver.ipp_internals import flush_sends
 from nbdist.driver.session import DistSession
 from nbdist.errors import NbdistError, PlacementError
 from nbdist.launch import named_session_records
-from nbdist.launch.cluster import ClusterHandle
+from nbdist.launch.cluster import ClusterHandle, interrupt_engines
 from nbdist.launch.values import check_seconds
 
 __all__ = ["NamedSession", "named_sessions", "stop_idle", "stop_named"]
@@ -186,7 +187,7 @@ class NamedSession(DistSession):
                     options=self.options,
                     metrics_url=self._hub.url,
                     metrics_key_for_ranks=None,  # the cluster key signs: the keeper checks it
-                    interrupt=self.interrupt,
+                    interrupt_engines=partial(interrupt_engines, handle),
                 )
                 _write_group(self.name, self.group)
             else:

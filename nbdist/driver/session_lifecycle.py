@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from nbdist.driver import file_sync
@@ -23,7 +24,12 @@ from nbdist.driver.sigint_deferred import sigint_deferred
 from nbdist.engine import bootstrap
 from nbdist.errors import NbdistError
 from nbdist.launch import restart
-from nbdist.launch.cluster import ClusterHandle, start_processes, stop_processes
+from nbdist.launch.cluster import (
+    ClusterHandle,
+    interrupt_engines,
+    start_processes,
+    stop_processes,
+)
 
 __all__ = ["Restarted", "SessionLifecycle"]
 
@@ -105,7 +111,7 @@ class SessionLifecycle:
             # Under CurveZMQ the cluster key is empty and this channel encrypted:
             # the ranks get the metrics key here (never over an unencrypted channel).
             metrics_key_for_ranks=None if client.session.key else self._hub.collector.key,
-            interrupt=self.interrupt,
+            interrupt_engines=partial(interrupt_engines, self._handle),
         )
         if self.group.hosts:  # the dashboard names each rank's host
             self._hub.run.hosts = dict(self.group.hosts)

@@ -215,8 +215,15 @@ def _join_group(spec: dict, device: str) -> float:
 
     if dist.is_initialized():
         _leave_group()
+    _count_groups_afresh()
     before = control.socket_snapshot()
     timeout = datetime.timedelta(seconds=spec["timeout"])
+    # The store's waits while the group forms (rank 0 for every rank, gloo's ranks for each
+    # other's addresses) end with the kernel's patience (the start's --timeout), not the
+    # group's: a SIGINT does not reach a rank waiting there in C++, so where a peer never
+    # came (stopped, busy) this rank stayed held for --group-timeout (30 minutes by default),
+    # deaf to the next try. The group's own timeout serves once it has formed.
+    joining = datetime.timedelta(seconds=min(spec["timeout"], spec.get("join_timeout") or 1e9))
     is_master = spec["rank"] == 0
     listen_fd = None
     if is_master and _listener is not None:
@@ -230,7 +237,7 @@ def _join_group(spec: dict, device: str) -> float:
         spec["master_port"],
         spec["world_size"],
         is_master,
-        timeout=timeout,
+        timeout=joining,
         master_listen_fd=listen_fd,
     )
     connect_s = time.perf_counter() - connecting
@@ -263,6 +270,7 @@ def _join_group(spec: dict, device: str) -> float:
     expected = spec["world_size"] * (spec["world_size"] + 1) / 2
     if probe.item() != expected:
         raise RuntimeError(f"all_reduce check gave {probe.item()}, expected {expected}")
+    store.set_timeout(timeout)  # formed: later groups (new_group, a mesh) wait as the group does
 
     gloo_on_cuda = spec["backend"] == "gloo" and device.startswith("cuda")
     if gloo_on_cuda:
@@ -281,6 +289,19 @@ def _join_group(spec: dict, device: str) -> float:
         gloo_for_nccl=spec.get("gloo_for_nccl", "") if device.startswith("cuda") else "",
     )
     return connect_s
+
+
+def _count_groups_afresh() -> None:
+    # torch names each group by a per-process count (the default group "0", the first
+    # new_group "1", ...) that the ranks must agree on: gloo's ranks find each other under
+    # that name in the store. A join cut short (a start's --timeout or Ctrl-C on engines
+    # that live on, a re-forming interrupted) counted its group on the ranks that got that
+    # far only, and destroy_process_group resets the count only when it succeeds; the next
+    # join then waited for --group-timeout under names that differ. With no group left,
+    # the count starts again, as in a fresh process.
+    import torch.distributed as dist
+
+    dist.distributed_c10d._world.group_count = 0  # noqa: SLF001 - torch has no public reset
 
 
 def _leave_group() -> None:

@@ -1,0 +1,121 @@
+"""Kernel side: asking a session's engines something before they are ranks, within --timeout.
+
+Before the group forms, nbdist asks every engine to describe itself and rank 0's
+engine to open the rendezvous. An engine that never answers (stopped, busy with
+another client's work on a cluster nbdist attached to, hung in native code) used
+to hold ``%dist_start`` forever, whatever its ``--timeout``. Here the wait ends at
+that timeout: nbdist takes its request back (an engine that frees up later does
+not run it, so no rendezvous socket opens where nobody will connect) and the
+error names the engines and what the controller says they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from nbdist.driver.ipp_internals import per_engine_futures, queue_status
+from nbdist.errors import NbdistError
+
+__all__ = ["ask_engines", "silent_engines_message", "take_back"]
+
+
+def ask_engines(
+    client, engine_ids: Sequence[int], fn: Callable, *args, timeout: float, asking: str
+) -> list:
+    """``fn(*args)`` on each engine of ``engine_ids``; their results in that order.
+
+    ``timeout``: the start's --timeout, in seconds; ``asking``: what nbdist asked,
+    for the error ("for its host, address and devices"). Raises :class:`NbdistError`
+    naming the engines that did not answer in time; a Ctrl-C takes the request back
+    too. An engine's own error comes as ipyparallel raises it.
+    """
+    import ipyparallel as ipp
+
+    ids = list(engine_ids)
+    ar = client[ids].apply_async(fn, *args)
+    try:
+        return ar.get(timeout)
+    except ipp.error.TimeoutError:
+        silent = _unanswered(ar, ids)
+        if not silent:  # the last answer came as the wait ended
+            return ar.get(0)
+        take_back(client, ar, ids)
+        raise NbdistError(
+            silent_engines_message(sorted(silent), _ahead(client, silent), timeout, asking)
+        ) from None
+    except BaseException:
+        take_back(client, ar, ids)
+        raise
+
+
+def take_back(client, ar, engine_ids: Sequence[int]) -> None:
+    """Abort ``ar``'s requests to those of ``engine_ids`` that have not answered (in order).
+
+    A request an engine has not begun stays in its queue: one that frees up later (a
+    stopped engine continued, another client's work done) would run it, long after the
+    start gave up. Aborted, it answers "aborted" instead; one already running is not
+    stopped by this (an interrupt does that).
+    """
+    silent = _unanswered(ar, list(engine_ids))
+    if silent:
+        client.abort(list(silent.values()), targets=list(silent), block=False)
+
+
+def _unanswered(ar, ids: list[int]) -> dict[int, str]:
+    # {engine id: nbdist's request to it} for each engine that has not answered.
+    return {
+        eid: msg_id
+        for eid, msg_id, child in zip(ids, ar.msg_ids, per_engine_futures(ar))
+        if not child.done()
+    }
+
+
+def _ahead(client, silent: dict[int, str]) -> dict[int, int] | None:
+    # {engine: requests queued before nbdist's}, as the controller counts them (its
+    # count holds the request running and nbdist's own); None where it did not say.
+    try:
+        status = queue_status(client, list(silent), 5.0)
+    except Exception:  # noqa: BLE001 - the error names the engines without it
+        return None
+    return {eid: max(0, int(status.get(eid, {}).get("queue", 1)) - 1) for eid in silent}
+
+
+def silent_engines_message(
+    silent: Sequence[int], ahead: dict[int, int] | None, timeout: float, asking: str
+) -> str:
+    """What the start's error says of engines that did not answer in ``timeout`` s.
+
+    >>> print(silent_engines_message([1], {1: 1}, 8, "for its host, address and devices"))
+    engine 1 did not answer within 8 s (%dist_start --timeout 8) when nbdist asked it for its host, address and devices: it is running other work (1 request before nbdist's): let that finish or interrupt it, then start again. nbdist took its request back.
+    """
+    few = len(silent) == 1
+    names = f"engine {silent[0]}" if few else "engines " + ",".join(map(str, silent))
+    head = (
+        f"{names} did not answer within {timeout:g} s (%dist_start --timeout {timeout:g}) "
+        f"when nbdist asked {'it' if few else 'each'} {asking}"
+    )
+    busy = {eid: n for eid, n in (ahead or {}).items() if n}
+    idle = [eid for eid in silent if ahead is not None and not ahead.get(eid)]
+    why = []
+    if busy:
+        counts = ", ".join(f"{n} request{'s' if n > 1 else ''}" for n in busy.values())
+        who = "it is" if few else f"{_engines(busy)} {'is' if len(busy) == 1 else 'are'}"
+        why.append(
+            f"{who} running other work ({counts} before nbdist's): let that finish or "
+            "interrupt it, then start again"
+        )
+    if idle:
+        one = len(idle) == 1
+        who = "it holds" if few else f"{_engines(idle)} {'holds' if one else 'hold'}"
+        why.append(
+            f"{who} nbdist's request alone, so {'it is' if one else 'they are'} stopped "
+            "(SIGSTOP), swapping, or hung in native code: py-spy dump --pid shows where"
+        )
+    if ahead is None:
+        why.append("the controller did not say what they hold")
+    return f"{head}: {'; '.join(why)}. nbdist took its request back."
+
+
+def _engines(ids) -> str:
+    ids = sorted(ids)
+    return f"engine {ids[0]}" if len(ids) == 1 else "engines " + ",".join(map(str, ids))

@@ -1,0 +1,204 @@
+"""A start gives up at its --timeout wherever the engines leave it waiting, and says why.
+
+Real engines started by hand (the ``external_cluster`` fixture), made to keep
+nbdist waiting the ways a user meets: one busy with another client's work, one
+stopped before the start asks it anything, one stopped while the group forms.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import pytest
+
+import nbdist
+import nbdist.driver.group as group_module
+from nbdist.driver.runner import CellTimeout
+from nbdist.errors import NbdistError
+
+
+@contextmanager
+def _probe(client_file):
+    import ipyparallel as ipp
+
+    client = ipp.Client(str(client_file))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def _engine_pids(client) -> dict[int, int]:
+    return dict(zip(client.ids, client[client.ids].apply_sync(os.getpid)))
+
+
+@contextmanager
+def _stopped(pid: int):
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _a_start_forms_the_group(client_file) -> None:
+    s = nbdist.DistSession(connect=str(client_file), cpu=True, timeout=60).start()
+    try:
+        _reduces(s)
+    finally:
+        s.stop()
+
+
+def _reduces(s) -> None:
+    s.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t)")
+    assert [t.item() for t in s.pull("t")] == [3.0, 3.0]
+
+
+def _wait_for_empty_queue(client, engine: int) -> None:
+    deadline = time.monotonic() + 30
+    while client.queue_status(targets=[engine])[engine]["queue"]:
+        assert time.monotonic() < deadline, client.queue_status(targets=[engine], verbose=True)
+        time.sleep(0.1)
+
+
+def test_an_engine_busy_with_other_work_ends_the_start_at_its_timeout(external_cluster):
+    client_file, procs = external_cluster
+    with _probe(client_file) as other:
+        busy = other.ids[1]
+        work = other[[busy]].apply_async(time.sleep, 600)
+        t0 = time.monotonic()
+        with pytest.raises(NbdistError) as caught:
+            nbdist.DistSession(connect=str(client_file), cpu=True, timeout=4).start()
+        waited = time.monotonic() - t0
+        assert str(caught.value) == (
+            f"engine {busy} did not answer within 4 s (%dist_start --timeout 4) when nbdist "
+            "asked it for its host, address and devices: it is running other work (1 request "
+            "before nbdist's): let that finish or interrupt it, then start again. nbdist took "
+            "its request back."
+        )
+        assert waited < 60  # it gave up: before, it waited for the work (600 s)
+        # The other client's work goes on; nbdist stopped nothing it did not start.
+        assert not work.ready()
+        assert all(p.poll() is None for p in procs)
+        other.send_signal(signal.SIGINT, targets=[busy], block=True)
+        with pytest.raises(Exception, match="KeyboardInterrupt"):
+            work.get(30)
+        # Freed, the engine answers the request nbdist took back as aborted, not run.
+        _wait_for_empty_queue(other, busy)
+        done = other.queue_status(targets=[busy], verbose=True)[busy]["completed"]
+        (nbdist_request,) = set(done) - set(work.msg_ids)
+        (record,) = other.db_query({"msg_id": nbdist_request}, keys=["result_content"])
+        assert record["result_content"]["status"] == "aborted", record
+    _a_start_forms_the_group(client_file)
+
+
+# A stopped engine misses the controller's heartbeats: at 100 ms the controller calls it
+# dead within a second or two, ipyparallel's own answer; at its default (3 s, 10 missed
+# beats) the start's --timeout comes first.
+SLOW_HEARTBEAT = pytest.mark.parametrize("external_cluster", [3000], indirect=True)
+
+
+@SLOW_HEARTBEAT
+def test_a_stopped_engine_ends_the_start_at_its_timeout_and_is_named(external_cluster):
+    client_file, _procs = external_cluster
+    with _probe(client_file) as other:
+        pids = _engine_pids(other)
+    stopped = max(pids)
+    with _stopped(pids[stopped]), pytest.raises(NbdistError) as caught:
+        nbdist.DistSession(connect=str(client_file), cpu=True, timeout=3).start()
+    assert str(caught.value).startswith(
+        f"engine {stopped} did not answer within 3 s (%dist_start --timeout 3) when nbdist "
+        "asked it for its host, address and devices: it holds nbdist's request alone, so it "
+        "is stopped (SIGSTOP), swapping, or hung in native code"
+    )
+
+
+@SLOW_HEARTBEAT
+def test_an_engine_stopped_while_the_group_forms_ends_the_start_with_a_timeout(
+    external_cluster, monkeypatch
+):
+    """Stopped after describing itself: the ranks are interrupted by engine, the start ends."""
+    client_file, procs = external_cluster
+    with _probe(client_file) as other:
+        pids = _engine_pids(other)
+    stopped = max(pids)
+    asked = group_module.ask_engines
+
+    def then_stop_one(client, engine_ids, fn, *args, **kwargs):
+        # After rank 0 opened the rendezvous, before any rank joins: one engine stops.
+        answer = asked(client, engine_ids, fn, *args, **kwargs)
+        if fn.__name__ == "open_rendezvous":
+            os.kill(pids[stopped], signal.SIGSTOP)
+        return answer
+
+    monkeypatch.setattr(group_module, "ask_engines", then_stop_one)
+    try:
+        with pytest.raises(CellTimeout) as caught:
+            nbdist.DistSession(connect=str(client_file), cpu=True, timeout=4).start()
+    finally:
+        os.kill(pids[stopped], signal.SIGCONT)
+    assert str(caught.value).startswith(
+        "forming the process group (%dist_start --timeout 4) took longer than 4 s on 2 "
+        "rank(s) and was interrupted"
+    )
+    assert all(p.poll() is None for p in procs)
+    monkeypatch.setattr(group_module, "ask_engines", asked)
+    # The rank that was waiting for it was interrupted: a fresh start forms the group.
+    _a_start_forms_the_group(client_file)
+
+
+def test_a_rank_stopped_while_the_group_forms_again_leaves_the_next_try_a_clean_group():
+    """A re-forming cut short: rank 0 got as far as naming the group, rank 1 never began.
+
+    torch counts the groups a process forms and the ranks must agree on the count; the
+    request the stopped rank had not begun is taken back. Before, the next try waited
+    for --group-timeout (rank 0 under the name "1", rank 1 under "0").
+    """
+    s = nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=300).start()
+    try:
+        stopped = s.ranks[1].pid
+        with _stopped(stopped), pytest.raises(CellTimeout, match="forming the process group"):
+            group_module.reform_group(
+                s.client, s.group, group_timeout=300, timeout=4, interrupt=s.interrupt
+            )
+        assert s.group.released  # the next cell would try again: here, by hand
+        s.reform_group()
+        _reduces(s)
+    finally:
+        s.stop()
+
+
+CUT_SHORT_ON_RANK_0 = """
+import datetime
+from nbdist.engine import user_group
+if rank == 0:
+    # What a join cut short leaves: torch counted the group, and no group exists.
+    user_group.original("destroy_process_group")()
+    try:
+        user_group.original("init_process_group")(
+            "gloo", store=dist.HashStore(), rank=0, world_size=2,
+            timeout=datetime.timedelta(seconds=1),
+        )
+    except Exception as e:
+        cut = type(e).__name__
+counted = dist.distributed_c10d._world.group_count
+"""
+
+
+def test_a_join_cut_short_on_one_rank_leaves_the_next_join_a_clean_group():
+    """torch counts the groups a process formed and names each by that count; the ranks
+    must agree on it. A join cut short counted on some ranks only: the next one waited
+    (here 20 s, the join's timeout) under names that differ, every later try too."""
+    s = nbdist.DistSession(2, cpu=True, timeout=20).start()
+    try:
+        s.run(CUT_SHORT_ON_RANK_0, ranks=0)
+        assert s.pull("cut", 0) == "DistStoreError"  # no rank 1 came
+        s.run("counted = dist.distributed_c10d._world.group_count", ranks=1)
+        assert s.pull("counted") == [1, 1]  # rank 0: the cut-short group; rank 1: its group
+        s.reform_group()
+        _reduces(s)
+    finally:
+        s.stop()
