@@ -250,7 +250,7 @@ def form_group(
         ).wait()
     except BaseException:
         # An engine that has not begun joining (stopped, busy) would join this dead
-        # rendezvous when it frees, and wait there for --group-timeout.
+        # rendezvous when it frees, and wait there, ahead of the next start's requests.
         take_back(client, joined, list(pending))
         raise
     ranks = []
