@@ -39,10 +39,9 @@ def ask_engines(
         silent = _unanswered(ar, ids)
         if not silent:  # the last answer came as the wait ended
             return ar.get(0)
+        ahead = _ahead(client, silent)  # counted before the abort changes the queues
         take_back(client, ar, ids)
-        raise NbdistError(
-            silent_engines_message(sorted(silent), _ahead(client, silent), timeout, asking)
-        ) from None
+        raise NbdistError(silent_engines_message(sorted(silent), ahead, timeout, asking)) from None
     except BaseException:
         take_back(client, ar, ids)
         raise

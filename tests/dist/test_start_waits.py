@@ -3,6 +3,8 @@
 Real engines started by hand (the ``external_cluster`` fixture), made to keep
 nbdist waiting the ways a user meets: one busy with another client's work, one
 stopped before the start asks it anything, one stopped while the group forms.
+Then nbdist's own ranks: a re-forming with a rank stopped, and a join cut short on
+one rank; the next try forms a working group in both.
 """
 
 from __future__ import annotations
@@ -151,11 +153,11 @@ def test_an_engine_stopped_while_the_group_forms_ends_the_start_with_a_timeout(
 
 
 def test_a_rank_stopped_while_the_group_forms_again_leaves_the_next_try_a_clean_group():
-    """A re-forming cut short: rank 0 got as far as naming the group, rank 1 never began.
-
-    torch counts the groups a process forms and the ranks must agree on the count; the
-    request the stopped rank had not begun is taken back. Before, the next try waited
-    for --group-timeout (rank 0 under the name "1", rank 1 under "0").
+    """A re-forming cut short by a stopped rank: rank 0 waits for it in torch's store,
+    where a SIGINT does not reach it. Before, rank 0 stayed there for --group-timeout
+    (300 s here) and the next try timed out (at 120 s); now the store's waits while
+    joining end with the --timeout (4 s here), and the request the stopped rank had not
+    begun is taken back.
     """
     s = nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=300).start()
     try:
