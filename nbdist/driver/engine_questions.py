@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from nbdist.driver.ipp_internals import per_engine_futures, queue_status
+from nbdist.driver.ipp_internals import flush_sends, per_engine_futures, queue_status
 from nbdist.errors import NbdistError
 
 __all__ = ["ask_engines", "silent_engines_message", "take_back"]
@@ -58,6 +58,10 @@ def take_back(client, ar, engine_ids: Sequence[int]) -> None:
     silent = _unanswered(ar, list(engine_ids))
     if silent:
         client.abort(list(silent.values()), targets=list(silent), block=False)
+        # The failed start closes the client next, which drops what its IO thread has not
+        # yet handed to zmq: the abort was lost so under load (the engine then ran the
+        # request). Handed over, zmq delivers it after the close.
+        flush_sends(client)
 
 
 def _unanswered(ar, ids: list[int]) -> dict[int, str]:
