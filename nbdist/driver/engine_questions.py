@@ -92,9 +92,8 @@ def silent_engines_message(
     engine 1 did not answer within 8 s (%dist_start --timeout 8) when nbdist asked it for its host, address and devices: it is running other work (1 request before nbdist's): let that finish or interrupt it, then start again. nbdist took its request back.
     """
     few = len(silent) == 1
-    names = f"engine {silent[0]}" if few else "engines " + ",".join(map(str, silent))
     head = (
-        f"{names} did not answer within {timeout:g} s (%dist_start --timeout {timeout:g}) "
+        f"{_engines(silent)} did not answer within {timeout:g} s (%dist_start --timeout {timeout:g}) "
         f"when nbdist asked {'it' if few else 'each'} {asking}"
     )
     busy = {eid: n for eid, n in (ahead or {}).items() if n}
