@@ -18,7 +18,13 @@ import re
 
 from nbdist.errors import RankFailure
 
-__all__ = ["broken_group_words", "child_result", "rank_failure", "run_failures"]
+__all__ = [
+    "answers_at_timeout",
+    "broken_group_words",
+    "child_result",
+    "rank_failure",
+    "run_failures",
+]
 
 # What a rank's error says when the group's connections are gone (gloo's transport, which
 # names its own source file) or aborted (NCCL); a user's own "Connection reset" is not it.
@@ -53,6 +59,44 @@ def rank_failure(rank: int, res: BaseException, *, stopped: bool = False) -> Ran
         evalue=str(getattr(res, "evalue", res)),
         traceback=getattr(res, "traceback", None) or "",
     )
+
+
+def answers_at_timeout(ranks, children) -> str:
+    """Which ranks had answered one of nbdist's own requests when its wait timed out, and how.
+
+    Said with the timeout, read before the interrupt: a start that timed out forming the
+    group then names the rank the others waited for (one that had not answered) apart
+    from those that had failed or dropped the request (``ranks`` and ``children`` in run
+    order; a child is a rank's future).
+
+    >>> class Child:
+    ...     def __init__(self, result=None, running=False):
+    ...         self.value, self.running = result, running
+    ...     def done(self): return not self.running
+    ...     def exception(self): return self.value if isinstance(self.value, BaseException) else None
+    ...     def result(self): return self.value
+    >>> answers_at_timeout([0, 1, 2], [Child({}), Child(running=True), Child(ValueError("x"))])
+    'rank 1 had not answered; rank 0 had answered; rank 2 had failed (ValueError)'
+    """
+    from ipyparallel.error import TaskAborted
+
+    from nbdist.errors import format_ranks
+
+    by_kind: dict[str, list[int]] = {}
+    for rank, child in zip(ranks, children):
+        res = child_result(child)
+        if not child.done():
+            kind = "had not answered"
+        elif isinstance(res, TaskAborted):
+            kind = "had dropped it unrun (aborted)"
+        elif isinstance(res, BaseException):
+            kind = f"had failed ({getattr(res, 'ename', None) or type(res).__name__})"
+        else:
+            kind = "had answered"
+        by_kind.setdefault(kind, []).append(rank)
+    # The ranks still at it first: they are what the wait was waiting for.
+    order = sorted(by_kind, key=lambda kind: kind != "had not answered")
+    return "; ".join(f"{format_ranks(by_kind[kind])} {kind}" for kind in order)
 
 
 _DROPPED_STOPPED = "stopped before this rank began it: none of it ran here"

@@ -33,7 +33,12 @@ from nbdist.driver.late_output import late_output_of
 from nbdist.driver.missed_interrupt import MissedInterrupt
 from nbdist.driver.output import OutputMerger
 from nbdist.driver.prompts import PromptServer
-from nbdist.driver.rank_replies import broken_group_words, child_result, run_failures
+from nbdist.driver.rank_replies import (
+    answers_at_timeout,
+    broken_group_words,
+    child_result,
+    run_failures,
+)
 from nbdist.driver.rank_streams import RankStreams
 from nbdist.driver.run_interrupts import RunInterrupts
 from nbdist.driver.sigint_latch import SigintLatch
@@ -353,6 +358,7 @@ class RankRun(RunInterrupts):
         if not completed:
             # Before anything is interrupted: where every rank is, and in which collective.
             self.where_report = self._guard.where_report()
+            answers = answers_at_timeout(self.ranks, self._children)
             # The limit holds: code that caught the interrupt gets one grace, not more.
             self._stop_ranks(wait_for_caught=False)
             where = f"\nwhere the ranks were:\n{self.where_report}" if self.where_report else ""
@@ -360,7 +366,7 @@ class RankRun(RunInterrupts):
             if self._waiting_for:  # nbdist's own wait, not a cell the user limited
                 raise CellTimeout(
                     f"{self._waiting_for} took longer than {self._timeout:g} s on "
-                    f"{len(self.ranks)} rank(s) and was interrupted{where}"
+                    f"{len(self.ranks)} rank(s) and was interrupted ({answers}){where}"
                 )
             still = self._still_caught()
             if still:
