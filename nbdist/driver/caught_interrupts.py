@@ -72,17 +72,22 @@ def interrupt_answers(run, ranks: Sequence[int], timeout: float = ASK_S) -> Inte
 _KINDS = ("caught", "outside", "idle")
 
 
-def ending_by_themselves(run, before: int) -> bool:
+def ending_by_themselves(run, before: int, *, still_ending_since: float) -> bool:
     """Whether the ranks of ``run`` still running at the end of the kernel's grace end
     without another SIGINT, so the cell waits for them rather than say they did not stop:
-    some ended since ``before`` ranks ran (at 256 ranks on 2 cores, reporting a released
-    collective's error took each a share of 35 s, and the question below went unanswered
-    meanwhile), or some say they run outside the user's code (reporting an error, sending
-    the reply) or no request any more."""
+    some ended since ``before`` ranks ran, the last at ``still_ending_since`` or later (at
+    256 ranks on 2 cores, reporting a released collective's error took each a share of
+    35 s, and the question below went unanswered meanwhile), or some say they run outside
+    the user's code (reporting an error, sending the reply) or no request any more.
+
+    A rank that ended at once, beside one that cannot answer (stopped, hung in native
+    code), is not ranks still ending: the grace was renewed for it, and a start that
+    timed out forming the group waited 10 s more for a rank that never came.
+    """
     running = [r for r, s in run.child_states().items() if s == "running"]
     if not running:
         return False
-    if len(running) < before:
+    if len(running) < before and run.last_reply_at >= still_ending_since:
         return True
     answers = interrupt_answers(run, running)
     return bool(answers.outside or answers.idle)

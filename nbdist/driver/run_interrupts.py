@@ -125,7 +125,11 @@ class RunInterrupts:
             if not again and self._wait_for_caught and self._still_caught():
                 deadline = time.monotonic() + _INTERRUPT_GRACE_S
                 continue
-            if renewed < _OUTSIDE_RENEWALS and ending_by_themselves(self, running):
+            # Still ending: the last reply came in this grace's second half.
+            recent = deadline - _INTERRUPT_GRACE_S / 2
+            if renewed < _OUTSIDE_RENEWALS and ending_by_themselves(
+                self, running, still_ending_since=recent
+            ):
                 renewed += 1
                 running = self._running_count()
                 deadline = time.monotonic() + _INTERRUPT_GRACE_S

@@ -129,6 +129,9 @@ class RankRun(RunInterrupts):
         # the kernel's CPU in a no-op cell beyond a raw execute's (profiled at 64 ranks).
         self._state_of = dict.fromkeys(self.ranks, "running")
         self._replied: deque[int] = deque()
+        # When the last reply came (monotonic; set on the IO thread): ranks still ending after
+        # an interrupt are told apart from one that ended at once beside one that never will.
+        self.last_reply_at = 0.0
         # Likewise the ranks whose output came since the loop's last pass (by iopub
         # message; ipyparallel fills the metadata first): a pass reads only theirs, and
         # every rank's at least once a second and at the end.
@@ -151,6 +154,7 @@ class RankRun(RunInterrupts):
 
     def _on_reply(self, index: int, _future) -> None:
         # On ipyparallel's IO thread (or here, for a reply that had come already).
+        self.last_reply_at = time.monotonic()
         self._replied.append(index)
         self._wake.set()
 
