@@ -3,8 +3,9 @@
 The words :class:`~nbdist.driver.runner.RankRun` puts in a cell's
 :class:`~nbdist.errors.RankError`: a rank's exception as a :class:`RankFailure`, an
 "aborted" reply (a request the rank dropped unrun) said plainly, whether a rank's
-error says that the process group itself broke, and which ranks a run's error names
-(:func:`run_failures`: the dead, and the cause rather than the ranks released for it).
+error says that the process group itself broke, which ranks a run's error names
+(:func:`run_failures`: the dead, and the cause rather than the ranks released for it), and
+which ranks had answered when a wait of nbdist's own timed out (:func:`answers_at_timeout`).
 
 Example::
 

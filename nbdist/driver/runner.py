@@ -362,7 +362,8 @@ class RankRun(RunInterrupts):
         if not completed:
             # Before anything is interrupted: where every rank is, and in which collective.
             self.where_report = self._guard.where_report()
-            answers = answers_at_timeout(self.ranks, self._children)
+            # nbdist's own waits say which ranks had answered, read before the interrupt.
+            answers = answers_at_timeout(self.ranks, self._children) if self._waiting_for else ""
             # The limit holds: code that caught the interrupt gets one grace, not more.
             self._stop_ranks(wait_for_caught=False)
             where = f"\nwhere the ranks were:\n{self.where_report}" if self.where_report else ""

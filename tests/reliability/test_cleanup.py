@@ -45,8 +45,14 @@ def _start_cell(kernel, code: str) -> None:
     # Idle ranks after a SIGKILL are in tests/notebooks/test_kernel.py; these are the hard cases.
     [("shutdown", "idle"), ("restart", "busy"), ("sigkill", "blocked")],
 )
-def test_every_process_nbdist_started_is_gone_within_10_s(kernels, how, ranks):
-    kernel = kernels()
+def test_every_process_nbdist_started_is_gone_within_10_s(kernels, how, ranks, tmp_path):
+    # The kernels' temp dir is the test's own: every local start sweeps its temp dir for
+    # profile directories whose kernel is gone, and a start on another pytest worker
+    # removed the killed kernel's before this test's next start could (CI, 2026-12-07).
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(own_tmp)}
+    kernel = kernels(env)
     kernel.start_dist(2)
     pids = kernel.descendants()
     own = kernel.nbdist_pids()
@@ -57,7 +63,7 @@ def test_every_process_nbdist_started_is_gone_within_10_s(kernels, how, ranks):
     profile = kernel.ok(
         "import nbdist\nprint(nbdist.current_session().cluster.profile_dir)"
     ).stdout.strip()
-    assert os.path.isdir(profile), profile
+    assert os.path.isdir(profile) and profile.startswith(str(own_tmp)), profile
     if ranks != "idle":
         _start_cell(kernel, BLOCKED if ranks == "blocked" else BUSY)
 
@@ -82,7 +88,7 @@ def test_every_process_nbdist_started_is_gone_within_10_s(kernels, how, ranks):
     if how == "sigkill":
         # A killed kernel cannot remove its private profile directory; the next start does.
         assert os.path.isdir(profile), "the killed kernel's profile directory vanished by itself"
-        kernels().start_dist(2)
+        kernels(env).start_dist(2)
         assert not os.path.exists(profile), f"{profile} outlived the next %dist_start"
     else:
         assert not os.path.exists(profile), f"{profile} outlived the kernel's {how}"
