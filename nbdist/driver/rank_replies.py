@@ -70,13 +70,10 @@ def answers_at_timeout(ranks, children) -> str:
     from those that had failed or dropped the request (``ranks`` and ``children`` in run
     order; a child is a rank's future).
 
-    >>> class Child:
-    ...     def __init__(self, result=None, running=False):
-    ...         self.value, self.running = result, running
-    ...     def done(self): return not self.running
-    ...     def exception(self): return self.value if isinstance(self.value, BaseException) else None
-    ...     def result(self): return self.value
-    >>> answers_at_timeout([0, 1, 2], [Child({}), Child(running=True), Child(ValueError("x"))])
+    >>> from concurrent.futures import Future
+    >>> answered, waiting, failed = Future(), Future(), Future()
+    >>> answered.set_result({}); failed.set_exception(ValueError("x"))
+    >>> answers_at_timeout([0, 1, 2], [answered, waiting, failed])
     'rank 1 had not answered; rank 0 had answered; rank 2 had failed (ValueError)'
     """
     from ipyparallel.error import TaskAborted
@@ -85,7 +82,7 @@ def answers_at_timeout(ranks, children) -> str:
 
     by_kind: dict[str, list[int]] = {}
     for rank, child in zip(ranks, children):
-        res = child_result(child)
+        res = child_result(child)  # None while the rank still runs it
         if not child.done():
             kind = "had not answered"
         elif isinstance(res, TaskAborted):
