@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 from nbdist.driver.engine_questions import ask_engines, take_back
 from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_without_kernel
+from nbdist.driver.join_guard import JoinGuard
+from nbdist.driver.rank_deaths import RankMonitor
 from nbdist.driver.runner import RankRun
 from nbdist.driver.store_connects import slow_connects_note
 from nbdist.engine import bootstrap
@@ -143,6 +145,7 @@ def form_group(
     metrics_url: str,
     metrics_key_for_ranks: bytes | None,
     interrupt_engines: Callable[[list[int], list[int]], None],
+    watch_deaths: Callable[[list[RankInfo]], RankMonitor | None] | None = None,
 ) -> tuple[Group, Placement]:
     """Describe the engines, number the ranks, open the rendezvous and init every rank.
 
@@ -152,6 +155,9 @@ def form_group(
     sent to the ranks only where the cluster has no key of its own (CurveZMQ).
     ``interrupt_engines(pids, engine_ids)``: SIGINT to engines (a Ctrl-C or the
     --timeout while they join; the session's ranks are not numbered yet).
+    ``watch_deaths(ranks)``: a :class:`~nbdist.driver.rank_deaths.RankMonitor` of the
+    joining ranks' processes (None: a death is seen when the controller drops the engine);
+    a rank that dies or fails while joining ends the start at once, with its error.
     Every wait ends at the start's --timeout. Returns the group and the placement it followed.
     """
     serializer_ready()  # the serializer's set-up may still run on its thread: not thread-safe
@@ -239,6 +245,27 @@ def form_group(
         chosen = [engine_of[r] for r in ranks]
         interrupt_engines([infos[e]["pid"] for e in chosen], chosen)
 
+    # A rank that dies or fails on its way in ends the start at once (the others would wait
+    # for it until --timeout): the local ranks' processes are watched while they join.
+    joining = [
+        RankInfo(
+            slot.rank,
+            slot.local_rank,
+            eid,
+            infos[eid]["pid"],
+            slot.host,
+            "",
+            infos[eid].get("pid_space") == pid_space(),
+        )
+        for eid, slot in slots.items()
+    ]
+    monitor = watch_deaths(joining) if watch_deaths is not None else None
+    lingers = (
+        ""
+        if owned
+        else f"each gives up its wait in torch's store after --timeout ({options.timeout:g} s), "
+        "then takes nbdist's next request"
+    )
     try:
         results = RankRun(
             joined,
@@ -247,12 +274,16 @@ def form_group(
             sink=None,
             timeout=options.timeout,
             waiting_for=f"forming the process group (%dist_start --timeout {options.timeout:g})",
+            guard=JoinGuard(interrupt, monitor=monitor, lingers=lingers),
         ).wait()
     except BaseException:
         # An engine that has not begun joining (stopped, busy) would join this dead
         # rendezvous when it frees, and wait there, ahead of the next start's requests.
         take_back(client, joined, list(pending))
         raise
+    finally:
+        if monitor is not None:
+            monitor.stop()
     ranks = []
     for eid, result in zip(pending, results):
         slot = slots[eid]

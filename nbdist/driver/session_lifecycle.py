@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from nbdist.driver import file_sync
 from nbdist.driver.group import form_group, metrics_ip, metrics_key
-from nbdist.driver.session_watch import SessionWatch
+from nbdist.driver.session_watch import SessionWatch, rank_monitor
 from nbdist.driver.sigint_deferred import sigint_deferred
 from nbdist.engine import bootstrap
 from nbdist.errors import NbdistError
@@ -112,6 +112,7 @@ class SessionLifecycle:
             # the ranks get the metrics key here (never over an unencrypted channel).
             metrics_key_for_ranks=None if client.session.key else self._hub.collector.key,
             interrupt_engines=partial(interrupt_engines, self._handle),
+            watch_deaths=partial(rank_monitor, self._handle),
         )
         if self.group.hosts:  # the dashboard names each rank's host
             self._hub.run.hosts = dict(self.group.hosts)

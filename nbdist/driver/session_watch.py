@@ -17,7 +17,23 @@ from nbdist.driver.rank_deaths import RankMonitor
 from nbdist.launch import zygote
 from nbdist.launch.engine_log import EngineLastWords
 
-__all__ = ["SessionWatch"]
+__all__ = ["SessionWatch", "rank_monitor"]
+
+
+def rank_monitor(handle, ranks, *, crash_records=None) -> RankMonitor | None:
+    """A :class:`RankMonitor` of ``ranks`` (RankInfo) that ``handle`` started (None if attached).
+
+    Where the zygote forked them, how a rank died and where it crashed come from its records;
+    else ``crash_records(pid)`` reads where a launcher's rank crashed (None: not read).
+    """
+    if not handle.owned:
+        return None
+    status_file = getattr(handle.engine_launcher(), "status_file", None)
+    record = functools.partial(zygote.read_exit, status_file) if status_file else None
+    crash = functools.partial(zygote.read_crash, status_file) if status_file else crash_records
+    log_file = getattr(handle.engine_launcher(), "output_file", "")
+    words = EngineLastWords(log_file).of if log_file else None
+    return RankMonitor(ranks, exit_record=record, crash_record=crash, engine_words=words)
 
 
 class SessionWatch:
@@ -25,20 +41,13 @@ class SessionWatch:
 
     def __init__(self, session, handle, hub, *, connection_file: str | None) -> None:
         """Watch ``session``'s ranks (its group formed), started through ``handle``."""
-        self.monitor = None
         # Ranks a launcher started keep crash records of their own (the zygote's are below).
         self.crashes = CrashRecords(session.group.ranks)
-        if handle.owned:
-            status_file = getattr(handle.engine_launcher(), "status_file", None)
-            record = functools.partial(zygote.read_exit, status_file) if status_file else None
-            crash = functools.partial(zygote.read_crash, status_file) if status_file else None
-            if crash is None and self.crashes:
-                crash = self.crashes.read_here
-            log_file = getattr(handle.engine_launcher(), "output_file", "")
-            words = EngineLastWords(log_file).of if log_file else None
-            self.monitor = RankMonitor(
-                session.group.ranks, exit_record=record, crash_record=crash, engine_words=words
-            )
+        self.monitor = rank_monitor(
+            handle,
+            session.group.ranks,
+            crash_records=self.crashes.read_here if self.crashes else None,
+        )
         live_sessions.started(session)
         self.session = session
         store = hub.store
