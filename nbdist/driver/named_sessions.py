@@ -41,6 +41,7 @@ from nbdist.driver import file_sync
 from nbdist.driver.group import Group, RankInfo, form_group
 from nbdist.driver.ipp_internals import flush_sends
 from nbdist.driver.session import DistSession
+from nbdist.driver.session_watch import rank_monitor
 from nbdist.errors import NbdistError, PlacementError
 from nbdist.launch import named_session_records
 from nbdist.launch.cluster import ClusterHandle, interrupt_engines
@@ -188,6 +189,7 @@ class NamedSession(DistSession):
                     metrics_url=self._hub.url,
                     metrics_key_for_ranks=None,  # the cluster key signs: the keeper checks it
                     interrupt_engines=partial(interrupt_engines, handle),
+                    watch_deaths=partial(rank_monitor, handle),
                 )
                 _write_group(self.name, self.group)
             else:
