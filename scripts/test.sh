@@ -13,10 +13,9 @@
 # the ranks: optimizers forced to foreach kernels and point-to-point staged through host
 # memory, as on GPU ranks (nbdist/engine/gpu_like.py). Test paths given replace the tier's.
 #
-# The whole suite runs on $NBDIST_TEST_WORKERS pytest-xdist workers (default 3; 1 runs it in
-# one process): the tests spend much of their time waiting for processes to start and answer
-# (timeouts, graces, heartbeats), so on 2 cores a third worker takes the main tier from ~20.5 to
-# ~17 minutes (bench/RESULTS.md, "Three workers"). The tests marked `alone` (the
+# The whole suite runs on $NBDIST_TEST_WORKERS pytest-xdist workers (default 2; 1 runs it in
+# one process): the tests spend much of their time waiting for processes to start and answer,
+# so two workers on 2 cores take about two thirds of one's time. The tests marked `alone` (the
 # browser tests, 256 ranks) then run in one process with nothing beside them. How the tests
 # are shared out: tests/conftest.py.
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
@@ -27,13 +26,13 @@ Creates .venv with nbdist[test] on first use, then runs pytest:
   bash scripts/test.sh                        every tier of tests/, then the GPU-like tier (as CI does)
   bash scripts/test.sh tests/unit -x          the paths and options given, nothing else
   bash scripts/test.sh --gpu-like             the GPU-like tier alone (NBDIST_GPU_LIKE=1 on the ranks)
-The whole suite runs on NBDIST_TEST_WORKERS pytest-xdist workers (default 3; 1: one process).
+The whole suite runs on NBDIST_TEST_WORKERS pytest-xdist workers (default 2; 1: one process).
 Debian's chromium and Playwright are installed only when the run selects tests/ui.
 Every other argument goes to pytest: .venv/bin/python -m pytest --help lists them.
 USAGE
   exit 0
 fi
-workers="${NBDIST_TEST_WORKERS:-3}"
+workers="${NBDIST_TEST_WORKERS:-2}"
 if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
   echo "NBDIST_TEST_WORKERS=$workers: give a number of pytest workers, 1 or more (1: one process)" >&2
   exit 2

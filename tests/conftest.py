@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# How pytest-xdist's workers (``-n 3 --dist loadscope``, as scripts/test.sh runs the whole suite)
+# How pytest-xdist's workers (``-n 2 --dist loadscope``, as scripts/test.sh runs the whole suite)
 # share the tests: a module's tests stay together on one worker, in file order (a module-scoped
 # session starts once; tests that follow one another still do), with two exceptions:
 # - each example notebook goes to whichever worker is free: each starts its own kernel and
@@ -48,7 +48,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 _SPREAD_MODULES = ("tests/notebooks/test_examples.py",)
 _ONE_WORKER_FOLDERS = ("tests/cluster/",)
 # The folders in the order the workers take them up: those whose tests start kernels and ranks
-# first, the unit tests (hundreds, each a fraction of a second) last, so that the workers end
+# first, the unit tests (hundreds, each a fraction of a second) last, so that both workers end
 # within moments of each other. xdist's own order (most tests first) left the notebooks and
 # the soak, each a scope of one long test, to the end: one worker ran them alone for 89 s of a
 # 20.6-minute run (2026-12-06). A folder not named here comes before tests/unit.
