@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nbdist.driver.engine_questions import ask_engines, take_back
 from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_without_kernel
@@ -245,19 +245,22 @@ def form_group(
         chosen = [engine_of[r] for r in ranks]
         interrupt_engines([infos[e]["pid"] for e in chosen], chosen)
 
+    # Each rank as the group will know it, its device once it joined (in ``pending``'s order).
     # A rank that dies or fails on its way in ends the start at once (the others would wait
     # for it until --timeout): the local ranks' processes are watched while they join.
+    here = pid_space()
     joining = [
         RankInfo(
-            slot.rank,
-            slot.local_rank,
+            slots[eid].rank,
+            slots[eid].local_rank,
             eid,
             infos[eid]["pid"],
-            slot.host,
+            # plan_local says "localhost"; attached hosts keep their placement label
+            infos[eid]["host"] if slots[eid].host == "localhost" else slots[eid].host,
             "",
-            infos[eid].get("pid_space") == pid_space(),
+            infos[eid].get("pid_space") == here,
         )
-        for eid, slot in slots.items()
+        for eid in pending
     ]
     monitor = watch_deaths(joining) if watch_deaths is not None else None
     lingers = (
@@ -284,25 +287,13 @@ def form_group(
     finally:
         if monitor is not None:
             monitor.stop()
-    ranks = []
-    for eid, result in zip(pending, results):
-        slot = slots[eid]
-        # plan_local says "localhost"; attached hosts keep their placement label
-        host = infos[eid]["host"] if slot.host == "localhost" else slot.host
-        here = infos[eid].get("pid_space") == pid_space()
-        ranks.append(
-            RankInfo(
-                slot.rank,
-                slot.local_rank,
-                eid,
-                infos[eid]["pid"],
-                host,
-                result["device"],
-                here,
-                crash_record=result.get("crash_record", ""),
-            )
-        )
-    ranks.sort(key=lambda r: r.rank)
+    ranks = sorted(
+        (
+            replace(info, device=result["device"], crash_record=result.get("crash_record", ""))
+            for info, result in zip(joining, results)
+        ),
+        key=lambda r: r.rank,
+    )
     hosts = {r.rank: r.host for r in ranks} if len({r.host for r in ranks}) > 1 else {}
     lazy = sorted(
         slots[eid].rank for eid, result in zip(pending, results) if result.get("gloo_lazy")
