@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from nbdist.driver.engine_questions import ask_engines, take_back
 from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_without_kernel
 from nbdist.driver.join_guard import JoinGuard
+from nbdist.driver.process_state import process_here
 from nbdist.driver.rank_deaths import RankMonitor
 from nbdist.driver.runner import RankRun
 from nbdist.driver.store_connects import slow_connects_note
@@ -146,6 +147,7 @@ def form_group(
     metrics_key_for_ranks: bytes | None,
     interrupt_engines: Callable[[list[int], list[int]], None],
     watch_deaths: Callable[[list[RankInfo]], RankMonitor | None] | None = None,
+    engine_processes: Sequence = (),
 ) -> tuple[Group, Placement]:
     """Describe the engines, number the ranks, open the rendezvous and init every rank.
 
@@ -158,12 +160,20 @@ def form_group(
     ``watch_deaths(ranks)``: a :class:`~nbdist.driver.rank_deaths.RankMonitor` of the
     joining ranks' processes (None: a death is seen when the controller drops the engine);
     a rank that dies or fails while joining ends the start at once, with its error.
-    Every wait ends at the start's --timeout. Returns the group and the placement it followed.
+    ``engine_processes``: the engines' processes on this machine (``psutil.Process``,
+    any order; empty where not known): an engine that does not answer is named with
+    what its process is doing. Every wait ends at the start's --timeout. Returns the group and the placement it followed.
     """
     serializer_ready()  # the serializer's set-up may still run on its thread: not thread-safe
     tolerate_shells_without_kernel()  # a terminal IPython drives ranks too
     engine_ids = sorted(client.ids)
     towards = options.ip if owned else controller_host(client)
+
+    def unanswered(answers: dict) -> list:
+        # The engines' processes here whose PID no answer gave: the silent engines'.
+        told = {answer["pid"] for answer in answers.values()}
+        return [proc for proc in engine_processes if proc.pid not in told]
+
     described = ask_engines(
         client,
         engine_ids,
@@ -171,6 +181,8 @@ def form_group(
         towards,
         timeout=options.timeout,
         asking="for its host, address and devices",
+        suspects=unanswered if engine_processes else None,
+        engines_stay=not owned,  # a failed start stops the engines it started
     )
     infos = dict(zip(engine_ids, described))
     if owned and placement is not None and all(i["slot"] is not None for i in infos.values()):
@@ -186,6 +198,8 @@ def form_group(
         )
     rank0_engine = next(e for e, s in slots.items() if s.rank == 0)
     master_addr = infos[rank0_engine]["address"]
+    here = pid_space()
+    rank0_here = infos[rank0_engine].get("pid_space") == here
     port = ask_engines(
         client,
         [rank0_engine],
@@ -193,6 +207,8 @@ def form_group(
         master_addr,
         timeout=options.timeout,
         asking="to open the rendezvous socket as rank 0",
+        suspects=(lambda _: process_here(infos[rank0_engine]["pid"])) if rank0_here else None,
+        engines_stay=not owned,
     )[0]
     sharing = {r for ranks in placement.shared_gpus.values() for r in ranks}
     # torchrun's names: a "group" is a host; the run id ties the ranks of one start.
@@ -248,7 +264,6 @@ def form_group(
     # Each rank as the group will know it, its device once it joined (in ``pending``'s order).
     # A rank that dies or fails on its way in ends the start at once (the others would wait
     # for it until --timeout): the local ranks' processes are watched while they join.
-    here = pid_space()
     joining = [
         RankInfo(
             slots[eid].rank,

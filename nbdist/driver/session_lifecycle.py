@@ -113,6 +113,7 @@ class SessionLifecycle:
             metrics_key_for_ranks=None if client.session.key else self._hub.collector.key,
             interrupt_engines=partial(interrupt_engines, self._handle),
             watch_deaths=partial(rank_monitor, self._handle),
+            engine_processes=self._handle.engine_processes(),
         )
         if self.group.hosts:  # the dashboard names each rank's host
             self._hub.run.hosts = dict(self.group.hosts)

@@ -116,6 +116,19 @@ class ClusterHandle:
         """Every noted process still running (none that merely has a noted PID now)."""
         return [p for p in map(self.process, sorted(self.pids)) if p is not None]
 
+    def engine_processes(self) -> list[psutil.Process]:
+        """The engines' processes where nbdist's zygote started them on this machine, else none.
+
+        Other launchers' noted processes are not the engines (``srun``, ``ssh``, ``mpiexec``).
+        """
+        from nbdist.launch.local_engines import ZygoteEngineSetLauncher
+
+        engines = self.engine_launcher()
+        if not isinstance(engines, ZygoteEngineSetLauncher):
+            return []
+        pids = engines.read_status().get("pids", [])
+        return [self.noted[pid] for pid in pids if pid in self.noted]
+
     def engine_launcher(self):
         """The ipyparallel engine-set launcher nbdist started, or None."""
         if self.cluster is None:

@@ -3,7 +3,8 @@
 Real engines started by hand (the ``external_cluster`` fixture), made to keep
 nbdist waiting the ways a user meets: one busy with another client's work, one
 stopped before the start asks it anything, one stopped while the group forms.
-Then nbdist's own ranks: a re-forming with a rank stopped, and a join cut short on
+Then nbdist's own ranks: an engine stopped before it describes itself (the error says
+what its process is doing), a re-forming with a rank stopped, and a join cut short on
 one rank; the next try forms a working group in both.
 """
 
@@ -20,6 +21,7 @@ import nbdist
 import nbdist.driver.group as group_module
 from nbdist.driver.runner import CellTimeout
 from nbdist.errors import NbdistError
+from tests.conftest import wait_gone
 
 
 @contextmanager
@@ -159,6 +161,44 @@ def test_an_engine_stopped_while_the_group_forms_ends_the_start_with_a_timeout(
     monkeypatch.setattr(group_module, "ask_engines", asked)
     # The rank that was waiting for it was interrupted: a fresh start forms the group.
     _a_start_forms_the_group(client_file)
+
+
+def test_an_engine_of_nbdists_stopped_before_the_start_asks_it_is_named_with_its_state(
+    monkeypatch,
+):
+    """nbdist started the engines: the error says what the silent one's process is doing,
+    read from the process table, not a list of what it might be (a stop, swap, native code),
+    and, the failed start having stopped the engines, names no command to run on it."""
+    asked = group_module.ask_engines
+    stopped: list[tuple[int, int]] = []  # (engine id, pid)
+
+    def stop_one_first(client, engine_ids, fn, *args, **kwargs):
+        if fn.__name__ == "describe_rank" and not stopped:
+            pids = client[list(engine_ids)].apply_sync(os.getpid)
+            stopped.append((engine_ids[-1], pids[-1]))
+            os.kill(pids[-1], signal.SIGSTOP)
+        return asked(client, engine_ids, fn, *args, **kwargs)
+
+    monkeypatch.setattr(group_module, "ask_engines", stop_one_first)
+    session = nbdist.DistSession(2, cpu=True, timeout=5)
+    try:
+        with pytest.raises(NbdistError) as caught:
+            session.start()
+        # Still stopped when the failed start ended the engines: ended all the same.
+        assert wait_gone([pid for _engine, pid in stopped]) == []
+    finally:
+        for _engine, pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    ((engine, pid),) = stopped
+    assert str(caught.value) == (
+        f"engine {engine} did not answer within 5 s (%dist_start --timeout 5) when nbdist "
+        "asked it for its host, address and devices: it holds nbdist's request alone; its "
+        f"process here (pid {pid}) is stopped (SIGSTOP, or Ctrl-Z in its terminal). nbdist "
+        "took its request back."
+    )
 
 
 def test_a_rank_stopped_while_the_group_forms_again_leaves_the_next_try_a_clean_group():

@@ -39,3 +39,24 @@ def test_one_busy_engine_among_several_reads_in_the_singular():
     text = silent_engines_message([2, 5, 7], {2: 1, 5: 0, 7: 0}, 9, ASKING)
     assert ": engine 2 is running other work (1 request before nbdist's)" in text
     assert "; engines 5,7 hold nbdist's request alone, so they are stopped" in text
+
+
+def test_known_states_replace_the_list_of_causes():
+    text = silent_engines_message([0, 1], {0: 0, 1: 0}, 6, ASKING, [(12, "stopped")], False)
+    assert text == (
+        "engines 0,1 did not answer within 6 s (%dist_start --timeout 6) when nbdist asked "
+        "each for its host, address and devices: engines 0,1 hold nbdist's request alone; the "
+        "one process of theirs here (pid 12) is stopped (SIGSTOP, or Ctrl-Z in its terminal). "
+        "nbdist took its request back."
+    )
+
+
+def test_a_busy_engine_keeps_its_count_beside_its_processs_state():
+    text = silent_engines_message([2], {2: 1}, 4, ASKING, [(30, "sleeping")])
+    assert text == (
+        "engine 2 did not answer within 4 s (%dist_start --timeout 4) when nbdist asked it "
+        "for its host, address and devices: it is running other work (1 request before "
+        "nbdist's): let that finish or interrupt it, then start again; its process here (pid "
+        "30) is asleep, waiting on something (a lock, a socket, native code, or a request that "
+        "never reached it): `py-spy dump --pid 30` shows where. nbdist took its request back."
+    )
