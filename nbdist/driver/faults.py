@@ -414,7 +414,10 @@ class CellGuard:
                 if cut:
                     self.reformed += f"; {cut}"
             except Exception as exc:
-                self.reformed = f"forming the process group again failed ({exc}): %dist_restart"
+                # A rank's own error (RankError) is a line per failure and a note: one line.
+                said = "; ".join(str(exc).splitlines())
+                then = "" if "%dist_restart" in said else ": %dist_restart"
+                self.reformed = f"forming the process group again failed ({said}){then}"
         elif self.released and session.group is not None:
             # A cell sent without waiting, waited for after a later cell formed the group again.
             self.reformed = (

@@ -349,10 +349,13 @@ def reform_group(
     group_timeout: float,
     timeout: float,
     interrupt: Callable[[Sequence[int]], None],
+    monitor: RankMonitor | None = None,
 ) -> list[str]:
     """Form ``group`` again on the same processes (a new rendezvous); clears ``released``.
 
     Only the group changes on the ranks: namespaces, models and tensors stay.
+    ``monitor``: the session's watch on its local ranks' processes (a rank that dies or
+    fails on its way back in ends the wait at once, with its error, as at a start).
     ``group.released`` stays True if this fails, so the next cell tries again.
     Returns the ranks' variables that hold the old group, to be made again
     (``"ddp_model (DistributedDataParallel)"``; each name once, as any rank has it);
@@ -394,6 +397,15 @@ def reform_group(
             timeout=timeout,
             waiting_for="forming the process group again (the %dist_start --timeout; "
             "the next cell tries again, %dist_restart starts fresh ranks)",
+            # A rank whose way back in fails (a GPU a fault left unusable) or that dies ends
+            # the wait with its own error, not the --timeout's "had failed (RuntimeError)".
+            guard=JoinGuard(
+                interrupt,
+                monitor=monitor,
+                lingers=f"each gives up its wait in torch's store after --timeout "
+                f"({timeout:g} s), then takes the next cell, which tries again; %dist_restart "
+                "starts fresh ranks",
+            ),
         ).wait()
     except BaseException:
         # As at a start: a rank that has not begun would join this dead rendezvous later,

@@ -1,4 +1,5 @@
-"""Kernel side: the guard of the ranks' join at a start, which ends it when one rank cannot join.
+"""Kernel side: the guard of the ranks' join (at a start, or re-forming the group after a
+release), which ends it when one rank cannot join.
 
 Forming the process group is one request per rank (``bootstrap.init_rank``) that returns
 once the rank has joined. A rank that failed on its way in (an error before or in its join:
@@ -10,7 +11,8 @@ rank's own error. The ranks still joining are not interrupted: a SIGINT landing 
 import they are still doing (an attached engine imports torch at its first start) left
 a half-imported ``torch`` behind, and the engine's every later start failed. A failed
 start stops the ranks it started; an attached cluster's end their wait in torch's store
-by themselves, at the same ``--timeout``. Local ranks' deaths are seen at once through
+by themselves, at the same ``--timeout``, as do a session's ranks re-forming the group (the
+next cell, which tries again, runs after it). Local ranks' deaths are seen at once through
 their pidfds (:class:`nbdist.driver.rank_deaths.RankMonitor`); an attached cluster's,
 once its controller drops the engine.
 

@@ -379,6 +379,7 @@ class DistSession(SessionLifecycle):
             group_timeout=self.options.group_timeout,
             timeout=self.options.timeout,
             interrupt=self.interrupt,
+            monitor=self._watch.monitor if self._watch is not None else None,
         )
 
     # -- reporting --------------------------------------------------------

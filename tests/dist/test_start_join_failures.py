@@ -1,15 +1,19 @@
-"""A rank that cannot join ends the start at once, with its own error, not the --timeout's.
+"""A rank that cannot join ends the start (or the group's re-forming after a release) at
+once, with its own error, not the --timeout's.
 
 Real engines: started by hand (the ``external_cluster`` fixture) for a rank whose way in
 raises, as a GPU it cannot take would; nbdist's own for a rank killed while the others wait
 for it in torch's store. Before, the others waited there until the start's --timeout (120 s
 by default) and the start said only that it timed out ("rank 1 had failed (RuntimeError)").
+Then a session's rank whose way back in fails when the group forms again.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 
 import psutil
 import pytest
@@ -90,3 +94,73 @@ def test_a_rank_killed_while_the_others_join_ends_the_start_saying_how(monkeypat
     )
     assert not session.running
     assert not [p for p in pids.values() if psutil.pid_exists(p)]  # the failed start stopped it
+
+
+# Run on a session's rank: its way back into the group (a fresh store) fails, as on a GPU that
+# a fault left unusable; then mended.
+_BREAK_THE_WAY_BACK = """
+import torch.distributed
+_store = torch.distributed.TCPStore
+def _refuse(*args, **kwargs):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered (on this rank only)")
+torch.distributed.TCPStore = _refuse
+"""
+_MEND_THE_WAY_BACK = "torch.distributed.TCPStore = _store"
+
+
+def test_a_rank_whose_way_back_in_fails_ends_the_re_forming_with_its_error():
+    s = nbdist.DistSession(2, cpu=True, timeout=10).start()
+    try:
+        rank1 = s.client[[s.ranks[1].engine_id]]
+        rank1.execute(_BREAK_THE_WAY_BACK, block=True)
+        # A cell fails on rank 1 while rank 0 waits in a collective: rank 0 is released, and
+        # the group formed again at once, where rank 1's way back fails.
+        with pytest.raises(RankError) as caught:
+            s.run(_FAILS_ON_RANK_1_BESIDE_A_COLLECTIVE)
+        assert caught.value.note == (
+            "rank 1 failed; the others were released: rank 0 from all_reduce #1. Forming the "
+            "process group again failed (rank 1: RuntimeError: CUDA error: an illegal memory "
+            "access was encountered (on this rank only); the process group did not form: rank "
+            "0 waited for the rank(s) above to join; each gives up its wait in torch's store "
+            "after --timeout (10 s), then takes the next cell, which tries again; %dist_restart "
+            "starts fresh ranks)."
+        )
+        _wait_until_idle(s, 0)
+        # Asked again (as the next cell would), the same, with the rank's own traceback.
+        with pytest.raises(RankError) as caught:  # not a CellTimeout after 10 s
+            s.reform_group()
+        error = caught.value
+        assert [(f.rank, f.ename) for f in error.failures] == [(1, "RuntimeError")], str(error)
+        assert "an illegal memory access was encountered (on this rank only)" in str(error)
+        assert error.note == (
+            "the process group did not form: rank 0 waited for the rank(s) above to join; "
+            "each gives up its wait in torch's store after --timeout (10 s), then takes the "
+            "next cell, which tries again; %dist_restart starts fresh ranks"
+        )
+        assert s.group.released  # the next cell tries again
+        traceback = re.sub(r"\x1b\[[0-9;]*m", "", error.failures[0].traceback)
+        assert "in _join_group" in traceback and "in _refuse" in traceback, traceback
+        rank1.execute(_MEND_THE_WAY_BACK, block=True)
+        _wait_until_idle(s, 0)
+        s.run("t = torch.ones(1) * (rank + 1); dist.all_reduce(t)")  # forms the group first
+        assert not s.group.released
+        assert [t.item() for t in s.pull("t")] == [3.0, 3.0]
+    finally:
+        s.stop()
+
+
+_FAILS_ON_RANK_1_BESIDE_A_COLLECTIVE = """
+t = torch.ones(1)
+if rank == 1:
+    raise ValueError("a bad batch")
+dist.all_reduce(t)
+"""
+
+
+def _wait_until_idle(s, rank: int) -> None:
+    # A rank left waiting in torch's store ends that wait by itself (nothing interrupted it).
+    engine = s.ranks[rank].engine_id
+    deadline = time.monotonic() + 30
+    while s.client.queue_status(targets=[engine])[engine]["queue"]:
+        assert time.monotonic() < deadline, f"rank {rank} still waits in the store after 30 s"
+        time.sleep(0.1)
