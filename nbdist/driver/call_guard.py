@@ -81,6 +81,10 @@ class CallGuard:
         if self._interrupted_at is None:
             self._interrupted_at = time.monotonic()
 
+    def silent_states(self, ranks) -> str:
+        """What the processes of ``ranks`` are doing is not read here: ''."""
+        return ""
+
     def where_report(self, *, only_if_waiting: bool = False) -> str:
         """Where the ranks are is not asked here: ''."""
         return ""

@@ -292,7 +292,13 @@ def form_group(
             sink=None,
             timeout=options.timeout,
             waiting_for=f"forming the process group (%dist_start --timeout {options.timeout:g})",
-            guard=JoinGuard(interrupt, monitor=monitor, lingers=lingers),
+            guard=JoinGuard(
+                interrupt,
+                monitor=monitor,
+                lingers=lingers,
+                processes=_processes_here(joining),
+                processes_stay=not owned,  # a failed start stops the ranks it started
+            ),
         ).wait()
     except BaseException:
         # An engine that has not begun joining (stopped, busy) would join this dead
@@ -405,6 +411,7 @@ def reform_group(
                 lingers=f"each gives up its wait in torch's store after --timeout "
                 f"({timeout:g} s), then takes the next cell, which tries again; %dist_restart "
                 "starts fresh ranks",
+                processes=_processes_here(group.ranks),
             ),
         ).wait()
     except BaseException:
@@ -422,6 +429,11 @@ def reform_group(
             cut.setdefault(name, what)
     group.cut_schedules = [f"{name} ({what})" for name, what in cut.items()]
     return [f"{name} ({what})" for name, what in stale.items()]
+
+
+def _processes_here(ranks: Sequence[RankInfo]) -> dict:
+    # {rank: its process} of the ranks whose PID names a process on this machine.
+    return {r.rank: proc for r in ranks if r.pid_here for proc in process_here(r.pid)}
 
 
 def metrics_key(client) -> bytes:

@@ -24,9 +24,12 @@ Example (a start's error, its first and last lines; 2 ranks, rank 1 failed)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+
+import psutil
 
 from nbdist.driver.call_guard import CallGuard
+from nbdist.driver.process_state import process_state_of, ranks_in_words
 from nbdist.driver.rank_deaths import RankMonitor
 from nbdist.errors import format_ranks
 
@@ -42,14 +45,21 @@ class JoinGuard(CallGuard):
         *,
         monitor: RankMonitor | None = None,
         lingers: str = "",
+        processes: Mapping[int, psutil.Process] | None = None,
+        processes_stay: bool = True,
     ) -> None:
         """``interrupt(ranks)``: SIGINT to those ranks (a Ctrl-C or the --timeout);
         ``monitor``: watches the local ranks' processes (None: deaths are seen as the
         controller drops an engine); ``lingers``: what the note says of the ranks still
-        waiting in torch's store ('' where the failed start stops them)."""
+        waiting in torch's store ('' where the failed start stops them); ``processes``:
+        {rank: its process} of the ranks on this machine, whose states a timed-out join
+        says; ``processes_stay``: whether they outlive a failed join (not where the failed
+        start stops them)."""
         super().__init__(interrupt)
         self._monitor = monitor
         self._lingers = lingers
+        self._processes = dict(processes or {})
+        self._processes_stay = processes_stay
         # The ranks still joining when one failed or died: named in the note.
         self.waiting: list[int] = []
         self._ended = False
@@ -76,6 +86,15 @@ class JoinGuard(CallGuard):
         """The ranks whose output will not complete: the dead, and once the join ended, those
         still in it (the run's output is not waited for beyond what came)."""
         return {**dict.fromkeys(self.waiting, "still joining"), **self.deaths()}
+
+    def silent_states(self, ranks) -> str:
+        """What the processes here of ``ranks`` (those that had not answered) are doing."""
+        entries = [
+            (rank, self._processes[rank].pid, process_state_of(self._processes[rank]))
+            for rank in ranks
+            if rank in self._processes
+        ]
+        return ranks_in_words(entries, stay=self._processes_stay) if entries else ""
 
     def note(self, failures=()) -> str:
         """Which ranks waited for the failed ones ('' if none did), and how long they may."""

@@ -14,7 +14,18 @@ from collections.abc import Sequence
 
 import psutil
 
-__all__ = ["process_here", "process_state_of", "process_states", "states_in_words"]
+from nbdist.errors import format_ranks
+
+__all__ = [
+    "process_here",
+    "process_state_of",
+    "process_states",
+    "ranks_in_words",
+    "states_in_words",
+]
+
+# Above this many ranks of one state, their PIDs (and a command over them) are left out.
+_NAMED_PIDS = 4
 
 ENDED = "ended"
 
@@ -99,6 +110,39 @@ def states_in_words(states: Sequence[tuple[int, str]], *, of: int = 1, stay: boo
         else:
             parts.append(f"pids {','.join(map(str, pids))} {_plural(words(state, pids))}")
     return "their processes here: " + "; ".join(parts)
+
+
+def ranks_in_words(entries: Sequence[tuple[int, int, str]], *, stay: bool = True) -> str:
+    """``(rank, pid, state)`` of ranks' processes here, as a clause, the ranks of a state together.
+
+    ``stay``: as for :func:`states_in_words`.
+
+    >>> print(ranks_in_words([(1, 51, "stopped"), (0, 50, "sleeping")], stay=False))
+    the process here of rank 0 (pid 50) is asleep, waiting on something (a lock, a socket, native code, or a request that never reached it); the process here of rank 1 (pid 51) is stopped (SIGSTOP, or Ctrl-Z in its terminal)
+    """
+    by_state: dict[str, list[tuple[int, int]]] = {}
+    for rank, pid, state in sorted(entries):
+        by_state.setdefault(state, []).append((rank, pid))
+    parts = []
+    for state, members in by_state.items():
+        ranks = [rank for rank, _pid in members]
+        pids = [pid for _rank, pid in members]
+        if len(members) == 1:
+            parts.append(
+                f"the process here of rank {ranks[0]} (pid {pids[0]}) "
+                f"{_words(state, pids, stay=stay)}"
+            )
+        elif len(members) <= _NAMED_PIDS:
+            parts.append(
+                f"the processes here of {format_ranks(ranks)} (pids {','.join(map(str, pids))}) "
+                f"{_plural(_words(state, pids, stay=stay))}"
+            )
+        else:
+            parts.append(
+                f"the processes here of {format_ranks(ranks)} "
+                f"{_plural(_words(state, pids, stay=False))}"
+            )
+    return "; ".join(parts)
 
 
 def _words(state: str, pids: list[int], *, stay: bool) -> str:

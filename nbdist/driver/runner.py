@@ -364,6 +364,14 @@ class RankRun(RunInterrupts):
             self.where_report = self._guard.where_report()
             # nbdist's own waits say which ranks had answered, read before the interrupt.
             answers = answers_at_timeout(self.ranks, self._children) if self._waiting_for else ""
+            # ...and what the processes here of those that had not are doing (stopped, asleep).
+            states = (
+                self._guard.silent_states(
+                    [r for r, child in zip(self.ranks, self._children) if not child.done()]
+                )
+                if self._waiting_for
+                else ""
+            )
             # The limit holds: code that caught the interrupt gets one grace, not more.
             self._stop_ranks(wait_for_caught=False)
             where = f"\nwhere the ranks were:\n{self.where_report}" if self.where_report else ""
@@ -371,7 +379,9 @@ class RankRun(RunInterrupts):
             if self._waiting_for:  # nbdist's own wait, not a cell the user limited
                 raise CellTimeout(
                     f"{self._waiting_for} took longer than {self._timeout:g} s on "
-                    f"{len(self.ranks)} rank(s) and was interrupted ({answers}){where}"
+                    f"{len(self.ranks)} rank(s) and was interrupted ({answers})"
+                    + (f"; {states}" if states else "")
+                    + where
                 )
             still = self._still_caught()
             if still:

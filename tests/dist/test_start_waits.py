@@ -157,6 +157,12 @@ def test_an_engine_stopped_while_the_group_forms_ends_the_start_with_a_timeout(
     # The stopped rank is named as the one that had not answered (rank 0, waiting for it in
     # torch's store, times out at the same 4 s: with it, or as failed).
     assert "rank 1 had not answered" in text or "ranks 0-1 had not answered" in text, text
+    # What its process was doing, read as the wait ended; the engines stay, so the fix is named.
+    pid = pids[stopped]
+    assert (
+        f"the process here of rank 1 (pid {pid}) is stopped (SIGSTOP, or Ctrl-Z in its "
+        f"terminal): `kill -CONT {pid}` lets it go on"
+    ) in text, text
     assert all(p.poll() is None for p in procs)
     monkeypatch.setattr(group_module, "ask_engines", asked)
     # The rank that was waiting for it was interrupted: a fresh start forms the group.
@@ -211,10 +217,11 @@ def test_a_rank_stopped_while_the_group_forms_again_leaves_the_next_try_a_clean_
     s = nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=300).start()
     try:
         stopped = s.ranks[1].pid
-        with _stopped(stopped), pytest.raises(CellTimeout, match="forming the process group"):
+        with _stopped(stopped), pytest.raises(CellTimeout, match="forming the process group") as e:
             group_module.reform_group(
                 s.client, s.group, group_timeout=300, timeout=4, interrupt=s.interrupt
             )
+        assert f"the process here of rank 1 (pid {stopped}) is stopped" in str(e.value), e.value
         assert s.group.released  # the next cell would try again: here, by hand
         s.reform_group()
         _reduces(s)

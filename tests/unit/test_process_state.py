@@ -16,6 +16,7 @@ from nbdist.driver.process_state import (
     process_here,
     process_state_of,
     process_states,
+    ranks_in_words,
     states_in_words,
 )
 
@@ -74,4 +75,22 @@ def test_one_process_of_several_silent_engines_is_not_called_theirs_alone():
     assert (
         text
         == "the one process of theirs here (pid 8) is held by a debugger or tracer attached to it"
+    )
+
+
+def test_many_ranks_of_one_state_are_named_without_their_pids():
+    entries = [(r, 100 + r, "sleeping") for r in range(6)] + [(6, 7, "stopped")]
+    text = ranks_in_words(entries)
+    assert text == (
+        "the processes here of ranks 0-5 are asleep, waiting on something (a lock, a socket, "
+        "native code, or a request that never reached it); the process here of rank 6 (pid 7) "
+        "is stopped (SIGSTOP, or Ctrl-Z in its terminal): `kill -CONT 7` lets it go on"
+    )
+
+
+def test_a_few_ranks_of_one_state_are_named_with_their_pids_and_one_command():
+    text = ranks_in_words([(2, 12, "stopped"), (3, 13, "stopped")])
+    assert text == (
+        "the processes here of ranks 2-3 (pids 12,13) are stopped (SIGSTOP, or Ctrl-Z in their "
+        "terminal): `kill -CONT 12 13` lets them go on"
     )
