@@ -308,6 +308,44 @@ def test_a_failed_start_says_why_in_one_message_and_leaves_nothing(history_env, 
     assert [r for r in named_sessions() if r["name"] == "late"] == []
 
 
+def test_a_rank_killed_while_the_first_group_forms_ends_the_start_and_the_session(
+    history_env, cleanup_named, monkeypatch
+):
+    """The keeper's ranks join from this kernel: one killed as rank 0 opens the rendezvous
+    ends the start at once with how it died (not the --timeout's wait), and the failed start
+    ends the keeper, its controller and the other rank, its record too."""
+    import nbdist.driver.group as group_module
+    from nbdist.errors import RankError
+
+    cleanup_named.append("joinfail")
+    asked = group_module.ask_engines
+    seen: dict[str, list[int]] = {}
+
+    def then_kill_rank_1(client, engine_ids, fn, *args, **kwargs):
+        answer = asked(client, engine_ids, fn, *args, **kwargs)
+        if fn.__name__ == "describe_rank":
+            seen["pids"] = _session_pids("joinfail")
+            seen["by_engine"] = {e: info["pid"] for e, info in zip(engine_ids, answer)}
+        elif fn.__name__ == "open_rendezvous":
+            # Rank 0 has opened the rendezvous; before any rank joins, the other is killed.
+            (victim,) = (p for e, p in seen["by_engine"].items() if e != engine_ids[0])
+            seen["killed"] = [victim]
+            os.kill(victim, signal.SIGKILL)
+        return answer
+
+    monkeypatch.setattr(group_module, "ask_engines", then_kill_rank_1)
+    with pytest.raises(RankError) as caught:  # at once, not a CellTimeout after 120 s
+        NamedSession(2, cpu=True, name="joinfail", timeout=START_TIMEOUT).start()
+    error = caught.value
+    assert [(f.rank, f.ename) for f in error.failures] == [(1, "RankDied")], str(error)
+    assert error.failures[0].evalue.startswith(f"pid {seen['killed'][0]} killed by SIGKILL")
+    assert error.note == (
+        "the process group did not form: rank 0 waited for the rank(s) above to join"
+    )
+    assert wait_gone(seen["pids"]) == []  # the keeper, its controller, the ranks
+    assert named_session_records.read("joinfail") is None
+
+
 def test_bad_names_and_options_are_refused_before_anything_starts():
     with pytest.raises(PlacementError, match="'no/slash'.*--name train1"):
         NamedSession(2, cpu=True, name="no/slash")
