@@ -81,6 +81,10 @@ class CallGuard:
         if self._interrupted_at is None:
             self._interrupted_at = time.monotonic()
 
+    def only_stopped_left(self, run) -> bool:
+        """Whether every rank still running is a stopped process: not read here, False."""
+        return False
+
     def silent_states(self, ranks) -> str:
         """What the processes of ``ranks`` are doing is not read here: ''."""
         return ""

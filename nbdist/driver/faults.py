@@ -352,6 +352,11 @@ class CellGuard:
             )
         )
 
+    def only_stopped_left(self, run) -> bool:
+        """Whether every rank still running is a stopped process: a cell's ranks are not
+        read so (a stopped rank's cell waits out the grace after an interrupt), False."""
+        return False
+
     def where_report(self, *, only_if_waiting: bool = False) -> str:
         """The ranks' stacks and last collectives (a cell past its ``--timeout``, or interrupted).
 

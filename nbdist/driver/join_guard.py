@@ -35,6 +35,9 @@ from nbdist.errors import format_ranks
 
 __all__ = ["JoinGuard"]
 
+# Process states in which a rank cannot take a signal until it is continued.
+_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
 
 class JoinGuard(CallGuard):
     """What the ranks' join consults: a rank that failed or died ends the wait at once."""
@@ -86,6 +89,15 @@ class JoinGuard(CallGuard):
         """The ranks whose output will not complete: the dead, and once the join ended, those
         still in it (the run's output is not waited for beyond what came)."""
         return {**dict.fromkeys(self.waiting, "still joining"), **self.deaths()}
+
+    def only_stopped_left(self, run) -> bool:
+        """Whether every rank still running is a process here that is stopped (SIGSTOP, a
+        tracer): after an interrupt, the settle need not wait for what cannot unwind."""
+        running = [r for r, s in run.child_states().items() if s == "running"]
+        return bool(running) and all(
+            rank in self._processes and process_state_of(self._processes[rank]) in _STOPPED
+            for rank in running
+        )
 
     def silent_states(self, ranks) -> str:
         """What the processes here of ``ranks`` (those that had not answered) are doing."""

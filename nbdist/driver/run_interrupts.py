@@ -104,14 +104,16 @@ class RunInterrupts:
         while they run); so, a few times (:data:`_OUTSIDE_RENEWALS`), do ranks still
         ending or outside the user's code, after a second Ctrl-C too.
         A second Ctrl-C while they run SIGINTs every rank still running once more and waits
-        one more grace; otherwise (or a third) it stops waiting now.
+        one more grace; otherwise (or a third) it stops waiting now. Once every rank still
+        running is a stopped process (SIGSTOP, a tracer; where the guard reads the ranks'
+        processes), it stops waiting too: none can unwind until it is continued.
         """
         deadline = time.monotonic() + _INTERRUPT_GRACE_S
         again = False
         renewed, running = 0, self._running_count()
         while True:
             try:
-                if self._loop(deadline):
+                if self._loop(deadline) or self._left_to_stopped:
                     break
             except KeyboardInterrupt:
                 if self._latch is not None:

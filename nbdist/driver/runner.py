@@ -106,6 +106,9 @@ class RankRun(RunInterrupts):
         self._wake = threading.Event()
         self._latch: SigintLatch | None = None  # while waiting: a Ctrl-C swallowed elsewhere
         self._stopped = False  # the ranks were told to stop (Ctrl-C or --timeout)
+        # Then: every rank still running is a stopped process (the guard read it), which no
+        # grace helps until it is continued; the settle stops waiting.
+        self._left_to_stopped = False
         self._caught_noted = False  # _CAUGHT_NOTE was fed (or there was none to feed)
         self._wait_for_caught = True  # after a Ctrl-C, not after a --timeout
         self._missed: MissedInterrupt | None = None  # then: ranks the SIGINT may have missed
@@ -306,6 +309,9 @@ class RankRun(RunInterrupts):
                 self._watch()
             if finished:
                 return True
+            if self._stopped and self._guard.only_stopped_left(self):
+                self._left_to_stopped = True
+                return False
             if self._prompts is not None and self._prompts.pending():
                 # One prompt at a time; the user's time moves --timeout's deadline.
                 deadline = self._prompts.serve(deadline, self._drain, self._merger.close)
