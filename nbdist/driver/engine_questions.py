@@ -40,10 +40,10 @@ def ask_engines(
     the answers that came ({engine id: result}), the processes on this machine
     (``psutil.Process``) of the engines that did not answer, whose states the error
     then says (None: not known, as for engines on other hosts); ``engines_stay``: False
-    where the failed start stops the engines (it then names no command to run on
-    them). Raises
-    :class:`NbdistError` naming the engines that did not answer in time; a Ctrl-C
-    takes the request back too. An engine's own error comes as ipyparallel raises it.
+    where the failed start stops the engines (it then names no command to run on them).
+    Raises :class:`NbdistError` naming the engines that did not answer in time; a
+    Ctrl-C takes the request back too. An engine's own error comes as ipyparallel
+    raises it.
     """
     import ipyparallel as ipp
 

@@ -162,7 +162,8 @@ def form_group(
     a rank that dies or fails while joining ends the start at once, with its error.
     ``engine_processes``: the engines' processes on this machine (``psutil.Process``,
     any order; empty where not known): an engine that does not answer is named with
-    what its process is doing. Every wait ends at the start's --timeout. Returns the group and the placement it followed.
+    what its process is doing. Every wait ends at the start's --timeout. Returns the
+    group and the placement it followed.
     """
     serializer_ready()  # the serializer's set-up may still run on its thread: not thread-safe
     tolerate_shells_without_kernel()  # a terminal IPython drives ranks too
