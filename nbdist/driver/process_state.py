@@ -21,6 +21,7 @@ __all__ = [
     "process_state_of",
     "process_states",
     "ranks_in_words",
+    "state_phrase",
     "states_in_words",
 ]
 
@@ -143,6 +144,16 @@ def ranks_in_words(entries: Sequence[tuple[int, int, str]], *, stay: bool = True
                 f"{_plural(_words(state, pids, stay=False))}"
             )
     return "; ".join(parts)
+
+
+def state_phrase(state: str) -> str:
+    """What a process in ``state`` is doing, without its PID or a command: the same for every
+    rank in that state, so a report groups them ("is stopped (SIGSTOP, ...)").
+
+    >>> state_phrase("disk-sleep")
+    'is in uninterruptible wait, mostly for the disk (swapping, slow or hung storage)'
+    """
+    return _WORDS.get(state, (f"is in state {state!r}", ""))[0]
 
 
 def _words(state: str, pids: list[int], *, stay: bool) -> str:

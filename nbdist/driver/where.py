@@ -10,7 +10,10 @@ The report names each group of ranks with the same diagnosis and the same stack
 once (ranks as :func:`~nbdist.errors.format_ranks` writes them, seconds as a
 range, each rank's own ``/tmp/ipykernel_<pid>/<hash>.py`` cell file compared as
 one, see :func:`~nbdist.driver.output_fold.fold_key`), the smallest groups,
-the odd ones out, first: at 256 ranks a hang reads in a few lines.
+the odd ones out, first: at 256 ranks a hang reads in a few lines. A rank that
+does not answer is said with what its process here is doing, as the process table
+has it (stopped, asleep, running: :mod:`nbdist.driver.process_state`), in words the
+same for every rank of that state, so that they group too.
 
 Example::
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 
 from nbdist.driver.ipp_internals import send_control
 from nbdist.driver.output_fold import fold_key
+from nbdist.driver.process_state import process_here, process_state_of, state_phrase
 from nbdist.engine.control import REQUEST
 from nbdist.engine.flight_recorder import DEFAULT_GROUP
 from nbdist.errors import format_ranks
@@ -137,13 +141,7 @@ def ask(
     found = []
     for info, reply in zip(ranks, replies):
         if reply is None:
-            found.append(
-                RankWhere(
-                    info.rank,
-                    answered=False,
-                    note=f"no answer within {timeout:g} s (dead, or native code holding the GIL)",
-                )
-            )
+            found.append(RankWhere(info.rank, answered=False, note=_no_answer(info, timeout)))
             continue
         w = reply["where"]
         found.append(
@@ -159,6 +157,16 @@ def ask(
             )
         )
     return found
+
+
+def _no_answer(info, timeout: float) -> str:
+    # What a rank that did not answer is doing, where its process is on this machine (the
+    # process table says stopped, asleep, running...); elsewhere, what it may be.
+    said = f"no answer within {timeout:g} s"
+    procs = process_here(info.pid) if getattr(info, "pid_here", False) else []
+    if not procs:
+        return f"{said} (dead, or native code holding the GIL)"
+    return f"{said}; its process {state_phrase(process_state_of(procs[0]))}"
 
 
 def locate(client, ranks: Sequence, dead: dict[int, str]) -> list[RankWhere]:

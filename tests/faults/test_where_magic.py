@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -84,6 +87,26 @@ def test_dist_where_shows_the_flight_recorder_of_a_ddp_hang(shell, capsys):
         shell.magics_manager.registry["DistMagics"].session.interrupt([1])
         with pytest.raises(RankError):
             run.wait()
+
+
+def test_dist_where_says_what_a_rank_that_cannot_answer_is_doing(shell, capsys):
+    # Stopped (SIGSTOP), rank 2 answers nothing: the report reads its state from the process
+    # table, where it said "(dead, or native code holding the GIL)".
+    session = shell.magics_manager.registry["DistMagics"].session
+    pid = session.ranks[2].pid
+    capsys.readouterr()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        shell.run_line_magic("dist_where", "")
+        text = capsys.readouterr().out
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert (
+        "rank 2: no answer within 3 s; its process is stopped (SIGSTOP, or Ctrl-Z in its "
+        "terminal)\n" in text
+    ), text
+    shell.run_line_magic("dist_where", "")  # continued, it answers again
+    assert "no answer" not in capsys.readouterr().out
 
 
 def test_dist_where_bad_input(shell):
