@@ -297,7 +297,7 @@ def form_group(
                 interrupt,
                 monitor=monitor,
                 lingers=lingers,
-                processes=_processes_here(joining),
+                processes=_processes_here(joining, known=engine_processes),
                 processes_stay=not owned,  # a failed start stops the ranks it started
             ),
         ).wait()
@@ -432,9 +432,16 @@ def reform_group(
     return [f"{name} ({what})" for name, what in stale.items()]
 
 
-def _processes_here(ranks: Sequence[RankInfo]) -> dict:
-    # {rank: its process} of the ranks whose PID names a process on this machine.
-    return {r.rank: proc for r in ranks if r.pid_here for proc in process_here(r.pid)}
+def _processes_here(ranks: Sequence[RankInfo], known: Sequence = ()) -> dict:
+    # {rank: its process} of the ranks whose PID names a process on this machine; those of
+    # ``known`` (noted at their start, so a PID reused since is not taken for them) as they are.
+    noted = {proc.pid: proc for proc in known}
+    return {
+        r.rank: proc
+        for r in ranks
+        if r.pid_here
+        for proc in ([noted[r.pid]] if r.pid in noted else process_here(r.pid))
+    }
 
 
 def metrics_key(client) -> bytes:
