@@ -357,15 +357,21 @@ class RanksInterrupted(KeyboardInterrupt):
         note: str = "",
         finished: Sequence[int] = (),
         caught: Sequence[int] = (),
+        suspended: Sequence[int] = (),
+        suspended_words: str = "",
     ):
         """``stopped``: the ranks' errors once stopped; ``still_running``: ranks that did not
         stop; ``finished``: ranks that ran the cell to its end all the same; ``caught``: ranks
-        whose code caught the KeyboardInterrupt and handled it (some may still be running)."""
+        whose code caught the KeyboardInterrupt and handled it (some may still be running);
+        ``suspended``: ranks still running whose processes are stopped (SIGSTOP, a tracer),
+        which take no signal until continued, and ``suspended_words`` says so."""
         super().__init__(stopped, tuple(still_running))
         self.stopped = stopped
         self.still_running = tuple(still_running)
         self.finished = tuple(finished)
         self.caught = tuple(caught)
+        self.suspended = tuple(suspended)
+        self.suspended_words = suspended_words
         self.where = where  # the ranks' stacks when a rank was waiting in a collective
         self.note = note  # which ranks were released from a collective, and the group's fate
 
@@ -373,7 +379,14 @@ class RanksInterrupted(KeyboardInterrupt):
         """What happened to the ranks after the interrupt, in one line."""
         if self.still_running:
             parts = []
-            stuck = [r for r in self.still_running if r not in self.caught]
+            held = [r for r in self.still_running if r in self.suspended]
+            if held:
+                # Interrupting again cannot reach them: the signal waits until they go on.
+                parts.append(
+                    f"{format_ranks(held)} cannot take the interrupt until continued: "
+                    f"{self.suspended_words}"
+                )
+            stuck = [r for r in self.still_running if r not in self.caught and r not in held]
             if stuck:
                 parts.append(
                     f"{format_ranks(stuck)} did not stop after the interrupt (blocked in a "
@@ -385,6 +398,8 @@ class RanksInterrupted(KeyboardInterrupt):
                     f"{format_ranks(self.caught)} caught the KeyboardInterrupt and still "
                     f"{runs} handling code (the next cell runs there after it)"
                 )
+            if len(held) == len(self.still_running):
+                return "; ".join(parts) + "; or %dist_restart"
             return "; ".join(parts) + "; interrupt again, or %dist_restart"
         handled = ""
         if self.caught:

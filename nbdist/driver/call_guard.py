@@ -89,6 +89,10 @@ class CallGuard:
         """What the processes of ``ranks`` are doing is not read here: ''."""
         return ""
 
+    def stopped_ranks(self, ranks) -> tuple[list[int], str]:
+        """Which of ``ranks`` are stopped processes, and in words: not read here, none."""
+        return [], ""
+
     def where_report(self, *, only_if_waiting: bool = False) -> str:
         """Where the ranks are is not asked here: ''."""
         return ""

@@ -29,6 +29,13 @@ import time
 from nbdist.driver.caught_interrupts import interrupt_answers
 from nbdist.driver.collective_waits import idle_ranks, stranded_waits, waits_for_failed
 from nbdist.driver.oom import cuda_oom_note
+from nbdist.driver.process_state import (
+    STOPPED_STATES,
+    process_here,
+    process_state_of,
+    state_phrase,
+    stopped_in_words,
+)
 from nbdist.driver.release import ASK_S, raised_in_cell, release_ranks
 from nbdist.driver.release_note import (
     NO_ANSWER,
@@ -108,6 +115,8 @@ class CellGuard:
         self._next_held_look: float | None = None
         self._held_interval = HELD_S
         self._started = time.monotonic()
+        # {rank: its process here, or None}: looked up once, when an interrupt asks for it.
+        self._processes: dict = {}
 
     def _age(self) -> float:
         """Seconds since this cell was sent to the ranks."""
@@ -168,7 +177,9 @@ class CellGuard:
             if not running or now - self._interrupted_at < INTERRUPT_GRACE_S:
                 return
             if self.caught is None:
-                answers = interrupt_answers(run, running)
+                # A stopped process answers nothing until continued: not asked, it missed.
+                stopped = self._stopped_now(run)
+                answers = interrupt_answers(run, [r for r in running if r not in stopped])
                 self.caught, self._outside = answers.caught, answers.outside
                 if answers.missed(running):
                     self.release(run, "the cell was interrupted")
@@ -349,26 +360,70 @@ class CellGuard:
                 # second Ctrl-C would); a request outside the user's code ends by itself.
                 spared=set(self.caught or ()) | self._outside,
                 cell_age=self._age(),
+                stopped=self._stopped_now(run),
             )
         )
 
     def only_stopped_left(self, run) -> bool:
-        """Whether every rank still running is a stopped process: a cell's ranks are not
-        read so (a stopped rank's cell waits out the grace after an interrupt), False."""
-        return False
+        """Whether every rank still running is a stopped process here (SIGSTOP, a tracer) or
+        dead: after an interrupt, no grace helps those until they are continued. Not before
+        the guard's own look after the interrupt: a rank it missed is released from there
+        (the group is formed again before the next cell, which a continued rank would
+        otherwise run on from a cell the others left)."""
+        if self.caught is None and not self.released:
+            return False
+        running = [r for r, s in run.child_states().items() if s == "running"]
+        stopped = self._stopped_now(run)
+        if not stopped:
+            return False
+        rest = {r for r in running if r not in stopped}
+        return not rest or not rest - set(self.dead())
+
+    def stopped_ranks(self, ranks) -> tuple[list[int], str]:
+        """Which of ``ranks`` are stopped processes here (SIGSTOP, a tracer), and in words
+        with what lets them go on (they outlive the cell's error)."""
+        entries = []
+        for rank in ranks:
+            state = self._process_state(rank)
+            if state:
+                entries.append((rank, self._processes[rank].pid, state))
+        return stopped_in_words(entries)
+
+    def _stopped_now(self, run) -> set[int]:
+        """The running ranks whose processes here are stopped (SIGSTOP, a tracer)."""
+        running = [r for r, s in run.child_states().items() if s == "running"]
+        return {r for r in running if self._process_state(r) in STOPPED_STATES}
+
+    def _process_state(self, rank: int) -> str:
+        """The state of ``rank``'s process here ('' where its PID is not read here)."""
+        if rank not in self._processes:
+            info = self._by_rank.get(rank)
+            found = process_here(info.pid) if info is not None and info.pid_here else []
+            self._processes[rank] = found[0] if found else None
+        proc = self._processes[rank]
+        return process_state_of(proc) if proc is not None else ""
 
     def where_report(self, *, only_if_waiting: bool = False) -> str:
         """The ranks' stacks and last collectives (a cell past its ``--timeout``, or interrupted).
 
         ``only_if_waiting``: "" unless some rank waits in a collective or does not answer.
         """
-        from nbdist.driver.where import ask, format_where
+        from nbdist.driver.where import RankWhere, ask, format_where
 
         live = [r for r in self.ranks if r.rank not in self.dead()]
+        # A stopped process answers nothing until continued: said, not waited for.
+        states = {r.rank: self._process_state(r.rank) for r in live}
+        stopped = [
+            RankWhere(r.rank, answered=False, note=f"not asked: its process {state_phrase(state)}")
+            for r in live
+            if (state := states[r.rank]) in STOPPED_STATES
+        ]
+        asked = [r for r in live if states[r.rank] not in STOPPED_STATES]
         try:
-            found = ask(self.session.client, live, timeout=1.0)
+            found = ask(self.session.client, asked, timeout=1.0) if asked else []
         except Exception as exc:  # a diagnosis must never hide the timeout itself
             return f"(could not ask the ranks: {exc})"
+        found = sorted([*found, *stopped], key=lambda w: w.rank)
         waiting = any(not w.answered or (w.collective or {}).get("inside") for w in found)
         if only_if_waiting and not waiting:
             return ""

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field, replace
 from nbdist.driver.engine_questions import ask_engines, take_back
 from nbdist.driver.ipp_internals import controller_interface, tolerate_shells_without_kernel
 from nbdist.driver.join_guard import JoinGuard
-from nbdist.driver.process_state import process_here
+from nbdist.driver.process_state import process_here, process_state_of, stopped_in_words
 from nbdist.driver.rank_deaths import RankMonitor
 from nbdist.driver.runner import RankRun
 from nbdist.driver.store_connects import slow_connects_note
 from nbdist.engine import bootstrap
 from nbdist.engine.pid_space import pid_space
-from nbdist.errors import format_ranks
+from nbdist.errors import NbdistError, format_ranks
 from nbdist.launch.options import StartOptions
 from nbdist.launch.placement import EngineInfo, Placement, parse_ranks, plan_attached
 from nbdist.launch.serializer_warmup import serializer_ready
@@ -367,8 +367,20 @@ def reform_group(
     Returns the ranks' variables that hold the old group, to be made again
     (``"ddp_model (DistributedDataParallel)"``; each name once, as any rank has it);
     the pipeline schedules whose step was cut short go to ``group.cut_schedules``.
+    A rank whose process here is stopped (SIGSTOP, a tracer) could not join before the
+    controller drops its silent engine: :class:`NbdistError` at once, nothing sent.
     """
     group.released = True
+    processes = _processes_here(group.ranks)
+    stopped, words = stopped_in_words(
+        [(rank, proc.pid, process_state_of(proc)) for rank, proc in processes.items()]
+    )
+    if stopped:
+        raise NbdistError(
+            f"the process group must be formed again after the release, and "
+            f"{format_ranks(stopped)} cannot join it until continued: {words}; then run "
+            "this again (%dist_restart starts fresh ranks)"
+        )
     rank0 = group.ranks[0]
     rendezvous = client[[rank0.engine_id]].apply_async(
         bootstrap.open_rendezvous, group.rendezvous_addr
@@ -412,7 +424,7 @@ def reform_group(
                 lingers=f"each gives up its wait in torch's store after --timeout "
                 f"({timeout:g} s), then takes the next cell, which tries again; %dist_restart "
                 "starts fresh ranks",
-                processes=_processes_here(group.ranks),
+                processes=processes,
             ),
         ).wait()
     except BaseException:

@@ -29,14 +29,16 @@ from collections.abc import Callable, Mapping, Sequence
 import psutil
 
 from nbdist.driver.call_guard import CallGuard
-from nbdist.driver.process_state import process_state_of, ranks_in_words
+from nbdist.driver.process_state import (
+    STOPPED_STATES,
+    process_state_of,
+    ranks_in_words,
+    stopped_in_words,
+)
 from nbdist.driver.rank_deaths import RankMonitor
 from nbdist.errors import format_ranks
 
 __all__ = ["JoinGuard"]
-
-# Process states in which a rank cannot take a signal until it is continued.
-_STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 
 class JoinGuard(CallGuard):
@@ -95,18 +97,25 @@ class JoinGuard(CallGuard):
         tracer): after an interrupt, the settle need not wait for what cannot unwind."""
         running = [r for r, s in run.child_states().items() if s == "running"]
         return bool(running) and all(
-            rank in self._processes and process_state_of(self._processes[rank]) in _STOPPED
+            rank in self._processes and process_state_of(self._processes[rank]) in STOPPED_STATES
             for rank in running
         )
 
     def silent_states(self, ranks) -> str:
         """What the processes here of ``ranks`` (those that had not answered) are doing."""
-        entries = [
+        entries = self._states(ranks)
+        return ranks_in_words(entries, stay=self._processes_stay) if entries else ""
+
+    def stopped_ranks(self, ranks) -> tuple[list[int], str]:
+        """Which of ``ranks`` are stopped processes here (SIGSTOP, a tracer), and in words."""
+        return stopped_in_words(self._states(ranks), stay=self._processes_stay)
+
+    def _states(self, ranks) -> list[tuple[int, int, str]]:
+        return [
             (rank, self._processes[rank].pid, process_state_of(self._processes[rank]))
             for rank in ranks
             if rank in self._processes
         ]
-        return ranks_in_words(entries, stay=self._processes_stay) if entries else ""
 
     def note(self, failures=()) -> str:
         """Which ranks waited for the failed ones ('' if none did), and how long they may."""

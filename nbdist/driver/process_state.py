@@ -17,18 +17,22 @@ import psutil
 from nbdist.errors import format_ranks
 
 __all__ = [
+    "STOPPED_STATES",
     "process_here",
     "process_state_of",
     "process_states",
     "ranks_in_words",
     "state_phrase",
     "states_in_words",
+    "stopped_in_words",
 ]
 
 # Above this many ranks of one state, their PIDs (and a command over them) are left out.
 _NAMED_PIDS = 4
 
 ENDED = "ended"
+# The states in which a process cannot take a signal, nor answer, until it is continued.
+STOPPED_STATES = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
 
 # What each state means for an engine that holds a request and does not answer, and, for a
 # process that is still there after the error, what to do or what shows more. "Asleep"
@@ -144,6 +148,20 @@ def ranks_in_words(entries: Sequence[tuple[int, int, str]], *, stay: bool = True
                 f"{_plural(_words(state, pids, stay=False))}"
             )
     return "; ".join(parts)
+
+
+def stopped_in_words(
+    entries: Sequence[tuple[int, int, str]], *, stay: bool = True
+) -> tuple[list[int], str]:
+    """Of ``(rank, pid, state)`` entries, the ranks whose process is stopped (SIGSTOP, a
+    tracer), and those processes as :func:`ranks_in_words` says them ('' if none is).
+
+    >>> stopped_in_words([(0, 50, "sleeping"), (1, 51, "stopped")])
+    ([1], 'the process here of rank 1 (pid 51) is stopped (SIGSTOP, or Ctrl-Z in its terminal): `kill -CONT 51` lets it go on')
+    """
+    stopped = [entry for entry in entries if entry[2] in STOPPED_STATES]
+    words = ranks_in_words(stopped, stay=stay) if stopped else ""
+    return sorted(rank for rank, _pid, _state in stopped), words
 
 
 def state_phrase(state: str) -> str:

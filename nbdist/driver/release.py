@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from nbdist.driver.release_note import NO_ANSWER
+from nbdist.driver.release_note import NO_ANSWER, STOPPED_PROCESS
 
 __all__ = ["ASK_S", "raised_in_cell", "release_ranks"]
 
@@ -50,13 +50,16 @@ def release_ranks(
     known_waits: dict[int, str],
     spared: set[int],
     cell_age: float,
+    stopped: set[int] = frozenset(),
 ) -> dict[int, str]:
     """Release every live rank of ``session``; {rank: where it was released from}.
 
     ``known_waits``: {rank: 'isend #18'} of ranks found waiting where nbdist's records do not
     show them inside a call (they get :data:`KNOWN_WAIT_UNWIND_S`). ``spared``: ranks not to
     SIGINT (code that caught the interrupt runs its handling on, as after a second Ctrl-C it
-    would not; a request outside the user's code ends by itself).
+    would not; a request outside the user's code ends by itself). ``stopped``: ranks whose
+    processes here are stopped (SIGSTOP, a tracer): told, but neither asked nor waited for
+    (no answer comes until they are continued), and SIGINTed at once (it waits for them).
     """
     from nbdist.driver.where import ask, control_request
 
@@ -64,8 +67,13 @@ def release_ranks(
     live = [r for r in session.ranks if r.rank not in dead]
     running = set(r for r, s in run.child_states().items() if s == "running") - set(dead)
     client = session.client
-    found = {w.rank: w for w in ask(client, [r for r in live if r.rank in running], timeout=ASK_S)}
-    control_request(client, [r.engine_id for r in live], "release", timeout=2.0)
+    asked = [r for r in live if r.rank in running and r.rank not in stopped]
+    found = {w.rank: w for w in ask(client, asked, timeout=ASK_S)}
+    # The stopped ones read their release once continued; no wait for their answers.
+    control_request(client, [r.engine_id for r in live if r.rank in stopped], "release", 0)
+    control_request(
+        client, [r.engine_id for r in live if r.rank not in stopped], "release", timeout=2.0
+    )
     session.group.released = True
     released_from: dict[int, str] = {}
     computing: set[int] = set()
@@ -84,7 +92,13 @@ def release_ranks(
     start = time.monotonic()
     deadline = {
         r: start
-        + (KNOWN_WAIT_UNWIND_S if r in known_waits or r not in answered else UNWIND_GRACE_S)
+        + (
+            0.0
+            if r in stopped
+            else KNOWN_WAIT_UNWIND_S
+            if r in known_waits or r not in answered
+            else UNWIND_GRACE_S
+        )
         for r in computing
     }
     ended_alone: list[int] = []
@@ -101,7 +115,7 @@ def release_ranks(
         overdue = sorted(r for r in computing if now >= deadline[r])
         if overdue:
             computing.difference_update(overdue)
-            released_from.update(_interrupted(overdue, answered, known_waits))
+            released_from.update(_interrupted(overdue, answered, known_waits, stopped))
             session.interrupt(overdue)
         if computing:
             time.sleep(0.02)
@@ -110,11 +124,15 @@ def release_ranks(
     return released_from
 
 
-def _interrupted(ranks: list[int], answered: set[int], known_waits: dict[int, str]) -> dict:
+def _interrupted(
+    ranks: list[int], answered: set[int], known_waits: dict[int, str], stopped: set[int]
+) -> dict:
     """Where released ``ranks``, about to be SIGINTed as they did not end by themselves, were."""
     said = {}
     for rank in ranks:
-        if rank not in answered and rank not in known_waits:
+        if rank in stopped:
+            said[rank] = STOPPED_PROCESS
+        elif rank not in answered and rank not in known_waits:
             # Computing in native code that holds the GIL, or a machine so loaded that
             # the answer came late: where it was is not known, so it is not named.
             said[rank] = NO_ANSWER

@@ -15,6 +15,7 @@ from nbdist.errors import ranks_text
 __all__ = [
     "NO_ANSWER",
     "PAIRED_BUT_DIFFERENT",
+    "STOPPED_PROCESS",
     "STRANDED",
     "ended_parts",
     "released_parts",
@@ -22,6 +23,8 @@ __all__ = [
 
 # A released rank that did not say where it was (its name in released_from).
 NO_ANSWER = "(no answer)"
+# ...one whose process here is stopped (SIGSTOP, a tracer): not asked, its SIGINT pending.
+STOPPED_PROCESS = "(stopped)"
 
 # What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
 STRANDED = (
@@ -50,10 +53,17 @@ def released_parts(released_from: dict[int, str], *, ask_s: float) -> list[str]:
     """
     parts = []
     for what, ranks in _by_place(released_from).items():
+        where = "they were" if len(ranks) > 1 else "it was"
         if what == NO_ANSWER:
-            where = "they were" if len(ranks) > 1 else "it was"
             parts.append(
                 f"{ranks_text(ranks)} interrupted where {where} (no answer within {ask_s:g} s)"
+            )
+            continue
+        if what == STOPPED_PROCESS:
+            whose = "their processes are" if len(ranks) > 1 else "its process is"
+            parts.append(
+                f"{ranks_text(ranks)} interrupted where {where} ({whose} stopped: the "
+                "interrupt waits until continued)"
             )
             continue
         if len(ranks) > 1 and what.startswith("its "):

@@ -161,7 +161,20 @@ class RunInterrupts:
         return RanksInterrupted(None, finished=finished, **self._interrupted_context(caught))
 
     def _interrupted_context(self, caught: set[int]) -> dict:
-        return dict(where=self.where_report, note=self._guard.note(), caught=sorted(caught))
+        suspended, words = self._left_stopped()
+        return dict(
+            where=self.where_report,
+            note=self._guard.note(),
+            caught=sorted(caught),
+            suspended=suspended,
+            suspended_words=words,
+        )
+
+    def _left_stopped(self) -> tuple[list[int], str]:
+        """The ranks still running whose processes here are stopped (SIGSTOP, a tracer), and
+        those processes in words (where the guard reads the ranks' processes)."""
+        running = [r for r, s in self.child_states().items() if s == "running"]
+        return self._guard.stopped_ranks(running) if running else ([], "")
 
     def _caught(self) -> set[int]:
         """Once every rank replied: the ranks whose code caught the interrupt, those the guard

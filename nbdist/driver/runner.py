@@ -396,6 +396,13 @@ class RankRun(RunInterrupts):
                     "(the next cell runs there after it; interrupt it to stop that code)"
                     + (f"\n{note}" if note else "")
                 )
+            suspended, words = self._left_stopped()
+            if suspended:
+                # No grace helps them, and the next cell would wait for them in turn.
+                note = (
+                    f"{format_ranks(suspended)} cannot take the interrupt until continued: "
+                    f"{words}; %dist_restart starts fresh ranks" + (f"\n{note}" if note else "")
+                )
             raise CellTimeout(
                 f"the cell ran longer than --timeout {self._timeout:g} s on "
                 f"{len(self.ranks)} rank(s) and was interrupted; raise --timeout or leave it "

@@ -418,3 +418,16 @@ def test_an_interrupt_names_the_ranks_whose_own_code_caught_it():
         "rank 3 caught the KeyboardInterrupt and still runs its handling code (the next cell "
         "runs there after it); interrupt again, or %dist_restart"
     )
+    # A stopped process takes no signal: named with what lets it go on, not as blocked;
+    # "interrupt again" is said only while a rank it could reach still runs.
+    held = "the process here of rank 2 (pid 7) is stopped (...): `kill -CONT 7` lets it go on"
+    suspended = RanksInterrupted(None, [2], suspended=[2], suspended_words=held)
+    assert str(suspended) == (
+        f"rank 2 cannot take the interrupt until continued: {held}; or %dist_restart"
+    )
+    beside = RanksInterrupted(None, [2, 3], suspended=[2], suspended_words=held)
+    assert str(beside) == (
+        f"rank 2 cannot take the interrupt until continued: {held}; rank 3 did not stop after "
+        "the interrupt (blocked in a collective or in native code?); interrupt again, or "
+        "%dist_restart"
+    )

@@ -18,6 +18,7 @@ from nbdist.driver.process_state import (
     process_states,
     ranks_in_words,
     states_in_words,
+    stopped_in_words,
 )
 
 
@@ -94,3 +95,15 @@ def test_a_few_ranks_of_one_state_are_named_with_their_pids_and_one_command():
         "the processes here of ranks 2-3 (pids 12,13) are stopped (SIGSTOP, or Ctrl-Z in their "
         "terminal): `kill -CONT 12 13` lets them go on"
     )
+
+
+def test_only_stopped_and_traced_ranks_are_picked_out_and_named_together():
+    entries = [(0, 10, "sleeping"), (3, 13, "tracing-stop"), (2, 12, "stopped"), (1, 11, "running")]
+    ranks, words = stopped_in_words(entries)
+    assert ranks == [2, 3]
+    assert words == (
+        "the process here of rank 2 (pid 12) is stopped (SIGSTOP, or Ctrl-Z in its terminal): "
+        "`kill -CONT 12` lets it go on; the process here of rank 3 (pid 13) is held by a "
+        "debugger or tracer attached to it"
+    )
+    assert stopped_in_words(entries[:1] + entries[3:]) == ([], "")
