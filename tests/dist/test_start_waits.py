@@ -10,6 +10,7 @@ one rank; the next try forms a working group in both.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -20,7 +21,7 @@ import pytest
 import nbdist
 import nbdist.driver.group as group_module
 from nbdist.driver.runner import CellTimeout
-from nbdist.errors import NbdistError
+from nbdist.errors import NbdistError, RankError
 from tests.conftest import wait_gone
 
 
@@ -208,21 +209,34 @@ def test_an_engine_of_nbdists_stopped_before_the_start_asks_it_is_named_with_its
 
 
 def test_a_rank_stopped_while_the_group_forms_again_leaves_the_next_try_a_clean_group():
-    """A re-forming cut short by a stopped rank: rank 0 waits for it in torch's store,
-    where a SIGINT does not reach it. Before, rank 0 stayed there for --group-timeout
-    (300 s here) and the next try timed out (at 120 s); now the store's waits while
-    joining end with the --timeout (4 s here), and the request the stopped rank had not
-    begun is taken back.
+    """A re-forming cut short by a rank stopped after it began: rank 0 waits for it in
+    torch's store, where a SIGINT does not reach it. Before, rank 0 stayed there for
+    --group-timeout (300 s here) and the next try timed out (at 120 s); now the store's
+    waits while joining end with the --timeout (4 s here), and the request the stopped rank
+    had not begun is taken back. (A rank already stopped when the re-forming begins is
+    refused at once: tests/faults/test_stopped_rank.py.)
     """
     s = nbdist.DistSession(2, cpu=True, timeout=120, group_timeout=300).start()
     try:
         stopped = s.ranks[1].pid
-        with _stopped(stopped), pytest.raises(CellTimeout, match="forming the process group") as e:
-            group_module.reform_group(
-                s.client, s.group, group_timeout=300, timeout=4, interrupt=s.interrupt
-            )
+        # Rank 1 stops itself 2 s on, in a cell of its own: the re-forming's request, queued
+        # behind that cell, is never begun.
+        busy = s.run(
+            "import os, signal, time\ntime.sleep(2)\nos.kill(os.getpid(), signal.SIGSTOP)",
+            ranks=1,
+            block=False,
+        )
+        try:
+            with pytest.raises(CellTimeout, match="forming the process group") as e:
+                group_module.reform_group(
+                    s.client, s.group, group_timeout=300, timeout=4, interrupt=s.interrupt
+                )
+        finally:
+            os.kill(stopped, signal.SIGCONT)
         assert f"the process here of rank 1 (pid {stopped}) is stopped" in str(e.value), e.value
         assert s.group.released  # the next cell would try again: here, by hand
+        with contextlib.suppress(RankError):  # the re-forming's SIGINT, taken once continued
+            busy.wait()
         s.reform_group()
         _reduces(s)
     finally:
