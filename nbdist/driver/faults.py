@@ -188,6 +188,13 @@ class CellGuard:
             # error): it is released only from a collective that ranks which ended never enter.
             self._look_stranded(run, states, running, now)
         elif failed and running:
+            if self._first_failure is None and set(failed) <= set(run.interrupted_ranks()):
+                # Every failed rank stopped on a SIGINT the kernel did not send (the sidebar's
+                # interrupt, `kill -INT`): the ranks were interrupted from elsewhere, and the
+                # others' may land late on a loaded machine. Handled as the kernel's own: not
+                # "rank 1 failed", and code that caught it runs its handling on.
+                self.interrupted()
+                return
             before, self._running_last_pass = self._running_last_pass, len(running)
             if self._first_failure is None:
                 self._first_failure = self._last_end = now

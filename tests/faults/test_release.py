@@ -483,3 +483,29 @@ def test_ddp_with_a_step_more_on_one_rank_is_released_naming_the_uneven_steps(se
     # The released call stays open in the recorder, under the old group: a later cell in
     # which rank 0 works alone for longer than the guard's grace is not taken for a hang.
     session.run("import time\nif rank == 0:\n    time.sleep(5)\n", timeout=50, sink=ListSink())
+
+
+def test_an_interrupt_from_outside_the_kernel_reads_as_an_interrupt_not_a_failure(session):
+    """The sidebar's interrupt sends SIGINT to the ranks by PID (``DistSession.interrupt``),
+    not through the kernel: rank 1 stops on it, rank 0 waits in a receive that no SIGINT
+    ends, and is released. Before, the cell's error said "rank 1 failed" of a rank the user
+    interrupted."""
+    run = session.run(
+        "t = torch.zeros(1)\nif rank == 0:\n    dist.recv(t, src=1)\n"
+        "else:\n    import time\n    time.sleep(120)",
+        block=False,
+        timeout=60,
+        sink=ListSink(),
+    )
+    deadline = time.monotonic() + 60
+    while not (session.where([0])[0].collective or {}).get("inside"):
+        assert time.monotonic() < deadline, "rank 0 never waited in its receive"
+        time.sleep(0.05)
+    session.interrupt()
+    with pytest.raises(RankError) as info:
+        run.wait()
+    text = str(info.value)
+    assert [(f.rank, f.ename) for f in info.value.failures] == [(1, "KeyboardInterrupt")], text
+    assert "the cell was interrupted; the others were released: rank 0 from recv #" in text, text
+    assert "rank 1 failed" not in text
+    reduce_works(session)
