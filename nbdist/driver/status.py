@@ -21,6 +21,7 @@ import time
 
 from nbdist.dashboard.table import PER_RANK_UP_TO, fmt_gpu_memory, fmt_gpu_temp, fmt_gpu_util
 from nbdist.driver.ipp_internals import awaiting_replies, queue_status
+from nbdist.driver.process_state import STOPPED_STATES, stopped_in_words
 from nbdist.driver.where import control_request
 from nbdist.errors import format_ranks
 from nbdist.number_ranges import fold_texts
@@ -47,8 +48,9 @@ _DEVIATING_SHOWN = 16
 RESTART_HINT = "%dist_restart brings every rank back"
 
 
-def _memory_mib(pid: int) -> float | None:
-    """The rank's proportional set size (PSS): its own pages plus its share of shared ones.
+def _memory_and_state(pid: int) -> tuple[float | None, str]:
+    """The rank's proportional set size (PSS): its own pages plus its share of shared ones,
+    and its process's state (psutil's word: 'stopped', 'sleeping'...); (None, '') once gone.
 
     Forked ranks share torch's pages with the zygote and each other: RSS counts
     them in every rank (188 MiB a rank at 256 ranks, 23.5 GiB for a host holding
@@ -58,20 +60,21 @@ def _memory_mib(pid: int) -> float | None:
 
     try:
         proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its parent
-            return None
+        state = proc.status()
+        if state == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its parent
+            return None, ""
         rss = proc.memory_info().rss / 2**20
     except psutil.Error:
-        return None
+        return None, ""
     try:
         # smaps_rollup (Linux >= 4.14) is one summed read, cheap enough for 256 ranks.
         with open(f"/proc/{pid}/smaps_rollup") as rollup:
             for line in rollup:
                 if line.startswith("Pss:"):
-                    return int(line.split()[1]) / 1024
+                    return int(line.split()[1]) / 1024, state
     except (OSError, ValueError, IndexError):
         pass
-    return rss
+    return rss, state
 
 
 def _queues(client, targets: list[int], settle: bool) -> tuple[dict, set[int]]:
@@ -171,7 +174,7 @@ def rank_status(
             state = IDLE
         # A PID of another host (or PID namespace) names some other process here.
         local = handle.owned and info.pid_here
-        memory = _memory_mib(info.pid) if local else None
+        memory, process = _memory_and_state(info.pid) if local else (None, "")
         if (local and memory is None) or info.rank in dead:
             state = DEAD
         rows.append(
@@ -188,6 +191,9 @@ def rank_status(
                 dropped=None if dropped is None else int(dropped.get(info.rank, 0)),
             )
         )
+        if process in STOPPED_STATES and state != DEAD:
+            # Idle or busy to the controller for up to 30 s, yet it runs nothing until continued.
+            rows[-1]["process"] = process
         if info.rank in gpus and state != DEAD:
             rows[-1]["gpu"] = gpus[info.rank]
     flagged = stragglers(run) if run is not None else {}
@@ -266,6 +272,11 @@ def _table(
     for r in rows:
         if r.get("straggler") and r["state"] != DEAD:
             notes.append(f"rank {r['rank']} is a straggler: {r['straggler']}")
+    _ranks, stopped = stopped_in_words(
+        [(r["rank"], r["pid"], r["process"]) for r in rows if r.get("process")]
+    )
+    if stopped:
+        notes.append(stopped)
     lost = sum(r.get("dropped") or 0 for r in rows)
     if lost:
         notes.append(
@@ -279,7 +290,7 @@ def _table(
 
 
 def deviating(rows: list[dict]) -> list[dict]:
-    """The rows of ranks that stand out: dead, a straggler, or in a state few ranks share.
+    """The rows of ranks that stand out: dead, a straggler, stopped, or in a state few ranks share.
 
     "Few": at most an eighth of the living ranks, and fewer than hold the
     commonest state (busy ranks while most are idle, idle ranks while most are
@@ -299,7 +310,11 @@ def deviating(rows: list[dict]) -> list[dict]:
     odd = [
         r
         for r in rows
-        if r["state"] == DEAD or r.get("straggler") or rare(r) or (r.get("dropped") or 0) > 0
+        if r["state"] == DEAD
+        or r.get("straggler")
+        or r.get("process")
+        or rare(r)
+        or (r.get("dropped") or 0) > 0
     ]
     return sorted(odd, key=lambda r: (r["state"] != DEAD, not r.get("straggler")))
 

@@ -22,6 +22,7 @@ import pytest
 
 from nbdist.driver.runner import CellTimeout
 from nbdist.driver.sinks import ListSink
+from nbdist.driver.status import format_status
 from nbdist.errors import NbdistError, RanksInterrupted
 from tests.faults.two_ranks import reduce_works, two_ranks
 
@@ -118,3 +119,19 @@ def test_an_interrupt_with_a_rank_stopped_names_it_instead_of_a_blocked_collecti
     )
     assert "blocked in a collective" not in "\n".join(error._render_traceback_())
     _next_cell_refused_then_continued(session, stopped_pid)
+
+
+def test_status_names_the_stopped_rank_which_the_controller_still_counts_as_idle(
+    session, stopped_pid
+):
+    rows = session.status()
+    assert [row["state"] for row in rows] == ["idle", "idle"]  # the controller's word
+    assert [row.get("process") for row in rows] == [None, "stopped"]
+    words = (
+        f"the process here of rank 1 (pid {stopped_pid}) is stopped (SIGSTOP, or Ctrl-Z in its "
+        f"terminal): `kill -CONT {stopped_pid}` lets it go on"
+    )
+    assert words in format_status(rows).splitlines()
+    os.kill(stopped_pid, signal.SIGCONT)
+    _wait_for_state(stopped_pid, psutil.STATUS_SLEEPING)
+    assert "kill -CONT" not in format_status(session.status())

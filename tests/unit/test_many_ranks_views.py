@@ -61,6 +61,19 @@ def test_no_deviation_is_said_and_a_straggler_deviates():
     assert "rank 5 is a straggler: 1.6× step time" in format_status(steady)
 
 
+def test_a_stopped_rank_deviates_and_is_named_with_the_command_that_continues_it():
+    # Idle to the controller (its heartbeat allows 30 s of silence), stopped to the process table.
+    table = rows(256)
+    table[42]["process"] = "stopped"
+    assert [r["rank"] for r in deviating(table)] == [42]
+    text = format_status(table)
+    assert "1 rank deviating (%dist_status --all lists every rank):" in text
+    assert text.splitlines()[-1] == (
+        "the process here of rank 42 (pid 1042) is stopped (SIGSTOP, or Ctrl-Z in its "
+        "terminal): `kill -CONT 1042` lets it go on"
+    )
+
+
 def test_busy_ranks_deviate_only_while_most_are_idle():
     half = rows(16, hosts=1, busy=set(range(8)))
     assert deviating(half) == []  # as many busy as idle: the counts say it
