@@ -33,7 +33,6 @@ from nbdist.driver.process_state import (
     STOPPED_STATES,
     process_here,
     process_state_of,
-    state_phrase,
     stopped_in_words,
 )
 from nbdist.driver.release import ASK_S, raised_in_cell, release_ranks
@@ -415,22 +414,15 @@ class CellGuard:
 
         ``only_if_waiting``: "" unless some rank waits in a collective or does not answer.
         """
-        from nbdist.driver.where import RankWhere, ask, format_where
+        from nbdist.driver.where import ask_unless_stopped, format_where
 
         live = [r for r in self.ranks if r.rank not in self.dead()]
-        # A stopped process answers nothing until continued: said, not waited for.
-        states = {r.rank: self._process_state(r.rank) for r in live}
-        stopped = [
-            RankWhere(r.rank, answered=False, note=f"not asked: its process {state_phrase(state)}")
-            for r in live
-            if (state := states[r.rank]) in STOPPED_STATES
-        ]
-        asked = [r for r in live if states[r.rank] not in STOPPED_STATES]
         try:
-            found = ask(self.session.client, asked, timeout=1.0) if asked else []
+            found = ask_unless_stopped(
+                self.session.client, live, lambda info: self._process_state(info.rank), timeout=1.0
+            )
         except Exception as exc:  # a diagnosis must never hide the timeout itself
             return f"(could not ask the ranks: {exc})"
-        found = sorted([*found, *stopped], key=lambda w: w.rank)
         waiting = any(not w.answered or (w.collective or {}).get("inside") for w in found)
         if only_if_waiting and not waiting:
             return ""

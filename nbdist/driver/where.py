@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 from nbdist.driver.ipp_internals import send_control
 from nbdist.driver.output_fold import fold_key
-from nbdist.driver.process_state import process_here, process_state_of, state_phrase
+from nbdist.driver.process_state import (
+    STOPPED_STATES,
+    process_here,
+    process_state_of,
+    state_phrase,
+)
 from nbdist.engine.control import REQUEST
 from nbdist.engine.flight_recorder import DEFAULT_GROUP
 from nbdist.errors import format_ranks
@@ -163,15 +168,40 @@ def _no_answer(info, timeout: float) -> str:
     # What a rank that did not answer is doing, where its process is on this machine (the
     # process table says stopped, asleep, running...); elsewhere, what it may be.
     said = f"no answer within {timeout:g} s"
-    procs = process_here(info.pid) if getattr(info, "pid_here", False) else []
-    if not procs:
+    state = state_here(info)
+    if not state:
         return f"{said} (dead, or native code holding the GIL)"
-    return f"{said}; its process {state_phrase(process_state_of(procs[0]))}"
+    return f"{said}; its process {state_phrase(state)}"
+
+
+def ask_unless_stopped(
+    client, ranks: Sequence, state_of: Callable, *, timeout: float = _ANSWER_TIMEOUT_S
+) -> list[RankWhere]:
+    """:func:`ask` ``ranks`` (RankInfo), in rank order, but those whose process here is
+    stopped (SIGSTOP, a tracer; ``state_of(info)``: its state, '' where not read): such a
+    process answers nothing until continued, so it is said, not waited for."""
+    states = {info.rank: state_of(info) for info in ranks}
+    stopped = [
+        RankWhere(info.rank, answered=False, note=f"not asked: its process {state_phrase(state)}")
+        for info in ranks
+        if (state := states[info.rank]) in STOPPED_STATES
+    ]
+    asked = [info for info in ranks if states[info.rank] not in STOPPED_STATES]
+    found = ask(client, asked, timeout=timeout) if asked else []
+    return sorted([*found, *stopped], key=lambda w: w.rank)
+
+
+def state_here(info) -> str:
+    """The state of ``info``'s process on this machine ('' where its PID is not read here)."""
+    procs = process_here(info.pid) if getattr(info, "pid_here", False) else []
+    return process_state_of(procs[0]) if procs else ""
 
 
 def locate(client, ranks: Sequence, dead: dict[int, str]) -> list[RankWhere]:
-    """:func:`ask` the live ``ranks`` (RankInfo); ``dead`` ones ({rank: cause}) are reported as such."""
-    found = {w.rank: w for w in ask(client, [r for r in ranks if r.rank not in dead])}
+    """:func:`ask` the live ``ranks`` (RankInfo; a stopped one is not waited for); ``dead``
+    ones ({rank: cause}) are reported as such."""
+    live = [r for r in ranks if r.rank not in dead]
+    found = {w.rank: w for w in ask_unless_stopped(client, live, state_here)}
     for rank, cause in dead.items():
         found[rank] = RankWhere(rank, answered=False, note=f"dead: {cause}")
     return [found[r.rank] for r in ranks if r.rank in found]
