@@ -89,6 +89,10 @@ class CallGuard:
         """What the processes of ``ranks`` are doing is not read here: ''."""
         return ""
 
+    def held_stopped(self) -> set[int]:
+        """Ranks released while stopped: nothing is released here, none."""
+        return set()
+
     def stopped_ranks(self, ranks) -> tuple[list[int], str]:
         """Which of ``ranks`` are stopped processes, and in words: not read here, none."""
         return [], ""

@@ -39,6 +39,7 @@ from nbdist.driver.release import ASK_S, raised_in_cell, release_ranks
 from nbdist.driver.release_note import (
     NO_ANSWER,
     PAIRED_BUT_DIFFERENT,
+    STOPPED_PROCESS,
     STRANDED,
     ended_parts,
     released_parts,
@@ -208,6 +209,11 @@ class CellGuard:
                 self.release(run, f"{ranks_text(failed)} failed")
             elif now >= self._next_failure_look:
                 self._failure_looks += 1
+                if set(running) <= self._stopped_now(run):
+                    # Every rank still running is a stopped process: none can end by itself,
+                    # nor answer where it waits, until it is continued.
+                    self.release(run, f"{ranks_text(failed)} failed")
+                    return
                 waits = self._waits_for_failed(run, running, failed)
                 if waits:
                     # Named by their call: a wait outside nbdist's record (on a work's
@@ -348,9 +354,23 @@ class CellGuard:
             self._interrupted_at = time.monotonic()
 
     def finished(self, run) -> bool:
-        """Every rank returned, or died (a dead rank's reply may never come)."""
+        """Every rank returned, died (a dead rank's reply may never come), or, released while
+        its process was stopped, is stopped still: its reply comes only once it is continued
+        (after the kernel's own interrupt or --timeout, the settle ends and says so instead)."""
         dead = self.dead()
-        return all(state != "running" or rank in dead for rank, state in run.child_states().items())
+        held = set() if run.told_to_stop else self.held_stopped()
+        return all(
+            state != "running" or rank in dead or rank in held
+            for rank, state in run.child_states().items()
+        )
+
+    def held_stopped(self) -> set[int]:
+        """The ranks released while their processes were stopped, and stopped still."""
+        return {
+            rank
+            for rank, what in self._released_from.items()
+            if what == STOPPED_PROCESS and self._process_state(rank) in STOPPED_STATES
+        }
 
     def release(self, run, reason: str) -> None:
         """Break every live rank out of its collective; SIGINT the ranks still computing."""

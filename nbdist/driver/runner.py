@@ -225,6 +225,11 @@ class RankRun(RunInterrupts):
             return {}
         return {rank: engines[self._index[rank]] for rank in ranks if rank in self._index}
 
+    @property
+    def told_to_stop(self) -> bool:
+        """Whether the kernel told the ranks to stop (a Ctrl-C or the --timeout)."""
+        return self._stopped
+
     def child_states(self) -> dict[int, str]:
         """{rank: 'running' | 'ok' | 'error'} from each rank's own reply."""
         if self._concluded:
@@ -278,9 +283,9 @@ class RankRun(RunInterrupts):
 
     def _finish_output(self) -> None:
         # The result can arrive before the last output message; wait briefly for it.
-        # A dead rank's output never completes: do not wait for it.
-        dead = self._guard.dead()
-        self._ar.wait_for_output(timeout=0.5 if dead else 5)
+        # A dead rank's output never completes, nor a stopped one's: do not wait for it.
+        gone = self._guard.dead() or self._guard.held_stopped()
+        self._ar.wait_for_output(timeout=0.5 if gone else 5)
         self._drain()
         self._streams.finish(self._merger)
         self._merger.close()

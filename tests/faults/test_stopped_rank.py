@@ -24,6 +24,7 @@ from nbdist.driver.runner import CellTimeout
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.status import format_status
 from nbdist.errors import NbdistError, RanksInterrupted
+from tests.faults.failing import failing_cell
 from tests.faults.two_ranks import reduce_works, two_ranks
 
 # Every rank reduces until interrupted: rank 0 waits in all_reduce for the stopped rank 1.
@@ -135,3 +136,25 @@ def test_status_names_the_stopped_rank_which_the_controller_still_counts_as_idle
     os.kill(stopped_pid, signal.SIGCONT)
     _wait_for_state(stopped_pid, psutil.STATUS_SLEEPING)
     assert "kill -CONT" not in format_status(session.status())
+
+
+def test_a_rank_failing_while_another_is_stopped_ends_the_cell_naming_both(session, stopped_pid):
+    # Rank 0 fails; rank 1, stopped, never begins the cell. Before, the cell waited until the
+    # controller dropped the stopped rank's silent engine (30 s), then named it dead; here
+    # the cell's --timeout (25 s) would end it first.
+    err = failing_cell(
+        session,
+        "if rank == 0:\n    raise ValueError('bad batch')\nt = torch.ones(1)\ndist.all_reduce(t)",
+        timeout=25,
+    )
+    text = str(err)
+    assert [(f.rank, f.ename) for f in err.failures] == [(0, "ValueError")], text
+    assert (
+        "rank 0 failed; the others were released: rank 1 interrupted where it was (its process "
+        "is stopped: the interrupt waits until continued)"
+    ) in text
+    # Forming the group again after the cell cannot wait for it either.
+    assert "Forming the process group again failed (the process group must be formed" in text
+    assert f"`kill -CONT {stopped_pid}` lets it go on" in text, text
+    assert psutil.Process(stopped_pid).status() == psutil.STATUS_STOPPED
+    _next_cell_refused_then_continued(session, stopped_pid)
