@@ -89,7 +89,7 @@ class CallGuard:
         """What the processes of ``ranks`` are doing is not read here: ''."""
         return ""
 
-    def held_stopped(self) -> set[int]:
+    def held_stopped(self, run) -> set[int]:
         """Ranks released while stopped: nothing is released here, none."""
         return set()
 

@@ -209,7 +209,7 @@ class CellGuard:
                 self.release(run, f"{ranks_text(failed)} failed")
             elif now >= self._next_failure_look:
                 self._failure_looks += 1
-                if set(running) <= self._stopped_now(run):
+                if all(self._process_state(r) in STOPPED_STATES for r in running):
                     # Every rank still running is a stopped process: none can end by itself,
                     # nor answer where it waits, until it is continued.
                     self.release(run, f"{ranks_text(failed)} failed")
@@ -355,21 +355,28 @@ class CellGuard:
 
     def finished(self, run) -> bool:
         """Every rank returned, died (a dead rank's reply may never come), or, released while
-        its process was stopped, is stopped still: its reply comes only once it is continued
-        (after the kernel's own interrupt or --timeout, the settle ends and says so instead)."""
+        its process was stopped before it began the cell, is stopped still: its reply comes
+        only once it is continued (after the kernel's own interrupt or --timeout, the settle
+        ends and says so instead)."""
         dead = self.dead()
-        held = set() if run.told_to_stop else self.held_stopped()
+        held = set() if run.told_to_stop else self.held_stopped(run)
         return all(
             state != "running" or rank in dead or rank in held
             for rank, state in run.child_states().items()
         )
 
-    def held_stopped(self) -> set[int]:
-        """The ranks released while their processes were stopped, and stopped still."""
+    def held_stopped(self, run) -> set[int]:
+        """The ranks released while their processes were stopped, stopped still, that had not
+        begun the cell. One that had may hold a collective of it once continued (a receive
+        halfway through its data): the cell waits for it, to end it if it does."""
         return {
             rank
             for rank, what in self._released_from.items()
-            if what == STOPPED_PROCESS and self._process_state(rank) in STOPPED_STATES
+            if what == STOPPED_PROCESS
+            # Where no rank's beginning was seen (no status message), none counts as not begun.
+            and run.began
+            and rank not in run.began
+            and self._process_state(rank) in STOPPED_STATES
         }
 
     def release(self, run, reason: str) -> None:
@@ -398,12 +405,18 @@ class CellGuard:
         otherwise run on from a cell the others left)."""
         if self.caught is None and not self.released:
             return False
-        running = [r for r, s in run.child_states().items() if s == "running"]
-        stopped = self._stopped_now(run)
-        if not stopped:
-            return False
-        rest = {r for r in running if r not in stopped}
-        return not rest or not rest - set(self.dead())
+        dead, stopped = None, False
+        # Read on each pass of the settle: at the first rank that can still end, it answers.
+        for rank, state in run.child_states().items():
+            if state != "running":
+                continue
+            if self._process_state(rank) in STOPPED_STATES:
+                stopped = True
+                continue
+            dead = self.dead() if dead is None else dead
+            if rank not in dead:
+                return False
+        return stopped
 
     def stopped_ranks(self, ranks) -> tuple[list[int], str]:
         """Which of ``ranks`` are stopped processes here (SIGSTOP, a tracer), and in words

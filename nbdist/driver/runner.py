@@ -284,7 +284,7 @@ class RankRun(RunInterrupts):
     def _finish_output(self) -> None:
         # The result can arrive before the last output message; wait briefly for it.
         # A dead rank's output never completes, nor a stopped one's: do not wait for it.
-        gone = self._guard.dead() or self._guard.held_stopped()
+        gone = self._guard.dead() or self._guard.held_stopped(self)
         self._ar.wait_for_output(timeout=0.5 if gone else 5)
         self._drain()
         self._streams.finish(self._merger)
