@@ -27,6 +27,7 @@ __all__ = [
     "UnpicklableValue",
     "format_ranks",
     "ranks_text",
+    "suspended_words",
 ]
 
 # Beyond this many distinct failures, further groups get one line each: a
@@ -340,6 +341,12 @@ def _family_headlines(
     return fold_texts({rank: _headline(failure) for ranks, failure in family for rank in ranks})
 
 
+def suspended_words(ranks: Sequence[int], processes: str) -> str:
+    """What an interrupt's error says of ``ranks`` whose processes are stopped; ``processes``:
+    which they are and what lets them go on (:func:`nbdist.driver.process_state.stopped_in_words`)."""
+    return f"{format_ranks(ranks)} cannot take the interrupt until continued: {processes}"
+
+
 class RanksInterrupted(KeyboardInterrupt):
     """The cell was interrupted (Ctrl-C or a kernel interrupt) and SIGINT relayed to its ranks.
 
@@ -382,10 +389,7 @@ class RanksInterrupted(KeyboardInterrupt):
             held = [r for r in self.still_running if r in self.suspended]
             if held:
                 # Interrupting again cannot reach them: the signal waits until they go on.
-                parts.append(
-                    f"{format_ranks(held)} cannot take the interrupt until continued: "
-                    f"{self.suspended_words}"
-                )
+                parts.append(suspended_words(held, self.suspended_words))
             stuck = [r for r in self.still_running if r not in self.caught and r not in held]
             if stuck:
                 parts.append(

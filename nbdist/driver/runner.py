@@ -43,7 +43,7 @@ from nbdist.driver.rank_streams import RankStreams
 from nbdist.driver.run_interrupts import RunInterrupts
 from nbdist.driver.sigint_latch import SigintLatch
 from nbdist.driver.sinks import default_sink
-from nbdist.errors import NbdistError, RankError, format_ranks
+from nbdist.errors import NbdistError, RankError, format_ranks, suspended_words
 
 __all__ = ["CellTimeout", "RankRun", "submit"]
 
@@ -404,9 +404,8 @@ class RankRun(RunInterrupts):
             suspended, words = self._left_stopped()
             if suspended:
                 # No grace helps them, and the next cell would wait for them in turn.
-                note = (
-                    f"{format_ranks(suspended)} cannot take the interrupt until continued: "
-                    f"{words}; %dist_restart starts fresh ranks" + (f"\n{note}" if note else "")
+                note = f"{suspended_words(suspended, words)}; %dist_restart starts fresh ranks" + (
+                    f"\n{note}" if note else ""
                 )
             raise CellTimeout(
                 f"the cell ran longer than --timeout {self._timeout:g} s on "
