@@ -132,12 +132,19 @@ class RankMonitor:
         self._engine_ids = {info.rank: info.engine_id for info in ranks}
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
         self._oom: dict[int, OomCounter | None] = {}  # rank -> its memory cgroup's OOM kills
+        # Ranks whose process had ended (and been reaped) before it could be watched: a named
+        # session's rank that died while no kernel held it. The controller never drops a
+        # local engine by itself (nbdist.launch.heartbeat), so they are named here.
+        self._gone: list[tuple[int, int]] = []
         for info in ranks:
             if not info.pid_here:  # a PID of another host (or namespace) names another process
                 continue
             try:
                 fd = os.pidfd_open(info.pid)
-            except (OSError, AttributeError):  # gone already, or no pidfd (old kernel)
+            except ProcessLookupError:
+                self._gone.append((info.rank, info.pid))
+                continue
+            except (OSError, AttributeError):  # no pidfd (old kernel)
                 continue
             self._fds[fd] = (info.rank, info.pid)
             # Read now: a dead process no longer shows its cgroup.
@@ -147,6 +154,8 @@ class RankMonitor:
         self._thread.start()
 
     def _watch(self) -> None:
+        for rank, pid in self._gone:
+            self._died(rank, pid)
         poller = select.poll()
         for fd in self._fds:
             poller.register(fd, select.POLLIN)
@@ -157,21 +166,25 @@ class RankMonitor:
                     return
                 rank, pid = self._fds.pop(fd)
                 poller.unregister(fd)
-                # From the zombie if its parent has not reaped it yet, else from the
-                # parent's record (the zygote reaps within 0.1 s, then writes it).
-                status = _exit_status(pid)
-                if status is None and self._exit_record is not None:
-                    status = _wait_for_record(self._exit_record, pid)
-                cause = death_cause(status, self._oom.get(rank))
-                where = self._where(pid, status) or self._last_words(rank, status)
-                if status is None and where:  # 'crashed: <what>, <where>' from its record
-                    self.dead[rank] = f"pid {pid} {where}"
-                else:
-                    # " - ", not "; ": several ranks' causes are joined with "; ".
-                    self.dead[rank] = f"pid {pid} {cause}" + (f" - {where}" if where else "")
                 os.close(fd)
-                if self._on_death is not None:
-                    self._on_death(rank)
+                self._died(rank, pid)
+
+    def _died(self, rank: int, pid: int) -> None:
+        """Record how ``rank`` (``pid``) died, then tell ``on_death``."""
+        # From the zombie if its parent has not reaped it yet, else from the
+        # parent's record (the zygote reaps within 0.1 s, then writes it).
+        status = _exit_status(pid)
+        if status is None and self._exit_record is not None:
+            status = _wait_for_record(self._exit_record, pid)
+        cause = death_cause(status, self._oom.get(rank))
+        where = self._where(pid, status) or self._last_words(rank, status)
+        if status is None and where:  # 'crashed: <what>, <where>' from its record
+            self.dead[rank] = f"pid {pid} {where}"
+        else:
+            # " - ", not "; ": several ranks' causes are joined with "; ".
+            self.dead[rank] = f"pid {pid} {cause}" + (f" - {where}" if where else "")
+        if self._on_death is not None:
+            self._on_death(rank)
 
     def _where(self, pid: int, status: int | None) -> str:
         if self._crash_record is None:

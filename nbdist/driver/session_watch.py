@@ -14,7 +14,7 @@ import functools
 from nbdist.driver import live_sessions, registry
 from nbdist.driver.launcher_crashes import CrashRecords
 from nbdist.driver.rank_deaths import RankMonitor
-from nbdist.launch import zygote
+from nbdist.launch import engine_unregister, zygote
 from nbdist.launch.engine_log import EngineLastWords
 
 __all__ = ["SessionWatch", "rank_monitor"]
@@ -24,7 +24,8 @@ def rank_monitor(handle, ranks, *, crash_records=None) -> RankMonitor | None:
     """A :class:`RankMonitor` of ``ranks`` (RankInfo) that ``handle`` started (None if attached).
 
     Where the zygote forked them, how a rank died and where it crashed come from its records;
-    else ``crash_records(pid)`` reads where a launcher's rank crashed (None: not read).
+    else ``crash_records(pid)`` reads where a launcher's rank crashed (None: not read). A rank
+    that dies is dropped from the controller at once.
     """
     if not handle.owned:
         return None
@@ -33,7 +34,16 @@ def rank_monitor(handle, ranks, *, crash_records=None) -> RankMonitor | None:
     crash = functools.partial(zygote.read_crash, status_file) if status_file else crash_records
     log_file = getattr(handle.engine_launcher(), "output_file", "")
     words = EngineLastWords(log_file).of if log_file else None
-    return RankMonitor(ranks, exit_record=record, crash_record=crash, engine_words=words)
+    engine_ids = {info.rank: info.engine_id for info in ranks}
+
+    def unregister(rank: int) -> None:
+        # The controller keeps a local engine whose heart is silent (nbdist.launch.heartbeat):
+        # a dead one leaves it now, as if it had left, and its queued requests fail there.
+        engine_unregister.unregister(handle, [engine_ids[rank]])
+
+    return RankMonitor(
+        ranks, on_death=unregister, exit_record=record, crash_record=crash, engine_words=words
+    )
 
 
 class SessionWatch:

@@ -5,8 +5,7 @@ the engine stack; a restart needs neither again. :func:`restart_in_place`
 keeps both: it asks the zygote (SIGUSR1, see :mod:`nbdist.launch.zygote`) to
 end every process below it, the old ranks and whatever they started, and to
 fork one fresh engine per slot; the old engines' registrations leave the
-controller at once (an ``unregistration_request``, the message an engine sends
-when it leaves, instead of 30 s of missed heartbeats), and the new engines
+controller at once (:mod:`nbdist.launch.engine_unregister`), and the new engines
 register under new engine ids. The caller forms the group again over them.
 
 :func:`in_place_refusal` says when this cannot be done and a full restart
@@ -17,14 +16,13 @@ spawned (nothing imported to fork from), a zygote or controller that is gone.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import time
 
 import psutil
 
 from nbdist.errors import NbdistError
+from nbdist.launch import engine_unregister
 from nbdist.launch.cluster import ClusterHandle
 from nbdist.launch.local_engines import ZygoteEngineSetLauncher
 
@@ -92,7 +90,7 @@ def restart_in_place(handle: ClusterHandle, *, n: int, timeout: float) -> list[i
         time.sleep(0.005)
         status = engines.read_status()
     # The old engines are gone now (the zygote reaped them): their registrations go too.
-    _unregister(handle, sorted(old_ids & set(client.ids)))
+    engine_unregister.unregister(handle, old_ids & set(client.ids))
     handle.forget(old_pids | {p for p in handle.pids if handle.process(p) is None})
     handle.note(status["pids"])
     deadline = time.monotonic() + timeout
@@ -126,41 +124,3 @@ def _alive(pid) -> bool:
         return bool(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _unregister(handle: ClusterHandle, engine_ids: list[int]) -> None:
-    """Ask the controller to drop ``engine_ids`` now, as a leaving engine does.
-
-    Without this the controller drops a dead engine only when its heart has been
-    silent for 30 s (``nbdist.launch.heartbeat.misses``); where it cannot be sent
-    (CurveZMQ, no connection file), that is what happens, and the caller waits for it.
-    """
-    cluster, session = handle.cluster, handle.client.session
-    if not engine_ids or cluster is None or not session.key:
-        return
-    import zmq
-    from jupyter_client.session import Session
-
-    path = os.path.join(
-        cluster.profile_dir, "security", f"ipcontroller-{cluster.cluster_id}-client.json"
-    )
-    try:
-        with open(path) as f:
-            info = json.load(f)
-        url = f"{info['interface']}:{info['registration']}"
-    except (OSError, ValueError, KeyError):
-        return
-    signer = Session(
-        key=session.key,
-        signature_scheme=session.signature_scheme,
-        packer=session.packer,
-        unpacker=session.unpacker,
-    )
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    try:
-        sock.linger = 1000
-        sock.connect(url)
-        for eid in engine_ids:
-            signer.send(sock, "unregistration_request", content={"id": eid})
-    finally:
-        sock.close()

@@ -158,3 +158,44 @@ def test_a_rank_failing_while_another_is_stopped_ends_the_cell_naming_both(sessi
     assert f"`kill -CONT {stopped_pid}` lets it go on" in text, text
     assert psutil.Process(stopped_pid).status() == psutil.STATUS_STOPPED
     _next_cell_refused_then_continued(session, stopped_pid)
+
+
+def test_a_rank_held_stopped_past_half_a_minute_goes_on_with_its_cell_when_continued(session):
+    """A debugger holding a rank (gdb stops the process while it is attached), or Ctrl-Z,
+    silences the rank's heart for as long as it holds it. The controller dropped such a
+    rank after 30 s of silence: its cell failed with "rank 1 died: its engine stopped
+    answering the controller's heartbeat" while the process lived on, answering no one, and
+    only %dist_restart helped. Now it is the controller's still: continued after 33 s, the
+    rank goes on where it was and the cell ends as it would have."""
+    pid = session.pull("pid")[1]
+    began = threading.Event()
+
+    def hold_rank_1():
+        began.wait(60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(33)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    holder = threading.Thread(target=hold_rank_1, daemon=True)
+    holder.start()
+    # The cell's steps each all-reduce; rank 1 is stopped between two of them.
+    session.run("t = torch.zeros(1)", sink=ListSink())
+    steps = (
+        "import time\n"
+        "for step in range(30):\n"
+        "    s = torch.ones(1)\n"
+        "    dist.all_reduce(s)\n"
+        "    t += s\n"
+        "    time.sleep(0.05)\n"
+    )
+    threading.Timer(0.5, began.set).start()
+    session.run(steps, sink=ListSink())
+    holder.join(60)
+    assert not holder.is_alive()
+    assert [x.item() for x in session.pull("t")] == [60.0, 60.0]  # 30 steps of 1 + 1
+    assert session.dead_ranks() == {}
+    assert [row["state"] for row in session.status()] == ["idle", "idle"]
+    assert session.pull("pid")[1] == pid
+    reduce_works(session)

@@ -37,3 +37,27 @@ def test_a_reaped_rank_is_still_named_killed_by_its_signal(tmp_path):
     finally:
         monitor.stop()
     assert death_cause(None) == "exited (exit status not available)"
+
+
+def test_a_rank_gone_before_its_watch_began_is_named_dead_and_reported(tmp_path):
+    """A named session's rank that died while no kernel held it: its PID names nothing when
+    the next kernel's watch begins. The controller never drops a local engine by itself, so
+    the watch must name it (it skipped it, and the controller's drop named it 30 s later)."""
+    status_file = str(tmp_path / "engines.status.json")
+    child = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
+    _, status = os.waitpid(child.pid, 0)
+    record_exit(status_file, child.pid, status)
+
+    class Info:
+        rank, engine_id, pid, host, pid_here = 1, 7, child.pid, "localhost", True
+
+    told = []
+    monitor = RankMonitor(
+        [Info()], on_death=told.append, exit_record=lambda pid: read_exit(status_file, pid)
+    )
+    try:
+        monitor._thread.join(timeout=5)
+        assert monitor.dead == {1: f"pid {child.pid} exited with code 3"}
+        assert told == [1]
+    finally:
+        monitor.stop()
