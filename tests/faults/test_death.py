@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import threading
 import time
 
 import psutil
@@ -184,23 +186,64 @@ def test_a_rank_gloo_aborted_over_a_peers_dtype_says_what_aborts_a_rank_there():
         assert words.endswith(f"from the cell, line 2: {ABORTED_IN_COLLECTIVE}"), words
 
 
-def test_ranks_outlive_half_a_minute_without_the_controllers_heartbeat():
-    """With 256 ranks on 2 cores the controller's heart process can go unscheduled for many
-    seconds while the ranks form their group; ipyparallel's engine ended itself after 27.5 s
-    without a ping, and ranks died ("exited with code 1") while the controller was alive.
-    Here the whole controller is stopped (SIGSTOP) for 31 s with the ranks idle."""
-    with two_ranks(group_timeout=1800) as session:
-        reduce_works(session)
-        pids = [r.pid for r in session.ranks]
-        controller = psutil.Process(session.cluster.cluster.controller.pid)
+def test_half_a_minute_of_silence_either_way_loses_no_rank():
+    """A silent heart, both ways, in the same half minute (paid once: two sessions side by side).
+
+    The controller silent to the ranks: with 256 ranks on 2 cores the controller's heart
+    process can go unscheduled for many seconds while the ranks form their group;
+    ipyparallel's engine ended itself after 27.5 s without a ping, and ranks died ("exited
+    with code 1") while the controller was alive. Here the whole controller of a session of
+    its own is stopped (SIGSTOP) for 31 s with the ranks idle.
+
+    A rank silent to the controller: a debugger holding it (gdb stops the process while
+    attached), or Ctrl-Z. The controller dropped such a rank after 30 s: its cell failed with
+    "rank 1 died: its engine stopped answering the controller's heartbeat" while the process
+    lived on, answering no one, and only %dist_restart helped. Here rank 1 of another session
+    is stopped for 33 s in the middle of a cell of all-reduces: continued, it goes on where it
+    was and the cell ends as it would have."""
+    with two_ranks(group_timeout=1800) as other, two_ranks() as session:
+        reduce_works(other)
+        other_pids = [r.pid for r in other.ranks]
+        controller = psutil.Process(other.cluster.cluster.controller.pid)
         tree = [controller, *controller.children(recursive=True)]
-        for proc in tree:
-            proc.send_signal(signal.SIGSTOP)
-        try:
-            time.sleep(31)
-        finally:
-            for proc in reversed(tree):
-                proc.send_signal(signal.SIGCONT)
-        assert session.dead_ranks() == {}
         reduce_works(session)
-        assert [r.pid for r in session.ranks] == pids
+        pid = session.ranks[1].pid
+        began = threading.Event()
+
+        def hold_both():
+            began.wait(60)
+            for proc in tree:
+                proc.send_signal(signal.SIGSTOP)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(33)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                for proc in reversed(tree):
+                    proc.send_signal(signal.SIGCONT)
+
+        holder = threading.Thread(target=hold_both, daemon=True)
+        holder.start()
+        session.run("t = torch.zeros(1)", sink=ListSink())
+        # The cell's steps each all-reduce; rank 1 is stopped between two of them.
+        steps = (
+            "import time\n"
+            "for step in range(30):\n"
+            "    s = torch.ones(1)\n"
+            "    dist.all_reduce(s)\n"
+            "    t += s\n"
+            "    time.sleep(0.05)\n"
+        )
+        threading.Timer(0.5, began.set).start()
+        session.run(steps, sink=ListSink())
+        holder.join(60)
+        assert not holder.is_alive()
+        assert [x.item() for x in session.pull("t")] == [60.0, 60.0]  # 30 steps of 1 + 1
+        assert session.dead_ranks() == {}
+        assert [row["state"] for row in session.status()] == ["idle", "idle"]
+        assert session.ranks[1].pid == pid
+        reduce_works(session)
+
+        assert other.dead_ranks() == {}
+        reduce_works(other)
+        assert [r.pid for r in other.ranks] == other_pids
