@@ -366,6 +366,7 @@ def _connect_client(record: dict, name: str, timeout: float) -> ClusterHandle:
         owned=True,  # local processes: signalled and watched by PID
         profile_dir=record.get("profile_dir"),
         start_method=record.get("start_method") or "fork",
+        zygote_status=record.get("zygote_status"),
         start_note=f"session {name!r}",
     )
     handle.note_entries(record.get("pids", []))  # each checked by its start time

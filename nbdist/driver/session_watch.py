@@ -29,7 +29,7 @@ def rank_monitor(handle, ranks, *, crash_records=None) -> RankMonitor | None:
     """
     if not handle.owned:
         return None
-    status_file = getattr(handle.engine_launcher(), "status_file", None)
+    status_file = handle.zygote_status_file()
     record = functools.partial(zygote.read_exit, status_file) if status_file else None
     crash = functools.partial(zygote.read_crash, status_file) if status_file else crash_records
     log_file = getattr(handle.engine_launcher(), "output_file", "")

@@ -63,6 +63,9 @@ class ClusterHandle:
     pids: set[int] = field(default_factory=set)  # every process nbdist started
     start_method: str = "external"
     start_note: str = ""
+    # The zygote's status file (its engines' exit statuses and crash records beside it) where
+    # this handle holds no launcher object: a named session's keeper started the engines.
+    zygote_status: str | None = None
     # Each noted PID's process, as psutil saw it then (with its start time): a process
     # that has ended frees its PID (a crashed rank, reaped by the zygote at once), and a
     # later stop or interrupt must not signal the process that has that number now.
@@ -128,6 +131,15 @@ class ClusterHandle:
             return []
         pids = engines.read_status().get("pids", [])
         return [self.noted[pid] for pid in pids if pid in self.noted]
+
+    def zygote_status_file(self) -> str | None:
+        """The zygote's status file, where nbdist's zygote started the engines (else None)."""
+        from nbdist.launch.local_engines import ZygoteEngineSetLauncher
+
+        engines = self.engine_launcher()
+        if isinstance(engines, ZygoteEngineSetLauncher):
+            return engines.status_file
+        return self.zygote_status
 
     def engine_launcher(self):
         """The ipyparallel engine-set launcher nbdist started, or None."""

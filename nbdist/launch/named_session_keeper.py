@@ -128,6 +128,8 @@ class _Keeper:
             gpus=sorted({s.gpu for s in placement.slots if s.gpu is not None}),
             pids=[e for e in map(process_tree.pid_entry, pids) if e],
             connection_file=handle.client_file(),
+            # Where an attaching kernel reads how a rank died while no kernel held it.
+            zygote_status=handle.zygote_status_file(),
             profile_dir=handle.profile_dir,
             start_method=handle.start_method,
             start_note=handle.start_note,

@@ -205,7 +205,23 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
     again = NamedSession.attach("api")
     assert again.pull("x") == [40, 41]
     assert again.pull("y") == [50, 51]
+    victim = again.ranks[1].pid
     again.detach()
+    # A rank killed while no kernel holds the session: the next kernel to attach names it
+    # dead, with how it died (the zygote's record, found through the session's record), at
+    # once (its PID names nothing by then; the controller keeps a silent local rank).
+    os.kill(victim, signal.SIGKILL)
+    assert wait_gone([victim]) == []
+    third = NamedSession.attach("api")
+    with pytest.raises(NbdistError) as died:
+        third.run("print(rank)")
+    assert str(died.value).startswith(
+        f"rank 1 died: pid {victim} killed by SIGKILL (signal 9): kill -9, or the kernel's "
+        "out-of-memory killer (dmesg names it). A named session's ranks are not restarted "
+        "from a kernel: %dist_stop api, then %dist_start with --name api again"
+    ), str(died.value)
+    assert third.pull("x", rank=0) == 40
+    third.detach()
     # The keeper killed: its controller and ranks end with it, the record stays as 'gone'.
     os.kill(pids[0], signal.SIGKILL)
     assert wait_gone(pids) == []
