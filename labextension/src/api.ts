@@ -20,6 +20,8 @@ export interface IRankRow {
   pid: number | null;
   device: string | null;
   state: 'busy' | 'idle' | 'dead';
+  /** A local rank's process that runs nothing until let go (its cell waits); absent otherwise. */
+  process?: 'stopped' | 'held by a debugger';
   step: number | null;
   points: number;
   loss: number | null;

@@ -73,6 +73,14 @@ export function ago(seconds: number | null): string {
   return dt < 60 ? `${dt.toFixed(0)} s` : dt < 3600 ? `${(dt / 60).toFixed(0)} min` : `${(dt / 3600).toFixed(1)} h`;
 }
 
+/** What holds a stopped rank, and what lets it go on (its cell waits until then). */
+function heldTitle(row: IRankRow): string {
+  if (row.process === 'stopped') {
+    return `Its process is stopped (SIGSTOP, or Ctrl-Z in its terminal): kill -CONT ${row.pid} lets it go on. Its cell waits until then.`;
+  }
+  return `Its process (pid ${row.pid}) is held by a debugger or tracer attached to it: it goes on once detached. Its cell waits until then.`;
+}
+
 function cell(row: IRankRow, key: Column): string {
   switch (key) {
     case 'seen':
@@ -97,6 +105,9 @@ function cell(row: IRankRow, key: Column): string {
       return row.gpu ? figure(row.gpu.temp_c, ' °C') : '–';
     case 'flag':
       return row.straggler ? `⚠ ${row.straggler}` : '';
+    case 'state':
+      // A stopped (or debugger-held) process runs nothing until let go: its cell waits.
+      return row.process ? `${row.state} · ${row.process}` : row.state;
     default: {
       const value = (row as any)[key];
       return value === null || value === undefined ? '–' : String(value);
@@ -144,6 +155,7 @@ export function updateRankTable(
     tr.dataset.rank = String(row.rank);
     tr.dataset.state = row.state;
     tr.dataset.straggler = row.straggler;
+    tr.dataset.process = row.process ?? '';
     while (tr.cells.length > columns.length) {
       tr.deleteCell(-1);
     }
@@ -162,6 +174,8 @@ export function updateRankTable(
       }
       if (key === 'flag' && row.straggler) {
         td.title = `A straggler, by the notebook dashboard's rule: ${row.straggler}`;
+      } else if (key === 'state' && row.process) {
+        td.title = heldTitle(row);
       } else if (key.startsWith('gpu') && row.gpu && row.gpu.time !== null) {
         td.title = `GPU ${figure(row.gpu.index, '')}, read ${ago(row.gpu.time)} ago (the whole GPU's figures)`;
       } else {

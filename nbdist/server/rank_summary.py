@@ -42,6 +42,8 @@ def is_many(ranks: Sequence[dict]) -> bool:
 def _why(row: dict, minority: set[str]) -> str:
     if row["state"] == DEAD:
         return "dead"
+    if row.get("process"):  # stopped, or held by a debugger: its cell waits for it
+        return row["process"]
     if row.get("straggler"):
         return f"straggler: {row['straggler']}"
     if row["state"] in minority:
@@ -56,7 +58,8 @@ def summarise(ranks: Sequence[dict], now: float) -> dict:
     ``hosts``: ``{"host", "ranks", "states", "step_min", "step_max", "samples_per_s"}``
     in the order their first rank comes (the rate: the total of the ranks that logged in
     the last ``RECENT_RATE_S`` seconds at ``now``, None once none did); ``deviating``: ``{"rank", "host", "why"}``,
-    dead first, then stragglers, then the odd state out (at most ``MAX_DEVIATING``;
+    dead first, then stopped or held by a debugger, then stragglers, then the odd state out
+    (at most ``MAX_DEVIATING``;
     ``more`` says how many were left out).
     """
     living = [r for r in ranks if r["state"] != DEAD]
@@ -81,13 +84,13 @@ def summarise(ranks: Sequence[dict], now: float) -> dict:
                 "samples_per_s": sum(rates) if rates else None,
             }
         )
-    order = {"dead": 0, "straggler": 1}
+    order = {"dead": 0, "stopped": 1, "held by a debugger": 1, "straggler": 2}
     deviating = [
         {"rank": r["rank"], "host": r.get("host") or "?", "why": why}
         for r in ranks
         if (why := _why(r, minority))
     ]
-    deviating.sort(key=lambda d: (order.get(d["why"].split(":")[0], 2), d["rank"]))
+    deviating.sort(key=lambda d: (order.get(d["why"].split(":")[0], 3), d["rank"]))
     return {
         "states": counts,
         "hosts": host_entries,

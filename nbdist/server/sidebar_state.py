@@ -12,7 +12,9 @@ Everything is read without disturbing the ranks or the kernel:
   whose process is gone (or a zombie) is dead; one that used more than a tenth
   of a core since the previous poll, or logged in the last few seconds, is
   busy. Asking the controller instead would need a client connection per
-  server and would queue behind the cell a busy rank is running.
+  server and would queue behind the cell a busy rank is running. A rank whose
+  process is stopped (SIGSTOP, Ctrl-Z) or held by a debugger (gdb) also says so
+  (``process``): it is neither busy nor idle in the usual sense, and its cell waits.
 
 Example::
 
@@ -209,6 +211,20 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
+# A process that runs nothing until something outside it lets it go on: the cell waits.
+_HELD = {psutil.STATUS_STOPPED: "stopped", psutil.STATUS_TRACING_STOP: "held by a debugger"}
+
+
+def _held(proc: psutil.Process | None) -> str:
+    """'stopped' or 'held by a debugger' when ``proc`` is, else ''."""
+    if proc is None:
+        return ""
+    try:
+        return _HELD.get(proc.status(), "")
+    except psutil.Error:
+        return ""
+
+
 def _local_process(pid: int | None) -> psutil.Process | None:
     if not pid:
         return None
@@ -271,7 +287,8 @@ class LiveView:
         that sent GPU readings also has ``gpu`` (:func:`gpu_payload`); others have none.
         A rank that logged ``flops`` also has ``tflops`` (its latest achieved TFLOP/s) and
         ``mfu`` (that as a fraction of its device's peak; null when no peak was had).
-        A rank that logs the step breakdown also has ``breakdown``: its latest point's
+        A local rank whose process is stopped or held by a debugger also has ``process``
+        ('stopped', 'held by a debugger'). A rank that logs the step breakdown also has ``breakdown``: its latest point's
         ``compute_s``, ``comm_s`` and ``data_s``; ``memory_peak_mib`` when it was logged.
         ``straggler`` says why the rank is one by the dashboard's rule
         (:mod:`nbdist.server.stragglers`), "" when it is not (a dead rank never is).
@@ -317,6 +334,9 @@ class LiveView:
                     "throughput_series": [list(p) for p in live.throughput] if live else [],
                 }
             )
+            held = _held(proc)
+            if held:
+                rows[-1]["process"] = held
             figures = gpu_payload(last, live.gpu_time if live else None)
             if figures is not None:
                 rows[-1]["gpu"] = figures

@@ -243,6 +243,18 @@ async def test_live_cluster_metrics_interrupt_and_dead_rank(jp_fetch, history):
         assert flags[0] == "" and "step time" in flags[1], flags
         assert flags == dashboard
 
+        # A rank whose process is stopped (SIGSTOP, Ctrl-Z) says so beside its state, and
+        # goes back once continued (a debugger holding one: tests/unit/test_sidebar_held.py).
+        [cluster] = await _clusters(jp_fetch)
+        assert [r.get("process") for r in cluster["ranks"]] == [None, None]
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            await _wait_for(jp_fetch, lambda cs: cs[0]["ranks"][1].get("process") == "stopped")
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        await _wait_for(jp_fetch, lambda cs: "process" not in cs[0]["ranks"][1])
+        assert await asyncio.to_thread(session.pull, "rank") == [0, 1]  # it went on
+
         # A rank killed outright shows as dead, and is not a straggler (nor on the dashboard).
         os.kill(pids[1], signal.SIGKILL)
         assert wait_gone([pids[1]]) == []

@@ -243,9 +243,25 @@ def test_sidebar_status_bar_and_kernel_indicators(lab_factory, browser_page, art
     readable(page, "light, with the run chart")
     page.screenshot(path=str(artifacts_dir / "sidebar-run-chart.png"))
 
-    # A rank that dies: its row says dead (no straggler) and the status bar warns.
+    # A rank whose process is stopped (Ctrl-Z, SIGSTOP): its state says so, and its title
+    # what lets it go on; continued, the row reads as before.
     _, body = server.api("GET", "nbdist/api/clusters")
     rank1_pid = body["clusters"][0]["ranks"][1]["pid"]
+    state1 = rows.nth(1).locator("td.nbdist-col-state")
+    os.kill(rank1_pid, signal.SIGSTOP)  # an engine this test's notebook started, by PID
+    try:
+        assert poll(lambda: state1.inner_text() == "idle · stopped", timeout=30), (
+            state1.inner_text()
+        )
+        assert rows.nth(1).get_attribute("data-process") == "stopped"
+        assert f"kill -CONT {rank1_pid} lets it go on" in state1.get_attribute("title")
+        readable(page, "light, a stopped rank")
+    finally:
+        os.kill(rank1_pid, signal.SIGCONT)
+    assert poll(lambda: state1.inner_text() == "idle", timeout=30), state1.inner_text()
+    assert state1.get_attribute("title") is None
+
+    # A rank that dies: its row says dead (no straggler) and the status bar warns.
     os.kill(rank1_pid, signal.SIGKILL)  # an engine this test's notebook started, by PID
     assert poll(lambda: "rank 1 dead of 2" in status.inner_text(), timeout=30), status.inner_text()
     assert rows.nth(1).get_attribute("data-state") == "dead"
