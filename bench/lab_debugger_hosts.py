@@ -19,7 +19,7 @@ Goal: a relayed rank's ``stopped`` event arrives well under a second after it
 reaches the breakpoint (p90 under 250 ms). Needs root and ``ip`` (network
 namespaces). The load average is printed too.
 
-Usage: python bench/lab_debugger_hosts.py [--turns 2] [--rounds 5]
+Usage: python bench/lab_debugger_hosts.py [--turns 2] [--rounds 5] [--idle-seconds 10]
 """
 
 from __future__ import annotations
@@ -185,7 +185,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=10.0,
+        help="seconds the kernel's idle CPU is read over, per path and turn (10)",
+    )
     args = parser.parse_args()
+    if not args.idle_seconds > 0:
+        parser.error(f"--idle-seconds {args.idle_seconds:g}: give seconds > 0, e.g. 10")
     why_not = namespaces_unavailable()
     if why_not is not None:
         print(f"needs network namespaces: {why_not}", file=sys.stderr)
@@ -216,7 +224,7 @@ def main() -> int:
             for _ in range(args.turns):
                 for name, (kernel, dbg) in paths.items():
                     _turn(kernel, dbg, args.rounds, stops[name], trips[name])
-                    idle[name].append(_idle_cpu(kernel))
+                    idle[name].append(_idle_cpu(kernel, args.idle_seconds))
     finally:
         for kernel in kernels:
             kernel.shutdown()
