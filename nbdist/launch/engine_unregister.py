@@ -20,13 +20,14 @@ __all__ = ["unregister"]
 def unregister(handle, engine_ids) -> bool:
     """Ask ``handle``'s controller to drop ``engine_ids`` now, as a leaving engine does.
 
-    Returns False where it cannot be sent (no client connection file, or one that names no
-    key): the controller then keeps the engines until their hearts' silence drops them.
+    Returns False where it cannot be sent (no client connection file): the controller then
+    keeps the engines until their hearts' silence drops them. Under CurveZMQ (no HMAC key:
+    messages go unsigned) the socket encrypts with the client's own keys, as the client does.
     """
     client = handle.client
     path = handle.client_file()
     engine_ids = sorted(engine_ids)
-    if not engine_ids or client is None or path is None or not client.session.key:
+    if not engine_ids or client is None or path is None:
         return False
     import zmq
     from jupyter_client.session import Session
@@ -48,6 +49,10 @@ def unregister(handle, engine_ids) -> bool:
     # the kernel's (zmq sockets are not shared between threads; the context is).
     sock = zmq.Context.instance().socket(zmq.DEALER)
     try:
+        if client.curve_serverkey:
+            sock.curve_serverkey = client.curve_serverkey
+            sock.curve_secretkey = client.curve_secretkey
+            sock.curve_publickey = client.curve_publickey
         sock.linger = 1000
         sock.connect(url)
         for eid in engine_ids:
