@@ -38,7 +38,7 @@ def rank_monitor(handle, ranks, *, crash_records=None) -> RankMonitor | None:
 
     def unregister(rank: int) -> None:
         # The controller keeps a local engine whose heart is silent (nbdist.launch.heartbeat):
-        # a dead one leaves it now, as if it had left, and its queued requests fail there.
+        # a dead one leaves its list now, as if it had left.
         engine_unregister.unregister(handle, [engine_ids[rank]])
 
     return RankMonitor(

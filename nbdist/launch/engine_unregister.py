@@ -6,8 +6,8 @@ heart has been silent for as long as it allows (:mod:`nbdist.launch.heartbeat`: 
 for the ranks the zygote forked, whose deaths nbdist sees through their pidfds). So
 nbdist sends it for them: for a rank the moment its death is seen
 (:mod:`nbdist.driver.session_watch`), and for the old ranks of a fast restart
-(:mod:`nbdist.launch.restart`). The controller then drops the engine as if it had left,
-and fails the requests it had queued for it.
+(:mod:`nbdist.launch.restart`). The controller then drops the engine as if it had left
+(and fails the requests it had queued for it after its registration timeout, 30 s).
 """
 
 from __future__ import annotations
