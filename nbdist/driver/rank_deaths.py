@@ -113,7 +113,8 @@ class RankMonitor:
     def __init__(
         self, ranks, on_death=None, exit_record=None, crash_record=None, engine_words=None
     ) -> None:
-        """Watch the local ``ranks`` (RankInfo); ``on_death(rank)`` is called on the watcher thread.
+        """Watch the local ``ranks`` (RankInfo); ``on_death(rank)`` is called on the watcher thread
+        (here, before this returns, for a rank whose process was gone already).
 
         ``exit_record(pid)``: the wait status the ranks' parent kept, or None (for a
         rank reaped before its zombie could be read). ``crash_record(pid)``: what
@@ -132,30 +133,36 @@ class RankMonitor:
         self._engine_ids = {info.rank: info.engine_id for info in ranks}
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
         self._oom: dict[int, OomCounter | None] = {}  # rank -> its memory cgroup's OOM kills
-        # Ranks whose process had ended (and been reaped) before it could be watched: a named
-        # session's rank that died while no kernel held it. The controller never drops a
-        # local engine by itself (nbdist.launch.heartbeat), so they are named here.
-        self._gone: list[tuple[int, int]] = []
+        # Ranks whose process had ended before it could be watched (reaped: no PID; or a
+        # zombie: its pidfd readable at once): a named session's rank that died while no kernel
+        # held it. The controller never drops a local engine by itself
+        # (nbdist.launch.heartbeat), so they are named here, before this returns: the next
+        # cell must not be sent to them.
+        gone: list[tuple[int, int]] = []
         for info in ranks:
             if not info.pid_here:  # a PID of another host (or namespace) names another process
                 continue
             try:
                 fd = os.pidfd_open(info.pid)
             except ProcessLookupError:
-                self._gone.append((info.rank, info.pid))
+                gone.append((info.rank, info.pid))
                 continue
             except (OSError, AttributeError):  # no pidfd (old kernel)
+                continue
+            if select.select([fd], [], [], 0)[0]:
+                os.close(fd)
+                gone.append((info.rank, info.pid))
                 continue
             self._fds[fd] = (info.rank, info.pid)
             # Read now: a dead process no longer shows its cgroup.
             self._oom[info.rank] = oom_counter(info.pid)
+        for rank, pid in gone:
+            self._died(rank, pid)
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._watch, name="nbdist-rank-monitor", daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
-        for rank, pid in self._gone:
-            self._died(rank, pid)
         poller = select.poll()
         for fd in self._fds:
             poller.register(fd, select.POLLIN)
@@ -170,7 +177,8 @@ class RankMonitor:
                 self._died(rank, pid)
 
     def _died(self, rank: int, pid: int) -> None:
-        """Record how ``rank`` (``pid``) died, then tell ``on_death``."""
+        """Record how ``rank`` (``pid``) died, then tell ``on_death`` (on the watcher thread, or
+        on the caller's for a rank already gone when the watch began)."""
         # From the zombie if its parent has not reaped it yet, else from the
         # parent's record (the zygote reaps within 0.1 s, then writes it).
         status = _exit_status(pid)

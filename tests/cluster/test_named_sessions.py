@@ -213,15 +213,17 @@ def test_kernel_exit_detaches_and_a_killed_keeper_shows_gone(history_env, cleanu
     os.kill(victim, signal.SIGKILL)
     assert wait_gone([victim]) == []
     third = NamedSession.attach("api")
-    with pytest.raises(NbdistError) as died:
-        third.run("print(rank)")
-    assert str(died.value).startswith(
-        f"rank 1 died: pid {victim} killed by SIGKILL (signal 9): kill -9, or the kernel's "
-        "out-of-memory killer (dmesg names it). A named session's ranks are not restarted "
-        "from a kernel: %dist_stop api, then %dist_start with --name api again"
-    ), str(died.value)
-    assert third.pull("x", rank=0) == 40
-    third.detach()
+    try:
+        with pytest.raises(NbdistError) as died:
+            third.run("print(rank)")
+        assert str(died.value).startswith(
+            f"rank 1 died: pid {victim} killed by SIGKILL (signal 9): kill -9, or the kernel's "
+            "out-of-memory killer (dmesg names it). A named session's ranks are not restarted "
+            "from a kernel: %dist_stop api, then %dist_start with --name api again"
+        ), str(died.value)
+        assert third.pull("x", rank=0) == 40
+    finally:
+        third.detach()
     # The keeper killed: its controller and ranks end with it, the record stays as 'gone'.
     os.kill(pids[0], signal.SIGKILL)
     assert wait_gone(pids) == []
