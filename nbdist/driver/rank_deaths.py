@@ -149,7 +149,9 @@ class RankMonitor:
                 continue
             except (OSError, AttributeError):  # no pidfd (old kernel)
                 continue
-            if select.select([fd], [], [], 0)[0]:
+            # A zombie leader whose other threads still exit (a SIGKILLed rank's gloo and torch
+            # threads, on a loaded machine) is dead, but its pidfd reads only once they are gone.
+            if select.select([fd], [], [], 0)[0] or _exit_status(info.pid) is not None:
                 os.close(fd)
                 gone.append((info.rank, info.pid))
                 continue
