@@ -134,7 +134,7 @@ class RankMonitor:
         self._fds: dict[int, tuple[int, int]] = {}  # fd -> (rank, pid)
         self._oom: dict[int, OomCounter | None] = {}  # rank -> its memory cgroup's OOM kills
         # Ranks whose process had ended before it could be watched (reaped: no PID; or a
-        # zombie: its pidfd readable at once): a named session's rank that died while no kernel
+        # zombie, below): a named session's rank that died while no kernel
         # held it. The controller never drops a local engine by itself
         # (nbdist.launch.heartbeat), so they are named here, before this returns: the next
         # cell must not be sent to them.
