@@ -13,6 +13,13 @@ with these words, and a dead rank is dead in every one of them:
     its process ended, or its engine stopped answering the controller; it
     stays dead until ``%dist_restart``.
 
+A live rank whose process here can run nothing until someone acts is ``idle`` or
+``busy`` all the same (the controller's word), and *held*: ``stopped`` (SIGSTOP,
+Ctrl-Z) or ``held by a debugger`` (gdb, a tracer attached). The dashboard's table
+and the sidebar show it beside the state ("idle · stopped"); ``%dist_status`` says
+it in words with what lets it go on. A session's states carry it as
+:class:`HeldState`, equal to the state word, so every count by state still holds.
+
 Example::
 
     >>> from nbdist.rank_states import BUSY, RANK_STATES
@@ -22,9 +29,42 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["BUSY", "DEAD", "IDLE", "RANK_STATES"]
+__all__ = ["BUSY", "DEAD", "HELD", "IDLE", "RANK_STATES", "STOPPED", "HeldState", "held_word"]
 
 IDLE = "idle"
 BUSY = "busy"
 DEAD = "dead"
 RANK_STATES = (IDLE, BUSY, DEAD)
+
+STOPPED = "stopped"
+HELD = "held by a debugger"
+# psutil's status words (``/proc/<pid>/stat``) of the processes that are held.
+_HOLDS = {"stopped": STOPPED, "tracing-stop": HELD}
+
+
+def held_word(status: str) -> str:
+    """:data:`STOPPED` or :data:`HELD` for psutil's ``status`` word of a held process, else ''.
+
+    >>> held_word("tracing-stop"), held_word("sleeping")
+    ('held by a debugger', '')
+    """
+    return _HOLDS.get(status, "")
+
+
+class HeldState(str):
+    """A live rank's state word (``idle``, ``busy``) whose process here is held: equal to
+    the word, so counts and comparisons by state are unchanged; :attr:`held` says how.
+
+    >>> state = HeldState(IDLE, STOPPED)
+    >>> state == IDLE, state.held
+    (True, 'stopped')
+    """
+
+    held: str
+
+    def __new__(cls, state: str, held: str) -> HeldState:
+        """``state`` (one of :data:`RANK_STATES` but ``dead``), ``held`` (:data:`STOPPED` or
+        :data:`HELD`)."""
+        made = super().__new__(cls, state)
+        made.held = held
+        return made

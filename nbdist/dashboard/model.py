@@ -436,7 +436,9 @@ class DashboardModel:
         rows = self._rows
         lasts = [(r.loss, r.rank) for r in rows if r.loss is not None]
         stragglers = [r.rank for r in rows if r.straggler]
-        chosen = sorted(pick_shown(stragglers, [r.rank for r in rows if r.state == DEAD], lasts))
+        # A held rank (stopped, or by a debugger) falls behind as a dead one does: shown with it.
+        gone = [r.rank for r in rows if r.state == DEAD or r.held]
+        chosen = sorted(pick_shown(stragglers, gone, lasts))
         if chosen == self._chosen:
             return set()
         self._chosen = chosen

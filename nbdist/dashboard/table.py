@@ -12,6 +12,8 @@ says so (the session knows which engines died); else what it says (``busy``
 running a cell, ``idle`` between cells, as ``%dist_status`` shows); without the
 session's word (a past run), ``busy`` when the rank logged a point in the last
 ``IDLE_AFTER_S`` seconds of a run that has not ended, else ``idle``. A dead rank is never flagged as a straggler.
+A live rank whose process the session reads as held (a :class:`~nbdist.rank_states.HeldState`:
+stopped, or by a debugger) reads ``idle · stopped``, and is among the deviating rows.
 
 A rank is a straggler when its recent median step time is more than
 ``ratio`` (1.3) times the median of the other ranks' recent medians, or when it
@@ -89,6 +91,9 @@ class RankRow:
     memory_peak_mib: float | None = None
     seen: float | None = None  # time.time() of the latest point
     state: str = IDLE
+    # 'stopped' or 'held by a debugger' (nbdist.rank_states): its process here runs nothing
+    # until continued or detached, though the controller counts it idle or busy.
+    held: str = ""
     straggler: str = ""  # why it is flagged, "" when it is not
     # Why it deviates other than by speed ("loss nan", "no points logged"), "" when it does not.
     note: str = ""
@@ -122,7 +127,7 @@ class RankRow:
             + ("" if self.memory_peak_mib is None else f" (peak {fmt_mib(self.memory_peak_mib)})"),
             *(gpu_cells if gpu else []),
             fmt_ago(None if self.seen is None else now - self.seen),
-            self.state,
+            f"{self.state} · {self.held}" if self.held else str(self.state),
             " · ".join(
                 ([f"⚠ straggler ({self.straggler})"] if self.straggler else [])
                 + ([f"⚠ {self.note}"] if self.note else [])
@@ -131,8 +136,9 @@ class RankRow:
 
 
 def deviating_rows(rows: Sequence[RankRow]) -> list[RankRow]:
-    """The rows that stand out: dead, stragglers, in a state few of the living share, or with
-    a ``note`` (:func:`build_rows`: a NaN/inf loss, no points while the others log)."""
+    """The rows that stand out: dead, held (stopped, or by a debugger), stragglers, in a state
+    few of the living share, or with a ``note`` (:func:`build_rows`: a NaN/inf loss, no points
+    while the others log)."""
     living = [r for r in rows if r.state != DEAD]
     counts = {state: sum(1 for r in living if r.state == state) for state in (BUSY, IDLE)}
     common = max(counts.values(), default=0)
@@ -140,6 +146,7 @@ def deviating_rows(rows: Sequence[RankRow]) -> list[RankRow]:
         r
         for r in rows
         if r.state == DEAD
+        or r.held
         or r.straggler
         or r.note
         or (r.state in counts and counts[r.state] < common)
@@ -338,6 +345,7 @@ def build_rows(
         row.state = rank_state(run, rank, states, now=now, last=last)
         if row.state != DEAD:  # a dead rank is behind because it is dead: never a straggler
             row.straggler = flagged.get(rank, "")
+            row.held = getattr(states.get(rank), "held", "")
         rows.append(row)
     _note(run, rows, user[0] if user else "loss", max_lag)
     return rows
@@ -407,7 +415,8 @@ def call_states(states: Callable[[], Mapping[int, str]] | None) -> dict[int, str
     if states is None:
         return {}
     try:
-        return {int(r): str(s) for r, s in dict(states()).items()}
+        # A HeldState stays one (str() would drop what holds the rank).
+        return {int(r): s if isinstance(s, str) else str(s) for r, s in dict(states()).items()}
     except Exception:
         return {}
 

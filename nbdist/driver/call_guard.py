@@ -93,6 +93,10 @@ class CallGuard:
         """Ranks released while stopped: nothing is released here, none."""
         return set()
 
+    def stopped_waited(self, run) -> dict[int, str]:
+        """Ranks waited for though stopped after a release: nothing is released here, {}."""
+        return {}
+
     def stopped_ranks(self, ranks) -> tuple[list[int], str]:
         """Which of ``ranks`` are stopped processes, and in words: not read here, none."""
         return [], ""

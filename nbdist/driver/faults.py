@@ -29,21 +29,16 @@ import time
 from nbdist.driver.caught_interrupts import interrupt_answers
 from nbdist.driver.collective_waits import idle_ranks, stranded_waits, waits_for_failed
 from nbdist.driver.oom import cuda_oom_note
-from nbdist.driver.process_state import (
-    STOPPED_STATES,
-    process_here,
-    process_state_of,
-    stopped_in_words,
-)
+from nbdist.driver.process_state import STOPPED_STATES
 from nbdist.driver.release import ASK_S, raised_in_cell, release_ranks
 from nbdist.driver.release_note import (
     NO_ANSWER,
     PAIRED_BUT_DIFFERENT,
-    STOPPED_PROCESS,
     STRANDED,
     ended_parts,
     released_parts,
 )
+from nbdist.driver.stopped_ranks import StoppedRanks
 from nbdist.engine.held_collective import HELD_S
 from nbdist.errors import ranks_text
 
@@ -72,7 +67,7 @@ STRANDED_LOOK_MAX_S = 30.0
 _DIED = object()
 
 
-class CellGuard:
+class CellGuard(StoppedRanks):
     """Watches one cell's ranks: releases the others when one fails, hangs or dies."""
 
     def __init__(self, session, ranks, background=None) -> None:
@@ -117,6 +112,8 @@ class CellGuard:
         self._started = time.monotonic()
         # {rank: its process here, or None}: looked up once, when an interrupt asks for it.
         self._processes: dict = {}
+        self._released_at = 0.0  # when release() ran (monotonic)
+        self._next_stopped_look = 0.0  # after a release: when stopped_waited() reads again
 
     def _age(self) -> float:
         """Seconds since this cell was sent to the ranks."""
@@ -365,23 +362,10 @@ class CellGuard:
             for rank, state in run.child_states().items()
         )
 
-    def held_stopped(self, run) -> set[int]:
-        """The ranks released while their processes were stopped, stopped still, that had not
-        begun the cell. One that had may hold a collective of it once continued (a receive
-        halfway through its data): the cell waits for it, to end it if it does."""
-        return {
-            rank
-            for rank, what in self._released_from.items()
-            if what == STOPPED_PROCESS
-            # Where no rank's beginning was seen (no status message), none counts as not begun.
-            and run.began
-            and rank not in run.began
-            and self._process_state(rank) in STOPPED_STATES
-        }
-
     def release(self, run, reason: str) -> None:
         """Break every live rank out of its collective; SIGINT the ranks still computing."""
         self.released = True
+        self._released_at = time.monotonic()
         self._release_reason = reason
         self._released_from.update(
             release_ranks(
@@ -396,51 +380,6 @@ class CellGuard:
                 stopped=self._stopped_now(run),
             )
         )
-
-    def only_stopped_left(self, run) -> bool:
-        """Whether every rank still running is a stopped process here (SIGSTOP, a tracer) or
-        dead: after an interrupt, no grace helps those until they are continued. Not before
-        the guard's own look after the interrupt: a rank it missed is released from there
-        (the group is formed again before the next cell, which a continued rank would
-        otherwise run on from a cell the others left)."""
-        if self.caught is None and not self.released:
-            return False
-        dead, stopped = None, False
-        # Read on each pass of the settle: at the first rank that can still end, it answers.
-        for rank, state in run.child_states().items():
-            if state != "running":
-                continue
-            if self._process_state(rank) in STOPPED_STATES:
-                stopped = True
-                continue
-            dead = self.dead() if dead is None else dead
-            if rank not in dead:
-                return False
-        return stopped
-
-    def stopped_ranks(self, ranks) -> tuple[list[int], str]:
-        """Which of ``ranks`` are stopped processes here (SIGSTOP, a tracer), and in words
-        with what lets them go on (they outlive the cell's error)."""
-        entries = []
-        for rank in ranks:
-            state = self._process_state(rank)
-            if state:
-                entries.append((rank, self._processes[rank].pid, state))
-        return stopped_in_words(entries)
-
-    def _stopped_now(self, run) -> set[int]:
-        """The running ranks whose processes here are stopped (SIGSTOP, a tracer)."""
-        running = [r for r, s in run.child_states().items() if s == "running"]
-        return {r for r in running if self._process_state(r) in STOPPED_STATES}
-
-    def _process_state(self, rank: int) -> str:
-        """The state of ``rank``'s process here ('' where its PID is not read here)."""
-        if rank not in self._processes:
-            info = self._by_rank.get(rank)
-            found = process_here(info.pid) if info is not None and info.pid_here else []
-            self._processes[rank] = found[0] if found else None
-        proc = self._processes[rank]
-        return process_state_of(proc) if proc is not None else ""
 
     def where_report(self, *, only_if_waiting: bool = False) -> str:
         """The ranks' stacks and last collectives (a cell past its ``--timeout``, or interrupted).

@@ -52,6 +52,12 @@ _POLL_S = 0.05
 _OUTPUT_MESSAGES = frozenset({"stream", "display_data", "execute_result", "error"})
 # A widget's state (a rank's tqdm.auto bar): kept for the text form of its display.
 _COMM_MESSAGES = frozenset({"comm_open", "comm_msg", "comm_close"})
+# Said once under a rank the cell waits for after a release though its process is stopped
+# (CellGuard.stopped_waited): without it the cell waits in silence for as long as it stays so.
+_STOPPED_WAITED_NOTE = (
+    "nbdist: the ranks were released; the cell waits for this one, which had begun it: "
+    "{words}; once it goes on, it is released too; interrupt the cell to stop waiting\n"
+)
 
 
 class CellTimeout(NbdistError, TimeoutError):
@@ -110,6 +116,7 @@ class RankRun(RunInterrupts):
         # grace helps until it is continued; the settle stops waiting.
         self._left_to_stopped = False
         self._caught_noted = False  # _CAUGHT_NOTE was fed (or there was none to feed)
+        self._stopped_noted: set[int] = set()  # the ranks _STOPPED_WAITED_NOTE was fed under
         self._wait_for_caught = True  # after a Ctrl-C, not after a --timeout
         self._missed: MissedInterrupt | None = None  # then: ranks the SIGINT may have missed
         self._merger: OutputMerger | None = None
@@ -307,6 +314,8 @@ class RankRun(RunInterrupts):
                 self._missed.poll()
             if self._stopped and not self._caught_noted:
                 self._note_caught()
+            if self._guard.released and not self._stopped:
+                self._note_stopped_waited()
             finished = self._all_done()
             self._drain(touched_only=not finished)
             self._merger.poll()
@@ -325,6 +334,14 @@ class RankRun(RunInterrupts):
                 return False
             self._wake.wait(_POLL_S)
             self._wake.clear()
+
+    def _note_stopped_waited(self) -> None:
+        """Under each rank the cell waits for after a release though its process is stopped
+        (:meth:`CellGuard.stopped_waited`), say so once, with what lets it go on."""
+        for rank, words in self._guard.stopped_waited(self).items():
+            if rank not in self._stopped_noted:
+                self._stopped_noted.add(rank)
+                self._merger.feed(rank, "stderr", _STOPPED_WAITED_NOTE.format(words=words))
 
     def wait(self, latch: SigintLatch | None = None) -> list:
         """Block until every rank finished; stream output; raise :class:`RankError` on failure.

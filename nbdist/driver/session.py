@@ -45,6 +45,7 @@ from nbdist.errors import ClusterNotRunning, NbdistError, PlacementError
 from nbdist.launch.cluster import ClusterHandle, interrupt_engines
 from nbdist.launch.options import StartOptions, check_start_options
 from nbdist.launch.placement import Placement, plan_start
+from nbdist.rank_states import HeldState, held_word
 
 __all__ = ["DistSession", "RankInfo", "Restarted"]
 
@@ -410,11 +411,19 @@ class DistSession(SessionLifecycle):
         )
 
     def rank_states(self) -> dict[int, str]:
-        """{rank: state} in the words of :mod:`nbdist.rank_states` ({} when not running)."""
+        """{rank: state} in the words of :mod:`nbdist.rank_states` ({} when not running); a
+        rank whose process here is stopped or held by a debugger as a
+        :class:`~nbdist.rank_states.HeldState`."""
         if not self.running:
             return {}
         rows = rank_status(self._handle, self.ranks, self.backend, self.dead_ranks(), gpu=False)
-        return {row["rank"]: row["state"] for row in rows}  # gpu=False: no round trip per cell
+        # gpu=False: no round trip per cell. A rank stopped or held by a debugger says so.
+        return {
+            row["rank"]: HeldState(row["state"], held_word(row["process"]))
+            if row.get("process")
+            else row["state"]
+            for row in rows
+        }
 
     def dashboard(self):
         """Show this session's live dashboard here (``%dist_dashboard``); see ``show_run``."""

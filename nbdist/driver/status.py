@@ -192,7 +192,7 @@ def rank_status(
             )
         )
         if process in STOPPED_STATES and state != DEAD:
-            # Idle or busy to the controller for up to 30 s, yet it runs nothing until continued.
+            # Idle or busy to the controller, yet it runs nothing until continued.
             rows[-1]["process"] = process
         if info.rank in gpus and state != DEAD:
             rows[-1]["gpu"] = gpus[info.rank]

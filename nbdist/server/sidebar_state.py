@@ -41,7 +41,7 @@ from nbdist.dashboard.table import HISTORY
 from nbdist.driver import registry
 from nbdist.metrics import wire
 from nbdist.metrics.gpu import GPU_KEYS
-from nbdist.rank_states import BUSY, DEAD, IDLE
+from nbdist.rank_states import BUSY, DEAD, IDLE, held_word
 from nbdist.server.rank_summary import RECENT_RATE_S, is_many, median_series, summarise
 from nbdist.server.stragglers import RecentPoints, flag
 
@@ -212,15 +212,12 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 # A process that runs nothing until something outside it lets it go on: the cell waits.
-_HELD = {psutil.STATUS_STOPPED: "stopped", psutil.STATUS_TRACING_STOP: "held by a debugger"}
-
-
 def _held(proc: psutil.Process | None) -> str:
     """'stopped' or 'held by a debugger' when ``proc`` is, else ''."""
     if proc is None:
         return ""
     try:
-        return _HELD.get(proc.status(), "")
+        return held_word(proc.status())
     except psutil.Error:
         return ""
 

@@ -20,10 +20,11 @@ import time
 import psutil
 import pytest
 
+from nbdist.dashboard.text import summary_text
 from nbdist.driver.runner import CellTimeout
 from nbdist.driver.sinks import ListSink
 from nbdist.driver.status import format_status
-from nbdist.errors import NbdistError, RanksInterrupted
+from nbdist.errors import NbdistError, RankError, RanksInterrupted
 from tests.faults.failing import failing_cell
 from tests.faults.two_ranks import reduce_works, two_ranks
 
@@ -133,9 +134,18 @@ def test_status_names_the_stopped_rank_which_the_controller_still_counts_as_idle
         f"terminal): `kill -CONT {stopped_pid}` lets it go on"
     )
     assert words in format_status(rows).splitlines()
+    # The dashboard's table (its text form here) says it beside the state.
+    states = session.rank_states()
+    assert states == {0: "idle", 1: "idle"} and getattr(states[1], "held", "") == "stopped"
+    table = summary_text(session.metrics, session.rank_states)
+    assert [line.split("  ")[-1] for line in table.splitlines()[2:4]] == [
+        "idle",
+        "idle · stopped",
+    ], table
     os.kill(stopped_pid, signal.SIGCONT)
     _wait_for_state(stopped_pid, psutil.STATUS_SLEEPING)
     assert "kill -CONT" not in format_status(session.status())
+    assert "stopped" not in summary_text(session.metrics, session.rank_states)
 
 
 def test_a_rank_failing_while_another_is_stopped_ends_the_cell_naming_both(session, stopped_pid):
@@ -158,3 +168,43 @@ def test_a_rank_failing_while_another_is_stopped_ends_the_cell_naming_both(sessi
     assert f"`kill -CONT {stopped_pid}` lets it go on" in text, text
     assert psutil.Process(stopped_pid).status() == psutil.STATUS_STOPPED
     _next_cell_refused_then_continued(session, stopped_pid)
+
+
+def test_a_rank_stopped_inside_the_cell_after_another_failed_is_waited_for_and_said_so(session):
+    # Rank 1 begins the cell (its all-reduce waits for rank 0), then rank 0 stops it and
+    # fails. Once continued, rank 1 may still be in a collective of the cell: the cell waits
+    # for it. Before, it waited in silence for as long as the rank stayed stopped.
+    pid = session.pull("pid")[1]
+    cell = (
+        "import os, signal, time\n"
+        "t = torch.ones(1)\n"
+        "if rank == 0:\n"
+        "    time.sleep(0.5)\n"
+        f"    os.kill({pid}, signal.SIGSTOP)\n"
+        "    time.sleep(0.2)\n"
+        "    raise ValueError('bad batch')\n"
+        "dist.all_reduce(t)"
+    )
+    sink = ListSink()
+    said = []
+
+    def continue_once_said():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not said:
+            said.extend(e for e in list(sink.events) if e[:3] == ("line", "stderr", "rank 1"))
+            time.sleep(0.1)
+        # Whatever was said, the rank goes on: the cell ends either way.
+        os.kill(pid, signal.SIGCONT)
+
+    threading.Thread(target=continue_once_said, daemon=True).start()
+    with pytest.raises(RankError) as info:
+        session.run(cell, timeout=60, sink=sink)
+    assert [(f.rank, f.ename) for f in info.value.failures] == [(0, "ValueError")]
+    assert [e[3] for e in said] == [
+        "nbdist: the ranks were released; the cell waits for this one, which had begun it: "
+        f"its process here (pid {pid}) is stopped (SIGSTOP, or Ctrl-Z in its terminal): "
+        f"`kill -CONT {pid}` lets it go on; once it goes on, it is released too; interrupt the "
+        "cell to stop waiting"
+    ]
+    reduce_works(session)
+    assert session.pull("pid")[1] == pid

@@ -8,6 +8,7 @@ import pytest
 from nbdist.dashboard.model import DashboardModel
 from nbdist.dashboard.table import SHOWN_RANKS
 from nbdist.metrics.run import Run
+from nbdist.rank_states import HeldState
 from tests.unit.widget_store import WidgetStore
 
 T0 = 1_700_000_000.0
@@ -118,3 +119,17 @@ def test_the_table_lists_the_deviating_ranks_then_a_row_per_host():
     ]
     assert rows[0]["flag"] and rows[1]["state"] == "dead"
     assert rows[2]["cells"][-2] == "32 idle" and rows[3]["cells"][-2] == "31 idle · 1 dead"
+
+
+def test_a_rank_held_by_a_debugger_is_listed_and_drawn_on_its_own():
+    # Held, rank 50 stops logging; until the others are steps past it, only its state says so.
+    run = Run(1, world_size=RANKS, started=T0)
+    run.hosts = {r: f"node{r // 32}" for r in range(RANKS)}
+    _fill(run, range(40), slow=None)
+    held = HeldState("busy", "held by a debugger")
+    model = DashboardModel(run, clock=lambda: T0 + 5, states=lambda: {50: held})
+    model.poll()
+    rows = model.table["rows"]
+    assert [r["cells"][0] for r in rows[:1]] == ["50 · node1"], rows
+    assert rows[0]["cells"][-2] == "busy · held by a debugger"
+    assert "rank 50" in model.figure_data()["loss"]

@@ -6,6 +6,7 @@ from nbdist.dashboard.table import PER_RANK_UP_TO
 from nbdist.dashboard.text import summary_text
 from nbdist.driver.status import StatusTable, deviating, format_status
 from nbdist.metrics.run import Run
+from nbdist.rank_states import HeldState
 
 T0 = 1_700_000_000.0
 
@@ -143,6 +144,19 @@ def test_summary_of_many_ranks_groups_by_host_and_names_the_straggler():
     assert [r.split()[0] for r in rows] == ["17", "200"], rows
     assert "straggler" in rows[0] and "dead" in rows[1]
     assert len(lines) < 30, "no row per rank"
+
+
+def test_summary_of_many_ranks_lists_a_held_rank_among_the_deviating_ones():
+    # Stopped, rank 90 falls behind only once the others log past it: the state says why now.
+    run = _training_run(256)
+    held = {90: HeldState("busy", "stopped"), 91: HeldState("busy", "held by a debugger")}
+    lines = summary_text(run, {r: held.get(r, "busy") for r in range(256)}, now=T0 + 1).splitlines()
+    assert lines[11].startswith("2 ranks deviating"), lines
+    assert [(r.split()[0], r.split("  ")[-1]) for r in lines[13:15]] == [
+        ("90", "busy · stopped"),
+        ("91", "busy · held by a debugger"),
+    ], lines
+    assert "256 busy" in lines[1], lines[1]  # still counted busy: the controller's word
 
 
 def test_summary_of_a_few_ranks_keeps_a_row_per_rank():
