@@ -409,6 +409,8 @@ class CellGuard(StoppedRanks):
         from nbdist.driver.where import ask
 
         session = self.session
+        if self.released:
+            self._ask_unanswered()
         if session.dead_ranks():
             self._blame_deaths(run)
             return
@@ -454,6 +456,29 @@ class CellGuard(StoppedRanks):
             self.reformed = (
                 "the process group was formed again for a later cell; variables and models are kept"
             )
+
+    def _ask_unanswered(self) -> None:
+        """Ask again, now that the cell ended, where the ranks were that the release
+        interrupted without an answer (hundreds of ranks on a few cores answer late; a rank
+        holding the GIL does not answer at all): the collective of this cell that raised (the
+        interrupt ended it), else their running code. Those that still do not answer stay
+        named so."""
+        from nbdist.driver.where import ask
+
+        dead = self.dead()
+        silent = [
+            self._by_rank[rank]
+            for rank, what in self._released_from.items()
+            if what == NO_ANSWER and rank not in dead
+        ]
+        if not silent:
+            return
+        age = self._age()
+        for w in ask(self.session.client, silent, timeout=ASK_S, light=True):
+            if w.answered:
+                c = w.collective
+                where = f"{c['op']} #{c['seq']}" if raised_in_cell(c, age) else "its running code"
+                self._released_from[w.rank] = f"{where} (interrupted)"
 
     def _blame_deaths(self, run) -> None:
         """Name the live ranks whose error says the group broke as released by the death.

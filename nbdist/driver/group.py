@@ -367,8 +367,8 @@ def reform_group(
     Returns the ranks' variables that hold the old group, to be made again
     (``"ddp_model (DistributedDataParallel)"``; each name once, as any rank has it);
     the pipeline schedules whose step was cut short go to ``group.cut_schedules``.
-    A rank whose process here is stopped (SIGSTOP, a tracer) could not join before the
-    controller drops its silent engine: :class:`NbdistError` at once, nothing sent.
+    A rank whose process here is stopped (SIGSTOP, a tracer) cannot join until it is
+    continued: :class:`NbdistError` at once, nothing sent.
     """
     group.released = True
     processes = _processes_here(group.ranks)

@@ -25,6 +25,10 @@ __all__ = [
 NO_ANSWER = "(no answer)"
 # ...one whose process here is stopped (SIGSTOP, a tracer): not asked, its SIGINT pending.
 STOPPED_PROCESS = "(stopped)"
+# How a place reads for a rank the release had to interrupt there ("all_reduce #1 (interrupted)").
+_INTERRUPTED = " (interrupted)"
+# Ranks interrupted where others were released alone, named up to this many; above, counted.
+_NAMED_INTERRUPTED = 4
 
 # What a collective under ``if rank == 0:`` (a stranded one) is, and the fix.
 STRANDED = (
@@ -52,7 +56,7 @@ def released_parts(released_from: dict[int, str], *, ask_s: float) -> list[str]:
     they were (named for those that did not answer).
     """
     parts = []
-    for what, ranks in _by_place(released_from).items():
+    for what, ranks in _by_place(_interrupted_with_the_rest(released_from)).items():
         where = "they were" if len(ranks) > 1 else "it was"
         if what == NO_ANSWER:
             parts.append(
@@ -70,6 +74,33 @@ def released_parts(released_from: dict[int, str], *, ask_s: float) -> list[str]:
             what = "their " + what[4:]
         parts.append(f"{ranks_text(ranks)} from {what}")
     return parts
+
+
+def _interrupted_with_the_rest(released_from: dict[int, str]) -> dict[int, str]:
+    """``released_from`` with the ranks interrupted in a place ("all_reduce #1 (interrupted)")
+    named with the others released from it, where there are both: "all_reduce #1 (ranks
+    17-18,21 interrupted)", or "(142 of them interrupted)" above :data:`_NAMED_INTERRUPTED`
+    (at 256 ranks on a few cores, which ranks the release freed in time and which it had to
+    interrupt is chance: two lists of one collective's ranks read as two places)."""
+    interrupted: dict[str, list[int]] = {}
+    for rank, what in released_from.items():
+        if what.endswith(_INTERRUPTED):
+            interrupted.setdefault(what[: -len(_INTERRUPTED)], []).append(rank)
+    places = set(released_from.values())
+    merged = dict(released_from)
+    for place, ranks in interrupted.items():
+        if place not in places:
+            continue  # every rank of it was interrupted: "(interrupted)" says it
+        which = (
+            f"{ranks_text(sorted(ranks))} interrupted"
+            if len(ranks) <= _NAMED_INTERRUPTED
+            else f"{len(ranks)} of them interrupted"
+        )
+        said = f"{place} ({which})"
+        for rank, what in released_from.items():
+            if what in (place, place + _INTERRUPTED):
+                merged[rank] = said
+    return merged
 
 
 def ended_parts(ended: dict[int, str], *, held_s: float, group_timeout: float) -> list[str]:

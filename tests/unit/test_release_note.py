@@ -27,3 +27,24 @@ def test_a_stopped_process_is_said_to_be_stopped_not_silent():
         "ranks 1 and 2 interrupted where they were (their processes are stopped: the interrupt "
         "waits until continued)",
     ]
+
+
+def test_ranks_interrupted_in_a_collective_are_named_with_the_others_released_from_it():
+    # At 256 ranks on 2 cores, which ranks the release freed in time and which it interrupted
+    # is chance: one collective's ranks read as two places, each a long list.
+    place = "all_reduce #1"
+    mixed = {r: place for r in range(256) if r != 3}
+    mixed.update({r: f"{place} (interrupted)" for r in range(100, 242)})
+    assert released_parts(mixed, ask_s=1.0) == [
+        "ranks 0-2,4-255 from all_reduce #1 (142 of them interrupted)"
+    ]
+    few = {0: place, 1: f"{place} (interrupted)", 2: place, 5: f"{place} (interrupted)"}
+    few[4] = "its running code (interrupted)"
+    assert released_parts(few, ask_s=1.0) == [
+        "ranks 0-2,5 from all_reduce #1 (ranks 1 and 5 interrupted)",
+        "rank 4 from its running code (interrupted)",
+    ]
+    # Every rank of a place interrupted: said once, as before.
+    assert released_parts({0: f"{place} (interrupted)", 1: f"{place} (interrupted)"}, ask_s=1) == [
+        "ranks 0 and 1 from all_reduce #1 (interrupted)"
+    ]
