@@ -63,6 +63,8 @@ STRANDED_GRACE_S = 3.0
 # control message per running rank (and, while some ranks finished, a read of the flight
 # recorder, ~20 ms), and a cell may run for hours, or rank 0 evaluate alone for minutes.
 STRANDED_LOOK_MAX_S = 30.0
+# After a release, how many ranks asked again are waited for per second (at least ASK_S).
+_ANSWERS_PER_S = 50
 # A release because ranks died: the words name every rank dead by the time they are read.
 _DIED = object()
 
@@ -474,7 +476,10 @@ class CellGuard(StoppedRanks):
         if not silent:
             return
         age = self._age()
-        for w in ask(self.session.client, silent, timeout=ASK_S, light=True):
+        # Idle now, each answers once it gets a moment of CPU: at 256 ranks on 2 cores, 200
+        # of them took longer than ASK_S (2026-12-07), so the wait grows with their number.
+        timeout = max(ASK_S, len(silent) / _ANSWERS_PER_S)
+        for w in ask(self.session.client, silent, timeout=timeout, light=True):
             if w.answered:
                 c = w.collective
                 where = f"{c['op']} #{c['seq']}" if raised_in_cell(c, age) else "its running code"
