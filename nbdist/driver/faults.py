@@ -411,7 +411,9 @@ class CellGuard(StoppedRanks):
         from nbdist.driver.where import ask
 
         session = self.session
-        if self.released:
+        if self.released and self.watching():
+            # (Not after a stop, nor once a later cell formed another group: its ranks would
+            # say where that cell left them.)
             self._ask_unanswered()
         if session.dead_ranks():
             self._blame_deaths(run)

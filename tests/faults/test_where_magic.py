@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
+import psutil
 import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
@@ -98,6 +100,12 @@ def test_dist_where_says_what_a_rank_that_cannot_answer_is_doing(shell, capsys):
     capsys.readouterr()
     os.kill(pid, signal.SIGSTOP)
     try:
+        # The signal takes effect once the rank is next scheduled: on a loaded machine,
+        # after the report had read it "sleeping" and asked it (CI, 2026-12-07).
+        deadline = time.monotonic() + 10
+        while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, psutil.Process(pid).status()
+            time.sleep(0.01)
         shell.run_line_magic("dist_where", "")
         text = capsys.readouterr().out
     finally:
