@@ -59,6 +59,7 @@ __all__ = [
     "rank_rows",
     "rank_state",
     "seen_column",
+    "state_counts",
     "step_lags",
     "throughput_key",
 ]
@@ -200,9 +201,28 @@ def host_row(
     cells[0] = f"{host}: {plural(len(rows), 'rank')}"
     if steps and min(steps) != max(steps):
         cells[1] = f"{min(steps)}–{max(steps)}"
-    states = {s: sum(1 for r in rows if r.state == s) for s in (BUSY, IDLE, DEAD)}
-    cells[-2] = " · ".join(f"{n} {s}" for s, n in states.items() if n)
+    cells[-2] = " · ".join(state_counts(rows))
     return cells
+
+
+def state_counts(rows: Sequence[RankRow]) -> list[str]:
+    """The rows counted by state, with the held among them: ``["3 busy (1 stopped)", "1 dead"]``.
+
+    A held rank counts in its state (the controller's word, as every count by state does),
+    and beside it, so a host's or a run's summary says what its own row would.
+    """
+    words = []
+    for state in (BUSY, IDLE, DEAD):
+        members = [r for r in rows if r.state == state]
+        if not members:
+            continue
+        held: dict[str, int] = {}
+        for row in members:
+            if row.held:
+                held[row.held] = held.get(row.held, 0) + 1
+        inside = ", ".join(f"{n} {word}" for word, n in sorted(held.items()))
+        words.append(f"{len(members)} {state}" + (f" ({inside})" if inside else ""))
+    return words
 
 
 def plotted_keys(keys: Sequence[str]) -> list[str]:

@@ -35,6 +35,7 @@ from nbdist.dashboard.table import (
     headers,
     plural,
     rank_rows,
+    state_counts,
     throughput_key,
 )
 from nbdist.errors import format_ranks
@@ -154,12 +155,11 @@ def whole_percents(fractions: list[float]) -> list[int]:
 
 def _grouped(rows: list, rate_key: str | None) -> list[str]:
     """The counts line, a table of hosts and the heading of the deviating ranks' rows."""
-    states = {state: sum(1 for r in rows if r.state == state) for state in (BUSY, IDLE, DEAD)}
     hosts: dict[str, list] = {}
     for row in rows:
         hosts.setdefault(row.host or "all", []).append(row)
     words = [plural(len(rows), "rank") + (f" on {len(hosts)} hosts" if len(hosts) > 1 else "")]
-    words += [f"{n} {state}" for state, n in states.items() if n]
+    words += state_counts(rows)
     steps = [r.step for r in rows if r.step is not None]
     if steps:
         low, high = min(steps), max(steps)
@@ -194,8 +194,8 @@ def _grouped(rows: list, rate_key: str | None) -> list[str]:
         format_table(
             ["host", "ranks", BUSY, IDLE, DEAD, "steps", "throughput"], table, right=range(1, 7)
         ),
-        f"{plural(len(odd), 'rank')} deviating (dead, straggling, busy while the others are "
-        "idle, a NaN/inf loss, or no points)" + (":" if odd else ""),
+        f"{plural(len(odd), 'rank')} deviating (dead, stopped or held, straggling, busy while "
+        "the others are idle, a NaN/inf loss, or no points)" + (":" if odd else ""),
     ]
 
 

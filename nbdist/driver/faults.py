@@ -115,7 +115,8 @@ class CellGuard(StoppedRanks):
         # {rank: its process here, or None}: looked up once, when an interrupt asks for it.
         self._processes: dict = {}
         self._released_at = 0.0  # when release() ran (monotonic)
-        self._next_stopped_look = 0.0  # after a release: when stopped_waited() reads again
+        self._next_stopped_look = 0.0  # when stopped_waited() reads the processes again
+        self._stopped_since: dict[int, float] = {}  # rank -> first of the looks seeing it stopped
 
     def _age(self) -> float:
         """Seconds since this cell was sent to the ranks."""

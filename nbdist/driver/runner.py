@@ -52,8 +52,14 @@ _POLL_S = 0.05
 _OUTPUT_MESSAGES = frozenset({"stream", "display_data", "execute_result", "error"})
 # A widget's state (a rank's tqdm.auto bar): kept for the text form of its display.
 _COMM_MESSAGES = frozenset({"comm_open", "comm_msg", "comm_close"})
-# Said once under a rank the cell waits for after a release though its process is stopped
-# (CellGuard.stopped_waited): without it the cell waits in silence for as long as it stays so.
+# Said once under a rank the cell waits for though its process is stopped
+# (CellGuard.stopped_waited): without it the cell waits in silence for as long as it stays so,
+# and ranks that reach a collective with it hang there with no cause shown.
+_STOPPED_RUNNING_NOTE = (
+    "nbdist: the cell waits for this rank: {words}; ranks that reach a collective with it "
+    "wait there until it goes on; interrupt the cell to stop waiting\n"
+)
+# The same after a release (another rank failed): it may hold one of the cell's collectives.
 _STOPPED_WAITED_NOTE = (
     "nbdist: the ranks were released; the cell waits for this one, which had begun it: "
     "{words}; once it goes on, it is released too; interrupt the cell to stop waiting\n"
@@ -116,7 +122,8 @@ class RankRun(RunInterrupts):
         # grace helps until it is continued; the settle stops waiting.
         self._left_to_stopped = False
         self._caught_noted = False  # _CAUGHT_NOTE was fed (or there was none to feed)
-        self._stopped_noted: set[int] = set()  # the ranks _STOPPED_WAITED_NOTE was fed under
+        # (rank, released) of the notes fed: _STOPPED_RUNNING_NOTE, _STOPPED_WAITED_NOTE.
+        self._stopped_noted: set[tuple[int, bool]] = set()
         self._wait_for_caught = True  # after a Ctrl-C, not after a --timeout
         self._missed: MissedInterrupt | None = None  # then: ranks the SIGINT may have missed
         self._merger: OutputMerger | None = None
@@ -314,7 +321,7 @@ class RankRun(RunInterrupts):
                 self._missed.poll()
             if self._stopped and not self._caught_noted:
                 self._note_caught()
-            if self._guard.released and not self._stopped:
+            if not self._stopped:
                 self._note_stopped_waited()
             finished = self._all_done()
             self._drain(touched_only=not finished)
@@ -336,12 +343,15 @@ class RankRun(RunInterrupts):
             self._wake.clear()
 
     def _note_stopped_waited(self) -> None:
-        """Under each rank the cell waits for after a release though its process is stopped
-        (:meth:`CellGuard.stopped_waited`), say so once, with what lets it go on."""
+        """Under each rank the cell waits for though its process is stopped
+        (:meth:`CellGuard.stopped_waited`), say so once, with what lets it go on; once more
+        after a release, which changes what it is waited for."""
+        released = self._guard.released
+        note = _STOPPED_WAITED_NOTE if released else _STOPPED_RUNNING_NOTE
         for rank, words in self._guard.stopped_waited(self).items():
-            if rank not in self._stopped_noted:
-                self._stopped_noted.add(rank)
-                self._merger.feed(rank, "stderr", _STOPPED_WAITED_NOTE.format(words=words))
+            if (rank, released) not in self._stopped_noted:
+                self._stopped_noted.add((rank, released))
+                self._merger.feed(rank, "stderr", note.format(words=words))
 
     def wait(self, latch: SigintLatch | None = None) -> list:
         """Block until every rank finished; stream output; raise :class:`RankError` on failure.

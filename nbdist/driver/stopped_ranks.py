@@ -25,10 +25,12 @@ from nbdist.driver.release_note import STOPPED_PROCESS
 
 __all__ = ["STOPPED_NOTE_AFTER_S", "StoppedRanks"]
 
-# After a release, a rank still running whose process here has been stopped this long is said
-# to be waited for, once, under it (the cell would wait in silence): the moment py-spy's dump
-# or a debugger's step holds a process is far shorter.
+# A rank still running whose process here has been stopped this long is said to be waited
+# for, once, under it (the cell would wait in silence): the moment py-spy's dump or a
+# debugger's step holds a process is far shorter.
 STOPPED_NOTE_AFTER_S = 2.0
+# Ranks whose process states stopped_waited() reads per second at most (~11 us each here).
+_STATES_READ_PER_S = 100
 
 
 class StoppedRanks:
@@ -49,24 +51,30 @@ class StoppedRanks:
         }
 
     def stopped_waited(self, run) -> dict[int, str]:
-        """After a release, {rank: its process in words, with what lets it go on} of the ranks
-        still running whose processes here have been stopped (SIGSTOP, a tracer) for
-        :data:`STOPPED_NOTE_AFTER_S`: the cell waits for them (:meth:`finished`), since once
-        continued they take their release. Read at most once a second; {} before a release.
+        """{rank: its process in words, with what lets it go on} of the ranks still running
+        whose processes here were stopped (SIGSTOP, a tracer) at every look for
+        :data:`STOPPED_NOTE_AFTER_S`: the cell waits for them. Before a release the ranks
+        that reach a collective with one wait for it there; after one, a rank that had
+        begun the cell is waited for (:meth:`finished`), since once continued it takes its
+        release. Read once a second, or once per :data:`_STATES_READ_PER_S` running ranks.
         """
         now = time.monotonic()
-        if not self.released or now < max(
-            self._next_stopped_look, self._released_at + STOPPED_NOTE_AFTER_S
-        ):
+        if now < self._next_stopped_look:
             return {}
-        self._next_stopped_look = now + 1.0
         skip = set(self.dead()) | set(self.ended) | self.held_stopped(run)
+        running = [r for r, s in run.child_states().items() if s == "running" and r not in skip]
+        # Read through every cell, however long it runs: at 256 ranks a read of all their
+        # states costs ~3 ms of the kernel's CPU, which ranks on a small machine share.
+        self._next_stopped_look = now + max(1.0, len(running) / _STATES_READ_PER_S)
         found = {}
-        for rank, state in run.child_states().items():
-            if state != "running" or rank in skip:
-                continue
+        for rank in running:
             state = self._process_state(rank)
-            if state in STOPPED_STATES:
+            if state not in STOPPED_STATES:
+                self._stopped_since.pop(rank, None)
+                continue
+            # Seen stopped at every look since: py-spy's dump or a debugger's step holds a
+            # process far shorter, and is seldom seen twice in a row.
+            if now - self._stopped_since.setdefault(rank, now) >= STOPPED_NOTE_AFTER_S:
                 found[rank] = states_in_words([(self._processes[rank].pid, state)])
         return found
 

@@ -58,6 +58,20 @@ def _wait_for_state(pid: int, state: str, limit: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _continue_once_said(pid: int, sink: ListSink, said: list) -> None:
+    """In the background: once the cell said something under rank 1 (kept in ``said``), or
+    after 20 s, continue rank 1's process ``pid``: the cell ends either way."""
+
+    def watch():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not said:
+            said.extend(e for e in list(sink.events) if e[:3] == ("line", "stderr", "rank 1"))
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGCONT)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _next_cell_refused_then_continued(session, pid: int) -> None:
     """The next cell is refused while rank 1 is stopped; continued, the group works again."""
     with pytest.raises(NbdistError) as refused:
@@ -185,18 +199,8 @@ def test_a_rank_stopped_inside_the_cell_after_another_failed_is_waited_for_and_s
         "    raise ValueError('bad batch')\n"
         "dist.all_reduce(t)"
     )
-    sink = ListSink()
-    said = []
-
-    def continue_once_said():
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not said:
-            said.extend(e for e in list(sink.events) if e[:3] == ("line", "stderr", "rank 1"))
-            time.sleep(0.1)
-        # Whatever was said, the rank goes on: the cell ends either way.
-        os.kill(pid, signal.SIGCONT)
-
-    threading.Thread(target=continue_once_said, daemon=True).start()
+    sink, said = ListSink(), []
+    _continue_once_said(pid, sink, said)
     with pytest.raises(RankError) as info:
         session.run(cell, timeout=60, sink=sink)
     assert [(f.rank, f.ename) for f in info.value.failures] == [(0, "ValueError")]
@@ -208,3 +212,44 @@ def test_a_rank_stopped_inside_the_cell_after_another_failed_is_waited_for_and_s
     ]
     reduce_works(session)
     assert session.pull("pid")[1] == pid
+
+
+def test_a_cell_waiting_for_a_stopped_rank_says_so_under_it_and_ends_once_continued(
+    session, stopped_pid
+):
+    # No rank fails: rank 0 waits in its all-reduce for rank 1, which cannot begin the cell.
+    # Before, the cell waited in silence for as long as the rank stayed stopped.
+    sink, said = ListSink(), []
+    _continue_once_said(stopped_pid, sink, said)
+    session.run("t = torch.ones(1)\ndist.all_reduce(t)\nx = t.item()", timeout=60, sink=sink)
+    assert session.pull("x") == [2.0, 2.0]  # continued, rank 1 ran the cell: nothing lost
+    assert [e[3] for e in said] == [
+        f"nbdist: the cell waits for this rank: its process here (pid {stopped_pid}) is "
+        f"stopped (SIGSTOP, or Ctrl-Z in its terminal): `kill -CONT {stopped_pid}` lets it go "
+        "on; ranks that reach a collective with it wait there until it goes on; interrupt the "
+        "cell to stop waiting"
+    ]
+    reduce_works(session)
+
+
+def test_a_rank_stopped_for_a_moment_inside_a_cell_is_not_said_to_be_waited_for(session):
+    # A debugger's step or py-spy's dump holds a process for a moment: no note for that.
+    pid = session.pull("pid")[1]
+    cell = (
+        "import os, signal, time\n"
+        "if rank == 0:\n"
+        f"    os.kill({pid}, signal.SIGSTOP)\n"
+        "    time.sleep(0.5)\n"
+        f"    os.kill({pid}, signal.SIGCONT)\n"
+        "time.sleep(3)\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+        "x = t.item()"
+    )
+    sink = ListSink()
+    try:
+        session.run(cell, timeout=60, sink=sink)
+        assert session.pull("x") == [2.0, 2.0]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert [e for e in sink.events if e[:2] == ("line", "stderr")] == []

@@ -80,7 +80,7 @@ def test_the_table_lists_the_diverged_and_the_silent_rank_and_why():
 
 def test_the_text_summary_of_16_ranks_names_the_diverged_and_silent_ranks():
     text = summary_text(_diverged(), now=NOW)
-    assert "2 ranks deviating (dead, straggling, busy while the others are idle, " in text
+    assert "2 ranks deviating (dead, stopped or held, straggling, busy while " in text
     rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("   ")}
     assert rows["3"].endswith("⚠ loss nan")
     assert rows["9"].endswith("⚠ no points logged")

@@ -133,3 +133,9 @@ def test_a_rank_held_by_a_debugger_is_listed_and_drawn_on_its_own():
     assert [r["cells"][0] for r in rows[:1]] == ["50 · node1"], rows
     assert rows[0]["cells"][-2] == "busy · held by a debugger"
     assert "rank 50" in model.figure_data()["loss"]
+    # Its host's row counts it busy, as its own row does, and held beside that.
+    hosts = {r["cells"][0]: r["cells"][-2] for r in rows if r["state"] == "host"}
+    assert hosts == {
+        "node0: 32 ranks": "32 busy",
+        "node1: 32 ranks": "32 busy (1 held by a debugger)",
+    }

@@ -156,7 +156,8 @@ def test_summary_of_many_ranks_lists_a_held_rank_among_the_deviating_ones():
         ("90", "busy · stopped"),
         ("91", "busy · held by a debugger"),
     ], lines
-    assert "256 busy" in lines[1], lines[1]  # still counted busy: the controller's word
+    # Still counted busy (the controller's word), and the held among them beside it.
+    assert "256 ranks on 8 hosts · 256 busy (1 held by a debugger, 1 stopped) · " in lines[1], lines
 
 
 def test_summary_of_a_few_ranks_keeps_a_row_per_rank():
