@@ -18,7 +18,8 @@ A live rank whose process here can run nothing until someone acts is ``idle`` or
 Ctrl-Z) or ``held by a debugger`` (gdb, a tracer attached). The dashboard's table
 and the sidebar show it beside the state ("idle · stopped"); ``%dist_status`` says
 it in words with what lets it go on. A session's states carry it as
-:class:`HeldState`, equal to the state word, so every count by state still holds.
+:class:`HeldState`, equal to the state word, so every count by state still holds; a count
+says the held among it (:func:`counts_in_words`: ``3 busy (1 stopped)``).
 
 Example::
 
@@ -29,7 +30,20 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["BUSY", "DEAD", "HELD", "IDLE", "RANK_STATES", "STOPPED", "HeldState", "held_word"]
+from collections.abc import Iterable
+
+__all__ = [
+    "BUSY",
+    "DEAD",
+    "HELD",
+    "IDLE",
+    "RANK_STATES",
+    "STOPPED",
+    "HeldState",
+    "counts_in_words",
+    "held_counts",
+    "held_word",
+]
 
 IDLE = "idle"
 BUSY = "busy"
@@ -68,3 +82,36 @@ class HeldState(str):
         made = super().__new__(cls, state)
         made.held = held
         return made
+
+
+def held_counts(pairs: Iterable[tuple[str, str]]) -> dict[str, dict[str, int]]:
+    """``{state: {held word: n}}`` of ``(state, held word)`` pairs, those held only.
+
+    >>> held_counts([(BUSY, STOPPED), (BUSY, ""), (IDLE, HELD)])
+    {'busy': {'stopped': 1}, 'idle': {'held by a debugger': 1}}
+    """
+    counts: dict[str, dict[str, int]] = {}
+    for state, held in pairs:
+        if held and state != DEAD:
+            words = counts.setdefault(str(state), {})
+            words[held] = words.get(held, 0) + 1
+    return counts
+
+
+def counts_in_words(pairs: Iterable[tuple[str, str]]) -> list[str]:
+    """``(state, held word)`` pairs counted by state, busy, idle then dead, the held among
+    each said beside it: a held rank counts in its state (the controller's word), as in
+    every count by state, and a summary of many ranks says what their own rows would.
+
+    >>> counts_in_words([(BUSY, STOPPED), (BUSY, ""), (DEAD, "")])
+    ['2 busy (1 stopped)', '1 dead']
+    """
+    pairs = list(pairs)
+    held = held_counts(pairs)
+    words = []
+    for state in (BUSY, IDLE, DEAD):
+        n = sum(1 for s, _ in pairs if s == state)
+        if n:
+            inside = ", ".join(f"{k} {word}" for word, k in sorted(held.get(state, {}).items()))
+            words.append(f"{n} {state}" + (f" ({inside})" if inside else ""))
+    return words

@@ -72,11 +72,17 @@ export interface ICluster {
   median?: { loss_series: [number, number][]; throughput_series: [number, number][] };
 }
 
+/** Per state, the ranks counted in it whose processes are held: ``{busy: {stopped: 1}}``. */
+export interface IHeldCounts {
+  [state: string]: { [word: string]: number };
+}
+
 /** A host's ranks in the summary: counted by state, their step range and total rate now. */
 export interface IHostSummary {
   host: string;
   ranks: number;
   states: { [state: string]: number };
+  held?: IHeldCounts;
   step_min: number | null;
   step_max: number | null;
   samples_per_s: number | null;
@@ -85,6 +91,7 @@ export interface IHostSummary {
 /** The summary the sidebar shows above 8 ranks (nbdist/server/rank_summary.py). */
 export interface IClusterSummary {
   states: { busy: number; idle: number; dead: number };
+  held?: IHeldCounts;
   hosts: IHostSummary[];
   /** Dead first, then stragglers, then the odd state out; ``why`` says which. */
   deviating: { rank: number; host: string; why: string }[];

@@ -2,12 +2,13 @@
  * A cluster of many ranks in the sidebar (above 8): the notebook dashboard's summary
  * instead of a card per rank.
  *
- * First the ranks counted by state, then one row per host (its ranks by state, step range
- * and total rate), then the ranks that deviate — dead, stragglers, busy while the others
- * are idle — each with why. The charts draw the median across ranks and the first few
+ * First the ranks counted by state (a stopped or held rank counted in its state and said
+ * beside it), then one row per host (its ranks by state, step range and total rate), then
+ * the ranks that deviate — dead, stopped or held, stragglers, busy while the others are
+ * idle — each with why. The charts draw the median across ranks and the first few
  * deviating ranks only; those take distinct colours by their place in the list.
  */
-import { ICluster } from './api';
+import { ICluster, IHeldCounts } from './api';
 import { compact } from './charts';
 
 /** Ranks drawn on their own in the charts at most (the first deviating ones). */
@@ -16,10 +17,17 @@ export const DRAWN_RANKS = 4;
 /** The chart key of the median line (ranks are 0 and up). */
 export const MEDIAN = -1;
 
-function states(counts: { [state: string]: number }): string {
+/** ``12 busy (1 stopped) · 1 dead``: a held rank counts in its state, and is said beside it. */
+function states(counts: { [state: string]: number }, held: IHeldCounts = {}): string {
   return ['busy', 'idle', 'dead']
     .filter(s => counts[s])
-    .map(s => `${counts[s]} ${s}`)
+    .map(s => {
+      const inside = Object.entries(held[s] ?? {})
+        .sort(([a], [b]) => a.localeCompare(b))
+        .map(([word, n]) => `${n} ${word}`)
+        .join(', ');
+      return `${counts[s]} ${s}` + (inside ? ` (${inside})` : '');
+    })
     .join(' · ');
 }
 
@@ -45,7 +53,7 @@ export function updateSummary(box: HTMLElement, cluster: ICluster, colour: (rank
   box.dataset.key = key;
   const counts = document.createElement('div');
   counts.className = 'nbdist-summary-states';
-  counts.textContent = `${cluster.ranks.length} ranks: ${states(summary.states)}`;
+  counts.textContent = `${cluster.ranks.length} ranks: ${states(summary.states, summary.held)}`;
 
   const hosts = document.createElement('table');
   hosts.className = 'nbdist-hosts';
@@ -63,7 +71,7 @@ export function updateSummary(box: HTMLElement, cluster: ICluster, colour: (rank
     tr.dataset.ranks = String(host.ranks);
     const step =
       host.step_min === null ? '–' : host.step_min === host.step_max ? `${host.step_max}` : `${host.step_min}–${host.step_max}`;
-    const cells = [host.host, `${host.ranks} (${states(host.states)})`, step, compact(host.samples_per_s)];
+    const cells = [host.host, `${host.ranks} (${states(host.states, host.held)})`, step, compact(host.samples_per_s)];
     for (const text of cells) {
       tr.insertCell().textContent = text;
     }

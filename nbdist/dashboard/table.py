@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from nbdist.dashboard.breakdown import breakdown, explain, slow_parts
 from nbdist.metrics.gpu import GPU_KEYS
 from nbdist.metrics.point_keys import DERIVED_KEYS
-from nbdist.rank_states import BUSY, DEAD, IDLE
+from nbdist.rank_states import BUSY, DEAD, IDLE, counts_in_words
 
 __all__ = [
     "IDLE_AFTER_S",
@@ -206,23 +206,9 @@ def host_row(
 
 
 def state_counts(rows: Sequence[RankRow]) -> list[str]:
-    """The rows counted by state, with the held among them: ``["3 busy (1 stopped)", "1 dead"]``.
-
-    A held rank counts in its state (the controller's word, as every count by state does),
-    and beside it, so a host's or a run's summary says what its own row would.
-    """
-    words = []
-    for state in (BUSY, IDLE, DEAD):
-        members = [r for r in rows if r.state == state]
-        if not members:
-            continue
-        held: dict[str, int] = {}
-        for row in members:
-            if row.held:
-                held[row.held] = held.get(row.held, 0) + 1
-        inside = ", ".join(f"{n} {word}" for word, n in sorted(held.items()))
-        words.append(f"{len(members)} {state}" + (f" ({inside})" if inside else ""))
-    return words
+    """The rows counted by state, the held among them said beside it:
+    ``["3 busy (1 stopped)", "1 dead"]`` (:func:`nbdist.rank_states.counts_in_words`)."""
+    return counts_in_words((r.state, r.held) for r in rows)
 
 
 def plotted_keys(keys: Sequence[str]) -> list[str]:

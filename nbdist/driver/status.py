@@ -25,7 +25,7 @@ from nbdist.driver.process_state import STOPPED_STATES, stopped_in_words
 from nbdist.driver.where import control_request
 from nbdist.errors import format_ranks
 from nbdist.number_ranges import fold_texts
-from nbdist.rank_states import BUSY, DEAD, IDLE
+from nbdist.rank_states import BUSY, DEAD, IDLE, counts_in_words, held_word
 from nbdist.text_table import format_table
 
 __all__ = [
@@ -328,9 +328,9 @@ def _grouped(rows: list[dict]) -> tuple[str, list[str], list[list[str]], list[di
     hosts: dict[str, list[dict]] = {}
     for r in rows:
         hosts.setdefault(r["host"], []).append(r)
-    counts = {state: sum(1 for r in rows if r["state"] == state) for state in _STATES}
     where = f" on {len(hosts)} hosts" if len(hosts) > 1 else f" on {next(iter(hosts))}"
-    words = [f"{len(rows)} ranks{where}"] + [f"{n} {state}" for state, n in counts.items() if n]
+    held = ((r["state"], held_word(r.get("process") or "")) for r in rows)
+    words = [f"{len(rows)} ranks{where}", *counts_in_words(held)]
     known = sorted(r["memory_mib"] for r in rows if r["memory_mib"] is not None)
     if known:
         words.append(f"memory {_memory(known[len(known) // 2])} per rank (median)")

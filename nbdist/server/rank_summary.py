@@ -15,6 +15,7 @@ Example::
 
     summary = summarise(rows)   # rows: LiveView.rank_rows(entry)
     summary["states"]           # {"busy": 255, "idle": 0, "dead": 1}
+    summary["held"]             # {"busy": {"stopped": 1}}: counted in "busy" above
     summary["deviating"]        # [{"rank": 17, "why": "dead"}, ...]
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from nbdist.dashboard.table import PER_RANK_UP_TO
 from nbdist.dashboard.traces import across_ranks, last_per_step
-from nbdist.rank_states import BUSY, DEAD, IDLE
+from nbdist.rank_states import BUSY, DEAD, IDLE, held_counts
 
 __all__ = ["MAX_DEVIATING", "RECENT_RATE_S", "is_many", "median_series", "spread", "summarise"]
 
@@ -53,9 +54,12 @@ def _why(row: dict, minority: set[str]) -> str:
 
 
 def summarise(ranks: Sequence[dict], now: float) -> dict:
-    """``{"states", "hosts", "deviating", "more"}`` for the sidebar, from :meth:`LiveView.rank_rows`.
+    """``{"states", "held", "hosts", "deviating", "more"}`` for the sidebar, from
+    :meth:`LiveView.rank_rows`.
 
-    ``hosts``: ``{"host", "ranks", "states", "step_min", "step_max", "samples_per_s"}``
+    ``held``: ``{state: {"stopped" or "held by a debugger": n}}`` of the ranks counted in
+    ``states`` whose processes are held;
+    ``hosts``: ``{"host", "ranks", "states", "held", "step_min", "step_max", "samples_per_s"}``
     in the order their first rank comes (the rate: the total of the ranks that logged in
     the last ``RECENT_RATE_S`` seconds at ``now``, None once none did); ``deviating``: ``{"rank", "host", "why"}``,
     dead first, then stopped or held by a debugger, then stragglers, then the odd state out
@@ -79,6 +83,7 @@ def summarise(ranks: Sequence[dict], now: float) -> dict:
                 "host": host,
                 "ranks": len(rows),
                 "states": {s: n for s in (BUSY, IDLE, DEAD) if (n := _count(rows, s))},
+                "held": _held_counts(rows),
                 "step_min": min(steps) if steps else None,
                 "step_max": max(steps) if steps else None,
                 "samples_per_s": sum(rates) if rates else None,
@@ -93,6 +98,7 @@ def summarise(ranks: Sequence[dict], now: float) -> dict:
     deviating.sort(key=lambda d: (order.get(d["why"].split(":")[0], 3), d["rank"]))
     return {
         "states": counts,
+        "held": _held_counts(ranks),
         "hosts": host_entries,
         "deviating": deviating[:MAX_DEVIATING],
         "more": max(0, len(deviating) - MAX_DEVIATING),
@@ -107,6 +113,12 @@ def _rate_now(row: dict, now: float) -> bool:
 
 def _count(rows: Sequence[dict], state: str) -> int:
     return sum(1 for r in rows if r["state"] == state)
+
+
+def _held_counts(rows: Sequence[dict]) -> dict[str, dict[str, int]]:
+    # Counted in their state as everywhere, and said beside it by the sidebar
+    # ("12 busy (1 stopped)"), as the notebook dashboard's host rows do.
+    return held_counts((r["state"], r.get("process") or "") for r in rows)
 
 
 def spread(

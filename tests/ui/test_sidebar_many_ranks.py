@@ -3,7 +3,8 @@
 JupyterLab + headless Chromium + 12 CPU ranks, rank 5 stepping three times slower than
 the others. Above 8 ranks the sidebar shows the notebook dashboard's summary instead of a
 card per rank: the ranks counted by state, one row per host, then the deviating ranks
-(the straggler; once the test kills rank 9, rank 9 first, as dead); the charts draw the
+(the straggler; rank 2 as stopped while the test stops it, counted so beside its state; once
+the test kills rank 9, rank 9 first, as dead); the charts draw the
 median of the ranks and the deviating ranks only, each in its own colour.
 
 A second test starts a named session (2 ranks, ``--idle-timeout 1h``) and restarts the
@@ -24,6 +25,7 @@ from tests.ui.sidebar_page import set_sidebar_width
 RANKS = 12
 SLOW = 5
 KILLED = 9
+STOPPED = 2
 
 
 def _open_sidebar(page, server, name: str) -> None:
@@ -102,10 +104,26 @@ print("stopped")"""
         legend = page.locator(".nbdist-cluster .nbdist-legend-item").all_inner_texts()
         assert legend[0] == "median of the ranks" and len(legend) <= 5, legend
 
-        # A rank killed: it comes first in the list, as dead; the counts say so.
         _, body = server.api("GET", "nbdist/api/clusters")
         [cluster] = body["clusters"]
         assert len(cluster["ranks"]) == RANKS and cluster["summary"]["hosts"][0]["ranks"] == RANKS
+        # A rank stopped (a rank this test started): listed as stopped, and counted beside its
+        # state in the counts and its host's row; continued, it is not any more.
+        stopped_pid = cluster["ranks"][STOPPED]["pid"]
+        os.kill(stopped_pid, signal.SIGSTOP)
+        try:
+            assert poll(lambda: (str(STOPPED), "stopped") in _deviating(page), timeout=30), (
+                _deviating(page)
+            )
+            assert poll(lambda: "(1 stopped)" in states.inner_text(), timeout=10), (
+                states.inner_text()
+            )
+            assert "(1 stopped)" in hosts.first.inner_text(), hosts.first.inner_text()
+        finally:
+            os.kill(stopped_pid, signal.SIGCONT)
+        assert poll(lambda: "stopped" not in states.inner_text(), timeout=30), states.inner_text()
+
+        # A rank killed: it comes first in the list, as dead; the counts say so.
         os.kill(cluster["ranks"][KILLED]["pid"], signal.SIGKILL)  # a rank this test started
         assert poll(lambda: _deviating(page)[:1] == [(str(KILLED), "dead")], timeout=30), (
             _deviating(page)

@@ -68,6 +68,8 @@ def test_a_stopped_rank_deviates_and_is_named_with_the_command_that_continues_it
     table[42]["process"] = "stopped"
     assert [r["rank"] for r in deviating(table)] == [42]
     text = format_status(table)
+    # Counted idle (the controller's word), and stopped beside it.
+    assert text.splitlines()[0].startswith("256 ranks on 8 hosts · 256 idle (1 stopped) · "), text
     assert "1 rank deviating (%dist_status --all lists every rank):" in text
     assert text.splitlines()[-1] == (
         "the process here of rank 42 (pid 1042) is stopped (SIGSTOP, or Ctrl-Z in its "

@@ -75,11 +75,21 @@ def test_above_8_ranks_a_stopped_rank_is_listed_after_the_dead_and_before_the_st
     rows[3]["straggler"] = "step time 3.0x the median"
     rows[7]["process"] = "held by a debugger"
     rows[9]["state"] = "dead"
-    deviating = summarise(rows, time.time())["deviating"]
-    assert [(d["rank"], d["why"]) for d in deviating] == [
+    rows[10]["process"] = "stopped"
+    rows[11]["host"] = "b"
+    summary = summarise(rows, time.time())
+    assert [(d["rank"], d["why"]) for d in summary["deviating"]] == [
         (9, "dead"),
         (7, "held by a debugger"),
+        (10, "stopped"),
         (3, "straggler: step time 3.0x the median"),
+    ]
+    # Counted busy, as the controller says, and held beside it: overall and in their host's row.
+    assert summary["states"] == {"busy": 11, "idle": 0, "dead": 1}
+    assert summary["held"] == {"busy": {"held by a debugger": 1, "stopped": 1}}
+    assert [(h["host"], h["held"]) for h in summary["hosts"]] == [
+        ("a", {"busy": {"held by a debugger": 1, "stopped": 1}}),
+        ("b", {}),
     ]
 
 
