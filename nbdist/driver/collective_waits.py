@@ -170,29 +170,57 @@ def stranded_waits(
         # One wait that lasted the grace makes the case: the others named with it may have
         # begun later (a rank slow to start the cell) but wait for the same ranks.
         return {}
+    if gone_of:  # asked only now: the finished ranks are idle, and the verdict is made
+        computing = set(running) - inside.keys()
+        said, cleared = _paired_calls(client, by_rank, inside, gone_of, paired, computing)
+        stranded.update(said)
+        for rank in cleared:
+            del stranded[rank]
+        if not any(rank in stranded for rank in lasted):
+            return {}
     for rank in stranded.keys() & inside.keys():
         if not inside[rank]["inside"]:
             # Past its call, on the works it returned (a pipeline's isend/irecv): the
             # release ends that wait too, so it is not a rank that computes.
             c = inside[rank]
             untracked[rank] = f"{c['op']} #{c['seq']}"
-    if gone_of:  # asked only now: the finished ranks are idle, and the verdict is made
-        stranded.update(_paired_calls(client, by_rank, inside, gone_of, paired))
     return stranded
 
 
 def _paired_calls(
-    client, by_rank: dict, inside: dict[int, dict], gone_of: dict[int, list[int]], paired
-) -> dict[int, str]:
-    """{rank: what it waits in} of waiting ranks whose peers, finished, made the same call."""
+    client,
+    by_rank: dict,
+    inside: dict[int, dict],
+    gone_of: dict[int, list[int]],
+    paired,
+    computing: set[int],
+) -> tuple[dict[int, str], set[int]]:
+    """({rank: what it waits in} of waiting ranks whose peers, finished, made the same call,
+    the ranks not stranded after all).
+
+    A finished peer that made the call and returned is no mismatch while another member of
+    it still computes (``computing``: running, not waiting in a call): in a rooted call the
+    others return once their part is sent (``gather``'s senders, while the root waits for a
+    slow one), so the waiting rank is then stranded only by peers that skipped the call.
+    """
     idle = sorted({r for gone in gone_of.values() for r in gone})
     found = ask(client, [by_rank[r] for r in idle], timeout=2.0, light=True)
     last = {w.rank: w.collective for w in found if w.answered and w.collective}
-    said = {}
+    said, cleared = {}, set()
     for rank, gone in gone_of.items():
         c = inside[rank]
         made = [r for r in gone if _returned_from(last.get(r), c)]
         if not made:
+            continue
+        if set(c.get("ranks") or ()) & computing:
+            skipped = [r for r in gone if r not in made]
+            if skipped:
+                what = f"waited in {c['op']} #{c['seq']}"
+                said[rank] = (
+                    f"{what} for {ranks_text(skipped)}, which finished the cell without entering it"
+                )
+            else:
+                cleared.add(rank)
             continue
         if paired is not None:
             paired.add(rank)
@@ -203,7 +231,7 @@ def _paired_calls(
                 f"and for {ranks_text(skipped)}, which finished the cell without entering it"
             )
         said[rank] = "; ".join(parts)
-    return said
+    return said, cleared
 
 
 def _paired_words(call: dict, theirs: dict[int, str | None]) -> str:

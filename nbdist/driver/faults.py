@@ -63,6 +63,9 @@ STRANDED_GRACE_S = 3.0
 # control message per running rank (and, while some ranks finished, a read of the flight
 # recorder, ~20 ms), and a cell may run for hours, or rank 0 evaluate alone for minutes.
 STRANDED_LOOK_MAX_S = 30.0
+# A look that finds ranks stranded is made again this long after it (at least; a second per
+# _ANSWERS_PER_S ranks running), and the ranks are released only if it finds the same.
+STRANDED_CONFIRM_S = 1.0
 # After a release, how many ranks asked again are waited for per second (at least ASK_S).
 _ANSWERS_PER_S = 50
 # A release because ranks died: the words name every rank dead by the time they are read.
@@ -102,6 +105,7 @@ class CellGuard(StoppedRanks):
         # {rank: what it waited in, for whom}: ranks released from a collective that ranks
         # which finished the cell never entered.
         self.stranded: dict[int, str] = {}
+        self._suspected: dict[int, str] = {}  # the last look's stranded ranks, to confirm
         # {rank: 'all_reduce #9'}: a wait found for failed or finished ranks that nbdist's
         # records do not show as inside a call (DDP's, from C++; a pipeline's on its works):
         # named by it, and given release.KNOWN_WAIT_UNWIND_S once released.
@@ -240,18 +244,29 @@ class CellGuard(StoppedRanks):
             self._next_stranded_look = now + self._stranded_interval
             done = {r for r, s in states.items() if s != "running"}
             paired: set[int] = set()
+            untracked = dict(self._untracked_wait)
             stranded = stranded_waits(
                 self.session.client,
                 self._by_rank,
                 running,
                 done,
-                self._untracked_wait,
+                untracked,
                 lasted_s=STRANDED_GRACE_S,
                 paired=paired,
             )
-            if stranded:
-                self.stranded = stranded
-                self.release(run, PAIRED_BUT_DIFFERENT if paired else STRANDED)
+            # A verdict stands when the next look, soon after, finds the same: a collective
+            # under way when a late rank came looks stranded for a moment (at 256 ranks on
+            # 2 cores its ring takes seconds, and the ranks it has freed finish the cell
+            # while the others still wait in it), and the ranks answer one after another.
+            confirmed = {r: w for r, w in stranded.items() if self._suspected.get(r) == w}
+            self._suspected = stranded
+            if stranded and not confirmed:
+                confirm_s = max(STRANDED_CONFIRM_S, len(running) / _ANSWERS_PER_S)
+                self._next_stranded_look = min(self._next_stranded_look, now + confirm_s)
+            elif confirmed:
+                self._untracked_wait = untracked
+                self.stranded = confirmed
+                self.release(run, PAIRED_BUT_DIFFERENT if paired & confirmed.keys() else STRANDED)
 
     def _look_held(self, run) -> None:
         """After a release: end the ranks that a collective they were in then still holds.

@@ -147,6 +147,17 @@ def test_a_collective_some_ranks_skip_is_released_and_one_that_can_end_is_not():
         assert failure.evalue.startswith("waited in all_gather_object #")
         assert "for ranks 1, 2 and 3, which finished the cell" in failure.evalue
 
+        # A gather to rank 0 with rank 2 late, on the group formed again above: ranks 1 and
+        # 3 send their parts, return and finish the cell while the root waits for rank 2
+        # (it was released as a mismatch, "ranks 1 and 3 made gather #1 too and returned").
+        s.run(
+            f"if rank == 2:\n    time.sleep({_LATE_S})\n"
+            "parts = [torch.zeros(1) for _ in range(4)] if rank == 0 else None\n"
+            "dist.gather(torch.ones(1) * kept, parts, dst=0)\n",
+            timeout=120,
+            sink=ListSink(),
+        )
+        assert [t.item() for t in s.pull("parts", rank=0)] == [0.0, 1.0, 2.0, 3.0]
         # Waits that end by themselves, while ranks 2 and 3 have finished: an all_reduce
         # of the pair {0, 1} and a recv from rank 1, each with rank 1 late. (The pair is
         # made here: a group made before a release belongs to the group formed before it.)
