@@ -148,9 +148,7 @@ def stranded_waits(
         gone = sorted(members & idle)
         if gone:
             gone_of[rank] = gone
-            stranded[rank] = (
-                f"{what} for {ranks_text(gone)}, which finished the cell without entering it"
-            )
+            stranded[rank] = f"{what} {_skipped(gone)}"
             continue
         if not members or not members <= inside.keys():
             continue  # some rank it waits for is still computing: it may yet come
@@ -215,10 +213,7 @@ def _paired_calls(
         if set(c.get("ranks") or ()) & computing:
             skipped = [r for r in gone if r not in made]
             if skipped:
-                what = f"waited in {c['op']} #{c['seq']}"
-                said[rank] = (
-                    f"{what} for {ranks_text(skipped)}, which finished the cell without entering it"
-                )
+                said[rank] = f"waited in {c['op']} #{c['seq']} {_skipped(skipped)}"
             else:
                 cleared.add(rank)
             continue
@@ -227,11 +222,14 @@ def _paired_calls(
         parts = [_paired_words(c, {r: last[r].get("tensor") for r in made})]
         skipped = [r for r in gone if r not in made]
         if skipped:
-            parts.append(
-                f"and for {ranks_text(skipped)}, which finished the cell without entering it"
-            )
+            parts.append(f"and {_skipped(skipped)}")
         said[rank] = "; ".join(parts)
     return said, cleared
+
+
+def _skipped(ranks: list[int]) -> str:
+    """'for ranks 2 and 3, which finished the cell without entering it'."""
+    return f"for {ranks_text(ranks)}, which finished the cell without entering it"
 
 
 def _paired_words(call: dict, theirs: dict[int, str | None]) -> str:

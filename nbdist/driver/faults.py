@@ -66,7 +66,8 @@ STRANDED_LOOK_MAX_S = 30.0
 # A look that finds ranks stranded is made again this long after it (at least; a second per
 # _ANSWERS_PER_S ranks running), and the ranks are released only if it finds the same.
 STRANDED_CONFIRM_S = 1.0
-# After a release, how many ranks asked again are waited for per second (at least ASK_S).
+# How many ranks' answers are waited for per second: after a release, those asked again (at
+# least ASK_S); a stranded look's second look comes no sooner (at least STRANDED_CONFIRM_S).
 _ANSWERS_PER_S = 50
 # A release because ranks died: the words name every rank dead by the time they are read.
 _DIED = object()
